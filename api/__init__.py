@@ -1,0 +1,1 @@
+"""The FastAPI control plane (built by the control-plane issue)."""

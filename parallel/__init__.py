@@ -1,0 +1,1 @@
+"""The distribution engine: meshes, placements, stages, schedules, FSDP. Knows nothing of training loops."""

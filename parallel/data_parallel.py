@@ -1,0 +1,79 @@
+"""Data parallelism: DDP (``replicate``), FSDP2 (ZeRO-3 / ZeRO-2) and HSDP, all on FSDP2's
+per-parameter DTensor machinery.
+
+    apply_data_parallel(model, mesh, mode="fsdp", dim_names=["dp"], block_fqns=["layers.0", "layers.1"])
+
+* ``ddp``   -> ``torch.distributed._composable.replicate_with_fsdp.replicate`` on the dp axis:
+  parameters become ``Replicate`` DTensors, gradients are all-reduced (averaged) in backward.
+  This is the composable DDP that ``PipelineStage`` knows how to drive (it is an
+  ``FSDPModule``), unlike the older hook-based ``_composable.replicate``.
+* ``fsdp``  -> ``fully_shard`` on every block, then on the root, ``reshard_after_forward=True``
+  (ZeRO-3: parameters gathered per block in forward and again in backward).
+* ``zero2`` -> the same with ``reshard_after_forward=False`` (parameters stay gathered from
+  forward to backward; gradients and optimizer state are sharded).
+* ``hsdp``  -> ``fully_shard`` over the 2-D (replicate, shard) sub-mesh.
+
+With tensor parallelism the parameters are already DTensors on the tp axis; ``fully_shard``
+over the dp sub-mesh of the same parent mesh makes them 2-D (FSDP2 supports this). Every
+mode averages gradients over dp, so with each rank's loss the mean over its local batch the
+gradient equals the single-device gradient of the global-batch mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from parallel.mesh import submesh
+
+DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
+
+
+def apply_data_parallel(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mode: DataParallelMode,
+    dim_names: Sequence[str],
+    block_fqns: Sequence[str] = (),
+    pipelined: bool = False,
+) -> nn.Module:
+    """Wrap ``module`` (the model or one pipeline stage) for data parallelism over the mesh
+    axes ``dim_names``; returns it (modified in place).
+
+    Args:
+        mode: ``ddp`` | ``fsdp`` | ``zero2`` | ``hsdp``.
+        dim_names: the dp axes; ``hsdp`` takes two, ``[replicate_axis, shard_axis]``.
+        block_fqns: submodules sharded as their own FSDP units (e.g. ``["layers.0", ...]``),
+            so parameters are gathered one block at a time; those absent from ``module``
+            (another pipeline stage holds them) are skipped.
+        pipelined: ``module`` is a pipeline stage run once per micro-batch. FSDP then keeps
+            parameters gathered after forward (as torchtitan does): resharding would
+            all-gather them again for every micro-batch. Gradients stay sharded.
+    """
+    dim_names = list(dim_names)
+    if mode == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate(module, mesh=submesh(mesh, dim_names))
+    if mode == "hsdp":
+        if len(dim_names) != 2:
+            raise ValueError(f"hsdp needs two mesh axes [replicate, shard], got {dim_names}")
+        dp_mesh = mesh[tuple(dim_names)]
+    elif mode in ("fsdp", "zero2"):
+        dp_mesh = submesh(mesh, dim_names)
+    else:
+        raise ValueError(f"unknown data-parallel mode {mode!r}; use ddp, fsdp, zero2 or hsdp")
+    reshard = mode != "zero2" and not pipelined
+    modules = dict(module.named_modules())
+    for fqn in block_fqns:
+        if fqn in modules:
+            fully_shard(modules[fqn], mesh=dp_mesh, reshard_after_forward=reshard)
+    # The root's parameters (embeddings, final norm, head) are needed again right at the start
+    # of backward: keeping them gathered saves an all-gather for nothing.
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+    return module

@@ -1,0 +1,307 @@
+"""The orchestrator: one call turns a full, initialised model into this rank's share of it.
+
+    pm = parallelize(model, mesh_shape=(2, 2, 2), dims=["dp", "pp", "tp"],
+                     data_parallel=cfg.parallel.data_parallel, pipeline=cfg.parallel.pipeline,
+                     placements=cfg.parallel.placements, layouts=cfg.parallel.layouts)
+    loss = pm.forward_backward(inputs, targets, loss_fn)     # this rank's dp share of the batch
+    grad_norm = pm.clip_grad_norm_(1.0)
+    optimizer.step(); optimizer.zero_grad()
+    print(pm.reduce_loss(loss))                               # the global mean, on every rank
+
+Order of application, as torchtitan does it: split into pipeline stages -> tensor parallel
+(placements, layouts) -> activation checkpointing -> data parallel. The model must be built
+and initialised in full on every rank first; because the initial values depend only on
+(seed, FQN), splitting and sharding then keeps every value identical to one device.
+
+With one device (``mesh_shape=(1,)``) there is no mesh and ``forward_backward`` is a plain
+forward and backward, so the training loop is the same code for every mesh.
+
+The config sections are taken duck-typed (attributes ``dim``/``mode`` of the data-parallel
+section; ``dim``/``schedule``/``microbatches``/``stages_per_rank``/``boundaries`` of the
+pipeline section), or as plain dicts: this package does not import the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from parallel.activation_checkpointing import apply_ac
+from parallel.data_parallel import apply_data_parallel
+from parallel.mesh import axis_rank, axis_size, build_mesh, submesh
+from parallel.pipeline import build_schedule, pipeline_units, split_stages
+from parallel.tensor_parallel import apply_placements
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _field(section: Any, name: str, default: Any = None) -> Any:
+    if section is None:
+        return default
+    if isinstance(section, Mapping):
+        return section.get(name, default)
+    return getattr(section, name, default)
+
+
+def _names(dim: str | Sequence[str]) -> list[str]:
+    return [dim] if isinstance(dim, str) else list(dim)
+
+
+class ParallelModel:
+    """This rank's part of a parallelised model and the operations a training loop needs.
+
+    Attributes:
+        model_parts: this rank's stage modules (the whole model when there is no pipeline).
+        mesh: the device mesh, or ``None`` on one device.
+        dp_rank, dp_size: this rank's data-parallel coordinate and the dp degree: the data
+            loader gives each dp rank its share; tp and pp ranks of one replica get the same.
+        is_last_stage: whether this rank computes the loss (always true without a pipeline).
+        placement_report: ``{module FQN: style}`` from tensor parallelism, per stage.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_parts: list[nn.Module],
+        mesh: DeviceMesh | None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        stage_indices: Sequence[int] = (0,),
+        num_stages: int = 1,
+        pipeline: Any = None,
+        device: torch.device | str = "cpu",
+        placement_report: dict[str, str] | None = None,
+    ) -> None:
+        self.model_parts = model_parts
+        self.mesh = mesh
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.stage_indices = list(stage_indices)
+        self.num_stages = num_stages
+        self.is_first_stage = 0 in self.stage_indices
+        self.is_last_stage = num_stages - 1 in self.stage_indices
+        self.placement_report = placement_report or {}
+        self._pipeline = pipeline
+        self._device = torch.device(device)
+        self._schedule = None
+        self._loss_fn: LossFn | None = None
+        self._loss_scale = 1.0
+        self.pp_size = axis_size(mesh, _field(pipeline, "dim", "pp")) if pipeline is not None else 1
+
+    # -- training step -------------------------------------------------------------
+
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, loss_scale: float = 1.0
+    ) -> torch.Tensor | None:
+        """Forward and backward over this rank's dp share of an (accumulation) batch.
+
+        Backpropagates ``mean loss * loss_scale`` (gradients accumulate into ``.grad``; use
+        ``loss_scale = 1 / grad_accum`` for accumulation). With a pipeline, runs the schedule
+        over ``microbatches`` micro-batches; ``inputs`` matter only on the first stage's ranks
+        and ``targets`` only on the last's. Returns the detached, unscaled mean loss on ranks
+        holding the last stage, else ``None``.
+        """
+        if self._pipeline is None:
+            (model,) = self.model_parts
+            loss = loss_fn(model(inputs), targets)
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            return loss.detach()
+        self._loss_fn, self._loss_scale = loss_fn, loss_scale
+        if self._schedule is None:
+            self._schedule = build_schedule(
+                list(zip(self.stage_indices, self.model_parts)),
+                schedule=_field(self._pipeline, "schedule"),
+                microbatches=_field(self._pipeline, "microbatches"),
+                loss_fn=self._scaled_loss,
+                num_stages=self.num_stages,
+                pp_group=self.mesh.get_group(_field(self._pipeline, "dim")),
+                device=self._device,
+            )
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first_stage else ()
+        target = targets if self.is_last_stage else None
+        self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if not self.is_last_stage:
+            return None
+        # Micro-batches are equal slices, so the batch mean is the mean of their means.
+        return torch.stack([loss.detach() for loss in losses]).mean() / loss_scale
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # The schedule holds this function; the user's loss and scale are set per call.
+        loss = self._loss_fn(output, target)
+        return loss * self._loss_scale if self._loss_scale != 1.0 else loss
+
+    # -- parameters and gradients ----------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (DTensors where sharded), each once."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(FQN, parameter)`` over all of this rank's stages; FQNs are the full model's."""
+        seen: set[int] = set()
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        for part in self.model_parts:
+            part.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        return self.train(False)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float | None) -> float:
+        """The global L2 norm of all gradients (over every rank, stage and shard); if
+        ``max_norm`` is given, scales the gradients as ``torch.nn.utils.clip_grad_norm_`` would.
+
+        Each rank adds its local squared norms, divided by how many ranks hold the same
+        values (the replicas of a shard), and one all-reduce over the world sums them.
+        """
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        holders = (self.mesh.size() // self.pp_size) if self.mesh is not None else 1
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        for g in grads:
+            if isinstance(g, DTensor):
+                if any(isinstance(pl, Partial) for pl in g.placements):
+                    g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+                local = g.to_local()
+            else:
+                shards, local = 1, g
+            total += local.double().square().sum() / (holders // shards)
+        if self.mesh is not None:
+            dist.all_reduce(total)
+        norm = float(total.sqrt())
+        if max_norm is not None:
+            # Same arithmetic as torch.nn.utils.clip_grad_norm_ (so one device matches exactly).
+            coef = torch.clamp(torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+        return norm
+
+    def reduce_loss(self, loss: torch.Tensor | None) -> float:
+        """The global mean loss, identical on every rank: the mean over dp replicas of the
+        loss held by the last stage's ranks (``None`` elsewhere)."""
+        if self.mesh is None:
+            return float(loss)
+        value = torch.tensor([0.0 if loss is None else float(loss)], dtype=torch.float64)
+        dist.all_reduce(value)
+        # Every rank of the last stage holds a loss: dp replicas differ, tp ranks repeat them.
+        return float(value) / (self.mesh.size() // self.pp_size)
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    mesh_shape: Sequence[int],
+    dims: Sequence[str],
+    rank_ids: Sequence | None = None,
+    data_parallel: Any = None,
+    pipeline: Any = None,
+    placements: Mapping[str, Mapping[str, Any]] | None = None,
+    layouts: Mapping[str, Any] | None = None,
+    activation_checkpointing: str = "none",
+    activation_checkpointing_every: int = 2,
+    device_type: str = "cpu",
+    example_inputs: torch.Tensor | None = None,
+) -> ParallelModel:
+    """Spread the full, initialised ``model`` over the mesh; returns this rank's :class:`ParallelModel`.
+
+    Args:
+        model: the whole model on CPU, initialised (identically on every rank).
+        mesh_shape, dims: axis sizes (outermost first) and names; ``(1,)`` means one device.
+        rank_ids: optional nested explicit rank ids shaped like ``mesh_shape``.
+        data_parallel: section with ``dim`` (axis or list of axes) and ``mode``; ``None`` = none.
+        pipeline: section with ``dim``, ``schedule``, ``microbatches``, ``stages_per_rank``,
+            ``boundaries``; ``None`` = no pipeline.
+        placements: parameter-FQN glob -> ``{axis: placement}``.
+        layouts: module-FQN glob -> ``input``/``output`` ``{axis: placement}``.
+        activation_checkpointing, activation_checkpointing_every: ``none|full|selective``, n.
+        device_type: ``cpu`` or ``cuda``; the model is moved there.
+        example_inputs: unused; kept so callers written for static stage shapes still work
+            (``PipelineStage`` infers shapes at run time in torch >= 2.13).
+    """
+    del example_inputs
+    placements, layouts = dict(placements or {}), dict(layouts or {})
+    device = torch.device(device_type) if device_type != "cuda" else torch.device("cuda", torch.cuda.current_device())
+    units = pipeline_units(model)
+    block_fqns = [u for u in units if "." in u]
+    world = math.prod(int(s) for s in mesh_shape)
+    if world == 1:
+        model.to(device)
+        apply_ac(model, mode=activation_checkpointing, every=activation_checkpointing_every, block_fqns=block_fqns)
+        return ParallelModel(model_parts=[model], mesh=None, device=device)
+
+    _check_globs(model, placements, layouts)
+    mesh = build_mesh(mesh_shape, dims, rank_ids=rank_ids, device_type=device_type)
+    if dist.get_world_size() != mesh.size():
+        raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}")
+
+    if pipeline is not None:
+        pp_dim = _field(pipeline, "dim", "pp")
+        pp_size = axis_size(mesh, pp_dim)
+        num_stages = pp_size * _field(pipeline, "stages_per_rank", 1)
+        stages = split_stages(
+            model,
+            boundaries=_field(pipeline, "boundaries", "auto"),
+            num_stages=num_stages,
+            units=units,
+            pp_rank=mesh.get_local_rank(pp_dim),
+            pp_size=pp_size,
+            schedule=_field(pipeline, "schedule", "1F1B"),
+        )
+    else:
+        num_stages, stages = 1, [(0, model)]
+
+    report: dict[str, str] = {}
+    dp_names = _names(_field(data_parallel, "dim", "dp")) if data_parallel is not None else []
+    for index, part in stages:
+        part.to(device)
+        if placements or layouts:
+            for name, style in apply_placements(part, mesh, placements=placements, layouts=layouts, strict=False).items():
+                report[name] = style
+        apply_ac(part, mode=activation_checkpointing, every=activation_checkpointing_every, block_fqns=block_fqns)
+        if data_parallel is not None:
+            apply_data_parallel(
+                part, mesh, mode=_field(data_parallel, "mode", "fsdp"), dim_names=dp_names,
+                block_fqns=block_fqns, pipelined=pipeline is not None,
+            )
+    return ParallelModel(
+        model_parts=[part for _, part in stages],
+        mesh=mesh,
+        dp_rank=axis_rank(mesh, dp_names),
+        dp_size=axis_size(mesh, dp_names),
+        stage_indices=[index for index, _ in stages],
+        num_stages=num_stages,
+        pipeline=pipeline,
+        device=device,
+        placement_report=report,
+    )
+
+
+def _check_globs(model: nn.Module, placements: Mapping[str, Any], layouts: Mapping[str, Any]) -> None:
+    """Globs are checked on the full model: a pipeline stage legitimately lacks most names."""
+    params = [n for n, _ in model.named_parameters()]
+    modules = [n for n, _ in model.named_modules() if n]
+    for glob in placements:
+        if not any(fnmatchcase(n, glob) for n in params):
+            raise ValueError(f"placements[{glob!r}] matches no parameter; parameters look like {params[:4]}")
+    for glob in layouts:
+        if not any(fnmatchcase(n, glob) for n in modules):
+            raise ValueError(f"layouts[{glob!r}] matches no module; modules look like {modules[:4]}")
+
+
+__all__ = ["ParallelModel", "parallelize", "submesh"]

@@ -1,0 +1,89 @@
+"""Device meshes: the named axes every other part of the engine refers to.
+
+A mesh is given by its shape, outermost axis first, and one name per axis (``dims``). The
+ranks are laid out row-major over the world unless explicit nested rank ids are given, as in
+PaddlePaddle's ``ProcessMesh([[2, 4, 5], [0, 1, 3]])``::
+
+    mesh = build_mesh((2, 2, 2), ("dp", "pp", "tp"))          # ranks 0..7 row-major
+    mesh = build_mesh((2, 3), ("x", "y"), rank_ids=[[2, 4, 5], [0, 1, 3]])
+    tp_mesh = submesh(mesh, ["tp"])                             # 1-D, for parallelize_module
+    dp_mesh = submesh(mesh, ["dp_replicate", "dp_shard"])       # several axes -> one flattened axis
+
+Every rank of the default process group must call these (DeviceMesh creates its subgroups
+collectively), including ranks outside an explicit ``rank_ids`` mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def build_mesh(
+    mesh_shape: Sequence[int],
+    dim_names: Sequence[str],
+    *,
+    rank_ids: Sequence | None = None,
+    device_type: str = "cpu",
+) -> DeviceMesh:
+    """The ``DeviceMesh`` of ``mesh_shape`` with axes named ``dim_names``.
+
+    Args:
+        mesh_shape: axis sizes, outermost first; their product is the number of ranks.
+        dim_names: one unique name per axis.
+        rank_ids: optional nested list of global ranks shaped like ``mesh_shape``
+            (e.g. ``[[2, 4, 5], [0, 1, 3]]``); default row-major ``0 .. n-1``.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+    """
+    mesh_shape, dim_names = tuple(int(s) for s in mesh_shape), tuple(dim_names)
+    if len(mesh_shape) != len(dim_names):
+        raise ValueError(f"mesh shape {list(mesh_shape)} has {len(mesh_shape)} axes but {len(dim_names)} names {list(dim_names)}")
+    if len(set(dim_names)) != len(dim_names):
+        raise ValueError(f"mesh axis names must be unique, got {list(dim_names)}")
+    if rank_ids is None:
+        return init_device_mesh(device_type, mesh_shape, mesh_dim_names=dim_names)
+    ids = torch.tensor(rank_ids, dtype=torch.int)
+    if tuple(ids.shape) != mesh_shape:
+        raise ValueError(f"rank ids of shape {list(ids.shape)} do not match the mesh shape {list(mesh_shape)}")
+    if sorted(ids.flatten().tolist()) != sorted(set(ids.flatten().tolist())):
+        raise ValueError(f"rank ids {rank_ids} repeat a rank")
+    return DeviceMesh(device_type, ids, mesh_dim_names=dim_names)
+
+
+def submesh(mesh: DeviceMesh, names: str | Sequence[str]) -> DeviceMesh:
+    """The sub-mesh over the axes ``names``: ``mesh[name]`` for one axis; for several, those
+    axes flattened into one (e.g. HSDP's ``("dp_replicate", "dp_shard")`` as one dp group)."""
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in (mesh.mesh_dim_names or ())]
+    if unknown:
+        raise ValueError(f"mesh has no axis {unknown}; its axes are {list(mesh.mesh_dim_names or ())}")
+    if list(mesh.mesh_dim_names) == names and mesh.ndim == 1:
+        return mesh
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[tuple(names)]._flatten("_".join(names))
+
+
+def axis_size(mesh: DeviceMesh | None, names: str | Sequence[str]) -> int:
+    """Product of the sizes of the axes ``names`` (absent axes count 1)."""
+    if mesh is None:
+        return 1
+    names = [names] if isinstance(names, str) else list(names)
+    dims = list(mesh.mesh_dim_names or ())
+    return math.prod(mesh.size(dims.index(n)) for n in names if n in dims)
+
+
+def axis_rank(mesh: DeviceMesh | None, names: str | Sequence[str]) -> int:
+    """This rank's row-major coordinate over the axes ``names`` (0 when absent)."""
+    if mesh is None:
+        return 0
+    names = [names] if isinstance(names, str) else list(names)
+    dims = list(mesh.mesh_dim_names or ())
+    rank = 0
+    for n in names:
+        if n in dims:
+            rank = rank * mesh.size(dims.index(n)) + mesh.get_local_rank(n)
+    return rank

@@ -1,0 +1,370 @@
+"""Tensor (and sequence) parallelism from per-parameter placements.
+
+The config names a placement per parameter and mesh axis (``{"layers.*.attn.wq.weight":
+{"tp": Shard(0)}}``); :func:`apply_placements` turns those into torch's machinery, choosing
+the efficient form where it recognises one:
+
+* **Megatron pairs.** Inside one parent module, ``nn.Linear`` weights that are ``Shard(0)``
+  (column parallel: ``[out, in]`` split by rows) and ``Shard(1)`` (row parallel) on the same
+  single axis get ``ColwiseParallel`` / ``RowwiseParallel`` on that axis's 1-D mesh: no
+  communication between them, one all-reduce at the row-parallel output.
+* **Sequence parallel.** A ``layouts`` entry giving a module (a norm) the input ``Shard(d)``
+  on that axis makes it ``SequenceParallel``: the residual stream of its parent block is kept
+  as sequence shards, the row-parallel outputs reduce-scatter into them, and the norm's
+  output is all-gathered once before the column-parallel projections. The first block of a
+  run of consecutive such blocks scatters its input, the last gathers its output, so whatever
+  follows (the final norm, the output head, the next pipeline stage) sees ordinary
+  replicated tensors.
+* **Everything else** (the seeds' raw ``w0: Shard(1)`` / ``w1: Shard(0)``, a lone shard,
+  placements over two axes = 2-D TP) becomes DTensor parameters on the sub-mesh of the axes
+  named, via ``distribute_module``: inputs enter as ``Replicate`` DTensors (or per
+  ``layouts``), DTensor's sharding propagation inserts the redistributions, and outputs
+  leave as plain replicated tensors (or stay DTensors if ``layouts`` asks, e.g. ``Partial``).
+
+    report = apply_placements(model, mesh, placements={"w0": {"tp": Shard(1)}, "w1": {"tp": Shard(0)}})
+    # {"": "dtensor"}
+
+Parameter values are taken from the (already initialised, identical on every rank) full
+tensors: each rank keeps its slice, nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+from parallel.mesh import submesh
+from parallel.placements import PlacementSpec, parse_placement
+
+AxisPlacements = Mapping[str, PlacementSpec | str]
+
+
+def apply_placements(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    placements: Mapping[str, AxisPlacements],
+    layouts: Mapping[str, Any] | None = None,
+    strict: bool = True,
+) -> dict[str, str]:
+    """Shard ``module``'s parameters over ``mesh`` as ``placements`` says; returns
+    ``{module FQN: style}`` (``colwise``, ``rowwise``, ``sequence_parallel``, ``dtensor``).
+
+    Args:
+        module: the model (or a pipeline stage of it), parameters plain and initialised.
+        mesh: the full device mesh; axes are referred to by name.
+        placements: parameter-FQN glob (``fnmatchcase``) -> ``{axis: placement}``; axes not
+            named are ``Replicate``.
+        layouts: module-FQN glob -> object or dict with ``input`` / ``output`` ``{axis:
+            placement}`` (sequence parallel, a ``Partial`` output).
+        strict: raise ``ValueError`` for a glob that matches nothing. A pipeline stage holds
+            only part of the model, so the engine checks globs on the full model and passes
+            ``strict=False`` per stage.
+    """
+    layouts = dict(layouts or {})
+    axes = list(mesh.mesh_dim_names or ())
+    specs = _resolve_placements(module, placements, axes, strict=strict)
+    modules = dict(module.named_modules())
+    report: dict[str, str] = {}
+
+    col, row = _megatron_pairs(modules, specs)
+    sp_norms = _sequence_parallel_norms(modules, specs, layouts, axes, strict=strict)
+    claimed = set(col) | set(row) | set(sp_norms)
+
+    # Rows inside a sequence-parallel block reduce-scatter into the sharded residual stream.
+    sp_blocks = {_block_of(name): (axis, dim) for name, (axis, dim) in sp_norms.items()}
+    for name, axis in col.items():
+        parallelize_module(modules[name], submesh(mesh, axis), ColwiseParallel())
+        report[name] = "colwise"
+    for name, axis in row.items():
+        seq = _enclosing(sp_blocks, name)
+        out = Shard(seq[1]) if seq is not None and seq[0] == axis else Replicate()
+        parallelize_module(modules[name], submesh(mesh, axis), RowwiseParallel(output_layouts=out))
+        report[name] = "rowwise"
+    for name, (axis, dim) in sp_norms.items():
+        keep_dtensor = any(col.get(c) == axis for c in col if _is_within(c, _block_of(name)))
+        _sequence_parallel(modules[name], submesh(mesh, axis), dim=dim, keep_dtensor=keep_dtensor)
+        report[name] = "sequence_parallel"
+    _scatter_gather_runs(modules, sp_blocks, mesh)
+
+    # The rest: DTensor parameters on the sub-mesh of the axes they name.
+    owners: dict[str, dict[str, dict[str, PlacementSpec]]] = {}
+    for fqn, axis_specs in specs.items():
+        owner, _, pname = fqn.rpartition(".")
+        if owner in claimed or not _sharded_axes(axis_specs):
+            continue
+        owners.setdefault(owner, {})[pname] = axis_specs
+    for owner, param_specs in owners.items():
+        owner_axes = [a for a in axes if any(a in _sharded_axes(s) for s in param_specs.values())]
+        layout = _layout_for(owner, layouts)
+        _distribute_owner(modules[owner], mesh, owner_axes, param_specs, layout)
+        report[owner] = "dtensor"
+
+    # A layout on a module we did nothing for would silently be ignored: say so.
+    handled = set(sp_norms) | set(owners)
+    for glob, layout in layouts.items():
+        names = [n for n in modules if fnmatchcase(n, glob)]
+        for name in names:
+            if name not in handled and _non_replicate(_layout_field(layout, "input")) | _non_replicate(
+                _layout_field(layout, "output")
+            ):
+                raise ValueError(
+                    f"layouts[{glob!r}] on {name}: only a Shard input of a norm-like module (sequence parallel) "
+                    "or the input/output of a module with DTensor-placed parameters is supported"
+                )
+    return report
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _resolve_placements(
+    module: nn.Module, placements: Mapping[str, AxisPlacements], axes: list[str], *, strict: bool
+) -> dict[str, dict[str, PlacementSpec]]:
+    """``{param FQN: {axis: PlacementSpec}}`` for every parameter a glob matches."""
+    params = [name for name, _ in module.named_parameters()]
+    specs: dict[str, dict[str, PlacementSpec]] = {}
+    for glob, axis_map in placements.items():
+        matched = [fqn for fqn in params if fnmatchcase(fqn, glob)]
+        if not matched and strict:
+            raise ValueError(f"placements[{glob!r}] matches no parameter; parameters look like {params[:4]}")
+        parsed = {axis: parse_placement(p) for axis, p in dict(axis_map).items()}
+        for axis, p in parsed.items():
+            if axis not in axes:
+                raise ValueError(f"placements[{glob!r}] names axis {axis!r}; the mesh axes are {axes}")
+            if p.kind == "partial":
+                raise ValueError(f"placements[{glob!r}].{axis}: a parameter cannot be Partial (only activations)")
+        for fqn in matched:
+            if fqn in specs:
+                raise ValueError(f"parameter {fqn} is matched by more than one placements glob")
+            specs[fqn] = parsed
+    return specs
+
+
+def _sharded_axes(axis_specs: Mapping[str, PlacementSpec]) -> dict[str, PlacementSpec]:
+    return {a: p for a, p in axis_specs.items() if p.kind != "replicate"}
+
+
+def _layout_field(layout: Any, field: str) -> dict[str, PlacementSpec]:
+    value = layout.get(field) if isinstance(layout, Mapping) else getattr(layout, field, None)
+    return {a: parse_placement(p) for a, p in dict(value or {}).items()}
+
+
+def _non_replicate(axis_specs: Mapping[str, PlacementSpec]) -> set[str]:
+    return {a for a, p in axis_specs.items() if p.kind != "replicate"}
+
+
+def _layout_for(name: str, layouts: Mapping[str, Any]) -> Any:
+    matches = [layout for glob, layout in layouts.items() if fnmatchcase(name, glob)]
+    if len(matches) > 1:
+        raise ValueError(f"module {name} is matched by more than one layouts glob")
+    return matches[0] if matches else None
+
+
+def _block_of(name: str) -> str:
+    """The block a sequence-parallel norm belongs to: its parent, or itself at top level."""
+    parent = name.rpartition(".")[0]
+    return parent if parent else name
+
+
+def _is_within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _enclosing(blocks: Mapping[str, Any], name: str) -> Any:
+    for block, value in blocks.items():
+        if _is_within(name, block):
+            return value
+    return None
+
+
+# ------------------------------------------------------------------------ classification
+
+
+def _megatron_pairs(
+    modules: Mapping[str, nn.Module], specs: Mapping[str, Mapping[str, PlacementSpec]]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Column- and row-parallel ``nn.Linear`` modules ``{name: axis}``: a parent module holding
+    at least one of each on the same single axis. Lone shards fall through to DTensor."""
+    candidates: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for name, mod in modules.items():
+        if not isinstance(mod, nn.Linear) or f"{name}.weight" not in specs:
+            continue
+        sharded = _sharded_axes(specs[f"{name}.weight"])
+        bias = specs.get(f"{name}.bias", {})
+        if len(sharded) != 1:
+            continue
+        (axis, p), = sharded.items()
+        dim = p.dim % 2  # a Linear weight is 2-D: Shard(-1) is Shard(1)
+        # The styles shard the bias themselves (column: Shard(0), row: Replicate); a config
+        # asking for something else is honoured by the DTensor path instead.
+        if mod.bias is not None:
+            bias = {a: repr(q) for a, q in _sharded_axes(specs.get(f"{name}.bias", {})).items()}
+            if bias != ({axis: "Shard(0)"} if dim == 0 else {}):
+                continue
+        kind = "col" if dim == 0 else "row"
+        candidates.setdefault((name.rpartition(".")[0], axis), {"col": [], "row": []})[kind].append(name)
+    col: dict[str, str] = {}
+    row: dict[str, str] = {}
+    for (_, axis), kinds in candidates.items():
+        if kinds["col"] and kinds["row"]:
+            col.update({n: axis for n in kinds["col"]})
+            row.update({n: axis for n in kinds["row"]})
+    return col, row
+
+
+def _sequence_parallel_norms(
+    modules: Mapping[str, nn.Module],
+    specs: Mapping[str, Mapping[str, PlacementSpec]],
+    layouts: Mapping[str, Any],
+    axes: list[str],
+    *,
+    strict: bool,
+) -> dict[str, tuple[str, int]]:
+    """Modules whose layout input is ``Shard(d)`` on one axis and whose own parameters are not
+    sharded (norms): ``{name: (axis, sequence dim)}``."""
+    found: dict[str, tuple[str, int]] = {}
+    for glob, layout in layouts.items():
+        names = [n for n in modules if fnmatchcase(n, glob)]
+        if not names and strict:
+            raise ValueError(f"layouts[{glob!r}] matches no module")
+        inputs = _sharded_axes(_layout_field(layout, "input"))
+        outputs = _non_replicate(_layout_field(layout, "output"))
+        if len(inputs) != 1 or outputs:
+            continue
+        (axis, p), = inputs.items()
+        if axis not in axes:
+            raise ValueError(f"layouts[{glob!r}] names axis {axis!r}; the mesh axes are {axes}")
+        if p.kind != "shard":
+            continue
+        for name in names:
+            own = [f for f in specs if f.startswith(name + ".") and _sharded_axes(specs[f])]
+            if not own:
+                found[name] = (axis, p.dim)
+    return found
+
+
+# --------------------------------------------------------------------------- application
+
+
+def _sequence_parallel(norm: nn.Module, mesh: DeviceMesh, *, dim: int, keep_dtensor: bool) -> None:
+    """``SequenceParallel`` on ``norm``, then one all-gather of its output along the sequence.
+
+    Gathering here (not in each column-parallel projection) costs one all-gather per norm in
+    forward and one reduce-scatter in backward. The output stays a ``Replicate`` DTensor when
+    column-parallel projections consume it, so their input gradients (``Partial``) add up as
+    DTensors and are reduce-scattered once.
+    """
+    parallelize_module(norm, mesh, SequenceParallel(sequence_dim=dim))
+
+    def gather(_mod: nn.Module, _inputs: Any, output: DTensor) -> torch.Tensor:
+        full = output.redistribute(mesh, [Replicate()])
+        return full if keep_dtensor else full.to_local()
+
+    norm.register_forward_hook(gather)
+
+
+def _scatter_gather_runs(modules: Mapping[str, nn.Module], sp_blocks: Mapping[str, tuple[str, int]],
+                         mesh: DeviceMesh) -> None:
+    """Keep the residual stream sequence-sharded across runs of consecutive sequence-parallel
+    blocks: the first block of a run slices its input (no communication), the last one
+    all-gathers its output."""
+    by_parent: dict[str, list[str]] = {}
+    for block in sp_blocks:
+        by_parent.setdefault(block.rpartition(".")[0], []).append(block)
+    for parent, blocks in by_parent.items():
+        prefix = f"{parent}." if parent else ""
+        position = {f"{prefix}{child}": i for i, (child, _) in enumerate(modules[parent].named_children())}
+        blocks.sort(key=position.__getitem__)
+        runs: list[list[str]] = []
+        for block in blocks:
+            last = runs[-1][-1] if runs else None
+            if last is not None and position[block] == position[last] + 1 and sp_blocks[block] == sp_blocks[last]:
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        for run in runs:
+            axis, dim = sp_blocks[run[0]]
+            _scatter_input(modules[run[0]], submesh(mesh, axis), dim)
+            _gather_output(modules[run[-1]], submesh(mesh, axis), dim)
+
+
+def _scatter_input(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
+    def scatter(_mod: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, DTensor):
+            shard = x.redistribute(mesh, [Shard(dim)]).to_local()
+        else:
+            shard = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
+        return (shard, *args[1:])
+
+    # prepend: runs before SequenceParallel's own input hook when the block is the norm itself.
+    module.register_forward_pre_hook(scatter, prepend=True)
+
+
+def _gather_output(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
+    def gather(_mod: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, DTensor):
+            return output.redistribute(mesh, [Replicate()]).to_local()
+        return DTensor.from_local(output, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    module.register_forward_hook(gather)
+
+
+def _distribute_owner(
+    owner: nn.Module,
+    mesh: DeviceMesh,
+    owner_axes: list[str],
+    param_specs: Mapping[str, Mapping[str, PlacementSpec]],
+    layout: Any,
+) -> None:
+    """Make every parameter under ``owner`` a DTensor on the sub-mesh of ``owner_axes`` (the
+    unnamed ones ``Replicate``, so no plain tensor meets a DTensor in ``forward``)."""
+    sub = mesh if list(mesh.mesh_dim_names) == owner_axes else mesh[tuple(owner_axes)]
+
+    def placements_over(axis_specs: Mapping[str, PlacementSpec]) -> list:
+        return [axis_specs.get(a, PlacementSpec("replicate")).to_torch() for a in owner_axes]
+
+    def partition(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, param in list(mod.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            spec = param_specs.get(pname, {}) if mod is owner else {}
+            dt = distribute_tensor(param.detach(), device_mesh, placements_over(spec), src_data_rank=None)
+            mod.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    in_placements = placements_over(_layout_field(layout, "input")) if layout is not None else [Replicate()] * len(owner_axes)
+    out_spec = _layout_field(layout, "output") if layout is not None else {}
+    out_placements = placements_over(out_spec)
+    keep_dtensor = bool(_non_replicate(out_spec))
+
+    def to_dtensor(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, sub, in_placements, run_check=False)
+        return x
+
+    def input_fn(_mod: nn.Module, inputs: tuple, _mesh: DeviceMesh) -> tuple:
+        return tuple(to_dtensor(x) for x in inputs)
+
+    def from_dtensor(y: Any) -> Any:
+        if not isinstance(y, DTensor):
+            return y
+        y = y.redistribute(sub, out_placements)
+        return y if keep_dtensor else y.to_local()
+
+    def output_fn(_mod: nn.Module, outputs: Any, _mesh: DeviceMesh) -> Any:
+        if isinstance(outputs, tuple):
+            return tuple(from_dtensor(y) for y in outputs)
+        return from_dtensor(outputs)
+
+    distribute_module(owner, sub, partition, input_fn, output_fn)
+
+
+__all__ = ["apply_placements"]

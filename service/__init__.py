@@ -1,0 +1,1 @@
+"""Job orchestration without HTTP: job store, queue, runner (built by the control-plane issue)."""

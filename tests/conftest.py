@@ -1,0 +1,30 @@
+"""Shared fixtures: compose configs the way the CLI does, and run the trainer in-process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def compose():
+    from trainer.compose import compose_dict
+    from trainer.validate import validate_config
+
+    def _compose(*overrides: str):
+        return validate_config(compose_dict(list(overrides)))
+
+    return _compose
+
+
+def run_cli(args: list[str], *, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m trainer <args>`` in ``cwd``, as a user would type it."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,1 @@
+"""Meshflow trainer: compose -> validate -> launch workers -> train. Run: ``python -m trainer``."""

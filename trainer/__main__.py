@@ -1,0 +1,20 @@
+"""``python -m trainer [overrides]``: compose -> validate -> launch -> train.
+
+    python -m trainer                                # one device, default model and data
+    python -m trainer +parallel=3d mesh=[2,2,2]      # 8 workers: dp x pp x tp
+    python -m trainer validate_only=true +parallel=tp mesh=[4]
+    python -m trainer --cfg job                      # print the resolved config
+    python -m trainer --help                         # every config key, documented
+"""
+
+import sys
+
+if __name__ == "__main__":
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
+        from trainer.cli_help import print_help
+
+        print_help()
+        sys.exit(0)
+    from trainer.main import main
+
+    main()

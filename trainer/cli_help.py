@@ -1,0 +1,56 @@
+"""``python -m trainer --help``: every config key with its description, from the pydantic models."""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel
+
+from trainer.compose import CONF_DIR
+from trainer.config import RunConfig
+
+USAGE = """usage: python -m trainer [key=value ...] [+parallel=PRESET] [group=option ...] [--cfg job]
+
+Compose a run from conf/ (Hydra), validate it against the model, then train.
+  python -m trainer                               one device, default model (gpt_debug) on stdlib text
+  python -m trainer +parallel=3d mesh=[2,2,2]     8 workers: dp x pp x tp
+  python -m trainer validate_only=true ...        check the config and exit
+  python -m trainer --cfg job                     print the resolved config
+"""
+
+
+def _groups() -> str:
+    lines = []
+    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in group.glob("*.yaml"))
+        prefix = "+" if group.name in ("parallel", "examples") else ""
+        lines.append(f"  {prefix}{group.name}={{{','.join(options)}}}")
+    return "\n".join(lines)
+
+
+def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    lines = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        nested = [a for a in typing.get_args(field.annotation) or (field.annotation,)
+                  if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(nested) == 1 and name not in ("model", "data"):
+            lines.append(f"  {path}: {field.description}")
+            lines += _fields(nested[0], f"{path}.")
+        else:
+            lines.append(f"  {path}: {field.description}")
+    return lines
+
+
+def print_help() -> None:
+    from trainer.config import LlamaConfig, MLPConfig, RegressionDataConfig, SyntheticDataConfig, TextDataConfig
+
+    print(USAGE)
+    print("config groups:\n" + _groups() + "\n")
+    print("keys:")
+    print("\n".join(_fields(RunConfig)))
+    for title, model in [("model (arch=llama)", LlamaConfig), ("model (arch=mlp)", MLPConfig),
+                         ("data (kind=text)", TextDataConfig), ("data (kind=synthetic)", SyntheticDataConfig),
+                         ("data (kind=regression)", RegressionDataConfig)]:
+        print(f"\n{title}:")
+        print("\n".join(_fields(model, f"{title.split()[0]}.")))

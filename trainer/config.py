@@ -1,0 +1,276 @@
+"""The whole run configuration as frozen pydantic models: the single source of truth.
+
+Hydra composes YAML from ``conf/`` into a plain dict; :func:`trainer.validate.validate_config`
+turns that dict into a :class:`RunConfig` (or a :class:`trainer.errors.ConfigError` naming
+every bad path). Every field carries a description: that is the user's documentation
+(``python -m trainer --help`` prints it, the REST API's OpenAPI page shows it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+
+from parallel.placements import PlacementSpec, parse_placement
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _to_placement(value: Any) -> PlacementSpec:
+    return parse_placement(value)
+
+
+Placement = Annotated[PlacementSpec, BeforeValidator(_to_placement), PlainSerializer(str, return_type=str)]
+AxisPlacements = dict[str, Placement]
+
+# ----------------------------------------------------------------------------- model
+
+
+class LlamaConfig(_Section):
+    arch: Literal["llama"] = Field("llama", description="Decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU).")
+    dim: int = Field(256, ge=1, description="Model (embedding) width.")
+    n_layers: int = Field(4, ge=1, description="Number of transformer blocks, `layers.0` .. `layers.<n-1>`.")
+    n_heads: int = Field(8, ge=1, description="Attention heads; `dim` must divide by it.")
+    n_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (grouped-query attention); null = n_heads.")
+    vocab_size: int = Field(256, ge=2, description="Vocabulary size; 256 for the byte-level tokenizer.")
+    ffn_hidden_dim: int = Field(688, ge=1, description="Hidden width of the SwiGLU MLP (w1, w3: dim -> hidden; w2: back).")
+    max_seq_len: int = Field(512, ge=1, description="Longest sequence the rotary table covers.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal initialisation of linear and embedding weights.")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+class MLPConfig(_Section):
+    arch: Literal["mlp"] = Field("mlp", description="Two raw matmuls, y = (x @ w0) @ w1, weights stored [in, out].")
+    in_features: int = Field(1024, ge=1, description="Rows of w0 (input width).")
+    hidden_features: int = Field(4096, ge=1, description="Columns of w0 and rows of w1.")
+    out_features: int = Field(1024, ge=1, description="Columns of w1 (output width).")
+    activation: Literal["none", "relu", "gelu"] = Field(
+        "relu", description="Applied between the two matmuls; `none` gives the seeds' plain matmul chain."
+    )
+    init_std: float = Field(0.02, gt=0, description="Std of the normal initialisation of w0 and w1.")
+
+
+ModelConfig = Annotated[Union[LlamaConfig, MLPConfig], Field(discriminator="arch")]
+
+# ------------------------------------------------------------------------------ data
+
+
+class TextDataConfig(_Section):
+    kind: Literal["text"] = Field("text", description="Byte-level tokens from local text files.")
+    root: str = Field(
+        "stdlib",
+        description="Directory searched for files; `stdlib` means the Python standard library's own source, "
+        "which exists offline wherever the project runs.",
+    )
+    glob: str = Field("**/*.py", description="Glob (relative to root) selecting the files, read in sorted order.")
+    max_bytes: int = Field(8_000_000, ge=1024, description="Read at most this many bytes of the sorted files.")
+
+
+class SyntheticDataConfig(_Section):
+    kind: Literal["synthetic"] = Field("synthetic", description="A seeded order-k Markov chain with a known entropy rate.")
+    order: int = Field(1, ge=1, le=3, description="Markov order k: each token depends on the previous k.")
+    num_symbols: int = Field(16, ge=2, le=256, description="Alphabet size (token ids 0 .. num_symbols-1).")
+    concentration: float = Field(0.1, gt=0, description="Dirichlet concentration of the transition rows; small = peaky.")
+    num_tokens: int = Field(2_000_000, ge=1024, description="Length of the generated token stream.")
+    seed: int = Field(1234, description="Seed of the chain and of the stream (independent of train.seed).")
+
+
+class RegressionDataConfig(_Section):
+    kind: Literal["regression"] = Field("regression", description="x ~ N(0, 1), y = teacher(x) + noise; for the mlp model.")
+    num_samples: int = Field(65536, ge=16, description="Number of (x, y) pairs.")
+    noise_std: float = Field(0.01, ge=0, description="Std of the Gaussian noise added to the teacher's output.")
+    seed: int = Field(1234, description="Seed of the teacher and the samples.")
+
+
+DataConfig = Annotated[Union[TextDataConfig, SyntheticDataConfig, RegressionDataConfig], Field(discriminator="kind")]
+
+# ----------------------------------------------------------------------------- optim
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw"] = Field("adamw", description="Optimizer (torch.optim.AdamW).")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of lr (cosine, linear).")
+
+
+# -------------------------------------------------------------------------- tracking
+
+
+class TrackingConfig(_Section):
+    backend: Literal["mlflow", "none"] = Field("mlflow", description="`mlflow` logs one run per job; `none` logs nothing.")
+    tracking_uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (file, sqlite, or http server).")
+    experiment: str = Field("meshflow", min_length=1, description="MLflow experiment name.")
+    run_name: str | None = Field(None, description="MLflow run name; null lets MLflow choose one.")
+    run_id: str | None = Field(
+        None, description="Log into this existing MLflow run instead of creating one (set by the control plane)."
+    )
+
+
+# ----------------------------------------------------------------------------- train
+
+
+class CheckpointConfig(_Section):
+    dir: str = Field("checkpoints", min_length=1, description="Directory holding `step_<n>` checkpoint folders.")
+    every: int = Field(0, ge=0, description="Save every N steps; 0 saves never (except `save_final`).")
+    keep: int = Field(3, ge=1, description="Keep the newest K checkpoints, delete older ones.")
+    resume: str = Field("none", min_length=1, description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
+    save_final: bool = Field(False, description="Also save after the last step.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1, description="Optimizer steps.")
+    global_batch_size: int = Field(16, ge=1, description="Sequences per optimizer step, summed over data-parallel ranks.")
+    seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
+    seed: int = Field(0, description="Seed of the initialisation and of the data order.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; null disables.")
+    grad_accum: int = Field(1, ge=1, description="Gradient-accumulation steps per optimizer step.")
+    log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+
+
+# -------------------------------------------------------------------------- parallel
+
+DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
+ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
+INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
+class DataParallelConfig(_Section):
+    dim: str | list[str] = Field(
+        "dp", description="Mesh axis name for data parallelism; hsdp takes two: [replicate_axis, shard_axis]."
+    )
+    mode: DataParallelMode = Field(
+        "fsdp", description="ddp (replicate), fsdp (ZeRO-3), zero2 (no reshard after forward), hsdp (2-D)."
+    )
+
+    @property
+    def dim_names(self) -> list[str]:
+        return [self.dim] if isinstance(self.dim, str) else list(self.dim)
+
+
+class PipelineConfig(_Section):
+    dim: str = Field("pp", description="Mesh axis name along which stages are laid out.")
+    schedule: ScheduleName = Field("1F1B", description="torch.distributed.pipelining schedule.")
+    microbatches: int = Field(4, ge=1, description="Micro-batches each (accumulation) batch is cut into.")
+    stages_per_rank: int = Field(1, ge=1, description="Stages held by each pp rank; >= 2 for interleaved, 2 for ZBV.")
+    boundaries: list[str] | Literal["auto"] = Field(
+        "auto",
+        description="First module of every stage but the first (e.g. [layers.2]); `auto` balances parameter counts.",
+    )
+
+
+class LayoutConfig(_Section):
+    input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
+    output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
+
+
+class ParallelConfig(_Section):
+    dims: list[str] = Field(description="One name per mesh axis, outermost first, e.g. [dp, pp, tp].")
+    data_parallel: DataParallelConfig | None = Field(None, description="Data parallelism; null = none.")
+    pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism; null = none.")
+    placements: dict[str, AxisPlacements] = Field(
+        default_factory=dict,
+        description="Parameter-FQN glob -> {mesh axis: Shard(d) | Replicate}; axes not named are Replicate.",
+    )
+    layouts: dict[str, LayoutConfig] = Field(
+        default_factory=dict, description="Module-FQN glob -> input/output placements (sequence parallel, Partial)."
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="Recompute activations in backward: none, every block (full), or every n-th (selective)."
+    )
+    activation_checkpointing_every: int = Field(2, ge=1, description="With `selective`: checkpoint every n-th block.")
+
+
+class LaunchConfig(_Section):
+    nnodes: int = Field(1, ge=1, description="Number of hosts; workers per host = world size / nnodes.")
+    node_rank: int = Field(0, ge=0, description="This host's rank among nnodes.")
+    rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one.")
+    max_restarts: int = Field(0, ge=0, description="Times torch's elastic agent restarts failed workers.")
+
+
+# ------------------------------------------------------------------------------- run
+
+MeshSpec = list[int] | list[Any]
+
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=LlamaConfig, description="The model to train.")
+    data: DataConfig = Field(default_factory=TextDataConfig, description="The training data.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The training loop.")
+    mesh: MeshSpec | None = Field(
+        None,
+        description="Device mesh: a shape, outermost first ([2,2,2]), or nested explicit rank ids ([[2,4,5],[0,1,3]]). "
+        "null = one device.",
+    )
+    parallel: ParallelConfig | None = Field(None, description="How the model is spread over the mesh; null = one device.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How workers are started.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    dry_run: bool = Field(False, description="Plan only: print per-rank memory, communication and bubble; train nothing.")
+    validate_only: bool = Field(False, description="Validate the config against the model, print the verdict, exit.")
+
+    # -- derived views ---------------------------------------------------------------
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return mesh_shape_of(self.mesh)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    def axis_size(self, name: str) -> int:
+        """Size of the mesh axis called ``name`` (1 when there is no such axis)."""
+        if self.parallel is None or name not in self.parallel.dims:
+            return 1
+        return self.mesh_shape[self.parallel.dims.index(name)]
+
+    @property
+    def dp_size(self) -> int:
+        dp = self.parallel.data_parallel if self.parallel else None
+        return math.prod(self.axis_size(n) for n in dp.dim_names) if dp else 1
+
+    @property
+    def pp_size(self) -> int:
+        pp = self.parallel.pipeline if self.parallel else None
+        return self.axis_size(pp.dim) if pp else 1
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.parallel.pipeline.microbatches if self.parallel and self.parallel.pipeline else 1
+
+
+def mesh_shape_of(mesh: Any) -> tuple[int, ...]:
+    """Shape of a mesh spec: a flat list is the shape; a nested list is rank ids, shaped as nested."""
+    if mesh is None:
+        return (1,)
+    if mesh and all(isinstance(x, int) for x in mesh):
+        return tuple(mesh)
+    shape: list[int] = []
+    node = mesh
+    while isinstance(node, list):
+        shape.append(len(node))
+        node = node[0] if node else None
+    return tuple(shape)
+
+
+def mesh_rank_ids(mesh: Any) -> list | None:
+    """The explicit nested rank ids of a mesh spec, or None when it is a plain shape."""
+    if mesh is None or all(isinstance(x, int) for x in mesh):
+        return None
+    return mesh

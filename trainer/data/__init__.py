@@ -1,0 +1,94 @@
+"""Training data: sources by name, and the resumable global-batch loader.
+
+``build_source(cfg.data, seq_len=..., model_cfg=cfg.model)`` dispatches on ``data.kind``
+through a name-keyed registry (no ``_target_``: data configs also arrive over REST)::
+
+    from trainer.data import GlobalBatchLoader, build_source
+    source = build_source(cfg.data, seq_len=cfg.train.seq_len, model_cfg=cfg.model)
+    loader = GlobalBatchLoader(source, global_batch_size=cfg.train.global_batch_size,
+                               dp_rank=dp_rank, dp_size=cfg.dp_size, seed=cfg.train.seed)
+    inputs, targets = loader.next_batch()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from trainer.config import LlamaConfig, MLPConfig, RegressionDataConfig, SyntheticDataConfig, TextDataConfig
+from trainer.data.base import Source, TokenWindows, derive_seed
+from trainer.data.loader import GlobalBatchLoader
+from trainer.data.regression import RegressionSource
+from trainer.data.synthetic import MarkovSource
+from trainer.data.text import TextSource
+from trainer.data.tokenizer import ByteTokenizer
+
+AnyDataConfig = TextDataConfig | SyntheticDataConfig | RegressionDataConfig
+AnyModelConfig = LlamaConfig | MLPConfig
+
+__all__ = [
+    "SOURCE_REGISTRY",
+    "ByteTokenizer",
+    "GlobalBatchLoader",
+    "MarkovSource",
+    "RegressionSource",
+    "Source",
+    "TextSource",
+    "TokenWindows",
+    "build_source",
+    "derive_seed",
+]
+
+
+def _require_language_model(kind: str, model_cfg: AnyModelConfig, vocab_needed: int) -> None:
+    """Token sources feed a model with an embedding table large enough for their ids."""
+    vocab_size = getattr(model_cfg, "vocab_size", None)
+    if vocab_size is None:
+        raise ValueError(
+            f"data.kind: {kind} yields token ids, but model.arch: {getattr(model_cfg, 'arch', '?')} takes vectors "
+            "(use model.arch: llama, or data.kind: regression)"
+        )
+    if vocab_size < vocab_needed:
+        raise ValueError(
+            f"model.vocab_size: {vocab_size} is smaller than the {vocab_needed} token ids data.kind: {kind} "
+            f"produces (set model.vocab_size >= {vocab_needed})"
+        )
+
+
+def _build_text(cfg: TextDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
+    _require_language_model("text", model_cfg, ByteTokenizer.vocab_size)
+    return TextSource(cfg, seq_len)
+
+
+def _build_synthetic(cfg: SyntheticDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
+    _require_language_model("synthetic", model_cfg, cfg.num_symbols)
+    return MarkovSource(cfg, seq_len)
+
+
+def _build_regression(cfg: RegressionDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
+    del seq_len  # vectors, not sequences
+    in_features = getattr(model_cfg, "in_features", None)
+    out_features = getattr(model_cfg, "out_features", None)
+    if in_features is None or out_features is None:
+        raise ValueError(
+            f"data.kind: regression needs a model with in_features/out_features, but model.arch is "
+            f"{getattr(model_cfg, 'arch', '?')} (use model.arch: mlp, or data.kind: text / synthetic)"
+        )
+    return RegressionSource(cfg, in_features, out_features)
+
+
+SOURCE_REGISTRY: dict[str, Callable[..., Source]] = {
+    "text": _build_text,
+    "synthetic": _build_synthetic,
+    "regression": _build_regression,
+}
+
+
+def build_source(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
+    """The source ``data_cfg.kind`` names, sized for ``seq_len`` and the model's input/output widths.
+
+    Raises:
+        ValueError: an unknown kind, or data that the model cannot consume.
+    """
+    builder = SOURCE_REGISTRY.get(data_cfg.kind)
+    if builder is None:
+        raise ValueError(f"data.kind: {data_cfg.kind!r} is not a known source; choose one of {sorted(SOURCE_REGISTRY)}")
+    return builder(data_cfg, seq_len=seq_len, model_cfg=model_cfg)

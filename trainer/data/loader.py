@@ -1,0 +1,130 @@
+"""The global sample stream, cut into per-rank batches; resumable on any number of dp ranks.
+
+Global sample ``g`` is ``source[perm_e[g % N]]`` with ``e = g // N`` and ``perm_e`` a
+permutation of the N samples seeded by (seed, e): every epoch visits every sample once, in
+its own order. Each step consumes the next ``global_batch_size`` global samples; dp rank r
+of R gets the r-th of R equal contiguous slices. The only state is the global position
+(``next_sample``), so a checkpoint taken on 2 dp ranks resumes on 4 and the 4 ranks together
+see exactly the samples one rank would have seen::
+
+    loader = GlobalBatchLoader(source, global_batch_size=16, dp_rank=rank, dp_size=2, seed=0)
+    inputs, targets = loader.next_batch()        # [8, ...] each: this rank's half
+    saved = loader.state_dict()                  # {"next_sample": 16, ...}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainer.data.base import Source, derive_seed
+
+# Permutations kept in memory: the current epoch's and the next, since one batch may span both.
+_CACHED_EPOCHS = 2
+
+
+class GlobalBatchLoader:
+    """Stateful, resumable loader of this dp rank's share of each global batch.
+
+    Args:
+        source: the samples (``len`` per epoch, ``source[i] -> (inputs, targets)``).
+        global_batch_size: samples per step summed over dp ranks (``train.global_batch_size``).
+        dp_rank: this rank's index among the data-parallel ranks, in [0, dp_size).
+        dp_size: number of data-parallel ranks; must divide ``global_batch_size``.
+        seed: seed of the data order (``train.seed``).
+    """
+
+    def __init__(self, source: Source, *, global_batch_size: int, dp_rank: int, dp_size: int, seed: int) -> None:
+        if len(source) < 1:
+            raise ValueError("the data source is empty: no samples to load")
+        if global_batch_size < 1:
+            raise ValueError(f"train.global_batch_size: must be >= 1, got {global_batch_size}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must lie in [0, dp_size); got dp_rank={dp_rank}, dp_size={dp_size}")
+        if global_batch_size % dp_size:
+            raise ValueError(
+                f"train.global_batch_size: {global_batch_size} is not divisible by the {dp_size} data-parallel "
+                f"ranks (use a multiple of {dp_size}, or change the dp size of the mesh)"
+            )
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.next_sample = 0
+        self._permutations: dict[int, Tensor] = {}
+
+    @property
+    def local_batch_size(self) -> int:
+        """Samples this rank receives per step."""
+        return self.global_batch_size // self.dp_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next global sample belongs to."""
+        return self.next_sample // len(self.source)
+
+    def permutation(self, epoch: int) -> Tensor:
+        """The order of the source's samples in ``epoch`` (same on every rank and every run)."""
+        if epoch not in self._permutations:
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, "epoch", epoch))
+            self._permutations[epoch] = torch.randperm(len(self.source), generator=generator)
+            while len(self._permutations) > _CACHED_EPOCHS:
+                del self._permutations[min(self._permutations)]
+        return self._permutations[epoch]
+
+    def source_indices(self, first_sample: int, count: int) -> list[int]:
+        """Source indices of global samples ``first_sample .. first_sample + count - 1``."""
+        num_samples = len(self.source)
+        return [
+            int(self.permutation(g // num_samples)[g % num_samples]) for g in range(first_sample, first_sample + count)
+        ]
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """This rank's slice of the next global batch, stacked: ``[local_batch_size, ...]`` each.
+
+        Advances the position by the whole global batch, as every rank does, so the ranks
+        stay in step without communicating.
+        """
+        first = self.next_sample + self.dp_rank * self.local_batch_size
+        samples = [self.source[i] for i in self.source_indices(first, self.local_batch_size)]
+        self.next_sample += self.global_batch_size
+        inputs, targets = zip(*samples)
+        return torch.stack(inputs), torch.stack(targets)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
+        return self.next_batch()  # the stream is endless: epochs follow one another
+
+    def state_dict(self) -> dict[str, int]:
+        """The global position (plus what it depends on); the same on every dp rank."""
+        return {"next_sample": self.next_sample, "global_batch_size": self.global_batch_size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position, whatever dp_size and dp_rank it was saved with.
+
+        A different ``global_batch_size`` is accepted: the position counts samples, not
+        steps, so no sample is skipped or repeated. A different seed is refused, because
+        the saved position would then index a different order and the run would silently
+        revisit some samples and miss others.
+        """
+        next_sample = state["next_sample"]
+        if not isinstance(next_sample, int) or next_sample < 0:
+            raise ValueError(f"loader state: next_sample must be a non-negative int, got {next_sample!r}")
+        if "seed" in state and state["seed"] != self.seed:
+            raise ValueError(
+                f"train.seed: the checkpoint's data order was seeded with {state['seed']}, this run uses "
+                f"{self.seed}; resume with train.seed={state['seed']} (or start a fresh run)"
+            )
+        self.next_sample = next_sample
+
+    def __repr__(self) -> str:
+        return (
+            f"GlobalBatchLoader(global_batch_size={self.global_batch_size}, dp_rank={self.dp_rank}, "
+            f"dp_size={self.dp_size}, seed={self.seed}, next_sample={self.next_sample})"
+        )

@@ -1,0 +1,123 @@
+"""Start the training: in-process on one device, or prod(mesh) workers through torch's elastic launcher.
+
+The launcher owns the MLflow run (created here, ended here with FINISHED / FAILED / KILLED)
+and the exit code; worker rank 0 logs metrics into that run; the other ranks log nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from datetime import timedelta
+
+import yaml
+
+from trainer.config import RunConfig
+from trainer.metrics import NullProgress, Progress
+from trainer.tracking import NullTracker, Terminated, install_signal_handlers, make_tracker, run_lifecycle
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+
+
+def launch(cfg: RunConfig) -> int:
+    """Train as the config says; return the process exit code."""
+    tracker = make_tracker(cfg.tracking, is_main=True, run_id=cfg.tracking.run_id)
+    try:
+        with install_signal_handlers(), run_lifecycle(tracker):
+            params = cfg.model_dump(mode="json")
+            tracker.log_params(params)
+            tracker.log_artifact_text(yaml.safe_dump(params, sort_keys=False), "config.yaml")
+            if cfg.world_size == 1:
+                from trainer.loop import train
+
+                result = train(cfg, tracker=tracker, progress=Progress())
+                _summary(result.losses, result.first_step)
+            else:
+                _launch_workers(cfg, tracker.run_id)
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("interrupted: run stopped (MLflow run KILLED)", file=sys.stderr)
+        return EXIT_SIGINT
+    except Terminated:
+        print("terminated: run stopped (MLflow run KILLED)", file=sys.stderr)
+        return EXIT_SIGTERM
+    except WorkerFailure as err:
+        print(f"training failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+class WorkerFailure(RuntimeError):
+    """A worker process failed; the message names its rank and how it ended."""
+
+
+def _summary(losses: list[float], first_step: int) -> None:
+    if losses:
+        print(f"done: steps {first_step + 1}..{first_step + len(losses)}, "
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+
+
+def _launch_workers(cfg: RunConfig, run_id: str | None) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    ln = cfg.launch
+    launch_config = LaunchConfig(
+        min_nodes=ln.nnodes,
+        max_nodes=ln.nnodes,
+        nproc_per_node=cfg.world_size // ln.nnodes,
+        run_id=f"meshflow-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=ln.rdzv_endpoint,
+        rdzv_configs={"is_host": ln.node_rank == 0} if ln.nnodes > 1 else {},
+        max_restarts=ln.max_restarts,
+        start_method="spawn",
+        monitor_interval=0.2,
+    )
+    try:
+        results = elastic_launch(launch_config, worker_main)(cfg.model_dump_json(), run_id)
+    except SignalException as err:
+        # The elastic agent already stopped every worker; report it as the signal it was.
+        raise (KeyboardInterrupt() if err.sigval.name == "SIGINT" else Terminated()) from None
+    except ChildFailedError as err:
+        raise WorkerFailure(_describe_failures(err)) from None
+    rank0 = results.get(0) if results else None
+    if rank0:
+        _summary(rank0["losses"], rank0["first_step"])
+
+
+def _describe_failures(err) -> str:
+    parts = []
+    for rank, failure in sorted(err.failures.items()):
+        how = (f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0
+               else f"exited with code {failure.exitcode}")
+        message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)[:500]
+        parts.append(f"worker rank {rank} (pid {failure.pid}) {how}" + (f": {message}" if message and failure.exitcode > 0 else ""))
+    return "; ".join(parts)
+
+
+def worker_main(cfg_json: str, run_id: str | None) -> dict:
+    """One worker: join the process group, train, leave. Runs in a process the launcher spawned."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.loop import train
+
+    cfg = RunConfig.model_validate_json(cfg_json)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    try:
+        is_main = rank == 0
+        tracker = make_tracker(cfg.tracking, is_main=is_main, run_id=run_id) if run_id else NullTracker()
+        progress = Progress() if is_main else NullProgress()
+        result = train(cfg, tracker=tracker, progress=progress, rank=rank, local_rank=local_rank)
+        return {"losses": result.losses, "first_step": result.first_step}
+    finally:
+        dist.destroy_process_group()

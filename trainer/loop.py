@@ -1,0 +1,167 @@
+"""The training loop, run by every worker (or in-process on one device).
+
+build model -> parallelize -> optimizer, LR schedule, data -> resume -> steps -> checkpoints.
+Rank-0-only side effects (progress bar, metrics) go through a tracker and a progress
+object that are null objects on the other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel.engine import ParallelModel, parallelize
+from trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from trainer.config import OptimConfig, RunConfig, mesh_rank_ids
+from trainer.data import build_source
+from trainer.data.loader import GlobalBatchLoader
+from trainer.metrics import Progress, peak_memory_mb
+from trainer.models import build_model, loss_fn_for
+from trainer.tracking import Tracker
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) loop reports back to the launcher."""
+
+    losses: list[float] = field(default_factory=list)
+    first_step: int = 0
+    last_step: int = 0
+    last_checkpoint: str | None = None
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Multiplier of the peak lr at a step: linear warm-up, then cosine / linear decay / constant."""
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / (optim.warmup_steps + 1)
+        if optim.schedule == "constant":
+            return 1.0
+        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+        progress = min(1.0, progress)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay
+
+    return factor
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
+    """The full model, initialised from the seed, then split and sharded as the config says."""
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    par = cfg.parallel
+    if par is None:
+        return parallelize(model, mesh_shape=(1,), dims=["none"], device_type=device.type)
+    return parallelize(
+        model,
+        mesh_shape=cfg.mesh_shape,
+        dims=par.dims,
+        rank_ids=mesh_rank_ids(cfg.mesh),
+        data_parallel=par.data_parallel,
+        pipeline=par.pipeline,
+        placements=par.placements,
+        layouts=par.layouts,
+        activation_checkpointing=par.activation_checkpointing,
+        activation_checkpointing_every=par.activation_checkpointing_every,
+        device_type=device.type,
+    )
+
+
+def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, local_rank: int = 0) -> TrainResult:
+    """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming)."""
+    t = cfg.train
+    device = resolve_device(cfg.device, local_rank)
+    torch.manual_seed(t.seed)
+    pm = build_parallel_model(cfg, device)
+    optimizer = torch.optim.AdamW(
+        list(pm.parameters()), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, t.steps))
+    source = build_source(cfg.data, seq_len=t.seq_len, model_cfg=cfg.model)
+    # One loader batch is one accumulation batch; the loader position is global, so a resume
+    # on another dp size continues at the same sample.
+    loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,
+                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
+    loss_fn = loss_fn_for(cfg.model)
+    result = TrainResult()
+    ckpt_kwargs = dict(model=_checkpoint_module(pm), optimizer=optimizer)
+
+    start = 0
+    if path := resolve_resume(t.checkpoint.resume, t.checkpoint.dir):
+        extra = load_checkpoint(path, **ckpt_kwargs)
+        start = int(extra["step"])
+        scheduler.load_state_dict(extra["scheduler"])
+        loader.load_state_dict(extra["loader"])
+        _set_rng_state(extra["rng"])
+        progress.log(f"resumed from {path} at step {start}")
+        tracker.set_tag("resumed_from", str(path))
+    result.first_step = result.last_step = start
+
+    tokens_per_step = t.global_batch_size * t.seq_len
+    progress.start(total=t.steps, completed=start)
+    for step in range(start + 1, t.steps + 1):
+        began = time.perf_counter()
+        local_loss = None
+        for _ in range(t.grad_accum):
+            inputs, targets = (x.to(device) for x in loader.next_batch())
+            loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum)
+            if loss is not None:
+                local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
+        grad_norm = pm.clip_grad_norm_(t.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = pm.reduce_loss(local_loss)
+        step_time = time.perf_counter() - began
+        result.losses.append(loss_value)
+        result.last_step = step
+
+        if step % t.log_every == 0 or step == t.steps:
+            metrics = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                       "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                       "peak_memory_mb": peak_memory_mb(device)}
+            tracker.log_metrics(metrics, step=step)
+            progress.log_step(step, metrics)
+        progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time)
+
+        ckpt = t.checkpoint
+        if (ckpt.every and step % ckpt.every == 0) or (ckpt.save_final and step == t.steps):
+            began_save = time.perf_counter()
+            extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                     "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json")}
+            saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
+            result.last_checkpoint = str(saved)
+            tracker.log_metrics({"checkpoint_seconds": time.perf_counter() - began_save}, step=step)
+            tracker.set_tag("latest_checkpoint", str(saved))
+    progress.stop()
+    return result
+
+
+def _checkpoint_module(pm: ParallelModel) -> torch.nn.Module:
+    # DCP's get_state_dict takes one module; a rank with several interleaved stages needs the
+    # merged view that the checkpoint issue adds.
+    if len(pm.model_parts) != 1:
+        raise NotImplementedError("checkpoints of ranks holding several pipeline stages are not supported yet")
+    return pm.model_parts[0]
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])

@@ -1,0 +1,58 @@
+"""The entry point behind ``python -m trainer``: compose (Hydra) -> validate -> launch.
+
+Hydra stays here at the edge: the composed config becomes a plain dict, then a frozen
+pydantic :class:`~trainer.config.RunConfig`. A bad config exits with code 2 before any
+worker starts, printing each problem as ``path: reason (fix)``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from trainer.compose import CONF_DIR, to_plain
+from trainer.errors import ConfigError
+from trainer.launch import EXIT_CONFIG, launch
+from trainer.validate import validate_config
+
+
+_BATCH_PATHS = {"train.global_batch_size", "parallel.pipeline.microbatches"}
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def main(composed: DictConfig) -> None:
+    raw = to_plain(composed)
+    try:
+        cfg = validate_config(raw)
+    except ConfigError as err:
+        if raw.get("dry_run") is True and all(i.path in _BATCH_PATHS for i in err.issues):
+            _plan_despite_batch(raw, err)
+            return
+        print(err, file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    if cfg.validate_only:
+        print(f"config OK: {cfg.model.arch} model, mesh {list(cfg.mesh_shape)} "
+              f"({cfg.world_size} worker{'s' if cfg.world_size > 1 else ''}), {cfg.train.steps} steps")
+        return
+    if cfg.dry_run:
+        from trainer.plan import describe_plan
+
+        print(describe_plan(cfg))
+        return
+    sys.exit(launch(cfg))
+
+
+def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
+    """A plan for a big mesh is useful before the batch arithmetic is settled; all else must hold."""
+    from trainer.config import RunConfig
+    from trainer.model_checks import check_against_model
+    from trainer.plan import describe_plan
+
+    cfg = RunConfig.model_validate(raw)
+    if issues := check_against_model(cfg):
+        print(ConfigError(err.issues + issues), file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    print(describe_plan(cfg))
+    print(f"\nthis config would be refused at launch:\n{err}")

@@ -1,0 +1,92 @@
+"""Models by name: ``build_model(cfg)`` dispatches on ``cfg.arch`` through a registry.
+
+A name-keyed registry (not a ``_target_`` import path) because model configs also arrive
+over REST, and a remote user must never be able to name arbitrary code.
+
+    from trainer.config import LlamaConfig
+    from trainer.models import build_model, loss_fn_for
+    model = build_model(LlamaConfig(n_layers=2), seed=0)          # built and initialised
+    skeleton = build_model(LlamaConfig(), device="meta")          # shapes only, no memory
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import LlamaConfig, MLPConfig
+from trainer.models.init import canonical_fqn, init_parameter, stable_seed
+from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
+from trainer.models.mlp import MatmulMLP
+
+ModelCfg = LlamaConfig | MLPConfig
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: ``logits [B, T, V]`` against ``targets [B, T]``."""
+    # fp32: a bf16 log-softmax over a large vocabulary loses the precision the loss needs.
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def mse_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean squared error over every element."""
+    return F.mse_loss(output.float(), targets.float())
+
+
+MODEL_REGISTRY: dict[str, Callable[..., nn.Module]] = {"llama": Transformer, "mlp": MatmulMLP}
+LOSS_REGISTRY: dict[str, LossFn] = {"llama": lm_loss, "mlp": mse_loss}
+
+
+def _lookup(registry: dict, arch: str) -> object:
+    if arch not in registry:
+        raise ValueError(f"unknown model.arch {arch!r}; known: {sorted(registry)}")
+    return registry[arch]
+
+
+def build_model(cfg: ModelCfg, *, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
+    """Build the model ``cfg.arch`` names.
+
+    ``device="meta"`` builds shapes only (no memory, no init): the distribution engine shards
+    it, calls ``to_empty(device=...)`` and then ``init_weights(seed)``. Any other device builds
+    there and calls ``init_weights(seed)``, which gives the same values.
+    """
+    model_cls = _lookup(MODEL_REGISTRY, cfg.arch)
+    with torch.device(device):
+        model = model_cls(cfg)
+    if torch.device(device).type != "meta":
+        model.init_weights(seed)
+    return model
+
+
+def loss_fn_for(cfg: ModelCfg) -> LossFn:
+    """The training loss of ``cfg.arch``: ``loss(output, targets) -> scalar`` (mean)."""
+    return _lookup(LOSS_REGISTRY, cfg.arch)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameter elements; for DTensor parameters the global (unsharded) count."""
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = [
+    "LOSS_REGISTRY",
+    "MODEL_REGISTRY",
+    "Attention",
+    "FeedForward",
+    "MatmulMLP",
+    "RMSNorm",
+    "Transformer",
+    "TransformerBlock",
+    "build_model",
+    "canonical_fqn",
+    "count_parameters",
+    "init_parameter",
+    "lm_loss",
+    "loss_fn_for",
+    "mse_loss",
+    "stable_seed",
+]

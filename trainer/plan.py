@@ -1,0 +1,119 @@
+"""``dry_run=true``: describe the plan without starting a worker.
+
+The model is built on the meta device; per rank we count the parameters it holds after
+pipeline split, tensor-parallel sharding and data-parallel sharding, the bytes of parameters,
+gradients and AdamW state, the collective bytes per step on each mesh axis (analytic, ring
+algorithms), and the pipeline bubble. Works for any mesh size, e.g. [64, 8, 8].
+"""
+
+from __future__ import annotations
+
+import math
+from fnmatch import fnmatchcase
+
+from parallel.pipeline_plan import auto_boundaries, stage_of_units
+from trainer.config import LlamaConfig, RunConfig
+from trainer.model_checks import pipeline_units
+
+BYTES = 4  # fp32 everywhere on this path
+
+
+def _unit_of(fqn: str, units: list[str]) -> str:
+    for unit in units:
+        if fqn == unit or fqn.startswith(unit + "."):
+            return unit
+    raise KeyError(fqn)
+
+
+def plan_numbers(cfg: RunConfig) -> dict:
+    """The per-rank numbers a dry run prints; also used by tests."""
+    from trainer.models import build_model
+
+    model = build_model(cfg.model, device="meta")
+    par = cfg.parallel
+    units = pipeline_units(model)
+    params = dict(model.named_parameters())
+    pp = par.pipeline if par else None
+    num_stages = cfg.pp_size * (pp.stages_per_rank if pp else 1)
+    if pp:
+        counts = [sum(p.numel() for f, p in params.items() if _unit_of(f, units) == u) for u in units]
+        bounds = auto_boundaries(units, counts, num_stages) if pp.boundaries == "auto" else list(pp.boundaries)
+    else:
+        bounds = []
+    stage_of = stage_of_units(units, bounds)
+
+    dp = par.data_parallel if par else None
+    shard_dp = cfg.dp_size if dp and dp.mode in ("fsdp", "zero2") else (cfg.axis_size(dp.dim_names[1]) if dp and dp.mode == "hsdp" else 1)
+    stage_params = [0] * num_stages
+    stage_local = [0.0] * num_stages
+    for fqn, p in params.items():
+        tp_div = 1
+        for glob, axes in (par.placements.items() if par else ()):
+            if fnmatchcase(fqn, glob):
+                tp_div = math.prod(cfg.axis_size(a) for a, pl in axes.items() if pl.is_shard)
+        s = stage_of[_unit_of(fqn, units)]
+        stage_params[s] += p.numel()
+        stage_local[s] += p.numel() / tp_div
+
+    spr = pp.stages_per_rank if pp else 1
+    per_rank = []
+    for r in range(cfg.pp_size):
+        stages = [s for s in range(num_stages) if (s % cfg.pp_size == r if not (pp and pp.schedule == "ZBV")
+                                                    else s in (r, 2 * cfg.pp_size - 1 - r))]
+        local = sum(stage_local[s] for s in stages)
+        weights = local / shard_dp
+        grads = local / (shard_dp if dp and dp.mode != "ddp" else 1)
+        optim = 2 * local / (shard_dp if dp and dp.mode != "ddp" else 1)
+        per_rank.append({"pp_rank": r, "stages": stages, "params": int(local),
+                         "param_bytes": weights * BYTES, "grad_bytes": grads * BYTES, "optim_bytes": optim * BYTES})
+
+    m = cfg.num_microbatches
+    bubble = (cfg.pp_size - 1) / (spr * m + cfg.pp_size - 1) if pp else 0.0
+    comm = _comm_bytes(cfg, per_rank, shard_dp)
+    return {"stage_params": stage_params, "boundaries": bounds, "per_pp_rank": per_rank, "bubble": bubble, "comm": comm}
+
+
+def _comm_bytes(cfg: RunConfig, per_rank: list[dict], shard_dp: int) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step on each mesh axis (ring collectives)."""
+    par = cfg.parallel
+    out: dict[str, float] = {}
+    if par is None:
+        return out
+    local = max(r["params"] for r in per_rank) * BYTES
+    if dp := par.data_parallel:
+        n = cfg.dp_size
+        ring = 2 * (n - 1) / n
+        # ddp: all-reduce of grads; fsdp: all-gather fwd + all-gather bwd + reduce-scatter;
+        # zero2: one all-gather + reduce-scatter; each all-gather/reduce-scatter moves (n-1)/n.
+        factor = {"ddp": ring, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n, "hsdp": 3 * (n - 1) / n}[dp.mode]
+        out[",".join(dp.dim_names)] = factor * local * cfg.train.grad_accum ** (dp.mode == "fsdp")
+    tokens = cfg.train.global_batch_size // max(1, cfg.dp_size) * cfg.train.seq_len
+    if isinstance(cfg.model, LlamaConfig):
+        act = tokens * cfg.model.dim * BYTES
+        layers_per_rank = cfg.model.n_layers / cfg.pp_size
+        for axis in {a for axes in par.placements.values() for a in axes}:
+            n = cfg.axis_size(axis)
+            # Megatron: 2 all-reduces per block forward and 2 backward.
+            out[axis] = 4 * layers_per_rank * act * 2 * (n - 1) / n
+        if pp := par.pipeline:
+            out[pp.dim] = 2 * act * pp.stages_per_rank  # activations forward + gradients backward
+    return out
+
+
+def describe_plan(cfg: RunConfig) -> str:
+    n = plan_numbers(cfg)
+    mib = 2**20
+    lines = [f"plan: {cfg.model.arch} model on mesh {list(cfg.mesh_shape)} ({cfg.world_size} workers), "
+             f"dims {cfg.parallel.dims if cfg.parallel else []}"]
+    if n["boundaries"]:
+        lines.append(f"pipeline: stages begin at {n['boundaries']}; parameters per stage {n['stage_params']}; "
+                     f"bubble {n['bubble']:.1%}")
+    lines.append(f"{'pp rank':>8} {'stages':>8} {'params':>12} {'weights MiB':>12} {'grads MiB':>10} {'adam MiB':>9} {'total MiB':>10}")
+    for r in n["per_pp_rank"]:
+        total = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
+        lines.append(f"{r['pp_rank']:>8} {str(r['stages']):>8} {r['params']:>12,} {r['param_bytes'] / mib:>12.2f} "
+                     f"{r['grad_bytes'] / mib:>10.2f} {r['optim_bytes'] / mib:>9.2f} {total / mib:>10.2f}")
+    for axis, nbytes in n["comm"].items():
+        lines.append(f"comm per step on {axis}: {nbytes / mib:.2f} MiB sent per rank")
+    lines.append("(activations not included; fp32)")
+    return "\n".join(lines)

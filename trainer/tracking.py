@@ -1,0 +1,308 @@
+"""Experiment tracking behind a small protocol: MLflow on the main rank, a null object elsewhere.
+
+The training loop calls one :class:`Tracker` unconditionally; :func:`make_tracker` hands
+non-main ranks (and ``tracking.backend=none``) a :class:`NullTracker`, which never imports
+MLflow. :func:`run_lifecycle` and :func:`install_signal_handlers` guarantee that a run ends
+FINISHED, FAILED or KILLED, never stuck RUNNING, even when the job is stopped with SIGTERM.
+
+    with install_signal_handlers():
+        tracker = make_tracker(cfg.tracking, is_main=rank == 0)
+        with run_lifecycle(tracker):
+            tracker.log_params(cfg.model_dump(mode="json"))
+            tracker.log_metrics({"loss": 2.3}, step=1)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal, Protocol
+
+from trainer.config import TrackingConfig
+
+log = logging.getLogger(__name__)
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+# MLflow's limits (mlflow.utils.validation), repeated so NullTracker users need not import mlflow.
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+MAX_KEY_LENGTH = 250
+MAX_PARAM_VALUE_LENGTH = 6000
+
+# MLflow accepts alphanumerics, _ . - space : and /; "/" is replaced too, since MLflow rejects
+# keys that are not normalised paths ("a//b", "a/../b") and a config key never needs one.
+_BAD_KEY_CHARS = re.compile(r"[^\w.\- :]")
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM; a BaseException so ``except Exception`` can't swallow it."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"terminated by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """The shell convention for death by signal: 128 + signal number (143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+class TrackingError(RuntimeError):
+    """The tracking configuration cannot be used (unknown run id, deleted experiment)."""
+
+
+class Tracker(Protocol):
+    """What the training loop may log. Implementations: :class:`MLflowTracker`, :class:`NullTracker`."""
+
+    @property
+    def run_id(self) -> str | None: ...
+
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def log_artifact_text(self, text: str, name: str) -> None: ...
+
+    def set_tag(self, key: str, value: Any) -> None: ...
+
+    def finish(self, status: RunStatus) -> None: ...
+
+
+class NullTracker:
+    """Logs nothing; used on non-main ranks and with ``tracking.backend=none``."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_artifact_text(self, text: str, name: str) -> None:
+        pass
+
+    def set_tag(self, key: str, value: Any) -> None:
+        pass
+
+    def finish(self, status: RunStatus) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "NullTracker()"
+
+
+# --------------------------------------------------------------------------- params
+
+
+def _mlflow_key(key: str) -> str:
+    """A valid MLflow key: characters MLflow rejects (globs like ``layers.*.w[qkv]``) become ``_``."""
+    clean = _BAD_KEY_CHARS.sub("_", key)
+    return clean if len(clean) <= MAX_KEY_LENGTH else _disambiguate(key, clean)
+
+
+def _disambiguate(key: str, clean: str) -> str:
+    # A short digest of the original key keeps apart keys that clean or truncate to the same text.
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return f"{clean[: MAX_KEY_LENGTH - 9]}-{digest}"
+
+
+def _mlflow_keys(keys: list[str]) -> dict[str, str]:
+    """Valid, still distinct MLflow keys for ``keys``: valid keys keep their names, and a
+    cleaned key that collides (``w[13]`` -> ``w_13_`` next to a real ``w_13_``) gets a digest."""
+    clean = {key: _mlflow_key(key) for key in keys}
+    kept = {key for key, value in clean.items() if key == value}
+    counts = Counter(clean.values())
+    return {
+        key: _disambiguate(key, value) if key != value and (value in kept or counts[value] > 1) else value
+        for key, value in clean.items()
+    }
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"train": {"seq_len": 128}}`` -> ``{"train.seq_len": "128"}``; lists, tuples, None as their str."""
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_params(value, prefix=f"{name}."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+# --------------------------------------------------------------------------- MLflow
+
+
+class MLflowTracker:
+    """One MLflow run, written through ``MlflowClient`` (no global fluent state).
+
+    Creates a run named ``cfg.run_name`` in experiment ``cfg.experiment`` (created when
+    missing), or attaches to an existing run (``run_id`` argument, else ``cfg.run_id``):
+    that is how worker rank 0 logs into the run the launcher or control plane created.
+    """
+
+    def __init__(self, cfg: TrackingConfig, *, run_id: str | None = None) -> None:
+        from mlflow.exceptions import MlflowException  # lazy: `tracking=none` needs no MLflow
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=cfg.tracking_uri)
+        self._uri = cfg.tracking_uri
+        self._finished = False
+        run_id = run_id or cfg.run_id
+        if run_id is None:
+            experiment_id = self._experiment_id(cfg.experiment)
+            self._run_id = self._client.create_run(experiment_id, run_name=cfg.run_name).info.run_id
+            return
+        try:
+            run = self._client.get_run(run_id)
+        except MlflowException as exc:
+            raise TrackingError(
+                f"tracking.run_id: MLflow run {run_id!r} not found in {cfg.tracking_uri!r} ({exc.message}); "
+                "use the id of an existing run in this store, or null to create a new run"
+            ) from exc
+        if run.info.status != "RUNNING":  # e.g. a restarted worker after a failed attempt
+            self._client.update_run(run_id, status="RUNNING")
+        self._run_id = run_id
+
+    def _experiment_id(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                return self._client.create_experiment(name)
+            except MlflowException:  # another process created it first
+                experiment = self._client.get_experiment_by_name(name)
+                if experiment is None:
+                    raise
+        if experiment.lifecycle_stage == "deleted":
+            raise TrackingError(
+                f"tracking.experiment: MLflow experiment {name!r} is deleted in {self._uri!r}; "
+                "restore it (`mlflow experiments restore`) or choose another name"
+            )
+        return experiment.experiment_id
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log a nested dict (the resolved config) as dotted params, 100 per request.
+
+        Values over MLflow's 6000 characters are cut in the param and logged whole as the
+        text artifact ``params/<key>.txt``.
+        """
+        from mlflow.entities import Param
+
+        flat = flatten_params(params)
+        keys = _mlflow_keys(list(flat))
+        batch: list[Param] = []
+        for raw_key, value in flat.items():
+            key = keys[raw_key]
+            if len(value) > MAX_PARAM_VALUE_LENGTH:
+                artifact = f"params/{key}.txt"
+                self._client.log_text(self._run_id, value, artifact)
+                note = f"... [truncated; full value in artifact {artifact}]"
+                value = value[: MAX_PARAM_VALUE_LENGTH - len(note)] + note
+            batch.append(Param(key, value))
+        for start in range(0, len(batch), MAX_PARAMS_PER_BATCH):
+            self._client.log_batch(self._run_id, params=batch[start : start + MAX_PARAMS_PER_BATCH])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log all metrics of one step in one request (one timestamp, so they line up)."""
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        batch = [Metric(_mlflow_key(k), float(v), now_ms, step) for k, v in metrics.items()]
+        for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            self._client.log_batch(self._run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH])
+
+    def log_artifact_text(self, text: str, name: str) -> None:
+        self._client.log_text(self._run_id, text, name)
+
+    def set_tag(self, key: str, value: Any) -> None:
+        self._client.set_tag(self._run_id, _mlflow_key(key), str(value))
+
+    def finish(self, status: RunStatus) -> None:
+        """End the run with ``status``; only the first call has an effect."""
+        if self._finished:
+            return
+        self._finished = True
+        self._client.set_terminated(self._run_id, status)
+
+    def __repr__(self) -> str:
+        return f"MLflowTracker(tracking_uri={self._uri!r}, run_id={self._run_id!r})"
+
+
+def make_tracker(cfg: TrackingConfig, *, is_main: bool, run_id: str | None = None) -> Tracker:
+    """An :class:`MLflowTracker` on the main rank with ``backend=mlflow``, else a :class:`NullTracker`."""
+    if cfg.backend == "none" or not is_main:
+        return NullTracker()
+    return MLflowTracker(cfg, run_id=run_id)
+
+
+# ------------------------------------------------------------------------- lifecycle
+
+
+def _finish_quietly(tracker: Tracker, status: RunStatus) -> None:
+    # While an error propagates, a failure to reach the tracking store must not replace it.
+    try:
+        tracker.finish(status)
+    except Exception:
+        log.exception("could not mark tracking run %s as %s", tracker.run_id, status)
+
+
+@contextmanager
+def run_lifecycle(tracker: Tracker) -> Iterator[Tracker]:
+    """End the run FINISHED on normal exit (or ``sys.exit(0)``), KILLED on Ctrl-C or
+    :class:`Terminated`, FAILED on any other exception; exceptions are re-raised."""
+    try:
+        yield tracker
+    except (KeyboardInterrupt, Terminated):
+        _finish_quietly(tracker, "KILLED")
+        raise
+    except SystemExit as exc:
+        _finish_quietly(tracker, "FINISHED" if exc.code in (0, None) else "FAILED")
+        raise
+    except BaseException:
+        _finish_quietly(tracker, "FAILED")
+        raise
+    tracker.finish("FINISHED")
+
+
+@contextmanager
+def install_signal_handlers() -> Iterator[None]:
+    """Make SIGTERM raise :class:`Terminated` in the main thread; restore the old handler on exit.
+
+    Only the first SIGTERM raises: later ones (a launcher repeating itself while the run is
+    being closed) are ignored so they cannot interrupt the cleanup. Outside the main thread
+    Python cannot install handlers, so this does nothing there.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("install_signal_handlers: not the main thread; SIGTERM keeps its current handler")
+        yield
+        return
+    raised = False
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        nonlocal raised
+        if raised:
+            log.warning("signal %d again while shutting down; ignored", signum)
+            return
+        raised = True
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

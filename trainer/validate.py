@@ -1,0 +1,354 @@
+"""Validate a resolved config before any worker starts.
+
+Three layers, all run by :func:`validate_config`:
+
+1. schema: pydantic (types, ranges, enums, unknown keys) -> :class:`~trainer.errors.ConfigIssue` s;
+2. structure: mesh vs dims, which axis does what, schedules, batch arithmetic;
+3. model-aware (:mod:`trainer.model_checks`): the model is built on the meta device and every
+   placement, boundary and head count is checked against its real parameters.
+
+Every issue names the config path, the reason and a fix; all issues are reported at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from trainer.config import (
+    INTERLEAVED_SCHEDULES,
+    RunConfig,
+    mesh_rank_ids,
+    mesh_shape_of,
+)
+from trainer.errors import ConfigError, ConfigIssue, format_path
+
+_UNION_TAGS = {"model": "arch", "data": "kind"}
+
+
+def validate_config(raw: dict[str, Any], *, check_model: bool = True) -> RunConfig:
+    """Turn a plain dict into a frozen :class:`RunConfig`, or raise :class:`ConfigError`."""
+    if not isinstance(raw, dict):
+        raise ConfigError([ConfigIssue("<root>", f"expected a mapping, got {type(raw).__name__}", "pass a YAML mapping")])
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_schema_issues(err, raw)) from None
+    issues = check_structure(cfg)
+    if not issues and check_model:
+        from trainer.model_checks import check_against_model
+
+        issues = check_against_model(cfg)
+    if issues:
+        raise ConfigError(issues)
+    return cfg
+
+
+# ------------------------------------------------------------------------ schema
+
+
+def _schema_issues(err: ValidationError, raw: dict) -> list[ConfigIssue]:
+    issues = []
+    for e in err.errors(include_url=False):
+        loc = _strip_union_tags(e["loc"], raw)
+        reason = _reason(e)
+        if loc and loc[-1] == "[key]":  # pydantic marks a bad mapping key with a `[key]` segment
+            loc, reason = loc[:-1], f"bad key: {reason}"
+        if e["type"] in ("union_tag_invalid", "union_tag_not_found") and loc and loc[0] in _UNION_TAGS:
+            loc = (*loc, _UNION_TAGS[loc[0]])  # the user wrote the tag wrong: point at `model.arch`
+        path = format_path(*loc) if loc else "<root>"
+        issues.append(ConfigIssue(path, reason, _fix(e, loc, raw)))
+    return issues
+
+
+def _strip_union_tags(loc: tuple, raw: dict) -> tuple:
+    """Pydantic puts the union tag into the location (``model.llama.dim``); users never write it."""
+    out = list(loc)
+    if len(out) > 1 and out[0] in _UNION_TAGS and isinstance(raw.get(out[0]), dict):
+        if raw[out[0]].get(_UNION_TAGS[out[0]]) == out[1]:
+            del out[1]
+    # Union members of plain types add their type name (`mesh.list[int]`): keep the user's path.
+    return tuple(p for p in out if not (isinstance(p, str) and ("[" in p and p.endswith("]") and "list" in p)))
+
+
+def _reason(e: dict) -> str:
+    value = e.get("input")
+    shown = repr(value) if not isinstance(value, dict) and len(repr(value)) < 80 else "the given value"
+    if e["type"] == "extra_forbidden":
+        return "unknown key"
+    if e["type"] == "missing":
+        return "required key is missing"
+    if e["type"] == "union_tag_invalid":  # the input is the whole section; show the tag the user wrote
+        ctx = e.get("ctx") or {}
+        return f"unknown value {ctx.get('tag')!r}; known: {ctx.get('expected_tags')}"
+    if e["type"] == "union_tag_not_found":
+        return "required key is missing: it selects which kind of section this is"
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"{msg}; got {shown}"
+
+
+def _fix(e: dict, loc: tuple, raw: dict) -> str:
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        known = _known_keys(loc[:-1], raw)
+        return f"remove it or fix the spelling; known keys here: {', '.join(known)}" if known else "remove it"
+    if kind == "missing":
+        return "add it"
+    if kind in ("literal_error", "union_tag_invalid", "enum"):
+        return "use one of the listed values"
+    if kind in ("union_tag_not_found",):
+        return "add the tag key (model.arch or data.kind), or pick a preset such as model=gpt_debug"
+    if kind.startswith(("greater", "less")):
+        return "use a value in the allowed range"
+    if kind == "value_error":
+        return "write a valid value as the message says"
+    return "give a value of the expected type"
+
+
+def _known_keys(loc: tuple, raw: dict) -> list[str]:
+    """Field names of the model section at ``loc`` (best effort, for the fix text)."""
+    model: type[BaseModel] | None = RunConfig
+    node: Any = raw
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return []
+        node = node.get(part) if isinstance(node, dict) else None
+        annotation = model.model_fields[part].annotation
+        model = _section_model(annotation, node)
+        if model is not None and _is_mapping_of_sections(annotation) and parts:
+            key = parts.pop(0)  # `layouts["<glob>"]`: the user's key, then the section's fields
+            node = node.get(key) if isinstance(node, dict) else None
+    return sorted(model.model_fields) if model else []
+
+
+def _is_mapping_of_sections(annotation: Any) -> bool:
+    import typing
+
+    return any(typing.get_origin(a) is dict for a in (annotation, *typing.get_args(annotation)))
+
+
+def _section_model(annotation: Any, node: Any) -> type[BaseModel] | None:
+    import typing
+
+    candidates = [a for a in typing.get_args(annotation) or (annotation,)]
+    flat = []
+    for c in candidates:
+        flat.extend(typing.get_args(c) or (c,))
+    models = [c for c in flat if isinstance(c, type) and issubclass(c, BaseModel)]
+    for m in models:  # a tagged union: pick the member the user's tag names
+        for tag in ("arch", "kind"):
+            if isinstance(node, dict) and tag in m.model_fields and node.get(tag) == m.model_fields[tag].default:
+                return m
+    return models[0] if len(models) == 1 else None
+
+
+# --------------------------------------------------------------------- structure
+
+
+def check_structure(cfg: RunConfig) -> list[ConfigIssue]:
+    """Cross-field checks that need no model: mesh, axes, schedules, batch arithmetic."""
+    issues = _check_mesh(cfg.mesh)
+    if issues:
+        return issues
+    issues += _check_parallel(cfg)
+    issues += _check_batch(cfg)
+    issues += _check_misc(cfg)
+    return issues
+
+
+def _check_mesh(mesh: Any) -> list[ConfigIssue]:
+    if mesh is None:
+        return []
+    if not mesh:
+        return [ConfigIssue("mesh", "is empty", "give one size per axis, e.g. mesh=[2,2], or null for one device")]
+    if not any(isinstance(x, list) for x in mesh):  # a shape: one size per axis
+        issues = []
+        for i, x in enumerate(mesh):
+            if isinstance(x, bool) or not isinstance(x, int):
+                issues.append(ConfigIssue(format_path("mesh", i), f"axis size must be an int, got {x!r}",
+                                          "give one positive int per axis, e.g. mesh=[2,2]"))
+            elif x < 1:
+                issues.append(ConfigIssue(format_path("mesh", i), f"axis size must be >= 1, got {x}", "use a positive size"))
+        return issues
+    return _check_rank_ids(mesh)
+
+
+def _check_rank_ids(mesh: list) -> list[ConfigIssue]:
+    shape = mesh_shape_of(mesh)
+    flat: list[Any] = []
+
+    def walk(node: Any, depth: int, path: tuple) -> str | None:
+        if depth == len(shape):
+            if not isinstance(node, int) or isinstance(node, bool):
+                return f"{format_path('mesh', *path)} is {node!r}, expected a rank id (int)"
+            flat.append(node)
+            return None
+        if not isinstance(node, list) or len(node) != shape[depth]:
+            return f"{format_path('mesh', *path)} has {len(node) if isinstance(node, list) else 'no'} entries, expected {shape[depth]}"
+        for i, child in enumerate(node):
+            if problem := walk(child, depth + 1, (*path, i)):
+                return problem
+        return None
+
+    if problem := walk(mesh, 0, ()):
+        return [ConfigIssue("mesh", f"explicit rank ids must form a rectangular nested list: {problem}",
+                            "write every row with the same length, e.g. [[2,4,5],[0,1,3]]")]
+    n = len(flat)
+    if n == 0:
+        return [ConfigIssue("mesh", f"explicit rank ids {mesh} hold no rank id: the mesh would have 0 devices",
+                            "give at least one rank id per row, e.g. [[0,1],[2,3]], or null for one device")]
+    if sorted(flat) != list(range(n)):
+        return [ConfigIssue("mesh", f"explicit rank ids {sorted(flat)} are not each of 0..{n - 1} exactly once",
+                            f"use every rank id from 0 to {n - 1} once")]
+    return []
+
+
+def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
+    par, shape = cfg.parallel, cfg.mesh_shape
+    if par is None:
+        if cfg.world_size > 1:
+            return [ConfigIssue("mesh", f"{list(shape)} has {cfg.world_size} devices but there is no parallel section",
+                                "add a preset, e.g. +parallel=3d or +parallel=fsdp, or drop mesh for one device")]
+        return []
+    if cfg.mesh is None:
+        return [ConfigIssue("mesh", "the parallel section needs a mesh",
+                            f"set mesh to one size per axis of parallel.dims {par.dims}, e.g. mesh={[2] * len(par.dims)}")]
+    issues: list[ConfigIssue] = []
+    if len(par.dims) != len(shape):
+        return [ConfigIssue("parallel.dims", f"names {len(par.dims)} axes {par.dims} but mesh {cfg.mesh} has {len(shape)}",
+                            "give one name per mesh axis, or change mesh")]
+    for i, name in enumerate(par.dims):
+        if not name.isidentifier():
+            issues.append(ConfigIssue(format_path("parallel", "dims", i), f"{name!r} is not a valid axis name",
+                                      "use a short identifier such as dp, pp, tp"))
+        if par.dims.index(name) != i:
+            issues.append(ConfigIssue(format_path("parallel", "dims", i), f"axis name {name!r} is used twice",
+                                      "give every mesh axis its own name"))
+    role: dict[str, str] = {}
+    if dp := par.data_parallel:
+        names = dp.dim_names
+        want = 2 if dp.mode == "hsdp" else 1
+        if len(names) != want:
+            fix = ("give two axes: dim: [replicate_axis, shard_axis]" if dp.mode == "hsdp"
+                   else "give one axis name, or use mode: hsdp for two")
+            issues.append(ConfigIssue("parallel.data_parallel.dim", f"mode {dp.mode} takes {want} axis name(s), got {names}", fix))
+        elif len(set(names)) != len(names):
+            issues.append(ConfigIssue("parallel.data_parallel.dim", f"names axis {names[0]!r} twice: {names}",
+                                      "give two different axes: dim: [replicate_axis, shard_axis]"))
+        for name in names:
+            if name not in par.dims:
+                issues.append(_unknown_axis("parallel.data_parallel.dim", name, par.dims))
+            role[name] = "data_parallel"
+    if pp := par.pipeline:
+        if pp.dim not in par.dims:
+            issues.append(_unknown_axis("parallel.pipeline.dim", pp.dim, par.dims))
+        elif pp.dim in role:
+            issues.append(ConfigIssue("parallel.pipeline.dim", f"axis {pp.dim!r} is already the data-parallel axis",
+                                      "give the pipeline its own mesh axis"))
+        role[pp.dim] = "pipeline"
+        issues += _check_schedule(pp, cfg.axis_size(pp.dim))
+    issues += _check_placements(par, role)
+    used = set(role) | {a for p in par.placements.values() for a in p}
+    used |= {a for lay in par.layouts.values() for side in (lay.input, lay.output) if side for a in side}
+    for name, size in zip(par.dims, shape):
+        if size > 1 and name not in used:
+            issues.append(ConfigIssue(format_path("parallel", "dims", par.dims.index(name)),
+                                      f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline or placement names it)",
+                                      f"name it in data_parallel, pipeline or placements, or set its mesh size to 1"))
+    return issues
+
+
+def _unknown_axis(path: str, name: str, dims: list[str]) -> ConfigIssue:
+    return ConfigIssue(path, f"axis {name!r} is not in parallel.dims {dims}", f"use one of {dims} or add it to parallel.dims")
+
+
+def _check_placements(par, role: dict[str, str]) -> list[ConfigIssue]:
+    issues = []
+    for glob, axes in par.placements.items():
+        for axis, placement in axes.items():
+            path = format_path("parallel", "placements", glob, axis)
+            if axis not in par.dims:
+                issues.append(_unknown_axis(path, axis, par.dims))
+            elif axis in role:
+                issues.append(ConfigIssue(path, f"axis {axis!r} is the {role[axis]} axis; parameters are placed on it by "
+                                          f"parallel.{role[axis]}", "place parameters only on tensor-parallel axes"))
+            elif placement.kind == "partial":
+                issues.append(ConfigIssue(path, f"{placement} on a parameter: a parameter's value must be whole, "
+                                          "Partial only describes pending reductions of activations",
+                                          "use Shard(d) or Replicate here; put Partial in parallel.layouts outputs"))
+    for glob, layout in par.layouts.items():
+        for side in ("input", "output"):
+            for axis in getattr(layout, side) or {}:
+                if axis not in par.dims:
+                    issues.append(_unknown_axis(format_path("parallel", "layouts", glob, side, axis), axis, par.dims))
+    return issues
+
+
+def _check_schedule(pp, pp_size: int) -> list[ConfigIssue]:
+    issues = []
+    spr, name = pp.stages_per_rank, pp.schedule
+    if name in INTERLEAVED_SCHEDULES and spr < 2:
+        issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"{name} interleaves stages, needs >= 2, got {spr}",
+                                  "set stages_per_rank: 2, or use schedule 1F1B"))
+    elif name == "ZBV" and spr != 2:
+        issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"ZBV places exactly 2 stages per rank (a V), got {spr}",
+                                  "set stages_per_rank: 2"))
+    elif name in ("GPipe", "1F1B") and spr != 1:
+        issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"{name} runs one stage per rank, got {spr}",
+                                  "set stages_per_rank: 1, or use Interleaved1F1B for several"))
+    if name != "GPipe" and pp.microbatches < pp_size:
+        issues.append(ConfigIssue("parallel.pipeline.microbatches",
+                                  f"{name} needs at least one micro-batch per pipeline rank: {pp.microbatches} < pp size {pp_size}",
+                                  f"set microbatches >= {pp_size} (a multiple of it keeps the bubble small)"))
+    if name in INTERLEAVED_SCHEDULES + ("ZBV",) and pp.microbatches % pp_size:
+        issues.append(ConfigIssue("parallel.pipeline.microbatches",
+                                  f"{name} needs microbatches divisible by the pp size {pp_size}, got {pp.microbatches}",
+                                  f"use a multiple of {pp_size}"))
+    return issues
+
+
+def _check_batch(cfg: RunConfig) -> list[ConfigIssue]:
+    t = cfg.train
+    split = cfg.dp_size * cfg.num_microbatches * t.grad_accum
+    if t.global_batch_size % split:
+        good = math.lcm(split, 1) * max(1, round(t.global_batch_size / split))
+        return [ConfigIssue("train.global_batch_size",
+                            f"{t.global_batch_size} sequences do not split evenly into dp size {cfg.dp_size} x "
+                            f"microbatches {cfg.num_microbatches} x grad_accum {t.grad_accum} = {split}",
+                            f"use a multiple of {split}, e.g. {good}")]
+    return []
+
+
+def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
+    issues = []
+    ln = cfg.launch
+    if ln.node_rank >= ln.nnodes:
+        issues.append(ConfigIssue("launch.node_rank", f"{ln.node_rank} is not below launch.nnodes {ln.nnodes} "
+                                  "(hosts are numbered from 0)",
+                                  f"use a node_rank from 0 to {ln.nnodes - 1}, or raise launch.nnodes"))
+    if cfg.world_size % ln.nnodes:
+        issues.append(ConfigIssue("launch.nnodes", f"world size {cfg.world_size} does not split over {ln.nnodes} hosts",
+                                  "use an nnodes that divides the number of mesh devices"))
+    if mesh_rank_ids(cfg.mesh) is not None and ln.nnodes > 1:
+        issues.append(ConfigIssue("mesh", "explicit rank ids are supported on one host only",
+                                  "use a mesh shape with several hosts"))
+    for path, seed in (("train.seed", cfg.train.seed), ("data.seed", getattr(cfg.data, "seed", 0))):
+        if not -(2**63) <= seed < 2**64:  # torch's manual_seed range: training seeds torch with it
+            issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits", "use a seed from 0 to 2**63 - 1"))
+    ckpt = cfg.train.checkpoint
+    if ckpt.every > cfg.train.steps:
+        issues.append(ConfigIssue("train.checkpoint.every", f"{ckpt.every} is more than train.steps {cfg.train.steps}; "
+                                  "no checkpoint would ever be written", "use every <= steps, or 0 to disable"))
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            issues.append(ConfigIssue("device", "cuda requested but no CUDA device is visible", "use device=cpu or device=auto"))
+        elif cfg.world_size > torch.cuda.device_count() * ln.nnodes:
+            issues.append(ConfigIssue("mesh", f"{cfg.world_size} workers but only {torch.cuda.device_count()} GPUs per host",
+                                      "use a smaller mesh or more hosts (launch.nnodes)"))
+    return issues
