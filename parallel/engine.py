@@ -177,7 +177,7 @@ class ParallelModel:
             if isinstance(g, DTensor):
                 if any(isinstance(pl, Partial) for pl in g.placements):
                     g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
-                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
                 local = g.to_local()
             else:
                 shards, local = 1, g
@@ -201,6 +201,12 @@ class ParallelModel:
         dist.all_reduce(value)
         # Every rank of the last stage holds a loss: dp replicas differ, tp ranks repeat them.
         return float(value) / (self.mesh.size() // self.pp_size)
+
+
+def _is_shard(placement: Any) -> bool:
+    # FSDP over a tp-sharded dim uses _StridedShard, which is not a Shard subclass and whose
+    # is_shard() is False in torch 2.13; every shard-like placement has a tensor `dim`.
+    return isinstance(placement, Shard) or getattr(placement, "dim", None) is not None
 
 
 def parallelize(

@@ -115,6 +115,10 @@ def worker_main(cfg_json: str, run_id: str | None) -> dict:
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     try:
         is_main = rank == 0
+        pids = [None] * dist.get_world_size()
+        dist.all_gather_object(pids, os.getpid())
+        if is_main:  # lets an operator (and the tests) find and signal one worker
+            print("workers: " + " ".join(f"rank{r}={pid}" for r, pid in enumerate(pids)), flush=True)
         tracker = make_tracker(cfg.tracking, is_main=is_main, run_id=run_id) if run_id else NullTracker()
         progress = Progress() if is_main else NullProgress()
         result = train(cfg, tracker=tracker, progress=progress, rank=rank, local_rank=local_rank)

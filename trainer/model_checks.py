@@ -206,5 +206,5 @@ def _check_boundaries(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
         issues.append(ConfigIssue("parallel.pipeline.boundaries",
                                   f"{len(pp.boundaries)} boundaries make {len(pp.boundaries) + 1} stages, but pp size "
                                   f"{cfg.pp_size} x stages_per_rank {pp.stages_per_rank} needs {num_stages}",
-                                  f"give {num_stages - 1} boundaries, or boundaries: auto"))
+                                  f"give {num_stages - 1} boundar{'y' if num_stages == 2 else 'ies'}, or boundaries: auto"))
     return issues

@@ -155,7 +155,9 @@ def check_structure(cfg: RunConfig) -> list[ConfigIssue]:
     if issues:
         return issues
     issues += _check_parallel(cfg)
-    issues += _check_batch(cfg)
+    par = cfg.parallel
+    if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
+        issues += _check_batch(cfg)  # axis sizes (dp size) are only defined once dims match the mesh
     issues += _check_misc(cfg)
     return issues
 
@@ -216,7 +218,7 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         return []
     if cfg.mesh is None:
         return [ConfigIssue("mesh", "the parallel section needs a mesh",
-                            f"set mesh to one size per axis of parallel.dims {par.dims}, e.g. mesh={[2] * len(par.dims)}")]
+                            f"set mesh to one size per axis of parallel.dims {par.dims}, e.g. mesh=[{','.join(['2'] * len(par.dims))}]")]
     issues: list[ConfigIssue] = []
     if len(par.dims) != len(shape):
         return [ConfigIssue("parallel.dims", f"names {len(par.dims)} axes {par.dims} but mesh {cfg.mesh} has {len(shape)}",

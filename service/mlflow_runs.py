@@ -1,0 +1,93 @@
+"""The service's side of MLflow: pre-create a job's run, end it if the job could not, read metrics.
+
+The trainer owns a run while it runs (``tracking.run_id=<id>`` makes it log into the run made
+here); the service creates the run before the job is queued, so the job record carries its run
+id and UI link from the start, and ends it KILLED / FAILED when the process died without doing so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class MlflowRuns:
+    """Thin, thread-safe wrapper over one ``MlflowClient``."""
+
+    def __init__(self, tracking_uri: str, ui_url: str | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        self.ui_url = ui_url.rstrip("/") if ui_url else None
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        # SQLite stores take one writer at a time; serialising our own writes avoids lock storms.
+        self._lock = threading.Lock()
+
+    def warm_up(self) -> None:
+        """Create the store's tables now (seconds on a new SQLite file) instead of in the first request."""
+        with self._lock:
+            self._client.search_experiments(max_results=1)
+
+    def create_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> tuple[str, str]:
+        """A new RUNNING run in ``experiment`` (created when missing): ``(experiment_id, run_id)``."""
+        from mlflow.exceptions import MlflowException
+
+        with self._lock:
+            found = self._client.get_experiment_by_name(experiment)
+            if found is None:
+                try:
+                    experiment_id = self._client.create_experiment(experiment)
+                except MlflowException:  # created concurrently by a trainer
+                    experiment_id = self._client.get_experiment_by_name(experiment).experiment_id
+            elif found.lifecycle_stage == "deleted":
+                raise ValueError(f"MLflow experiment {experiment!r} is deleted")
+            else:
+                experiment_id = found.experiment_id
+            run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
+        return experiment_id, run.info.run_id
+
+    def run_status(self, run_id: str) -> str | None:
+        try:
+            with self._lock:
+                return self._client.get_run(run_id).info.status
+        except Exception:  # a missing run or an unreachable store: the caller decides
+            log.exception("could not read MLflow run %s", run_id)
+            return None
+
+    def end_run_if_open(self, run_id: str, status: str) -> None:
+        """Set ``status`` (KILLED / FAILED / FINISHED) unless the run already ended."""
+        current = self.run_status(run_id)
+        if current not in (None, "RUNNING", "SCHEDULED"):
+            return
+        try:
+            with self._lock:
+                self._client.set_terminated(run_id, status)
+        except Exception:
+            log.exception("could not end MLflow run %s as %s", run_id, status)
+
+    def delete_run(self, run_id: str) -> None:
+        try:
+            with self._lock:
+                self._client.delete_run(run_id)
+        except Exception:
+            log.exception("could not delete MLflow run %s", run_id)
+
+    def metric_histories(self, run_id: str) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+        """``(run status, {metric: [{step, value, timestamp}, ...] sorted by step})``."""
+        with self._lock:
+            run = self._client.get_run(run_id)
+            histories = {key: self._client.get_metric_history(run_id, key) for key in sorted(run.data.metrics)}
+        out = {
+            key: sorted(({"step": m.step, "value": m.value, "timestamp": m.timestamp} for m in history),
+                        key=lambda point: (point["step"], point["timestamp"]))
+            for key, history in histories.items()
+        }
+        return run.info.status, out
+
+    def ui_link(self, experiment_id: str | None, run_id: str | None) -> str | None:
+        if not (self.ui_url and experiment_id and run_id):
+            return None
+        return f"{self.ui_url}/#/experiments/{experiment_id}/runs/{run_id}"

@@ -1,0 +1,132 @@
+"""Start, watch and stop one job's processes: detached from the server, found again after a restart.
+
+A job runs as ``python -m service.supervise <workdir>/exit_code -- python -m trainer
+--config-dir <workdir> --config-name job`` in a new session (its own process group, pgid =
+pid), cwd = its workdir, stdout and stderr to ``<workdir>/job.log``. ``job.yaml`` is the
+resolved, validated config with the Hydra settings the CLI uses, so the trainer reproduces it
+exactly (parallel presets' quoted glob keys included). The pid and the process start time
+(field 22 of ``/proc/<pid>/stat``) identify the process; a recycled pid has another start time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+JOB_CONFIG_NAME = "job"
+LOG_NAME = "job.log"
+EXIT_CODE_NAME = "exit_code"
+
+# Keys of conf/config.yaml that keep Hydra from writing outputs/ or logging on its own.
+_HYDRA_HEADER = {
+    "defaults": [{"override hydra/hydra_logging": "none"}, {"override hydra/job_logging": "none"}, "_self_"],
+    "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}},
+}
+
+
+@dataclass
+class Started:
+    pid: int
+    start_time: int
+    process: subprocess.Popen
+
+
+def write_job_config(workdir: Path, config: dict[str, Any]) -> Path:
+    """``<workdir>/job.yaml``: the resolved config, loadable by ``--config-dir <workdir> --config-name job``."""
+    path = workdir / f"{JOB_CONFIG_NAME}.yaml"
+    path.write_text(yaml.safe_dump({**_HYDRA_HEADER, **config}, sort_keys=False))
+    return path
+
+
+def trainer_command(workdir: Path) -> list[str]:
+    return [sys.executable, "-m", "trainer", "--config-dir", str(workdir), "--config-name", JOB_CONFIG_NAME]
+
+
+def start_job_process(workdir: Path, config: dict[str, Any]) -> Started:
+    """Write the config and start the job detached; return its pid and start time."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_job_config(workdir, config)
+    (workdir / EXIT_CODE_NAME).unlink(missing_ok=True)
+    command = [sys.executable, "-m", "service.supervise", str(workdir / EXIT_CODE_NAME), "--", *trainer_command(workdir)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(workdir / LOG_NAME, "ab") as log_file:
+        process = subprocess.Popen(command, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log_file,
+                                   stderr=subprocess.STDOUT, start_new_session=True, env=env, close_fds=True)
+    return Started(process.pid, process_start_time(process.pid) or 0, process)
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces and parens
+    return int(fields[19])  # fields[0] is field 3 (state)
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def is_same_process_alive(pid: int, start_time: int | None) -> bool:
+    """Whether ``pid`` is still the process we started (same start time) and not a zombie."""
+    state = _process_state(pid)
+    if state is None or state in ("Z", "X"):
+        return False
+    return start_time is None or process_start_time(pid) == start_time
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every live (non-zombie) process in process group ``pgid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> bool:
+    """Send ``sig`` to the job's process group; False if the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pgid recycled by someone else's process: not ours to signal
+        return False
+
+
+def read_exit_code(workdir: Path) -> int | None:
+    try:
+        return int((workdir / EXIT_CODE_NAME).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def log_tail(workdir: Path, lines: int) -> str:
+    """The last ``lines`` lines of the job's log (the error summary of a failed job)."""
+    try:
+        with open(workdir / LOG_NAME, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines)).strip()
+    except FileNotFoundError:
+        return ""

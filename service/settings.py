@@ -1,0 +1,94 @@
+"""Control-plane settings, from ``MESHFLOW_*`` environment variables (pydantic-settings).
+
+    MESHFLOW_WORKSPACE=/srv/meshflow MESHFLOW_TOKENS='{"alice": "s3cret"}' \
+    MESHFLOW_ADMIN_USERS='["alice"]' MESHFLOW_CAPACITY=8 python -m api
+
+Tokens are hashed as soon as the settings are read (``sha256$<salt>$<hex>``, a fresh random
+salt per token); a value already in that form is kept as is, so a deployment can store only
+hashes. Auth is off only when ``MESHFLOW_AUTH_DISABLED=true`` says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+HASH_SCHEME = "sha256"
+
+
+def hash_token(token: str, salt: str | None = None) -> str:
+    """``sha256$<salt>$<hex digest of salt + token>``; a new random salt unless one is given."""
+    salt = salt if salt is not None else secrets.token_hex(16)
+    digest = hashlib.sha256((salt + token).encode()).hexdigest()
+    return f"{HASH_SCHEME}${salt}${digest}"
+
+
+def token_matches(token: str, hashed: str) -> bool:
+    """Constant-time check of a presented token against one stored hash."""
+    try:
+        scheme, salt, _ = hashed.split("$", 2)
+    except ValueError:
+        return False
+    return scheme == HASH_SCHEME and hmac.compare_digest(hash_token(token, salt), hashed)
+
+
+def _is_hashed(value: str) -> bool:
+    parts = value.split("$")
+    return len(parts) == 3 and parts[0] == HASH_SCHEME and len(parts[2]) == 64
+
+
+class Settings(BaseSettings):
+    """Everything the control plane needs to know; each field is one ``MESHFLOW_<NAME>`` variable."""
+
+    model_config = SettingsConfigDict(env_prefix="MESHFLOW_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address uvicorn binds to.")
+    port: int = Field(8000, ge=0, le=65535, description="Port uvicorn binds to.")
+    workspace: Path = Field(Path("meshflow-workspace"), description="Directory holding every job's files; all job paths stay inside it.")
+    database_url: str | None = Field(None, description="SQLAlchemy URL of the job store; null = SQLite file `<workspace>/meshflow.db`.")
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow store the jobs log to; null = `sqlite:///<workspace>/mlflow.db`.")
+    mlflow_ui_url: str | None = Field(None, description="Base URL of an MLflow UI, used to build each job's run link; null = no link.")
+    tokens: dict[str, str] = Field(default_factory=dict, description="User -> bearer token (plain, hashed on load) or `sha256$salt$hex`.")
+    admin_users: list[str] = Field(default_factory=list, description="Users who see and cancel every job.")
+    auth_disabled: bool = Field(False, description="Serve without authentication (local use only); every caller is an admin.")
+    capacity: int = Field(default_factory=lambda: os.cpu_count() or 8, ge=0,
+                          description="Worker slots; a job needs prod(mesh) of them. 0 queues jobs and never starts one.")
+    max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body; larger ones get 413.")
+    cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when cancelling a job.")
+    poll_interval_s: float = Field(0.25, gt=0, description="How often the scheduler looks at the queue and at running jobs.")
+    log_tail_lines: int = Field(20, ge=1, description="Lines of a failed job's log kept as its error summary.")
+
+    @field_validator("tokens")
+    @classmethod
+    def _hash_tokens(cls, tokens: dict[str, str]) -> dict[str, str]:
+        return {user: value if _is_hashed(value) else hash_token(value) for user, value in tokens.items()}
+
+    @model_validator(mode="after")
+    def _resolve_paths(self) -> "Settings":
+        self.workspace = self.workspace.expanduser().resolve()
+        if self.database_url is None:
+            self.database_url = f"sqlite:///{self.workspace / 'meshflow.db'}"
+        if self.mlflow_tracking_uri is None:
+            self.mlflow_tracking_uri = f"sqlite:///{self.workspace / 'mlflow.db'}"
+        return self
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.workspace / "jobs"
+
+    def user_for_token(self, token: str) -> str | None:
+        """The user whose token this is, or None; every stored hash is checked (no early exit)."""
+        found = None
+        for user, hashed in self.tokens.items():
+            if token_matches(token, hashed) and found is None:
+                found = user
+        return found
+
+    def is_admin(self, user: str) -> bool:
+        return self.auth_disabled or user in self.admin_users

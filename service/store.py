@@ -1,0 +1,148 @@
+"""The job store: one SQLAlchemy 2 table of jobs (SQLite by default, PostgreSQL by URL).
+
+Every state change goes through :func:`transition`, a conditional ``UPDATE ... WHERE state IN
+(<legal predecessors>)``: an illegal change raises, and two schedulers racing to start the same
+QUEUED job cannot both win, so no job runs twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Integer, String, Text, UniqueConstraint, create_engine, event, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    CANCELLING = "CANCELLING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+ACTIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING, JobState.CANCELLING})
+
+# to_state -> the states it may be reached from.
+LEGAL_PREDECESSORS: dict[JobState, frozenset[JobState]] = {
+    JobState.STARTING: frozenset({JobState.QUEUED}),
+    JobState.RUNNING: frozenset({JobState.STARTING}),
+    JobState.CANCELLING: frozenset({JobState.STARTING, JobState.RUNNING}),
+    JobState.SUCCEEDED: frozenset({JobState.RUNNING, JobState.CANCELLING}),
+    JobState.FAILED: frozenset({JobState.STARTING, JobState.RUNNING, JobState.CANCELLING}),
+    JobState.CANCELLED: frozenset({JobState.QUEUED, JobState.CANCELLING}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """The job is not in a state from which the requested state can be reached."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=lambda: str(uuid.uuid4()))
+    name: Mapped[str] = mapped_column(String(200))
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    state: Mapped[str] = mapped_column(String(16), index=True, default=JobState.QUEUED.value)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    overrides: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    world_size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    mlflow_experiment_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    pid_start_time: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    workdir: Mapped[str] = mapped_column(Text)
+
+    @property
+    def job_state(self) -> JobState:
+        return JobState(self.state)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``; SQLite gets WAL and a busy timeout so the scheduler and handlers share it."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection, _record) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+    else:
+        engine = create_engine(url, pool_pre_ping=True)
+    Base.metadata.create_all(engine)
+    return engine
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def transition(session: Session, job_id: str, to_state: JobState, **fields: Any) -> bool:
+    """Move job ``job_id`` to ``to_state`` if it is in a legal predecessor state; commit.
+
+    Returns False when the job is not (any longer) in such a state, e.g. another thread got
+    there first; raises :class:`IllegalTransition` if no state could ever lead there.
+    """
+    sources = LEGAL_PREDECESSORS.get(to_state)
+    if not sources:
+        raise IllegalTransition(f"no state leads to {to_state.value}")
+    values = {"state": to_state.value, **fields}
+    if to_state in TERMINAL_STATES and "finished_at" not in fields:
+        values["finished_at"] = utcnow()
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.state.in_([s.value for s in sources])).values(**values)
+    )
+    session.commit()
+    return result.rowcount == 1
+
+
+def require_transition(session: Session, job_id: str, to_state: JobState, **fields: Any) -> None:
+    """Like :func:`transition`, but a job in the wrong state raises :class:`IllegalTransition`."""
+    if not transition(session, job_id, to_state, **fields):
+        job = session.get(Job, job_id)
+        current = job.state if job else "missing"
+        raise IllegalTransition(f"job {job_id} is {current}; it cannot become {to_state.value}")
+
+
+def jobs_in(session: Session, states: frozenset[JobState] | set[JobState]) -> list[Job]:
+    """Jobs in any of ``states``, oldest first."""
+    rows = session.scalars(select(Job).where(Job.state.in_([s.value for s in states])).order_by(Job.created_at))
+    return list(rows)
+
+
+def queued_in_order(session: Session) -> list[Job]:
+    """QUEUED jobs in the order they may start: higher priority first, FIFO within a priority."""
+    query = select(Job).where(Job.state == JobState.QUEUED.value).order_by(Job.priority.desc(), Job.created_at, Job.id)
+    return list(session.scalars(query))

@@ -1,0 +1,191 @@
+"""Turn what a remote user sent into a validated :class:`RunConfig` that cannot escape the service.
+
+Two ways in: Hydra overrides (``["+parallel=dp", "mesh=[2]"]``, composed exactly as the CLI
+composes them) or a whole config document. Either way the result is checked here before any
+process exists:
+
+- overrides: no ``hydra*`` keys, no ``_target_``, no ``~`` / ``++`` / ``@package`` forms, no
+  sweeps, no ``${...}`` interpolation, and a group may only be set to one of its presets in
+  ``conf/``;
+- the resolved config: no ``_target_`` key and no ``${`` anywhere; paths confined (checkpoints
+  inside the job's workdir, data inside the workspace), tracking forced to the service's MLflow
+  store and pre-created run, launches single-host on loopback;
+- then :func:`trainer.validate.validate_config`, the same checks and messages as the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from trainer.compose import CONF_DIR, compose_dict
+from trainer.config import RunConfig
+from trainer.errors import ConfigError, ConfigIssue
+from trainer.validate import validate_config
+
+# Hydra's compose API keeps global state: one composition at a time per process.
+_COMPOSE_LOCK = threading.Lock()
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def config_groups() -> dict[str, set[str]]:
+    """conf/'s groups and their presets: ``{"parallel": {"dp", "3d", ...}, ...}``."""
+    return {d.name: {p.stem for p in d.glob("*.yaml")} for d in sorted(CONF_DIR.iterdir()) if d.is_dir()}
+
+
+def check_overrides(overrides: list[str]) -> list[ConfigIssue]:
+    """Everything wrong with ``overrides`` as a remote user's request, before Hydra sees them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    groups = config_groups()
+    parser = OverridesParser.create()
+    issues: list[ConfigIssue] = []
+    for index, text in enumerate(overrides):
+        where = f"overrides[{index}]"
+        if "${" in text:
+            issues.append(ConfigIssue(where, f"{text!r} uses ${{...}} interpolation", "write the literal value"))
+            continue
+        if "_target_" in text:
+            issues.append(ConfigIssue(where, f"{text!r} names _target_; the service never instantiates sent classes",
+                                      "choose a preset group (model=..., data=...) instead"))
+            continue
+        try:
+            override = parser.parse_override(text)
+        except HydraException as err:
+            issues.append(ConfigIssue(where, f"{text!r} is not a valid override: {str(err).splitlines()[0]}",
+                                      "write key=value, +group=preset or group=preset"))
+            continue
+        key = override.key_or_group
+        path = key.replace("/", ".")
+        if key.split(".")[0].split("/")[0].startswith("hydra"):
+            issues.append(ConfigIssue(path, "hydra.* settings are owned by the service", "remove this override"))
+        elif override.type in (OverrideType.DEL, OverrideType.FORCE_ADD):
+            form = "~key" if override.type == OverrideType.DEL else "++key"
+            issues.append(ConfigIssue(path, f"the {form} form is not accepted over REST", "use key=value or +group=preset"))
+        elif override.package is not None:
+            issues.append(ConfigIssue(path, "@package overrides are not accepted over REST", "use key=value or group=preset"))
+        elif override.is_sweep_override():
+            issues.append(ConfigIssue(path, "sweeps are not accepted; one job is one config", "give a single value"))
+        elif "/" in key:
+            issues.append(ConfigIssue(path, f"{key!r} is not a config group", f"use one of the groups {sorted(groups)}"))
+        elif key in groups:
+            value = override.value()
+            if not isinstance(value, str) or value not in groups[key]:
+                issues.append(ConfigIssue(path, f"{value!r} is not a preset of group {key!r}",
+                                          f"use one of {sorted(groups[key])}"))
+    return issues
+
+
+def compose_overrides(overrides: list[str]) -> dict[str, Any]:
+    """The resolved config for checked overrides, or :class:`ConfigError` with the composition's complaint."""
+    if issues := check_overrides(overrides):
+        raise ConfigError(issues)
+    try:
+        with _COMPOSE_LOCK:
+            return compose_dict(list(overrides))
+    except Exception as err:  # Hydra's composition errors (unknown key, bad type) become 422s
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError([ConfigIssue("overrides", message, "check the keys with `python -m trainer --help`")]) from None
+
+
+def check_document(doc: Any, path: str = "") -> list[ConfigIssue]:
+    """``_target_`` keys, interpolations and OmegaConf's ``???`` anywhere in a config document."""
+    issues: list[ConfigIssue] = []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if str(key) == "_target_" or "${" in str(key):
+                issues.append(ConfigIssue(sub, "keys naming _target_ or ${...} are refused", "remove this key"))
+            else:
+                issues.extend(check_document(value, sub))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            issues.extend(check_document(value, f"{path}[{i}]"))
+    elif isinstance(doc, str) and ("${" in doc or doc == "???"):
+        issues.append(ConfigIssue(path or "<root>", f"{doc!r} is an interpolation or a missing-value marker",
+                                  "write the literal value"))
+    return issues
+
+
+def _inside(path: Path, root: Path) -> bool:
+    path, root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return path == root or root in path.parents
+
+
+def _confine_in_workdir(value: str, key: str, workdir: Path) -> tuple[str | None, ConfigIssue | None]:
+    if Path(value).is_absolute():
+        return None, ConfigIssue(key, f"absolute path {value!r} is outside the job's workdir",
+                                 "give a path relative to the job's workdir, e.g. `checkpoints`")
+    resolved = workdir / value
+    if not _inside(resolved, workdir):
+        return None, ConfigIssue(key, f"{value!r} escapes the job's workdir",
+                                 "give a relative path without `..`, e.g. `checkpoints`")
+    return str(Path(os.path.realpath(resolved))), None
+
+
+def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri: str,
+            run_id: str | None) -> tuple[dict[str, Any], list[ConfigIssue]]:
+    """A copy of ``raw`` with the service's values forced into the confined fields, and what was refused."""
+    import copy
+
+    out = copy.deepcopy(raw)
+    issues: list[ConfigIssue] = []
+    tracking = out.setdefault("tracking", {})
+    if isinstance(tracking, dict):
+        tracking["tracking_uri"] = tracking_uri
+        tracking["run_id"] = run_id
+    checkpoint = out.get("train", {}).get("checkpoint") if isinstance(out.get("train"), dict) else None
+    if isinstance(checkpoint, dict):
+        for field in ("dir", "resume"):
+            value = checkpoint.get(field)
+            if isinstance(value, str) and value and not (field == "resume" and value in ("none", "auto")):
+                checkpoint[field], issue = _confine_in_workdir(value, f"train.checkpoint.{field}", workdir)
+                issues += [issue] if issue else []
+        if "dir" not in checkpoint:
+            checkpoint["dir"] = str(workdir / "checkpoints")
+    data = out.get("data")
+    if isinstance(data, dict):
+        root = data.get("root")
+        if isinstance(root, str) and root != "stdlib":
+            resolved = Path(root) if Path(root).is_absolute() else workdir / root
+            if _inside(resolved, workspace):
+                data["root"] = str(Path(os.path.realpath(resolved)))
+            else:
+                issues.append(ConfigIssue("data.root", f"{root!r} is outside the service's workspace",
+                                          f"use `stdlib` or a directory inside {workspace}"))
+        glob = data.get("glob")
+        if isinstance(glob, str) and (".." in Path(glob).parts or glob.startswith("/")):
+            issues.append(ConfigIssue("data.glob", f"{glob!r} reaches outside data.root", "use a relative glob without `..`"))
+    launch = out.get("launch")
+    if isinstance(launch, dict):
+        if launch.get("nnodes", 1) != 1 or launch.get("node_rank", 0) != 0:
+            issues.append(ConfigIssue("launch.nnodes", "the service runs single-host jobs only", "set launch.nnodes=1"))
+        host = str(launch.get("rdzv_endpoint", "127.0.0.1:0")).rsplit(":", 1)[0]
+        if host not in _LOOPBACK_HOSTS:
+            issues.append(ConfigIssue("launch.rdzv_endpoint", f"{host!r} is not a loopback address",
+                                      "use 127.0.0.1:0"))
+    return out, issues
+
+
+def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | None, workspace: Path,
+                   workdir: Path, tracking_uri: str, run_id: str | None, check_model: bool = True) -> RunConfig:
+    """The validated, confined config of a submission, or :class:`ConfigError` naming every problem."""
+    if document is not None:
+        raw = document
+    else:
+        raw = compose_overrides(list(overrides or []))
+    if issues := check_document(raw):
+        raise ConfigError(issues)
+    confined, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri=tracking_uri, run_id=run_id)
+    try:
+        cfg = validate_config(confined, check_model=check_model)
+    except ConfigError as err:
+        raise ConfigError(issues + err.issues) from None
+    if issues:
+        raise ConfigError(issues)
+    return cfg
+

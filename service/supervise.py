@@ -1,0 +1,48 @@
+"""``python -m service.supervise <exit-code-file> -- <command...>``: run a job's command, record its exit code.
+
+The control plane starts every job through this tiny supervisor (stdlib only, ~30 ms) so that
+a job's exit status outlives the control plane: a restarted server is not the parent of a job
+started before the restart and cannot ``waitpid`` it, but it can read the file written here.
+
+The supervisor shares the job's process group: the service signals the group, the trainer gets
+SIGTERM and ends its MLflow run KILLED, the supervisor ignores SIGTERM/SIGINT and waits for it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def write_exit_code(path: Path, code: int) -> None:
+    """Write atomically: a reader sees no file or the whole number."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{code}\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m service.supervise <exit-code-file> -- <command...>", file=sys.stderr)
+        return 2
+    exit_file, command = Path(argv[0]), argv[2:]
+    # The whole process group receives the service's SIGTERM; the child handles it, we wait.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child = subprocess.Popen(command, restore_signals=True, preexec_fn=_default_signals)
+    code = child.wait()
+    code = 128 - code if code < 0 else code  # death by signal N -> 128 + N, as a shell reports it
+    write_exit_code(exit_file, code)
+    return code
+
+
+def _default_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,373 @@
+"""Every documented kind of bad config gives its message: the exact config path, a reason that
+states the numbers involved, and a fix. Each case is composed from ``conf/`` with Hydra overrides
+(as a user types them after ``python -m trainer``), and edited as a dict where Hydra's override
+grammar cannot express it (placement globs contain ``*`` and ``[``).
+
+Cases under ``crash/`` were crashes (an exception other than ConfigError) or silently accepted
+bad configs found by ``test_fuzz.py``; they stay here so they cannot come back.
+
+Run: ``python -m pytest tests/conf/test_bad_configs.py -q``
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import pytest
+
+from trainer.compose import compose_dict
+from trainer.errors import ConfigError, ConfigIssue
+from trainer.validate import validate_config
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+@lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]) -> dict[str, Any]:
+    return compose_dict(list(overrides))
+
+
+def compose(*overrides: str) -> dict[str, Any]:
+    return copy.deepcopy(_composed(tuple(overrides)))
+
+
+def put(*keys_and_value: Any) -> Edit:
+    """An edit setting ``raw[k1][k2]...[kn] = value`` (creating dicts on the way)."""
+    *keys, value = keys_and_value
+
+    def edit(raw: dict[str, Any]) -> None:
+        node = raw
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+
+    return edit
+
+
+def drop(*keys: str) -> Edit:
+    def edit(raw: dict[str, Any]) -> None:
+        node = raw
+        for key in keys[:-1]:
+            node = node[key]
+        del node[keys[-1]]
+
+    return edit
+
+
+def both(*edits: Edit) -> Edit:
+    def edit(raw: dict[str, Any]) -> None:
+        for e in edits:
+            e(raw)
+
+    return edit
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A bad config and the issue it must produce: ``path`` exactly, phrases in reason and fix."""
+
+    overrides: tuple[str, ...]
+    path: str
+    reason: tuple[str, ...]
+    fix: tuple[str, ...] = ()
+    edit: Edit | None = None
+
+
+def bad(overrides: list[str], path: str, reason: list[str], fix: list[str] = (), edit: Edit | None = None) -> Bad:
+    return Bad(tuple(overrides), path, tuple(reason), tuple(fix), edit)
+
+
+WQKV, WO, W13, W2 = (
+    "layers.*.attn.w[qkv].weight",
+    "layers.*.attn.wo.weight",
+    "layers.*.mlp.w[13].weight",
+    "layers.*.mlp.w2.weight",
+)
+
+
+def placement_path(glob: str, axis: str | None = None) -> str:
+    return f'parallel.placements["{glob}"]' + (f".{axis}" if axis else "")
+
+
+CASES: dict[str, Bad] = {
+    # ------------------------------------------------------------------------------- schema
+    "schema/unknown-top-level-key": bad(
+        ["+foo=1"], "foo", ["unknown key"], ["known keys here", "parallel", "train", "validate_only"]),
+    "schema/unknown-nested-key": bad(
+        ["+train.stepz=10"], "train.stepz", ["unknown key"], ["known keys here", "steps", "global_batch_size"]),
+    "schema/unknown-key-in-pipeline": bad(
+        ["+parallel=3d", "+parallel.pipeline.microbatch=8"], "parallel.pipeline.microbatch", ["unknown key"],
+        ["known keys here", "microbatches", "stages_per_rank"]),
+    "schema/unknown-key-in-model-union": bad(
+        ["+model.hidden=3"], "model.hidden", ["unknown key"], ["known keys here", "n_heads", "ffn_hidden_dim"]),
+    "schema/unknown-key-in-layout": bad(
+        ["+parallel=tp_sp"], 'parallel.layouts["layers.*.attn_norm"].inptu', ["unknown key"],
+        ["known keys here", "input", "output"],
+        edit=put("parallel", "layouts", "layers.*.attn_norm", "inptu", {"tp": "Shard(1)"})),
+    "schema/wrong-type-int": bad(
+        ["train.steps=abc"], "train.steps", ["valid integer", "'abc'"], ["expected type"]),
+    "schema/wrong-type-list": bad(
+        ["+parallel=dp", "parallel.dims=dp"], "parallel.dims", ["valid list", "'dp'"], ["expected type"]),
+    "schema/out-of-range-int": bad(
+        ["train.steps=0"], "train.steps", ["greater than or equal to 1", "got 0"], ["allowed range"]),
+    "schema/out-of-range-float": bad(
+        ["optim.lr=0"], "optim.lr", ["greater than 0", "got 0"], ["allowed range"]),
+    "schema/bad-enum-schedule": bad(
+        ["+parallel=3d", "parallel.pipeline.schedule=Foo"], "parallel.pipeline.schedule",
+        ["'Foo'", "'GPipe'", "'1F1B'", "'ZBV'"], ["one of the listed values"]),
+    "schema/bad-enum-dp-mode": bad(
+        ["+parallel=fsdp", "parallel.data_parallel.mode=zero3"], "parallel.data_parallel.mode",
+        ["'zero3'", "'ddp'", "'fsdp'", "'zero2'", "'hsdp'"], ["one of the listed values"]),
+    "schema/bad-placement-string": bad(
+        ["+parallel=tp"], placement_path(WO, "tp"), ["'Shard(x)' is not a placement", "Shard(<tensor dim>)", "Replicate"],
+        ["valid value"], edit=put("parallel", "placements", WO, "tp", "Shard(x)")),
+    "schema/placement-not-a-string": bad(
+        ["+parallel=tp"], placement_path(WO, "tp"), ["expected a placement string", "got 1"],
+        edit=put("parallel", "placements", WO, "tp", 1)),
+    "schema/unknown-model-arch": bad(
+        ["model.arch=gpt"], "model.arch", ["unknown value 'gpt'", "'llama'", "'mlp'"], ["one of the listed values"]),
+    "schema/model-arch-missing": bad(
+        [], "model.arch", ["required key is missing"], ["model.arch", "model=gpt_debug"], edit=drop("model", "arch")),
+    "schema/parallel-dims-missing": bad(
+        ["+parallel=dp"], "parallel.dims", ["required key is missing"], ["add it"], edit=drop("parallel", "dims")),
+    # --------------------------------------------------------------------------------- mesh
+    "mesh/zero-size": bad(["+parallel=dp", "mesh=[0]"], "mesh[0]", ["must be >= 1", "got 0"], ["positive"]),
+    "mesh/negative-size": bad(["+parallel=2d", "mesh=[2,-1]"], "mesh[1]", ["must be >= 1", "got -1"], ["positive"]),
+    "mesh/empty": bad(["+parallel=dp", "mesh=[]"], "mesh", ["is empty"], ["one size per axis", "null"]),
+    "mesh/non-rectangular-ids": bad(
+        ["+parallel=2d", "mesh=[[0,1],[2]]"], "mesh", ["rectangular", "mesh[1] has 1 entries, expected 2"],
+        ["same length"]),
+    "mesh/duplicate-ids": bad(
+        ["+parallel=2d", "mesh=[[0,1],[1,2]]"], "mesh", ["[0, 1, 1, 2]", "not each of 0..3 exactly once"],
+        ["every rank id from 0 to 3 once"]),
+    "mesh/dims-count-mismatch": bad(
+        ["+parallel=3d", "mesh=[2,2]"], "parallel.dims", ["names 3 axes", "['dp', 'pp', 'tp']", "mesh [2, 2] has 2"],
+        ["one name per mesh axis"]),
+    "mesh/duplicate-axis-name": bad(
+        ["+parallel=2d", "parallel.dims=[dp,dp]"], "parallel.dims[1]", ["axis name 'dp' is used twice"],
+        ["its own name"]),
+    "mesh/axis-name-not-identifier": bad(
+        ["+parallel=dp", "parallel.dims=[d-p]", "parallel.data_parallel.dim=d-p"], "parallel.dims[0]",
+        ["'d-p' is not a valid axis name"], ["identifier"]),
+    "mesh/mesh-without-parallel": bad(
+        ["mesh=[2]"], "mesh", ["[2] has 2 devices", "no parallel section"], ["+parallel="]),
+    "mesh/parallel-without-mesh": bad(
+        ["+parallel=dp", "mesh=null"], "mesh", ["parallel section needs a mesh"], ["mesh=[2]"]),
+    "mesh/explicit-ids-on-several-hosts": bad(
+        ["+parallel=2d", "mesh=[[0,1],[2,3]]", "launch.nnodes=2"], "mesh", ["explicit rank ids", "one host only"],
+        ["mesh shape"]),
+    # ------------------------------------------------------------------------ data parallel
+    "dp/unknown-axis": bad(
+        ["+parallel=dp", "parallel.data_parallel.dim=xp"], "parallel.data_parallel.dim",
+        ["axis 'xp' is not in parallel.dims ['dp']"], ["use one of ['dp']"]),
+    "dp/hsdp-with-one-axis": bad(
+        ["+parallel=hsdp", "parallel.data_parallel.dim=dp_shard"], "parallel.data_parallel.dim",
+        ["mode hsdp takes 2 axis name(s)", "['dp_shard']"], ["two axes", "[replicate_axis, shard_axis]"]),
+    "dp/ddp-with-two-axes": bad(
+        ["+parallel=hsdp", "parallel.data_parallel.mode=ddp"], "parallel.data_parallel.dim",
+        ["mode ddp takes 1 axis name(s)", "['dp_replicate', 'dp_shard']"], ["one axis name", "hsdp"]),
+    # ----------------------------------------------------------------------------- pipeline
+    "pipeline/axis-is-dp-axis": bad(
+        ["+parallel=3d", "parallel.pipeline.dim=dp"], "parallel.pipeline.dim",
+        ["'dp' is already the data-parallel axis"], ["its own mesh axis"]),
+    "pipeline/unknown-axis": bad(
+        ["+parallel=3d", "parallel.pipeline.dim=pq"], "parallel.pipeline.dim",
+        ["axis 'pq' is not in parallel.dims ['dp', 'pp', 'tp']"]),
+    "pipeline/interleaved-one-stage-per-rank": bad(
+        ["+parallel=3d", "parallel.pipeline.schedule=Interleaved1F1B"], "parallel.pipeline.stages_per_rank",
+        ["Interleaved1F1B", "needs >= 2, got 1"], ["stages_per_rank: 2"]),
+    "pipeline/zbv-three-stages-per-rank": bad(
+        ["+parallel=3d", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=3"],
+        "parallel.pipeline.stages_per_rank", ["ZBV", "exactly 2", "got 3"], ["stages_per_rank: 2"]),
+    "pipeline/gpipe-two-stages-per-rank": bad(
+        ["+parallel=pp", "parallel.pipeline.schedule=GPipe", "parallel.pipeline.stages_per_rank=2"],
+        "parallel.pipeline.stages_per_rank", ["GPipe runs one stage per rank, got 2"], ["stages_per_rank: 1"]),
+    "pipeline/1f1b-fewer-microbatches-than-stages": bad(
+        ["+parallel=pp", "mesh=[4]", "parallel.pipeline.microbatches=2"], "parallel.pipeline.microbatches",
+        ["1F1B", "2 < pp size 4"], ["microbatches >= 4"]),
+    "pipeline/interleaved-microbatches-not-multiple": bad(
+        ["+parallel=pp", "parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.stages_per_rank=2",
+         "parallel.pipeline.microbatches=3", "train.global_batch_size=12"], "parallel.pipeline.microbatches",
+        ["divisible by the pp size 2, got 3"], ["multiple of 2"]),
+    "pipeline/boundary-missing-module": bad(
+        ["+parallel=3d", "parallel.pipeline.boundaries=[layers.9]"], "parallel.pipeline.boundaries[0]",
+        ["'layers.9' is not a top-level module"], ["layers.1", "layers.3", "norm"]),
+    "pipeline/boundaries-out-of-order": bad(
+        ["+parallel=3d", "mesh=[1,4,2]", "parallel.pipeline.boundaries=[layers.2,layers.1,layers.3]"],
+        "parallel.pipeline.boundaries", ["['layers.2', 'layers.1', 'layers.3'] are not in forward order"],
+        ["in the order the model runs them"]),
+    "pipeline/boundaries-wrong-count": bad(
+        ["+parallel=3d", "parallel.pipeline.boundaries=[layers.1,layers.2]"], "parallel.pipeline.boundaries",
+        ["2 boundaries make 3 stages", "pp size 2 x stages_per_rank 1 needs 2"], ["give 1 boundary,", "auto"]),
+    "pipeline/first-module-as-boundary": bad(
+        ["+parallel=3d", "parallel.pipeline.boundaries=[tok_embeddings]"], "parallel.pipeline.boundaries[0]",
+        ["'tok_embeddings' is the first module", "stage 0"], ["later stage"]),
+    "pipeline/auto-too-many-stages": bad(
+        ["+parallel=pp", "mesh=[8]", "parallel.pipeline.microbatches=8"], "parallel.pipeline.boundaries",
+        ["auto needs 8 stages", "only 7 pieces", "tok_embeddings, layers.0"], ["smaller pp size", "deeper model"]),
+    "pipeline/auto-too-many-interleaved-stages": bad(
+        ["+parallel=pp", "mesh=[4]", "parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.stages_per_rank=2"],
+        "parallel.pipeline.boundaries", ["auto needs 8 stages", "only 7 pieces"]),
+    # --------------------------------------------------------------------------- placements
+    "placements/glob-matches-nothing": bad(
+        ["+parallel=tp"], placement_path("layers.*.attn.wz.weight"), ["matches no parameter"],
+        ["fix the glob", "tok_embeddings.weight"], edit=put("parallel", "placements", "layers.*.attn.wz.weight",
+                                                            {"tp": "Shard(0)"})),
+    "placements/unknown-axis": bad(
+        ["+parallel=tp"], placement_path(WO, "tq"), ["axis 'tq' is not in parallel.dims ['tp']"], ["use one of ['tp']"],
+        edit=put("parallel", "placements", WO, {"tq": "Shard(1)"})),
+    "placements/partial-on-parameter": bad(
+        ["+parallel=tp"], placement_path(WO, "tp"), ["Partial() on a parameter", "must be whole"],
+        ["Shard(d) or Replicate", "layouts"], edit=put("parallel", "placements", WO, "tp", "Partial")),
+    "placements/on-dp-axis": bad(
+        ["+parallel=2d"], placement_path("tok_embeddings.weight", "dp"), ["axis 'dp' is the data_parallel axis"],
+        ["only on tensor-parallel axes"], edit=put("parallel", "placements", "tok_embeddings.weight", {"dp": "Shard(0)"})),
+    "placements/on-pp-axis": bad(
+        ["+parallel=3d"], placement_path("tok_embeddings.weight", "pp"), ["axis 'pp' is the pipeline axis"],
+        edit=put("parallel", "placements", "tok_embeddings.weight", {"pp": "Shard(0)"})),
+    "placements/shard-dim-past-2d-weight": bad(
+        ["+parallel=tp"], placement_path(WO, "tp"), ["Shard(2)", "layers.0.attn.wo.weight has 2 dims", "[64, 64]"],
+        ["Shard(0) .. Shard(1)"], edit=put("parallel", "placements", WO, "tp", "Shard(2)")),
+    "placements/uneven-shard-172-over-8": bad(
+        ["+parallel=tp", "mesh=[8]"], placement_path(W13, "tp"),
+        ["Shard(0) splits dim 0 of size 172 over 8 ranks; 172 is not divisible by 8"],
+        ["use a tp size dividing 172, or Replicate"]),
+    "placements/uneven-row-shard-172-over-8": bad(
+        ["+parallel=tp", "mesh=[8]"], placement_path(W2, "tp"),
+        ["Shard(1) splits dim 1 of size 172 over 8 ranks; 172 is not divisible by 8"]),
+    "placements/uneven-2d-tensor-parallel": bad(
+        ["+parallel=tp", "mesh=[2,4]", "parallel.dims=[tp,tp2]"], placement_path(W13, "tp2"),
+        ["Shard(0) splits dim 0 of size 172 over 8 ranks (tp x tp2); 172 is not divisible by 8"],
+        ["tp x tp2 size dividing 172"], edit=put("parallel", "placements", W13, {"tp": "Shard(0)", "tp2": "Shard(0)"})),
+    "placements/heads-not-divisible-by-tp": bad(
+        ["+parallel=tp", "mesh=[4]"], placement_path(WQKV, "tp"),
+        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "Replicate"]),
+    "placements/overlapping-globs": bad(
+        ["+parallel=tp"], placement_path("layers.0.attn.wq.weight"),
+        ["parameter layers.0.attn.wq.weight is also matched by 'layers.*.attn.w[qkv].weight'"], ["disjoint"],
+        edit=put("parallel", "placements", "layers.0.attn.wq.weight", {"tp": "Shard(0)"})),
+    # ------------------------------------------------------------------------------ layouts
+    "layouts/glob-matches-nothing": bad(
+        ["+parallel=tp_sp"], 'parallel.layouts["layers.*.attn_nrom"]', ["matches no module"],
+        ["fix the glob", "tok_embeddings"], edit=put("parallel", "layouts", "layers.*.attn_nrom",
+                                                    {"input": {"tp": "Shard(1)"}})),
+    "layouts/unknown-axis": bad(
+        ["+parallel=tp_sp"], 'parallel.layouts["layers.*.attn_norm"].input.sq',
+        ["axis 'sq' is not in parallel.dims ['tp']"], ["use one of ['tp']"],
+        edit=put("parallel", "layouts", "layers.*.attn_norm", {"input": {"sq": "Shard(1)"}})),
+    # -------------------------------------------------------------------- batch, model, misc
+    "batch/not-divisible-by-dp-x-microbatches": bad(
+        ["+parallel=3d", "train.global_batch_size=12"], "train.global_batch_size",
+        ["12 sequences", "dp size 2 x microbatches 4 x grad_accum 1 = 8"], ["multiple of 8", "e.g. 16"]),
+    "batch/not-divisible-with-grad-accum": bad(
+        ["+parallel=fsdp", "train.grad_accum=3"], "train.global_batch_size",
+        ["16 sequences", "dp size 2 x microbatches 1 x grad_accum 3 = 6"], ["multiple of 6", "e.g. 18"]),
+    "model/seq-len-over-max": bad(
+        ["train.seq_len=1000"], "train.seq_len", ["1000 is longer than model.max_seq_len 256"], ["seq_len <= 256"]),
+    "model/mlp-with-text-data": bad(
+        ["model=mlp"], "data.kind", ["model mlp cannot train on text data"], ["data=regression"]),
+    "model/llama-with-regression-data": bad(
+        ["data=regression"], "data.kind", ["model llama cannot train on regression data"], ["data=text", "data=synthetic"]),
+    "model/heads-do-not-divide-dim": bad(
+        ["model.n_heads=5", "model.n_kv_heads=null"], "model.n_heads", ["dim 64 does not split into 5 heads"]),
+    "model/kv-heads-do-not-group": bad(
+        ["model.n_kv_heads=3"], "model.n_kv_heads", ["4 query heads do not group over 3 kv heads"]),
+    "model/vocab-too-small-for-bytes": bad(
+        ["model.vocab_size=128"], "model.vocab_size", ["256 token ids", "got 128"], ["vocab_size: 256"]),
+    "model/synthetic-symbols-exceed-vocab": bad(
+        ["data=synthetic", "model.vocab_size=8"], "data.num_symbols", ["16 symbols exceed model.vocab_size 8"]),
+    "model/activation-checkpointing-on-mlp": bad(
+        ["model=mlp", "data=regression", "+parallel=fsdp", "parallel.activation_checkpointing=full"],
+        "parallel.activation_checkpointing", ["model mlp has no transformer blocks"], ["none"]),
+    "parallel/axis-used-by-nothing": bad(
+        ["+parallel=2d"], "parallel.dims[1]", ["axis 'tp' of size 2 is used by nothing"],
+        ["data_parallel, pipeline or placements", "mesh size to 1"], edit=put("parallel", "placements", {})),
+    "train/checkpoint-every-past-steps": bad(
+        ["train.checkpoint.every=500"], "train.checkpoint.every", ["500 is more than train.steps 200"], ["every <= steps"]),
+    "launch/node-rank-not-below-nnodes": bad(
+        ["launch.node_rank=1"], "launch.node_rank", ["1 is not below launch.nnodes 1"], ["from 0 to 0"]),
+    "launch/nnodes-does-not-divide-world": bad(
+        ["+parallel=3d", "launch.nnodes=3"], "launch.nnodes", ["world size 8 does not split over 3 hosts"]),
+    # ----------------------- crashes and silently accepted configs found by the fuzzers, now fixed
+    "crash/hsdp-dims-longer-than-mesh": bad(  # was IndexError in config.axis_size via _check_batch
+        ["+parallel=hsdp", "mesh=[4]"], "parallel.dims", ["names 2 axes", "mesh [4] has 1"]),
+    "crash/hsdp-without-mesh": bad(  # was IndexError in config.axis_size via _check_batch
+        ["+parallel=hsdp", "mesh=null"], "mesh", ["parallel section needs a mesh"], ["mesh=[2,2]"]),
+    "crash/explicit-ids-with-no-ranks": bad(  # was ZeroDivisionError in _check_batch (dp size 0)
+        ["+parallel=dp", "mesh=[[]]"], "mesh", ["hold no rank id", "0 devices"]),
+    "crash/explicit-ids-with-no-ranks-no-parallel": bad(  # was accepted: a mesh of 0 devices
+        ["mesh=[[],[]]"], "mesh", ["hold no rank id", "0 devices"]),
+    "crash/mesh-size-bool": bad(  # was accepted: True counted as an axis of size 1
+        ["+parallel=2d"], "mesh[0]", ["must be an int, got True"], edit=put("mesh", [True, 2])),
+    "crash/mesh-size-float": bad(  # was reported as a malformed explicit-rank-id list
+        ["+parallel=dp", "mesh=[2.0]"], "mesh[0]", ["must be an int, got 2.0"], ["mesh=[2,2]"]),
+    "crash/hsdp-same-axis-twice": bad(  # was accepted, with dp size 4 on a mesh of 2
+        ["+parallel=dp", "parallel.data_parallel.mode=hsdp", "parallel.data_parallel.dim=[dp,dp]"],
+        "parallel.data_parallel.dim", ["names axis 'dp' twice"], ["two different axes"]),
+    "crash/model-dim-overflows-int64-storage": bad(  # was RuntimeError from build_model on meta
+        ["model.dim=2147483648", "model.n_heads=2", "model.n_kv_heads=null"], "model", ["too large to build"],
+        ["fit in memory"]),
+    "crash/vocab-size-past-int64": bad(  # was TypeError from torch.empty on meta
+        [], "model", ["too large to build"], edit=put("model", "vocab_size", 2**70)),
+    "crash/n-layers-huge": bad(  # was a hang: a million blocks built on the meta device
+        ["model.n_layers=1000000"], "model.n_layers", ["1000000 blocks", "1024"], ["n_layers <= 1024"]),
+    "crash/seed-past-64-bits": bad(  # was accepted, then torch.manual_seed raised in every worker
+        [], "train.seed", ["does not fit in 64 bits"], edit=put("train", "seed", 2**80)),
+    "crash/shard-on-1d-parameter-behind-star-glob": bad(  # was accepted: only the first match's shape was checked
+        ["+parallel=tp"], placement_path("*", "tp"), ["Shard(1)", "layers.0.attn_norm.weight has 1 dims", "[64]"],
+        ["use Shard(0),"], edit=put("parallel", "placements", {"*": {"tp": "Shard(1)"}})),
+    "crash/placement-key-not-a-string": bad(  # the path used to end in pydantic's internal `["[key]"]`
+        ["+parallel=tp"], "parallel.placements[5]", ["bad key", "valid string"],
+        edit=put("parallel", "placements", {5: {"tp": "Shard(0)"}})),
+}
+
+
+def _describe(issues: list[ConfigIssue]) -> str:
+    return "\n".join(f"  {i.path!r}: {i.reason!r} / fix {i.fix!r}" for i in issues)
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_bad_config_names_path_reason_and_fix(case: Bad):
+    raw = compose(*case.overrides)
+    if case.edit is not None:
+        case.edit(raw)
+    with pytest.raises(ConfigError) as excinfo:
+        validate_config(raw)
+    issues = excinfo.value.issues
+    at_path = [i for i in issues if i.path == case.path]
+    assert at_path, f"no issue at {case.path!r}; got:\n{_describe(issues)}"
+    matching = [i for i in at_path
+                if all(p in i.reason for p in case.reason) and all(p in i.fix for p in case.fix)]
+    assert matching, f"issue at {case.path!r} lacks {case.reason} / {case.fix}; got:\n{_describe(at_path)}"
+    for issue in issues:  # every issue, not only the expected one, is a complete sentence for the user
+        assert issue.path and issue.reason and issue.fix, issue
+    assert f"{case.path}: " in str(excinfo.value)  # the rendered error shows the path to the user
+
+
+def test_enough_distinct_cases():
+    assert len(CASES) >= 30
+    assert len({(c.overrides, c.path, c.reason) for c in CASES.values()}) == len(CASES)
+
+
+def test_design_example_renders_exactly():
+    """DESIGN.md's example message, word for word, as the launcher prints it."""
+    with pytest.raises(ConfigError) as excinfo:
+        validate_config(compose("+parallel=tp", "mesh=[8]"))
+    assert (
+        'parallel.placements["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 over 8 ranks; '
+        "172 is not divisible by 8 (use a tp size dividing 172, or Replicate)"
+    ) in str(excinfo.value).splitlines()[1:][2]
+
+
+def test_all_issues_reported_at_once():
+    """Independent mistakes are reported together, so a user fixes them in one round."""
+    raw = compose("+parallel=3d", "train.checkpoint.every=500", "launch.node_rank=1", "train.global_batch_size=12")
+    with pytest.raises(ConfigError) as excinfo:
+        validate_config(raw)
+    paths = {i.path for i in excinfo.value.issues}
+    assert {"train.checkpoint.every", "launch.node_rank", "train.global_batch_size"} <= paths
+    assert str(excinfo.value).startswith(f"invalid config: {len(excinfo.value.issues)} problems")

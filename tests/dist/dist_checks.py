@@ -1,0 +1,280 @@
+"""Checks that run inside the worker processes of one launch (see ``dist_harness``).
+
+Each check takes ``rank``/``world_size`` and returns a JSON-able dict; the parent test compares
+it with a single-device reference computed by :func:`reference_run` in the parent process.
+Presets are read from ``conf/parallel/*.yaml`` with ``yaml.safe_load`` and validated by the
+trainer's own ``ParallelConfig`` (tests may import the trainer; the ``parallel`` package may not).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from parallel.engine import ParallelModel, parallelize
+from parallel.mesh import build_mesh
+from parallel.tensor_parallel import apply_placements
+from trainer.config import LlamaConfig, MLPConfig, ParallelConfig
+from trainer.models import build_model, loss_fn_for
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, GLOBAL_BATCH, SEQ_LEN, LR, GRAD_CLIP = 5, 8, 32, 1e-3, 1.0
+MLP_CFG = MLPConfig(in_features=16, hidden_features=32, out_features=8, activation="relu")
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def llama_cfg() -> LlamaConfig:
+    return LlamaConfig(**yaml.safe_load((REPO / "conf/model/gpt_debug.yaml").read_text()))
+
+
+def batches(model_cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``STEPS`` global batches (inputs, targets) from a fixed seeded tensor."""
+    g = torch.Generator().manual_seed(1234)
+    if isinstance(model_cfg, LlamaConfig):
+        tokens = torch.randint(0, model_cfg.vocab_size, (STEPS, GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+        return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    x = torch.randn(STEPS, GLOBAL_BATCH, model_cfg.in_features, generator=g)
+    y = torch.randn(STEPS, GLOBAL_BATCH, model_cfg.out_features, generator=g)
+    return list(zip(x, y))
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list(params), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+
+
+def reference_run(model_cfg) -> dict:
+    """Single device, no engine: the losses and pre-clip gradient norms every mesh must match."""
+    model = build_model(model_cfg, seed=0)
+    optimizer, loss_fn = make_optimizer(model.parameters()), loss_fn_for(model_cfg)
+    losses, norms = [], []
+    for inputs, targets in batches(model_cfg):
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grad_norms": norms}
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def load_preset(name: str, **pipeline_update) -> tuple[list, ParallelConfig]:
+    """``(mesh, ParallelConfig)`` of ``conf/parallel/<name>.yaml``, pipeline fields overridden."""
+    raw = yaml.safe_load((REPO / f"conf/parallel/{name}.yaml").read_text())
+    parallel = raw["parallel"]
+    if pipeline_update:
+        parallel = {**parallel, "pipeline": {**parallel["pipeline"], **pipeline_update}}
+    return raw["mesh"], ParallelConfig.model_validate(parallel)
+
+
+def parallelize_preset(model: nn.Module, mesh: list, par: ParallelConfig, **overrides) -> ParallelModel:
+    kwargs = dict(
+        mesh_shape=mesh, dims=par.dims, data_parallel=par.data_parallel, pipeline=par.pipeline,
+        placements=par.placements, layouts=par.layouts, activation_checkpointing=par.activation_checkpointing,
+        activation_checkpointing_every=par.activation_checkpointing_every,
+    )
+    return parallelize(model, **{**kwargs, **overrides})
+
+
+def train(pm: ParallelModel, model_cfg) -> dict:
+    """``STEPS`` optimizer steps on this rank's dp share; losses as every rank sees them."""
+    optimizer, loss_fn = make_optimizer(pm.parameters()), loss_fn_for(model_cfg)
+    losses, norms = [], []
+    for inputs, targets in batches(model_cfg):
+        per = inputs.shape[0] // pm.dp_size
+        share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+        loss = pm.forward_backward(inputs[share], targets[share], loss_fn)
+        norms.append(pm.clip_grad_norm_(GRAD_CLIP))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(pm.reduce_loss(loss))
+    return {"losses": losses, "grad_norms": norms}
+
+
+# ------------------------------------------------------------------------ placements
+
+
+def _chunk(size: int, parts: int, index: int) -> int:
+    """Length of ``torch.chunk``'s piece ``index`` (what DTensor and FSDP2 keep locally)."""
+    per = math.ceil(size / parts)
+    return max(0, min(per, size - index * per))
+
+
+def expected_layout(fqn: str, shape, par: ParallelConfig, mesh_shape, coordinate) -> tuple[dict, list]:
+    """``({axis: "Shard(d)"}, local shape)`` the config asks for: the placements' shards on their
+    axes, then FSDP's dim-0 shard of that over the dp (shard) axis."""
+    from fnmatch import fnmatchcase
+
+    order: list[tuple[str, int]] = []
+    for glob, axes in par.placements.items():
+        if fnmatchcase(fqn, glob):
+            order += [(a, p.dim % len(shape)) for a in par.dims for p in [axes.get(a)] if p is not None and p.is_shard]
+    dp = par.data_parallel
+    if dp is not None and dp.mode in ("fsdp", "zero2", "hsdp"):
+        order.append((dp.dim_names[-1], 0))
+    local = list(shape)
+    for axis, dim in order:
+        i = par.dims.index(axis)
+        local[dim] = _chunk(local[dim], mesh_shape[i], coordinate[i])
+    return {a: f"Shard({d})" for a, d in order}, local
+
+
+def actual_layout(param: torch.Tensor) -> tuple[dict, list]:
+    if not isinstance(param, DTensor):
+        return {}, list(param.shape)
+    names = param.device_mesh.mesh_dim_names
+    # _StridedShard (FSDP over an already tp-sharded dim) is a Shard of the same dim.
+    axes = {names[i]: f"Shard({pl.dim})" for i, pl in enumerate(param.placements) if getattr(pl, "dim", None) is not None}
+    return axes, list(param.to_local().shape)
+
+
+def check_placements(pm: ParallelModel, par: ParallelConfig, mesh_shape, model_cfg) -> list[str]:
+    """Every parameter: placements and local shape as the config says, and the values (gathered)
+    equal the single-device initial values."""
+    full = dict(build_model(model_cfg, seed=0).named_parameters())
+    coordinate = pm.mesh.get_coordinate()
+    errors = []
+    for fqn, param in pm.named_parameters():
+        fqn = fqn.replace("_checkpoint_wrapped_module.", "")
+        want = expected_layout(fqn, full[fqn].shape, par, mesh_shape, coordinate)
+        got = actual_layout(param)
+        if want != got:
+            errors.append(f"{fqn}: expected {want}, got {got}")
+        value = param.full_tensor() if isinstance(param, DTensor) else param
+        if not torch.equal(value.detach(), full[fqn].detach()):
+            errors.append(f"{fqn}: values differ from the single-device init")
+    return errors
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def preset_check(name: str, **pipeline_update):
+    def check(*, rank: int, world_size: int) -> dict:
+        mesh, par = load_preset(name, **pipeline_update)
+        cfg = llama_cfg()
+        pm = parallelize_preset(build_model(cfg, seed=0), mesh, par)
+        errors = check_placements(pm, par, mesh, cfg)
+        fqns = sorted(n.replace("_checkpoint_wrapped_module.", "") for n, _ in pm.named_parameters())
+        return {**train(pm, cfg), "placement_errors": errors, "fqns": fqns, "report": pm.placement_report,
+                "stages": pm.stage_indices}
+
+    return check
+
+
+def ac_check(name: str, mode: str):
+    def check(*, rank: int, world_size: int) -> dict:
+        mesh, par = load_preset(name)
+        cfg = llama_cfg()
+        pm = parallelize_preset(build_model(cfg, seed=0), mesh, par, activation_checkpointing=mode,
+                                activation_checkpointing_every=2)
+        wrapped = sorted(n for n, m in pm.model_parts[0].named_modules() if isinstance(m, CheckpointWrapper))
+        return {**train(pm, cfg), "wrapped": wrapped}
+
+    return check
+
+
+MLP_PLACEMENTS = {"w0": {"tp": "Shard(1)"}, "w1": {"tp": "Shard(0)"}}
+
+
+def mlp_tp_check(*, rank: int, world_size: int) -> dict:
+    """The seeds' MLP: raw w0 Shard(1), w1 Shard(0) via DTensor propagation; trains to parity,
+    and a Partial output layout leaves the output Partial with the right sum."""
+    par = ParallelConfig.model_validate({"dims": ["tp"], "placements": MLP_PLACEMENTS})
+    pm = parallelize(build_model(MLP_CFG, seed=0), mesh_shape=[2], dims=["tp"], placements=par.placements)
+    shapes = {n: list(p.to_local().shape) for n, p in pm.named_parameters()}
+    result = {**train(pm, MLP_CFG), "report": pm.placement_report, "local_shapes": shapes}
+
+    mesh = build_mesh([2], ["tp"])
+    model = build_model(MLP_CFG, seed=0)
+    x = torch.randn(4, MLP_CFG.in_features, generator=torch.Generator().manual_seed(7))
+    expected = model(x)
+    apply_placements(model, mesh, placements=MLP_PLACEMENTS, layouts={"": {"output": {"tp": "Partial"}}})
+    out = model(x)
+    result["partial_output"] = isinstance(out, DTensor) and out.placements == (Partial(),)
+    result["partial_sum_max_abs_err"] = float((out.full_tensor() - expected).abs().max().detach())
+    return result
+
+
+def mlp_pp_check(*, rank: int, world_size: int) -> dict:
+    """The MLP cut between its raw parameters: stage FQNs are w0 and w1."""
+    par = ParallelConfig.model_validate(
+        {"dims": ["pp"], "pipeline": {"dim": "pp", "schedule": "GPipe", "microbatches": 2, "boundaries": ["w1"]}}
+    )
+    pm = parallelize(build_model(MLP_CFG, seed=0), mesh_shape=[2], dims=["pp"], pipeline=par.pipeline)
+    fqns = sorted(n for n, _ in pm.named_parameters())
+    return {**train(pm, MLP_CFG), "fqns": fqns}
+
+
+def paddle_mesh_check(*, rank: int, world_size: int) -> dict:
+    """PaddlePaddle's example: a [4, 3] tensor on ProcessMesh([[2, 4, 5], [0, 1, 3]]) with
+    [Shard(0), Shard(1)] leaves each of the 6 ranks a [2, 1] piece."""
+    ids = [[2, 4, 5], [0, 1, 3]]
+    mesh = build_mesh([2, 3], ["x", "y"], rank_ids=ids)
+    full = torch.arange(12.0).reshape(4, 3)
+    dt = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
+    local = distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None)
+    gathered = local.full_tensor()
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return {"member": False}
+    i, j = coordinate
+    return {
+        "member": True,
+        "coordinate": list(coordinate),
+        "local_shape": list(dt.to_local().shape),
+        "local_matches": bool(torch.equal(dt.to_local(), full[2 * i : 2 * i + 2, j : j + 1])),
+        "local": dt.to_local().tolist(),
+        "local_nosrc": local.to_local().tolist(),
+        "gathered_ok": bool(torch.equal(gathered, full)) if coordinate is not None else None,
+        "expected_coordinate": next([r, c] for r, row in enumerate(ids) for c, v in enumerate(row) if v == rank),
+    }
+
+
+def single_device_check(*, rank: int, world_size: int) -> dict:
+    """``parallelize`` with mesh (1,) is a plain model (run on every rank, no communication)."""
+    cfg = llama_cfg()
+    pm = parallelize(build_model(cfg, seed=0), mesh_shape=(1,), dims=["none"])
+    return {**train(pm, cfg), "mesh_is_none": pm.mesh is None}
+
+
+PP = dict(microbatches=4)
+SUITES = {
+    "two_rank": [
+        ("single_device", single_device_check),
+        ("dp", preset_check("dp")),
+        ("fsdp", preset_check("fsdp")),
+        ("zero2", preset_check("zero2")),
+        ("tp", preset_check("tp")),
+        ("tp_sp", preset_check("tp_sp")),
+        ("pp_GPipe", preset_check("pp", schedule="GPipe")),
+        ("pp_1F1B", preset_check("pp", schedule="1F1B")),
+        ("pp_Interleaved1F1B", preset_check("pp", schedule="Interleaved1F1B", stages_per_rank=2)),
+        ("pp_InterleavedZeroBubble", preset_check("pp", schedule="InterleavedZeroBubble", stages_per_rank=2)),
+        ("pp_ZBV", preset_check("pp", schedule="ZBV", stages_per_rank=2)),
+        ("fsdp_ac_full", ac_check("fsdp", "full")),
+        ("tp_sp_ac_selective", ac_check("tp_sp", "selective")),
+        ("mlp_tp", mlp_tp_check),
+        ("mlp_pp", mlp_pp_check),
+    ],
+    "four_rank": [
+        ("hsdp", preset_check("hsdp")),
+        ("2d", preset_check("2d")),
+    ],
+    "eight_rank": [
+        ("3d", preset_check("3d")),
+        ("paddle_mesh", paddle_mesh_check),
+    ],
+}

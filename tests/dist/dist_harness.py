@@ -1,0 +1,62 @@
+"""Launch N real gloo processes once and run a whole suite of checks inside them.
+
+Process start-up (~2-3 s each on a 2-core machine) dominates, so a suite runs many checks in
+one launch, reusing one process group; each rank writes its results as JSON and the parent
+reads them back:
+
+    results = launch("two_rank", world_size=2, out_dir=tmp_path)   # [rank0 dict, rank1 dict]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, suite: str, out_dir: str, only: list[str] | None) -> None:
+    """Module-level so ``spawn`` can pickle it: one rank of one suite."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 8 ranks on 2 cores: threads would only fight
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    import dist_checks as checks  # tests/dist is on sys.path (pytest rootdir-relative import); spawn inherits it
+
+    results: dict = {}
+    try:
+        for name, check in checks.SUITES[suite]:
+            if only is not None and name not in only:
+                continue
+            try:
+                results[name] = {"ok": True, **check(rank=rank, world_size=world_size)}
+            except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
+                results[name] = {"ok": False, "error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None = None) -> list[dict]:
+    """Run ``checks.SUITES[suite]`` (or the checks named in ``only``) on ``world_size``
+    processes; the per-rank result dicts."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_entry, args=(world_size, _free_port(), suite, str(out_dir), only), nprocs=world_size,
+                       join=True, start_method="spawn")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

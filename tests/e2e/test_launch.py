@@ -1,0 +1,104 @@
+"""The multi-worker launcher as a user meets it: a dying worker, a stopped job, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LONG_DP = ["+parallel=dp", "mesh=[2]", "train.steps=100000", "train.global_batch_size=4", "train.seq_len=32",
+           "train.log_every=1", "data.max_bytes=100000"]
+
+
+def _children(pid: int) -> set[int]:
+    """All descendants of pid, from /proc."""
+    parent_of = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parent_of.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def _start(tmp_path: Path, uri: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer", *LONG_DP, f"tracking.tracking_uri={uri}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_for_workers(proc: subprocess.Popen, n: int) -> dict[int, int]:
+    """{rank: pid} once n workers have logged a step."""
+    deadline = time.monotonic() + 180
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        assert line or proc.poll() is None, "".join(lines)
+        if line.startswith("workers: "):
+            ranks = {int(k.removeprefix("rank")): int(v) for k, v in (w.split("=") for w in line.split()[1:])}
+            assert len(ranks) == n and set(ranks.values()) <= _children(proc.pid)
+        if line.startswith("step 3/"):
+            return ranks
+    raise AssertionError("workers did not start:\n" + "".join(lines))
+
+
+def _run_status(uri: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("meshflow").experiment_id])
+    assert len(runs) == 1
+    return runs[0].info.status
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_worker_names_rank_fails_run_and_leaves_no_process(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = _start(tmp_path, uri)
+    ranks = _wait_for_workers(proc, 2)
+    everything = _children(proc.pid)
+    os.kill(ranks[1], signal.SIGKILL)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, output
+    assert f"worker rank 1 (pid {ranks[1]}) was killed by signal SIGKILL" in output
+    assert _run_status(uri) == "FAILED"
+    time.sleep(0.5)
+    assert not _alive(everything), f"left behind: {_alive(everything)}"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_worker_and_kills_the_run(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = _start(tmp_path, uri)
+    _wait_for_workers(proc, 2)
+    everything = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, output
+    assert _run_status(uri) == "KILLED"
+    time.sleep(0.5)
+    assert not _alive(everything), f"left behind: {_alive(everything)}"
