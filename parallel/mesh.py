@@ -28,6 +28,7 @@ def build_mesh(
     *,
     rank_ids: Sequence | None = None,
     device_type: str = "cpu",
+    allow_unordered: bool = False,
 ) -> DeviceMesh:
     """The ``DeviceMesh`` of ``mesh_shape`` with axes named ``dim_names``.
 
@@ -37,6 +38,8 @@ def build_mesh(
         rank_ids: optional nested list of global ranks shaped like ``mesh_shape``
             (e.g. ``[[2, 4, 5], [0, 1, 3]]``); default row-major ``0 .. n-1``.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+        allow_unordered: build the mesh even if an axis lists its ranks out of increasing
+            order (see :func:`unordered_axes`); only local slicing is then trustworthy.
     """
     mesh_shape, dim_names = tuple(int(s) for s in mesh_shape), tuple(dim_names)
     if len(mesh_shape) != len(dim_names):
@@ -50,7 +53,31 @@ def build_mesh(
         raise ValueError(f"rank ids of shape {list(ids.shape)} do not match the mesh shape {list(mesh_shape)}")
     if sorted(ids.flatten().tolist()) != sorted(set(ids.flatten().tolist())):
         raise ValueError(f"rank ids {rank_ids} repeat a rank")
+    bad = unordered_axes(ids, dim_names)
+    if bad and not allow_unordered:
+        raise ValueError(
+            f"mesh rank ids {rank_ids}: along axis {bad[0]!r} the ranks are not in increasing order. torch "
+            "orders the members of each axis's process group by global rank, while DTensor cuts shards by mesh "
+            "position, so collectives would assemble shards in the wrong order. List every axis's ranks in "
+            "increasing order (e.g. swap rows/columns of the nested list)"
+        )
     return DeviceMesh(device_type, ids, mesh_dim_names=dim_names)
+
+
+def unordered_axes(rank_ids: torch.Tensor, dim_names: Sequence[str]) -> list[str]:
+    """Axes along which some line of ``rank_ids`` is not increasing.
+
+    ``torch.distributed.new_group`` sorts its ranks, so the group rank of a process along an axis
+    is its position in *sorted* order, while ``DeviceMesh.get_coordinate`` (which DTensor uses to
+    cut a tensor) is its position in the nested list. They agree only if every line is increasing.
+    Paddle's ``[[2, 4, 5], [0, 1, 3]]`` has columns ``[2, 0]``, ``[4, 1]``, ``[5, 3]``: decreasing.
+    """
+    bad = []
+    for axis, name in enumerate(dim_names):
+        lines = rank_ids.movedim(axis, -1).reshape(-1, rank_ids.shape[axis])
+        if bool((lines[:, 1:] <= lines[:, :-1]).any()):
+            bad.append(name)
+    return bad
 
 
 def submesh(mesh: DeviceMesh, names: str | Sequence[str]) -> DeviceMesh:

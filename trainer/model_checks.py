@@ -49,7 +49,8 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
                                   f"use data={' or data='.join(_DATA_FOR_ARCH[m.arch])}"))
     if isinstance(m, LlamaConfig):
         if m.n_layers > MAX_LAYERS:
-            issues.append(ConfigIssue("model.n_layers", f"{m.n_layers} blocks is more than the {MAX_LAYERS} this trainer supports",
+            issues.append(ConfigIssue("model.n_layers",
+                                      f"{m.n_layers} blocks is more than the {MAX_LAYERS} this trainer supports",
                                       f"use n_layers <= {MAX_LAYERS}"))
         if m.dim % m.n_heads:
             issues.append(ConfigIssue("model.n_heads", f"dim {m.dim} does not split into {m.n_heads} heads",

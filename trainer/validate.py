@@ -218,7 +218,8 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         return []
     if cfg.mesh is None:
         return [ConfigIssue("mesh", "the parallel section needs a mesh",
-                            f"set mesh to one size per axis of parallel.dims {par.dims}, e.g. mesh=[{','.join(['2'] * len(par.dims))}]")]
+                            f"set mesh to one size per axis of parallel.dims {par.dims}, "
+                            f"e.g. mesh=[{','.join(['2'] * len(par.dims))}]")]
     issues: list[ConfigIssue] = []
     if len(par.dims) != len(shape):
         return [ConfigIssue("parallel.dims", f"names {len(par.dims)} axes {par.dims} but mesh {cfg.mesh} has {len(shape)}",

@@ -3,8 +3,9 @@ states the numbers involved, and a fix. Each case is composed from ``conf/`` wit
 (as a user types them after ``python -m trainer``), and edited as a dict where Hydra's override
 grammar cannot express it (placement globs contain ``*`` and ``[``).
 
-Cases under ``crash/`` were crashes (an exception other than ConfigError) or silently accepted
-bad configs found by ``test_fuzz.py``; they stay here so they cannot come back.
+Cases under ``crash/`` raised an exception other than ConfigError (or hung) before the fix; cases
+under ``fixed/`` were silently accepted or got a misleading message. Most were found by
+``test_fuzz.py``; they stay here so they cannot come back.
 
 Run: ``python -m pytest tests/conf/test_bad_configs.py -q``
 """
@@ -264,7 +265,7 @@ CASES: dict[str, Bad] = {
         ["+parallel=3d", "train.global_batch_size=12"], "train.global_batch_size",
         ["12 sequences", "dp size 2 x microbatches 4 x grad_accum 1 = 8"], ["multiple of 8", "e.g. 16"]),
     "batch/not-divisible-with-grad-accum": bad(
-        ["+parallel=fsdp", "train.grad_accum=3"], "train.global_batch_size",
+        ["+parallel=fsdp", "train.global_batch_size=16", "train.grad_accum=3"], "train.global_batch_size",
         ["16 sequences", "dp size 2 x microbatches 1 x grad_accum 3 = 6"], ["multiple of 6", "e.g. 18"]),
     "model/seq-len-over-max": bad(
         ["train.seq_len=1000"], "train.seq_len", ["1000 is longer than model.max_seq_len 256"], ["seq_len <= 256"]),
@@ -281,31 +282,32 @@ CASES: dict[str, Bad] = {
     "model/synthetic-symbols-exceed-vocab": bad(
         ["data=synthetic", "model.vocab_size=8"], "data.num_symbols", ["16 symbols exceed model.vocab_size 8"]),
     "model/activation-checkpointing-on-mlp": bad(
-        ["model=mlp", "data=regression", "+parallel=fsdp", "parallel.activation_checkpointing=full"],
+        ["model=mlp", "data=regression", "+parallel=fsdp", "+parallel.activation_checkpointing=full"],
         "parallel.activation_checkpointing", ["model mlp has no transformer blocks"], ["none"]),
     "parallel/axis-used-by-nothing": bad(
         ["+parallel=2d"], "parallel.dims[1]", ["axis 'tp' of size 2 is used by nothing"],
         ["data_parallel, pipeline or placements", "mesh size to 1"], edit=put("parallel", "placements", {})),
     "train/checkpoint-every-past-steps": bad(
-        ["train.checkpoint.every=500"], "train.checkpoint.every", ["500 is more than train.steps 200"], ["every <= steps"]),
+        ["train.steps=200", "train.checkpoint.every=500"], "train.checkpoint.every",
+        ["500 is more than train.steps 200"], ["every <= steps"]),
     "launch/node-rank-not-below-nnodes": bad(
         ["launch.node_rank=1"], "launch.node_rank", ["1 is not below launch.nnodes 1"], ["from 0 to 0"]),
     "launch/nnodes-does-not-divide-world": bad(
         ["+parallel=3d", "launch.nnodes=3"], "launch.nnodes", ["world size 8 does not split over 3 hosts"]),
-    # ----------------------- crashes and silently accepted configs found by the fuzzers, now fixed
+    # ------------------ crashes, and configs silently accepted or misreported, found and fixed
     "crash/hsdp-dims-longer-than-mesh": bad(  # was IndexError in config.axis_size via _check_batch
         ["+parallel=hsdp", "mesh=[4]"], "parallel.dims", ["names 2 axes", "mesh [4] has 1"]),
     "crash/hsdp-without-mesh": bad(  # was IndexError in config.axis_size via _check_batch
         ["+parallel=hsdp", "mesh=null"], "mesh", ["parallel section needs a mesh"], ["mesh=[2,2]"]),
     "crash/explicit-ids-with-no-ranks": bad(  # was ZeroDivisionError in _check_batch (dp size 0)
         ["+parallel=dp", "mesh=[[]]"], "mesh", ["hold no rank id", "0 devices"]),
-    "crash/explicit-ids-with-no-ranks-no-parallel": bad(  # was accepted: a mesh of 0 devices
+    "fixed/explicit-ids-with-no-ranks-no-parallel": bad(  # was accepted: a mesh of 0 devices
         ["mesh=[[],[]]"], "mesh", ["hold no rank id", "0 devices"]),
-    "crash/mesh-size-bool": bad(  # was accepted: True counted as an axis of size 1
+    "fixed/mesh-size-bool": bad(  # was accepted: True counted as an axis of size 1
         ["+parallel=2d"], "mesh[0]", ["must be an int, got True"], edit=put("mesh", [True, 2])),
-    "crash/mesh-size-float": bad(  # was reported as a malformed explicit-rank-id list
+    "fixed/mesh-size-float": bad(  # was reported as a malformed explicit-rank-id list
         ["+parallel=dp", "mesh=[2.0]"], "mesh[0]", ["must be an int, got 2.0"], ["mesh=[2,2]"]),
-    "crash/hsdp-same-axis-twice": bad(  # was accepted, with dp size 4 on a mesh of 2
+    "fixed/hsdp-same-axis-twice": bad(  # was accepted, with dp size 4 on a mesh of 2
         ["+parallel=dp", "parallel.data_parallel.mode=hsdp", "parallel.data_parallel.dim=[dp,dp]"],
         "parallel.data_parallel.dim", ["names axis 'dp' twice"], ["two different axes"]),
     "crash/model-dim-overflows-int64-storage": bad(  # was RuntimeError from build_model on meta
@@ -315,12 +317,12 @@ CASES: dict[str, Bad] = {
         [], "model", ["too large to build"], edit=put("model", "vocab_size", 2**70)),
     "crash/n-layers-huge": bad(  # was a hang: a million blocks built on the meta device
         ["model.n_layers=1000000"], "model.n_layers", ["1000000 blocks", "1024"], ["n_layers <= 1024"]),
-    "crash/seed-past-64-bits": bad(  # was accepted, then torch.manual_seed raised in every worker
+    "fixed/seed-past-64-bits": bad(  # was accepted, then torch.manual_seed raised in every worker
         [], "train.seed", ["does not fit in 64 bits"], edit=put("train", "seed", 2**80)),
-    "crash/shard-on-1d-parameter-behind-star-glob": bad(  # was accepted: only the first match's shape was checked
+    "fixed/shard-on-1d-parameter-behind-star-glob": bad(  # was accepted: only the first match's shape was checked
         ["+parallel=tp"], placement_path("*", "tp"), ["Shard(1)", "layers.0.attn_norm.weight has 1 dims", "[64]"],
         ["use Shard(0),"], edit=put("parallel", "placements", {"*": {"tp": "Shard(1)"}})),
-    "crash/placement-key-not-a-string": bad(  # the path used to end in pydantic's internal `["[key]"]`
+    "fixed/placement-key-not-a-string": bad(  # the path used to end in pydantic's internal `["[key]"]`
         ["+parallel=tp"], "parallel.placements[5]", ["bad key", "valid string"],
         edit=put("parallel", "placements", {5: {"tp": "Shard(0)"}})),
 }
@@ -357,10 +359,11 @@ def test_design_example_renders_exactly():
     """DESIGN.md's example message, word for word, as the launcher prints it."""
     with pytest.raises(ConfigError) as excinfo:
         validate_config(compose("+parallel=tp", "mesh=[8]"))
-    assert (
+    expected = (
         'parallel.placements["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 over 8 ranks; '
         "172 is not divisible by 8 (use a tp size dividing 172, or Replicate)"
-    ) in str(excinfo.value).splitlines()[1:][2]
+    )
+    assert f"  - {expected}" in str(excinfo.value).splitlines()
 
 
 def test_all_issues_reported_at_once():

@@ -167,11 +167,27 @@ def preset_check(name: str, **pipeline_update):
         cfg = llama_cfg()
         pm = parallelize_preset(build_model(cfg, seed=0), mesh, par)
         errors = check_placements(pm, par, mesh, cfg)
+        probe = _probe_norm_input(pm)
         fqns = sorted(n.replace("_checkpoint_wrapped_module.", "") for n, _ in pm.named_parameters())
         return {**train(pm, cfg), "placement_errors": errors, "fqns": fqns, "report": pm.placement_report,
-                "stages": pm.stage_indices}
+                "stages": pm.stage_indices, "norm_input_local_shape": probe}
 
     return check
+
+
+def _probe_norm_input(pm: ParallelModel) -> list:
+    """Records the local shape of the first block's attn_norm input (sequence parallel: T / tp)."""
+    seen: list = []
+    for part in pm.model_parts:
+        for name, mod in part.named_modules():
+            if name.endswith("attn_norm"):
+                def hook(_m, args, _out):
+                    x = args[0]
+                    if not seen:
+                        seen.extend((x.to_local() if isinstance(x, DTensor) else x).shape)
+                mod.register_forward_hook(hook)
+                return seen
+    return seen
 
 
 def ac_check(name: str, mode: str):
@@ -220,27 +236,44 @@ def mlp_pp_check(*, rank: int, world_size: int) -> dict:
 
 def paddle_mesh_check(*, rank: int, world_size: int) -> dict:
     """PaddlePaddle's example: a [4, 3] tensor on ProcessMesh([[2, 4, 5], [0, 1, 3]]) with
-    [Shard(0), Shard(1)] leaves each of the 6 ranks a [2, 1] piece."""
-    ids = [[2, 4, 5], [0, 1, 3]]
-    mesh = build_mesh([2, 3], ["x", "y"], rank_ids=ids)
+    [Shard(0), Shard(1)] leaves each of the 6 ranks a [2, 1] piece: the rows and column of its
+    position in the nested list. Ranks 6 and 7 of the launch are outside the mesh.
+
+    That mesh lists axis x's ranks in decreasing order ([2, 0], ...), which torch's process
+    groups cannot honour (they sort ranks), so ``build_mesh`` refuses it unless told
+    ``allow_unordered=True``; only local slicing is checked on it. The same layout with rows in
+    increasing order ([[0, 1, 3], [2, 4, 5]]) is checked end to end: scatter from a source rank,
+    and gathering the pieces back.
+    """
     full = torch.arange(12.0).reshape(4, 3)
-    dt = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
-    local = distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None)
-    gathered = local.full_tensor()
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return {"member": False}
-    i, j = coordinate
-    return {
-        "member": True,
-        "coordinate": list(coordinate),
-        "local_shape": list(dt.to_local().shape),
-        "local_matches": bool(torch.equal(dt.to_local(), full[2 * i : 2 * i + 2, j : j + 1])),
-        "local": dt.to_local().tolist(),
-        "local_nosrc": local.to_local().tolist(),
-        "gathered_ok": bool(torch.equal(gathered, full)) if coordinate is not None else None,
-        "expected_coordinate": next([r, c] for r, row in enumerate(ids) for c, v in enumerate(row) if v == rank),
-    }
+    result: dict = {}
+    try:
+        build_mesh([2, 3], ["x", "y"], rank_ids=[[2, 4, 5], [0, 1, 3]])
+        result["unordered_refused"] = False
+    except ValueError as err:
+        result["unordered_refused"] = "increasing order" in str(err)
+    for label, ids in (("paddle", [[2, 4, 5], [0, 1, 3]]), ("ordered", [[0, 1, 3], [2, 4, 5]])):
+        mesh = build_mesh([2, 3], ["x", "y"], rank_ids=ids, allow_unordered=True)
+        sliced = distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None)
+        scattered = distribute_tensor(full, mesh, [Shard(0), Shard(1)]) if label == "ordered" else None
+        gathered = sliced.full_tensor() if label == "ordered" else None
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            result[label] = {"member": False}
+            continue
+        i, j = coordinate
+        piece = full[2 * i : 2 * i + 2, j : j + 1]
+        result[label] = {
+            "member": True,
+            "coordinate": list(coordinate),
+            "expected_coordinate": next([r, c] for r, row in enumerate(ids) for c, v in enumerate(row) if v == rank),
+            "local_shape": list(sliced.to_local().shape),
+            "local_matches": bool(torch.equal(sliced.to_local(), piece)),
+        }
+        if label == "ordered":
+            result[label]["scatter_matches"] = bool(torch.equal(scattered.to_local(), piece))
+            result[label]["gather_matches"] = bool(torch.equal(gathered, full))
+    return result
 
 
 def single_device_check(*, rank: int, world_size: int) -> dict:

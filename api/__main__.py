@@ -1,0 +1,25 @@
+"""``python -m api [--host H] [--port P]``: serve the control plane with uvicorn (settings: MESHFLOW_*)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from api.main import create_app
+    from service.settings import Settings
+
+    parser = argparse.ArgumentParser(prog="python -m api", description=__doc__)
+    parser.add_argument("--host", help="bind address (default: MESHFLOW_HOST or 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default: MESHFLOW_PORT or 8000)")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = Settings(**overrides)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Exception handlers: service errors become HTTP statuses; every 422 is a list of {path, reason, fix}."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from api.models import Message, ProblemList
+from service.plane import Forbidden, JobConflict, JobNotFound
+from service.store import IllegalTransition
+from trainer.errors import ConfigError
+
+# Documented on every route, so clients (and schemathesis) know each status's body.
+ERROR_RESPONSES: dict[int | str, dict] = {
+    401: {"model": Message, "description": "Missing or unknown bearer token."},
+    422: {"model": ProblemList, "description": "The request or the config is invalid: every problem's path, reason and fix."},
+}
+JOB_RESPONSES: dict[int | str, dict] = {404: {"model": Message, "description": "No such job, or not yours."}}
+BODY_RESPONSES: dict[int | str, dict] = {413: {"model": Message, "description": "Request body too large."}}
+
+
+def _problem(path: str, reason: str, fix: str) -> dict[str, str]:
+    return {"path": path, "reason": reason, "fix": fix}
+
+
+def _request_path(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) if parts else "<body>"
+
+
+async def config_error_handler(_: Request, err: ConfigError) -> JSONResponse:
+    return JSONResponse({"detail": [issue.as_dict() for issue in err.issues]}, status_code=422)
+
+
+async def request_validation_handler(_: Request, err: RequestValidationError) -> JSONResponse:
+    problems = [_problem(_request_path(tuple(e.get("loc", ()))), str(e.get("msg", "invalid")),
+                         "see the request schema at /docs") for e in err.errors()]
+    return JSONResponse({"detail": problems}, status_code=422)
+
+
+async def not_found_handler(_: Request, err: JobNotFound) -> JSONResponse:
+    return JSONResponse({"detail": str(err)}, status_code=404)
+
+
+async def conflict_handler(_: Request, err: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(err)}, status_code=409)
+
+
+async def forbidden_handler(_: Request, err: Forbidden) -> JSONResponse:
+    return JSONResponse({"detail": str(err)}, status_code=403)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ConfigError, config_error_handler)
+    app.add_exception_handler(RequestValidationError, request_validation_handler)
+    app.add_exception_handler(JobNotFound, not_found_handler)
+    app.add_exception_handler(JobConflict, conflict_handler)
+    app.add_exception_handler(IllegalTransition, conflict_handler)
+    app.add_exception_handler(Forbidden, forbidden_handler)

@@ -1,0 +1,138 @@
+"""Request and response models of the REST API (they are its OpenAPI schema)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from service.store import Job, JobState
+
+
+class JobCreate(BaseModel):
+    """A job to run: Hydra overrides as typed after `python -m trainer`, or a whole config document."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"name": "dp-demo", "overrides": ["+parallel=dp", "mesh=[2]", "train.steps=20"]}]})
+
+    name: str = Field("job", min_length=1, max_length=200, description="A label for people; need not be unique.")
+    overrides: list[str] | None = Field(
+        None, max_length=200,
+        description="Hydra overrides against conf/ (`+parallel=3d`, `mesh=[2,2,2]`, `train.steps=50`); "
+                    "no `hydra.*`, `_target_`, `~`/`++` forms or `${...}`.")
+    config: dict[str, Any] | None = Field(
+        None, description="A whole config document (the shape `python -m trainer --cfg job` prints) instead of overrides.")
+    priority: int = Field(0, ge=-100, le=100, description="Higher starts first; FIFO among equal priorities.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "JobCreate":
+        if self.overrides is not None and self.config is not None:
+            raise ValueError("give either overrides or config, not both")
+        if any(len(item) > 1000 for item in self.overrides or []):
+            raise ValueError("an override is longer than 1000 characters")
+        return self
+
+
+class Problem(BaseModel):
+    """One thing wrong with a request, as the CLI reports it."""
+
+    path: str = Field(description="Config path (`train.checkpoint.dir`, `parallel.placements[\"...\"].tp`) or request field.")
+    reason: str = Field(description="What is wrong.")
+    fix: str = Field(description="How to make it right.")
+
+
+class ProblemList(BaseModel):
+    """The body of every 422 response."""
+
+    detail: list[Problem] = Field(description="Every problem found, all at once.")
+
+
+class Message(BaseModel):
+    """The body of 401, 403, 404, 409 and 413 responses."""
+
+    detail: str = Field(description="What went wrong.")
+
+
+class JobPublic(BaseModel):
+    """A job as the service knows it."""
+
+    id: str = Field(description="Job id (UUID).")
+    name: str = Field(description="The label given at submission.")
+    owner: str = Field(description="The user who submitted it.")
+    state: JobState = Field(description="QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED (CANCELLING between).")
+    priority: int = Field(description="Higher starts first.")
+    overrides: list[str] | None = Field(description="The overrides submitted, if the job was submitted as overrides.")
+    config: dict[str, Any] = Field(description="The resolved, validated config the job runs with.")
+    world_size: int = Field(description="Worker processes (= worker slots) the job needs: prod(mesh).")
+    created_at: datetime = Field(description="When the job was accepted (UTC).")
+    started_at: datetime | None = Field(description="When its process started (UTC).")
+    finished_at: datetime | None = Field(description="When it ended (UTC).")
+    exit_code: int | None = Field(description="The trainer's exit code: 0 ok, 1 worker failure, 2 bad config, 143 SIGTERM.")
+    error: str | None = Field(description="Why it failed: the reason and the last lines of its log.")
+    pid: int | None = Field(description="Process id of the job's process group leader, while known.")
+    mlflow_run_id: str | None = Field(description="The MLflow run the job logs to (created at submission).")
+    mlflow_ui_url: str | None = Field(description="Link to the run in the MLflow UI, when the service knows the UI's address.")
+
+    @classmethod
+    def from_job(cls, job: Job, ui_url: str | None) -> "JobPublic":
+        def utc(moment: datetime | None) -> datetime | None:
+            return moment.replace(tzinfo=timezone.utc) if moment and moment.tzinfo is None else moment
+
+        return cls(id=job.id, name=job.name, owner=job.owner, state=JobState(job.state), priority=job.priority,
+                   overrides=job.overrides, config=job.config, world_size=job.world_size,
+                   created_at=utc(job.created_at), started_at=utc(job.started_at), finished_at=utc(job.finished_at),
+                   exit_code=job.exit_code, error=job.error, pid=job.pid, mlflow_run_id=job.mlflow_run_id,
+                   mlflow_ui_url=ui_url)
+
+
+class JobList(BaseModel):
+    """One page of jobs, newest first."""
+
+    items: list[JobPublic] = Field(description="The jobs on this page.")
+    total: int = Field(description="Jobs matching the filters, over all pages.")
+    limit: int = Field(description="Page size asked for.")
+    offset: int = Field(description="Jobs skipped before this page.")
+
+
+class MetricPoint(BaseModel):
+    """One logged value of a metric."""
+
+    step: int = Field(description="Training step.")
+    value: float | None = Field(description="The value (null when MLflow stored NaN).")
+    timestamp: int = Field(description="Milliseconds since the epoch.")
+
+
+class MetricsPublic(BaseModel):
+    """A job's metric histories, read from its MLflow run."""
+
+    job_id: str = Field(description="Job id.")
+    mlflow_run_id: str | None = Field(description="The MLflow run read; null for `tracking=none` jobs.")
+    run_status: str | None = Field(description="MLflow's status of the run: RUNNING, FINISHED, FAILED, KILLED.")
+    metrics: dict[str, list[MetricPoint]] = Field(description="Metric name (`loss`, `lr`, `grad_norm`, ...) -> history by step.")
+
+
+class PlanRank(BaseModel):
+    """What one pipeline rank holds."""
+
+    pp_rank: int = Field(description="Pipeline rank.")
+    stages: list[int] = Field(description="Stages this rank runs.")
+    params: int = Field(description="Parameters it holds after tensor-parallel sharding.")
+    param_bytes: float = Field(description="Bytes of parameters per rank after data-parallel sharding.")
+    grad_bytes: float = Field(description="Bytes of gradients per rank.")
+    optim_bytes: float = Field(description="Bytes of AdamW state per rank.")
+
+
+class PlanPublic(BaseModel):
+    """The plan of a valid config: what would run where; nothing is launched."""
+
+    world_size: int = Field(description="Worker processes: prod(mesh).")
+    mesh_shape: list[int] = Field(description="Mesh shape, outermost axis first.")
+    dims: list[str] = Field(description="Mesh axis names ([] for one device).")
+    model: str = Field(description="Model architecture.")
+    stage_boundaries: list[str] = Field(description="First module of every pipeline stage but the first.")
+    stage_params: list[int] = Field(description="Parameters per pipeline stage.")
+    per_pp_rank: list[PlanRank] = Field(description="Memory per pipeline rank.")
+    bubble: float = Field(description="Pipeline bubble fraction (0 without a pipeline).")
+    comm_bytes_per_step: dict[str, float] = Field(description="Bytes each rank sends per optimizer step, per mesh axis.")
+    config: dict[str, Any] = Field(description="The resolved, validated config.")

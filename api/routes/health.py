@@ -1,0 +1,44 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, status
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, Field
+from sqlalchemy import text
+
+from api.deps import PlaneDep, SessionDep
+from api.models import Message
+
+router = APIRouter(tags=["health"])
+
+
+class HealthPublic(BaseModel):
+    """A liveness or readiness verdict."""
+
+    status: str = Field(description="`ok` when healthy (ready).")
+
+
+@router.get("/healthz", response_model=HealthPublic)
+def read_health() -> HealthPublic:
+    """Liveness: the process answers."""
+    return HealthPublic(status="ok")
+
+
+@router.get("/readyz", response_model=HealthPublic,
+            responses={503: {"model": Message, "description": "The job store is unreachable."}})
+def read_readiness(session: SessionDep) -> HealthPublic:
+    """Readiness: the job store answers a query."""
+    try:
+        session.execute(text("SELECT 1"))
+    except Exception as err:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"job store unreachable: {err}") from None
+    return HealthPublic(status="ok")
+
+
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition format."}})
+def read_metrics(plane: PlaneDep, session: SessionDep) -> PlainTextResponse:
+    """Prometheus metrics: jobs by state, queue depth, slots, submissions, failures."""
+    return PlainTextResponse(plane.prometheus_text(session), media_type="text/plain; version=0.0.4")

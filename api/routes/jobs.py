@@ -1,0 +1,140 @@
+"""/v1/jobs: submit, list, read, cancel, delete jobs; their logs and metrics."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Header, Query, Response, status
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from api.deps import CurrentUser, PlaneDep, SessionDep
+from api.errors import BODY_RESPONSES, ERROR_RESPONSES, JOB_RESPONSES
+from api.models import JobCreate, JobList, JobPublic, Message, MetricPoint, MetricsPublic
+from service.plane import ControlPlane
+from service.store import JobState
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
+
+CONFLICT = {409: {"model": Message, "description": "The job's state forbids this."}}
+LOG_CONTENT = {"text/plain": {"schema": {"type": "string"}}, "text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _public(plane: ControlPlane, job) -> JobPublic:
+    return JobPublic.from_job(job, plane.mlflow.ui_link(job.mlflow_experiment_id, job.mlflow_run_id))
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic,
+             responses={200: {"model": JobPublic, "description": "Replay: this Idempotency-Key already made this job."},
+                        **CONFLICT, **BODY_RESPONSES})
+def create_job(body: JobCreate, plane: PlaneDep, session: SessionDep, user: CurrentUser, response: Response,
+               idempotency_key: Annotated[str | None, Header(max_length=200, description="Same key, same owner: same job.")] = None,
+               ) -> JobPublic:
+    """Validate a config (overrides or a whole document) and queue it as a job."""
+    job, created = plane.submit_job(session, owner=user, name=body.name, overrides=body.overrides,
+                                    document=body.config, priority=body.priority, idempotency_key=idempotency_key)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return _public(plane, job)
+
+
+@router.get("", response_model=JobList, responses={403: {"model": Message, "description": "Another user's jobs."}})
+def list_jobs(plane: PlaneDep, session: SessionDep, user: CurrentUser,
+              state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
+              owner: Annotated[str | None, Query(max_length=200, description="Only this user's jobs (admins).")] = None,
+              limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
+              offset: Annotated[int, Query(ge=0, le=10**9, description="Jobs to skip.")] = 0) -> JobList:
+    """List jobs, newest first: your own, or everyone's for an admin."""
+    jobs, total = plane.list_jobs(session, user=user, state=state, owner=owner, limit=limit, offset=offset)
+    return JobList(items=[_public(plane, job) for job in jobs], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}", response_model=JobPublic, responses=JOB_RESPONSES)
+def read_job(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentUser) -> JobPublic:
+    """Read one job."""
+    return _public(plane, plane.get_job(session, job_id, user=user))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses={**JOB_RESPONSES, **CONFLICT})
+def cancel_job(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentUser) -> JobPublic:
+    """Cancel a job: a queued one at once, a running one by SIGTERM to its process group."""
+    return _public(plane, plane.cancel_job(session, job_id, user=user))
+
+
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,
+               responses={**JOB_RESPONSES, **CONFLICT})
+def delete_job(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentUser) -> Response:
+    """Delete an ended job and its files (its MLflow run stays)."""
+    plane.delete_job(session, job_id, user=user)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse,
+            responses={200: {"content": LOG_CONTENT, "description": "The log; with follow=true, SSE until the job ends."},
+                       **JOB_RESPONSES})
+def read_job_logs(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentUser,
+                  follow: Annotated[bool, Query(description="Stream new lines as Server-Sent Events until the job ends.")] = False,
+                  ) -> Response:
+    """The job's combined stdout and stderr, whole or followed as Server-Sent Events."""
+    job = plane.get_job(session, job_id, user=user)
+    path = plane.log_path(job)
+    if follow:
+        return StreamingResponse(_follow_log(plane, job.id, path), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return PlainTextResponse(text)
+
+
+def _read_from(path: Path, offset: int) -> tuple[str, int]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(1 << 16)
+    except FileNotFoundError:
+        return "", offset
+    return data.decode(errors="replace"), offset + len(data)
+
+
+def _state_of(plane: ControlPlane, job_id: str) -> JobState | None:
+    with plane.sessions() as session:
+        from service.store import Job
+
+        job = session.get(Job, job_id)
+        return JobState(job.state) if job else None
+
+
+async def _follow_log(plane: ControlPlane, job_id: str, path: Path) -> AsyncIterator[str]:
+    offset, partial, finished = 0, "", False
+    while True:
+        chunk, offset = await anyio.to_thread.run_sync(_read_from, path, offset)
+        if chunk:
+            lines = (partial + chunk).replace("\r", "\n").split("\n")
+            partial = lines.pop()
+            for line in lines:
+                yield f"data: {line}\n\n"
+            continue
+        if finished:
+            if partial:
+                yield f"data: {partial}\n\n"
+            state = await anyio.to_thread.run_sync(_state_of, plane, job_id)
+            yield f"event: end\ndata: {state.value if state else 'DELETED'}\n\n"
+            return
+        state = await anyio.to_thread.run_sync(_state_of, plane, job_id)
+        if state is None or state.is_terminal:
+            finished = True  # one more read catches the last bytes written before the end
+            continue
+        await anyio.sleep(0.25)
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=JOB_RESPONSES)
+def read_job_metrics(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentUser) -> MetricsPublic:
+    """The job's metric histories (loss, lr, grad_norm, ...) from its MLflow run."""
+    job = plane.get_job(session, job_id, user=user)
+    run_status, histories = plane.metrics_of(job)
+    metrics = {key: [MetricPoint(step=p["step"], timestamp=p["timestamp"],
+                                 value=p["value"] if math.isfinite(p["value"]) else None) for p in points]
+               for key, points in histories.items()}
+    return MetricsPublic(job_id=job.id, mlflow_run_id=job.mlflow_run_id, run_status=run_status, metrics=metrics)

@@ -1,0 +1,234 @@
+"""The control plane without HTTP: submit, list, get, cancel and delete jobs; plans; counters.
+
+    plane = ControlPlane(Settings())
+    plane.start()                       # store, MLflow, reconciliation, scheduler thread
+    with plane.sessions() as session:
+        job, created = plane.submit_job(session, owner="alice", name="demo", overrides=["train.steps=5"])
+    plane.stop()                        # running jobs keep running; a later start() adopts them
+
+Every operation that reads a job takes the caller's identity: a user reaches only their own
+jobs (others' look missing), an admin reaches all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import threading
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service import runner
+from service.mlflow_runs import MlflowRuns
+from service.scheduler import Scheduler
+from service.settings import Settings
+from service.store import (ACTIVE_STATES, Job, JobState, make_engine, make_sessionmaker, require_transition,
+                           transition, utcnow)
+from service.submit import resolve_config
+from trainer.config import RunConfig
+from trainer.errors import ConfigError, ConfigIssue
+
+
+class JobNotFound(LookupError):
+    """No such job, or not one the caller may see."""
+
+
+class JobConflict(RuntimeError):
+    """The job's state (or an earlier use of the idempotency key) forbids the request."""
+
+
+class Forbidden(PermissionError):
+    """The caller may not ask for this (e.g. another owner's job list)."""
+
+
+class ControlPlane:
+    """Store + MLflow + scheduler, wired from one :class:`Settings`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        settings.workspace.mkdir(parents=True, exist_ok=True)
+        settings.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.engine = make_engine(settings.database_url)
+        self.sessions = make_sessionmaker(self.engine)
+        self.mlflow = MlflowRuns(settings.mlflow_tracking_uri, settings.mlflow_ui_url)
+        self.scheduler = Scheduler(settings, self.sessions, self.mlflow)
+        self.submissions_total = 0
+
+    def start(self) -> None:
+        self.mlflow.warm_up()
+        self.scheduler.start()
+        # The first composition imports torch and Hydra (seconds): pay it now, not in a request.
+        threading.Thread(target=self._warm_up, name="meshflow-warm-up", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        try:
+            self.resolve(overrides=[], document=None)
+        except Exception:  # only a warm-up: a real request reports any problem properly
+            pass
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        self.engine.dispose()
+
+    # ------------------------------------------------------------------ submit
+
+    def resolve(self, *, overrides: list[str] | None, document: dict[str, Any] | None,
+                workdir: Path | None = None) -> RunConfig:
+        """The validated, confined config of a submission (the same checks as a job gets)."""
+        workdir = workdir or self.settings.jobs_dir / "plan"
+        cfg = resolve_config(overrides=overrides, document=document, workspace=self.settings.workspace,
+                             workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None)
+        if 0 < self.settings.capacity < cfg.world_size:
+            raise ConfigError([ConfigIssue("mesh", f"needs {cfg.world_size} worker slots; this service has "
+                                                   f"{self.settings.capacity}",
+                                           f"use a mesh of at most {self.settings.capacity} devices")])
+        return cfg
+
+    def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
+        """The validated config and :func:`trainer.plan.plan_numbers` of it; nothing is launched."""
+        from trainer.plan import plan_numbers  # the trainer's public planning function
+
+        cfg = self.resolve(overrides=overrides, document=document)
+        return cfg, plan_numbers(cfg)
+
+    def submit_job(self, session: Session, *, owner: str, name: str, overrides: list[str] | None = None,
+                   document: dict[str, Any] | None = None, priority: int = 0,
+                   idempotency_key: str | None = None) -> tuple[Job, bool]:
+        """Validate and queue a job: ``(job, created)``; ``created`` is False for an idempotent replay."""
+        request_hash = hashlib.sha256(json.dumps([name, overrides, document, priority], sort_keys=True,
+                                                 default=str).encode()).hexdigest()
+        if idempotency_key and (existing := self._by_key(session, owner, idempotency_key)):
+            return self._replay(existing, request_hash), False
+        job_id = str(uuid.uuid4())
+        workdir = self.settings.jobs_dir / job_id
+        cfg = self.resolve(overrides=overrides, document=document, workdir=workdir)
+        config = cfg.model_dump(mode="json")
+        experiment_id = run_id = None
+        if cfg.tracking.backend == "mlflow":
+            experiment_id, run_id = self.mlflow.create_run(
+                cfg.tracking.experiment, cfg.tracking.run_name or name,
+                tags={"meshflow.job_id": job_id, "meshflow.owner": owner})
+            config["tracking"]["run_id"] = run_id
+        job = Job(id=job_id, name=name, owner=owner, state=JobState.QUEUED.value, priority=priority,
+                  overrides=list(overrides) if overrides is not None else None, config=config,
+                  world_size=cfg.world_size, created_at=utcnow(), mlflow_run_id=run_id,
+                  mlflow_experiment_id=experiment_id, idempotency_key=idempotency_key,
+                  request_hash=request_hash, workdir=str(workdir))
+        session.add(job)
+        try:
+            session.commit()
+        except IntegrityError:  # the same key, submitted concurrently: the first one wins
+            session.rollback()
+            if run_id:
+                self.mlflow.delete_run(run_id)
+            existing = self._by_key(session, owner, idempotency_key) if idempotency_key else None
+            if existing is None:
+                raise
+            return self._replay(existing, request_hash), False
+        self.submissions_total += 1
+        self.scheduler.wake.set()
+        return job, True
+
+    @staticmethod
+    def _by_key(session: Session, owner: str, key: str) -> Job | None:
+        return session.scalar(select(Job).where(Job.owner == owner, Job.idempotency_key == key))
+
+    @staticmethod
+    def _replay(job: Job, request_hash: str) -> Job:
+        if job.request_hash != request_hash:
+            raise JobConflict(f"Idempotency-Key already used for job {job.id} with a different request; "
+                              "use a new key for a new job")
+        return job
+
+    # -------------------------------------------------------------------- read
+
+    def get_job(self, session: Session, job_id: str, *, user: str) -> Job:
+        job = session.get(Job, job_id)
+        if job is None or not (self.settings.is_admin(user) or job.owner == user):
+            raise JobNotFound(f"no job {job_id}")
+        session.refresh(job)
+        return job
+
+    def list_jobs(self, session: Session, *, user: str, state: JobState | None = None, owner: str | None = None,
+                  limit: int = 50, offset: int = 0) -> tuple[list[Job], int]:
+        """A page of jobs, newest first, and the total that match."""
+        if not self.settings.is_admin(user):
+            if owner is not None and owner != user:
+                raise Forbidden(f"user {user!r} may list only their own jobs")
+            owner = user
+        query = select(Job)
+        if state is not None:
+            query = query.where(Job.state == state.value)
+        if owner is not None:
+            query = query.where(Job.owner == owner)
+        total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+        rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset))
+        return list(rows), total
+
+    def log_path(self, job: Job) -> Path:
+        return Path(job.workdir) / runner.LOG_NAME
+
+    def metrics_of(self, job: Job) -> tuple[str | None, dict[str, list[dict[str, Any]]]]:
+        if not job.mlflow_run_id:
+            return None, {}
+        return self.mlflow.metric_histories(job.mlflow_run_id)
+
+    # ------------------------------------------------------------------ change
+
+    def cancel_job(self, session: Session, job_id: str, *, user: str) -> Job:
+        """Stop a job: a queued one is CANCELLED at once, a running one gets SIGTERM (SIGKILL later)."""
+        job = self.get_job(session, job_id, user=user)
+        state = job.job_state
+        if state is JobState.QUEUED:
+            if not transition(session, job.id, JobState.CANCELLED):
+                return self.cancel_job(session, job_id, user=user)  # it started meanwhile: stop it
+            if job.mlflow_run_id:
+                self.mlflow.end_run_if_open(job.mlflow_run_id, "KILLED")
+        elif state in (JobState.STARTING, JobState.RUNNING):
+            require_transition(session, job.id, JobState.CANCELLING, cancel_requested_at=utcnow())
+            session.refresh(job)
+            if job.pid:
+                runner.signal_group(job.pid, signal.SIGTERM)
+        elif state.is_terminal:
+            raise JobConflict(f"job {job.id} already ended {state.value}")
+        self.scheduler.wake.set()
+        session.refresh(job)
+        return job
+
+    def delete_job(self, session: Session, job_id: str, *, user: str) -> None:
+        """Forget a finished job and its files (its MLflow run stays)."""
+        job = self.get_job(session, job_id, user=user)
+        if not job.job_state.is_terminal:
+            raise JobConflict(f"job {job.id} is {job.state}; cancel it first and delete it when it has ended")
+        workdir = Path(job.workdir)
+        session.delete(job)
+        session.commit()
+        if workdir.parent == self.settings.jobs_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    # ----------------------------------------------------------------- metrics
+
+    def prometheus_text(self, session: Session) -> str:
+        counts = dict(session.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+        active = session.scalars(select(Job).where(Job.state.in_([s.value for s in ACTIVE_STATES])))
+        slots = sum(job.world_size for job in active)
+        lines = ["# HELP meshflow_jobs Jobs in the store by state.", "# TYPE meshflow_jobs gauge"]
+        lines += [f'meshflow_jobs{{state="{s.value}"}} {counts.get(s.value, 0)}' for s in JobState]
+        metrics = [
+            ("meshflow_queue_depth", "gauge", "Jobs waiting for worker slots.", counts.get("QUEUED", 0)),
+            ("meshflow_slots_in_use", "gauge", "Worker slots held by active jobs.", slots),
+            ("meshflow_slots_capacity", "gauge", "Worker slots this service schedules onto.", self.settings.capacity),
+            ("meshflow_max_slots_in_use", "gauge", "Most slots held at once since start.", self.scheduler.max_slots_in_use),
+            ("meshflow_submissions_total", "counter", "Jobs accepted since start.", self.submissions_total),
+            ("meshflow_job_failures_total", "counter", "Jobs that ended FAILED since start.", self.scheduler.failures_total),
+        ]
+        for name, kind, help_text, value in metrics:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return "\n".join(lines) + "\n"

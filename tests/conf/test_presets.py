@@ -1,0 +1,254 @@
+"""Every YAML file in ``conf/`` composes and validates, model-aware checks on, so no preset can rot.
+
+Files are discovered with globs: a new model/data/optim/tracking option, a new
+``parallel/<preset>.yaml`` or ``examples/<name>.yaml`` is covered without editing this file.
+A few values per preset are asserted too (mesh shape, axis names, schedule, placements).
+Two subprocesses check ``python -m trainer`` itself: a good config prints ``config OK`` and a bad
+one exits 2 with the message on stderr, before any worker or file exists.
+
+Run: ``python -m pytest tests/conf/test_presets.py -q``
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.compose import CONF_DIR, compose_dict
+from trainer.config import RunConfig
+from trainer.models import build_model
+from trainer.validate import validate_config
+
+REPO = CONF_DIR.parent
+GROUPS = ("model", "data", "optim", "tracking")
+# The data a model trains on, and back: `model=mlp` needs `data=regression` and vice versa.
+DATA_FOR_ARCH = {"llama": "text", "mlp": "regression"}
+MODEL_FOR_DATA_KIND = {"text": "gpt_debug", "synthetic": "gpt_debug", "regression": "mlp"}
+MEGATRON = {  # what 2d/3d/tp/tp_sp place on their tp axis
+    "layers.*.attn.w[qkv].weight": "Shard(0)",
+    "layers.*.attn.wo.weight": "Shard(1)",
+    "layers.*.mlp.w[13].weight": "Shard(0)",
+    "layers.*.mlp.w2.weight": "Shard(1)",
+}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _yaml(group: str, option: str) -> dict:
+    return yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text()) or {}
+
+
+def group_overrides(group: str, option: str) -> list[str]:
+    """``group=option`` plus the companion choice it needs (data for a model, a model for data)."""
+    overrides = [f"{group}={option}"]
+    if group == "model":
+        arch = _yaml(group, option).get("arch")
+        assert arch in DATA_FOR_ARCH, f"conf/model/{option}.yaml: arch {arch!r} has no data here; extend DATA_FOR_ARCH"
+        overrides.append(f"data={DATA_FOR_ARCH[arch]}")
+    elif group == "data":
+        kind = _yaml(group, option).get("kind")
+        assert kind in MODEL_FOR_DATA_KIND, f"conf/data/{option}.yaml: kind {kind!r} unknown; extend MODEL_FOR_DATA_KIND"
+        overrides.append(f"model={MODEL_FOR_DATA_KIND[kind]}")
+    return overrides
+
+
+def validated(overrides: list[str]) -> RunConfig:
+    cfg = validate_config(compose_dict(overrides), check_model=True)
+    assert isinstance(cfg, RunConfig)
+    return cfg
+
+
+DEFAULT_STEPS = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["train"]["steps"]
+GROUP_CASES = [pytest.param(group_overrides(g, o), id=f"{g}={o}") for g in GROUPS for o in options(g)]
+PARALLEL = options("parallel")
+EXAMPLES = options("examples") if (CONF_DIR / "examples").is_dir() else []
+
+
+def test_discovery_finds_the_presets():
+    """The globs see the files (a moved conf/ would otherwise make every parametrized test vanish)."""
+    assert {"gpt_debug", "mlp"} <= set(options("model"))
+    assert {"3d", "hsdp", "tp", "fsdp"} <= set(PARALLEL)
+    assert len(GROUP_CASES) >= 6
+
+
+def test_default_config():
+    cfg = validated([])
+    assert cfg.mesh is None and cfg.parallel is None
+    assert cfg.mesh_shape == (1,) and cfg.world_size == 1 and cfg.dp_size == 1 and cfg.pp_size == 1
+    assert (cfg.model.arch, cfg.model.dim, cfg.model.n_layers, cfg.model.ffn_hidden_dim) == ("llama", 64, 4, 172)
+    assert cfg.data.kind == "text" and cfg.optim.name == "adamw" and cfg.tracking.backend == "mlflow"
+    assert cfg.train.steps == DEFAULT_STEPS and (cfg.train.global_batch_size, cfg.train.seq_len) == (16, 128)
+    assert not cfg.validate_only and not cfg.dry_run
+
+
+@pytest.mark.parametrize("overrides", GROUP_CASES)
+def test_group_option_validates(overrides):
+    cfg = validated(overrides)
+    group, option = overrides[0].split("=")
+    expected = _yaml(group, option)
+    section = getattr(cfg, group).model_dump(mode="json")
+    for key, value in expected.items():  # the option's own values arrive unchanged
+        assert section[key] == (list(value) if isinstance(value, tuple) else value), (group, key)
+
+
+@pytest.mark.parametrize("preset", PARALLEL)
+def test_parallel_preset_validates(preset):
+    cfg = validated([f"+parallel={preset}"])
+    assert cfg.parallel is not None
+    assert len(cfg.parallel.dims) == len(cfg.mesh_shape)
+    assert cfg.world_size > 1
+
+
+@pytest.mark.parametrize("model", [o for o in options("model") if _yaml("model", o).get("arch") == "llama"])
+@pytest.mark.parametrize("preset", PARALLEL)
+def test_parallel_preset_fits_every_llama_model(preset, model):
+    validated([f"+parallel={preset}", f"model={model}"])
+
+
+@pytest.mark.parametrize(
+    "name", EXAMPLES or [pytest.param(None, marks=pytest.mark.skip(reason="conf/examples holds no presets yet"))]
+)
+def test_example_validates(name):
+    cfg = validated([f"+examples={name}"])  # an example is a `# @package _global_` file setting all it needs
+    assert cfg.world_size >= 1
+
+
+# ------------------------------------------------------------------------ values per preset
+
+
+def _tp_placed_parameters(cfg: RunConfig, axis: str = "tp") -> set[str]:
+    params = [name for name, _ in build_model(cfg.model, device="meta").named_parameters()]
+    return {p for glob, axes in cfg.parallel.placements.items() if axis in axes for p in params if fnmatchcase(p, glob)}
+
+
+def _assert_megatron(cfg: RunConfig) -> None:
+    placements = {glob: {axis: str(p) for axis, p in axes.items()} for glob, axes in cfg.parallel.placements.items()}
+    assert placements == {glob: {"tp": p} for glob, p in MEGATRON.items()}
+    # the globs match every attention and MLP weight of every block: 7 per block
+    placed = _tp_placed_parameters(cfg)
+    assert len(placed) == 7 * cfg.model.n_layers
+    assert "layers.3.attn.wk.weight" in placed and "layers.0.mlp.w3.weight" in placed
+    assert not any("norm" in p or "embeddings" in p for p in placed)
+
+
+def check_3d(cfg: RunConfig) -> None:
+    par = cfg.parallel
+    assert cfg.mesh_shape == (2, 2, 2) and cfg.world_size == 8
+    assert par.dims == ["dp", "pp", "tp"]
+    assert (par.data_parallel.dim, par.data_parallel.mode) == ("dp", "fsdp")
+    pp = par.pipeline
+    assert (pp.dim, pp.schedule, pp.microbatches, pp.stages_per_rank) == ("pp", "1F1B", 4, 1)
+    assert pp.boundaries == ["layers.2"]
+    assert (cfg.dp_size, cfg.pp_size, cfg.axis_size("tp"), cfg.num_microbatches) == (2, 2, 2, 4)
+    assert par.activation_checkpointing == "none"
+    _assert_megatron(cfg)
+
+
+def check_2d(cfg: RunConfig) -> None:
+    assert cfg.mesh_shape == (2, 2) and cfg.parallel.dims == ["dp", "tp"]
+    assert cfg.parallel.data_parallel.mode == "fsdp" and cfg.parallel.pipeline is None
+    assert (cfg.dp_size, cfg.axis_size("tp")) == (2, 2)
+    _assert_megatron(cfg)
+
+
+def check_tp(cfg: RunConfig) -> None:
+    assert cfg.mesh_shape == (2,) and cfg.parallel.dims == ["tp"]
+    assert cfg.parallel.data_parallel is None and cfg.parallel.pipeline is None and cfg.dp_size == 1
+    assert cfg.parallel.layouts == {}
+    _assert_megatron(cfg)
+
+
+def check_tp_sp(cfg: RunConfig) -> None:
+    assert cfg.mesh_shape == (2,) and cfg.parallel.dims == ["tp"]
+    _assert_megatron(cfg)
+    layouts = {glob: {a: str(p) for a, p in lay.input.items()} for glob, lay in cfg.parallel.layouts.items()}
+    assert layouts == {"layers.*.attn_norm": {"tp": "Shard(1)"}, "layers.*.mlp_norm": {"tp": "Shard(1)"}}
+    assert all(lay.output is None for lay in cfg.parallel.layouts.values())
+
+
+def _check_plain_dp(mode: str):
+    def check(cfg: RunConfig) -> None:
+        assert cfg.mesh_shape == (2,) and cfg.parallel.dims == ["dp"]
+        assert (cfg.parallel.data_parallel.dim, cfg.parallel.data_parallel.mode) == ("dp", mode)
+        assert cfg.dp_size == 2 and cfg.parallel.pipeline is None and cfg.parallel.placements == {}
+
+    return check
+
+
+def check_hsdp(cfg: RunConfig) -> None:
+    assert cfg.mesh_shape == (2, 2) and cfg.parallel.dims == ["dp_replicate", "dp_shard"]
+    dp = cfg.parallel.data_parallel
+    assert dp.mode == "hsdp" and dp.dim_names == ["dp_replicate", "dp_shard"]
+    assert cfg.dp_size == 4 and cfg.world_size == 4
+
+
+def check_pp(cfg: RunConfig) -> None:
+    pp = cfg.parallel.pipeline
+    assert cfg.mesh_shape == (2,) and cfg.parallel.dims == ["pp"]
+    assert (pp.dim, pp.schedule, pp.microbatches, pp.stages_per_rank, pp.boundaries) == ("pp", "1F1B", 4, 1, "auto")
+    assert (cfg.pp_size, cfg.dp_size, cfg.num_microbatches) == (2, 1, 4)
+    assert cfg.parallel.data_parallel is None
+
+
+PRESET_VALUES = {
+    "3d": check_3d,
+    "2d": check_2d,
+    "tp": check_tp,
+    "tp_sp": check_tp_sp,
+    "dp": _check_plain_dp("ddp"),
+    "fsdp": _check_plain_dp("fsdp"),
+    "zero2": _check_plain_dp("zero2"),
+    "hsdp": check_hsdp,
+    "pp": check_pp,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_VALUES))
+def test_parallel_preset_values(preset):
+    assert preset in PARALLEL, f"conf/parallel/{preset}.yaml is gone; update PRESET_VALUES"
+    PRESET_VALUES[preset](validated([f"+parallel={preset}"]))
+
+
+def test_cli_mesh_override_reshapes_3d():
+    """`mesh=[...]` on the command line wins over the preset's mesh (the DESIGN's second command)."""
+    cfg = validated(["+parallel=3d", "mesh=[1,2,2]", "train.seq_len=64"])
+    assert cfg.mesh_shape == (1, 2, 2) and cfg.world_size == 4 and cfg.dp_size == 1 and cfg.train.seq_len == 64
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def _run_trainer(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_validate_only_prints_config_ok(tmp_path):
+    proc = _run_trainer(["validate_only=true", "+parallel=3d"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"config OK: llama model, mesh [2, 2, 2] (8 workers), {DEFAULT_STEPS} steps"]
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # validation writes nothing: no checkpoints, no mlflow.db, no outputs
+
+
+def test_cli_bad_override_exits_2_before_any_worker(tmp_path):
+    proc = _run_trainer(["+parallel=tp", "mesh=[8]"], tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("invalid config: 4 problems")
+    assert (
+        '  - parallel.placements["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 over 8 ranks; '
+        "172 is not divisible by 8 (use a tp size dividing 172, or Replicate)"
+    ) in proc.stderr.splitlines()
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""  # no progress, loss or launcher line: nothing started
+    assert not (tmp_path / "checkpoints").exists()
+    assert list(tmp_path.iterdir()) == []
