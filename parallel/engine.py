@@ -92,7 +92,7 @@ class ParallelModel:
         self._device = torch.device(device)
         self._schedule = None
         self._loss_fn: LossFn | None = None
-        self._loss_scale = 1.0
+        self._loss_factor = 1.0
         self.pp_size = axis_size(mesh, _field(pipeline, "dim", "pp")) if pipeline is not None else 1
 
     # -- training step -------------------------------------------------------------
@@ -113,12 +113,15 @@ class ParallelModel:
             loss = loss_fn(model(inputs), targets)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             return loss.detach()
-        self._loss_fn, self._loss_scale = loss_fn, loss_scale
+        microbatches = _field(self._pipeline, "microbatches")
+        # Each micro-batch's loss is divided by their number here (not by the schedule's
+        # scale_grads, which would also rescale gradients accumulated by earlier calls).
+        self._loss_fn, self._loss_factor = loss_fn, loss_scale / microbatches
         if self._schedule is None:
             self._schedule = build_schedule(
                 list(zip(self.stage_indices, self.model_parts)),
                 schedule=_field(self._pipeline, "schedule"),
-                microbatches=_field(self._pipeline, "microbatches"),
+                microbatches=microbatches,
                 loss_fn=self._scaled_loss,
                 num_stages=self.num_stages,
                 pp_group=self.mesh.get_group(_field(self._pipeline, "dim")),
@@ -130,13 +133,13 @@ class ParallelModel:
         self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if not self.is_last_stage:
             return None
-        # Micro-batches are equal slices, so the batch mean is the mean of their means.
-        return torch.stack([loss.detach() for loss in losses]).mean() / loss_scale
+        # Micro-batches are equal slices, so the batch mean is the mean of their means:
+        # sum(loss_i * scale / M) / scale.
+        return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # The schedule holds this function; the user's loss and scale are set per call.
-        loss = self._loss_fn(output, target)
-        return loss * self._loss_scale if self._loss_scale != 1.0 else loss
+        # The schedule holds this function; the user's loss and factor are set per call.
+        return self._loss_fn(output, target) * self._loss_factor
 
     # -- parameters and gradients ----------------------------------------------------
 

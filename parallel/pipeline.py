@@ -13,9 +13,11 @@ FQN on every stage and checkpoints load across pipeline sizes.
 
 Stages go to ranks loop-style (stage ``s`` on pp rank ``s % pp_size``) for GPipe, 1F1B and
 the interleaved schedules, V-style for ZBV (rank ``r`` holds ``r`` and ``2 * pp_size - 1 - r``).
-The schedule calls ``loss_fn`` once per micro-batch (a mean over the micro-batch) and, with
-``scale_grads=True``, divides gradients by the number of micro-batches: the gradients are
-those of the mean loss over the whole batch. Tensor shapes between stages are inferred at
+The schedule calls ``loss_fn`` once per micro-batch. The schedules' own ``scale_grads=True``
+divides the *accumulated* ``.grad`` by the number of micro-batches after every ``step``, which
+also rescales gradients left by an earlier accumulation step; so ``build_schedule`` turns it
+off and the caller's ``loss_fn`` divides by the number of micro-batches itself (the engine
+does), which gives the gradients of the mean loss over the batch under accumulation too. Tensor shapes between stages are inferred at
 run time by ``PipelineStage`` (torch >= 2.13), so no example inputs are needed.
 """
 
@@ -158,7 +160,11 @@ def build_schedule(
     device: torch.device | str,
 ):
     """A torch pipelining schedule over this rank's ``stages``; ``step(inputs, target=...,
-    losses=[])`` then runs forward and backward of all micro-batches."""
+    losses=[])`` then runs forward and backward of all micro-batches.
+
+    ``scale_grads=False``: ``loss_fn`` must already be divided by ``microbatches`` for the
+    gradients to be those of the batch mean (see the module docstring for why).
+    """
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -182,7 +188,7 @@ def build_schedule(
         PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stages
     ]
     if schedule in MULTI_STAGE_SCHEDULES:
-        return classes[schedule](pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        return classes[schedule](pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     if len(pipeline_stages) != 1:
         raise ValueError(f"{schedule} runs one stage per rank, got {len(pipeline_stages)}; use an interleaved schedule")
-    return classes[schedule](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return classes[schedule](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -83,13 +83,8 @@ class ControlPlane:
                 workdir: Path | None = None) -> RunConfig:
         """The validated, confined config of a submission (the same checks as a job gets)."""
         workdir = workdir or self.settings.jobs_dir / "plan"
-        cfg = resolve_config(overrides=overrides, document=document, workspace=self.settings.workspace,
-                             workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None)
-        if 0 < self.settings.capacity < cfg.world_size:
-            raise ConfigError([ConfigIssue("mesh", f"needs {cfg.world_size} worker slots; this service has "
-                                                   f"{self.settings.capacity}",
-                                           f"use a mesh of at most {self.settings.capacity} devices")])
-        return cfg
+        return resolve_config(overrides=overrides, document=document, workspace=self.settings.workspace,
+                              workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None)
 
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
         """The validated config and :func:`trainer.plan.plan_numbers` of it; nothing is launched."""
@@ -109,6 +104,10 @@ class ControlPlane:
         job_id = str(uuid.uuid4())
         workdir = self.settings.jobs_dir / job_id
         cfg = self.resolve(overrides=overrides, document=document, workdir=workdir)
+        if 0 < self.settings.capacity < cfg.world_size:  # it would wait forever
+            raise ConfigError([ConfigIssue("mesh", f"needs {cfg.world_size} worker slots; this service has "
+                                                   f"{self.settings.capacity}",
+                                           f"use a mesh of at most {self.settings.capacity} devices")])
         config = cfg.model_dump(mode="json")
         experiment_id = run_id = None
         if cfg.tracking.backend == "mlflow":

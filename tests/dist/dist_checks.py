@@ -88,14 +88,19 @@ def parallelize_preset(model: nn.Module, mesh: list, par: ParallelConfig, **over
     return parallelize(model, **{**kwargs, **overrides})
 
 
-def train(pm: ParallelModel, model_cfg) -> dict:
-    """``STEPS`` optimizer steps on this rank's dp share; losses as every rank sees them."""
+def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
+    """``STEPS`` optimizer steps on this rank's dp share (in ``grad_accum`` pieces, as the
+    trainer's loop does); losses as every rank sees them."""
     optimizer, loss_fn = make_optimizer(pm.parameters()), loss_fn_for(model_cfg)
     losses, norms = [], []
     for inputs, targets in batches(model_cfg):
         per = inputs.shape[0] // pm.dp_size
         share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-        loss = pm.forward_backward(inputs[share], targets[share], loss_fn)
+        loss = None
+        for x, y in zip(inputs[share].chunk(grad_accum), targets[share].chunk(grad_accum)):
+            piece = pm.forward_backward(x, y, loss_fn, loss_scale=1.0 / grad_accum)
+            if piece is not None:
+                loss = piece / grad_accum if loss is None else loss + piece / grad_accum
         norms.append(pm.clip_grad_norm_(GRAD_CLIP))
         optimizer.step()
         optimizer.zero_grad()
@@ -161,15 +166,20 @@ def check_placements(pm: ParallelModel, par: ParallelConfig, mesh_shape, model_c
 # ---------------------------------------------------------------------------- checks
 
 
-def preset_check(name: str, **pipeline_update):
+def preset_check(name: str | tuple[list, dict], *, grad_accum: int = 1, **pipeline_update):
+    """Parity, placements and FQNs of a preset by name, or of an inline ``(mesh, parallel dict)``."""
+
     def check(*, rank: int, world_size: int) -> dict:
-        mesh, par = load_preset(name, **pipeline_update)
+        if isinstance(name, str):
+            mesh, par = load_preset(name, **pipeline_update)
+        else:
+            mesh, par = name[0], ParallelConfig.model_validate(name[1])
         cfg = llama_cfg()
         pm = parallelize_preset(build_model(cfg, seed=0), mesh, par)
         errors = check_placements(pm, par, mesh, cfg)
         probe = _probe_norm_input(pm)
         fqns = sorted(n.replace("_checkpoint_wrapped_module.", "") for n, _ in pm.named_parameters())
-        return {**train(pm, cfg), "placement_errors": errors, "fqns": fqns, "report": pm.placement_report,
+        return {**train(pm, cfg, grad_accum=grad_accum), "placement_errors": errors, "fqns": fqns, "report": pm.placement_report,
                 "stages": pm.stage_indices, "norm_input_local_shape": probe}
 
     return check
@@ -283,7 +293,11 @@ def single_device_check(*, rank: int, world_size: int) -> dict:
     return {**train(pm, cfg), "mesh_is_none": pm.mesh is None}
 
 
-PP = dict(microbatches=4)
+FSDP_PP = {  # FSDP inside pipeline stages, with gradient accumulation on top
+    "dims": ["dp", "pp"],
+    "data_parallel": {"dim": "dp", "mode": "fsdp"},
+    "pipeline": {"dim": "pp", "schedule": "1F1B", "microbatches": 2, "boundaries": "auto"},
+}
 SUITES = {
     "two_rank": [
         ("single_device", single_device_check),
@@ -297,6 +311,8 @@ SUITES = {
         ("pp_Interleaved1F1B", preset_check("pp", schedule="Interleaved1F1B", stages_per_rank=2)),
         ("pp_InterleavedZeroBubble", preset_check("pp", schedule="InterleavedZeroBubble", stages_per_rank=2)),
         ("pp_ZBV", preset_check("pp", schedule="ZBV", stages_per_rank=2)),
+        ("pp_1F1B_grad_accum", preset_check("pp", grad_accum=2, schedule="1F1B")),
+        ("tp_sp_grad_accum", preset_check("tp_sp", grad_accum=2)),
         ("fsdp_ac_full", ac_check("fsdp", "full")),
         ("tp_sp_ac_selective", ac_check("tp_sp", "selective")),
         ("mlp_tp", mlp_tp_check),
@@ -304,6 +320,7 @@ SUITES = {
     ],
     "four_rank": [
         ("hsdp", preset_check("hsdp")),
+        ("fsdp_pp_grad_accum", preset_check(([2, 2], FSDP_PP), grad_accum=2)),
         ("2d", preset_check("2d")),
     ],
     "eight_rank": [

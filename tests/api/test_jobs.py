@@ -1,0 +1,137 @@
+"""A job's life over REST: submit -> RUNNING -> SUCCEEDED, its MLflow run, metrics, logs; replays; plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from api_testkit import TINY, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_submit_runs_to_success_with_mlflow_run_and_metrics(server):
+    from mlflow.tracking import MlflowClient
+
+    with server.client("alice") as client:
+        response = client.post("/v1/jobs", json={"name": "tiny", "overrides": [*TINY, "train.steps=6"]})
+        assert response.status_code == 201, response.text
+        job = response.json()
+        assert job["state"] == "QUEUED" and job["owner"] == "alice" and job["world_size"] == 1
+        run_id = job["mlflow_run_id"]
+        assert run_id and job["config"]["tracking"]["run_id"] == run_id
+        assert job["config"]["tracking"]["tracking_uri"] == server.env["MESHFLOW_MLFLOW_TRACKING_URI"]
+        assert job["config"]["train"]["checkpoint"]["dir"] == str(server.workspace / "jobs" / job["id"] / "checkpoints")
+
+        seen = {wait_for(client, job["id"], {"RUNNING", "SUCCEEDED"})["state"]}
+        done = wait_for(client, job["id"], {"SUCCEEDED", "FAILED"})
+        assert "RUNNING" in seen or done["started_at"] is not None
+        assert done["state"] == "SUCCEEDED", done["error"]
+        assert done["exit_code"] == 0 and done["started_at"] <= done["finished_at"]
+
+        assert MlflowClient(server.env["MESHFLOW_MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "FINISHED"
+        metrics = client.get(f"/v1/jobs/{job['id']}/metrics").json()
+        assert metrics["run_status"] == "FINISHED" and metrics["mlflow_run_id"] == run_id
+        assert [p["step"] for p in metrics["metrics"]["loss"]] == [1, 2, 3, 4, 5, 6]
+        assert all(0 < p["value"] < 10 for p in metrics["metrics"]["loss"])
+
+        log = client.get(f"/v1/jobs/{job['id']}/logs")
+        assert log.status_code == 200 and "done: steps 1..6" in log.text
+        with client.stream("GET", f"/v1/jobs/{job['id']}/logs", params={"follow": "true"}) as stream:
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            events = list(stream.iter_lines())
+        assert "data: done: steps 1..6, loss" in "\n".join(events)
+        assert events[-3:-1] == ["event: end", "data: SUCCEEDED"]
+
+        # The workdir holds the exact config the trainer ran with.
+        ran = yaml.safe_load((server.workspace / "jobs" / job["id"] / "job.yaml").read_text())
+        assert ran["train"]["steps"] == 6 and ran["tracking"]["run_id"] == run_id
+
+        assert client.delete(f"/v1/jobs/{job['id']}").status_code == 204
+        assert client.get(f"/v1/jobs/{job['id']}").status_code == 404
+        assert not (server.workspace / "jobs" / job["id"]).exists()
+
+
+def test_idempotent_resubmission_returns_the_same_job(server):
+    body = {"name": "once", "overrides": [*TINY, "train.steps=3"]}
+    with server.client("alice") as alice, server.client("bob") as bob:
+        first = alice.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k-1"})
+        again = alice.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k-1"})
+        assert (first.status_code, again.status_code) == (201, 200)
+        assert again.json()["id"] == first.json()["id"]
+        changed = alice.post("/v1/jobs", json={**body, "name": "other"}, headers={"Idempotency-Key": "k-1"})
+        assert changed.status_code == 409
+        bobs = bob.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k-1"})  # keys are per owner
+        assert bobs.status_code == 201 and bobs.json()["id"] != first.json()["id"]
+        listed = alice.get("/v1/jobs", params={"limit": 500}).json()["items"]
+        assert sum(j["id"] == first.json()["id"] for j in listed) == 1
+        for client, job in ((alice, first.json()), (bob, bobs.json())):
+            assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+            assert wait_for(client, job["id"], {"CANCELLED", "SUCCEEDED"}, timeout=60)["state"] in ("CANCELLED", "SUCCEEDED")
+
+
+def test_list_filters_and_pagination(server):
+    with server.client("alice") as alice:
+        ids = [alice.post("/v1/jobs", json={"name": f"page-{i}", "overrides": [*TINY, "train.steps=3"], "priority": -5}
+                          ).json()["id"] for i in range(3)]
+        for job_id in ids:
+            alice.post(f"/v1/jobs/{job_id}/cancel")
+        for job_id in ids:
+            wait_for(alice, job_id, {"CANCELLED", "SUCCEEDED"}, timeout=60)
+        page = alice.get("/v1/jobs", params={"limit": 2, "offset": 0}).json()
+        assert page["limit"] == 2 and len(page["items"]) == 2 and page["total"] >= 3
+        assert [j["id"] for j in page["items"]] == ids[::-1][:2]  # newest first
+        cancelled = alice.get("/v1/jobs", params={"state": "CANCELLED", "limit": 500}).json()["items"]
+        assert all(j["state"] == "CANCELLED" for j in cancelled)
+        assert alice.get("/v1/jobs", params={"state": "NOPE"}).status_code == 422
+
+
+def test_config_document_round_trips_and_plans_launch_nothing(server):
+    from trainer.compose import compose_dict
+
+    document = compose_dict(["+parallel=3d", "mesh=[2,2,2]"])
+    with server.client("bob") as bob:
+        before = bob.get("/v1/jobs").json()["total"]
+        plan = bob.post("/v1/plans", json={"config": document})
+        assert plan.status_code == 200, plan.text
+        body = plan.json()
+        assert body["world_size"] == 8 and body["mesh_shape"] == [2, 2, 2] and body["dims"] == ["dp", "pp", "tp"]
+        assert body["stage_boundaries"] == ["layers.2"] and len(body["per_pp_rank"]) == 2
+        assert body["config"]["parallel"]["placements"]["layers.*.attn.w[qkv].weight"] == {"tp": "Shard(0)"}
+        by_overrides = bob.post("/v1/plans", json={"overrides": ["+parallel=3d", "mesh=[2,2,2]"]}).json()
+        assert by_overrides["per_pp_rank"] == body["per_pp_rank"]
+        assert bob.get("/v1/jobs").json()["total"] == before
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "parallel").glob("*.yaml")))
+def test_job_yaml_reproduces_the_resolved_config(preset, tmp_path):
+    """What the runner writes composes (as ``--config-dir <workdir> --config-name job``) back to the same config."""
+    from hydra import compose, initialize_config_dir
+
+    from service.runner import write_job_config
+    from service.submit import resolve_config
+    from trainer.compose import to_plain
+    from trainer.validate import validate_config
+
+    cfg = resolve_config(overrides=[f"+parallel={preset}"], document=None, workspace=tmp_path, workdir=tmp_path / "job",
+                         tracking_uri="sqlite:///x.db", run_id=None, check_model=False)
+    config = cfg.model_dump(mode="json")
+    config["tracking"]["run_id"] = "0123abc"
+    write_job_config(tmp_path, config)
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        composed = to_plain(compose(config_name="job"))
+    assert composed == config
+    assert validate_config(composed, check_model=False) == validate_config(config, check_model=False)
+
+
+def test_health_readiness_and_prometheus_metrics(server):
+    with server.client() as client:
+        assert client.get("/healthz").json() == {"status": "ok"}
+        assert client.get("/readyz").json() == {"status": "ok"}
+        text = client.get("/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert values["meshflow_slots_capacity"] == 2
+    assert values["meshflow_submissions_total"] >= 0 and 'meshflow_jobs{state="QUEUED"}' in values
+    assert values["meshflow_queue_depth"] == values['meshflow_jobs{state="QUEUED"}']
