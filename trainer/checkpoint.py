@@ -261,3 +261,68 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
     return extra
+
+
+def read_extra(path: str | Path) -> dict[str, Any]:
+    """Only the ``extra`` blob of a finished checkpoint (step, model config, ...), no tensors.
+
+    Lets a caller check that a checkpoint fits the run before loading weights into it.
+    """
+    path = Path(path)
+    if (reason := _why_unfinished(path)) is not None:
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
+    state: dict[str, Any] = {"extra": None}
+    try:
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=path)
+        return torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
+
+
+def check_model_config(path: str | Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model config differs from the run's, naming the keys."""
+    keys = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    if keys:
+        diffs = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs run {current.get(k)!r}" for k in keys)
+        raise CheckpointError(
+            f"train.checkpoint.resume: checkpoint {str(path)!r} was saved from another model ({diffs}) "
+            "(resume with the model config it was saved with, or start fresh with train.checkpoint.resume=none)"
+        )
+
+
+def checkpoint_bytes(path: str | Path) -> dict[str, int]:
+    """Bytes on disk of a checkpoint: total and per writing rank (DCP's ``__<rank>_*.distcp`` files)."""
+    per_rank: dict[str, int] = {}
+    total = 0
+    for f in Path(path).iterdir():
+        size = f.stat().st_size
+        total += size
+        if m := re.match(r"^__(\d+)_\d+\.distcp$", f.name):
+            per_rank[m.group(1)] = per_rank.get(m.group(1), 0) + size
+    return {"total": total, **{f"rank{r}": n for r, n in sorted(per_rank.items(), key=lambda kv: int(kv[0]))}}
+
+
+def merged_module(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module over several pipeline stages of one model, keeping the full model's FQNs.
+
+    DCP's ``get_state_dict`` takes one module, and a rank with interleaved stages holds
+    several. The stages are FQN-preserving pieces of one model (``layers.0`` here,
+    ``layers.2`` there), so their children can be re-registered side by side under the same
+    names; container children (``layers``) are merged key by key. Nothing is copied.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    merged = torch.nn.Module()
+    for part in parts:
+        for name, child in part.named_children():
+            if isinstance(child, torch.nn.ModuleDict):
+                if name not in merged._modules:
+                    merged.add_module(name, torch.nn.ModuleDict())
+                for key, sub in child.items():
+                    merged._modules[name][key] = sub
+            elif child is not None:
+                merged.add_module(name, child)
+        for name, param in part.named_parameters(recurse=False):
+            merged.register_parameter(name, param)
+    return merged

@@ -140,6 +140,10 @@ class TrainConfig(_Section):
     grad_accum: int = Field(1, ge=1, description="Gradient-accumulation steps per optimizer step.")
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    init_from: str | None = Field(
+        None, description="Initialise the weights from a safetensors file (see `python -m trainer.export`) "
+        "instead of from the seed; null = from the seed."
+    )
 
 
 # -------------------------------------------------------------------------- parallel

@@ -98,6 +98,12 @@ def _describe_failures(err) -> str:
     return "; ".join(parts)
 
 
+def _resume_latest(cfg: RunConfig) -> RunConfig:
+    """The same run, continuing from the newest checkpoint (if any) in its checkpoint dir."""
+    ckpt = cfg.train.checkpoint.model_copy(update={"resume": "auto"})
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint": ckpt})})
+
+
 def worker_main(cfg_json: str, run_id: str | None) -> dict:
     """One worker: join the process group, train, leave. Runs in a process the launcher spawned."""
     import torch
@@ -106,6 +112,8 @@ def worker_main(cfg_json: str, run_id: str | None) -> dict:
     from trainer.loop import train
 
     cfg = RunConfig.model_validate_json(cfg_json)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        cfg = _resume_latest(cfg)  # the elastic agent restarted us after a failure
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     backend = "nccl" if use_cuda else "gloo"

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.engine import ParallelModel, parallelize
-from trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from trainer.checkpoint import (
+    check_model_config,
+    checkpoint_bytes,
+    load_checkpoint,
+    merged_module,
+    read_extra,
+    resolve_resume,
+    save_checkpoint,
+)
 from trainer.config import OptimConfig, RunConfig, mesh_rank_ids
 from trainer.data import build_source
 from trainer.data.loader import GlobalBatchLoader
@@ -60,6 +68,10 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
 def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
     """The full model, initialised from the seed, then split and sharded as the config says."""
     model = build_model(cfg.model, seed=cfg.train.seed)
+    if cfg.train.init_from:
+        from trainer.export import load_weights
+
+        load_weights(model, cfg.train.init_from)
     par = cfg.parallel
     if par is None:
         return parallelize(model, mesh_shape=(1,), dims=["none"], device_type=device.type)
@@ -96,10 +108,11 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                                dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
     loss_fn = loss_fn_for(cfg.model)
     result = TrainResult()
-    ckpt_kwargs = dict(model=_checkpoint_module(pm), optimizer=optimizer)
+    ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer)
 
     start = 0
     if path := resolve_resume(t.checkpoint.resume, t.checkpoint.dir):
+        check_model_config(path, read_extra(path)["model_config"], cfg.model.model_dump(mode="json"))
         extra = load_checkpoint(path, **ckpt_kwargs)
         start = int(extra["step"])
         scheduler.load_state_dict(extra["scheduler"])
@@ -144,18 +157,14 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                      "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json")}
             saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
             result.last_checkpoint = str(saved)
-            tracker.log_metrics({"checkpoint_seconds": time.perf_counter() - began_save}, step=step)
-            tracker.set_tag("latest_checkpoint", str(saved))
+            seconds = time.perf_counter() - began_save
+            if rank == 0:
+                nbytes = checkpoint_bytes(saved)["total"]
+                tracker.log_metrics({"checkpoint_seconds": seconds, "checkpoint_bytes": nbytes}, step=step)
+                tracker.set_tag("latest_checkpoint", str(saved.resolve()))
+                progress.log(f"checkpoint {saved} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)")
     progress.stop()
     return result
-
-
-def _checkpoint_module(pm: ParallelModel) -> torch.nn.Module:
-    # DCP's get_state_dict takes one module; a rank with several interleaved stages needs the
-    # merged view that the checkpoint issue adds.
-    if len(pm.model_parts) != 1:
-        raise NotImplementedError("checkpoints of ranks holding several pipeline stages are not supported yet")
-    return pm.model_parts[0]
 
 
 def _rng_state() -> dict:

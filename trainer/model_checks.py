@@ -24,6 +24,7 @@ def check_against_model(cfg: RunConfig) -> list[ConfigIssue]:
     issues = _check_model_data(cfg)
     if issues:
         return issues
+    issues += _check_resume(cfg)
     try:
         model = build_model(cfg.model, device="meta")
     except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # e.g. sizes past int64
@@ -209,3 +210,20 @@ def _check_boundaries(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
                                   f"{cfg.pp_size} x stages_per_rank {pp.stages_per_rank} needs {num_stages}",
                                   f"give {num_stages - 1} boundar{'y' if num_stages == 2 else 'ies'}, or boundaries: auto"))
     return issues
+
+
+def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:
+    """The checkpoint to resume from exists, is finished and was saved from this model."""
+    from trainer.checkpoint import CheckpointError, check_model_config, read_extra, resolve_resume
+
+    ckpt = cfg.train.checkpoint
+    try:
+        path = resolve_resume(ckpt.resume, ckpt.dir)
+        if path is not None:
+            check_model_config(path, read_extra(path).get("model_config", {}), cfg.model.model_dump(mode="json"))
+    except CheckpointError as err:
+        text = str(err).removeprefix("train.checkpoint.resume: ")
+        cut = min((i for i in (text.find(" (use "), text.find(" (resume ")) if i >= 0), default=len(text))
+        fix = text[cut + 2:-1] if cut < len(text) else "use train.checkpoint.resume=none or auto"
+        return [ConfigIssue("train.checkpoint.resume", text[:cut], fix)]
+    return []

@@ -13,6 +13,7 @@ Every issue names the config path, the reason and a fix; all issues are reported
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -342,6 +343,9 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
     for path, seed in (("train.seed", cfg.train.seed), ("data.seed", getattr(cfg.data, "seed", 0))):
         if not -(2**63) <= seed < 2**64:  # torch's manual_seed range: training seeds torch with it
             issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits", "use a seed from 0 to 2**63 - 1"))
+    if cfg.train.init_from and not Path(cfg.train.init_from).is_file():
+        issues.append(ConfigIssue("train.init_from", f"{cfg.train.init_from!r} is not a file",
+                                  "give a safetensors file written by python -m trainer.export, or null"))
     ckpt = cfg.train.checkpoint
     if ckpt.every > cfg.train.steps:
         issues.append(ConfigIssue("train.checkpoint.every", f"{ckpt.every} is more than train.steps {cfg.train.steps}; "

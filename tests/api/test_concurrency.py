@@ -1,0 +1,50 @@
+"""Many concurrent submissions with capacity for 2 single-worker jobs: all accepted, never more than
+2 running at once (judged from the jobs' own start and finish times), all finish SUCCEEDED.
+
+20 submissions, not 50: each tiny job costs ~10 s of start-up (torch, MLflow) on a 2-core machine,
+so 50 would take ~4 minutes on their own.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+import pytest
+
+from api_testkit import TINY, wait_for
+
+pytestmark = pytest.mark.slow
+
+NUM_JOBS = 20
+
+
+def max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals],
+                    key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def test_concurrent_submissions_respect_capacity(server):
+    def submit(i: int):
+        with server.client("alice" if i % 2 else "bob") as client:
+            return client.post("/v1/jobs", json={"name": f"swarm-{i}", "overrides": [*TINY, "train.steps=3"]})
+
+    with ThreadPoolExecutor(max_workers=NUM_JOBS) as pool:
+        responses = list(pool.map(submit, range(NUM_JOBS)))
+    assert [r.status_code for r in responses] == [201] * NUM_JOBS, [r.text for r in responses if r.status_code != 201]
+    ids = [r.json()["id"] for r in responses]
+    assert len(set(ids)) == NUM_JOBS
+
+    with server.client("admin") as admin:
+        jobs = [wait_for(admin, job_id, {"SUCCEEDED", "FAILED"}, timeout=600) for job_id in ids]
+        assert [j["state"] for j in jobs] == ["SUCCEEDED"] * NUM_JOBS, [j["error"] for j in jobs if j["error"]]
+        intervals = [(datetime.fromisoformat(j["started_at"]), datetime.fromisoformat(j["finished_at"])) for j in jobs]
+        assert max_overlap(intervals) == 2
+        metrics = admin.get("/metrics").text
+    peak = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("meshflow_max_slots_in_use"))
+    assert peak <= 2

@@ -1,0 +1,80 @@
+"""``python -m trainer.export CHECKPOINT [--out FILE]``: full weights as one safetensors file.
+
+Any checkpoint — saved on any mesh, sharded by FSDP, TP or cut into pipeline stages — holds
+the full model's parameter names (DCP + FQN-preserving stages), so one process can gather it
+into the plain model. The file loads into ``build_model(cfg)`` on one device, and a run can
+start from it with ``train.init_from=FILE``.
+
+    python -m trainer.export checkpoints/step_00000100 --out model.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from pydantic import TypeAdapter
+
+from trainer.checkpoint import CheckpointError, read_extra
+from trainer.config import ModelConfig
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
+    """Write the checkpoint's model weights to ``out``; return {"tensors": n, "bytes": size}."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from trainer.models import build_model
+
+    extra = read_extra(checkpoint)
+    model_cfg = TypeAdapter(ModelConfig).validate_python(extra["model_config"])
+    model = build_model(model_cfg, seed=0)
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise
+        raise CheckpointError(f"cannot export checkpoint {str(checkpoint)!r}: {exc}") from exc
+    tensors = {k: v.detach().contiguous() for k, v in state["model"].items()}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
+                                           "step": str(extra.get("step"))})
+    return {"tensors": len(tensors), "bytes": Path(out).stat().st_size}
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load a safetensors file from :func:`export_checkpoint` into the plain model, strictly."""
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"train.init_from: {str(path)!r} does not exist (give a file written by python -m trainer.export)")
+    weights = load_file(str(path))
+    own = model.state_dict()
+    missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+    wrong = sorted(k for k in own.keys() & weights.keys() if own[k].shape != weights[k].shape)
+    if missing or unexpected or wrong:
+        raise ValueError(f"train.init_from: {str(path)!r} does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, other shapes {wrong[:5]} "
+                         "(export from a checkpoint of the same model config)")
+    model.load_state_dict(weights, strict=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a step_<n> checkpoint directory")
+    parser.add_argument("--out", default="model.safetensors", help="output file (default model.safetensors)")
+    args = parser.parse_args(argv)
+    try:
+        info = export_checkpoint(args.checkpoint, args.out)
+    except (CheckpointError, KeyError) as err:
+        print(f"export failed: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
