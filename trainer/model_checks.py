@@ -8,6 +8,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from parallel.pipeline import pipeline_units
 from parallel.placements import PlacementSpec
 from trainer.config import LlamaConfig, MLPConfig, RunConfig
 from trainer.errors import ConfigIssue, format_path
@@ -163,18 +164,6 @@ def _check_layouts(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
         for glob in cfg.parallel.layouts
         if not any(fnmatchcase(name, glob) for name in modules)
     ]
-
-
-def pipeline_units(model: nn.Module) -> list[str]:
-    """Top-level pieces a pipeline may be cut between, in forward order: `layers.<i>` are separate units."""
-    units = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-            units += [f"{name}.{key}" for key, _ in child.named_children()]
-        else:
-            units.append(name)
-    units += [name for name, _ in model.named_parameters(recurse=False)]
-    return units
 
 
 def _check_boundaries(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:

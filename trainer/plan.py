@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 
 from parallel.pipeline_plan import auto_boundaries, stage_of_units
 from trainer.config import LlamaConfig, RunConfig
-from trainer.model_checks import pipeline_units
+from parallel.pipeline import pipeline_units
 
 BYTES = 4  # fp32 everywhere on this path
 

@@ -255,6 +255,8 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
                                       "give the pipeline its own mesh axis"))
         role[pp.dim] = "pipeline"
         issues += _check_schedule(pp, cfg.axis_size(pp.dim))
+    if (ids := mesh_rank_ids(cfg.mesh)) is not None:
+        issues += _check_rank_order(ids, par.dims)
     issues += _check_placements(par, role)
     used = set(role) | {a for p in par.placements.values() for a in p}
     used |= {a for lay in par.layouts.values() for side in (lay.input, lay.output) if side for a in side}
@@ -264,6 +266,20 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
                                       f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline or placement names it)",
                                       f"name it in data_parallel, pipeline or placements, or set its mesh size to 1"))
     return issues
+
+
+def _check_rank_order(ids: list, dims: list[str]) -> list[ConfigIssue]:
+    import torch
+
+    from parallel.mesh import unordered_axes
+
+    return [
+        ConfigIssue("mesh", f"explicit rank ids {ids} decrease along axis {axis!r}; torch orders every process "
+                    "group's ranks ascending, so shards along that axis would be gathered in the wrong order",
+                    "list the rank ids so they increase along every axis (e.g. swap the rows: "
+                    "[[0,1,3],[2,4,5]] instead of [[2,4,5],[0,1,3]])")
+        for axis in unordered_axes(torch.tensor(ids), dims)
+    ]
 
 
 def _unknown_axis(path: str, name: str, dims: list[str]) -> ConfigIssue:
