@@ -41,7 +41,7 @@ BASES: dict[str, dict[str, Any]] = {
     "tp_sp": compose_dict(["+parallel=tp_sp"]),
     "pp": compose_dict(["+parallel=pp", "data=synthetic"]),
     "mlp_fsdp": compose_dict(["model=mlp", "data=regression", "+parallel=fsdp"]),
-    "explicit_ids": compose_dict(["+parallel=2d", "mesh=[[3,1],[0,2]]", "model=gpt_small"]),
+    "explicit_ids": compose_dict(["+parallel=2d", "mesh=[[0,2],[1,3]]", "model=gpt_small"]),
 }
 
 AXES = ["dp", "pp", "tp", "sp", "dp_replicate", "dp_shard", "ep"]
