@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from api.models import Message, ProblemList
 from service.plane import Forbidden, JobConflict, JobNotFound
@@ -17,7 +21,10 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     422: {"model": ProblemList, "description": "The request or the config is invalid: every problem's path, reason and fix."},
 }
 JOB_RESPONSES: dict[int | str, dict] = {404: {"model": Message, "description": "No such job, or not yours."}}
-BODY_RESPONSES: dict[int | str, dict] = {413: {"model": Message, "description": "Request body too large."}}
+BODY_RESPONSES: dict[int | str, dict] = {
+    400: {"model": Message, "description": "The body could not be parsed."},
+    413: {"model": Message, "description": "Request body too large."},
+}
 
 
 def _problem(path: str, reason: str, fix: str) -> dict[str, str]:
@@ -51,7 +58,24 @@ async def forbidden_handler(_: Request, err: Forbidden) -> JSONResponse:
     return JSONResponse({"detail": str(err)}, status_code=403)
 
 
+async def http_error_handler(request: Request, err: StarletteHTTPException) -> Response:
+    """FastAPI's own handler, except that a 405 lists every method of the path in ``Allow``.
+
+    Starlette answers with the methods of the first route matching the path only, while FastAPI
+    registers one route per method (GET /v1/jobs and POST /v1/jobs are two routes).
+    """
+    if err.status_code == 405:
+        methods = set()
+        for route in request.app.router.routes:
+            match, _ = route.matches(request.scope)
+            if match != Match.NONE and isinstance(route, APIRoute):
+                methods |= route.methods
+        err = StarletteHTTPException(405, err.detail, headers={"Allow": ", ".join(sorted(methods))})
+    return await http_exception_handler(request, err)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(ConfigError, config_error_handler)
     app.add_exception_handler(RequestValidationError, request_validation_handler)
     app.add_exception_handler(JobNotFound, not_found_handler)

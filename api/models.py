@@ -13,7 +13,7 @@ from service.store import Job, JobState
 class JobCreate(BaseModel):
     """A job to run: Hydra overrides as typed after `python -m trainer`, or a whole config document."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
         "examples": [{"name": "dp-demo", "overrides": ["+parallel=dp", "mesh=[2]", "train.steps=20"]}]})
 
     name: str = Field("job", min_length=1, max_length=200, description="A label for people; need not be unique.")

@@ -97,6 +97,7 @@ class ControlPlane:
                    document: dict[str, Any] | None = None, priority: int = 0,
                    idempotency_key: str | None = None) -> tuple[Job, bool]:
         """Validate and queue a job: ``(job, created)``; ``created`` is False for an idempotent replay."""
+        idempotency_key = idempotency_key or None  # an empty header is no key
         request_hash = hashlib.sha256(json.dumps([name, overrides, document, priority], sort_keys=True,
                                                  default=str).encode()).hexdigest()
         if idempotency_key and (existing := self._by_key(session, owner, idempotency_key)):

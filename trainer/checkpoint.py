@@ -37,9 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 COMPLETE_MARKER = "COMPLETE"
+# Flattened optimizer state keys every entry by parameter FQN (``param_groups.<fqn>.lr``). The
+# nested form keys param groups by list index with the saving rank's FQN list, so a checkpoint
+# written by pipeline ranks (each holding other parameters) would lose the groups' lr/betas on
+# load under another pipeline split.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
 _RESUME_FIX = "use `auto` (newest checkpoint in train.checkpoint.dir, if any), `none`, or the path of a step_<n> directory"
@@ -205,7 +210,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     if _rank() == 0:
         # DCP dedups a key present on several ranks by balancing work, so it may store any
@@ -250,14 +255,15 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     reason = _why_unfinished(path)
     if reason is not None:
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     # None is a placeholder DCP replaces with the stored bytes item.
     state: dict[str, Any] = {"model": model_state, "optim": optim_state, "extra": None}
     try:
         with _quiet_dcp():
             dcp.load(state, checkpoint_id=path)
         extra = torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_OPTIONS)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
     return extra

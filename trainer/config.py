@@ -17,7 +17,8 @@ from parallel.placements import PlacementSpec, parse_placement
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # coerce_numbers_to_str: Hydra reads `run_name=412` as an int; a name is still a name.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
 
 
 def _to_placement(value: Any) -> PlacementSpec:

@@ -129,7 +129,13 @@ def worker_main(cfg_json: str, run_id: str | None) -> dict:
             print("workers: " + " ".join(f"rank{r}={pid}" for r, pid in enumerate(pids)), flush=True)
         tracker = make_tracker(cfg.tracking, is_main=is_main, run_id=run_id) if run_id else NullTracker()
         progress = Progress() if is_main else NullProgress()
-        result = train(cfg, tracker=tracker, progress=progress, rank=rank, local_rank=local_rank)
+        try:
+            result = train(cfg, tracker=tracker, progress=progress, rank=rank, local_rank=local_rank)
+        except Exception as err:
+            # The agent reports whichever worker it saw die first, often a peer whose collective
+            # broke; every worker names its own error so the root cause is in the output.
+            print(f"worker rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            raise
         return {"losses": result.losses, "first_step": result.first_step}
     finally:
         dist.destroy_process_group()

@@ -20,7 +20,7 @@ from service.store import JobState
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
 CONFLICT = {409: {"model": Message, "description": "The job's state forbids this."}}
-LOG_CONTENT = {"text/plain": {"schema": {"type": "string"}}, "text/event-stream": {"schema": {"type": "string"}}}
+LOG_CONTENT = {"text/plain": {"schema": {"type": "string"}}, "text/event-stream": {}}
 
 
 def _public(plane: ControlPlane, job) -> JobPublic:
@@ -72,7 +72,7 @@ def delete_job(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentU
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@router.get("/{job_id}/logs", response_class=PlainTextResponse,
+@router.get("/{job_id}/logs",
             responses={200: {"content": LOG_CONTENT, "description": "The log; with follow=true, SSE until the job ends."},
                        **JOB_RESPONSES})
 def read_job_logs(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentUser,

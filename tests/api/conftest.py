@@ -50,3 +50,9 @@ def start_server(tmp_path_factory, mlflow_uri):
 def server(start_server) -> Server:
     """The shared server: capacity for 2 single-worker jobs."""
     return start_server(capacity=2)
+
+
+@pytest.fixture(scope="session")
+def queue_server(start_server) -> Server:
+    """A server with capacity 0: jobs are validated, stored and queued, and never run."""
+    return start_server(capacity=0)

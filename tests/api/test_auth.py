@@ -10,9 +10,10 @@ from api_testkit import TINY, auth, wait_for
 pytestmark = pytest.mark.slow
 
 
-def test_auth_matrix(server):
+def test_auth_matrix(queue_server):
+    server = queue_server
     with server.client("alice") as alice, server.client("bob") as bob, server.client("admin") as admin:
-        job = alice.post("/v1/jobs", json={"name": "alice's", "overrides": [*TINY, "train.steps=400"]}).json()
+        job = alice.post("/v1/jobs", json={"name": "alice's", "overrides": [*TINY, "train.steps=3"]}).json()
         job_id = job["id"]
         try:
             anonymous = httpx.Client(base_url=server.url, timeout=30)

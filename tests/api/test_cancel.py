@@ -85,8 +85,8 @@ def test_cancel_running_dp_job_leaves_no_process(server):
             alice.post(f"/v1/jobs/{job['id']}/cancel")
 
 
-def test_cancel_queued_job_is_immediate(start_server):
-    server = start_server(capacity=0)  # nothing ever starts
+def test_cancel_queued_job_is_immediate(queue_server):
+    server = queue_server  # nothing ever starts
     with server.client("bob") as bob:
         job = bob.post("/v1/jobs", json={"overrides": [*TINY, "train.steps=3"]}).json()
         time.sleep(0.5)

@@ -54,7 +54,8 @@ def test_submit_runs_to_success_with_mlflow_run_and_metrics(server):
         assert not (server.workspace / "jobs" / job["id"]).exists()
 
 
-def test_idempotent_resubmission_returns_the_same_job(server):
+def test_idempotent_resubmission_returns_the_same_job(queue_server):
+    server = queue_server
     body = {"name": "once", "overrides": [*TINY, "train.steps=3"]}
     with server.client("alice") as alice, server.client("bob") as bob:
         first = alice.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k-1"})
@@ -69,17 +70,16 @@ def test_idempotent_resubmission_returns_the_same_job(server):
         assert sum(j["id"] == first.json()["id"] for j in listed) == 1
         for client, job in ((alice, first.json()), (bob, bobs.json())):
             assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
-            assert wait_for(client, job["id"], {"CANCELLED", "SUCCEEDED"}, timeout=60)["state"] in ("CANCELLED", "SUCCEEDED")
+            assert client.get(f"/v1/jobs/{job['id']}").json()["state"] == "CANCELLED"
 
 
-def test_list_filters_and_pagination(server):
+def test_list_filters_and_pagination(queue_server):
+    server = queue_server
     with server.client("alice") as alice:
         ids = [alice.post("/v1/jobs", json={"name": f"page-{i}", "overrides": [*TINY, "train.steps=3"], "priority": -5}
                           ).json()["id"] for i in range(3)]
         for job_id in ids:
             alice.post(f"/v1/jobs/{job_id}/cancel")
-        for job_id in ids:
-            wait_for(alice, job_id, {"CANCELLED", "SUCCEEDED"}, timeout=60)
         page = alice.get("/v1/jobs", params={"limit": 2, "offset": 0}).json()
         assert page["limit"] == 2 and len(page["items"]) == 2 and page["total"] >= 3
         assert [j["id"] for j in page["items"]] == ids[::-1][:2]  # newest first
@@ -88,7 +88,8 @@ def test_list_filters_and_pagination(server):
         assert alice.get("/v1/jobs", params={"state": "NOPE"}).status_code == 422
 
 
-def test_config_document_round_trips_and_plans_launch_nothing(server):
+def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
+    server = queue_server
     from trainer.compose import compose_dict
 
     document = compose_dict(["+parallel=3d", "mesh=[2,2,2]"])

@@ -33,7 +33,8 @@ BAD_OVERRIDES = [
 
 
 @pytest.mark.parametrize("overrides, path, word", BAD_OVERRIDES, ids=[" ".join(o) for o, _, _ in BAD_OVERRIDES])
-def test_bad_overrides_are_refused_with_the_path(server, overrides, path, word):
+def test_bad_overrides_are_refused_with_the_path(queue_server, overrides, path, word):
+    server = queue_server
     with server.client("bob") as bob:
         before = bob.get("/v1/jobs").json()["total"]
         response = bob.post("/v1/jobs", json={"name": "bad", "overrides": overrides})
@@ -47,7 +48,8 @@ def test_bad_overrides_are_refused_with_the_path(server, overrides, path, word):
         assert bob.get("/v1/jobs").json()["total"] == before
 
 
-def test_bad_documents_are_refused(server):
+def test_bad_documents_are_refused(queue_server):
+    server = queue_server
     from trainer.compose import compose_dict
 
     good = compose_dict(["train.steps=3"])
@@ -68,7 +70,8 @@ def test_bad_documents_are_refused(server):
         assert bob.get("/v1/jobs").json()["total"] == before
 
 
-def test_malformed_requests_use_the_same_problem_shape(server):
+def test_malformed_requests_use_the_same_problem_shape(queue_server):
+    server = queue_server
     with server.client("bob") as bob:
         for body in ({"overrides": "train.steps=3"}, {"overrides": [], "config": {}}, {"name": ""}, {"surprise": 1}):
             response = bob.post("/v1/jobs", json=body)

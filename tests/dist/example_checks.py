@@ -1,0 +1,171 @@
+"""What each rank checks for the seed examples in ``conf/examples/`` (see ``test_examples.py``).
+
+The parent composes each example with Hydra (``+examples=<name>``) and hands the plain dict to
+every rank of one launch; a rank validates it with the trainer's own ``validate_config``, builds
+the model exactly as the trainer does (``trainer.loop.build_parallel_model``) and reports, as
+JSON, per example:
+
+* ``params``: each parameter's DTensor placements per mesh axis (``{}`` for a plain tensor),
+  local shard shape, and whether the gathered values equal the one-device initialisation;
+* ``stages``: per stage module, the local shape of its input and, captured by a forward hook
+  that runs *before* the engine's own output redistribution, the placements, local and global
+  shape of the raw output (a ``Partial`` output shows here), plus the shape handed on afterwards;
+  recorded in the first forward of training (the first micro-batch under a pipeline);
+* ``partial``: for tensor-parallel examples, the model placed with ``apply_placements`` and a
+  ``layouts`` entry ``{"": {output: {mp: Partial}}}``: the output stays a ``Partial`` DTensor
+  whose sum over ranks equals the one-device output;
+* ``losses``: 3 steps of ``trainer.loop.train`` (null tracker and progress), as rank 0 logs them.
+
+    results = launch(world_size=2, configs={"oneflow_pipeline": raw_dict}, out_dir=tmp_path)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+WORLD_TIMEOUT_S = 300  # a loaded 2-core machine can stall a rank for a long time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(*, world_size: int, configs: dict[str, dict], out_dir: Path) -> list[dict]:
+    """Run :func:`check_example` for every ``{name: composed config dict}`` on ``world_size``
+    gloo processes (one process group for all of them); the per-rank result dicts."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_entry, args=(world_size, _free_port(), configs, str(out_dir)), nprocs=world_size,
+                       join=True, start_method="spawn")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def _entry(rank: int, world_size: int, port: int, configs: dict[str, dict], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # up to 8 ranks on 2 cores
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=WORLD_TIMEOUT_S))
+    results: dict[str, Any] = {}
+    try:
+        for name, raw in configs.items():
+            try:
+                results[name] = {"ok": True, **check_example(raw)}
+            except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
+                results[name] = {"ok": False, "error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def _placements(t: torch.Tensor) -> dict[str, str]:
+    """``{axis name: placement}`` of a DTensor (``_StridedShard`` reads as ``Shard(d)``), ``{}`` if plain."""
+    if not isinstance(t, DTensor):
+        return {}
+    names = t.device_mesh.mesh_dim_names
+    out = {}
+    for i, p in enumerate(t.placements):
+        dim = getattr(p, "dim", None)
+        out[names[i]] = f"Shard({dim})" if dim is not None else ("Partial" if p.is_partial() else "Replicate")
+    return out
+
+
+def _local_shape(t: torch.Tensor) -> list[int]:
+    return list(t.to_local().shape if isinstance(t, DTensor) else t.shape)
+
+
+def _probe_stages(pm) -> list[dict]:
+    """Hooks on every stage module: raw output (before the engine's output hook) and handed-on output."""
+    records = []
+    for index, part in zip(pm.stage_indices, pm.model_parts):
+        rec: dict[str, Any] = {"stage": index}
+
+        def pre(_m, args, rec=rec):
+            rec.setdefault("input_local", _local_shape(args[0]))
+
+        def raw(_m, _args, out, rec=rec):
+            rec.setdefault("raw_output", {"placements": _placements(out), "local": _local_shape(out),
+                                          "global": list(out.shape), "dtensor": isinstance(out, DTensor)})
+
+        def handed(_m, _args, out, rec=rec):
+            rec.setdefault("output", {"dtensor": isinstance(out, DTensor), "local": _local_shape(out)})
+
+        part.register_forward_pre_hook(pre, prepend=True)
+        # prepend: before distribute_module's output_fn (which redistributes and unwraps) and FSDP's hooks
+        part.register_forward_hook(raw, prepend=True)
+        part.register_forward_hook(handed)
+        records.append(rec)
+    return records
+
+
+def _partial_output(cfg) -> dict | None:
+    """Tensor-parallel examples without pipeline/dp: keep the output Partial via ``layouts``."""
+    from parallel.mesh import build_mesh
+    from parallel.tensor_parallel import apply_placements
+    from trainer.models import build_model
+
+    par = cfg.parallel
+    if par.pipeline is not None or par.data_parallel is not None or not par.placements:
+        return None
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    x = torch.randn(cfg.train.global_batch_size, cfg.model.in_features, generator=torch.Generator().manual_seed(3))
+    expected = model(x).detach()
+    mesh = build_mesh(cfg.mesh_shape, par.dims)
+    axis = par.dims[0]
+    apply_placements(model, mesh, placements=par.placements, layouts={"": {"output": {axis: "Partial"}}})
+    out = model(x)
+    full = out.full_tensor().detach()
+    return {"placements": _placements(out), "local": _local_shape(out),
+            "sum_rel_err": float((full - expected).abs().max() / expected.abs().max())}
+
+
+def check_example(raw: dict) -> dict:
+    """Everything one rank reports about one example (see the module docstring).
+
+    ``trainer.loop.train`` builds its model with ``build_parallel_model``; it is wrapped here so
+    the very model that trains is inspected (at initialisation) and probed (its first forward),
+    and the example is built once.
+    """
+    import trainer.loop as loop
+    from trainer.metrics import NullProgress
+    from trainer.models import build_model
+    from trainer.tracking import NullTracker
+    from trainer.validate import validate_config
+
+    cfg = validate_config(raw)
+    report: dict[str, Any] = {}
+    build = loop.build_parallel_model
+
+    def build_and_inspect(run_cfg, device):
+        pm = build(run_cfg, device)
+        full = dict(build_model(run_cfg.model, seed=run_cfg.train.seed).named_parameters())
+        params = {}
+        for fqn, p in pm.named_parameters():
+            value = p.full_tensor() if isinstance(p, DTensor) else p
+            params[fqn] = {"placements": _placements(p), "local": _local_shape(p),
+                           "values_match": bool(torch.equal(value.detach(), full[fqn].detach()))}
+        report.update(params=params, stages=_probe_stages(pm), dp_size=pm.dp_size)
+        return pm
+
+    loop.build_parallel_model = build_and_inspect
+    try:
+        losses = loop.train(cfg, tracker=NullTracker(), progress=NullProgress()).losses
+    finally:
+        loop.build_parallel_model = build
+    return {**report, "losses": losses, "partial": _partial_output(cfg)}
