@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from api.models import Message, ProblemList
+from service.mlflow_runs import TrackingUnavailable
 from service.plane import Forbidden, JobConflict, JobNotFound
 from service.store import IllegalTransition
 from trainer.errors import ConfigError
@@ -74,7 +75,12 @@ async def http_error_handler(request: Request, err: StarletteHTTPException) -> R
     return await http_exception_handler(request, err)
 
 
+async def unavailable_handler(_: Request, err: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(err)}, status_code=503)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(TrackingUnavailable, unavailable_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(ConfigError, config_error_handler)
     app.add_exception_handler(RequestValidationError, request_validation_handler)

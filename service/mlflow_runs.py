@@ -14,6 +14,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+class TrackingUnavailable(RuntimeError):
+    """The MLflow store could not be reached or refused the request."""
+
+
 class MlflowRuns:
     """Thin, thread-safe wrapper over one ``MlflowClient``."""
 
@@ -35,18 +39,27 @@ class MlflowRuns:
         """A new RUNNING run in ``experiment`` (created when missing): ``(experiment_id, run_id)``."""
         from mlflow.exceptions import MlflowException
 
-        with self._lock:
-            found = self._client.get_experiment_by_name(experiment)
-            if found is None:
-                try:
-                    experiment_id = self._client.create_experiment(experiment)
-                except MlflowException:  # created concurrently by a trainer
-                    experiment_id = self._client.get_experiment_by_name(experiment).experiment_id
-            elif found.lifecycle_stage == "deleted":
-                raise ValueError(f"MLflow experiment {experiment!r} is deleted")
-            else:
-                experiment_id = found.experiment_id
-            run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
+        from trainer.errors import ConfigError, ConfigIssue
+
+        try:
+            with self._lock:
+                found = self._client.get_experiment_by_name(experiment)
+                if found is None:
+                    try:
+                        experiment_id = self._client.create_experiment(experiment)
+                    except MlflowException:  # created concurrently by a trainer
+                        experiment_id = self._client.get_experiment_by_name(experiment).experiment_id
+                elif found.lifecycle_stage == "deleted":
+                    raise ConfigError([ConfigIssue("tracking.experiment", f"MLflow experiment {experiment!r} is deleted",
+                                                   "restore it (`mlflow experiments restore`) or choose another name")])
+                else:
+                    experiment_id = found.experiment_id
+                run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
+        except ConfigError:
+            raise
+        except Exception as err:
+            log.exception("could not create an MLflow run in %s", self.tracking_uri)
+            raise TrackingUnavailable(f"the MLflow store did not accept a new run: {err}") from err
         return experiment_id, run.info.run_id
 
     def run_status(self, run_id: str) -> str | None:

@@ -60,6 +60,7 @@ class ControlPlane:
         self.mlflow = MlflowRuns(settings.mlflow_tracking_uri, settings.mlflow_ui_url)
         self.scheduler = Scheduler(settings, self.sessions, self.mlflow)
         self.submissions_total = 0
+        self._counter_lock = threading.Lock()
 
     def start(self) -> None:
         self.mlflow.warm_up()
@@ -132,7 +133,8 @@ class ControlPlane:
             if existing is None:
                 raise
             return self._replay(existing, request_hash), False
-        self.submissions_total += 1
+        with self._counter_lock:
+            self.submissions_total += 1
         self.scheduler.wake.set()
         return job, True
 

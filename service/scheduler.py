@@ -155,6 +155,8 @@ class Scheduler:
     def _start_queued(self, session: Session) -> None:
         used = self.slots_in_use(session)
         for job in queued_in_order(session):
+            if job.world_size > self.settings.capacity:
+                continue  # can never fit (capacity was lowered since): it waits, but blocks nobody
             if job.world_size > self.settings.capacity - used:
                 break  # strict order: the head waits for its slots, nobody overtakes it
             if not transition(session, job.id, JobState.STARTING):

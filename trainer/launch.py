@@ -64,6 +64,10 @@ def _launch_workers(cfg: RunConfig, run_id: str | None) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     ln = cfg.launch
+    # With the rendezvous store shared into the workers (torch's default), a restarted round
+    # reuses that store and the workers' process sub-groups read the dead round's addresses
+    # (gloo: "connectFullMesh ... Connection refused"). A fresh worker store per round avoids it.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launch_config = LaunchConfig(
         min_nodes=ln.nnodes,
         max_nodes=ln.nnodes,

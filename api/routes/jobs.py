@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
@@ -29,6 +30,7 @@ def _public(plane: ControlPlane, job) -> JobPublic:
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic,
              responses={200: {"model": JobPublic, "description": "Replay: this Idempotency-Key already made this job."},
+                        503: {"model": Message, "description": "The MLflow store is unreachable."},
                         **CONFLICT, **BODY_RESPONSES})
 def create_job(body: JobCreate, plane: PlaneDep, session: SessionDep, user: CurrentUser, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200, description="Same key, same owner: same job.")] = None,
@@ -106,8 +108,12 @@ def _state_of(plane: ControlPlane, job_id: str) -> JobState | None:
         return JobState(job.state) if job else None
 
 
+KEEPALIVE_S = 15.0  # an SSE comment this often keeps idle proxies from closing the stream
+
+
 async def _follow_log(plane: ControlPlane, job_id: str, path: Path) -> AsyncIterator[str]:
     offset, partial, finished = 0, "", False
+    last_sent = time.monotonic()
     while True:
         chunk, offset = await anyio.to_thread.run_sync(_read_from, path, offset)
         if chunk:
@@ -115,7 +121,11 @@ async def _follow_log(plane: ControlPlane, job_id: str, path: Path) -> AsyncIter
             partial = lines.pop()
             for line in lines:
                 yield f"data: {line}\n\n"
+            last_sent = time.monotonic()
             continue
+        if time.monotonic() - last_sent > KEEPALIVE_S:
+            yield ": keep-alive\n\n"
+            last_sent = time.monotonic()
         if finished:
             if partial:
                 yield f"data: {partial}\n\n"

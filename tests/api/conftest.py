@@ -55,4 +55,4 @@ def server(start_server) -> Server:
 @pytest.fixture(scope="session")
 def queue_server(start_server) -> Server:
     """A server with capacity 0: jobs are validated, stored and queued, and never run."""
-    return start_server(capacity=0)
+    return start_server(capacity=0, mlflow_ui_url="http://mlflow.example:5000/")
