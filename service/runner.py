@@ -105,8 +105,25 @@ def group_pids(pgid: int) -> list[int]:
     return found
 
 
+def find_job_process(workdir: Path) -> int | None:
+    """The process-group leader running in ``workdir``: a job started just before a crash, pid unrecorded."""
+    target = os.path.realpath(workdir)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            if os.readlink(entry / "cwd") == target and os.getpgid(pid) == pid and is_same_process_alive(pid, None):
+                return pid
+        except (OSError, ProcessLookupError):
+            continue
+    return None
+
+
 def signal_group(pgid: int, sig: signal.Signals) -> bool:
     """Send ``sig`` to the job's process group; False if the group no longer exists."""
+    if pgid <= 1 or pgid == os.getpgrp():  # never init's group or our own, whatever the store says
+        return False
     try:
         os.killpg(pgid, sig)
         return True

@@ -86,7 +86,13 @@ class Scheduler:
         """Adopt what an earlier server left: live jobs are tracked, vanished ones finished."""
         with self.sessions() as session:
             for job in jobs_in(session, ACTIVE_STATES):
-                if job.pid is None:
+                if job.pid is None and (pid := runner.find_job_process(Path(job.workdir))) is not None:
+                    # Started, but the server died before recording the pid: adopt the process.
+                    session.execute(update(Job).where(Job.id == job.id).values(
+                        pid=pid, pid_start_time=runner.process_start_time(pid), started_at=utcnow()))
+                    session.commit()
+                    transition(session, job.id, JobState.RUNNING)
+                elif job.pid is None:
                     self._finish(session, job, None, "control plane stopped while starting the job")
                 elif runner.is_same_process_alive(job.pid, job.pid_start_time):
                     log.info("job %s: process %d still running; tracking it again", job.id, job.pid)

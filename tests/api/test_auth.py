@@ -58,3 +58,16 @@ def test_tokens_are_not_kept_in_plain_text():
     assert settings.user_for_token("alice-token") == "alice" and settings.user_for_token("alice-tokem") is None
     assert Settings(tokens={"alice": stored}, workspace="/tmp/x").user_for_token("alice-token") == "alice"
     assert Settings(workspace="/tmp/x").auth_disabled is False
+
+
+def test_auth_is_off_only_when_the_settings_say_so():
+    from fastapi import HTTPException
+
+    from api.deps import LOCAL_USER, get_current_user
+    from service.settings import Settings
+
+    with pytest.raises(HTTPException) as refused:
+        get_current_user(Settings(workspace="/tmp/x"), None)
+    assert refused.value.status_code == 401
+    open_settings = Settings(workspace="/tmp/x", auth_disabled=True)
+    assert get_current_user(open_settings, None) == LOCAL_USER and open_settings.is_admin(LOCAL_USER)

@@ -82,6 +82,14 @@ def test_malformed_requests_use_the_same_problem_shape(queue_server):
         huge = {"name": "big", "overrides": ["train.steps=3"], "config": None, "pad": "x" * 2_000_000}
         assert bob.post("/v1/jobs", json=huge).status_code == 413
 
+        def chunks():  # no Content-Length: the limit applies while the body is read
+            yield b'{"name": "chunked", "overrides": ["'
+            for _ in range(40):
+                yield b"x" * 50_000
+            yield b'"]}'
+
+        assert bob.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"}).status_code == 413
+
 
 def test_a_mesh_larger_than_the_capacity_is_refused(server):
     with server.client("bob") as bob:

@@ -325,9 +325,10 @@ def expectation(cfg) -> dict[str, dict[str, tuple[float, float]]]:
         if dpm == "hsdp":
             out[par.data_parallel.dim_names[0]]["all_reduce"] = (units_n, (block_b + root_b) / cfg.axis_size(shard))
     if tp_axis:
-        if par.layouts:  # sequence parallel: per block 2 reduce-scatters + 2 all-gathers each way
+        if par.layouts:  # sequence parallel: per block 2 reduce-scatters + 2 all-gathers each way,
+            # plus the run's final gather (forward) and the gradient of its first scatter (backward)
             out[tp_axis]["reduce_scatter_tensor*"] = (4 * L * mb, 4 * L * mb * act)
-            out[tp_axis]["all_gather_into_tensor*"] = ((4 * L + 1) * mb, (4 * L + 1) * mb * act)
+            out[tp_axis]["all_gather_into_tensor*"] = ((4 * L + 2) * mb, (4 * L + 2) * mb * act)
         else:  # Megatron: 2 all-reduces forward, 2 backward per block
             out[tp_axis]["all_reduce*"] = (4 * L * mb, 4 * L * mb * act)
     if par.pipeline is not None:
@@ -414,10 +415,16 @@ NOTES = """NOTES (<> marks a row where the measurement differs from the simple f
   separately: 3 + 2 = 5 all-reduces per block instead of Megatron's single "f" all-reduce per
   sub-layer (which sums the three gradients first). Same bytes each; 3 more per block.
 - tp_sp: row outputs reduce-scatter into sequence shards, each norm's output is all-gathered once
-  (forward), and the reverse in backward; the last block of the run gathers the residual stream once.
+  (forward), and the reverse in backward; the last block of the run all-gathers the residual stream
+  (forward) and the gradient of the first block's scatter is all-gathered (backward): 4L + 2.
+  Not in the formula: 32 all-reduces of 256 B = the gradients of the 8 sequence-parallel RMSNorm
+  weights ([dim] = 64 floats), which are Partial DTensors (each rank saw only its sequence shard) and
+  are reduced to Replicate where they are used: in clip_grad_norm_ and in the optimizer step (8 x 4).
+  Tiny, but a latency cost per norm; reducing them once after backward would make it 8.
 - pp (1F1B, 4 micro-batches): stage 0 sends each micro-batch's activation [B/mb, T, dim] and receives
   its gradient; the last stage does the opposite (only rank 0 is shown).
-- 2d / 3d: the tp counts per micro-batch and per block held by this stage; FSDP inside a pipeline keeps
+- 2d / 3d: the tp counts per micro-batch and per block held by this stage (7, not 4, per block per
+  micro-batch, as for tp); FSDP inside a pipeline keeps
   parameters gathered across micro-batches (one all-gather per unit per step) and reduce-scatters once.
 - Timing: gloo on 2 shared CPU cores with up to 8 processes; every process competes for the same two
   cores, so these ratios measure overhead (communication, scheduling), not the speed-up a real cluster

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import run_cli
 from trainer.metrics import NullProgress
@@ -75,14 +76,33 @@ def test_resume_reshards_across_meshes(tmp_path, reference):
          f"train.checkpoint.resume={a}/step_00000002", f"train.checkpoint.dir={b}", "train.checkpoint.every=2")
     _assert_continues(_losses(uri, "412"), reference, range(3, 7))
 
-    cfg = validate_config(compose_dict([*BASE, "tracking=none", f"train.checkpoint.resume={b}/step_00000004"]))
+    c = tmp_path / "c"
+    cfg = validate_config(compose_dict([*BASE, "tracking=none", f"train.checkpoint.resume={b}/step_00000004",
+                                        f"train.checkpoint.dir={c}", "train.checkpoint.save_final=true"]))
     one = train(cfg, tracker=NullTracker(), progress=NullProgress())
     assert one.first_step == 4
     assert one.losses == pytest.approx(reference[4:], rel=1e-5)
 
+    # Exported full weights of the 3d run and of the chain that ended on one device agree.
+    from safetensors.torch import load_file
+
+    from trainer.export import export_checkpoint
+
+    export_checkpoint(a / "step_00000006", tmp_path / "a.safetensors")
+    export_checkpoint(c / "step_00000006", tmp_path / "c.safetensors")
+    wa, wc = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "c.safetensors"))
+    assert wa.keys() == wc.keys() and len(wa) == 39
+    for name in wa:
+        assert torch.allclose(wa[name], wc[name], rtol=1e-4, atol=1e-6), name
+
+    # Interleaved: two stages per rank (a schedule change, and one checkpoint over several stage modules).
+    _cli(tmp_path, uri, "interleaved", "+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=Interleaved1F1B",
+         "parallel.pipeline.stages_per_rank=2", f"train.checkpoint.resume={a}/step_00000002",
+         f"train.checkpoint.dir={tmp_path / 'd'}", "train.checkpoint.every=2")
+    _assert_continues(_losses(uri, "interleaved"), reference, range(3, 7))
     _cli(tmp_path, uri, "gpipe", "+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=GPipe",
-         f"train.checkpoint.resume={a}/step_00000002")
-    _assert_continues(_losses(uri, "gpipe"), reference, range(3, 7))
+         f"train.checkpoint.resume={tmp_path / 'd'}/step_00000004")
+    _assert_continues(_losses(uri, "gpipe"), reference, range(5, 7))
     _cli(tmp_path, uri, "ddp", "+parallel=dp", "mesh=[2]", f"train.checkpoint.resume={a}/step_00000004")
     _assert_continues(_losses(uri, "ddp"), reference, range(5, 7))
 
