@@ -133,6 +133,11 @@ class ControlPlane:
             if existing is None:
                 raise
             return self._replay(existing, request_hash), False
+        except Exception:  # the store failed: leave no orphan RUNNING run behind
+            session.rollback()
+            if run_id:
+                self.mlflow.delete_run(run_id)
+            raise
         with self._counter_lock:
             self.submissions_total += 1
         self.scheduler.wake.set()
