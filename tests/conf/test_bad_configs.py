@@ -322,8 +322,8 @@ CASES: dict[str, Bad] = {
     "fixed/shard-on-1d-parameter-behind-star-glob": bad(  # was accepted: only the first match's shape was checked
         ["+parallel=tp"], placement_path("*", "tp"), ["Shard(1)", "layers.0.attn_norm.weight has 1 dims", "[64]"],
         ["use Shard(0),"], edit=put("parallel", "placements", {"*": {"tp": "Shard(1)"}})),
-    "fixed/placement-key-not-a-string": bad(  # the path used to end in pydantic's internal `["[key]"]`
-        ["+parallel=tp"], "parallel.placements[5]", ["bad key", "valid string"],
+    "fixed/placement-key-not-a-string": bad(  # numbers are read as strings (Hydra gives `5` as an int)
+        ["+parallel=tp"], 'parallel.placements["5"]', ["matches no parameter"],
         edit=put("parallel", "placements", {5: {"tp": "Shard(0)"}})),
 }
 
