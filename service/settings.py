@@ -57,7 +57,8 @@ class Settings(BaseSettings):
     tokens: dict[str, str] = Field(default_factory=dict, description="User -> bearer token (plain, hashed on load) or `sha256$salt$hex`.")
     admin_users: list[str] = Field(default_factory=list, description="Users who see and cancel every job.")
     auth_disabled: bool = Field(False, description="Serve without authentication (local use only); every caller is an admin.")
-    capacity: int = Field(default_factory=lambda: os.cpu_count() or 8, ge=0,
+    # 8 CPU workers run (slowly) even on a 2-core host, so the README's 3d job fits by default.
+    capacity: int = Field(default_factory=lambda: max(8, os.cpu_count() or 8), ge=0,
                           description="Worker slots; a job needs prod(mesh) of them. 0 queues jobs and never starts one.")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body; larger ones get 413.")
     cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when cancelling a job.")

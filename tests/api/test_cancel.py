@@ -48,13 +48,20 @@ def _group_gone(pgid: int, timeout: float) -> bool:
     return False
 
 
-def test_cancel_running_dp_job_leaves_no_process(server):
+@pytest.fixture(scope="module")
+def server_for_3d(start_server):
+    """A server with the 8 worker slots a [2,2,2] job needs."""
+    return start_server(capacity=8)
+
+
+def test_cancel_running_3d_job_leaves_no_process(server_for_3d):
     from mlflow.tracking import MlflowClient
 
-    overrides = ["+parallel=dp", "mesh=[2]", *TINY, "train.steps=5000"]
+    server = server_for_3d
+    overrides = ["+parallel=3d", "mesh=[2,2,2]", *TINY, "train.global_batch_size=8", "train.steps=5000"]
     with server.client("alice") as alice:
-        job = alice.post("/v1/jobs", json={"name": "long dp", "overrides": overrides}).json()
-        assert job["world_size"] == 2
+        job = alice.post("/v1/jobs", json={"name": "long 3d", "overrides": overrides}).json()
+        assert job["world_size"] == 8
         try:
             # Follow the log live until training has started on the workers.
             with alice.stream("GET", f"/v1/jobs/{job['id']}/logs", params={"follow": "true"}, timeout=240) as stream:
@@ -64,7 +71,7 @@ def test_cancel_running_dp_job_leaves_no_process(server):
             running = alice.get(f"/v1/jobs/{job['id']}").json()
             assert running["state"] == "RUNNING" and running["pid"]
             processes = job_processes(running["pid"])
-            assert len(processes) >= 4, processes  # supervisor, launcher, 2 workers (+ helpers)
+            assert len(processes) >= 10, processes  # supervisor, launcher, 8 workers (+ helpers)
             assert alice.delete(f"/v1/jobs/{job['id']}").status_code == 409
 
             cancelled = alice.post(f"/v1/jobs/{job['id']}/cancel")
