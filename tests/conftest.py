@@ -28,3 +28,21 @@ def run_cli(args: list[str], *, cwd: Path, timeout: float = 300, env: dict | Non
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def worker_pids(proc: subprocess.Popen, lines: list[str], *, until: str, timeout: float = 300) -> dict[int, int]:
+    """Read a running trainer's output (into ``lines``) until a line starts with ``until``;
+    return {rank: pid} from the launcher's ``workers: rank0=<pid> ...`` line."""
+    import time
+
+    ranks: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        assert line or proc.poll() is None, "".join(lines)
+        if line.startswith("workers: "):
+            ranks = {int(k.removeprefix("rank")): int(v) for k, v in (w.split("=") for w in line.split()[1:])}
+        if line.startswith(until) and ranks:
+            return ranks
+    raise AssertionError("workers did not start:\n" + "".join(lines))

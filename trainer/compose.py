@@ -15,7 +15,6 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 def compose_dict(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The resolved config for ``overrides`` (as typed after ``python -m trainer``), as a plain dict."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="meshflow"):
         cfg = compose(config_name="config", overrides=list(overrides))

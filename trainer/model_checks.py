@@ -10,7 +10,7 @@ from torch import nn
 
 from parallel.pipeline import pipeline_units
 from parallel.placements import PlacementSpec
-from trainer.config import LlamaConfig, MLPConfig, RunConfig
+from trainer.config import LlamaConfig, RunConfig
 from trainer.errors import ConfigIssue, format_path
 
 _DATA_FOR_ARCH = {"llama": ("text", "synthetic"), "mlp": ("regression",)}

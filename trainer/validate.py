@@ -264,7 +264,7 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         if size > 1 and name not in used:
             issues.append(ConfigIssue(format_path("parallel", "dims", par.dims.index(name)),
                                       f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline or placement names it)",
-                                      f"name it in data_parallel, pipeline or placements, or set its mesh size to 1"))
+                                      "name it in data_parallel, pipeline or placements, or set its mesh size to 1"))
     return issues
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import os
 import socket
 import sys

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, worker_pids
 from trainer.metrics import NullProgress
 from trainer.tracking import NullTracker
 
@@ -107,20 +107,6 @@ def test_resume_reshards_across_meshes(tmp_path, reference):
     _assert_continues(_losses(uri, "ddp"), reference, range(5, 7))
 
 
-def _worker_pids(proc: subprocess.Popen, lines: list[str], until: str) -> dict[int, int]:
-    ranks: dict[int, int] = {}
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        assert line or proc.poll() is None, "".join(lines)
-        if line.startswith("workers: "):
-            ranks = {int(k.removeprefix("rank")): int(v) for k, v in (w.split("=") for w in line.split()[1:])}
-        if line.startswith(until) and ranks:
-            return ranks
-    raise AssertionError("".join(lines))
-
-
 @pytest.mark.slow
 def test_killed_worker_is_restarted_and_the_run_continues_exactly(tmp_path):
     """max_restarts=1: SIGKILL a worker mid-run; the elastic agent restarts the workers, they resume
@@ -137,7 +123,7 @@ def test_killed_worker_is_restarted_and_the_run_continues_exactly(tmp_path):
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
-    ranks = _worker_pids(proc, lines, "step 6/")
+    ranks = worker_pids(proc, lines, until="step 6/")
     os.kill(ranks[1], signal.SIGKILL)
     output = "".join(lines) + proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output
@@ -162,7 +148,7 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
-    ranks = _worker_pids(proc, lines, "checkpoint ")
+    ranks = worker_pids(proc, lines, until="checkpoint ")
     deadline = time.monotonic() + 120
     while not any(p.name.startswith(".tmp-step") for p in ckpt.iterdir()):
         assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import worker_pids
+
 LONG_DP = ["+parallel=dp", "mesh=[2]", "train.steps=100000", "train.global_batch_size=4", "train.seq_len=32",
            "train.log_every=1", "data.max_bytes=100000"]
 
@@ -51,19 +53,10 @@ def _start(tmp_path: Path, uri: str) -> subprocess.Popen:
 
 
 def _wait_for_workers(proc: subprocess.Popen, n: int) -> dict[int, int]:
-    """{rank: pid} once n workers have logged a step."""
-    deadline = time.monotonic() + 180
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        assert line or proc.poll() is None, "".join(lines)
-        if line.startswith("workers: "):
-            ranks = {int(k.removeprefix("rank")): int(v) for k, v in (w.split("=") for w in line.split()[1:])}
-            assert len(ranks) == n and set(ranks.values()) <= _children(proc.pid)
-        if line.startswith("step 3/"):
-            return ranks
-    raise AssertionError("workers did not start:\n" + "".join(lines))
+    """{rank: pid} once the workers have logged step 3; they are the launcher's children."""
+    ranks = worker_pids(proc, [], until="step 3/", timeout=180)
+    assert len(ranks) == n and set(ranks.values()) <= _children(proc.pid)
+    return ranks
 
 
 def _run_status(uri: str) -> str:

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, run_cli
 from trainer.metrics import NullProgress
 from trainer.tracking import NullTracker
 
