@@ -50,7 +50,11 @@ def _entry(rank: int, world_size: int, port: int, suite: str, out_dir: str, only
             dist.barrier()
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+        dist.barrier()
+        # Leave without tearing down: after many meshes and pipeline schedules in one process,
+        # gloo's destructors sometimes abort ("terminate called without an active exception")
+        # once every result is already written; that is not a check failing.
+        os._exit(0)
 
 
 def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None = None) -> list[dict]:
