@@ -38,7 +38,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from parallel.mesh import submesh
 from parallel.placements import PlacementSpec, parse_placement
@@ -83,6 +89,7 @@ def apply_placements(
     for name, axis in col.items():
         parallelize_module(modules[name], submesh(mesh, axis), ColwiseParallel())
         report[name] = "colwise"
+    _share_pair_inputs(modules, col, sp_blocks, mesh)
     for name, axis in row.items():
         seq = _enclosing(sp_blocks, name)
         out = Shard(seq[1]) if seq is not None and seq[0] == axis else Replicate()
@@ -120,6 +127,22 @@ def apply_placements(
                     "or the input/output of a module with DTensor-placed parameters is supported"
                 )
     return report
+
+
+def _share_pair_inputs(modules: Mapping[str, nn.Module], col: Mapping[str, str],
+                       sp_blocks: Mapping[str, tuple[str, int]], mesh: DeviceMesh) -> None:
+    """Hand the parent of column-parallel Linears (attention's wq/wk/wv, the MLP's w1/w3) its
+    input as one Replicate DTensor, so the Partial input-gradients of all its column layers are
+    summed first and all-reduced once in backward (Megatron's count), instead of once per layer.
+    Sequence-parallel blocks already gather their input as a DTensor and are left alone."""
+    parents: dict[str, str] = {}
+    for name, axis in col.items():
+        parents.setdefault(name.rpartition(".")[0], axis)
+    for parent, axis in parents.items():
+        if parent and _enclosing(sp_blocks, parent) is None:
+            style = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=False)
+            parallelize_module(modules[parent], submesh(mesh, axis), style)
 
 
 # ----------------------------------------------------------------------------- parsing
