@@ -297,6 +297,19 @@ FSDP_PP = {  # FSDP inside pipeline stages, with gradient accumulation on top
     "data_parallel": {"dim": "dp", "mode": "fsdp"},
     "pipeline": {"dim": "pp", "schedule": "1F1B", "microbatches": 2, "boundaries": "auto"},
 }
+def tp_comm_check(*, rank: int, world_size: int) -> dict:
+    """All-reduces of one tp forward+backward, counted by DTensor's CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh, par = load_preset("tp")
+    cfg = llama_cfg()
+    pm = parallelize_preset(build_model(cfg, seed=0), mesh, par)
+    inputs, targets = batches(cfg)[0]
+    with CommDebugMode() as comm:
+        pm.forward_backward(inputs, targets, loss_fn_for(cfg))
+    return {"counts": {str(op): n for op, n in comm.get_comm_counts().items()}}
+
+
 SUITES = {
     "two_rank": [
         ("single_device", single_device_check),
@@ -305,6 +318,7 @@ SUITES = {
         ("zero2", preset_check("zero2")),
         ("tp", preset_check("tp")),
         ("tp_sp", preset_check("tp_sp")),
+        ("tp_comm", tp_comm_check),
         ("pp_GPipe", preset_check("pp", schedule="GPipe")),
         ("pp_1F1B", preset_check("pp", schedule="1F1B")),
         ("pp_Interleaved1F1B", preset_check("pp", schedule="Interleaved1F1B", stages_per_rank=2)),

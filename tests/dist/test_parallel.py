@@ -109,6 +109,13 @@ def test_tensor_parallel_styles(results):
     assert results("tp")[0]["norm_input_local_shape"] == [8, 32, 64]
 
 
+def test_tensor_parallel_all_reduces_once_per_pair_and_direction(results):
+    # Megatron: per block 2 all-reduces forward (after wo, w2) and 2 backward (one per column
+    # group: wq/wk/wv summed, w1/w3 summed); 4 blocks.
+    for per_rank in results("tp_comm"):
+        assert {k: v for k, v in per_rank["counts"].items() if "all_reduce" in k} == {"c10d_functional.all_reduce": 16}, per_rank
+
+
 def test_sequence_parallel_shards_the_sequence(results):
     per_rank = results("tp_sp")
     report = per_rank[0]["report"]
