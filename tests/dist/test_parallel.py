@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
 LOSS_REL_TOL = 1e-5
-PARITY_CHECKS = [name for name in SUITE_OF if name not in ("paddle_mesh",)]
+PARITY_CHECKS = [name for name in SUITE_OF if name not in ("paddle_mesh", "tp_comm")]
 PRESET_CHECKS = ["dp", "fsdp", "zero2", "tp", "tp_sp", "pp_GPipe", "pp_1F1B", "pp_Interleaved1F1B",
                  "pp_InterleavedZeroBubble", "pp_ZBV", "hsdp", "2d", "3d",
                  "pp_1F1B_grad_accum", "tp_sp_grad_accum", "fsdp_pp_grad_accum"]
