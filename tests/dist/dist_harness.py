@@ -38,13 +38,21 @@ def _entry(rank: int, world_size: int, port: int, suite: str, out_dir: str, only
     )
     import dist_checks as checks  # tests/dist is on sys.path (pytest rootdir-relative import); spawn inherits it
 
+    selected = [(name, check) for name, check in checks.SUITES[suite] if only is None or name in only]
+    run_checks_and_exit([(name, lambda check=check: check(rank=rank, world_size=world_size)) for name, check in selected],
+                        rank=rank, out_dir=out_dir)
+
+
+def run_checks_and_exit(named_checks, *, rank: int, out_dir: str) -> None:
+    """Run ``[(name, zero-argument check)]`` in order on this rank (all ranks in step), write
+    ``rank<r>.json`` with each check's dict or its traceback, and leave the process."""
+    import torch.distributed as dist
+
     results: dict = {}
     try:
-        for name, check in checks.SUITES[suite]:
-            if only is not None and name not in only:
-                continue
+        for name, check in named_checks:
             try:
-                results[name] = {"ok": True, **check(rank=rank, world_size=world_size)}
+                results[name] = {"ok": True, **check()}
             except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
                 results[name] = {"ok": False, "error": traceback.format_exc()}
             dist.barrier()

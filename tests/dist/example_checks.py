@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -58,21 +57,10 @@ def _entry(rank: int, world_size: int, port: int, configs: dict[str, dict], out_
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=WORLD_TIMEOUT_S))
-    results: dict[str, Any] = {}
-    try:
-        for name, raw in configs.items():
-            try:
-                results[name] = {"ok": True, **check_example(raw)}
-            except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
-                results[name] = {"ok": False, "error": traceback.format_exc()}
-            dist.barrier()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.barrier()
-        # Leave without tearing down: after many meshes and pipeline schedules in one process,
-        # gloo's destructors sometimes abort ("terminate called without an active exception")
-        # once every result is already written; that is not a check failing.
-        os._exit(0)
+    from dist_harness import run_checks_and_exit
+
+    run_checks_and_exit([(name, lambda raw=raw: check_example(raw)) for name, raw in configs.items()],
+                        rank=rank, out_dir=out_dir)
 
 
 # ------------------------------------------------------------------------------ checks
