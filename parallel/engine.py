@@ -173,13 +173,17 @@ class ParallelModel:
         Each rank adds its local squared norms, divided by how many ranks hold the same
         values (the replicas of a shard), and one all-reduce over the world sums them.
         """
+        for p in self.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+                # Sum a pending Partial gradient (sequence-parallel norm weights) once, here: left
+                # Partial, every optimizer op touching it would all-reduce it again.
+                p.grad = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         holders = (self.mesh.size() // self.pp_size) if self.mesh is not None else 1
         total = torch.zeros((), dtype=torch.float64, device=self._device)
         for g in grads:
             if isinstance(g, DTensor):
-                if any(isinstance(pl, Partial) for pl in g.placements):
-                    g = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
                 shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
                 local = g.to_local()
             else:

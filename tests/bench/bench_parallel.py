@@ -422,10 +422,9 @@ NOTES = """NOTES (<> marks a row where the measurement differs from the simple f
 - tp_sp: row outputs reduce-scatter into sequence shards, each norm's output is all-gathered once
   (forward), and the reverse in backward; the last block of the run all-gathers the residual stream
   (forward) and the gradient of the first block's scatter is all-gathered (backward): 4L + 2.
-  Not in the formula: 32 all-reduces of 256 B = the gradients of the 8 sequence-parallel RMSNorm
-  weights ([dim] = 64 floats), which are Partial DTensors (each rank saw only its sequence shard) and
-  are reduced to Replicate where they are used: in clip_grad_norm_ and in the optimizer step (8 x 4).
-  Tiny, but a latency cost per norm; reducing them once after backward would make it 8.
+  The 8 sequence-parallel RMSNorm weights get Partial gradients (each rank saw only its sequence
+  shard): the engine sums each once before clipping (8 all-reduces of 256 B per step; before that
+  change every optimizer op touching them all-reduced again: 32).
 - pp (1F1B, 4 micro-batches): stage 0 sends each micro-batch's activation [B/mb, T, dim] and receives
   its gradient; the last stage does the opposite (only rank 0 is shown).
 - 2d / 3d: the tp counts per micro-batch and per block held by this stage (4 per block per

@@ -297,17 +297,27 @@ FSDP_PP = {  # FSDP inside pipeline stages, with gradient accumulation on top
     "data_parallel": {"dim": "dp", "mode": "fsdp"},
     "pipeline": {"dim": "pp", "schedule": "1F1B", "microbatches": 2, "boundaries": "auto"},
 }
-def tp_comm_check(*, rank: int, world_size: int) -> dict:
-    """All-reduces of one tp forward+backward, counted by DTensor's CommDebugMode."""
-    from torch.distributed.tensor.debug import CommDebugMode
+def comm_check(preset: str):
+    """Collectives of one tp forward+backward, and of the update after it (clip + AdamW step),
+    counted by DTensor's CommDebugMode."""
 
-    mesh, par = load_preset("tp")
-    cfg = llama_cfg()
-    pm = parallelize_preset(build_model(cfg, seed=0), mesh, par)
-    inputs, targets = batches(cfg)[0]
-    with CommDebugMode() as comm:
-        pm.forward_backward(inputs, targets, loss_fn_for(cfg))
-    return {"counts": {str(op): n for op, n in comm.get_comm_counts().items()}}
+    def check(*, rank: int, world_size: int) -> dict:
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        mesh, par = load_preset(preset)
+        cfg = llama_cfg()
+        pm = parallelize_preset(build_model(cfg, seed=0), mesh, par)
+        optimizer = make_optimizer(pm.parameters())
+        inputs, targets = batches(cfg)[0]
+        with CommDebugMode() as step_comm:
+            pm.forward_backward(inputs, targets, loss_fn_for(cfg))
+        with CommDebugMode() as update_comm:
+            pm.clip_grad_norm_(1.0)
+            optimizer.step()
+        return {"counts": {str(op): n for op, n in step_comm.get_comm_counts().items()},
+                "update_counts": {str(op): n for op, n in update_comm.get_comm_counts().items()}}
+
+    return check
 
 
 SUITES = {
@@ -318,7 +328,8 @@ SUITES = {
         ("zero2", preset_check("zero2")),
         ("tp", preset_check("tp")),
         ("tp_sp", preset_check("tp_sp")),
-        ("tp_comm", tp_comm_check),
+        ("tp_comm", comm_check("tp")),
+        ("tp_sp_comm", comm_check("tp_sp")),
         ("pp_GPipe", preset_check("pp", schedule="GPipe")),
         ("pp_1F1B", preset_check("pp", schedule="1F1B")),
         ("pp_Interleaved1F1B", preset_check("pp", schedule="Interleaved1F1B", stages_per_rank=2)),
