@@ -328,6 +328,8 @@ def expectation(cfg) -> dict[str, dict[str, tuple[float, float]]]:
             # plus the run's final gather (forward) and the gradient of its first scatter (backward)
             out[tp_axis]["reduce_scatter_tensor*"] = (4 * L * mb, 4 * L * mb * act)
             out[tp_axis]["all_gather_into_tensor*"] = ((4 * L + 2) * mb, (4 * L + 2) * mb * act)
+            # the 2 norms per block have Partial weight gradients, summed once per step
+            out[tp_axis]["all_reduce*"] = (2 * L, 2 * L * m.dim * 4)
         else:  # Megatron: 2 all-reduces forward, 2 backward per block
             out[tp_axis]["all_reduce*"] = (4 * L * mb, 4 * L * mb * act)
     if par.pipeline is not None:
