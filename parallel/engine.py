@@ -229,7 +229,6 @@ def parallelize(
     activation_checkpointing: str = "none",
     activation_checkpointing_every: int = 2,
     device_type: str = "cpu",
-    example_inputs: torch.Tensor | None = None,
 ) -> ParallelModel:
     """Spread the full, initialised ``model`` over the mesh; returns this rank's :class:`ParallelModel`.
 
@@ -244,10 +243,7 @@ def parallelize(
         layouts: module-FQN glob -> ``input``/``output`` ``{axis: placement}``.
         activation_checkpointing, activation_checkpointing_every: ``none|full|selective``, n.
         device_type: ``cpu`` or ``cuda``; the model is moved there.
-        example_inputs: unused; kept so callers written for static stage shapes still work
-            (``PipelineStage`` infers shapes at run time in torch >= 2.13).
     """
-    del example_inputs
     placements, layouts = dict(placements or {}), dict(layouts or {})
     device = torch.device(device_type) if device_type != "cuda" else torch.device("cuda", torch.cuda.current_device())
     units = pipeline_units(model)

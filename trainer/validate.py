@@ -12,7 +12,6 @@ Every issue names the config path, the reason and a fix; all issues are reported
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -335,7 +334,7 @@ def _check_batch(cfg: RunConfig) -> list[ConfigIssue]:
     t = cfg.train
     split = cfg.dp_size * cfg.num_microbatches * t.grad_accum
     if t.global_batch_size % split:
-        good = math.lcm(split, 1) * max(1, round(t.global_batch_size / split))
+        good = split * max(1, round(t.global_batch_size / split))
         return [ConfigIssue("train.global_batch_size",
                             f"{t.global_batch_size} sequences do not split evenly into dp size {cfg.dp_size} x "
                             f"microbatches {cfg.num_microbatches} x grad_accum {t.grad_accum} = {split}",
