@@ -32,13 +32,3 @@ def auto_boundaries(units: list[str], unit_params: list[int], num_stages: int) -
         i = cut[k][i]
         starts.append(i)
     return [units[i] for i in reversed(starts)]
-
-
-def stage_of_units(units: list[str], boundaries: list[str]) -> dict[str, int]:
-    """Map each unit to the index of the stage holding it."""
-    stage, out = 0, {}
-    for unit in units:
-        if unit in boundaries:
-            stage += 1
-        out[unit] = stage
-    return out

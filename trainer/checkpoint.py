@@ -51,7 +51,15 @@ _RESUME_FIX = "use `auto` (newest checkpoint in train.checkpoint.dir, if any), `
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unfinished or unreadable; the message names the path."""
+    """A checkpoint is missing, unfinished or unreadable; the message names the path.
+
+    ``reason`` and ``fix`` are kept apart so the config validator can report them as a
+    :class:`~trainer.errors.ConfigIssue`; ``str()`` joins them as ``reason (fix)``.
+    """
+
+    def __init__(self, reason: str, *, fix: str | None = None):
+        self.reason, self.fix = reason, fix
+        super().__init__(f"{reason} ({fix})" if fix else reason)
 
 
 # ------------------------------------------------------------------------------ finding
@@ -108,7 +116,8 @@ def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
         path = Path(ckpt_dir) / path
     reason = _why_unfinished(path)
     if reason is not None:
-        raise CheckpointError(f"train.checkpoint.resume: {str(path)!r} is not a finished checkpoint: {reason} ({_RESUME_FIX})")
+        raise CheckpointError(f"train.checkpoint.resume: {str(path)!r} is not a finished checkpoint: {reason}",
+                              fix=_RESUME_FIX)
     return path
 
 
@@ -292,8 +301,8 @@ def check_model_config(path: str | Path, saved: dict[str, Any], current: dict[st
     if keys:
         diffs = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs run {current.get(k)!r}" for k in keys)
         raise CheckpointError(
-            f"train.checkpoint.resume: checkpoint {str(path)!r} was saved from another model ({diffs}) "
-            "(resume with the model config it was saved with, or start fresh with train.checkpoint.resume=none)"
+            f"train.checkpoint.resume: checkpoint {str(path)!r} was saved from another model ({diffs})",
+            fix="resume with the model config it was saved with, or start fresh with train.checkpoint.resume=none",
         )
 
 

@@ -211,8 +211,6 @@ def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:
         if path is not None:
             check_model_config(path, read_extra(path).get("model_config", {}), cfg.model.model_dump(mode="json"))
     except CheckpointError as err:
-        text = str(err).removeprefix("train.checkpoint.resume: ")
-        cut = min((i for i in (text.find(" (use "), text.find(" (resume ")) if i >= 0), default=len(text))
-        fix = text[cut + 2:-1] if cut < len(text) else "use train.checkpoint.resume=none or auto"
-        return [ConfigIssue("train.checkpoint.resume", text[:cut], fix)]
+        return [ConfigIssue("train.checkpoint.resume", err.reason.removeprefix("train.checkpoint.resume: "),
+                            err.fix or "use train.checkpoint.resume=none or auto")]
     return []

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 from fnmatch import fnmatchcase
 
-from parallel.pipeline_plan import auto_boundaries, stage_of_units
+from parallel.pipeline import pipeline_units, stage_boundaries, stage_ranks
 from trainer.config import LlamaConfig, RunConfig
-from parallel.pipeline import pipeline_units
 
 BYTES = 4  # fp32 everywhere on this path
 
@@ -35,12 +34,14 @@ def plan_numbers(cfg: RunConfig) -> dict:
     params = dict(model.named_parameters())
     pp = par.pipeline if par else None
     num_stages = cfg.pp_size * (pp.stages_per_rank if pp else 1)
+    # The engine's own split and stage-to-rank rule, so the plan describes what a launch builds.
     if pp:
-        counts = [sum(p.numel() for f, p in params.items() if _unit_of(f, units) == u) for u in units]
-        bounds = auto_boundaries(units, counts, num_stages) if pp.boundaries == "auto" else list(pp.boundaries)
+        groups = stage_boundaries(model, boundaries=pp.boundaries, num_stages=num_stages, units=units)
+        owner = stage_ranks(num_stages, cfg.pp_size, schedule=pp.schedule)
     else:
-        bounds = []
-    stage_of = stage_of_units(units, bounds)
+        groups, owner = [units], [0]
+    stage_of = {unit: s for s, group in enumerate(groups) for unit in group}
+    bounds = [group[0] for group in groups[1:]]
 
     dp = par.data_parallel if par else None
     shard_dp = cfg.dp_size if dp and dp.mode in ("fsdp", "zero2") else (cfg.axis_size(dp.dim_names[1]) if dp and dp.mode == "hsdp" else 1)
@@ -58,8 +59,7 @@ def plan_numbers(cfg: RunConfig) -> dict:
     spr = pp.stages_per_rank if pp else 1
     per_rank = []
     for r in range(cfg.pp_size):
-        stages = [s for s in range(num_stages) if (s % cfg.pp_size == r if not (pp and pp.schedule == "ZBV")
-                                                    else s in (r, 2 * cfg.pp_size - 1 - r))]
+        stages = [s for s in range(num_stages) if owner[s] == r]
         local = sum(stage_local[s] for s in stages)
         weights = local / shard_dp
         grads = local / (shard_dp if dp and dp.mode != "ddp" else 1)
