@@ -14,7 +14,7 @@ from api.models import Message, ProblemList
 from service.mlflow_runs import TrackingUnavailable
 from service.plane import Forbidden, JobConflict, JobNotFound
 from service.store import IllegalTransition
-from trainer.errors import ConfigError
+from parallel.errors import ConfigError
 
 # Documented on every route, so clients (and schemathesis) know each status's body.
 ERROR_RESPONSES: dict[int | str, dict] = {

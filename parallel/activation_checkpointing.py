@@ -13,12 +13,11 @@ gradients do not change.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-ActivationCheckpointing = Literal["none", "full", "selective"]
+from parallel.config import ActivationCheckpointing
 
 
 def apply_ac(
@@ -32,10 +31,6 @@ def apply_ac(
     returns the FQNs wrapped."""
     if mode == "none":
         return []
-    if mode not in ("full", "selective"):
-        raise ValueError(f"unknown activation_checkpointing {mode!r}; use none, full or selective")
-    if every < 1:
-        raise ValueError(f"activation_checkpointing_every must be >= 1, got {every}")
     modules = dict(model.named_modules())
     wrapped = []
     for i, fqn in enumerate(block_fqns):

@@ -22,15 +22,13 @@ gradient equals the single-device gradient of the global-batch mean loss.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from parallel.config import DataParallelMode
 from parallel.mesh import submesh
-
-DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
 
 
 def apply_data_parallel(
@@ -60,14 +58,8 @@ def apply_data_parallel(
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         return replicate(module, mesh=submesh(mesh, dim_names))
-    if mode == "hsdp":
-        if len(dim_names) != 2:
-            raise ValueError(f"hsdp needs two mesh axes [replicate, shard], got {dim_names}")
-        dp_mesh = mesh[tuple(dim_names)]
-    elif mode in ("fsdp", "zero2"):
-        dp_mesh = submesh(mesh, dim_names)
-    else:
-        raise ValueError(f"unknown data-parallel mode {mode!r}; use ddp, fsdp, zero2 or hsdp")
+    # hsdp keeps its two axes as a 2-D mesh: FSDP2 replicates over the first, shards over the second.
+    dp_mesh = submesh(mesh, dim_names, flatten=mode != "hsdp")
     reshard = mode != "zero2" and not pipelined
     modules = dict(module.named_modules())
     for fqn in block_fqns:

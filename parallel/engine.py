@@ -1,8 +1,7 @@
 """The orchestrator: one call turns a full, initialised model into this rank's share of it.
 
-    pm = parallelize(model, mesh_shape=(2, 2, 2), dims=["dp", "pp", "tp"],
-                     data_parallel=cfg.parallel.data_parallel, pipeline=cfg.parallel.pipeline,
-                     placements=cfg.parallel.placements, layouts=cfg.parallel.layouts)
+    plan = resolve_plan(cfg.parallel, cfg.mesh, model)        # globs matched, stages split
+    pm = parallelize(model, plan, device=torch.device("cpu"))
     loss = pm.forward_backward(inputs, targets, loss_fn)     # this rank's dp share of the batch
     grad_norm = pm.clip_grad_norm_(1.0)
     optimizer.step(); optimizer.zero_grad()
@@ -13,19 +12,14 @@ Order of application, as torchtitan does it: split into pipeline stages -> tenso
 and initialised in full on every rank first; because the initial values depend only on
 (seed, FQN), splitting and sharding then keeps every value identical to one device.
 
-With one device (``mesh_shape=(1,)``) there is no mesh and ``forward_backward`` is a plain
-forward and backward, so the training loop is the same code for every mesh.
-
-The config sections are taken duck-typed (attributes ``dim``/``mode`` of the data-parallel
-section; ``dim``/``schedule``/``microbatches``/``stages_per_rank``/``boundaries`` of the
-pipeline section), or as plain dicts: this package does not import the trainer.
+With one device (a plan whose mesh is ``(1,)``) there is no mesh and ``forward_backward`` is a
+plain forward and backward, so the training loop is the same code for every mesh.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from fnmatch import fnmatchcase
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,23 +30,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel.activation_checkpointing import apply_ac
 from parallel.data_parallel import apply_data_parallel
-from parallel.mesh import axis_rank, axis_size, build_mesh, submesh
-from parallel.pipeline import build_schedule, pipeline_units, split_stages
+from parallel.mesh import axis_rank, build_mesh, submesh
+from parallel.pipeline import build_schedule, split_stages
+from parallel.plan import ParallelPlan, PipelineSpec
 from parallel.tensor_parallel import apply_placements
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _field(section: Any, name: str, default: Any = None) -> Any:
-    if section is None:
-        return default
-    if isinstance(section, Mapping):
-        return section.get(name, default)
-    return getattr(section, name, default)
-
-
-def _names(dim: str | Sequence[str]) -> list[str]:
-    return [dim] if isinstance(dim, str) else list(dim)
 
 
 class ParallelModel:
@@ -75,8 +58,7 @@ class ParallelModel:
         dp_rank: int = 0,
         dp_size: int = 1,
         stage_indices: Sequence[int] = (0,),
-        num_stages: int = 1,
-        pipeline: Any = None,
+        pipeline: PipelineSpec | None = None,
         device: torch.device | str = "cpu",
         placement_report: dict[str, str] | None = None,
     ) -> None:
@@ -84,6 +66,7 @@ class ParallelModel:
         self.mesh = mesh
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.stage_indices = list(stage_indices)
+        num_stages = pipeline.num_stages if pipeline is not None else 1
         self.num_stages = num_stages
         self.is_first_stage = 0 in self.stage_indices
         self.is_last_stage = num_stages - 1 in self.stage_indices
@@ -93,7 +76,7 @@ class ParallelModel:
         self._schedule = None
         self._loss_fn: LossFn | None = None
         self._loss_factor = 1.0
-        self.pp_size = axis_size(mesh, _field(pipeline, "dim", "pp")) if pipeline is not None else 1
+        self.pp_size = mesh.size(mesh.mesh_dim_names.index(pipeline.dim)) if pipeline is not None else 1
 
     # -- training step -------------------------------------------------------------
 
@@ -113,18 +96,18 @@ class ParallelModel:
             loss = loss_fn(model(inputs), targets)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             return loss.detach()
-        microbatches = _field(self._pipeline, "microbatches")
+        microbatches = self._pipeline.num_microbatches
         # Each micro-batch's loss is divided by their number here (not by the schedule's
         # scale_grads, which would also rescale gradients accumulated by earlier calls).
         self._loss_fn, self._loss_factor = loss_fn, loss_scale / microbatches
         if self._schedule is None:
             self._schedule = build_schedule(
                 list(zip(self.stage_indices, self.model_parts)),
-                schedule=_field(self._pipeline, "schedule"),
+                schedule=self._pipeline.schedule,
                 microbatches=microbatches,
                 loss_fn=self._scaled_loss,
                 num_stages=self.num_stages,
-                pp_group=self.mesh.get_group(_field(self._pipeline, "dim")),
+                pp_group=self.mesh.get_group(self._pipeline.dim),
                 device=self._device,
             )
         losses: list[torch.Tensor] = []
@@ -161,9 +144,6 @@ class ParallelModel:
         for part in self.model_parts:
             part.train(mode)
         return self
-
-    def eval(self) -> ParallelModel:
-        return self.train(False)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | None) -> float:
@@ -216,101 +196,51 @@ def _is_shard(placement: Any) -> bool:
     return isinstance(placement, Shard) or getattr(placement, "dim", None) is not None
 
 
-def parallelize(
-    model: nn.Module,
-    *,
-    mesh_shape: Sequence[int],
-    dims: Sequence[str],
-    rank_ids: Sequence | None = None,
-    data_parallel: Any = None,
-    pipeline: Any = None,
-    placements: Mapping[str, Mapping[str, Any]] | None = None,
-    layouts: Mapping[str, Any] | None = None,
-    activation_checkpointing: str = "none",
-    activation_checkpointing_every: int = 2,
-    device_type: str = "cpu",
-) -> ParallelModel:
-    """Spread the full, initialised ``model`` over the mesh; returns this rank's :class:`ParallelModel`.
+def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -> ParallelModel:
+    """Spread the full, initialised ``model`` over the plan's mesh; returns this rank's
+    :class:`ParallelModel`.
 
     Args:
         model: the whole model on CPU, initialised (identically on every rank).
-        mesh_shape, dims: axis sizes (outermost first) and names; ``(1,)`` means one device.
-        rank_ids: optional nested explicit rank ids shaped like ``mesh_shape``.
-        data_parallel: section with ``dim`` (axis or list of axes) and ``mode``; ``None`` = none.
-        pipeline: section with ``dim``, ``schedule``, ``microbatches``, ``stages_per_rank``,
-            ``boundaries``; ``None`` = no pipeline.
-        placements: parameter-FQN glob -> ``{axis: placement}``.
-        layouts: module-FQN glob -> ``input``/``output`` ``{axis: placement}``.
-        activation_checkpointing, activation_checkpointing_every: ``none|full|selective``, n.
-        device_type: ``cpu`` or ``cuda``; the model is moved there.
+        plan: from :func:`parallel.plan.resolve_plan` for this model and config.
+        device: where this rank computes (``cpu``, or its own ``cuda`` device).
     """
-    placements, layouts = dict(placements or {}), dict(layouts or {})
-    device = torch.device(device_type) if device_type != "cuda" else torch.device("cuda", torch.cuda.current_device())
-    units = pipeline_units(model)
-    block_fqns = [u for u in units if "." in u]
-    world = math.prod(int(s) for s in mesh_shape)
-    if world == 1:
+    ac = dict(mode=plan.activation_checkpointing, every=plan.activation_checkpointing_every, block_fqns=plan.block_fqns)
+    if plan.mesh.world_size == 1:
         model.to(device)
-        apply_ac(model, mode=activation_checkpointing, every=activation_checkpointing_every, block_fqns=block_fqns)
+        apply_ac(model, **ac)
         return ParallelModel(model_parts=[model], mesh=None, device=device)
 
-    _check_globs(model, placements, layouts)
-    mesh = build_mesh(mesh_shape, dims, rank_ids=rank_ids, device_type=device_type)
+    mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, rank_ids=plan.mesh.rank_ids, device_type=device.type)
     if dist.get_world_size() != mesh.size():
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}")
-
-    if pipeline is not None:
-        pp_dim = _field(pipeline, "dim", "pp")
-        pp_size = axis_size(mesh, pp_dim)
-        num_stages = pp_size * _field(pipeline, "stages_per_rank", 1)
-        stages = split_stages(
-            model,
-            boundaries=_field(pipeline, "boundaries", "auto"),
-            num_stages=num_stages,
-            units=units,
-            pp_rank=mesh.get_local_rank(pp_dim),
-            pp_size=pp_size,
-            schedule=_field(pipeline, "schedule", "1F1B"),
-        )
+    pp = plan.pipeline
+    if pp is not None:
+        stages = split_stages(model, pp, units=plan.units, pp_rank=mesh.get_local_rank(pp.dim))
     else:
-        num_stages, stages = 1, [(0, model)]
+        stages = [(0, model)]
 
     report: dict[str, str] = {}
-    dp_names = _names(_field(data_parallel, "dim", "dp")) if data_parallel is not None else []
-    for index, part in stages:
+    dp = plan.data_parallel
+    dp_names = list(dp.dim_names) if dp is not None else []
+    for _, part in stages:
         part.to(device)
-        if placements or layouts:
-            for name, style in apply_placements(part, mesh, placements=placements, layouts=layouts, strict=False).items():
-                report[name] = style
-        apply_ac(part, mode=activation_checkpointing, every=activation_checkpointing_every, block_fqns=block_fqns)
-        if data_parallel is not None:
-            apply_data_parallel(
-                part, mesh, mode=_field(data_parallel, "mode", "fsdp"), dim_names=dp_names,
-                block_fqns=block_fqns, pipelined=pipeline is not None,
-            )
+        if plan.placements or plan.layouts:
+            report.update(apply_placements(part, mesh, placements=plan.placements, layouts=plan.layouts))
+        apply_ac(part, **ac)
+        if dp is not None:
+            apply_data_parallel(part, mesh, mode=dp.mode, dim_names=dp_names, block_fqns=plan.block_fqns,
+                                pipelined=pp is not None)
     return ParallelModel(
         model_parts=[part for _, part in stages],
         mesh=mesh,
         dp_rank=axis_rank(mesh, dp_names),
-        dp_size=axis_size(mesh, dp_names),
+        dp_size=plan.dp_size,
         stage_indices=[index for index, _ in stages],
-        num_stages=num_stages,
-        pipeline=pipeline,
+        pipeline=pp,
         device=device,
         placement_report=report,
     )
-
-
-def _check_globs(model: nn.Module, placements: Mapping[str, Any], layouts: Mapping[str, Any]) -> None:
-    """Globs are checked on the full model: a pipeline stage legitimately lacks most names."""
-    params = [n for n, _ in model.named_parameters()]
-    modules = [n for n, _ in model.named_modules() if n]
-    for glob in placements:
-        if not any(fnmatchcase(n, glob) for n in params):
-            raise ValueError(f"placements[{glob!r}] matches no parameter; parameters look like {params[:4]}")
-    for glob in layouts:
-        if not any(fnmatchcase(n, glob) for n in modules):
-            raise ValueError(f"layouts[{glob!r}] matches no module; modules look like {modules[:4]}")
 
 
 __all__ = ["ParallelModel", "parallelize", "submesh"]

@@ -15,11 +15,14 @@ collectively), including ranks outside an explicit ``rank_ids`` mesh.
 
 from __future__ import annotations
 
-import math
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Sub-meshes made once per (mesh, axes): the engine asks for the same axis for every module.
+_SUBMESHES: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], DeviceMesh]] = weakref.WeakKeyDictionary()
 
 
 def build_mesh(
@@ -80,27 +83,26 @@ def unordered_axes(rank_ids: torch.Tensor, dim_names: Sequence[str]) -> list[str
     return bad
 
 
-def submesh(mesh: DeviceMesh, names: str | Sequence[str]) -> DeviceMesh:
+def submesh(mesh: DeviceMesh, names: str | Sequence[str], *, flatten: bool = True) -> DeviceMesh:
     """The sub-mesh over the axes ``names``: ``mesh[name]`` for one axis; for several, those
-    axes flattened into one (e.g. HSDP's ``("dp_replicate", "dp_shard")`` as one dp group)."""
-    names = [names] if isinstance(names, str) else list(names)
+    axes flattened into one (e.g. HSDP's ``("dp_replicate", "dp_shard")`` as one dp group), or
+    kept as a 2-D sub-mesh with ``flatten=False``. Made once per mesh and axes, then reused."""
+    key = (*([names] if isinstance(names, str) else names), "" if flatten else "2d")
+    cache = _SUBMESHES.setdefault(mesh, {})
+    if key not in cache:
+        cache[key] = _submesh(mesh, list(key[:-1]), flatten=flatten)
+    return cache[key]
+
+
+def _submesh(mesh: DeviceMesh, names: list[str], *, flatten: bool) -> DeviceMesh:
     unknown = [n for n in names if n not in (mesh.mesh_dim_names or ())]
     if unknown:
         raise ValueError(f"mesh has no axis {unknown}; its axes are {list(mesh.mesh_dim_names or ())}")
-    if list(mesh.mesh_dim_names) == names and mesh.ndim == 1:
+    if list(mesh.mesh_dim_names) == names and (mesh.ndim == 1 or not flatten):
         return mesh
     if len(names) == 1:
         return mesh[names[0]]
-    return mesh[tuple(names)]._flatten("_".join(names))
-
-
-def axis_size(mesh: DeviceMesh | None, names: str | Sequence[str]) -> int:
-    """Product of the sizes of the axes ``names`` (absent axes count 1)."""
-    if mesh is None:
-        return 1
-    names = [names] if isinstance(names, str) else list(names)
-    dims = list(mesh.mesh_dim_names or ())
-    return math.prod(mesh.size(dims.index(n)) for n in names if n in dims)
+    return mesh[tuple(names)]._flatten("_".join(names)) if flatten else mesh[tuple(names)]
 
 
 def axis_rank(mesh: DeviceMesh | None, names: str | Sequence[str]) -> int:

@@ -6,8 +6,7 @@ parameters ``w0, w1``). Each stage is a copy of the full model with the other un
 (modules set to ``None``, blocks deleted from their ``ModuleDict``), so a parameter keeps its
 FQN on every stage and checkpoints load across pipeline sizes.
 
-    units = pipeline_units(model)
-    stages = split_stages(model, boundaries=["layers.2"], num_stages=2, units=units, pp_rank=r, pp_size=2)
+    stages = split_stages(model, plan.pipeline, units=plan.units, pp_rank=r)   # [(index, module)]
     schedule = build_schedule(stages, schedule="1F1B", microbatches=4, loss_fn=loss_fn,
                               num_stages=2, pp_group=mesh["pp"].get_group(), device="cpu")
 
@@ -25,22 +24,22 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from parallel.config import MULTI_STAGE_SCHEDULES, V_SCHEDULES, ScheduleName
 from parallel.pipeline_plan import auto_boundaries
 
-ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
-V_SCHEDULES = ("ZBV",)
-MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBV")
+if TYPE_CHECKING:
+    from parallel.plan import PipelineSpec
 
 
 def pipeline_units(model: nn.Module) -> list[str]:
     """Top-level pieces a pipeline may be cut between, in forward order: the children of a
     top-level ``ModuleDict``/``ModuleList`` are separate units (``layers.0``), and so are raw
-    top-level parameters. (Same rule as the config validator's.)"""
+    top-level parameters."""
     units = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
@@ -132,21 +131,10 @@ def build_stage_module(model: nn.Module, units: Sequence[str], all_units: Sequen
     return stage
 
 
-def split_stages(
-    model: nn.Module,
-    *,
-    boundaries: Sequence[str] | str,
-    num_stages: int,
-    units: Sequence[str],
-    pp_rank: int,
-    pp_size: int,
-    schedule: str = "1F1B",
-) -> list[tuple[int, nn.Module]]:
-    """``[(stage_index, stage_module), ...]`` for the stages pp rank ``pp_rank`` holds, in
-    increasing stage order."""
-    groups = stage_boundaries(model, boundaries=boundaries, num_stages=num_stages, units=units)
-    owner = stage_ranks(num_stages, pp_size, schedule=schedule)
-    return [(s, build_stage_module(model, groups[s], units)) for s in range(num_stages) if owner[s] == pp_rank]
+def split_stages(model: nn.Module, pipeline: PipelineSpec, *, units: Sequence[str], pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """``[(stage_index, stage_module), ...]`` for the stages pp rank ``pp_rank`` holds (as the
+    plan's resolved split says), in increasing stage order."""
+    return [(s, build_stage_module(model, pipeline.stage_units[s], units)) for s in pipeline.stages_of(pp_rank)]
 
 
 def build_schedule(

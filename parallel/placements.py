@@ -62,9 +62,6 @@ class PlacementSpec:
         return Replicate()
 
 
-REPLICATE = PlacementSpec("replicate")
-
-
 def parse_placement(text: object) -> PlacementSpec:
     """Parse ``Shard(d)`` / ``Replicate`` / ``Partial``; raise ``ValueError`` otherwise."""
     if isinstance(text, PlacementSpec):

@@ -24,14 +24,18 @@ the efficient form where it recognises one:
     report = apply_placements(model, mesh, placements={"w0": {"tp": Shard(1)}, "w1": {"tp": Shard(0)}})
     # {"": "dtensor"}
 
-Parameter values are taken from the (already initialised, identical on every rank) full
-tensors: each rank keeps its slice, nothing is communicated.
+The placements and layouts arrive resolved by :func:`parallel.plan.resolve_plan` (one entry per
+parameter / module FQN, globs already matched and checked), so this module matches nothing
+itself. :func:`classify` is the pure part (which module gets which style); the plan uses it
+to refuse layouts that would be ignored, before any worker starts. Parameter values are taken
+from the (already initialised, identical on every rank) full tensors: each rank keeps its
+slice, nothing is communicated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from fnmatch import fnmatchcase
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,18 +51,62 @@ from torch.distributed.tensor.parallel import (
 )
 
 from parallel.mesh import submesh
-from parallel.placements import PlacementSpec, parse_placement
+from parallel.placements import PlacementSpec
 
-AxisPlacements = Mapping[str, PlacementSpec | str]
+AxisSpecs = Mapping[str, PlacementSpec]
+
+
+@dataclass
+class Classification:
+    """Which module gets which treatment; keys are module FQNs.
+
+    Attributes:
+        col, row: ``nn.Linear`` modules of Megatron pairs -> their axis.
+        sp_norms: sequence-parallel modules -> ``(axis, sequence dim)``.
+        owners: modules whose own parameters become DTensors -> ``{param name: placements}``.
+        unsupported: modules with a non-Replicate layout that none of the above honours.
+    """
+
+    col: dict[str, str] = field(default_factory=dict)
+    row: dict[str, str] = field(default_factory=dict)
+    sp_norms: dict[str, tuple[str, int]] = field(default_factory=dict)
+    owners: dict[str, dict[str, AxisSpecs]] = field(default_factory=dict)
+    unsupported: list[str] = field(default_factory=list)
+
+
+def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Mapping[str, Any]) -> Classification:
+    """The style of every module of ``module`` that ``placements`` (param FQN -> ``{axis:
+    placement}``) and ``layouts`` (module FQN -> :class:`~parallel.plan.LayoutSpec`) touch.
+    Entries for names ``module`` lacks (another pipeline stage's) are ignored."""
+    modules = dict(module.named_modules())
+    params = {name for name, _ in module.named_parameters()}
+    specs = {fqn: axes for fqn, axes in placements.items() if fqn in params}
+    layouts = {name: layout for name, layout in layouts.items() if name in modules}
+    out = Classification()
+    out.col, out.row = _megatron_pairs(modules, specs)
+    out.sp_norms = _sequence_parallel_norms(modules, specs, layouts)
+    claimed = set(out.col) | set(out.row) | set(out.sp_norms)
+    for fqn, axis_specs in specs.items():
+        owner, _, pname = fqn.rpartition(".")
+        if owner not in claimed and _sharded_axes(axis_specs):
+            out.owners.setdefault(owner, {})[pname] = axis_specs
+    handled = set(out.sp_norms) | set(out.owners)
+    out.unsupported = [name for name, layout in layouts.items()
+                       if name not in handled and _non_replicate(layout.input) | _non_replicate(layout.output)]
+    return out
+
+
+def unsupported_layouts(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Mapping[str, Any]) -> list[str]:
+    """Modules whose layout would be ignored (not a sequence-parallel norm, no DTensor parameters)."""
+    return classify(module, placements, layouts).unsupported
 
 
 def apply_placements(
     module: nn.Module,
     mesh: DeviceMesh,
     *,
-    placements: Mapping[str, AxisPlacements],
+    placements: Mapping[str, AxisSpecs],
     layouts: Mapping[str, Any] | None = None,
-    strict: bool = True,
 ) -> dict[str, str]:
     """Shard ``module``'s parameters over ``mesh`` as ``placements`` says; returns
     ``{module FQN: style}`` (``colwise``, ``rowwise``, ``sequence_parallel``, ``dtensor``).
@@ -66,23 +114,20 @@ def apply_placements(
     Args:
         module: the model (or a pipeline stage of it), parameters plain and initialised.
         mesh: the full device mesh; axes are referred to by name.
-        placements: parameter-FQN glob (``fnmatchcase``) -> ``{axis: placement}``; axes not
-            named are ``Replicate``.
-        layouts: module-FQN glob -> object or dict with ``input`` / ``output`` ``{axis:
-            placement}`` (sequence parallel, a ``Partial`` output).
-        strict: raise ``ValueError`` for a glob that matches nothing. A pipeline stage holds
-            only part of the model, so the engine checks globs on the full model and passes
-            ``strict=False`` per stage.
+        placements: parameter FQN -> ``{axis: PlacementSpec}``; axes not named are ``Replicate``
+            (a plan's ``placements``; FQNs of other stages are ignored).
+        layouts: module FQN -> :class:`~parallel.plan.LayoutSpec` (sequence parallel, a
+            ``Partial`` output).
     """
     layouts = dict(layouts or {})
     axes = list(mesh.mesh_dim_names or ())
-    specs = _resolve_placements(module, placements, axes, strict=strict)
     modules = dict(module.named_modules())
+    plan = classify(module, placements, layouts)
+    if plan.unsupported:  # the plan refuses these before launch; a direct caller gets told too
+        raise ValueError(f"layouts on {plan.unsupported}: only a Shard input of a norm-like module (sequence "
+                         "parallel) or the input/output of a module with DTensor-placed parameters is supported")
     report: dict[str, str] = {}
-
-    col, row = _megatron_pairs(modules, specs)
-    sp_norms = _sequence_parallel_norms(modules, specs, layouts, axes, strict=strict)
-    claimed = set(col) | set(row) | set(sp_norms)
+    col, row, sp_norms = plan.col, plan.row, plan.sp_norms
 
     # Rows inside a sequence-parallel block reduce-scatter into the sharded residual stream.
     sp_blocks = {_block_of(name): (axis, dim) for name, (axis, dim) in sp_norms.items()}
@@ -102,30 +147,10 @@ def apply_placements(
     _scatter_gather_runs(modules, sp_blocks, mesh)
 
     # The rest: DTensor parameters on the sub-mesh of the axes they name.
-    owners: dict[str, dict[str, dict[str, PlacementSpec]]] = {}
-    for fqn, axis_specs in specs.items():
-        owner, _, pname = fqn.rpartition(".")
-        if owner in claimed or not _sharded_axes(axis_specs):
-            continue
-        owners.setdefault(owner, {})[pname] = axis_specs
-    for owner, param_specs in owners.items():
+    for owner, param_specs in plan.owners.items():
         owner_axes = [a for a in axes if any(a in _sharded_axes(s) for s in param_specs.values())]
-        layout = _layout_for(owner, layouts)
-        _distribute_owner(modules[owner], mesh, owner_axes, param_specs, layout)
+        _distribute_owner(modules[owner], mesh, owner_axes, param_specs, layouts.get(owner))
         report[owner] = "dtensor"
-
-    # A layout on a module we did nothing for would silently be ignored: say so.
-    handled = set(sp_norms) | set(owners)
-    for glob, layout in layouts.items():
-        names = [n for n in modules if fnmatchcase(n, glob)]
-        for name in names:
-            if name not in handled and _non_replicate(_layout_field(layout, "input")) | _non_replicate(
-                _layout_field(layout, "output")
-            ):
-                raise ValueError(
-                    f"layouts[{glob!r}] on {name}: only a Shard input of a norm-like module (sequence parallel) "
-                    "or the input/output of a module with DTensor-placed parameters is supported"
-                )
     return report
 
 
@@ -145,50 +170,15 @@ def _share_pair_inputs(modules: Mapping[str, nn.Module], col: Mapping[str, str],
             parallelize_module(modules[parent], submesh(mesh, axis), style)
 
 
-# ----------------------------------------------------------------------------- parsing
-
-
-def _resolve_placements(
-    module: nn.Module, placements: Mapping[str, AxisPlacements], axes: list[str], *, strict: bool
-) -> dict[str, dict[str, PlacementSpec]]:
-    """``{param FQN: {axis: PlacementSpec}}`` for every parameter a glob matches."""
-    params = [name for name, _ in module.named_parameters()]
-    specs: dict[str, dict[str, PlacementSpec]] = {}
-    for glob, axis_map in placements.items():
-        matched = [fqn for fqn in params if fnmatchcase(fqn, glob)]
-        if not matched and strict:
-            raise ValueError(f"placements[{glob!r}] matches no parameter; parameters look like {params[:4]}")
-        parsed = {axis: parse_placement(p) for axis, p in dict(axis_map).items()}
-        for axis, p in parsed.items():
-            if axis not in axes:
-                raise ValueError(f"placements[{glob!r}] names axis {axis!r}; the mesh axes are {axes}")
-            if p.kind == "partial":
-                raise ValueError(f"placements[{glob!r}].{axis}: a parameter cannot be Partial (only activations)")
-        for fqn in matched:
-            if fqn in specs:
-                raise ValueError(f"parameter {fqn} is matched by more than one placements glob")
-            specs[fqn] = parsed
-    return specs
+# ----------------------------------------------------------------------------- helpers
 
 
 def _sharded_axes(axis_specs: Mapping[str, PlacementSpec]) -> dict[str, PlacementSpec]:
     return {a: p for a, p in axis_specs.items() if p.kind != "replicate"}
 
 
-def _layout_field(layout: Any, field: str) -> dict[str, PlacementSpec]:
-    value = layout.get(field) if isinstance(layout, Mapping) else getattr(layout, field, None)
-    return {a: parse_placement(p) for a, p in dict(value or {}).items()}
-
-
 def _non_replicate(axis_specs: Mapping[str, PlacementSpec]) -> set[str]:
     return {a for a, p in axis_specs.items() if p.kind != "replicate"}
-
-
-def _layout_for(name: str, layouts: Mapping[str, Any]) -> Any:
-    matches = [layout for glob, layout in layouts.items() if fnmatchcase(name, glob)]
-    if len(matches) > 1:
-        raise ValueError(f"module {name} is matched by more than one layouts glob")
-    return matches[0] if matches else None
 
 
 def _block_of(name: str) -> str:
@@ -244,33 +234,21 @@ def _megatron_pairs(
 
 
 def _sequence_parallel_norms(
-    modules: Mapping[str, nn.Module],
-    specs: Mapping[str, Mapping[str, PlacementSpec]],
-    layouts: Mapping[str, Any],
-    axes: list[str],
-    *,
-    strict: bool,
+    modules: Mapping[str, nn.Module], specs: Mapping[str, AxisSpecs], layouts: Mapping[str, Any]
 ) -> dict[str, tuple[str, int]]:
     """Modules whose layout input is ``Shard(d)`` on one axis and whose own parameters are not
     sharded (norms): ``{name: (axis, sequence dim)}``."""
     found: dict[str, tuple[str, int]] = {}
-    for glob, layout in layouts.items():
-        names = [n for n in modules if fnmatchcase(n, glob)]
-        if not names and strict:
-            raise ValueError(f"layouts[{glob!r}] matches no module")
-        inputs = _sharded_axes(_layout_field(layout, "input"))
-        outputs = _non_replicate(_layout_field(layout, "output"))
-        if len(inputs) != 1 or outputs:
+    for name, layout in layouts.items():
+        inputs = _sharded_axes(layout.input)
+        if len(inputs) != 1 or _non_replicate(layout.output):
             continue
         (axis, p), = inputs.items()
-        if axis not in axes:
-            raise ValueError(f"layouts[{glob!r}] names axis {axis!r}; the mesh axes are {axes}")
         if p.kind != "shard":
             continue
-        for name in names:
-            own = [f for f in specs if f.startswith(name + ".") and _sharded_axes(specs[f])]
-            if not own:
-                found[name] = (axis, p.dim)
+        own = [f for f in specs if f.startswith(name + ".") and _sharded_axes(specs[f])]
+        if not own:
+            found[name] = (axis, p.dim)
     return found
 
 
@@ -363,8 +341,8 @@ def _distribute_owner(
             dt = distribute_tensor(param.detach(), device_mesh, placements_over(spec), src_data_rank=None)
             mod.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
-    in_placements = placements_over(_layout_field(layout, "input")) if layout is not None else [Replicate()] * len(owner_axes)
-    out_spec = _layout_field(layout, "output") if layout is not None else {}
+    in_placements = placements_over(layout.input) if layout is not None else [Replicate()] * len(owner_axes)
+    out_spec = layout.output if layout is not None else {}
     out_placements = placements_over(out_spec)
     keep_dtensor = bool(_non_replicate(out_spec))
 

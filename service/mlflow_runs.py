@@ -37,26 +37,16 @@ class MlflowRuns:
 
     def create_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> tuple[str, str]:
         """A new RUNNING run in ``experiment`` (created when missing): ``(experiment_id, run_id)``."""
-        from mlflow.exceptions import MlflowException
-
-        from trainer.errors import ConfigError, ConfigIssue
+        from parallel.errors import ConfigError, ConfigIssue
+        from trainer.tracking import TrackingError, get_or_create_experiment
 
         try:
             with self._lock:
-                found = self._client.get_experiment_by_name(experiment)
-                if found is None:
-                    try:
-                        experiment_id = self._client.create_experiment(experiment)
-                    except MlflowException:  # created concurrently by a trainer
-                        experiment_id = self._client.get_experiment_by_name(experiment).experiment_id
-                elif found.lifecycle_stage == "deleted":
-                    raise ConfigError([ConfigIssue("tracking.experiment", f"MLflow experiment {experiment!r} is deleted",
-                                                   "restore it (`mlflow experiments restore`) or choose another name")])
-                else:
-                    experiment_id = found.experiment_id
+                experiment_id = get_or_create_experiment(self._client, experiment)
                 run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
-        except ConfigError:
-            raise
+        except TrackingError:
+            raise ConfigError([ConfigIssue("tracking.experiment", f"MLflow experiment {experiment!r} is deleted",
+                                           "restore it (`mlflow experiments restore`) or choose another name")]) from None
         except Exception as err:
             log.exception("could not create an MLflow run in %s", self.tracking_uri)
             raise TrackingUnavailable(f"the MLflow store did not accept a new run: {err}") from err

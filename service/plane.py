@@ -32,8 +32,9 @@ from service.settings import Settings
 from service.store import (ACTIVE_STATES, Job, JobState, make_engine, make_sessionmaker, require_transition,
                            transition, utcnow)
 from service.submit import resolve_config
+from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
-from trainer.errors import ConfigError, ConfigIssue
+from parallel.errors import ConfigError, ConfigIssue
 
 
 class JobNotFound(LookupError):
@@ -81,8 +82,8 @@ class ControlPlane:
     # ------------------------------------------------------------------ submit
 
     def resolve(self, *, overrides: list[str] | None, document: dict[str, Any] | None,
-                workdir: Path | None = None) -> RunConfig:
-        """The validated, confined config of a submission (the same checks as a job gets)."""
+                workdir: Path | None = None) -> tuple[RunConfig, ParallelPlan]:
+        """The validated, confined config of a submission and its plan (the same checks as a job gets)."""
         workdir = workdir or self.settings.jobs_dir / "plan"
         return resolve_config(overrides=overrides, document=document, workspace=self.settings.workspace,
                               workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None)
@@ -91,8 +92,8 @@ class ControlPlane:
         """The validated config and :func:`trainer.plan.plan_numbers` of it; nothing is launched."""
         from trainer.plan import plan_numbers  # the trainer's public planning function
 
-        cfg = self.resolve(overrides=overrides, document=document)
-        return cfg, plan_numbers(cfg)
+        cfg, plan = self.resolve(overrides=overrides, document=document)
+        return cfg, plan_numbers(cfg, plan)
 
     def submit_job(self, session: Session, *, owner: str, name: str, overrides: list[str] | None = None,
                    document: dict[str, Any] | None = None, priority: int = 0,
@@ -105,7 +106,7 @@ class ControlPlane:
             return self._replay(existing, request_hash), False
         job_id = str(uuid.uuid4())
         workdir = self.settings.jobs_dir / job_id
-        cfg = self.resolve(overrides=overrides, document=document, workdir=workdir)
+        cfg, _ = self.resolve(overrides=overrides, document=document, workdir=workdir)
         if 0 < self.settings.capacity < cfg.world_size:  # it would wait forever
             raise ConfigError([ConfigIssue("mesh", f"needs {cfg.world_size} worker slots; this service has "
                                                    f"{self.settings.capacity}",

@@ -1,15 +1,16 @@
 """Start, watch and stop one job's processes: detached from the server, found again after a restart.
 
-A job runs as ``python -m service.supervise <workdir>/exit_code -- python -m trainer
---config-dir <workdir> --config-name job`` in a new session (its own process group, pgid =
-pid), cwd = its workdir, stdout and stderr to ``<workdir>/job.log``. ``job.yaml`` is the
-resolved, validated config with the Hydra settings the CLI uses, so the trainer reproduces it
-exactly (parallel presets' quoted glob keys included). The pid and the process start time
-(field 22 of ``/proc/<pid>/stat``) identify the process; a recycled pid has another start time.
+A job runs as ``python -m service.supervise <workdir>/exit_code -- python -m trainer.launch
+<workdir>/job.json`` in a new session (its own process group, pgid = pid), cwd = its workdir,
+stdout and stderr to ``<workdir>/job.log``. ``job.json`` is the config the server resolved and
+validated at submit, exactly as stored: the job reads it back into the same pydantic model and
+launches, with no second composition or validation. The pid and the process start time (field
+22 of ``/proc/<pid>/stat``) identify the process; a recycled pid has another start time.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,17 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-JOB_CONFIG_NAME = "job"
+JOB_CONFIG_NAME = "job.json"
 LOG_NAME = "job.log"
 EXIT_CODE_NAME = "exit_code"
-
-# Keys of conf/config.yaml that keep Hydra from writing outputs/ or logging on its own.
-_HYDRA_HEADER = {
-    "defaults": [{"override hydra/hydra_logging": "none"}, {"override hydra/job_logging": "none"}, "_self_"],
-    "hydra": {"run": {"dir": "."}, "output_subdir": None, "job": {"chdir": False}},
-}
 
 
 @dataclass
@@ -40,14 +33,14 @@ class Started:
 
 
 def write_job_config(workdir: Path, config: dict[str, Any]) -> Path:
-    """``<workdir>/job.yaml``: the resolved config, loadable by ``--config-dir <workdir> --config-name job``."""
-    path = workdir / f"{JOB_CONFIG_NAME}.yaml"
-    path.write_text(yaml.safe_dump({**_HYDRA_HEADER, **config}, sort_keys=False))
+    """``<workdir>/job.json``: the resolved, validated config (``RunConfig.model_dump(mode="json")``)."""
+    path = workdir / JOB_CONFIG_NAME
+    path.write_text(json.dumps(config, indent=2))
     return path
 
 
 def trainer_command(workdir: Path) -> list[str]:
-    return [sys.executable, "-m", "trainer", "--config-dir", str(workdir), "--config-name", JOB_CONFIG_NAME]
+    return [sys.executable, "-m", "trainer.launch", str(workdir / JOB_CONFIG_NAME)]
 
 
 def start_job_process(workdir: Path, config: dict[str, Any]) -> Started:
@@ -63,46 +56,27 @@ def start_job_process(workdir: Path, config: dict[str, Any]) -> Started:
     return Started(process.pid, process_start_time(process.pid) or 0, process)
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (state first), or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces and parens
+
+
 def process_start_time(pid: int) -> int | None:
     """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), or None if there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the command name may contain spaces and parens
-    return int(fields[19])  # fields[0] is field 3 (state)
-
-
-def _process_state(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return stat[stat.rindex(")") + 2:].split()[0]
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None  # fields[0] is field 3 (state)
 
 
 def is_same_process_alive(pid: int, start_time: int | None) -> bool:
     """Whether ``pid`` is still the process we started (same start time) and not a zombie."""
-    state = _process_state(pid)
-    if state is None or state in ("Z", "X"):
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
         return False
-    return start_time is None or process_start_time(pid) == start_time
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Every live (non-zombie) process in process group ``pgid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
+    return start_time is None or int(fields[19]) == start_time
 
 
 def find_job_process(workdir: Path) -> int | None:

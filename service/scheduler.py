@@ -20,7 +20,7 @@ import logging
 import signal
 import subprocess
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta, timezone
 from pathlib import Path
 
 from sqlalchemy import update
@@ -190,9 +190,3 @@ class Scheduler:
             runner.signal_group(started.pid, signal.SIGTERM)  # cancelled while starting
         log.info("job %s: started pid %d (%d slots)", job.id, started.pid, job.world_size)
 
-
-def as_utc(moment: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; every stored time is UTC."""
-    if moment is not None and moment.tzinfo is None:
-        return moment.replace(tzinfo=timezone.utc)
-    return moment

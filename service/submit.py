@@ -20,10 +20,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from parallel.errors import ConfigError, ConfigIssue
+from parallel.plan import ParallelPlan
 from trainer.compose import CONF_DIR, compose_dict
 from trainer.config import RunConfig
-from trainer.errors import ConfigError, ConfigIssue
-from trainer.validate import validate_config
+from trainer.validate import validate_with_plan
 
 # Hydra's compose API keeps global state: one composition at a time per process.
 _COMPOSE_LOCK = threading.Lock()
@@ -172,8 +173,9 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
 
 
 def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | None, workspace: Path,
-                   workdir: Path, tracking_uri: str, run_id: str | None, check_model: bool = True) -> RunConfig:
-    """The validated, confined config of a submission, or :class:`ConfigError` naming every problem."""
+                   workdir: Path, tracking_uri: str, run_id: str | None) -> tuple[RunConfig, ParallelPlan]:
+    """The validated, confined config of a submission and its parallel plan, or :class:`ConfigError`
+    naming every problem. The only composition and validation a job's config ever gets."""
     if document is not None:
         raw = document
     else:
@@ -182,10 +184,10 @@ def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | No
         raise ConfigError(issues)
     confined, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri=tracking_uri, run_id=run_id)
     try:
-        cfg = validate_config(confined, check_model=check_model)
+        cfg, plan = validate_with_plan(confined)
     except ConfigError as err:
         raise ConfigError(issues + err.issues) from None
     if issues:
         raise ConfigError(issues)
-    return cfg
+    return cfg, plan
 

@@ -54,7 +54,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unfinished or unreadable; the message names the path.
 
     ``reason`` and ``fix`` are kept apart so the config validator can report them as a
-    :class:`~trainer.errors.ConfigIssue`; ``str()`` joins them as ``reason (fix)``.
+    :class:`~parallel.errors.ConfigIssue`; ``str()`` joins them as ``reason (fix)``.
     """
 
     def __init__(self, reason: str, *, fix: str | None = None):

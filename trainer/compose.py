@@ -1,7 +1,11 @@
-"""Compose a run config from ``conf/`` with Hydra overrides, outside ``@hydra.main``.
+"""Compose a run config from ``conf/`` with Hydra overrides: the CLI's and the control plane's one way in.
 
-Hydra lives at the edge: the composed ``DictConfig`` becomes a plain dict here, and
-nothing below sees a ``DictConfig``. The CLI and the control plane both use this.
+Hydra lives at the edge: the composed ``DictConfig`` becomes a plain dict here, and nothing
+below sees a ``DictConfig``. The values Hydra starts from are not written in YAML: they are
+the pydantic models' own defaults (:mod:`trainer.config`), registered in Hydra's ConfigStore
+by :func:`register_defaults`, so ``python -m trainer --cfg job`` prints exactly what a REST
+document without that section gets. ``conf/`` ships inside the package (``trainer/conf``;
+the top-level ``conf`` is a link to it), so an installed wheel finds it too.
 """
 
 from __future__ import annotations
@@ -9,13 +13,41 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+BASE_CONFIG = "meshflow_defaults"
+
+
+def register_defaults() -> None:
+    """Store the models' defaults as Hydra configs: ``meshflow_defaults`` (every section except
+    the tagged unions) and one ``<kind>_defaults`` per member of ``model`` and ``data``, which the
+    presets in ``conf/model`` and ``conf/data`` extend. Idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    from trainer.config import (
+        LlamaConfig,
+        MLPConfig,
+        RegressionDataConfig,
+        RunConfig,
+        SyntheticDataConfig,
+        TextDataConfig,
+    )
+
+    store = ConfigStore.instance()
+    base = RunConfig().model_dump(mode="json")
+    for union in ("model", "data"):  # a preset names its member; merging two members would mix their keys
+        base.pop(union)
+    store.store(name=BASE_CONFIG, node=base)
+    for model in (LlamaConfig, MLPConfig):
+        store.store(group="model", name=f"{model().arch}_defaults", node=model().model_dump(mode="json"))
+    for data in (TextDataConfig, SyntheticDataConfig, RegressionDataConfig):
+        store.store(group="data", name=f"{data().kind}_defaults", node=data().model_dump(mode="json"))
 
 
 def compose_dict(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The resolved config for ``overrides`` (as typed after ``python -m trainer``), as a plain dict."""
     from hydra import compose, initialize_config_dir
 
+    register_defaults()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="meshflow"):
         cfg = compose(config_name="config", overrides=list(overrides))
     return to_plain(cfg)

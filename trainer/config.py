@@ -1,7 +1,10 @@
 """The whole run configuration as frozen pydantic models: the single source of truth.
 
-Hydra composes YAML from ``conf/`` into a plain dict; :func:`trainer.validate.validate_config`
-turns that dict into a :class:`RunConfig` (or a :class:`trainer.errors.ConfigError` naming
+Every default lives here, once: Hydra's base config is generated from these models
+(:func:`trainer.compose.register_defaults`), and the YAML under ``conf/`` states only choices
+and what a preset changes, so the CLI and a REST document get the same values. Hydra composes
+YAML from ``conf/`` into a plain dict; :func:`trainer.validate.validate_config`
+turns that dict into a :class:`RunConfig` (or a :class:`parallel.errors.ConfigError` naming
 every bad path). Every field carries a description: that is the user's documentation
 (``python -m trainer --help`` prints it, the REST API's OpenAPI page shows it).
 """
@@ -9,37 +12,26 @@ every bad path). Every field carries a description: that is the user's documenta
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+from pydantic import Field
 
-from parallel.placements import PlacementSpec, parse_placement
-
-
-class _Section(BaseModel):
-    # coerce_numbers_to_str: Hydra reads `run_name=412` as an int; a name is still a name.
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
-
-
-def _to_placement(value: Any) -> PlacementSpec:
-    return parse_placement(value)
-
-
-Placement = Annotated[PlacementSpec, BeforeValidator(_to_placement), PlainSerializer(str, return_type=str)]
-AxisPlacements = dict[str, Placement]
+from parallel.config import MeshValue, ParallelConfig, Section as _Section, mesh_shape_of
 
 # ----------------------------------------------------------------------------- model
 
 
 class LlamaConfig(_Section):
+    """A Llama-style decoder; the defaults are the tiny `gpt_debug` preset (trains in minutes on a CPU)."""
+
     arch: Literal["llama"] = Field("llama", description="Decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU).")
-    dim: int = Field(256, ge=1, description="Model (embedding) width.")
+    dim: int = Field(64, ge=1, description="Model (embedding) width.")
     n_layers: int = Field(4, ge=1, description="Number of transformer blocks, `layers.0` .. `layers.<n-1>`.")
-    n_heads: int = Field(8, ge=1, description="Attention heads; `dim` must divide by it.")
-    n_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (grouped-query attention); null = n_heads.")
+    n_heads: int = Field(4, ge=1, description="Attention heads; `dim` must divide by it.")
+    n_kv_heads: int | None = Field(2, ge=1, description="Key/value heads (grouped-query attention); null = n_heads.")
     vocab_size: int = Field(256, ge=2, description="Vocabulary size; 256 for the byte-level tokenizer.")
-    ffn_hidden_dim: int = Field(688, ge=1, description="Hidden width of the SwiGLU MLP (w1, w3: dim -> hidden; w2: back).")
-    max_seq_len: int = Field(512, ge=1, description="Longest sequence the rotary table covers.")
+    ffn_hidden_dim: int = Field(172, ge=1, description="Hidden width of the SwiGLU MLP (w1, w3: dim -> hidden; w2: back).")
+    max_seq_len: int = Field(256, ge=1, description="Longest sequence the rotary table covers.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal initialisation of linear and embedding weights.")
@@ -139,7 +131,7 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="Seed of the initialisation and of the data order.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; null disables.")
     grad_accum: int = Field(1, ge=1, description="Gradient-accumulation steps per optimizer step.")
-    log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     init_from: str | None = Field(
         None, description="Initialise the weights from a safetensors file (see `python -m trainer.export`) "
@@ -147,57 +139,7 @@ class TrainConfig(_Section):
     )
 
 
-# -------------------------------------------------------------------------- parallel
-
-DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
-ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
-INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
-
-
-class DataParallelConfig(_Section):
-    dim: str | list[str] = Field(
-        "dp", description="Mesh axis name for data parallelism; hsdp takes two: [replicate_axis, shard_axis]."
-    )
-    mode: DataParallelMode = Field(
-        "fsdp", description="ddp (replicate), fsdp (ZeRO-3), zero2 (no reshard after forward), hsdp (2-D)."
-    )
-
-    @property
-    def dim_names(self) -> list[str]:
-        return [self.dim] if isinstance(self.dim, str) else list(self.dim)
-
-
-class PipelineConfig(_Section):
-    dim: str = Field("pp", description="Mesh axis name along which stages are laid out.")
-    schedule: ScheduleName = Field("1F1B", description="torch.distributed.pipelining schedule.")
-    microbatches: int = Field(4, ge=1, description="Micro-batches each (accumulation) batch is cut into.")
-    stages_per_rank: int = Field(1, ge=1, description="Stages held by each pp rank; >= 2 for interleaved, 2 for ZBV.")
-    boundaries: list[str] | Literal["auto"] = Field(
-        "auto",
-        description="First module of every stage but the first (e.g. [layers.2]); `auto` balances parameter counts.",
-    )
-
-
-class LayoutConfig(_Section):
-    input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
-    output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
-
-
-class ParallelConfig(_Section):
-    dims: list[str] = Field(description="One name per mesh axis, outermost first, e.g. [dp, pp, tp].")
-    data_parallel: DataParallelConfig | None = Field(None, description="Data parallelism; null = none.")
-    pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism; null = none.")
-    placements: dict[str, AxisPlacements] = Field(
-        default_factory=dict,
-        description="Parameter-FQN glob -> {mesh axis: Shard(d) | Replicate}; axes not named are Replicate.",
-    )
-    layouts: dict[str, LayoutConfig] = Field(
-        default_factory=dict, description="Module-FQN glob -> input/output placements (sequence parallel, Partial)."
-    )
-    activation_checkpointing: Literal["none", "full", "selective"] = Field(
-        "none", description="Recompute activations in backward: none, every block (full), or every n-th (selective)."
-    )
-    activation_checkpointing_every: int = Field(2, ge=1, description="With `selective`: checkpoint every n-th block.")
+# ---------------------------------------------------------------------------- launch
 
 
 class LaunchConfig(_Section):
@@ -209,16 +151,13 @@ class LaunchConfig(_Section):
 
 # ------------------------------------------------------------------------------- run
 
-MeshSpec = list[int] | list[Any]
-
-
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=LlamaConfig, description="The model to train.")
     data: DataConfig = Field(default_factory=TextDataConfig, description="The training data.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The training loop.")
-    mesh: MeshSpec | None = Field(
+    mesh: MeshValue | None = Field(
         None,
         description="Device mesh: a shape, outermost first ([2,2,2]), or nested explicit rank ids ([[2,4,5],[0,1,3]]). "
         "null = one device.",
@@ -258,24 +197,3 @@ class RunConfig(_Section):
     @property
     def num_microbatches(self) -> int:
         return self.parallel.pipeline.microbatches if self.parallel and self.parallel.pipeline else 1
-
-
-def mesh_shape_of(mesh: Any) -> tuple[int, ...]:
-    """Shape of a mesh spec: a flat list is the shape; a nested list is rank ids, shaped as nested."""
-    if mesh is None:
-        return (1,)
-    if mesh and all(isinstance(x, int) for x in mesh):
-        return tuple(mesh)
-    shape: list[int] = []
-    node = mesh
-    while isinstance(node, list):
-        shape.append(len(node))
-        node = node[0] if node else None
-    return tuple(shape)
-
-
-def mesh_rank_ids(mesh: Any) -> list | None:
-    """The explicit nested rank ids of a mesh spec, or None when it is a plain shape."""
-    if mesh is None or all(isinstance(x, int) for x in mesh):
-        return None
-    return mesh

@@ -2,6 +2,12 @@
 
 The launcher owns the MLflow run (created here, ended here with FINISHED / FAILED / KILLED)
 and the exit code; worker rank 0 logs metrics into that run; the other ranks log nothing.
+Workers get the resolved, validated config as a JSON file the launcher writes, and read it
+back into the same :class:`RunConfig`: nothing re-composes or re-validates it on the way.
+
+A config that was validated elsewhere (the control plane writes ``job.json``) is launched with
+
+    python -m trainer.launch job.json
 """
 
 from __future__ import annotations
@@ -9,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 import yaml
 
@@ -59,9 +67,7 @@ def _summary(losses: list[float], first_step: int) -> None:
 
 
 def _launch_workers(cfg: RunConfig, run_id: str | None) -> None:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     ln = cfg.launch
     # With the rendezvous store shared into the workers (torch's default), a restarted round
@@ -80,16 +86,27 @@ def _launch_workers(cfg: RunConfig, run_id: str | None) -> None:
         start_method="spawn",
         monitor_interval=0.2,
     )
+    with tempfile.TemporaryDirectory(prefix="meshflow-") as tmp:
+        config_path = Path(tmp) / "config.json"
+        config_path.write_text(cfg.model_dump_json())
+        results = _run_elastic(launch_config, config_path, run_id)
+    rank0 = results.get(0) if results else None
+    if rank0:
+        _summary(rank0["losses"], rank0["first_step"])
+
+
+def _run_elastic(launch_config, config_path: Path, run_id: str | None) -> dict:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     try:
-        results = elastic_launch(launch_config, worker_main)(cfg.model_dump_json(), run_id)
+        return elastic_launch(launch_config, worker_main)(str(config_path), run_id)
     except SignalException as err:
         # The elastic agent already stopped every worker; report it as the signal it was.
         raise (KeyboardInterrupt() if err.sigval.name == "SIGINT" else Terminated()) from None
     except ChildFailedError as err:
         raise WorkerFailure(_describe_failures(err)) from None
-    rank0 = results.get(0) if results else None
-    if rank0:
-        _summary(rank0["losses"], rank0["first_step"])
 
 
 def _describe_failures(err) -> str:
@@ -108,21 +125,18 @@ def _resume_latest(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint": ckpt})})
 
 
-def worker_main(cfg_json: str, run_id: str | None) -> dict:
+def worker_main(config_path: str, run_id: str | None) -> dict:
     """One worker: join the process group, train, leave. Runs in a process the launcher spawned."""
     import torch
     import torch.distributed as dist
 
-    from trainer.loop import train
+    from trainer.loop import resolve_device, train
 
-    cfg = RunConfig.model_validate_json(cfg_json)
+    cfg = RunConfig.model_validate_json(Path(config_path).read_text())
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg = _resume_latest(cfg)  # the elastic agent restarted us after a failure
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    backend = "nccl" if use_cuda else "gloo"
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
+    backend = "nccl" if resolve_device(cfg.device, local_rank).type == "cuda" else "gloo"
     torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     try:
@@ -143,3 +157,18 @@ def worker_main(cfg_json: str, run_id: str | None) -> dict:
         return {"losses": result.losses, "first_step": result.first_step}
     finally:
         dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.launch CONFIG.json``: launch a resolved config that was validated
+    elsewhere (the control plane's ``job.json``); the exit code is :func:`launch`'s."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m trainer.launch CONFIG.json  (a resolved config, as the control plane writes it)",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    return launch(RunConfig.model_validate_json(Path(args[0]).read_text()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

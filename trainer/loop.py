@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.engine import ParallelModel, parallelize
+from parallel.plan import resolve_plan
 from trainer.checkpoint import (
     check_model_config,
     checkpoint_bytes,
@@ -24,7 +25,7 @@ from trainer.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from trainer.config import OptimConfig, RunConfig, mesh_rank_ids
+from trainer.config import OptimConfig, RunConfig
 from trainer.data import build_source
 from trainer.data.loader import GlobalBatchLoader
 from trainer.metrics import Progress, peak_memory_mb
@@ -38,8 +39,6 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)
     first_step: int = 0
-    last_step: int = 0
-    last_checkpoint: str | None = None
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -59,6 +58,7 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """This worker's device for ``device: auto | cpu | cuda`` (selected as current on CUDA)."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -66,28 +66,13 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
 
 
 def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
-    """The full model, initialised from the seed, then split and sharded as the config says."""
+    """The full model, initialised from the seed, then split and sharded as the config's plan says."""
     model = build_model(cfg.model, seed=cfg.train.seed)
     if cfg.train.init_from:
         from trainer.export import load_weights
 
         load_weights(model, cfg.train.init_from)
-    par = cfg.parallel
-    if par is None:
-        return parallelize(model, mesh_shape=(1,), dims=["none"], device_type=device.type)
-    return parallelize(
-        model,
-        mesh_shape=cfg.mesh_shape,
-        dims=par.dims,
-        rank_ids=mesh_rank_ids(cfg.mesh),
-        data_parallel=par.data_parallel,
-        pipeline=par.pipeline,
-        placements=par.placements,
-        layouts=par.layouts,
-        activation_checkpointing=par.activation_checkpointing,
-        activation_checkpointing_every=par.activation_checkpointing_every,
-        device_type=device.type,
-    )
+    return parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device)
 
 
 def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, local_rank: int = 0) -> TrainResult:
@@ -120,7 +105,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         _set_rng_state(extra["rng"])
         progress.log(f"resumed from {path} at step {start}")
         tracker.set_tag("resumed_from", str(path))
-    result.first_step = result.last_step = start
+    result.first_step = start
 
     tokens_per_step = t.global_batch_size * t.seq_len
     progress.start(total=t.steps, completed=start)
@@ -140,7 +125,6 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         loss_value = pm.reduce_loss(local_loss)
         step_time = time.perf_counter() - began
         result.losses.append(loss_value)
-        result.last_step = step
 
         if step % t.log_every == 0 or step == t.steps:
             metrics = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm,
@@ -156,7 +140,6 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                      "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json")}
             saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
-            result.last_checkpoint = str(saved)
             seconds = time.perf_counter() - began_save
             if rank == 0:
                 nbytes = checkpoint_bytes(saved)["total"]

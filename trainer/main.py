@@ -12,20 +12,21 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from trainer.compose import CONF_DIR, to_plain
-from trainer.errors import ConfigError
+from trainer.compose import CONF_DIR, register_defaults, to_plain
+from parallel.errors import ConfigError
 from trainer.launch import EXIT_CONFIG, launch
-from trainer.validate import validate_config
+from trainer.validate import validate_with_plan
 
 
 _BATCH_PATHS = {"train.global_batch_size", "parallel.pipeline.microbatches"}
+register_defaults()  # the base config Hydra composes from: the pydantic models' defaults
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(composed: DictConfig) -> None:
     raw = to_plain(composed)
     try:
-        cfg = validate_config(raw)
+        cfg, plan = validate_with_plan(raw)
     except ConfigError as err:
         if raw.get("dry_run") is True and all(i.path in _BATCH_PATHS for i in err.issues):
             _plan_despite_batch(raw, err)
@@ -39,7 +40,7 @@ def main(composed: DictConfig) -> None:
     if cfg.dry_run:
         from trainer.plan import describe_plan
 
-        print(describe_plan(cfg))
+        print(describe_plan(cfg, plan))
         return
     sys.exit(launch(cfg))
 
@@ -51,8 +52,9 @@ def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
     from trainer.plan import describe_plan
 
     cfg = RunConfig.model_validate(raw)
-    if issues := check_against_model(cfg):
+    plan, issues = check_against_model(cfg)
+    if issues:
         print(ConfigError(err.issues + issues), file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    print(describe_plan(cfg))
+    print(describe_plan(cfg, plan))
     print(f"\nthis config would be refused at launch:\n{err}")

@@ -1,7 +1,9 @@
 """``dry_run=true``: describe the plan without starting a worker.
 
-The model is built on the meta device; per rank we count the parameters it holds after
-pipeline split, tensor-parallel sharding and data-parallel sharding, the bytes of parameters,
+The numbers come from the resolved :class:`~parallel.plan.ParallelPlan` (the same stage split
+and per-parameter placements the engine builds) and the model on the meta device; per rank we
+count the parameters it holds after pipeline split, tensor-parallel sharding and data-parallel
+sharding, the bytes of parameters,
 gradients and AdamW state, the collective bytes per step on each mesh axis (analytic, ring
 algorithms), and the pipeline bubble. Works for any mesh size, e.g. [64, 8, 8].
 """
@@ -9,9 +11,8 @@ algorithms), and the pipeline bubble. Works for any mesh size, e.g. [64, 8, 8].
 from __future__ import annotations
 
 import math
-from fnmatch import fnmatchcase
 
-from parallel.pipeline import pipeline_units, stage_boundaries, stage_ranks
+from parallel.plan import ParallelPlan
 from trainer.config import LlamaConfig, RunConfig
 
 BYTES = 4  # fp32 everywhere on this path
@@ -24,34 +25,26 @@ def _unit_of(fqn: str, units: list[str]) -> str:
     raise KeyError(fqn)
 
 
-def plan_numbers(cfg: RunConfig) -> dict:
+def plan_numbers(cfg: RunConfig, plan: ParallelPlan) -> dict:
     """The per-rank numbers a dry run prints; also used by tests."""
     from trainer.models import build_model
 
     model = build_model(cfg.model, device="meta")
     par = cfg.parallel
-    units = pipeline_units(model)
-    params = dict(model.named_parameters())
-    pp = par.pipeline if par else None
-    num_stages = cfg.pp_size * (pp.stages_per_rank if pp else 1)
-    # The engine's own split and stage-to-rank rule, so the plan describes what a launch builds.
-    if pp:
-        groups = stage_boundaries(model, boundaries=pp.boundaries, num_stages=num_stages, units=units)
-        owner = stage_ranks(num_stages, cfg.pp_size, schedule=pp.schedule)
-    else:
-        groups, owner = [units], [0]
+    units = list(plan.units)
+    pp = plan.pipeline
+    num_stages = pp.num_stages if pp else 1
+    groups, owner = (pp.stage_units, pp.stage_ranks) if pp else ([units], [0])
     stage_of = {unit: s for s, group in enumerate(groups) for unit in group}
-    bounds = [group[0] for group in groups[1:]]
+    bounds = pp.boundaries if pp else []
 
     dp = par.data_parallel if par else None
-    shard_dp = cfg.dp_size if dp and dp.mode in ("fsdp", "zero2") else (cfg.axis_size(dp.dim_names[1]) if dp and dp.mode == "hsdp" else 1)
+    shard_dp = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
     stage_params = [0] * num_stages
     stage_local = [0.0] * num_stages
-    for fqn, p in params.items():
-        tp_div = 1
-        for glob, axes in (par.placements.items() if par else ()):
-            if fnmatchcase(fqn, glob):
-                tp_div = math.prod(cfg.axis_size(a) for a, pl in axes.items() if pl.is_shard)
+    for fqn, p in model.named_parameters():
+        axes = plan.placements.get(fqn, {})
+        tp_div = math.prod(plan.mesh.size(a) for a, pl in axes.items() if pl.is_shard)
         s = stage_of[_unit_of(fqn, units)]
         stage_params[s] += p.numel()
         stage_local[s] += p.numel() / tp_div
@@ -100,8 +93,8 @@ def _comm_bytes(cfg: RunConfig, per_rank: list[dict], shard_dp: int) -> dict[str
     return out
 
 
-def describe_plan(cfg: RunConfig) -> str:
-    n = plan_numbers(cfg)
+def describe_plan(cfg: RunConfig, plan: ParallelPlan) -> str:
+    n = plan_numbers(cfg, plan)
     mib = 2**20
     lines = [f"plan: {cfg.model.arch} model on mesh {list(cfg.mesh_shape)} ({cfg.world_size} workers), "
              f"dims {cfg.parallel.dims if cfg.parallel else []}"]

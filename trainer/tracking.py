@@ -142,6 +142,27 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str
 # --------------------------------------------------------------------------- MLflow
 
 
+def get_or_create_experiment(client: Any, name: str) -> str:
+    """The id of MLflow experiment ``name`` in ``client``'s store, created when missing (also when
+    another process creates it at the same moment); :class:`TrackingError` if it is deleted."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        try:
+            return client.create_experiment(name)
+        except MlflowException:  # another process created it first
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    if experiment.lifecycle_stage == "deleted":
+        raise TrackingError(
+            f"tracking.experiment: MLflow experiment {name!r} is deleted in {client.tracking_uri!r}; "
+            "restore it (`mlflow experiments restore`) or choose another name"
+        )
+    return experiment.experiment_id
+
+
 class MLflowTracker:
     """One MLflow run, written through ``MlflowClient`` (no global fluent state).
 
@@ -159,7 +180,7 @@ class MLflowTracker:
         self._finished = False
         run_id = run_id or cfg.run_id
         if run_id is None:
-            experiment_id = self._experiment_id(cfg.experiment)
+            experiment_id = get_or_create_experiment(self._client, cfg.experiment)
             self._run_id = self._client.create_run(experiment_id, run_name=cfg.run_name).info.run_id
             return
         try:
@@ -172,24 +193,6 @@ class MLflowTracker:
         if run.info.status != "RUNNING":  # e.g. a restarted worker after a failed attempt
             self._client.update_run(run_id, status="RUNNING")
         self._run_id = run_id
-
-    def _experiment_id(self, name: str) -> str:
-        from mlflow.exceptions import MlflowException
-
-        experiment = self._client.get_experiment_by_name(name)
-        if experiment is None:
-            try:
-                return self._client.create_experiment(name)
-            except MlflowException:  # another process created it first
-                experiment = self._client.get_experiment_by_name(name)
-                if experiment is None:
-                    raise
-        if experiment.lifecycle_stage == "deleted":
-            raise TrackingError(
-                f"tracking.experiment: MLflow experiment {name!r} is deleted in {self._uri!r}; "
-                "restore it (`mlflow experiments restore`) or choose another name"
-            )
-        return experiment.experiment_id
 
     @property
     def run_id(self) -> str:

@@ -2,7 +2,7 @@
 
 Three layers, all run by :func:`validate_config`:
 
-1. schema: pydantic (types, ranges, enums, unknown keys) -> :class:`~trainer.errors.ConfigIssue` s;
+1. schema: pydantic (types, ranges, enums, unknown keys) -> :class:`~parallel.errors.ConfigIssue` s;
 2. structure: mesh vs dims, which axis does what, schedules, batch arithmetic;
 3. model-aware (:mod:`trainer.model_checks`): the model is built on the meta device and every
    placement, boundary and head count is checked against its real parameters.
@@ -17,33 +17,35 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from trainer.config import (
-    INTERLEAVED_SCHEDULES,
-    RunConfig,
-    mesh_rank_ids,
-    mesh_shape_of,
-)
-from trainer.errors import ConfigError, ConfigIssue, format_path
+from parallel.config import INTERLEAVED_SCHEDULES, mesh_rank_ids, mesh_shape_of
+from parallel.errors import ConfigError, ConfigIssue, format_path
+from parallel.plan import ParallelPlan
+from trainer.config import RunConfig
 
 _UNION_TAGS = {"model": "arch", "data": "kind"}
 
 
 def validate_config(raw: dict[str, Any], *, check_model: bool = True) -> RunConfig:
     """Turn a plain dict into a frozen :class:`RunConfig`, or raise :class:`ConfigError`."""
+    return validate_with_plan(raw, check_model=check_model)[0]
+
+
+def validate_with_plan(raw: dict[str, Any], *, check_model: bool = True) -> tuple[RunConfig, ParallelPlan | None]:
+    """:func:`validate_config` and the parallel plan it resolved on the way (None without ``check_model``)."""
     if not isinstance(raw, dict):
         raise ConfigError([ConfigIssue("<root>", f"expected a mapping, got {type(raw).__name__}", "pass a YAML mapping")])
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_schema_issues(err, raw)) from None
-    issues = check_structure(cfg)
+    issues, plan = check_structure(cfg), None
     if not issues and check_model:
         from trainer.model_checks import check_against_model
 
-        issues = check_against_model(cfg)
+        plan, issues = check_against_model(cfg)
     if issues:
         raise ConfigError(issues)
-    return cfg
+    return cfg, plan
 
 
 # ------------------------------------------------------------------------ schema

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = {"alice": "alice-token", "bob": "bob-token", "admin": "admin-token"}
@@ -23,11 +23,6 @@ TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 def auth(user: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKENS[user]}"}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
-import yaml
 
 from api_testkit import TINY, wait_for
 
@@ -45,9 +46,10 @@ def test_submit_runs_to_success_with_mlflow_run_and_metrics(server):
         assert "data: done: steps 1..6, loss" in "\n".join(events)
         assert events[-3:-1] == ["event: end", "data: SUCCEEDED"]
 
-        # The workdir holds the exact config the trainer ran with.
-        ran = yaml.safe_load((server.workspace / "jobs" / job["id"] / "job.yaml").read_text())
+        # The workdir holds the exact config the trainer ran with: the one stored at submit.
+        ran = json.loads((server.workspace / "jobs" / job["id"] / "job.json").read_text())
         assert ran["train"]["steps"] == 6 and ran["tracking"]["run_id"] == run_id
+        assert ran == client.get(f"/v1/jobs/{job['id']}").json()["config"]
 
         assert client.delete(f"/v1/jobs/{job['id']}").status_code == 204
         assert client.get(f"/v1/jobs/{job['id']}").status_code == 404
@@ -107,24 +109,18 @@ def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "parallel").glob("*.yaml")))
-def test_job_yaml_reproduces_the_resolved_config(preset, tmp_path):
-    """What the runner writes composes (as ``--config-dir <workdir> --config-name job``) back to the same config."""
-    from hydra import compose, initialize_config_dir
-
-    from service.runner import write_job_config
+def test_job_json_is_the_resolved_config(preset, tmp_path):
+    """What the runner writes reads back (``python -m trainer.launch job.json``) into the same config."""
+    from service.runner import trainer_command, write_job_config
     from service.submit import resolve_config
-    from trainer.compose import to_plain
-    from trainer.validate import validate_config
+    from trainer.config import RunConfig
 
-    cfg = resolve_config(overrides=[f"+parallel={preset}"], document=None, workspace=tmp_path, workdir=tmp_path / "job",
-                         tracking_uri="sqlite:///x.db", run_id=None, check_model=False)
-    config = cfg.model_dump(mode="json")
-    config["tracking"]["run_id"] = "0123abc"
-    write_job_config(tmp_path, config)
-    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
-        composed = to_plain(compose(config_name="job"))
-    assert composed == config
-    assert validate_config(composed, check_model=False) == validate_config(config, check_model=False)
+    cfg, plan = resolve_config(overrides=[f"+parallel={preset}"], document=None, workspace=tmp_path,
+                               workdir=tmp_path / "job", tracking_uri="sqlite:///x.db", run_id=None)
+    assert plan.mesh.world_size == cfg.world_size
+    path = write_job_config(tmp_path, cfg.model_dump(mode="json"))
+    assert RunConfig.model_validate_json(path.read_text()) == cfg
+    assert trainer_command(tmp_path)[1:] == ["-m", "trainer.launch", str(path)]
 
 
 def test_health_readiness_and_prometheus_metrics(server):

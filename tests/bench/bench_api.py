@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,15 +24,13 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ports import free_port  # noqa: E402  (tests/ is on sys.path now)
+
 TOKEN = "bench-token"
 BODY = {"name": "bench", "overrides": ["+parallel=dp", "mesh=[2]", "train.steps=10", "train.seq_len=32",
                                        "train.global_batch_size=4"]}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(root: Path) -> tuple[subprocess.Popen, str]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -45,7 +44,8 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+from ports import free_port  # noqa: E402  (tests/ is on sys.path now)
 
 PRESETS = ["dp", "fsdp", "zero2", "hsdp", "tp", "tp_sp", "pp", "2d", "3d"]
 WARMUP, MEASURED = 1, 3
@@ -244,11 +244,6 @@ class _null:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _entry(rank: int, world: int, port: int, presets: dict[str, dict], out_dir: str) -> None:
     torch.set_num_threads(1)
@@ -267,7 +262,7 @@ def _entry(rank: int, world: int, port: int, presets: dict[str, dict], out_dir: 
 
 def launch(world: int, presets: dict[str, dict]) -> list[dict]:
     with TemporaryDirectory() as out:
-        mp.start_processes(_entry, args=(world, _free_port(), presets, out), nprocs=world, join=True,
+        mp.start_processes(_entry, args=(world, free_port(), presets, out), nprocs=world, join=True,
                            start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -277,31 +272,28 @@ def launch(world: int, presets: dict[str, dict]) -> list[dict]:
 
 def expectation(cfg) -> dict[str, dict[str, tuple[float, float]]]:
     """Analytic ``{axis: {op: (count, bytes)}}`` per optimizer step on rank 0 (stage 0)."""
+    from parallel.plan import resolve_plan
     from trainer.models import build_model
 
     par, m, t = cfg.parallel, cfg.model, cfg.train
     model = build_model(m, device="meta")
+    plan = resolve_plan(par, cfg.mesh, model)
     tp_axis = next((a for a in par.dims if any(a in axes for axes in par.placements.values())), None)
     tp = cfg.axis_size(tp_axis) if tp_axis else 1
-    pp, dp, mb = cfg.pp_size, cfg.dp_size, cfg.num_microbatches
+    dp, mb = cfg.dp_size, cfg.num_microbatches
     # Stage 0 of rank 0: which units it holds.
-    if par.pipeline is not None:
-        from parallel.pipeline import pipeline_units, stage_boundaries
-
-        units = stage_boundaries(model, boundaries=par.pipeline.boundaries, num_stages=pp * par.pipeline.stages_per_rank,
-                                 units=pipeline_units(model))[0]
+    if plan.pipeline is not None:
+        units = plan.pipeline.stage_units[0]
     else:
         units = [n for n, _ in model.named_children() if n != "layers"] + [f"layers.{i}" for i in range(m.n_layers)]
     blocks = [u for u in units if u.startswith("layers.")]
     root = [u for u in units if not u.startswith("layers.")]
 
     def unit_bytes(unit: str) -> float:  # this rank's tp-local share of the unit's parameters
-        from fnmatch import fnmatchcase
-
         total = 0.0
         for n, p in model.named_parameters():
             if n == unit or n.startswith(unit + "."):
-                sharded = any(fnmatchcase(n, gl) and tp_axis in axes for gl, axes in par.placements.items())
+                sharded = tp_axis in plan.placements.get(n, {})
                 total += p.numel() * 4 / (tp if sharded else 1)
         return total
 

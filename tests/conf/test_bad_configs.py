@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from trainer.compose import compose_dict
-from trainer.errors import ConfigError, ConfigIssue
+from parallel.errors import ConfigError, ConfigIssue
 from trainer.validate import validate_config
 
 Edit = Callable[[dict[str, Any]], None]

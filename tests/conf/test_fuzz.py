@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from trainer.compose import compose_dict
 from trainer.config import RunConfig
-from trainer.errors import ConfigError
+from parallel.errors import ConfigError
 from trainer.validate import validate_config
 
 FUZZ = settings(

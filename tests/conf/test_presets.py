@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from trainer.compose import CONF_DIR, compose_dict
-from trainer.config import RunConfig
+from trainer.config import RunConfig, TrainConfig
 from trainer.models import build_model
 from trainer.validate import validate_config
 
@@ -42,19 +42,20 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def _yaml(group: str, option: str) -> dict:
-    return yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text()) or {}
+def _section(group: str, option: str) -> dict:
+    """What ``group=option`` composes to (a preset extends the pydantic defaults of its kind)."""
+    return compose_dict([f"{group}={option}"])[group]
 
 
 def group_overrides(group: str, option: str) -> list[str]:
     """``group=option`` plus the companion choice it needs (data for a model, a model for data)."""
     overrides = [f"{group}={option}"]
     if group == "model":
-        arch = _yaml(group, option).get("arch")
+        arch = _section(group, option).get("arch")
         assert arch in DATA_FOR_ARCH, f"conf/model/{option}.yaml: arch {arch!r} has no data here; extend DATA_FOR_ARCH"
         overrides.append(f"data={DATA_FOR_ARCH[arch]}")
     elif group == "data":
-        kind = _yaml(group, option).get("kind")
+        kind = _section(group, option).get("kind")
         assert kind in MODEL_FOR_DATA_KIND, f"conf/data/{option}.yaml: kind {kind!r} unknown; extend MODEL_FOR_DATA_KIND"
         overrides.append(f"model={MODEL_FOR_DATA_KIND[kind]}")
     return overrides
@@ -66,7 +67,7 @@ def validated(overrides: list[str]) -> RunConfig:
     return cfg
 
 
-DEFAULT_STEPS = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["train"]["steps"]
+DEFAULT_STEPS = TrainConfig().steps  # the one source of defaults
 GROUP_CASES = [pytest.param(group_overrides(g, o), id=f"{g}={o}") for g in GROUPS for o in options(g)]
 PARALLEL = options("parallel")
 EXAMPLES = options("examples") if (CONF_DIR / "examples").is_dir() else []
@@ -93,10 +94,14 @@ def test_default_config():
 def test_group_option_validates(overrides):
     cfg = validated(overrides)
     group, option = overrides[0].split("=")
-    expected = _yaml(group, option)
+    written = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text()) or {}
+    written.pop("defaults", None)
     section = getattr(cfg, group).model_dump(mode="json")
-    for key, value in expected.items():  # the option's own values arrive unchanged
+    for key, value in written.items():  # the option's own values arrive unchanged
         assert section[key] == (list(value) if isinstance(value, tuple) else value), (group, key)
+    # everything it does not write is the pydantic default of its kind: one source of defaults
+    default = type(getattr(cfg, group))().model_dump(mode="json")
+    assert {k: v for k, v in section.items() if k not in written} == {k: v for k, v in default.items() if k not in written}
 
 
 @pytest.mark.parametrize("preset", PARALLEL)
@@ -107,7 +112,7 @@ def test_parallel_preset_validates(preset):
     assert cfg.world_size > 1
 
 
-@pytest.mark.parametrize("model", [o for o in options("model") if _yaml("model", o).get("arch") == "llama"])
+@pytest.mark.parametrize("model", [o for o in options("model") if _section("model", o).get("arch") == "llama"])
 @pytest.mark.parametrize("preset", PARALLEL)
 def test_parallel_preset_fits_every_llama_model(preset, model):
     validated([f"+parallel={preset}", f"model={model}"])

@@ -20,8 +20,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from parallel.engine import ParallelModel, parallelize
 from parallel.mesh import build_mesh
+from parallel.plan import LayoutSpec, resolve_plan
+from parallel.placements import parse_placement
 from parallel.tensor_parallel import apply_placements
-from trainer.config import LlamaConfig, MLPConfig, ParallelConfig
+from parallel.config import ParallelConfig
+from trainer.config import LlamaConfig, MLPConfig
 from trainer.models import build_model, loss_fn_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +36,9 @@ MLP_CFG = MLPConfig(in_features=16, hidden_features=32, out_features=8, activati
 
 
 def llama_cfg() -> LlamaConfig:
-    return LlamaConfig(**yaml.safe_load((REPO / "conf/model/gpt_debug.yaml").read_text()))
+    from trainer.compose import compose_dict
+
+    return LlamaConfig(**compose_dict(["model=gpt_debug"])["model"])
 
 
 def batches(model_cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -78,13 +83,14 @@ def load_preset(name: str, **pipeline_update) -> tuple[list, ParallelConfig]:
     return raw["mesh"], ParallelConfig.model_validate(parallel)
 
 
-def parallelize_preset(model: nn.Module, mesh: list, par: ParallelConfig, **overrides) -> ParallelModel:
-    kwargs = dict(
-        mesh_shape=mesh, dims=par.dims, data_parallel=par.data_parallel, pipeline=par.pipeline,
-        placements=par.placements, layouts=par.layouts, activation_checkpointing=par.activation_checkpointing,
-        activation_checkpointing_every=par.activation_checkpointing_every,
-    )
-    return parallelize(model, **{**kwargs, **overrides})
+CPU = torch.device("cpu")
+
+
+def parallelize_preset(model: nn.Module, mesh: list | None, par: ParallelConfig | None, **overrides) -> ParallelModel:
+    """The trainer's road: resolve the plan of ``par`` (fields replaced by ``overrides``), then parallelize."""
+    if par is not None and overrides:
+        par = par.model_copy(update=overrides)
+    return parallelize(model, resolve_plan(par, mesh, model), device=CPU)
 
 
 def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
@@ -218,7 +224,7 @@ def mlp_tp_check(*, rank: int, world_size: int) -> dict:
     """The seeds' MLP: raw w0 Shard(1), w1 Shard(0) via DTensor propagation; trains to parity,
     and a Partial output layout leaves the output Partial with the right sum."""
     par = ParallelConfig.model_validate({"dims": ["tp"], "placements": MLP_PLACEMENTS})
-    pm = parallelize(build_model(MLP_CFG, seed=0), mesh_shape=[2], dims=["tp"], placements=par.placements)
+    pm = parallelize_preset(build_model(MLP_CFG, seed=0), [2], par)
     shapes = {n: list(p.to_local().shape) for n, p in pm.named_parameters()}
     result = {**train(pm, MLP_CFG), "report": pm.placement_report, "local_shapes": shapes}
 
@@ -226,7 +232,8 @@ def mlp_tp_check(*, rank: int, world_size: int) -> dict:
     model = build_model(MLP_CFG, seed=0)
     x = torch.randn(4, MLP_CFG.in_features, generator=torch.Generator().manual_seed(7))
     expected = model(x)
-    apply_placements(model, mesh, placements=MLP_PLACEMENTS, layouts={"": {"output": {"tp": "Partial"}}})
+    placements = {fqn: {axis: parse_placement(p) for axis, p in axes.items()} for fqn, axes in MLP_PLACEMENTS.items()}
+    apply_placements(model, mesh, placements=placements, layouts={"": LayoutSpec(output={"tp": parse_placement("Partial")})})
     out = model(x)
     result["partial_output"] = isinstance(out, DTensor) and out.placements == (Partial(),)
     result["partial_sum_max_abs_err"] = float((out.full_tensor() - expected).abs().max().detach())
@@ -238,7 +245,7 @@ def mlp_pp_check(*, rank: int, world_size: int) -> dict:
     par = ParallelConfig.model_validate(
         {"dims": ["pp"], "pipeline": {"dim": "pp", "schedule": "GPipe", "microbatches": 2, "boundaries": ["w1"]}}
     )
-    pm = parallelize(build_model(MLP_CFG, seed=0), mesh_shape=[2], dims=["pp"], pipeline=par.pipeline)
+    pm = parallelize_preset(build_model(MLP_CFG, seed=0), [2], par)
     fqns = sorted(n for n, _ in pm.named_parameters())
     return {**train(pm, MLP_CFG), "fqns": fqns}
 
@@ -288,7 +295,7 @@ def paddle_mesh_check(*, rank: int, world_size: int) -> dict:
 def single_device_check(*, rank: int, world_size: int) -> dict:
     """``parallelize`` with mesh (1,) is a plain model (run on every rank, no communication)."""
     cfg = llama_cfg()
-    pm = parallelize(build_model(cfg, seed=0), mesh_shape=(1,), dims=["none"])
+    pm = parallelize_preset(build_model(cfg, seed=0), None, None)
     return {**train(pm, cfg), "mesh_is_none": pm.mesh is None}
 
 

@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
 import torch.multiprocessing as mp
+from ports import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, suite: str, out_dir: str, only: list[str] | None) -> None:
@@ -69,6 +64,6 @@ def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None
     """Run ``checks.SUITES[suite]`` (or the checks named in ``only``) on ``world_size``
     processes; the per-rank result dicts."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, _free_port(), suite, str(out_dir), only), nprocs=world_size,
+    mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only), nprocs=world_size,
                        join=True, start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

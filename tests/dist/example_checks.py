@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,21 +30,17 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
+from ports import free_port
 
 WORLD_TIMEOUT_S = 300  # a loaded 2-core machine can stall a rank for a long time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(*, world_size: int, configs: dict[str, dict], out_dir: Path) -> list[dict]:
     """Run :func:`check_example` for every ``{name: composed config dict}`` on ``world_size``
     gloo processes (one process group for all of them); the per-rank result dicts."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, _free_port(), configs, str(out_dir)), nprocs=world_size,
+    mp.start_processes(_entry, args=(world_size, free_port(), configs, str(out_dir)), nprocs=world_size,
                        join=True, start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
@@ -109,6 +104,8 @@ def _probe_stages(pm) -> list[dict]:
 def _partial_output(cfg) -> dict | None:
     """Tensor-parallel examples without pipeline/dp: keep the output Partial via ``layouts``."""
     from parallel.mesh import build_mesh
+    from parallel.placements import parse_placement
+    from parallel.plan import LayoutSpec, resolve_plan
     from parallel.tensor_parallel import apply_placements
     from trainer.models import build_model
 
@@ -120,7 +117,8 @@ def _partial_output(cfg) -> dict | None:
     expected = model(x).detach()
     mesh = build_mesh(cfg.mesh_shape, par.dims)
     axis = par.dims[0]
-    apply_placements(model, mesh, placements=par.placements, layouts={"": {"output": {axis: "Partial"}}})
+    placements = resolve_plan(par, cfg.mesh, model).placements
+    apply_placements(model, mesh, placements=placements, layouts={"": LayoutSpec(output={axis: parse_placement("Partial")})})
     out = model(x)
     full = out.full_tensor().detach()
     return {"placements": _placements(out), "local": _local_shape(out),

@@ -272,31 +272,35 @@ def test_dockerfile_installs_torch_before_the_project_and_runs_the_api():
     runs = [(i, args) for i, (op, args) in enumerate(instructions) if op == "RUN"]
     (torch_at,) = [i for i, args in runs if "torch==2.13.0" in args]
     assert "download.pytorch.org/whl/cpu" in instructions[torch_at][1]
-    (project_at,) = [i for i, args in runs if re.search(r"pip install -e \.(\s|$)", args)]
+    (project_at,) = [i for i, args in runs if re.search(r"pip install \.(\s|$)", args)]
+    assert not any("pip install -e" in args for _, args in runs)  # the wheel, not the source tree
     copies = [i for i, (op, _) in enumerate(instructions) if op == "COPY"]
     assert torch_at < min(copies) < project_at
     copied = " ".join(args for op, args in instructions if op == "COPY")
-    for needed in ["pyproject.toml", "README.md", "conf", "parallel", "trainer", "service", "api"]:
+    for needed in ["pyproject.toml", "README.md", "parallel", "trainer", "service", "api"]:
         assert re.search(rf"(^|\s){re.escape(needed)}(\s|$)", copied), f"{needed} is not copied"
     ops = [op for op, _ in instructions]
     user_at = ops.index("USER")
     assert instructions[user_at][1] not in {"root", "0"} and user_at > project_at
-    assert ("WORKDIR", "/app") in instructions and ("EXPOSE", "8000") in instructions
+    workdirs = [args for op, args in instructions if op == "WORKDIR"]
+    assert workdirs[-1] == "/workspace"  # `python -m api` must not find a source tree in its cwd
+    assert ("EXPOSE", "8000") in instructions
     (cmd,) = [args for op, args in instructions if op == "CMD"]
     assert json.loads(cmd) == ["python", "-m", "api", "--host", "0.0.0.0", "--port", "8000"]
 
 
-def test_conf_dir_is_next_to_the_packages():
-    """Why the image installs editable from /app: CONF_DIR is found relative to the source tree."""
+def test_conf_dir_ships_inside_the_trainer_package():
+    """The image installs a wheel: CONF_DIR is package data, and the top-level conf links to it."""
     from trainer.compose import CONF_DIR
 
-    assert CONF_DIR == ROOT / "conf" and (CONF_DIR / "config.yaml").is_file()
+    assert CONF_DIR == ROOT / "trainer" / "conf" and (CONF_DIR / "config.yaml").is_file()
+    assert (ROOT / "conf").resolve() == CONF_DIR
 
 
 def test_dockerignore_keeps_what_the_build_needs():
     rules = {line.strip() for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
              if line.strip() and not line.startswith("#")}
-    for needed in ["conf", "pyproject.toml", "README.md", "parallel", "trainer", "service", "api", "deploy", "*"]:
+    for needed in ["pyproject.toml", "README.md", "parallel", "trainer", "service", "api", "deploy", "*"]:
         assert needed not in rules and f"/{needed}" not in rules, needed
     assert "deploy/.env" in rules and ".git" in rules
 

@@ -25,7 +25,7 @@ from trainer.models import (
     stable_seed,
 )
 
-TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden_dim=48, max_seq_len=16)
+TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=None, vocab_size=64, ffn_hidden_dim=48, max_seq_len=16)
 TINY_GQA = TINY.model_copy(update={"n_kv_heads": 2})
 SMALL_MLP = MLPConfig(in_features=8, hidden_features=16, out_features=4)
 

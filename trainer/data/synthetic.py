@@ -14,7 +14,6 @@ as the least significant digit, so ``next_state = (state * S + token) % S**k``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -175,10 +174,6 @@ class MarkovSource(TokenWindows):
         logs = np.log(np.where(table > 0, table, 1.0))  # 0 * log 0 = 0
         row_entropy = -(table * logs).sum(axis=1)
         return float(self.stationary @ row_entropy)
-
-    def max_entropy(self) -> float:
-        """ln(num_symbols): the loss of a model that predicts uniformly."""
-        return math.log(self.num_symbols)
 
     def _generate_stream(self, generator: torch.Generator) -> np.ndarray:
         """``cfg.num_tokens`` tokens (uint8) of one chain, stationary from the first token.

@@ -50,9 +50,9 @@ def _lookup(registry: dict, arch: str) -> object:
 def build_model(cfg: ModelCfg, *, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
     """Build the model ``cfg.arch`` names.
 
-    ``device="meta"`` builds shapes only (no memory, no init): the distribution engine shards
-    it, calls ``to_empty(device=...)`` and then ``init_weights(seed)``. Any other device builds
-    there and calls ``init_weights(seed)``, which gives the same values.
+    ``device="meta"`` builds names and shapes only (no memory, no init): validation and the
+    parallel plan read those. Any other device builds there and calls ``init_weights(seed)``,
+    whose values depend only on ``(seed, FQN, shape)``.
     """
     model_cls = _lookup(MODEL_REGISTRY, cfg.arch)
     with torch.device(device):

@@ -1,4 +1,7 @@
-"""Config errors that name the config path, the reason and the fix."""
+"""Config errors that name the config path, the reason and the fix.
+
+The engine reports what it cannot build from a plan in the same form as the validator, so
+they live here, at the bottom of the import order."""
 
 from __future__ import annotations
 

@@ -1,0 +1,111 @@
+"""The ``mesh`` and ``parallel`` sections of a run config, as frozen pydantic models.
+
+The engine owns the words it understands: the data-parallel modes, the pipeline schedules, the
+activation-checkpointing modes and the placement grammar are declared here once, and the
+trainer's :class:`~trainer.config.RunConfig` embeds these sections. What the user wrote (globs,
+``boundaries: auto``) is turned into a :class:`~parallel.plan.ParallelPlan` by
+:func:`~parallel.plan.resolve_plan`; nothing in ``parallel/`` reads these sections any other way.
+
+    ParallelConfig.model_validate({"dims": ["dp", "tp"], "data_parallel": {"dim": "dp", "mode": "fsdp"},
+                                   "placements": {"layers.*.mlp.w1.weight": {"tp": "Shard(0)"}}})
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+
+from parallel.placements import PlacementSpec, parse_placement
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are frozen."""
+
+    # coerce_numbers_to_str: Hydra reads `run_name=412` as an int; a name is still a name.
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+
+
+Placement = Annotated[PlacementSpec, BeforeValidator(parse_placement), PlainSerializer(str, return_type=str)]
+AxisPlacements = dict[str, Placement]
+
+DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
+ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+V_SCHEDULES = ("ZBV",)  # two stages per rank, placed as a V
+MULTI_STAGE_SCHEDULES = INTERLEAVED_SCHEDULES + V_SCHEDULES
+
+
+class DataParallelConfig(Section):
+    dim: str | list[str] = Field(
+        "dp", description="Mesh axis name for data parallelism; hsdp takes two: [replicate_axis, shard_axis]."
+    )
+    mode: DataParallelMode = Field(
+        "fsdp", description="ddp (replicate), fsdp (ZeRO-3), zero2 (no reshard after forward), hsdp (2-D)."
+    )
+
+    @property
+    def dim_names(self) -> list[str]:
+        return [self.dim] if isinstance(self.dim, str) else list(self.dim)
+
+
+class PipelineConfig(Section):
+    dim: str = Field("pp", description="Mesh axis name along which stages are laid out.")
+    schedule: ScheduleName = Field("1F1B", description="torch.distributed.pipelining schedule.")
+    microbatches: int = Field(4, ge=1, description="Micro-batches each (accumulation) batch is cut into.")
+    stages_per_rank: int = Field(1, ge=1, description="Stages held by each pp rank; >= 2 for interleaved, 2 for ZBV.")
+    boundaries: list[str] | Literal["auto"] = Field(
+        "auto",
+        description="First module of every stage but the first (e.g. [layers.2]); `auto` balances parameter counts.",
+    )
+
+
+class LayoutConfig(Section):
+    input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
+    output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
+
+
+class ParallelConfig(Section):
+    dims: list[str] = Field(description="One name per mesh axis, outermost first, e.g. [dp, pp, tp].")
+    data_parallel: DataParallelConfig | None = Field(None, description="Data parallelism; null = none.")
+    pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism; null = none.")
+    placements: dict[str, AxisPlacements] = Field(
+        default_factory=dict,
+        description="Parameter-FQN glob -> {mesh axis: Shard(d) | Replicate}; axes not named are Replicate.",
+    )
+    layouts: dict[str, LayoutConfig] = Field(
+        default_factory=dict, description="Module-FQN glob -> input/output placements (sequence parallel, Partial)."
+    )
+    activation_checkpointing: ActivationCheckpointing = Field(
+        "none", description="Recompute activations in backward: none, every block (full), or every n-th (selective)."
+    )
+    activation_checkpointing_every: int = Field(2, ge=1, description="With `selective`: checkpoint every n-th block.")
+
+
+# ------------------------------------------------------------------------------ mesh
+
+MeshValue = list[int] | list[Any]
+
+
+def mesh_shape_of(mesh: Any) -> tuple[int, ...]:
+    """Shape of a mesh value: a flat list is the shape; a nested list is rank ids, shaped as nested."""
+    if mesh is None:
+        return (1,)
+    if mesh and all(isinstance(x, int) for x in mesh):
+        return tuple(mesh)
+    shape: list[int] = []
+    node = mesh
+    while isinstance(node, list):
+        shape.append(len(node))
+        node = node[0] if node else None
+    return tuple(shape)
+
+
+def mesh_rank_ids(mesh: Any) -> list | None:
+    """The explicit nested rank ids of a mesh value, or None when it is a plain shape."""
+    if mesh is None or all(isinstance(x, int) for x in mesh):
+        return None
+    return mesh

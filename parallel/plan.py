@@ -1,0 +1,326 @@
+"""The parallel plan: what a config's ``mesh`` and ``parallel`` sections mean for one model.
+
+:func:`resolve_plan` is the one place where the user's words meet the model: placement and
+layout globs are matched against the model's parameter and module names, ``boundaries: auto``
+becomes a stage split, and everything that matching can find wrong is reported as
+:class:`~parallel.errors.ConfigIssue` s (path, reason, fix). Validation, the dry-run plan and
+the engine all use its result, so they cannot disagree:
+
+    plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    plan.placements["layers.0.attn.wq.weight"]     # {"tp": Shard(0)}
+    plan.pipeline.stage_units                       # (("tok_embeddings", "layers.0", "layers.1"), ...)
+    pm = parallelize(model, plan, device=torch.device("cpu"))
+
+A plan holds names, shapes and placements only (no process group, no tensors); it is built in
+a few milliseconds from a model on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
+from parallel.errors import ConfigError, ConfigIssue, format_path
+from parallel.pipeline import pipeline_units, stage_boundaries, stage_ranks
+from parallel.placements import PlacementSpec
+
+AxisSpecs = Mapping[str, PlacementSpec]
+# A model-specific check of one placements glob: (glob, its placements, the FQNs it matched) -> issues.
+GlobCheck = Callable[[str, AxisSpecs, list[str]], list[ConfigIssue]]
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Axis sizes (outermost first), their names, and optional nested explicit rank ids."""
+
+    shape: tuple[int, ...] = (1,)
+    dim_names: tuple[str, ...] = ()
+    rank_ids: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, names: str | Sequence[str]) -> int:
+        """Product of the sizes of the axes ``names`` (an axis the mesh lacks counts 1)."""
+        names = [names] if isinstance(names, str) else list(names)
+        return math.prod(self.shape[self.dim_names.index(n)] for n in names if n in self.dim_names)
+
+
+@dataclass(frozen=True)
+class DataParallelSpec:
+    """``mode`` (ddp | fsdp | zero2 | hsdp) over the mesh axes ``dim_names``."""
+
+    mode: str
+    dim_names: tuple[str, ...]
+
+    @property
+    def shard_dim_names(self) -> tuple[str, ...]:
+        """The axes parameters are sharded over: all dp axes (fsdp, zero2), hsdp's inner one, none for ddp."""
+        return {"ddp": (), "hsdp": self.dim_names[-1:]}.get(self.mode, self.dim_names)
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """The schedule and the resolved stage split: the units of each stage and its pp rank."""
+
+    dim: str
+    schedule: str
+    num_microbatches: int
+    stages_per_rank: int
+    stage_units: tuple[tuple[str, ...], ...]
+    stage_ranks: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_units)
+
+    @property
+    def boundaries(self) -> list[str]:
+        """The first unit of every stage but the first (what ``boundaries: auto`` chose)."""
+        return [units[0] for units in self.stage_units[1:]]
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_ranks) if r == pp_rank]
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A module's input and output placements per mesh axis (unnamed axes: Replicate)."""
+
+    input: AxisSpecs = field(default_factory=dict)
+    output: AxisSpecs = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Everything the engine needs to spread one model over one mesh, globs already matched.
+
+    Attributes:
+        mesh: the mesh; ``(1,)`` means one device.
+        units: the model's pieces a pipeline may be cut between, in forward order.
+        placements: parameter FQN -> ``{axis: placement}`` for every parameter a glob named.
+        layouts: module FQN -> its input/output placements.
+        sources: parameter or module FQN -> the config glob that named it (for messages).
+    """
+
+    mesh: MeshSpec = field(default_factory=MeshSpec)
+    units: tuple[str, ...] = ()
+    data_parallel: DataParallelSpec | None = None
+    pipeline: PipelineSpec | None = None
+    placements: Mapping[str, AxisSpecs] = field(default_factory=dict)
+    layouts: Mapping[str, LayoutSpec] = field(default_factory=dict)
+    activation_checkpointing: str = "none"
+    activation_checkpointing_every: int = 2
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def block_fqns(self) -> list[str]:
+        """Units inside a container (``layers.0`` ..): FSDP and activation-checkpointing units."""
+        return [u for u in self.units if "." in u]
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size(self.data_parallel.dim_names) if self.data_parallel else 1
+
+    @property
+    def pp_size(self) -> int:
+        return self.mesh.size(self.pipeline.dim) if self.pipeline else 1
+
+
+def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *,
+                 check_glob: GlobCheck | None = None) -> ParallelPlan:
+    """The plan of ``parallel`` on ``mesh`` (a shape or nested rank ids) for ``model`` (any
+    device, ``meta`` included); raises :class:`ConfigError` with every issue found.
+
+    ``check_glob`` adds what only the model's owner knows (the trainer checks that attention
+    globs split whole heads); it runs on every placements glob that matched, beside the
+    engine's own checks, so all issues are reported together."""
+    units = tuple(pipeline_units(model))
+    if parallel is None:
+        return ParallelPlan(units=units)
+    mesh_spec = MeshSpec(mesh_shape_of(mesh), tuple(parallel.dims), mesh_rank_ids(mesh))
+    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    modules = [name for name, _ in model.named_modules() if name]
+    issues: list[ConfigIssue] = []
+    placements, sources = _match_placements(parallel, mesh_spec, params, issues, check_glob)
+    layouts, layout_sources = _match_layouts(parallel, modules, issues)
+    issues += _check_boundaries(parallel, mesh_spec, units)
+    if issues:
+        raise ConfigError(issues)
+
+    from parallel.tensor_parallel import unsupported_layouts  # classification needs the module types
+
+    for name in unsupported_layouts(model, placements, layouts):
+        issues.append(ConfigIssue(format_path("parallel", "layouts", layout_sources[name]),
+                                  f"module {name}: only a Shard input of a norm-like module (sequence parallel) or the "
+                                  "input/output of a module with DTensor-placed parameters is supported",
+                                  "remove this layout, or give the module's parameters placements"))
+    if issues:
+        raise ConfigError(issues)
+    dp = parallel.data_parallel
+    return ParallelPlan(
+        mesh=mesh_spec,
+        units=units,
+        data_parallel=DataParallelSpec(dp.mode, tuple(dp.dim_names)) if dp else None,
+        pipeline=_pipeline_spec(parallel, mesh_spec, model, units),
+        placements=MappingProxyType(placements),
+        layouts=MappingProxyType(layouts),
+        activation_checkpointing=parallel.activation_checkpointing,
+        activation_checkpointing_every=parallel.activation_checkpointing_every,
+        sources=MappingProxyType({**sources, **layout_sources}),
+    )
+
+
+# ---------------------------------------------------------------------- placements
+
+
+def _match_glob(section: str, glob: str, names: list[str], sources: dict[str, str],
+                issues: list[ConfigIssue]) -> list[str]:
+    """The names ``glob`` matches (recorded in ``sources``); a glob matching nothing, or a name
+    another glob of the same section already took, is an issue."""
+    noun, holds = ("parameter", "placement") if section == "placements" else ("module", "layout")
+    path = format_path("parallel", section, glob)
+    matched = [name for name in names if fnmatchcase(name, glob)]
+    if not matched:
+        issues.append(ConfigIssue(path, f"matches no {noun} of the model",
+                                  f"fix the glob; {noun}s look like {', '.join(names[:4])}, ..."))
+    for name in matched:
+        if name in sources:
+            issues.append(ConfigIssue(path, f"{noun} {name} is also matched by {sources[name]!r}",
+                                      f"make the globs disjoint so each {noun} has one {holds}"))
+        sources[name] = glob
+    return matched
+
+
+def _match_placements(parallel: ParallelConfig, mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
+                      issues: list[ConfigIssue], check_glob: GlobCheck | None) -> tuple[dict[str, AxisSpecs], dict[str, str]]:
+    placements: dict[str, AxisSpecs] = {}
+    sources: dict[str, str] = {}
+    for glob, axes in parallel.placements.items():
+        matched = _match_glob("placements", glob, list(params), sources, issues)
+        if not matched:
+            continue
+        for fqn in matched:
+            placements[fqn] = MappingProxyType(dict(axes))
+        # A glob can match parameters of different shapes ("*", GQA's wq/wk): check each shape once.
+        first_of_shape: dict[tuple[int, ...], str] = {}
+        for fqn in matched:
+            first_of_shape.setdefault(params[fqn], fqn)
+        reported: set[str] = set()
+        for shape, fqn in first_of_shape.items():
+            for issue in _check_shards(mesh, glob, axes, shape, fqn):
+                if issue.path not in reported:  # one issue per (glob, axis) is enough to fix it
+                    reported.add(issue.path)
+                    issues.append(issue)
+        if check_glob is not None:
+            issues += check_glob(glob, axes, matched)
+    return placements, sources
+
+
+def _check_shards(mesh: MeshSpec, glob: str, axes: AxisSpecs, shape: tuple[int, ...], fqn: str) -> list[ConfigIssue]:
+    issues = []
+    per_dim: dict[int, list[str]] = {}
+    for axis, p in axes.items():
+        if not p.is_shard:
+            continue
+        path = format_path("parallel", "placements", glob, axis)
+        dim = p.dim if p.dim >= 0 else p.dim + len(shape)
+        if not 0 <= dim < len(shape):
+            issues.append(ConfigIssue(path, f"{p} but parameter {fqn} has {len(shape)} dims (shape {list(shape)})",
+                                      f"use {'Shard(0)' if len(shape) == 1 else f'Shard(0) .. Shard({len(shape) - 1})'}, "
+                                      "or a glob matching only parameters with more dims"))
+            continue
+        per_dim.setdefault(dim, []).append(axis)
+    for dim, names in per_dim.items():
+        n = mesh.size(names)
+        size = shape[dim]
+        if size % n:
+            over = " x ".join(names)
+            axes_note = f" ({over})" if len(names) > 1 else ""  # one axis: the path already names it
+            issues.append(ConfigIssue(format_path("parallel", "placements", glob, names[-1]),
+                                      f"Shard({dim}) splits dim {dim} of size {size} over {n} ranks{axes_note}; "
+                                      f"{size} is not divisible by {n}",
+                                      f"use a {over} size dividing {size}, or Replicate"))
+    return issues
+
+
+# ------------------------------------------------------------------------- layouts
+
+
+def _match_layouts(parallel: ParallelConfig, modules: list[str],
+                   issues: list[ConfigIssue]) -> tuple[dict[str, LayoutSpec], dict[str, str]]:
+    layouts: dict[str, LayoutSpec] = {}
+    sources: dict[str, str] = {}
+    for glob, layout in parallel.layouts.items():
+        for name in _match_glob("layouts", glob, modules, sources, issues):
+            layouts[name] = LayoutSpec(MappingProxyType(dict(layout.input or {})),
+                                       MappingProxyType(dict(layout.output or {})))
+    return layouts, sources
+
+
+# ------------------------------------------------------------------------ pipeline
+
+
+def _check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[str]) -> list[ConfigIssue]:
+    pp = parallel.pipeline
+    if pp is None:
+        return []
+    pp_size = mesh.size(pp.dim)
+    num_stages = pp_size * pp.stages_per_rank
+    units = list(units)
+    if pp.boundaries == "auto":
+        if num_stages > len(units):
+            return [ConfigIssue("parallel.pipeline.boundaries", f"auto needs {num_stages} stages but the model has only "
+                                f"{len(units)} pieces to cut between ({', '.join(units)})",
+                                "use a smaller pp size or stages_per_rank, or a deeper model")]
+        return []
+    issues = []
+    positions = []
+    for i, name in enumerate(pp.boundaries):
+        path = format_path("parallel", "pipeline", "boundaries", i)
+        if name not in units:
+            issues.append(ConfigIssue(path, f"{name!r} is not a top-level module of the model",
+                                      f"use one of {', '.join(units[1:])}"))
+        elif units.index(name) == 0:
+            issues.append(ConfigIssue(path, f"{name!r} is the first module; it always begins stage 0",
+                                      "list only the first module of every later stage"))
+        else:
+            positions.append(units.index(name))
+    if not issues and positions != sorted(set(positions)):
+        issues.append(ConfigIssue("parallel.pipeline.boundaries", f"{pp.boundaries} are not in forward order",
+                                  "list each boundary once, in the order the model runs them"))
+    if len(pp.boundaries) != num_stages - 1:
+        issues.append(ConfigIssue("parallel.pipeline.boundaries",
+                                  f"{len(pp.boundaries)} boundaries make {len(pp.boundaries) + 1} stages, but pp size "
+                                  f"{pp_size} x stages_per_rank {pp.stages_per_rank} needs {num_stages}",
+                                  f"give {num_stages - 1} boundar{'y' if num_stages == 2 else 'ies'}, or boundaries: auto"))
+    return issues
+
+
+def _pipeline_spec(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module,
+                   units: Sequence[str]) -> PipelineSpec | None:
+    pp = parallel.pipeline
+    if pp is None:
+        return None
+    pp_size = mesh.size(pp.dim)
+    num_stages = pp_size * pp.stages_per_rank
+    groups = stage_boundaries(model, boundaries=pp.boundaries, num_stages=num_stages, units=units)
+    return PipelineSpec(
+        dim=pp.dim,
+        schedule=pp.schedule,
+        num_microbatches=pp.microbatches,
+        stages_per_rank=pp.stages_per_rank,
+        stage_units=tuple(tuple(g) for g in groups),
+        stage_ranks=tuple(stage_ranks(num_stages, pp_size, schedule=pp.schedule)),
+    )
+
+
+__all__ = ["DataParallelSpec", "LayoutSpec", "MeshSpec", "ParallelPlan", "PipelineSpec", "resolve_plan"]

@@ -1,0 +1,109 @@
+"""The config takes one road: composed once (CLI, or the control plane at submit), validated once,
+read back into the same model by the job and by each worker; and the package works installed.
+
+    pytest tests/e2e/test_one_road.py -q -s
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+# What the control plane forces into every job (its MLflow store, the job's own directory).
+SERVICE_OWNED = [("tracking", "tracking_uri"), ("tracking", "run_id"), ("train", "checkpoint")]
+# Modules that compose or validate a config: none of them may run after the server resolved it.
+# (Workers do resolve the parallel plan of the model they build: that is the engine's input.)
+COMPOSE_OR_VALIDATE = ("hydra", "omegaconf", "trainer.compose", "trainer.validate", "trainer.model_checks")
+
+
+def _without_service_fields(config: dict) -> dict:
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for section, key in SERVICE_OWNED:
+        out[section].pop(key)
+    return out
+
+
+@pytest.mark.parametrize("overrides", [[], ["+parallel=3d", "train.steps=7"], ["model=mlp", "data=regression"]])
+def test_rest_resolves_the_config_the_cli_prints(overrides, tmp_path):
+    """One source of defaults: REST (overrides, and a config document with only the changes) gives
+    the config `python -m trainer --cfg job` prints for the same input; with no input, exactly
+    what it prints (a parallel preset states only its own keys, the rest are the section's defaults)."""
+    from service.submit import resolve_config
+    from trainer.validate import validate_config
+
+    proc = run_cli(["--cfg", "job", *overrides], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cli = yaml.safe_load(proc.stdout)
+    common = dict(workspace=tmp_path, workdir=tmp_path / "job", tracking_uri="sqlite:///svc.db", run_id=None)
+    by_overrides, _ = resolve_config(overrides=overrides, document=None, **common)
+    document = {"model": cli["model"], "data": cli["data"]} if "model=mlp" in overrides else {}
+    if "+parallel=3d" in overrides:
+        document = {"mesh": cli["mesh"], "parallel": cli["parallel"], "train": {"steps": 7}}
+    by_document, _ = resolve_config(overrides=None, document=document, **common)
+    expected = _without_service_fields(validate_config(cli).model_dump(mode="json"))
+    if not overrides:
+        assert expected == _without_service_fields(cli)  # every key printed, every value the default
+    assert _without_service_fields(by_overrides.model_dump(mode="json")) == expected
+    assert _without_service_fields(by_document.model_dump(mode="json")) == expected
+
+
+def test_a_submitted_job_is_neither_recomposed_nor_revalidated(tmp_path):
+    """The server resolves the job; `python -m trainer.launch job.json` (what the runner starts) and
+    its workers import nothing that composes or validates. `-X importtime` reaches the spawned
+    workers too (multiprocessing passes the interpreter's -X options on)."""
+    from service.runner import trainer_command, write_job_config
+    from service.submit import resolve_config
+
+    cfg, _ = resolve_config(overrides=["+parallel=dp", "mesh=[2]", "data=synthetic", "tracking=none", "train.steps=2",
+                                       "train.global_batch_size=4", "train.seq_len=16"], document=None,
+                            workspace=tmp_path, workdir=tmp_path, tracking_uri="sqlite:///svc.db", run_id=None)
+    write_job_config(tmp_path, cfg.model_dump(mode="json"))
+    python, *args = trainer_command(tmp_path)
+    proc = subprocess.run([python, "-X", "importtime", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "done: steps 1..2" in proc.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "trainer.loop" in imported and "parallel.engine" in imported, sorted(m for m in imported if m.startswith(("trainer", "parallel")))  # reached the workers
+    offenders = sorted(m for m in imported if m.split(".")[0] in ("hydra", "omegaconf") or m in COMPOSE_OR_VALIDATE)
+    assert offenders == [], offenders
+
+
+def test_installed_wheel_trains_from_another_directory(tmp_path):
+    """`pip install .` (not editable) into a fresh venv; the package finds its conf/ inside itself."""
+    env_dir = tmp_path / "venv"
+    # No pip of its own: a venv's bundled setuptools is too old to build a wheel; the system one is used.
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    python = str(env_dir / "bin" / "python")
+    source = tmp_path / "source"  # pip builds in the tree it is given: not in the repository
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "parallel", "trainer", "service", "api"):
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+    # --no-deps / --no-build-isolation: the dependencies (torch ...) come from the system site, as installed.
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(source)],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = subprocess.run([python, "-c", "import trainer.compose as c; print(c.CONF_DIR)"], cwd=elsewhere,
+                           capture_output=True, text=True, timeout=120)
+    conf_dir = Path(where.stdout.strip())
+    assert env_dir in conf_dir.parents and (conf_dir / "parallel" / "3d.yaml").is_file(), where.stdout + where.stderr
+    proc = subprocess.run([python, "-m", "trainer", "train.steps=3", "tracking=none", "data=synthetic",
+                           "train.global_batch_size=4", "train.seq_len=32"], cwd=elsewhere, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "done: steps 1..3" in proc.stdout
+    assert sys.executable != python
