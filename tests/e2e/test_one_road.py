@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 

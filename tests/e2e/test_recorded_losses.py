@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
