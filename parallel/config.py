@@ -63,6 +63,16 @@ class PipelineConfig(Section):
     )
 
 
+class TensorParallelConfig(Section):
+    dim: str = Field("tp", description="Mesh axis name the model's tensor-parallel plan splits over.")
+    plan: Literal["megatron"] = Field(
+        "megatron",
+        description="The model family's named plan: megatron = attention and MLP column- then row-parallel "
+        "(the model provides the globs; explicit `placements` / `layouts` override it).",
+    )
+    sequence_parallel: bool = Field(False, description="Also run the block norms on sequence shards (Shard(1)).")
+
+
 class LayoutConfig(Section):
     input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
     output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
@@ -72,6 +82,9 @@ class ParallelConfig(Section):
     dims: list[str] = Field(description="One name per mesh axis, outermost first, e.g. [dp, pp, tp].")
     data_parallel: DataParallelConfig | None = Field(None, description="Data parallelism; null = none.")
     pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism; null = none.")
+    tensor_parallel: TensorParallelConfig | None = Field(
+        None, description="Tensor parallelism by the model family's named plan; null = only explicit placements."
+    )
     placements: dict[str, AxisPlacements] = Field(
         default_factory=dict,
         description="Parameter-FQN glob -> {mesh axis: Shard(d) | Replicate}; axes not named are Replicate.",

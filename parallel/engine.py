@@ -205,7 +205,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -
         plan: from :func:`parallel.plan.resolve_plan` for this model and config.
         device: where this rank computes (``cpu``, or its own ``cuda`` device).
     """
-    ac = dict(mode=plan.activation_checkpointing, every=plan.activation_checkpointing_every, block_fqns=plan.block_fqns)
+    ac = dict(mode=plan.activation_checkpointing, every=plan.activation_checkpointing_every, block_fqns=plan.blocks)
     if plan.mesh.world_size == 1:
         model.to(device)
         apply_ac(model, **ac)
@@ -229,7 +229,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -
             report.update(apply_placements(part, mesh, placements=plan.placements, layouts=plan.layouts))
         apply_ac(part, **ac)
         if dp is not None:
-            apply_data_parallel(part, mesh, mode=dp.mode, dim_names=dp_names, block_fqns=plan.block_fqns,
+            apply_data_parallel(part, mesh, mode=dp.mode, dim_names=dp_names, block_fqns=plan.blocks,
                                 pipelined=pp is not None)
     return ParallelModel(
         model_parts=[part for _, part in stages],

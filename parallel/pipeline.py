@@ -37,17 +37,31 @@ if TYPE_CHECKING:
 
 
 def pipeline_units(model: nn.Module) -> list[str]:
-    """Top-level pieces a pipeline may be cut between, in forward order: the children of a
-    top-level ``ModuleDict``/``ModuleList`` are separate units (``layers.0``), and so are raw
-    top-level parameters."""
-    units = []
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-            units += [f"{name}.{key}" for key, _ in child.named_children()]
-        else:
-            units.append(name)
-    units += [name for name, _ in model.named_parameters(recurse=False)]
-    return units
+    """Pieces a pipeline may be cut between, in forward order: the children of a
+    ``ModuleDict``/``ModuleList`` are separate units (``layers.0``), a module that holds such a
+    container is looked into (Hugging Face's ``model`` -> ``model.embed_tokens``,
+    ``model.layers.0``, ..., ``model.norm``), any other child is one unit, and so is each raw
+    parameter of the root (the seeds' ``w0``, ``w1``)."""
+    units: list[str] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+                units.extend(f"{prefix}{name}.{key}" for key, _ in child.named_children())
+            elif any(isinstance(c, (nn.ModuleDict, nn.ModuleList)) for c in child.children()):
+                visit(child, f"{prefix}{name}.")
+            else:
+                units.append(prefix + name)
+
+    visit(model, "")
+    return units + [name for name, _ in model.named_parameters(recurse=False)]
+
+
+def block_units(model: nn.Module, units: Sequence[str]) -> list[str]:
+    """The units that are entries of a ``ModuleDict``/``ModuleList`` (the repeated blocks):
+    FSDP shards and activation checkpointing wraps them one by one."""
+    containers = {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleDict, nn.ModuleList))}
+    return [u for u in units if u.rpartition(".")[0] in containers]
 
 
 def stage_ranks(num_stages: int, pp_size: int, *, schedule: str) -> list[int]:
@@ -123,11 +137,12 @@ def build_stage_module(model: nn.Module, units: Sequence[str], all_units: Sequen
         if unit in keep:
             continue
         parent_name, _, child = unit.rpartition(".")
-        if parent_name:
-            del stage.get_submodule(parent_name)[child]
+        parent = stage.get_submodule(parent_name)
+        if isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
+            del parent[child]
         else:
             # None, not delattr: the model's forward skips a missing piece (`getattr(..., None)`).
-            setattr(stage, child, None)
+            setattr(parent, child, None)
     return stage
 
 

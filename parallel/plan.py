@@ -26,13 +26,13 @@ from typing import Any
 
 from torch import nn
 
-from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
+from parallel.config import LayoutConfig, ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
-from parallel.pipeline import pipeline_units, stage_boundaries, stage_ranks
+from parallel.pipeline import block_units, pipeline_units, stage_boundaries, stage_ranks
 from parallel.placements import PlacementSpec
 
 AxisSpecs = Mapping[str, PlacementSpec]
-# A model-specific check of one placements glob: (glob, its placements, the FQNs it matched) -> issues.
+# A model-specific check of one placements glob: (its config path, placements, the FQNs it matched) -> issues.
 GlobCheck = Callable[[str, AxisSpecs, list[str]], list[ConfigIssue]]
 
 
@@ -106,6 +106,8 @@ class ParallelPlan:
     Attributes:
         mesh: the mesh; ``(1,)`` means one device.
         units: the model's pieces a pipeline may be cut between, in forward order.
+        blocks: the units that are repeated blocks (``layers.0`` ..): FSDP and activation
+            checkpointing treat each one as a unit.
         placements: parameter FQN -> ``{axis: placement}`` for every parameter a glob named.
         layouts: module FQN -> its input/output placements.
         sources: parameter or module FQN -> the config glob that named it (for messages).
@@ -113,6 +115,7 @@ class ParallelPlan:
 
     mesh: MeshSpec = field(default_factory=MeshSpec)
     units: tuple[str, ...] = ()
+    blocks: tuple[str, ...] = ()
     data_parallel: DataParallelSpec | None = None
     pipeline: PipelineSpec | None = None
     placements: Mapping[str, AxisSpecs] = field(default_factory=dict)
@@ -120,11 +123,6 @@ class ParallelPlan:
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 2
     sources: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def block_fqns(self) -> list[str]:
-        """Units inside a container (``layers.0`` ..): FSDP and activation-checkpointing units."""
-        return [u for u in self.units if "." in u]
 
     @property
     def dp_size(self) -> int:
@@ -144,14 +142,27 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     globs split whole heads); it runs on every placements glob that matched, beside the
     engine's own checks, so all issues are reported together."""
     units = tuple(pipeline_units(model))
+    blocks = tuple(block_units(model, units))
     if parallel is None:
-        return ParallelPlan(units=units)
+        return ParallelPlan(units=units, blocks=blocks)
     mesh_spec = MeshSpec(mesh_shape_of(mesh), tuple(parallel.dims), mesh_rank_ids(mesh))
     params = {name: tuple(p.shape) for name, p in model.named_parameters()}
     modules = [name for name, _ in model.named_modules() if name]
     issues: list[ConfigIssue] = []
-    placements, sources = _match_placements(parallel, mesh_spec, params, issues, check_glob)
-    layouts, layout_sources = _match_layouts(parallel, modules, issues)
+    family_placements, family_layouts = _family_plan(parallel, model, issues)
+    placements, sources = _match_placements(family_placements, mesh_spec, params, issues, check_glob)
+    layouts, layout_sources = _match_layouts(family_layouts, modules, issues)
+    # Explicit globs after the family's: they may re-place what the plan placed (no overlap issue).
+    explicit, explicit_sources = _match_placements(
+        [(glob, axes, format_path("parallel", "placements", glob)) for glob, axes in parallel.placements.items()],
+        mesh_spec, params, issues, check_glob)
+    placements.update(explicit)
+    sources.update(explicit_sources)
+    explicit_layouts, explicit_layout_sources = _match_layouts(
+        [(glob, layout, format_path("parallel", "layouts", glob)) for glob, layout in parallel.layouts.items()],
+        modules, issues)
+    layouts.update(explicit_layouts)
+    layout_sources.update(explicit_layout_sources)
     issues += _check_boundaries(parallel, mesh_spec, units)
     if issues:
         raise ConfigError(issues)
@@ -159,7 +170,10 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     from parallel.tensor_parallel import unsupported_layouts  # classification needs the module types
 
     for name in unsupported_layouts(model, placements, layouts):
-        issues.append(ConfigIssue(format_path("parallel", "layouts", layout_sources[name]),
+        glob = layout_sources[name]
+        path = (format_path("parallel", "layouts", glob) if glob in parallel.layouts
+                else f'parallel.tensor_parallel.plan[{parallel.tensor_parallel.plan}]["{glob}"]')
+        issues.append(ConfigIssue(path,
                                   f"module {name}: only a Shard input of a norm-like module (sequence parallel) or the "
                                   "input/output of a module with DTensor-placed parameters is supported",
                                   "remove this layout, or give the module's parameters placements"))
@@ -169,6 +183,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     return ParallelPlan(
         mesh=mesh_spec,
         units=units,
+        blocks=blocks,
         data_parallel=DataParallelSpec(dp.mode, tuple(dp.dim_names)) if dp else None,
         pipeline=_pipeline_spec(parallel, mesh_spec, model, units),
         placements=MappingProxyType(placements),
@@ -182,12 +197,11 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
 # ---------------------------------------------------------------------- placements
 
 
-def _match_glob(section: str, glob: str, names: list[str], sources: dict[str, str],
+def _match_glob(section: str, glob: str, path: str, names: list[str], sources: dict[str, str],
                 issues: list[ConfigIssue]) -> list[str]:
-    """The names ``glob`` matches (recorded in ``sources``); a glob matching nothing, or a name
-    another glob of the same section already took, is an issue."""
+    """The names ``glob`` (written at ``path``) matches, recorded in ``sources``; a glob matching
+    nothing, or a name another glob of the same section already took, is an issue."""
     noun, holds = ("parameter", "placement") if section == "placements" else ("module", "layout")
-    path = format_path("parallel", section, glob)
     matched = [name for name in names if fnmatchcase(name, glob)]
     if not matched:
         issues.append(ConfigIssue(path, f"matches no {noun} of the model",
@@ -200,38 +214,48 @@ def _match_glob(section: str, glob: str, names: list[str], sources: dict[str, st
     return matched
 
 
-def _match_placements(parallel: ParallelConfig, mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
+def _match_placements(entries: list[tuple[str, AxisSpecs, str]], mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
                       issues: list[ConfigIssue], check_glob: GlobCheck | None) -> tuple[dict[str, AxisSpecs], dict[str, str]]:
+    """``entries``: ``(glob, placements, the config path it was written at)``, in order."""
     placements: dict[str, AxisSpecs] = {}
     sources: dict[str, str] = {}
-    for glob, axes in parallel.placements.items():
-        matched = _match_glob("placements", glob, list(params), sources, issues)
-        if not matched:
-            continue
-        for fqn in matched:
-            placements[fqn] = MappingProxyType(dict(axes))
-        # A glob can match parameters of different shapes ("*", GQA's wq/wk): check each shape once.
-        first_of_shape: dict[tuple[int, ...], str] = {}
-        for fqn in matched:
-            first_of_shape.setdefault(params[fqn], fqn)
-        reported: set[str] = set()
-        for shape, fqn in first_of_shape.items():
-            for issue in _check_shards(mesh, glob, axes, shape, fqn):
-                if issue.path not in reported:  # one issue per (glob, axis) is enough to fix it
-                    reported.add(issue.path)
-                    issues.append(issue)
-        if check_glob is not None:
-            issues += check_glob(glob, axes, matched)
+    for glob, axes, path in entries:
+        found: list[ConfigIssue] = []
+        _match_entry(glob, axes, path, mesh, params, placements, sources, found, check_glob)
+        if path.startswith("parallel.tensor_parallel"):  # a named plan is not edited: it is overridden
+            found = [ConfigIssue(i.path, i.reason, i.fix.replace(", or Replicate", ", or override it in "
+                                                              "parallel.placements (e.g. Replicate)")) for i in found]
+        issues += found
     return placements, sources
 
 
-def _check_shards(mesh: MeshSpec, glob: str, axes: AxisSpecs, shape: tuple[int, ...], fqn: str) -> list[ConfigIssue]:
+def _match_entry(glob: str, axes: AxisSpecs, path: str, mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
+                 placements: dict[str, AxisSpecs], sources: dict[str, str], issues: list[ConfigIssue],
+                 check_glob: GlobCheck | None) -> None:
+    matched = _match_glob("placements", glob, path, list(params), sources, issues)
+    for fqn in matched:
+        placements[fqn] = MappingProxyType(dict(axes))
+    # A glob can match parameters of different shapes ("*", GQA's wq/wk): check each shape once.
+    first_of_shape: dict[tuple[int, ...], str] = {}
+    for fqn in matched:
+        first_of_shape.setdefault(params[fqn], fqn)
+    reported: set[str] = set()
+    for shape, fqn in first_of_shape.items():
+        for issue in _check_shards(mesh, path, axes, shape, fqn):
+            if issue.path not in reported:  # one issue per (glob, axis) is enough to fix it
+                reported.add(issue.path)
+                issues.append(issue)
+    if check_glob is not None and matched:
+        issues += check_glob(path, axes, matched)
+
+
+def _check_shards(mesh: MeshSpec, where: str, axes: AxisSpecs, shape: tuple[int, ...], fqn: str) -> list[ConfigIssue]:
     issues = []
     per_dim: dict[int, list[str]] = {}
     for axis, p in axes.items():
         if not p.is_shard:
             continue
-        path = format_path("parallel", "placements", glob, axis)
+        path = f"{where}.{axis}"
         dim = p.dim if p.dim >= 0 else p.dim + len(shape)
         if not 0 <= dim < len(shape):
             issues.append(ConfigIssue(path, f"{p} but parameter {fqn} has {len(shape)} dims (shape {list(shape)})",
@@ -245,7 +269,7 @@ def _check_shards(mesh: MeshSpec, glob: str, axes: AxisSpecs, shape: tuple[int, 
         if size % n:
             over = " x ".join(names)
             axes_note = f" ({over})" if len(names) > 1 else ""  # one axis: the path already names it
-            issues.append(ConfigIssue(format_path("parallel", "placements", glob, names[-1]),
+            issues.append(ConfigIssue(f"{where}.{names[-1]}",
                                       f"Shard({dim}) splits dim {dim} of size {size} over {n} ranks{axes_note}; "
                                       f"{size} is not divisible by {n}",
                                       f"use a {over} size dividing {size}, or Replicate"))
@@ -255,15 +279,36 @@ def _check_shards(mesh: MeshSpec, glob: str, axes: AxisSpecs, shape: tuple[int, 
 # ------------------------------------------------------------------------- layouts
 
 
-def _match_layouts(parallel: ParallelConfig, modules: list[str],
+def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[str],
                    issues: list[ConfigIssue]) -> tuple[dict[str, LayoutSpec], dict[str, str]]:
     layouts: dict[str, LayoutSpec] = {}
     sources: dict[str, str] = {}
-    for glob, layout in parallel.layouts.items():
-        for name in _match_glob("layouts", glob, modules, sources, issues):
+    for glob, layout, path in entries:
+        for name in _match_glob("layouts", glob, path, modules, sources, issues):
             layouts[name] = LayoutSpec(MappingProxyType(dict(layout.input or {})),
                                        MappingProxyType(dict(layout.output or {})))
     return layouts, sources
+
+
+# ---------------------------------------------------------------------- named plans
+
+
+def _family_plan(parallel: ParallelConfig, model: nn.Module, issues: list[ConfigIssue]) -> tuple[list, list]:
+    """The model family's named tensor-parallel plan as ``(placement entries, layout entries)``,
+    each entry ``(glob, value, path)``; explicit globs come after them and override them."""
+    tp = parallel.tensor_parallel
+    if tp is None:
+        return [], []
+    provider = getattr(model, "parallel_plan", None)  # the family's plans: a method of its root module
+    if provider is None:
+        issues.append(ConfigIssue("parallel.tensor_parallel.plan", f"model {type(model).__name__} provides no named plans",
+                                  "write parallel.placements globs instead (and drop parallel.tensor_parallel)"))
+        return [], []
+    placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
+    where = f"parallel.tensor_parallel.plan[{tp.plan}]"
+    return ([(glob, ParallelConfig.model_validate({"dims": [], "placements": {glob: axes}}).placements[glob],
+              f'{where}["{glob}"]') for glob, axes in placements.items()],
+            [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
 
 
 # ------------------------------------------------------------------------ pipeline

@@ -44,7 +44,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -156,18 +155,46 @@ def apply_placements(
 
 def _share_pair_inputs(modules: Mapping[str, nn.Module], col: Mapping[str, str],
                        sp_blocks: Mapping[str, tuple[str, int]], mesh: DeviceMesh) -> None:
-    """Hand the parent of column-parallel Linears (attention's wq/wk/wv, the MLP's w1/w3) its
-    input as one Replicate DTensor, so the Partial input-gradients of all its column layers are
-    summed first and all-reduced once in backward (Megatron's count), instead of once per layer.
+    """Column-parallel Linears that read the same input tensor (attention's wq/wk/wv, the MLP's
+    w1/w3) get it as one shared Replicate DTensor, so their Partial input-gradients are summed
+    first and all-reduced once in backward (Megatron's count), instead of once per layer.
+
+    The conversion happens at the Linears' inputs, not at their parent's: the parent may do other
+    things with its input (a residual add, a norm with plain parameters) or be called with keyword
+    arguments (Hugging Face's ``hidden_states=``), and all of that keeps seeing plain tensors.
     Sequence-parallel blocks already gather their input as a DTensor and are left alone."""
-    parents: dict[str, str] = {}
+    groups: dict[tuple[str, str], list[str]] = {}
     for name, axis in col.items():
-        parents.setdefault(name.rpartition(".")[0], axis)
-    for parent, axis in parents.items():
-        if parent and _enclosing(sp_blocks, parent) is None:
-            style = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                                       use_local_output=False)
-            parallelize_module(modules[parent], submesh(mesh, axis), style)
+        parent = name.rpartition(".")[0]
+        if _enclosing(sp_blocks, parent) is None:
+            groups.setdefault((parent, axis), []).append(name)
+    for (_, axis), names in groups.items():
+        shared = _SharedReplicate(submesh(mesh, axis))
+        for name in names:
+            # prepend: before ColwiseParallel's own input hook, which then finds a DTensor.
+            modules[name].register_forward_pre_hook(shared.hook, prepend=True, with_kwargs=True)
+
+
+class _SharedReplicate:
+    """Turns a tensor into a Replicate DTensor once: every module that reads the same tensor
+    object (until the next one comes) gets the same DTensor, so autograd sums their gradients."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.last_input: torch.Tensor | None = None
+        self.last_output: DTensor | None = None
+
+    def convert(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        if x is not self.last_input:
+            self.last_input, self.last_output = x, DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return self.last_output
+
+    def hook(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (self.convert(args[0]), *args[1:]), kwargs
+        return args, {key: self.convert(value) if key == "input" else value for key, value in kwargs.items()}
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -8,7 +8,7 @@ process exists:
   sweeps, no ``${...}`` interpolation, and a group may only be set to one of its presets in
   ``conf/``;
 - the resolved config: no ``_target_`` key and no ``${`` anywhere; paths confined (checkpoints
-  inside the job's workdir, data inside the workspace), tracking forced to the service's MLflow
+  inside the job's workdir, data and Hugging Face model directories inside the workspace), tracking forced to the service's MLflow
   store and pre-created run, launches single-host on loopback;
 - then :func:`trainer.validate.validate_config`, the same checks and messages as the CLI.
 """
@@ -128,6 +128,17 @@ def _confine_in_workdir(value: str, key: str, workdir: Path) -> tuple[str | None
     return str(Path(os.path.realpath(resolved))), None
 
 
+def _confine_in_workspace(section: dict, key: str, path: str, workspace: Path, workdir: Path, fix: str) -> list[ConfigIssue]:
+    """``section[key]`` (relative to the job's workdir, or absolute) made real and kept when it is
+    inside the workspace; otherwise the issue."""
+    value = section[key]
+    resolved = Path(value) if Path(value).is_absolute() else workdir / value
+    if not _inside(resolved, workspace):
+        return [ConfigIssue(path, f"{value!r} is outside the service's workspace", fix)]
+    section[key] = str(Path(os.path.realpath(resolved)))
+    return []
+
+
 def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri: str,
             run_id: str | None) -> tuple[dict[str, Any], list[ConfigIssue]]:
     """A copy of ``raw`` with the service's values forced into the confined fields, and what was refused."""
@@ -152,15 +163,18 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
     if isinstance(data, dict):
         root = data.get("root")
         if isinstance(root, str) and root != "stdlib":
-            resolved = Path(root) if Path(root).is_absolute() else workdir / root
-            if _inside(resolved, workspace):
-                data["root"] = str(Path(os.path.realpath(resolved)))
-            else:
-                issues.append(ConfigIssue("data.root", f"{root!r} is outside the service's workspace",
-                                          f"use `stdlib` or a directory inside {workspace}"))
+            issues += _confine_in_workspace(data, "root", "data.root", workspace, workdir,
+                                            f"use `stdlib` or a directory inside {workspace}")
         glob = data.get("glob")
         if isinstance(glob, str) and (".." in Path(glob).parts or glob.startswith("/")):
             issues.append(ConfigIssue("data.glob", f"{glob!r} reaches outside data.root", "use a relative glob without `..`"))
+    model = out.get("model")
+    if isinstance(model, dict) and model.get("arch") == "custom" and model.get("builder") is not None:
+        issues.append(ConfigIssue("model.builder", "an import path over REST would run code the service was sent",
+                                  "use model.name=<a model the operator installed under the meshflow.models entry points>"))
+    if isinstance(model, dict) and model.get("arch") == "hf" and isinstance(model.get("path"), str):
+        issues += _confine_in_workspace(model, "path", "model.path", workspace, workdir,
+                                        f"put the model directory inside {workspace} and give its path there")
     launch = out.get("launch")
     if isinstance(launch, dict):
         if launch.get("nnodes", 1) != 1 or launch.get("node_rank", 0) != 0:

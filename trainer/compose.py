@@ -24,6 +24,8 @@ def register_defaults() -> None:
     from hydra.core.config_store import ConfigStore
 
     from trainer.config import (
+        CustomModelConfig,
+        HFModelConfig,
         LlamaConfig,
         MLPConfig,
         RegressionDataConfig,
@@ -37,7 +39,7 @@ def register_defaults() -> None:
     for union in ("model", "data"):  # a preset names its member; merging two members would mix their keys
         base.pop(union)
     store.store(name=BASE_CONFIG, node=base)
-    for model in (LlamaConfig, MLPConfig):
+    for model in (LlamaConfig, MLPConfig, HFModelConfig, CustomModelConfig):
         store.store(group="model", name=f"{model().arch}_defaults", node=model().model_dump(mode="json"))
     for data in (TextDataConfig, SyntheticDataConfig, RegressionDataConfig):
         store.store(group="data", name=f"{data().kind}_defaults", node=data().model_dump(mode="json"))

@@ -12,7 +12,7 @@ every bad path). Every field carries a description: that is the user's documenta
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
@@ -52,7 +52,29 @@ class MLPConfig(_Section):
     init_std: float = Field(0.02, gt=0, description="Std of the normal initialisation of w0 and w1.")
 
 
-ModelConfig = Annotated[Union[LlamaConfig, MLPConfig], Field(discriminator="arch")]
+class HFModelConfig(_Section):
+    arch: Literal["hf"] = Field("hf", description="A Hugging Face causal LM from a local directory (Llama family).")
+    path: str | None = Field(
+        None,
+        description="Directory with the model's config.json (model_type llama or mistral), plus *.safetensors weights "
+        "when present (random init from the config when absent). Nothing is downloaded.",
+    )
+
+
+class CustomModelConfig(_Section):
+    arch: Literal["custom"] = Field("custom", description="Your own nn.Module, from a builder function.")
+    builder: str | None = Field(
+        None, description="module:function returning the nn.Module (CLI only: REST refuses import paths).")
+    name: str | None = Field(
+        None, description="A model an installed package registers under the `meshflow.models` entry points "
+        "(usable from the CLI and REST).")
+    # None, not {}: Hydra replaces a null node by `model.kwargs={...}`, but will not add keys to an empty one.
+    kwargs: dict[str, Any] | None = Field(None, description="Keyword arguments of the builder (null = none).")
+    loss: Literal["lm", "mse"] = Field(
+        "lm", description="lm: cross-entropy of logits [B, T, vocab] (text, synthetic data); mse: regression.")
+
+
+ModelConfig = Annotated[Union[LlamaConfig, MLPConfig, HFModelConfig, CustomModelConfig], Field(discriminator="arch")]
 
 # ------------------------------------------------------------------------------ data
 

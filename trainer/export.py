@@ -1,4 +1,4 @@
-"""``python -m trainer.export CHECKPOINT [--out FILE]``: full weights as one safetensors file.
+"""``python -m trainer.export CHECKPOINT [--format safetensors|hf] [--out PATH]``: full weights out.
 
 Any checkpoint — saved on any mesh, sharded by FSDP, TP or cut into pipeline stages — holds
 the full model's parameter names (DCP + FQN-preserving stages), so one process can gather it
@@ -6,6 +6,7 @@ into the plain model. The file loads into ``build_model(cfg)`` on one device, an
 start from it with ``train.init_from=FILE``.
 
     python -m trainer.export checkpoints/step_00000100 --out model.safetensors
+    python -m trainer.export checkpoints/step_00000100 --format hf --out exported/   # transformers loads it
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from trainer.checkpoint import CheckpointError, read_extra
 from trainer.config import ModelConfig
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path) -> dict[str, int]:
-    """Write the checkpoint's model weights to ``out``; return {"tensors": n, "bytes": size}."""
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = "safetensors") -> dict[str, int]:
+    """Write the checkpoint's model weights to ``out`` (a file; a directory for ``format="hf"``,
+    see :mod:`trainer.hf_export`); return {"tensors": n, "bytes": size}."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
@@ -38,6 +40,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> dict[str, int]
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
             raise
         raise CheckpointError(f"cannot export checkpoint {str(checkpoint)!r}: {exc}") from exc
+    if format == "hf":
+        from trainer.hf_export import export_hf
+
+        return export_hf(state["model"], model_cfg, out)
     tensors = {k: v.detach().contiguous() for k, v in state["model"].items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
@@ -65,11 +71,15 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step_<n> checkpoint directory")
-    parser.add_argument("--out", default="model.safetensors", help="output file (default model.safetensors)")
+    parser.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                        help="safetensors: one file for train.init_from; hf: a Hugging Face model directory")
+    parser.add_argument("--out", default=None, help="output file, or directory with --format hf "
+                                                    "(default model.safetensors / hf_model)")
     args = parser.parse_args(argv)
+    args.out = args.out or ("hf_model" if args.format == "hf" else "model.safetensors")
     try:
-        info = export_checkpoint(args.checkpoint, args.out)
-    except (CheckpointError, KeyError) as err:
+        info = export_checkpoint(args.checkpoint, args.out, format=args.format)
+    except (CheckpointError, KeyError, ValueError) as err:
         print(f"export failed: {err}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB")

@@ -29,7 +29,7 @@ from trainer.config import OptimConfig, RunConfig
 from trainer.data import build_source
 from trainer.data.loader import GlobalBatchLoader
 from trainer.metrics import Progress, peak_memory_mb
-from trainer.models import build_model, loss_fn_for
+from trainer.models import build_model, decoder_config, loss_fn_for
 from trainer.tracking import Tracker
 
 
@@ -86,7 +86,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         weight_decay=cfg.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, t.steps))
-    source = build_source(cfg.data, seq_len=t.seq_len, model_cfg=cfg.model)
+    source = build_source(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
     # One loader batch is one accumulation batch; the loader position is global, so a resume
     # on another dp size continues at the same sample.
     loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import math
 
-from parallel.errors import ConfigError, ConfigIssue, format_path
+from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan import ParallelPlan, resolve_plan
-from trainer.config import LlamaConfig, RunConfig
+from trainer.config import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
+from trainer.models import decoder_config
 
-_DATA_FOR_ARCH = {"llama": ("text", "synthetic"), "mlp": ("regression",)}
+_DATA_FOR_ARCH = {"llama": ("text", "synthetic"), "hf": ("text", "synthetic"), "mlp": ("regression",),
+                  "custom": ("text", "synthetic")}
+_ATTENTION_PROJECTIONS = {"wq", "wk", "wv", "wo", "q_proj", "k_proj", "v_proj", "o_proj"}
 # Building on the meta device costs ~2 ms per block; a config (possibly sent over REST) asking
 # for millions of blocks must get an answer, not hang the validator. Real models have < 200.
 MAX_LAYERS = 1024
@@ -20,6 +23,7 @@ MAX_LAYERS = 1024
 def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
     """The config's plan for its model (None when the model cannot be planned) and every issue found."""
     from trainer.models import build_model
+    from trainer.models.custom import CustomModelError
 
     issues = _check_model_data(cfg)
     if issues:
@@ -27,16 +31,19 @@ def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[Confi
     issues += _check_resume(cfg)
     try:
         model = build_model(cfg.model, device="meta")
+    except CustomModelError as err:  # the user's builder raised on the meta device
+        return None, [ConfigIssue("model.kwargs", err.reason, err.fix)]
     except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # e.g. sizes past int64
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return None, [ConfigIssue("model", f"its tensors are too large to build (torch says: {first_line[:120]})",
                                   "use model sizes whose tensors fit in memory (each dimension well below 2**31)")]
     try:
-        plan = resolve_plan(cfg.parallel, cfg.mesh, model, check_glob=lambda *glob: _check_heads(cfg, *glob))
+        decoder = decoder_config(cfg.model)
+        plan = resolve_plan(cfg.parallel, cfg.mesh, model, check_glob=lambda *glob: _check_heads(cfg, decoder, *glob))
     except ConfigError as err:
         plan, issues = None, issues + err.issues
     if cfg.parallel is not None:
-        if cfg.parallel.activation_checkpointing != "none" and not isinstance(cfg.model, LlamaConfig):
+        if cfg.parallel.activation_checkpointing != "none" and cfg.model.arch == "mlp":
             issues.append(ConfigIssue("parallel.activation_checkpointing",
                                       f"model {cfg.model.arch} has no transformer blocks to checkpoint",
                                       "set activation_checkpointing: none"))
@@ -44,45 +51,79 @@ def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[Confi
 
 
 def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
-    m, d, t = cfg.model, cfg.data, cfg.train
+    d, t = cfg.data, cfg.train
     issues = []
-    if d.kind not in _DATA_FOR_ARCH[m.arch]:
-        issues.append(ConfigIssue("data.kind", f"model {m.arch} cannot train on {d.kind} data",
-                                  f"use data={' or data='.join(_DATA_FOR_ARCH[m.arch])}"))
-    if isinstance(m, LlamaConfig):
-        if m.n_layers > MAX_LAYERS:
-            issues.append(ConfigIssue("model.n_layers",
-                                      f"{m.n_layers} blocks is more than the {MAX_LAYERS} this trainer supports",
-                                      f"use n_layers <= {MAX_LAYERS}"))
-        if m.dim % m.n_heads:
-            issues.append(ConfigIssue("model.n_heads", f"dim {m.dim} does not split into {m.n_heads} heads",
-                                      "use an n_heads that divides model.dim"))
-        elif (m.dim // m.n_heads) % 2:
-            issues.append(ConfigIssue("model.n_heads", f"head_dim {m.dim // m.n_heads} is odd; rotary embeddings pair dimensions",
-                                      "choose dim and n_heads so dim / n_heads is even"))
-        if m.n_heads % m.num_kv_heads:
-            issues.append(ConfigIssue("model.n_kv_heads", f"{m.n_heads} query heads do not group over {m.num_kv_heads} kv heads",
-                                      "use an n_kv_heads that divides n_heads"))
-        if t.seq_len > m.max_seq_len:
-            issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} is longer than model.max_seq_len {m.max_seq_len}",
-                                      f"use seq_len <= {m.max_seq_len} or raise model.max_seq_len"))
-        if d.kind == "text" and m.vocab_size < 256:
-            issues.append(ConfigIssue("model.vocab_size", f"byte-level text needs 256 token ids, got {m.vocab_size}",
-                                      "set model.vocab_size: 256"))
-        if d.kind == "synthetic" and d.num_symbols ** (d.order + 1) > 2**22:
-            issues.append(ConfigIssue("data.num_symbols", f"the order-{d.order} transition table over {d.num_symbols} "
-                                      f"symbols has {d.num_symbols ** (d.order + 1):,} entries (limit {2**22:,})",
-                                      "use fewer symbols or a lower data.order"))
-        if d.kind == "synthetic" and d.num_symbols > m.vocab_size:
-            issues.append(ConfigIssue("data.num_symbols", f"{d.num_symbols} symbols exceed model.vocab_size {m.vocab_size}",
-                                      "use num_symbols <= vocab_size"))
+    if d.kind not in _DATA_FOR_ARCH[cfg.model.arch]:
+        issues.append(ConfigIssue("data.kind", f"model {cfg.model.arch} cannot train on {d.kind} data",
+                                  f"use data={' or data='.join(_DATA_FOR_ARCH[cfg.model.arch])}"))
+    if isinstance(cfg.model, HFModelConfig):
+        from trainer.models.hf import HFModelError, read_hf_config
+
+        try:
+            m, tied = read_hf_config(cfg.model.path)
+        except HFModelError as err:
+            return issues + [ConfigIssue("model.path", err.reason, err.fix)]
+        if tied and cfg.parallel is not None and cfg.parallel.pipeline is not None:
+            issues.append(ConfigIssue("parallel.pipeline", "the model ties lm_head to embed_tokens (tie_word_embeddings) "
+                                      "and pipeline stages cannot share a parameter", "use a layout without a pipeline"))
+        # The decoder's own checks below speak of config.json's values, reported at model.path.
+        return issues + [ConfigIssue("model.path", f"(config.json) {i.path}: {i.reason}", i.fix) if i.path.startswith("model.")
+                         else i for i in _check_decoder(m, d, t)]
+    if isinstance(cfg.model, LlamaConfig):
+        issues += _check_decoder(cfg.model, d, t)
+    if isinstance(cfg.model, CustomModelConfig):
+        from trainer.models.custom import CustomModelError, resolve_builder
+
+        if cfg.parallel is not None and cfg.parallel.pipeline is not None:
+            issues.append(ConfigIssue("parallel.pipeline", "a custom module's forward cannot run as a pipeline stage "
+                                      "(it would need to skip the pieces other stages hold)",
+                                      "use data, tensor or sequence parallelism for a custom model"))
+        want = "mse" if d.kind == "regression" else "lm"
+        if cfg.model.loss != want:
+            issues.append(ConfigIssue("model.loss", f"{d.kind} data is trained with the {want} loss, not {cfg.model.loss}",
+                                      f"set model.loss={want}"))
+        try:
+            resolve_builder(cfg.model.builder, cfg.model.name)
+        except CustomModelError as err:
+            issues.append(ConfigIssue("model.name" if cfg.model.name else "model.builder", err.reason, err.fix))
     return issues
 
 
-def _check_heads(cfg: RunConfig, glob: str, axes, fqns: list[str]) -> list[ConfigIssue]:
+def _check_decoder(m: LlamaConfig, d, t) -> list[ConfigIssue]:
+    """Checks of a decoder config against the data and the training shape."""
+    issues = []
+    if m.n_layers > MAX_LAYERS:
+        issues.append(ConfigIssue("model.n_layers",
+                                  f"{m.n_layers} blocks is more than the {MAX_LAYERS} this trainer supports",
+                                  f"use n_layers <= {MAX_LAYERS}"))
+    if m.dim % m.n_heads:
+        issues.append(ConfigIssue("model.n_heads", f"dim {m.dim} does not split into {m.n_heads} heads",
+                                  "use an n_heads that divides model.dim"))
+    elif (m.dim // m.n_heads) % 2:
+        issues.append(ConfigIssue("model.n_heads", f"head_dim {m.dim // m.n_heads} is odd; rotary embeddings pair dimensions",
+                                  "choose dim and n_heads so dim / n_heads is even"))
+    if m.n_heads % m.num_kv_heads:
+        issues.append(ConfigIssue("model.n_kv_heads", f"{m.n_heads} query heads do not group over {m.num_kv_heads} kv heads",
+                                  "use an n_kv_heads that divides n_heads"))
+    if t.seq_len > m.max_seq_len:
+        issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} is longer than model.max_seq_len {m.max_seq_len}",
+                                  f"use seq_len <= {m.max_seq_len} or raise model.max_seq_len"))
+    if d.kind == "text" and m.vocab_size < 256:
+        issues.append(ConfigIssue("model.vocab_size", f"byte-level text needs 256 token ids, got {m.vocab_size}",
+                                  "set model.vocab_size: 256"))
+    if d.kind == "synthetic" and d.num_symbols ** (d.order + 1) > 2**22:
+        issues.append(ConfigIssue("data.num_symbols", f"the order-{d.order} transition table over {d.num_symbols} "
+                                  f"symbols has {d.num_symbols ** (d.order + 1):,} entries (limit {2**22:,})",
+                                  "use fewer symbols or a lower data.order"))
+    if d.kind == "synthetic" and d.num_symbols > m.vocab_size:
+        issues.append(ConfigIssue("data.num_symbols", f"{d.num_symbols} symbols exceed model.vocab_size {m.vocab_size}",
+                                  "use num_symbols <= vocab_size"))
+    return issues
+
+
+def _check_heads(cfg: RunConfig, m: LlamaConfig | None, where: str, axes, fqns: list[str]) -> list[ConfigIssue]:
     """Attention is split by heads: a sharding axis of an attention glob must divide the head counts."""
-    m = cfg.model
-    if not isinstance(m, LlamaConfig) or not any(f.split(".")[-2] in ("wq", "wk", "wv", "wo") for f in fqns):
+    if m is None or not any(f.split(".")[-2] in _ATTENTION_PROJECTIONS for f in fqns):
         return []
     for axis, p in axes.items():
         n = cfg.axis_size(axis)
@@ -90,7 +131,7 @@ def _check_heads(cfg: RunConfig, glob: str, axes, fqns: list[str]) -> list[Confi
             continue
         for what, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.num_kv_heads)):
             if heads % n:
-                return [ConfigIssue(format_path("parallel", "placements", glob, axis),
+                return [ConfigIssue(f"{where}.{axis}",
                                     f"attention is split by heads: model.{what}={heads} over {axis} size {n} leaves ranks with partial heads",
                                     f"use a {axis} size dividing {math.gcd(m.n_heads, m.num_kv_heads)}, or Replicate")]
     return []

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 from parallel.plan import ParallelPlan
-from trainer.config import LlamaConfig, RunConfig
+from trainer.config import RunConfig
+from trainer.models import decoder_config
 
 BYTES = 4  # fp32 everywhere on this path
 
@@ -62,11 +63,11 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan) -> dict:
 
     m = cfg.num_microbatches
     bubble = (cfg.pp_size - 1) / (spr * m + cfg.pp_size - 1) if pp else 0.0
-    comm = _comm_bytes(cfg, per_rank, shard_dp)
+    comm = _comm_bytes(cfg, plan, per_rank)
     return {"stage_params": stage_params, "boundaries": bounds, "per_pp_rank": per_rank, "bubble": bubble, "comm": comm}
 
 
-def _comm_bytes(cfg: RunConfig, per_rank: list[dict], shard_dp: int) -> dict[str, float]:
+def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[dict]) -> dict[str, float]:
     """Bytes each rank sends per optimizer step on each mesh axis (ring collectives)."""
     par = cfg.parallel
     out: dict[str, float] = {}
@@ -81,10 +82,10 @@ def _comm_bytes(cfg: RunConfig, per_rank: list[dict], shard_dp: int) -> dict[str
         factor = {"ddp": ring, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n, "hsdp": 3 * (n - 1) / n}[dp.mode]
         out[",".join(dp.dim_names)] = factor * local * cfg.train.grad_accum ** (dp.mode == "fsdp")
     tokens = cfg.train.global_batch_size // max(1, cfg.dp_size) * cfg.train.seq_len
-    if isinstance(cfg.model, LlamaConfig):
-        act = tokens * cfg.model.dim * BYTES
-        layers_per_rank = cfg.model.n_layers / cfg.pp_size
-        for axis in {a for axes in par.placements.values() for a in axes}:
+    if (decoder := decoder_config(cfg.model)) is not None:
+        act = tokens * decoder.dim * BYTES
+        layers_per_rank = decoder.n_layers / cfg.pp_size
+        for axis in {a for axes in plan.placements.values() for a in axes}:
             n = cfg.axis_size(axis)
             # Megatron: 2 all-reduces per block forward and 2 backward.
             out[axis] = 4 * layers_per_rank * act * 2 * (n - 1) / n

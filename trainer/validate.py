@@ -249,23 +249,22 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
                 issues.append(_unknown_axis("parallel.data_parallel.dim", name, par.dims))
             role[name] = "data_parallel"
     if pp := par.pipeline:
-        if pp.dim not in par.dims:
-            issues.append(_unknown_axis("parallel.pipeline.dim", pp.dim, par.dims))
-        elif pp.dim in role:
-            issues.append(ConfigIssue("parallel.pipeline.dim", f"axis {pp.dim!r} is already the data-parallel axis",
-                                      "give the pipeline its own mesh axis"))
+        issues += _check_own_axis("pipeline", pp.dim, par.dims, role, "the pipeline")
         role[pp.dim] = "pipeline"
         issues += _check_schedule(pp, cfg.axis_size(pp.dim))
+    if tp := par.tensor_parallel:
+        issues += _check_own_axis("tensor_parallel", tp.dim, par.dims, role, "tensor parallelism")
     if (ids := mesh_rank_ids(cfg.mesh)) is not None:
         issues += _check_rank_order(ids, par.dims)
     issues += _check_placements(par, role)
     used = set(role) | {a for p in par.placements.values() for a in p}
+    used |= {par.tensor_parallel.dim} if par.tensor_parallel else set()
     used |= {a for lay in par.layouts.values() for side in (lay.input, lay.output) if side for a in side}
     for name, size in zip(par.dims, shape):
         if size > 1 and name not in used:
             issues.append(ConfigIssue(format_path("parallel", "dims", par.dims.index(name)),
-                                      f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline or placement names it)",
-                                      "name it in data_parallel, pipeline or placements, or set its mesh size to 1"))
+                                      f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline, tensor_parallel or placement names it)",
+                                      "name it in data_parallel, pipeline, tensor_parallel or placements, or set its mesh size to 1"))
     return issues
 
 
@@ -281,6 +280,17 @@ def _check_rank_order(ids: list, dims: list[str]) -> list[ConfigIssue]:
                     "[[0,1,3],[2,4,5]] instead of [[2,4,5],[0,1,3]])")
         for axis in unordered_axes(torch.tensor(ids), dims)
     ]
+
+
+def _check_own_axis(section: str, axis: str, dims: list[str], role: dict[str, str], what: str) -> list[ConfigIssue]:
+    """``parallel.<section>.dim`` names an axis of the mesh that no other role has taken."""
+    path = f"parallel.{section}.dim"
+    if axis not in dims:
+        return [_unknown_axis(path, axis, dims)]
+    if axis in role:
+        taken = "already the data-parallel axis" if role[axis] == "data_parallel" else f"the {role[axis]} axis"
+        return [ConfigIssue(path, f"axis {axis!r} is {taken}", f"give {what} its own mesh axis")]
+    return []
 
 
 def _unknown_axis(path: str, name: str, dims: list[str]) -> ConfigIssue:

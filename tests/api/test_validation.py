@@ -6,7 +6,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-PLACEMENT = 'parallel.placements["layers.*.mlp.w[13].weight"].tp'
+PLACEMENT = 'parallel.tensor_parallel.plan[megatron]["layers.*.mlp.w[13].weight"].tp'
 
 # (overrides, the path the 422 must name, a word its reason must contain)
 BAD_OVERRIDES = [
@@ -20,6 +20,9 @@ BAD_OVERRIDES = [
     (["data.root=/etc"], "data.root", "outside"),
     (["data.root=../../.."], "data.root", "outside"),
     (["data.glob=../../**/*.py"], "data.glob", "outside"),
+    (["model=hf", "model.path=/etc"], "model.path", "outside"),
+    (["model=hf", "model.path=../../.."], "model.path", "outside"),
+    (["model=custom", "model.builder=os:system"], "model.builder", "import path"),
     (["train.seed=${oc.env:HOME}"], "overrides[0]", "interpolation"),
     (["~train.seed"], "train.seed", "~key"),
     (["++train.seed=1"], "train.seed", "++key"),
@@ -60,6 +63,8 @@ def test_bad_documents_are_refused(queue_server):
         ({**good, "train": {**good["train"], "checkpoint": {**good["train"]["checkpoint"], "dir": "/"}}},
          "train.checkpoint.dir"),
         ({**good, "tracking": {**good["tracking"], "run_name": "${oc.env:HOME}"}}, "tracking.run_name"),
+        ({**good, "model": {"arch": "custom", "builder": "os:system"}}, "model.builder"),
+        ({**good, "model": {"arch": "hf", "path": "/etc"}}, "model.path"),
     ]
     with server.client("bob") as bob:
         before = bob.get("/v1/jobs").json()["total"]

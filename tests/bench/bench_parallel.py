@@ -277,8 +277,8 @@ def expectation(cfg) -> dict[str, dict[str, tuple[float, float]]]:
 
     par, m, t = cfg.parallel, cfg.model, cfg.train
     model = build_model(m, device="meta")
-    plan = resolve_plan(par, cfg.mesh, model)
-    tp_axis = next((a for a in par.dims if any(a in axes for axes in par.placements.values())), None)
+    plan = resolve_plan(par, cfg.mesh, model)  # the placements the engine applies, named plans included
+    tp_axis = next((a for a in par.dims if any(a in axes for axes in plan.placements.values())), None)
     tp = cfg.axis_size(tp_axis) if tp_axis else 1
     dp, mb = cfg.dp_size, cfg.num_microbatches
     # Stage 0 of rank 0: which units it holds.
@@ -316,7 +316,7 @@ def expectation(cfg) -> dict[str, dict[str, tuple[float, float]]]:
         if dpm == "hsdp":
             out[par.data_parallel.dim_names[0]]["all_reduce"] = (units_n, (block_b + root_b) / cfg.axis_size(shard))
     if tp_axis:
-        if par.layouts:  # sequence parallel: per block 2 reduce-scatters + 2 all-gathers each way,
+        if plan.layouts:  # sequence parallel: per block 2 reduce-scatters + 2 all-gathers each way,
             # plus the run's final gather (forward) and the gradient of its first scatter (backward)
             out[tp_axis]["reduce_scatter_tensor*"] = (4 * L * mb, 4 * L * mb * act)
             out[tp_axis]["all_gather_into_tensor*"] = ((4 * L + 2) * mb, (4 * L + 2) * mb * act)

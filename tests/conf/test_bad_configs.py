@@ -233,24 +233,34 @@ CASES: dict[str, Bad] = {
     "placements/shard-dim-past-2d-weight": bad(
         ["+parallel=tp"], placement_path(WO, "tp"), ["Shard(2)", "layers.0.attn.wo.weight has 2 dims", "[64, 64]"],
         ["Shard(0) .. Shard(1)"], edit=put("parallel", "placements", WO, "tp", "Shard(2)")),
-    "placements/uneven-shard-172-over-8": bad(
+    "placements/uneven-shard-172-over-8": bad(  # the DESIGN's example, word for word
         ["+parallel=tp", "mesh=[8]"], placement_path(W13, "tp"),
         ["Shard(0) splits dim 0 of size 172 over 8 ranks; 172 is not divisible by 8"],
-        ["use a tp size dividing 172, or Replicate"]),
+        ["use a tp size dividing 172, or Replicate"], edit=put("parallel", "placements", W13, {"tp": "Shard(0)"})),
     "placements/uneven-row-shard-172-over-8": bad(
         ["+parallel=tp", "mesh=[8]"], placement_path(W2, "tp"),
-        ["Shard(1) splits dim 1 of size 172 over 8 ranks; 172 is not divisible by 8"]),
+        ["Shard(1) splits dim 1 of size 172 over 8 ranks; 172 is not divisible by 8"],
+        edit=put("parallel", "placements", W2, {"tp": "Shard(1)"})),
+    "placements/named-plan-uneven-over-8": bad(  # the same through the model's megatron plan
+        ["+parallel=tp", "mesh=[8]"], f'parallel.tensor_parallel.plan[megatron]["{W13}"].tp',
+        ["Shard(0) splits dim 0 of size 172 over 8 ranks; 172 is not divisible by 8"],
+        ["use a tp size dividing 172, or override it in parallel.placements (e.g. Replicate)"]),
     "placements/uneven-2d-tensor-parallel": bad(
         ["+parallel=tp", "mesh=[2,4]", "parallel.dims=[tp,tp2]"], placement_path(W13, "tp2"),
         ["Shard(0) splits dim 0 of size 172 over 8 ranks (tp x tp2); 172 is not divisible by 8"],
         ["tp x tp2 size dividing 172"], edit=put("parallel", "placements", W13, {"tp": "Shard(0)", "tp2": "Shard(0)"})),
     "placements/heads-not-divisible-by-tp": bad(
         ["+parallel=tp", "mesh=[4]"], placement_path(WQKV, "tp"),
-        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "Replicate"]),
+        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "Replicate"],
+        edit=put("parallel", "placements", WQKV, {"tp": "Shard(0)"})),
+    "placements/named-plan-heads-not-divisible-by-tp": bad(
+        ["+parallel=tp", "mesh=[4]"], f'parallel.tensor_parallel.plan[megatron]["{WQKV}"].tp',
+        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "override it in parallel.placements"]),
     "placements/overlapping-globs": bad(
         ["+parallel=tp"], placement_path("layers.0.attn.wq.weight"),
         ["parameter layers.0.attn.wq.weight is also matched by 'layers.*.attn.w[qkv].weight'"], ["disjoint"],
-        edit=put("parallel", "placements", "layers.0.attn.wq.weight", {"tp": "Shard(0)"})),
+        edit=lambda raw: [put("parallel", "placements", glob, {"tp": "Shard(0)"})(raw)
+                          for glob in (WQKV, "layers.0.attn.wq.weight")]),
     # ------------------------------------------------------------------------------ layouts
     "layouts/glob-matches-nothing": bad(
         ["+parallel=tp_sp"], 'parallel.layouts["layers.*.attn_nrom"]', ["matches no module"],
@@ -286,7 +296,8 @@ CASES: dict[str, Bad] = {
         "parallel.activation_checkpointing", ["model mlp has no transformer blocks"], ["none"]),
     "parallel/axis-used-by-nothing": bad(
         ["+parallel=2d"], "parallel.dims[1]", ["axis 'tp' of size 2 is used by nothing"],
-        ["data_parallel, pipeline or placements", "mesh size to 1"], edit=put("parallel", "placements", {})),
+        ["data_parallel, pipeline, tensor_parallel or placements", "mesh size to 1"],
+        edit=put("parallel", "tensor_parallel", None)),
     "train/checkpoint-every-past-steps": bad(
         ["train.steps=200", "train.checkpoint.every=500"], "train.checkpoint.every",
         ["500 is more than train.steps 200"], ["every <= steps"]),
@@ -355,10 +366,18 @@ def test_enough_distinct_cases():
     assert len({(c.overrides, c.path, c.reason) for c in CASES.values()}) == len(CASES)
 
 
+MEGATRON_GLOBS = {  # what the tp preset wrote before it named the model's plan; the DESIGN's example uses them
+    "layers.*.attn.w[qkv].weight": {"tp": "Shard(0)"}, "layers.*.attn.wo.weight": {"tp": "Shard(1)"},
+    "layers.*.mlp.w[13].weight": {"tp": "Shard(0)"}, "layers.*.mlp.w2.weight": {"tp": "Shard(1)"},
+}
+
+
 def test_design_example_renders_exactly():
     """DESIGN.md's example message, word for word, as the launcher prints it."""
+    raw = compose("+parallel=tp", "mesh=[8]")
+    raw["parallel"] = {**raw["parallel"], "tensor_parallel": None, "placements": MEGATRON_GLOBS}
     with pytest.raises(ConfigError) as excinfo:
-        validate_config(compose("+parallel=tp", "mesh=[8]"))
+        validate_config(raw)
     expected = (
         'parallel.placements["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 over 8 ranks; '
         "172 is not divisible by 8 (use a tp size dividing 172, or Replicate)"

@@ -11,6 +11,7 @@ Run: ``python -m pytest tests/conf/test_presets.py -q``
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from trainer.validate import validate_config
 REPO = CONF_DIR.parent
 GROUPS = ("model", "data", "optim", "tracking")
 # The data a model trains on, and back: `model=mlp` needs `data=regression` and vice versa.
-DATA_FOR_ARCH = {"llama": "text", "mlp": "regression"}
+DATA_FOR_ARCH = {"llama": "text", "mlp": "regression", "hf": "text", "custom": "text"}
 MODEL_FOR_DATA_KIND = {"text": "gpt_debug", "synthetic": "gpt_debug", "regression": "mlp"}
 MEGATRON = {  # what 2d/3d/tp/tp_sp place on their tp axis
     "layers.*.attn.w[qkv].weight": "Shard(0)",
@@ -91,7 +92,15 @@ def test_default_config():
 
 
 @pytest.mark.parametrize("overrides", GROUP_CASES)
-def test_group_option_validates(overrides):
+def test_group_option_validates(overrides, tmp_path):
+    if overrides[0] == "model=hf":  # a directory is the model: give it one (config.json of the default shape)
+        from trainer.config import LlamaConfig
+        from trainer.hf_export import llama_hf_config
+
+        (tmp_path / "config.json").write_text(json.dumps(llama_hf_config(LlamaConfig())))
+        overrides = [*overrides, f"model.path={tmp_path}"]
+    if overrides[0] == "model=custom":  # any importable builder: an embedding table is a (tiny) language model
+        overrides = [*overrides, "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
     cfg = validated(overrides)
     group, option = overrides[0].split("=")
     written = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text()) or {}
@@ -101,7 +110,8 @@ def test_group_option_validates(overrides):
         assert section[key] == (list(value) if isinstance(value, tuple) else value), (group, key)
     # everything it does not write is the pydantic default of its kind: one source of defaults
     default = type(getattr(cfg, group))().model_dump(mode="json")
-    assert {k: v for k, v in section.items() if k not in written} == {k: v for k, v in default.items() if k not in written}
+    given = set(written) | {o.split("=")[0].split(".", 1)[1] for o in overrides[1:] if o.startswith(f"{group}.")}
+    assert {k: v for k, v in section.items() if k not in given} == {k: v for k, v in default.items() if k not in given}
 
 
 @pytest.mark.parametrize("preset", PARALLEL)
@@ -129,19 +139,28 @@ def test_example_validates(name):
 # ------------------------------------------------------------------------ values per preset
 
 
-def _tp_placed_parameters(cfg: RunConfig, axis: str = "tp") -> set[str]:
-    params = [name for name, _ in build_model(cfg.model, device="meta").named_parameters()]
-    return {p for glob, axes in cfg.parallel.placements.items() if axis in axes for p in params if fnmatchcase(p, glob)}
+def _plan(cfg: RunConfig):
+    from parallel.plan import resolve_plan
+
+    return resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
 
 
-def _assert_megatron(cfg: RunConfig) -> None:
-    placements = {glob: {axis: str(p) for axis, p in axes.items()} for glob, axes in cfg.parallel.placements.items()}
-    assert placements == {glob: {"tp": p} for glob, p in MEGATRON.items()}
-    # the globs match every attention and MLP weight of every block: 7 per block
-    placed = _tp_placed_parameters(cfg)
+def _assert_megatron(cfg: RunConfig, *, sequence_parallel: bool = False) -> None:
+    tp = cfg.parallel.tensor_parallel
+    assert (tp.dim, tp.plan, tp.sequence_parallel) == ("tp", "megatron", sequence_parallel)
+    assert cfg.parallel.placements == {} and cfg.parallel.layouts == {}  # the model's plan, no globs
+    plan = _plan(cfg)
+    # the built-in model's megatron plan is the globs the presets used to spell out
+    placed = {fqn: {axis: str(p) for axis, p in axes.items()} for fqn, axes in plan.placements.items()}
+    assert placed == {fqn: {"tp": p} for glob, p in MEGATRON.items()
+                      for fqn, _ in build_model(cfg.model, device="meta").named_parameters() if fnmatchcase(fqn, glob)}
+    # every attention and MLP weight of every block: 7 per block, nothing else
     assert len(placed) == 7 * cfg.model.n_layers
     assert "layers.3.attn.wk.weight" in placed and "layers.0.mlp.w3.weight" in placed
     assert not any("norm" in p or "embeddings" in p for p in placed)
+    norms = {f"layers.{i}.{n}" for i in range(cfg.model.n_layers) for n in ("attn_norm", "mlp_norm")}
+    assert set(plan.layouts) == (norms if sequence_parallel else set())
+    assert all(str(lay.input["tp"]) == "Shard(1)" and not lay.output for lay in plan.layouts.values())
 
 
 def check_3d(cfg: RunConfig) -> None:
@@ -151,7 +170,7 @@ def check_3d(cfg: RunConfig) -> None:
     assert (par.data_parallel.dim, par.data_parallel.mode) == ("dp", "fsdp")
     pp = par.pipeline
     assert (pp.dim, pp.schedule, pp.microbatches, pp.stages_per_rank) == ("pp", "1F1B", 4, 1)
-    assert pp.boundaries == ["layers.2"]
+    assert pp.boundaries == "auto" and _plan(cfg).pipeline.boundaries == ["layers.2"]
     assert (cfg.dp_size, cfg.pp_size, cfg.axis_size("tp"), cfg.num_microbatches) == (2, 2, 2, 4)
     assert par.activation_checkpointing == "none"
     _assert_megatron(cfg)
@@ -167,16 +186,12 @@ def check_2d(cfg: RunConfig) -> None:
 def check_tp(cfg: RunConfig) -> None:
     assert cfg.mesh_shape == (2,) and cfg.parallel.dims == ["tp"]
     assert cfg.parallel.data_parallel is None and cfg.parallel.pipeline is None and cfg.dp_size == 1
-    assert cfg.parallel.layouts == {}
     _assert_megatron(cfg)
 
 
 def check_tp_sp(cfg: RunConfig) -> None:
     assert cfg.mesh_shape == (2,) and cfg.parallel.dims == ["tp"]
-    _assert_megatron(cfg)
-    layouts = {glob: {a: str(p) for a, p in lay.input.items()} for glob, lay in cfg.parallel.layouts.items()}
-    assert layouts == {"layers.*.attn_norm": {"tp": "Shard(1)"}, "layers.*.mlp_norm": {"tp": "Shard(1)"}}
-    assert all(lay.output is None for lay in cfg.parallel.layouts.values())
+    _assert_megatron(cfg, sequence_parallel=True)
 
 
 def _check_plain_dp(mode: str):
@@ -193,6 +208,12 @@ def check_hsdp(cfg: RunConfig) -> None:
     dp = cfg.parallel.data_parallel
     assert dp.mode == "hsdp" and dp.dim_names == ["dp_replicate", "dp_shard"]
     assert cfg.dp_size == 4 and cfg.world_size == 4
+
+
+def check_hsdp_tp(cfg: RunConfig) -> None:
+    assert cfg.mesh_shape == (2, 2, 2) and cfg.parallel.dims == ["dp_replicate", "dp_shard", "tp"]
+    assert cfg.parallel.data_parallel.mode == "hsdp" and (cfg.dp_size, cfg.axis_size("tp")) == (4, 2)
+    _assert_megatron(cfg)
 
 
 def check_pp(cfg: RunConfig) -> None:
@@ -212,6 +233,7 @@ PRESET_VALUES = {
     "fsdp": _check_plain_dp("fsdp"),
     "zero2": _check_plain_dp("zero2"),
     "hsdp": check_hsdp,
+    "hsdp_tp": check_hsdp_tp,
     "pp": check_pp,
 }
 
@@ -250,8 +272,9 @@ def test_cli_bad_override_exits_2_before_any_worker(tmp_path):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("invalid config: 4 problems")
     assert (
-        '  - parallel.placements["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 over 8 ranks; '
-        "172 is not divisible by 8 (use a tp size dividing 172, or Replicate)"
+        '  - parallel.tensor_parallel.plan[megatron]["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 '
+        "over 8 ranks; 172 is not divisible by 8 (use a tp size dividing 172, or override it in parallel.placements "
+        "(e.g. Replicate))"
     ) in proc.stderr.splitlines()
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""  # no progress, loss or launcher line: nothing started

@@ -122,13 +122,24 @@ def _chunk(size: int, parts: int, index: int) -> int:
     return max(0, min(per, size - index * per))
 
 
+def placement_globs(par: ParallelConfig) -> dict:
+    """The config's placement globs: the built-in Llama's named plan (the same globs the presets
+    wrote out before presets named plans), then the explicit ones, which override it."""
+    globs = {}
+    if par.tensor_parallel is not None:
+        placements, _ = build_model(llama_cfg(), device="meta").parallel_plan(
+            par.tensor_parallel.plan, axis=par.tensor_parallel.dim, sequence_parallel=par.tensor_parallel.sequence_parallel)
+        globs = {glob: {a: parse_placement(p) for a, p in axes.items()} for glob, axes in placements.items()}
+    return {**globs, **par.placements}
+
+
 def expected_layout(fqn: str, shape, par: ParallelConfig, mesh_shape, coordinate) -> tuple[dict, list]:
     """``({axis: "Shard(d)"}, local shape)`` the config asks for: the placements' shards on their
     axes, then FSDP's dim-0 shard of that over the dp (shard) axis."""
     from fnmatch import fnmatchcase
 
     order: list[tuple[str, int]] = []
-    for glob, axes in par.placements.items():
+    for glob, axes in placement_globs(par).items():
         if fnmatchcase(fqn, glob):
             order += [(a, p.dim % len(shape)) for a in par.dims for p in [axes.get(a)] if p is not None and p.is_shard]
     dp = par.data_parallel
@@ -327,6 +338,25 @@ def comm_check(preset: str):
     return check
 
 
+def hf_logits_check(*, rank: int, world_size: int) -> dict:
+    """A Hugging Face Llama loaded from safetensors into fsdp x tp (the 2d preset, by the model's
+    megatron plan in Hugging Face's names): its logits are transformers' own."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer.config import HFModelConfig
+
+    path = os.environ["MESHFLOW_TEST_HF_DIR"]  # written by the parent test
+    mesh, par = load_preset("2d")
+    pm = parallelize_preset(build_model(HFModelConfig(path=path), seed=0), mesh, par)
+    tokens = batches(llama_cfg())[0][0]
+    with torch.no_grad():
+        ours = pm.model_parts[0](tokens)
+        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
+    return {"max_abs_diff": float((ours - theirs).abs().max()), "report": pm.placement_report}
+
+
 SUITES = {
     "two_rank": [
         ("single_device", single_device_check),
@@ -353,6 +383,7 @@ SUITES = {
         ("hsdp", preset_check("hsdp")),
         ("fsdp_pp_grad_accum", preset_check(([2, 2], FSDP_PP), grad_accum=2)),
         ("2d", preset_check("2d")),
+        ("hf_2d_logits", hf_logits_check),
     ],
     "eight_rank": [
         ("3d", preset_check("3d")),

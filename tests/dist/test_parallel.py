@@ -21,11 +21,25 @@ pytestmark = pytest.mark.slow
 WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
 LOSS_REL_TOL = 1e-5
-PARITY_CHECKS = [name for name in SUITE_OF if name not in ("paddle_mesh", "tp_comm", "tp_sp_comm")]
+PARITY_CHECKS = [name for name in SUITE_OF if name not in ("paddle_mesh", "tp_comm", "tp_sp_comm", "hf_2d_logits")]
 PRESET_CHECKS = ["dp", "fsdp", "zero2", "tp", "tp_sp", "pp_GPipe", "pp_1F1B", "pp_Interleaved1F1B",
                  "pp_InterleavedZeroBubble", "pp_ZBV", "hsdp", "2d", "3d",
                  "pp_1F1B_grad_accum", "tp_sp_grad_accum", "fsdp_pp_grad_accum"]
 _launched: dict[str, list[dict]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hf_dir(tmp_path_factory):
+    """A tiny Hugging Face Llama for the checks that load one; its path reaches the workers by env."""
+    import os
+
+    from tests.hf_assets import write_tiny_llama
+
+    path = tmp_path_factory.mktemp("llama-tiny")
+    write_tiny_llama(path)
+    os.environ["MESHFLOW_TEST_HF_DIR"] = str(path)
+    yield path
+    os.environ.pop("MESHFLOW_TEST_HF_DIR", None)
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +181,10 @@ def test_paddle_explicit_rank_mesh(results):
             assert m["local_matches"]
             if label == "ordered":
                 assert m["scatter_matches"] and m["gather_matches"]
+
+
+def test_hf_model_in_fsdp_x_tp_gives_transformers_logits(results):
+    for per_rank in results("hf_2d_logits"):
+        assert per_rank["max_abs_diff"] <= 1e-5, per_rank["max_abs_diff"]
+        styles = per_rank["report"]
+        assert styles["model.layers.0.self_attn.q_proj"] == "colwise" and styles["model.layers.3.mlp.down_proj"] == "rowwise"

@@ -78,6 +78,8 @@ def test_a_submitted_job_is_neither_recomposed_nor_revalidated(tmp_path):
     assert "trainer.loop" in imported and "parallel.engine" in imported, sorted(m for m in imported if m.startswith(("trainer", "parallel")))  # reached the workers
     offenders = sorted(m for m in imported if m.split(".")[0] in ("hydra", "omegaconf") or m in COMPOSE_OR_VALIDATE)
     assert offenders == [], offenders
+    # Hugging Face packages are an optional extra, imported only by model=hf and friends.
+    assert not [m for m in imported if m.split(".")[0] in ("transformers", "datasets", "tokenizers")]
 
 
 def test_installed_wheel_trains_from_another_directory(tmp_path):
@@ -86,6 +88,7 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     # No pip of its own: a venv's bundled setuptools is too old to build a wheel; the system one is used.
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     python = str(env_dir / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing may shadow the installed wheel
     source = tmp_path / "source"  # pip builds in the tree it is given: not in the repository
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "parallel", "trainer", "service", "api"):
@@ -98,12 +101,12 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = subprocess.run([python, "-c", "import trainer.compose as c; print(c.CONF_DIR)"], cwd=elsewhere,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=120, env=env)
     conf_dir = Path(where.stdout.strip())
     assert env_dir in conf_dir.parents and (conf_dir / "parallel" / "3d.yaml").is_file(), where.stdout + where.stderr
     proc = subprocess.run([python, "-m", "trainer", "train.steps=3", "tracking=none", "data=synthetic",
                            "train.global_batch_size=4", "train.seq_len=32"], cwd=elsewhere, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          text=True, timeout=600, env={**env, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "done: steps 1..3" in proc.stdout
     assert sys.executable != python

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import LlamaConfig, MLPConfig
+from trainer.config import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig
 from trainer.models.init import canonical_fqn, init_parameter, stable_seed
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 from trainer.models.mlp import MatmulMLP
 
-ModelCfg = LlamaConfig | MLPConfig
+ModelCfg = LlamaConfig | MLPConfig | HFModelConfig | CustomModelConfig
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -38,7 +38,7 @@ def mse_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 MODEL_REGISTRY: dict[str, Callable[..., nn.Module]] = {"llama": Transformer, "mlp": MatmulMLP}
-LOSS_REGISTRY: dict[str, LossFn] = {"llama": lm_loss, "mlp": mse_loss}
+LOSS_REGISTRY: dict[str, LossFn] = {"llama": lm_loss, "mlp": mse_loss, "hf": lm_loss}
 
 
 def _lookup(registry: dict, arch: str) -> object:
@@ -54,6 +54,14 @@ def build_model(cfg: ModelCfg, *, device: str | torch.device = "cpu", seed: int 
     parallel plan read those. Any other device builds there and calls ``init_weights(seed)``,
     whose values depend only on ``(seed, FQN, shape)``.
     """
+    if cfg.arch == "hf":  # a directory, not a class: config.json (+ safetensors) decide
+        from trainer.models.hf import build_hf_model
+
+        return build_hf_model(cfg, device=device, seed=seed)
+    if cfg.arch == "custom":  # the user's builder function
+        from trainer.models.custom import build_custom_model
+
+        return build_custom_model(cfg, device=device, seed=seed)
     model_cls = _lookup(MODEL_REGISTRY, cfg.arch)
     with torch.device(device):
         model = model_cls(cfg)
@@ -62,8 +70,20 @@ def build_model(cfg: ModelCfg, *, device: str | torch.device = "cpu", seed: int 
     return model
 
 
+def decoder_config(cfg: ModelCfg) -> LlamaConfig | None:
+    """The decoder's shape: the built-in config, what a Hugging Face directory's config.json says,
+    or None (the MLP, a custom module)."""
+    if isinstance(cfg, HFModelConfig):
+        from trainer.models.hf import read_hf_config
+
+        return read_hf_config(cfg.path)[0]
+    return cfg if isinstance(cfg, LlamaConfig) else None
+
+
 def loss_fn_for(cfg: ModelCfg) -> LossFn:
-    """The training loss of ``cfg.arch``: ``loss(output, targets) -> scalar`` (mean)."""
+    """The training loss of ``cfg.arch`` (a custom model names its own): ``loss(output, targets) -> scalar`` (mean)."""
+    if cfg.arch == "custom":
+        return {"lm": lm_loss, "mse": mse_loss}[cfg.loss]
     return _lookup(LOSS_REGISTRY, cfg.arch)
 
 
@@ -84,6 +104,7 @@ __all__ = [
     "build_model",
     "canonical_fqn",
     "count_parameters",
+    "decoder_config",
     "init_parameter",
     "lm_loss",
     "loss_fn_for",

@@ -22,6 +22,7 @@ import torch; print(build_model(LlamaConfig(n_layers=2))(torch.zeros(1, 8, dtype
 from __future__ import annotations
 
 import math
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,29 @@ from torch import nn
 
 from trainer.config import LlamaConfig
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
+
+
+class Names(NamedTuple):
+    """The module names of one parameter-name layout; the math is the same for every layout."""
+
+    q: str
+    k: str
+    v: str
+    o: str
+    gate: str
+    up: str
+    down: str
+    attn_norm: str
+    attn: str
+    mlp_norm: str
+    mlp: str
+    rope: Literal["pairs", "halves"]  # which dimensions a rotation pairs: (2i, 2i+1) or (i, i + D/2)
+
+
+# Meta's original Llama layout (the built-in models) and Hugging Face's (LlamaForCausalLM and kin).
+MESHFLOW_NAMES = Names("wq", "wk", "wv", "wo", "w1", "w3", "w2", "attn_norm", "attn", "mlp_norm", "mlp", "pairs")
+HF_NAMES = Names("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "input_layernorm",
+                 "self_attn", "post_attention_layernorm", "mlp", "halves")
 
 
 class RMSNorm(nn.RMSNorm):
@@ -51,17 +75,22 @@ def rope_tables(max_seq_len: int, head_dim: int, theta: float) -> tuple[torch.Te
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs ``(x[2i], x[2i+1])`` of ``x: [B, T, H, D]`` by the angles at each position.
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "pairs") -> torch.Tensor:
+    """Rotate pairs of dimensions of ``x: [B, T, H, D]`` by the angles at each position.
 
-    ``cos``/``sin`` are ``[T, D // 2]``. This is Meta's Llama convention (pairs, not halves),
-    written in real arithmetic so it works for any dtype and under DTensor.
+    ``cos``/``sin`` are ``[T, D // 2]``. ``pairs`` rotates adjacent ``(x[2i], x[2i+1])``, Meta's
+    Llama convention; ``halves`` rotates ``(x[i], x[i + D/2])``, Hugging Face's. Written in real
+    arithmetic so it works for any dtype and under DTensor.
     """
-    pairs = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
+    if style == "pairs":
+        pairs = x.float().unflatten(-1, (-1, 2))
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+    else:
+        x0, x1 = x.float().chunk(2, dim=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if style == "pairs" else torch.cat((r0, r1), dim=-1)
+    return rotated.type_as(x)
 
 
 class Attention(nn.Module):
@@ -71,15 +100,15 @@ class Attention(nn.Module):
     config), so a column-sharded ``wq/wk/wv`` simply yields fewer local heads.
     """
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, names: Names = MESHFLOW_NAMES) -> None:
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
         self.max_seq_len = cfg.max_seq_len
         self.rope_theta = cfg.rope_theta
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self._names = names
+        for name, heads in ((names.q, cfg.n_heads), (names.k, cfg.num_kv_heads), (names.v, cfg.num_kv_heads)):
+            self.add_module(name, nn.Linear(cfg.dim, heads * self.head_dim, bias=False))
+        self.add_module(names.o, nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False))
         # Non-persistent: derived from the config, so kept out of checkpoints; allocated on the
         # ambient device (meta included) and filled by reset_rope().
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, self.head_dim // 2), persistent=False)
@@ -97,53 +126,69 @@ class Attention(nn.Module):
         bsz, seqlen, _ = x.shape
         if seqlen > self.max_seq_len:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.max_seq_len}")
+        n = self._names
         # -1: the local head count, whatever share of the heads this rank's weights hold.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q = getattr(self, n.q)(x).view(bsz, seqlen, -1, self.head_dim)
+        k = getattr(self, n.k)(x).view(bsz, seqlen, -1, self.head_dim)
+        v = getattr(self, n.v)(x).view(bsz, seqlen, -1, self.head_dim)
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, n.rope), apply_rope(k, cos, sin, n.rope)
         # Query head i reads kv head i // n_rep; sharding heads contiguously keeps groups whole.
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return getattr(self, n.o)(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)`` (``down(silu(gate x) * up x)`` in Hugging Face's names)."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, names: Names = MESHFLOW_NAMES) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self._names = names
+        self.add_module(names.gate, nn.Linear(dim, hidden_dim, bias=False))
+        self.add_module(names.up, nn.Linear(dim, hidden_dim, bias=False))
+        self.add_module(names.down, nn.Linear(hidden_dim, dim, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        n = self._names
+        return getattr(self, n.down)(F.silu(getattr(self, n.gate)(x)) * getattr(self, n.up)(x))
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: ``h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h))``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, names: Names = MESHFLOW_NAMES) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        self._names = names
+        self.add_module(names.attn_norm, RMSNorm(cfg.dim, cfg.norm_eps))
+        self.add_module(names.attn, Attention(cfg, names))
+        self.add_module(names.mlp_norm, RMSNorm(cfg.dim, cfg.norm_eps))
+        self.add_module(names.mlp, FeedForward(cfg.dim, cfg.ffn_hidden_dim, names))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x))
-        return h + self.mlp(self.mlp_norm(h))
+        n = self._names
+        h = x + getattr(self, n.attn)(getattr(self, n.attn_norm)(x))
+        return h + getattr(self, n.mlp)(getattr(self, n.mlp_norm)(h))
+
+
+class DecoderBody(nn.Module):
+    """Hugging Face's ``model`` level (``embed_tokens``, ``layers``, ``norm``): only a namespace,
+    so parameter names match ``LlamaForCausalLM``'s; :class:`Transformer` runs the pieces."""
 
 
 class Transformer(nn.Module):
-    """The decoder: ``tok_embeddings -> layers.0 .. layers.<n-1> -> norm -> output``."""
+    """The decoder: ``tok_embeddings -> layers.0 .. layers.<n-1> -> norm -> output``.
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    ``layout="hf"`` names the same pieces as Hugging Face's ``LlamaForCausalLM``
+    (``model.embed_tokens``, ``model.layers.<i>.self_attn.q_proj``, ..., ``lm_head``) and rotates
+    halves, so its state dict is a Llama-family checkpoint's, key for key and value for value.
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, layout: Literal["meshflow", "hf"] = "meshflow",
+                 tie_embeddings: bool = False) -> None:
         super().__init__()
         if cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim {cfg.dim} is not divisible by model.n_heads {cfg.n_heads}")
@@ -152,24 +197,61 @@ class Transformer(nn.Module):
         if cfg.n_heads % cfg.num_kv_heads:
             raise ValueError(f"model.n_heads {cfg.n_heads} is not divisible by model.n_kv_heads {cfg.num_kv_heads}")
         self.cfg = cfg
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.names = MESHFLOW_NAMES if layout == "meshflow" else HF_NAMES
+        embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        layers = nn.ModuleDict({str(i): TransformerBlock(cfg, self.names) for i in range(cfg.n_layers)})
+        norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if tie_embeddings:
+            head.weight = embed.weight
+        if layout == "meshflow":
+            self.tok_embeddings, self.layers, self.norm, self.output = embed, layers, norm, head
+            self.pieces = ("tok_embeddings", "layers", "norm", "output")
+        else:
+            self.model = DecoderBody()
+            self.model.embed_tokens, self.model.layers, self.model.norm = embed, layers, norm
+            self.lm_head = head
+            self.pieces = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
+
+    def _piece(self, path: str) -> nn.Module | None:
+        # A pipeline stage may have set a piece to None or deleted it.
+        node: nn.Module | None = self
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                return None
+        return node
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens [B, T]`` -> logits ``[B, T, vocab]``; on a pipeline stage without
-        ``tok_embeddings`` the input is the previous stage's activations ``[B, T, dim]``."""
-        # getattr: a stage may have deleted a module rather than set it to None.
-        tok_embeddings = getattr(self, "tok_embeddings", None)
-        layers = getattr(self, "layers", None)
-        norm = getattr(self, "norm", None)
-        output = getattr(self, "output", None)
-        h = tok_embeddings(tokens) if tok_embeddings is not None else tokens
+        """``tokens [B, T]`` -> logits ``[B, T, vocab]``; on a pipeline stage without the
+        embedding the input is the previous stage's activations ``[B, T, dim]``."""
+        embed, layers, norm, head = (self._piece(p) for p in self.pieces)
+        h = embed(tokens) if embed is not None else tokens
         for layer in layers.values() if layers is not None else ():
             h = layer(h)
         h = norm(h) if norm is not None else h
-        return output(h) if output is not None else h
+        return head(h) if head is not None else h
+
+    def parallel_plan(self, name: str, *, axis: str, sequence_parallel: bool = False) -> tuple[dict, dict]:
+        """The family's named tensor-parallel plan on mesh axis ``axis``: ``(placements, layouts)``
+        as config globs. ``megatron``: q/k/v and gate/up column-parallel (``Shard(0)`` of
+        ``[out, in]``), o and down row-parallel (``Shard(1)``); with ``sequence_parallel`` the
+        block norms take sequence shards (``Shard(1)``)."""
+        if name != "megatron":
+            raise ValueError(f"unknown plan {name!r}; this model has: megatron")
+        n = self.names
+        blocks = self.pieces[1] + ".*"
+        col, row = {axis: "Shard(0)"}, {axis: "Shard(1)"}
+        if n == MESHFLOW_NAMES:  # the globs the built-in presets always wrote
+            placements = {f"{blocks}.attn.w[qkv].weight": col, f"{blocks}.attn.wo.weight": row,
+                          f"{blocks}.mlp.w[13].weight": col, f"{blocks}.mlp.w2.weight": row}
+        else:
+            placements = {f"{blocks}.{n.attn}.{p}.weight": col for p in (n.q, n.k, n.v)}
+            placements[f"{blocks}.{n.attn}.{n.o}.weight"] = row
+            placements |= {f"{blocks}.{n.mlp}.{p}.weight": col for p in (n.gate, n.up)}
+            placements[f"{blocks}.{n.mlp}.{n.down}.weight"] = row
+        layouts = {f"{blocks}.{norm}": {"input": {axis: "Shard(1)"}} for norm in (n.attn_norm, n.mlp_norm)}
+        return placements, (layouts if sequence_parallel else {})
 
     def _init_rule(self, fqn: str) -> tuple[InitKind, float]:
         module_name = fqn.rpartition(".")[0]
@@ -180,7 +262,7 @@ class Transformer(nn.Module):
             # Residual-branch output projections are scaled down so the residual stream's
             # variance does not grow with depth (GPT-2 / Llama practice). cfg.n_layers, not
             # len(self.layers): a pipeline stage must use the full model's depth.
-            if canonical_fqn(module_name).rsplit(".", 1)[-1] in ("wo", "w2"):
+            if canonical_fqn(module_name).rsplit(".", 1)[-1] in (self.names.o, self.names.down):
                 return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
             return "normal", self.cfg.init_std
         raise TypeError(f"no init rule for parameter {fqn!r} of {type(module).__name__}")

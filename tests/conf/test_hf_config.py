@@ -1,0 +1,76 @@
+"""`model=hf model.path=DIR`: the directory is read (config.json only, no transformers import) and
+checked before any worker starts; what the Llama layout cannot run is refused with path, reason, fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parallel.errors import ConfigError
+from trainer.compose import compose_dict
+from trainer.config import LlamaConfig
+from trainer.hf_export import llama_hf_config
+from trainer.validate import validate_with_plan
+
+
+def _hf_dir(tmp_path, **changes):
+    config = {**llama_hf_config(LlamaConfig()), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _issues(overrides):
+    with pytest.raises(ConfigError) as err:
+        validate_with_plan(compose_dict(overrides))
+    return [(i.path, i.reason, i.fix) for i in err.value.issues]
+
+
+def test_hf_model_takes_the_presets_and_the_model_names(tmp_path):
+    path = _hf_dir(tmp_path)
+    cfg, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=3d"]))
+    assert cfg.model.arch == "hf" and plan.pipeline.boundaries == ["model.layers.2"]
+    assert plan.units[0] == "model.embed_tokens" and plan.units[-1] == "lm_head"
+    assert plan.blocks == tuple(f"model.layers.{i}" for i in range(4))
+    assert {fqn.split(".")[-2]: str(p["tp"]) for fqn, p in plan.placements.items()} == {
+        "q_proj": "Shard(0)", "k_proj": "Shard(0)", "v_proj": "Shard(0)", "o_proj": "Shard(1)",
+        "gate_proj": "Shard(0)", "up_proj": "Shard(0)", "down_proj": "Shard(1)"}
+    assert len(plan.placements) == 7 * 4
+    # boundaries in the model's own names, and explicit globs over the family plan
+    cfg, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=3d",
+                                                 "parallel.pipeline.boundaries=[model.layers.3]"]))
+    assert plan.pipeline.stage_units[1] == ("model.layers.3", "model.norm", "lm_head")
+    _, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=tp_sp"]))
+    assert sorted(plan.layouts)[:2] == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"]
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_unsupported_checkpoints_are_refused_at_model_path(tmp_path, changes, reason):
+    (issue,) = _issues(["model=hf", f"model.path={_hf_dir(tmp_path, **changes)}"])
+    assert issue[0] == "model.path" and reason in issue[1] and issue[2]
+
+
+def test_missing_directory_and_missing_path(tmp_path):
+    (issue,) = _issues(["model=hf"])
+    assert issue == ("model.path", "model=hf needs a model directory", "set model.path=DIR (a directory with config.json)")
+    (issue,) = _issues(["model=hf", f"model.path={tmp_path / 'nowhere'}"])
+    assert issue[0] == "model.path" and "config.json" in issue[1] and "does not exist" in issue[1]
+
+
+def test_config_values_are_checked_like_the_builtin_model(tmp_path):
+    path = _hf_dir(tmp_path, num_attention_heads=3, num_key_value_heads=3)  # 64 / 3 heads
+    issues = _issues(["model=hf", f"model.path={path}"])
+    assert ("model.path", "(config.json) model.n_heads: dim 64 does not split into 3 heads",
+            "use an n_heads that divides model.dim") in issues
+
+
+def test_tied_embeddings_cannot_be_cut_into_stages(tmp_path):
+    path = _hf_dir(tmp_path, tie_word_embeddings=True)
+    validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=fsdp"]))  # fine without a pipeline
+    issues = _issues(["model=hf", f"model.path={path}", "+parallel=pp"])
+    assert [i[0] for i in issues] == ["parallel.pipeline"] and "tie_word_embeddings" in issues[0][1]

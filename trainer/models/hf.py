@@ -1,0 +1,105 @@
+"""Hugging Face causal LMs from a local directory, as the built-in decoder in Hugging Face's names.
+
+    model = build_hf_model(HFModelConfig(path="/data/llama-tiny"), seed=0)   # weights from *.safetensors
+    model.state_dict().keys()   # model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ...
+
+A Llama-family ``config.json`` (``model_type`` llama or mistral: the same layout) becomes a
+:class:`~trainer.config.LlamaConfig` and a :class:`~trainer.models.llama.Transformer` with
+``layout="hf"``, whose parameter names and rotary convention are ``LlamaForCausalLM``'s: the
+checkpoint loads key for key, the logits equal transformers' own, and every layout the engine
+supports (tensor, sequence, pipeline, data parallel) works unchanged. The directory is read with
+``json`` and ``safetensors`` only; ``transformers`` is never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainer.config import HFModelConfig, LlamaConfig
+from trainer.models.llama import Transformer
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+class HFModelError(ValueError):
+    """The directory is not a model this source can build: ``reason`` and ``fix`` for the validator."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(f"{reason} ({fix})")
+        self.reason, self.fix = reason, fix
+
+
+def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
+    """``(the decoder's config, tie_word_embeddings)`` of the model directory ``path``."""
+    if not path:
+        raise HFModelError("model=hf needs a model directory", "set model.path=DIR (a directory with config.json)")
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise HFModelError(f"{str(config_file)!r} does not exist", "give a Hugging Face model directory with config.json")
+    try:
+        hf = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise HFModelError(f"{str(config_file)!r} is not readable JSON: {err}", "give a valid config.json") from None
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise HFModelError(f"model_type {kind!r} in {str(config_file)!r} is not supported",
+                           f"use a model of type {' or '.join(SUPPORTED_MODEL_TYPES)} (the Llama layout)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    unsupported = [
+        (f"rope type {rope.get('rope_type', rope.get('type'))!r}", rope.get("rope_type", rope.get("type", "default")) != "default"),
+        (f"hidden_act {hf.get('hidden_act')!r}", hf.get("hidden_act", "silu") != "silu"),
+        ("attention_bias", bool(hf.get("attention_bias"))),
+        ("mlp_bias", bool(hf.get("mlp_bias"))),
+        (f"head_dim {hf.get('head_dim')}", hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"])),
+    ]
+    for what, bad in unsupported:
+        if bad:
+            raise HFModelError(f"{what} in {str(config_file)!r} is not supported by the Llama layout here",
+                               "use a checkpoint with default RoPE, silu, no biases and head_dim = hidden_size / heads")
+    try:
+        cfg = LlamaConfig(
+            dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], vocab_size=hf["vocab_size"],
+            ffn_hidden_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+            norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            init_std=hf.get("initializer_range", 0.02),
+        )
+    except (KeyError, ValueError) as err:
+        raise HFModelError(f"{str(config_file)!r} lacks or has a bad value: {err}", "give a complete Llama config.json") from None
+    return cfg, bool(hf.get("tie_word_embeddings", False))
+
+
+def weight_files(path: str) -> list[Path]:
+    """The directory's ``*.safetensors`` files (one file or a sharded set), sorted."""
+    return sorted(Path(path).glob("*.safetensors"))
+
+
+def build_hf_model(cfg: HFModelConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """The model of ``cfg.path``: initialised from ``(seed, FQN)``, then overwritten by the
+    directory's safetensors weights when there are any (``device="meta"``: shapes only)."""
+    llama, tied = read_hf_config(cfg.path)
+    with torch.device(device):
+        model = Transformer(llama, layout="hf", tie_embeddings=tied)
+    if torch.device(device).type == "meta":
+        return model
+    model.init_weights(seed)
+    if files := weight_files(cfg.path):
+        load_hf_weights(model, files, tied=tied)
+    return model
+
+
+def load_hf_weights(model: Transformer, files: list[Path], *, tied: bool) -> None:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    state = {k: v for k, v in state.items() if "rotary_emb" not in k}  # derived tables, rebuilt by the model
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise HFModelError(f"the safetensors weights do not fit config.json: missing {missing[:4]}, unexpected "
+                           f"{unexpected[:4]}", "give the weights saved with this config.json")
