@@ -102,7 +102,7 @@ def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
         body = plan.json()
         assert body["world_size"] == 8 and body["mesh_shape"] == [2, 2, 2] and body["dims"] == ["dp", "pp", "tp"]
         assert body["stage_boundaries"] == ["layers.2"] and len(body["per_pp_rank"]) == 2
-        assert body["config"]["parallel"]["placements"]["layers.*.attn.w[qkv].weight"] == {"tp": "Shard(0)"}
+        assert body["config"]["parallel"]["tensor_parallel"] == {"dim": "tp", "plan": "megatron", "sequence_parallel": False}
         by_overrides = bob.post("/v1/plans", json={"overrides": ["+parallel=3d", "mesh=[2,2,2]"]}).json()
         assert by_overrides["per_pp_rank"] == body["per_pp_rank"]
         assert bob.get("/v1/jobs").json()["total"] == before

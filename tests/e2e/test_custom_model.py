@@ -118,3 +118,17 @@ def test_registered_model_by_name_from_cli_and_rest(package, tmp_path, monkeypat
     cfg, _ = resolve_config(overrides=["model=custom", "model.name=tiny_net", "model.kwargs={width: 16}"], document=None,
                             workspace=tmp_path, workdir=tmp_path / "job", tracking_uri="sqlite:///x.db", run_id=None)
     assert (cfg.model.name, cfg.model.kwargs) == ("tiny_net", {"width": 16})
+
+
+def test_rest_never_imports_a_builder_it_was_sent(tmp_path, monkeypatch):
+    """The 422 comes before validation, which would import the module and call the function."""
+    import trainer.models.custom as custom
+    from parallel.errors import ConfigError
+    from service.submit import resolve_config
+
+    monkeypatch.setattr(custom, "resolve_builder", lambda *args: pytest.fail("the server imported a sent builder"))
+    monkeypatch.setattr(custom, "build_custom_model", lambda *args, **kw: pytest.fail("the server built a sent model"))
+    with pytest.raises(ConfigError) as err:
+        resolve_config(overrides=["model=custom", "model.builder=os:system"], document=None, workspace=tmp_path,
+                       workdir=tmp_path / "job", tracking_uri="sqlite:///x.db", run_id=None)
+    assert [issue.path for issue in err.value.issues] == ["model.builder"]
