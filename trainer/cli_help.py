@@ -43,13 +43,22 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def print_help() -> None:
-    from trainer.config import LlamaConfig, MLPConfig, RegressionDataConfig, SyntheticDataConfig, TextDataConfig
+    from trainer.config import (
+        CustomModelConfig,
+        HFModelConfig,
+        LlamaConfig,
+        MLPConfig,
+        RegressionDataConfig,
+        SyntheticDataConfig,
+        TextDataConfig,
+    )
 
     print(USAGE)
     print("config groups:\n" + _groups() + "\n")
     print("keys:")
     print("\n".join(_fields(RunConfig)))
     for title, model in [("model (arch=llama)", LlamaConfig), ("model (arch=mlp)", MLPConfig),
+                         ("model (arch=hf)", HFModelConfig), ("model (arch=custom)", CustomModelConfig),
                          ("data (kind=text)", TextDataConfig), ("data (kind=synthetic)", SyntheticDataConfig),
                          ("data (kind=regression)", RegressionDataConfig)]:
         print(f"\n{title}:")
