@@ -12,7 +12,7 @@ trainer's :class:`~trainer.config.RunConfig` embeds these sections. What the use
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
@@ -32,8 +32,6 @@ AxisPlacements = dict[str, Placement]
 DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
 ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
-DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)
-SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBV",)  # two stages per rank, placed as a V
 MULTI_STAGE_SCHEDULES = INTERLEAVED_SCHEDULES + V_SCHEDULES

@@ -29,7 +29,7 @@ from torch import nn
 from parallel.config import LayoutConfig, ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.pipeline import block_units, pipeline_units, stage_boundaries, stage_ranks
-from parallel.placements import PlacementSpec
+from parallel.placements import PlacementSpec, parse_placement
 
 AxisSpecs = Mapping[str, PlacementSpec]
 # A model-specific check of one placements glob: (its config path, placements, the FQNs it matched) -> issues.
@@ -110,7 +110,6 @@ class ParallelPlan:
             checkpointing treat each one as a unit.
         placements: parameter FQN -> ``{axis: placement}`` for every parameter a glob named.
         layouts: module FQN -> its input/output placements.
-        sources: parameter or module FQN -> the config glob that named it (for messages).
     """
 
     mesh: MeshSpec = field(default_factory=MeshSpec)
@@ -122,7 +121,6 @@ class ParallelPlan:
     layouts: Mapping[str, LayoutSpec] = field(default_factory=dict)
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 2
-    sources: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def dp_size(self) -> int:
@@ -150,30 +148,25 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     modules = [name for name, _ in model.named_modules() if name]
     issues: list[ConfigIssue] = []
     family_placements, family_layouts = _family_plan(parallel, model, issues)
-    placements, sources = _match_placements(family_placements, mesh_spec, params, issues, check_glob)
-    layouts, layout_sources = _match_layouts(family_layouts, modules, issues)
+    placements = _match_placements(family_placements, mesh_spec, params, issues, check_glob)
+    layouts, layout_paths = _match_layouts(family_layouts, modules, issues)
     # Explicit globs after the family's: they may re-place what the plan placed (no overlap issue).
-    explicit, explicit_sources = _match_placements(
+    placements.update(_match_placements(
         [(glob, axes, format_path("parallel", "placements", glob)) for glob, axes in parallel.placements.items()],
-        mesh_spec, params, issues, check_glob)
-    placements.update(explicit)
-    sources.update(explicit_sources)
-    explicit_layouts, explicit_layout_sources = _match_layouts(
+        mesh_spec, params, issues, check_glob))
+    explicit_layouts, explicit_paths = _match_layouts(
         [(glob, layout, format_path("parallel", "layouts", glob)) for glob, layout in parallel.layouts.items()],
         modules, issues)
     layouts.update(explicit_layouts)
-    layout_sources.update(explicit_layout_sources)
+    layout_paths.update(explicit_paths)
     issues += _check_boundaries(parallel, mesh_spec, units)
     if issues:
         raise ConfigError(issues)
 
-    from parallel.tensor_parallel import unsupported_layouts  # classification needs the module types
+    from parallel.tensor_parallel import classify  # classification needs the module types
 
-    for name in unsupported_layouts(model, placements, layouts):
-        glob = layout_sources[name]
-        path = (format_path("parallel", "layouts", glob) if glob in parallel.layouts
-                else f'parallel.tensor_parallel.plan[{parallel.tensor_parallel.plan}]["{glob}"]')
-        issues.append(ConfigIssue(path,
+    for name in classify(model, placements, layouts).unsupported:
+        issues.append(ConfigIssue(layout_paths[name],
                                   f"module {name}: only a Shard input of a norm-like module (sequence parallel) or the "
                                   "input/output of a module with DTensor-placed parameters is supported",
                                   "remove this layout, or give the module's parameters placements"))
@@ -190,7 +183,6 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         layouts=MappingProxyType(layouts),
         activation_checkpointing=parallel.activation_checkpointing,
         activation_checkpointing_every=parallel.activation_checkpointing_every,
-        sources=MappingProxyType({**sources, **layout_sources}),
     )
 
 
@@ -215,7 +207,7 @@ def _match_glob(section: str, glob: str, path: str, names: list[str], sources: d
 
 
 def _match_placements(entries: list[tuple[str, AxisSpecs, str]], mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
-                      issues: list[ConfigIssue], check_glob: GlobCheck | None) -> tuple[dict[str, AxisSpecs], dict[str, str]]:
+                      issues: list[ConfigIssue], check_glob: GlobCheck | None) -> dict[str, AxisSpecs]:
     """``entries``: ``(glob, placements, the config path it was written at)``, in order."""
     placements: dict[str, AxisSpecs] = {}
     sources: dict[str, str] = {}
@@ -226,7 +218,7 @@ def _match_placements(entries: list[tuple[str, AxisSpecs, str]], mesh: MeshSpec,
             found = [ConfigIssue(i.path, i.reason, i.fix.replace(", or Replicate", ", or override it in "
                                                               "parallel.placements (e.g. Replicate)")) for i in found]
         issues += found
-    return placements, sources
+    return placements
 
 
 def _match_entry(glob: str, axes: AxisSpecs, path: str, mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
@@ -281,13 +273,16 @@ def _check_shards(mesh: MeshSpec, where: str, axes: AxisSpecs, shape: tuple[int,
 
 def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[str],
                    issues: list[ConfigIssue]) -> tuple[dict[str, LayoutSpec], dict[str, str]]:
+    """``(module FQN -> layout, module FQN -> the config path that gave it)``."""
     layouts: dict[str, LayoutSpec] = {}
+    paths: dict[str, str] = {}
     sources: dict[str, str] = {}
     for glob, layout, path in entries:
         for name in _match_glob("layouts", glob, path, modules, sources, issues):
             layouts[name] = LayoutSpec(MappingProxyType(dict(layout.input or {})),
                                        MappingProxyType(dict(layout.output or {})))
-    return layouts, sources
+            paths[name] = path
+    return layouts, paths
 
 
 # ---------------------------------------------------------------------- named plans
@@ -306,8 +301,8 @@ def _family_plan(parallel: ParallelConfig, model: nn.Module, issues: list[Config
         return [], []
     placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
     where = f"parallel.tensor_parallel.plan[{tp.plan}]"
-    return ([(glob, ParallelConfig.model_validate({"dims": [], "placements": {glob: axes}}).placements[glob],
-              f'{where}["{glob}"]') for glob, axes in placements.items()],
+    return ([(glob, {axis: parse_placement(p) for axis, p in axes.items()}, f'{where}["{glob}"]')
+             for glob, axes in placements.items()],
             [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
 
 

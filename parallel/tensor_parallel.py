@@ -95,11 +95,6 @@ def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Ma
     return out
 
 
-def unsupported_layouts(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Mapping[str, Any]) -> list[str]:
-    """Modules whose layout would be ignored (not a sequence-parallel norm, no DTensor parameters)."""
-    return classify(module, placements, layouts).unsupported
-
-
 def apply_placements(
     module: nn.Module,
     mesh: DeviceMesh,

@@ -31,7 +31,6 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan) -> dict:
     from trainer.models import build_model
 
     model = build_model(cfg.model, device="meta")
-    par = cfg.parallel
     units = list(plan.units)
     pp = plan.pipeline
     num_stages = pp.num_stages if pp else 1
@@ -39,7 +38,7 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan) -> dict:
     stage_of = {unit: s for s, group in enumerate(groups) for unit in group}
     bounds = pp.boundaries if pp else []
 
-    dp = par.data_parallel if par else None
+    # ddp shards over no axis (size 1); fsdp / zero2 over every dp axis, hsdp over its inner one.
     shard_dp = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
     stage_params = [0] * num_stages
     stage_local = [0.0] * num_stages
@@ -55,11 +54,9 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan) -> dict:
     for r in range(cfg.pp_size):
         stages = [s for s in range(num_stages) if owner[s] == r]
         local = sum(stage_local[s] for s in stages)
-        weights = local / shard_dp
-        grads = local / (shard_dp if dp and dp.mode != "ddp" else 1)
-        optim = 2 * local / (shard_dp if dp and dp.mode != "ddp" else 1)
+        sharded = local / shard_dp  # weights, gradients and each AdamW moment
         per_rank.append({"pp_rank": r, "stages": stages, "params": int(local),
-                         "param_bytes": weights * BYTES, "grad_bytes": grads * BYTES, "optim_bytes": optim * BYTES})
+                         "param_bytes": sharded * BYTES, "grad_bytes": sharded * BYTES, "optim_bytes": 2 * sharded * BYTES})
 
     m = cfg.num_microbatches
     bubble = (cfg.pp_size - 1) / (spr * m + cfg.pp_size - 1) if pp else 0.0
