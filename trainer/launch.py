@@ -167,7 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m trainer.launch CONFIG.json  (a resolved config, as the control plane writes it)",
               file=sys.stderr)
         return EXIT_CONFIG
-    return launch(RunConfig.model_validate_json(Path(args[0]).read_text()))
+    try:
+        cfg = RunConfig.model_validate_json(Path(args[0]).read_text())
+    except (OSError, ValueError) as err:  # pydantic's ValidationError is a ValueError
+        first = str(err).splitlines()[0]
+        print(f"{args[0]}: not a resolved config ({first}); write it with RunConfig.model_dump_json(), "
+              "or run python -m trainer with overrides instead", file=sys.stderr)
+        return EXIT_CONFIG
+    return launch(cfg)
 
 
 if __name__ == "__main__":

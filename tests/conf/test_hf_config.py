@@ -74,3 +74,14 @@ def test_tied_embeddings_cannot_be_cut_into_stages(tmp_path):
     validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=fsdp"]))  # fine without a pipeline
     issues = _issues(["model=hf", f"model.path={path}", "+parallel=pp"])
     assert [i[0] for i in issues] == ["parallel.pipeline"] and "tie_word_embeddings" in issues[0][1]
+
+
+def test_incomplete_or_malformed_config_json_is_an_issue_not_a_traceback(tmp_path):
+    config = llama_hf_config(LlamaConfig())
+    del config["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (issue,) = _issues(["model=hf", f"model.path={tmp_path}"])
+    assert issue[0] == "model.path" and "lacks or has a bad value" in issue[1] and "hidden_size" in issue[1]
+    (tmp_path / "config.json").write_text("[1, 2]")
+    (issue,) = _issues(["model=hf", f"model.path={tmp_path}"])
+    assert issue[0] == "model.path" and "not a JSON object" in issue[1]

@@ -110,3 +110,11 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "done: steps 1..3" in proc.stdout
     assert sys.executable != python
+
+
+def test_launch_of_a_bad_config_file_says_so(tmp_path):
+    (tmp_path / "bad.json").write_text('{"train": {"steps": 0}}')
+    for name in ("missing.json", "bad.json"):
+        proc = subprocess.run([sys.executable, "-m", "trainer.launch", str(tmp_path / name)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "not a resolved config" in proc.stderr and "Traceback" not in proc.stderr

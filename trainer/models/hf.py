@@ -43,22 +43,21 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
         hf = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise HFModelError(f"{str(config_file)!r} is not readable JSON: {err}", "give a valid config.json") from None
+    if not isinstance(hf, dict):
+        raise HFModelError(f"{str(config_file)!r} is not a JSON object", "give a Hugging Face config.json")
     kind = hf.get("model_type")
     if kind not in SUPPORTED_MODEL_TYPES:
         raise HFModelError(f"model_type {kind!r} in {str(config_file)!r} is not supported",
                            f"use a model of type {' or '.join(SUPPORTED_MODEL_TYPES)} (the Llama layout)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise HFModelError(f"rope settings {rope!r} in {str(config_file)!r} are not an object", "give a valid config.json")
     unsupported = [
         (f"rope type {rope.get('rope_type', rope.get('type'))!r}", rope.get("rope_type", rope.get("type", "default")) != "default"),
         (f"hidden_act {hf.get('hidden_act')!r}", hf.get("hidden_act", "silu") != "silu"),
         ("attention_bias", bool(hf.get("attention_bias"))),
         ("mlp_bias", bool(hf.get("mlp_bias"))),
-        (f"head_dim {hf.get('head_dim')}", hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"])),
     ]
-    for what, bad in unsupported:
-        if bad:
-            raise HFModelError(f"{what} in {str(config_file)!r} is not supported by the Llama layout here",
-                               "use a checkpoint with default RoPE, silu, no biases and head_dim = hidden_size / heads")
     try:
         cfg = LlamaConfig(
             dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
@@ -69,6 +68,12 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
         )
     except (KeyError, ValueError) as err:
         raise HFModelError(f"{str(config_file)!r} lacks or has a bad value: {err}", "give a complete Llama config.json") from None
+    # Checked once the sizes are known to be there (a config without them is the error above).
+    unsupported.append((f"head_dim {hf.get('head_dim')}", hf.get("head_dim") not in (None, cfg.dim // cfg.n_heads)))
+    for what, bad in unsupported:
+        if bad:
+            raise HFModelError(f"{what} in {str(config_file)!r} is not supported by the Llama layout here",
+                               "use a checkpoint with default RoPE, silu, no biases and head_dim = hidden_size / heads")
     return cfg, bool(hf.get("tie_word_embeddings", False))
 
 
