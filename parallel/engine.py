@@ -96,6 +96,20 @@ class ParallelModel:
             loss = loss_fn(model(inputs), targets)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             return loss.detach()
+        return self._run_schedule(inputs, targets, loss_fn, loss_scale, backward=True)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
+        """The mean loss of a forward-only pass over this rank's dp share of a batch (on the
+        last stage's ranks, else ``None``); no gradient is computed or touched. Combine the
+        ranks' values with :meth:`reduce_loss`."""
+        if self._pipeline is None:
+            (model,) = self.model_parts
+            return loss_fn(model(inputs), targets)
+        return self._run_schedule(inputs, targets, loss_fn, 1.0, backward=False)
+
+    def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, loss_scale: float,
+                      *, backward: bool) -> torch.Tensor | None:
         microbatches = self._pipeline.num_microbatches
         # Each micro-batch's loss is divided by their number here (not by the schedule's
         # scale_grads, which would also rescale gradients accumulated by earlier calls).
@@ -113,7 +127,8 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first_stage else ()
         target = targets if self.is_last_stage else None
-        self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        run = self._schedule.step if backward else self._schedule.eval
+        run(*args, target=target, losses=losses, return_outputs=False)
         if not self.is_last_stage:
             return None
         # Micro-batches are equal slices, so the batch mean is the mean of their means:

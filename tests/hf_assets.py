@@ -14,3 +14,49 @@ def write_tiny_llama(path, *, seed: int = 0, vocab_size: int = 256) -> None:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(path)
+
+
+WORDS = ("the mesh shards every parameter over its axes while the pipeline passes activations between stages "
+         "and the optimizer steps once per global batch of packed documents").split()
+
+
+def documents(count: int, *, seed: int = 0) -> list[str]:
+    """``count`` short documents of varying length from a small vocabulary (deterministic)."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) for _ in range(count)]
+
+
+def write_tokenizer(path, *, vocab_size: int = 200) -> None:
+    """A byte-level BPE tokenizer trained with ``tokenizers`` on :func:`documents`, saved as
+    ``tokenizer.json`` plus a ``tokenizer_config.json`` naming ``</s>`` as EOS."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(documents(500, seed=99), trainer=trainer)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tok.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+
+
+def write_jsonl(path, texts: list[str], field: str = "text") -> None:
+    import json
+
+    with open(path, "w") as out:
+        for i, text in enumerate(texts):
+            out.write(json.dumps({"id": i, field: text}) + "\n")
+
+
+def write_parquet(path, texts: list[str], field: str = "text") -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(texts))), field: texts}), path)

@@ -25,6 +25,7 @@ def register_defaults() -> None:
 
     from trainer.config import (
         CustomModelConfig,
+        FilesDataConfig,
         HFModelConfig,
         LlamaConfig,
         MLPConfig,
@@ -41,7 +42,7 @@ def register_defaults() -> None:
     store.store(name=BASE_CONFIG, node=base)
     for model in (LlamaConfig, MLPConfig, HFModelConfig, CustomModelConfig):
         store.store(group="model", name=f"{model().arch}_defaults", node=model().model_dump(mode="json"))
-    for data in (TextDataConfig, SyntheticDataConfig, RegressionDataConfig):
+    for data in (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig):
         store.store(group="data", name=f"{data().kind}_defaults", node=data().model_dump(mode="json"))
 
 

@@ -87,7 +87,10 @@ class TextDataConfig(_Section):
         "which exists offline wherever the project runs.",
     )
     glob: str = Field("**/*.py", description="Glob (relative to root) selecting the files, read in sorted order.")
-    max_bytes: int = Field(8_000_000, ge=1024, description="Read at most this many bytes of the sorted files.")
+    max_bytes: int = Field(8_000_000, ge=1024, description="Read at most this many bytes of the sorted files "
+                           "(the run says when it cuts the text short).")
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this fraction of the token windows, from the "
+                                "end of the text, for validation.")
 
 
 class SyntheticDataConfig(_Section):
@@ -106,7 +109,30 @@ class RegressionDataConfig(_Section):
     seed: int = Field(1234, description="Seed of the teacher and the samples.")
 
 
-DataConfig = Annotated[Union[TextDataConfig, SyntheticDataConfig, RegressionDataConfig], Field(discriminator="kind")]
+class FilesDataConfig(_Section):
+    kind: Literal["files"] = Field("files", description="Documents from your files (jsonl, json, parquet or text), tokenized.")
+    paths: list[str] = Field(
+        default_factory=list, description="Files or globs (`**` recurses); jsonl/json/parquet give records, any other "
+        "suffix is plain text with one document per file. Each must match at least one file.")
+    text_field: str = Field("text", min_length=1, description="The record field holding a document's text.")
+    tokenizer: str | None = Field(
+        None, description="A tokenizer.json, or a model directory holding one (Hugging Face `tokenizers`); "
+        "null = UTF-8 bytes (256 ids, NUL ends a document).")
+    eos_token: str | None = Field(
+        None, description="The token appended to each document; null = the tokenizer's own (tokenizer_config.json, "
+        "then the usual names such as </s> or <|endoftext|>).")
+    cache_dir: str = Field(
+        ".cache/meshflow-tokens", min_length=1, description="Where the tokenized corpus is kept (one memory-mapped "
+        "file per corpus and tokenizer, shared by the ranks of a host and reused by later runs).")
+    num_proc: int = Field(1, ge=1, le=256, description="Processes tokenizing the corpus the first time.")
+    val_paths: list[str] = Field(default_factory=list, description="Separate validation files or globs (see paths).")
+    val_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Hold out this fraction of the token windows, from the end of the corpus, "
+        "for validation (when val_paths is empty).")
+
+
+DataConfig = Annotated[Union[TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig],
+                       Field(discriminator="kind")]
 
 # ----------------------------------------------------------------------------- optim
 
@@ -154,6 +180,12 @@ class TrainConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; null disables.")
     grad_accum: int = Field(1, ge=1, description="Gradient-accumulation steps per optimizer step.")
     log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
+    eval_every: int = Field(
+        0, ge=0, description="With a validation split (data.val_fraction or data.val_paths): evaluate every N steps "
+        "and after the last step; 0 = after the last step only.")
+    eval_batches: int = Field(
+        4, ge=1, description="Validation batches per evaluation (global_batch_size / grad_accum sequences each, "
+        "the same ones every time); fewer when the split is smaller.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     init_from: str | None = Field(
         None, description="Initialise the weights from a safetensors file (see `python -m trainer.export`) "

@@ -13,6 +13,7 @@ A config that was validated elsewhere (the control plane writes ``job.json``) is
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -41,7 +42,7 @@ def launch(cfg: RunConfig) -> int:
                 from trainer.loop import train
 
                 result = train(cfg, tracker=tracker, progress=Progress())
-                _summary(result.losses, result.first_step)
+                _summary(result.losses, result.first_step, result.val_loss)
             else:
                 _launch_workers(cfg, tracker.run_id)
         return EXIT_OK
@@ -60,10 +61,11 @@ class WorkerFailure(RuntimeError):
     """A worker process failed; the message names its rank and how it ended."""
 
 
-def _summary(losses: list[float], first_step: int) -> None:
+def _summary(losses: list[float], first_step: int, val_loss: float | None = None) -> None:
     if losses:
+        val = f", val loss {val_loss:.4f} (perplexity {math.exp(min(val_loss, 700)):.2f})" if val_loss is not None else ""
         print(f"done: steps {first_step + 1}..{first_step + len(losses)}, "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}{val}", flush=True)
 
 
 def _launch_workers(cfg: RunConfig, run_id: str | None) -> None:
@@ -92,7 +94,7 @@ def _launch_workers(cfg: RunConfig, run_id: str | None) -> None:
         results = _run_elastic(launch_config, config_path, run_id)
     rank0 = results.get(0) if results else None
     if rank0:
-        _summary(rank0["losses"], rank0["first_step"])
+        _summary(rank0["losses"], rank0["first_step"], rank0["val_loss"])
 
 
 def _run_elastic(launch_config, config_path: Path, run_id: str | None) -> dict:
@@ -154,7 +156,7 @@ def worker_main(config_path: str, run_id: str | None) -> dict:
             # broke; every worker names its own error so the root cause is in the output.
             print(f"worker rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
             raise
-        return {"losses": result.losses, "first_step": result.first_step}
+        return {"losses": result.losses, "first_step": result.first_step, "val_loss": result.val_loss}
     finally:
         dist.destroy_process_group()
 

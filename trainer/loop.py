@@ -26,7 +26,7 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import OptimConfig, RunConfig
-from trainer.data import build_source
+from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
 from trainer.metrics import Progress, peak_memory_mb
 from trainer.models import build_model, decoder_config, loss_fn_for
@@ -39,6 +39,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)
     first_step: int = 0
+    val_loss: float | None = None  # the last evaluation's, when there is a validation split
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -86,7 +87,10 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         weight_decay=cfg.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, t.steps))
-    source = build_source(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
+    splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
+    source, val_source = splits.train, splits.val
+    for note in splits.notes:
+        progress.log(note)
     # One loader batch is one accumulation batch; the loader position is global, so a resume
     # on another dp size continues at the same sample.
     loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,
@@ -133,6 +137,12 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             tracker.log_metrics(metrics, step=step)
             progress.log_step(step, metrics)
         progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time)
+        if val_source is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
+            result.val_loss = evaluate(pm, val_source, cfg, loss_fn, device)
+            val_metrics = {"val_loss": result.val_loss, "val_perplexity": math.exp(min(result.val_loss, 700))}
+            tracker.log_metrics(val_metrics, step=step)
+            progress.log(f"step {step}/{t.steps} | val_loss {val_metrics['val_loss']:.4f} | "
+                         f"val_perplexity {val_metrics['val_perplexity']:.2f}")
 
         ckpt = t.checkpoint
         if (ckpt.every and step % ckpt.every == 0) or (ckpt.save_final and step == t.steps):
@@ -148,6 +158,23 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                 progress.log(f"checkpoint {saved} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)")
     progress.stop()
     return result
+
+
+def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, device: torch.device) -> float:
+    """The mean loss over ``train.eval_batches`` validation batches: the same sequences every
+    time (a fresh loader at position 0), split over the dp ranks as training batches are."""
+    t = cfg.train
+    loader = GlobalBatchLoader(val_source, global_batch_size=t.global_batch_size // t.grad_accum,
+                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
+    pm.train(False)
+    try:
+        losses = []
+        for _ in range(t.eval_batches):
+            inputs, targets = (x.to(device) for x in loader.next_batch())
+            losses.append(pm.reduce_loss(pm.evaluate(inputs, targets, loss_fn)))
+    finally:
+        pm.train(True)
+    return sum(losses) / len(losses)
 
 
 def _rng_state() -> dict:

@@ -12,8 +12,8 @@ from parallel.plan import ParallelPlan, resolve_plan
 from trainer.config import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
 from trainer.models import decoder_config
 
-_DATA_FOR_ARCH = {"llama": ("text", "synthetic"), "hf": ("text", "synthetic"), "mlp": ("regression",),
-                  "custom": ("text", "synthetic")}
+_DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files"), "hf": ("text", "synthetic", "files"),
+                  "mlp": ("regression",), "custom": ("text", "synthetic", "files")}
 _ATTENTION_PROJECTIONS = {"wq", "wk", "wv", "wo", "q_proj", "k_proj", "v_proj", "o_proj"}
 # Building on the meta device costs ~2 ms per block; a config (possibly sent over REST) asking
 # for millions of blocks must get an answer, not hang the validator. Real models have < 200.
@@ -56,6 +56,12 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
     if d.kind not in _DATA_FOR_ARCH[cfg.model.arch]:
         issues.append(ConfigIssue("data.kind", f"model {cfg.model.arch} cannot train on {d.kind} data",
                                   f"use data={' or data='.join(_DATA_FOR_ARCH[cfg.model.arch])}"))
+    if t.eval_every and not (getattr(d, "val_fraction", 0) or getattr(d, "val_paths", None)):
+        issues.append(ConfigIssue("train.eval_every", f"evaluates every {t.eval_every} steps, but data.kind: {d.kind} "
+                                  "has no validation split", "set data.val_fraction (text, files) or data.val_paths "
+                                  "(files), or train.eval_every=0"))
+    if d.kind == "files":
+        issues += _check_files(d)
     if isinstance(cfg.model, HFModelConfig):
         from trainer.models.hf import HFModelError, read_hf_config
 
@@ -111,6 +117,10 @@ def _check_decoder(m: LlamaConfig, d, t) -> list[ConfigIssue]:
     if d.kind == "text" and m.vocab_size < 256:
         issues.append(ConfigIssue("model.vocab_size", f"byte-level text needs 256 token ids, got {m.vocab_size}",
                                   "set model.vocab_size: 256"))
+    if d.kind == "files" and (vocab := _tokenizer_vocab(d)) and m.vocab_size < vocab:
+        issues.append(ConfigIssue("model.vocab_size", f"the tokenizer ({d.tokenizer or 'bytes'}) has {vocab} token "
+                                  f"ids, the model's embedding only {m.vocab_size}",
+                                  f"use a model with vocab_size >= {vocab}, or its own tokenizer"))
     if d.kind == "synthetic" and d.num_symbols ** (d.order + 1) > 2**22:
         issues.append(ConfigIssue("data.num_symbols", f"the order-{d.order} transition table over {d.num_symbols} "
                                   f"symbols has {d.num_symbols ** (d.order + 1):,} entries (limit {2**22:,})",
@@ -135,6 +145,38 @@ def _check_heads(cfg: RunConfig, m: LlamaConfig | None, where: str, axes, fqns: 
                                     f"attention is split by heads: model.{what}={heads} over {axis} size {n} leaves ranks with partial heads",
                                     f"use a {axis} size dividing {math.gcd(m.n_heads, m.num_kv_heads)}, or Replicate")]
     return []
+
+
+def _check_files(d) -> list[ConfigIssue]:
+    """Every path and glob matches a file, and the tokenizer loads (the corpus is not read here)."""
+    from trainer.data.files import expand_paths, file_format
+    from trainer.data.tokenizer import load_tokenizer
+
+    issues = []
+    for key, paths in (("data.paths", d.paths), ("data.val_paths", d.val_paths)):
+        if key == "data.val_paths" and not paths:
+            continue
+        try:
+            file_format(expand_paths(paths, key), key)
+        except ConfigError as err:
+            issues += err.issues
+    if d.val_paths and d.val_fraction:
+        issues.append(ConfigIssue("data.val_fraction", "is set as well as data.val_paths",
+                                  "use one validation split: val_paths or val_fraction"))
+    try:
+        load_tokenizer(d.tokenizer, d.eos_token)
+    except ConfigError as err:
+        issues += err.issues
+    return issues
+
+
+def _tokenizer_vocab(d) -> int | None:
+    from trainer.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(d.tokenizer, d.eos_token).vocab_size
+    except ConfigError:  # reported by _check_files
+        return None
 
 
 def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:

@@ -1,11 +1,12 @@
 """Training data: sources by name, and the resumable global-batch loader.
 
 ``build_source(cfg.data, seq_len=..., model_cfg=cfg.model)`` dispatches on ``data.kind``
-through a name-keyed registry (no ``_target_``: data configs also arrive over REST)::
+through a name-keyed registry (no ``_target_``: data configs also arrive over REST);
+``build_splits`` adds the validation split (``data.val_fraction`` or ``data.val_paths``)::
 
-    from trainer.data import GlobalBatchLoader, build_source
-    source = build_source(cfg.data, seq_len=cfg.train.seq_len, model_cfg=cfg.model)
-    loader = GlobalBatchLoader(source, global_batch_size=cfg.train.global_batch_size,
+    from trainer.data import GlobalBatchLoader, build_splits
+    splits = build_splits(cfg.data, seq_len=cfg.train.seq_len, model_cfg=cfg.model)  # .train, .val (or None)
+    loader = GlobalBatchLoader(splits.train, global_batch_size=cfg.train.global_batch_size,
                                dp_rank=dp_rank, dp_size=cfg.dp_size, seed=cfg.train.seed)
     inputs, targets = loader.next_batch()
 """
@@ -13,20 +14,29 @@ through a name-keyed registry (no ``_target_``: data configs also arrive over RE
 from __future__ import annotations
 
 from collections.abc import Callable
-from trainer.config import LlamaConfig, MLPConfig, RegressionDataConfig, SyntheticDataConfig, TextDataConfig
-from trainer.data.base import Source, TokenWindows, derive_seed
+from dataclasses import dataclass
+from trainer.config import (
+    FilesDataConfig,
+    LlamaConfig,
+    MLPConfig,
+    RegressionDataConfig,
+    SyntheticDataConfig,
+    TextDataConfig,
+)
+from trainer.data.base import Source, TokenWindows, derive_seed, split_tail
 from trainer.data.loader import GlobalBatchLoader
 from trainer.data.regression import RegressionSource
 from trainer.data.synthetic import MarkovSource
 from trainer.data.text import TextSource
 from trainer.data.tokenizer import ByteTokenizer
 
-AnyDataConfig = TextDataConfig | SyntheticDataConfig | RegressionDataConfig
+AnyDataConfig = TextDataConfig | SyntheticDataConfig | RegressionDataConfig | FilesDataConfig
 AnyModelConfig = LlamaConfig | MLPConfig
 
 __all__ = [
     "SOURCE_REGISTRY",
     "ByteTokenizer",
+    "DataSplits",
     "GlobalBatchLoader",
     "MarkovSource",
     "RegressionSource",
@@ -34,6 +44,7 @@ __all__ = [
     "TextSource",
     "TokenWindows",
     "build_source",
+    "build_splits",
     "derive_seed",
 ]
 
@@ -77,10 +88,19 @@ def _build_regression(cfg: RegressionDataConfig, *, seq_len: int, model_cfg: Any
     return RegressionSource(cfg, in_features, out_features)
 
 
+def _build_files(cfg: FilesDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
+    from trainer.data.files import FilesSource  # datasets and tokenizers load only for this source
+
+    source = FilesSource(cfg, seq_len)
+    _require_language_model("files", model_cfg, source.tokenizer.vocab_size)
+    return source
+
+
 SOURCE_REGISTRY: dict[str, Callable[..., Source]] = {
     "text": _build_text,
     "synthetic": _build_synthetic,
     "regression": _build_regression,
+    "files": _build_files,
 }
 
 
@@ -94,3 +114,29 @@ def build_source(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelCo
     if builder is None:
         raise ValueError(f"data.kind: {data_cfg.kind!r} is not a known source; choose one of {sorted(SOURCE_REGISTRY)}")
     return builder(data_cfg, seq_len=seq_len, model_cfg=model_cfg)
+
+
+@dataclass
+class DataSplits:
+    """The training source, the validation source (None without a split), and what the run
+    should tell the user about the data (e.g. that ``data.max_bytes`` cut the text short)."""
+
+    train: Source
+    val: Source | None
+    notes: list[str]
+
+
+def build_splits(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> DataSplits:
+    """The sources of a run: ``data.val_paths`` (files) are read like ``data.paths``; otherwise
+    ``data.val_fraction`` holds out the last windows of the one source."""
+    source = build_source(data_cfg, seq_len=seq_len, model_cfg=model_cfg)
+    notes = source.notes() if hasattr(source, "notes") else []
+    if isinstance(data_cfg, FilesDataConfig) and data_cfg.val_paths:
+        from trainer.data.files import FilesSource
+
+        val = FilesSource(data_cfg, seq_len, paths=data_cfg.val_paths, key="data.val_paths")
+        return DataSplits(source, val, notes + [f"validation {note}" for note in val.notes()])
+    train, val = split_tail(source, getattr(data_cfg, "val_fraction", 0.0), path="data.val_fraction")
+    if val is not None:
+        notes.append(f"data: {len(val)} of {len(source)} windows held out for validation (data.val_fraction)")
+    return DataSplits(train, val, notes)

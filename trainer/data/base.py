@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,20 +42,21 @@ class TokenWindows:
     share one token, so every token in the stream is a target exactly once.
 
     Args:
-        tokens: 1-D integer tensor (any integer dtype; uint8 keeps byte streams small).
+        tokens: 1-D integer tensor (any integer dtype; uint8 keeps byte streams small), or a 1-D
+            numpy array such as a read-only ``np.memmap`` (only the windows read are paged in).
         seq_len: tokens per sample.
         what: how to name the stream in the error raised when it is too short.
     """
 
-    def __init__(self, tokens: Tensor, seq_len: int, *, what: str = "the token stream") -> None:
-        if tokens.dim() != 1:
+    def __init__(self, tokens: Tensor | np.ndarray, seq_len: int, *, what: str = "the token stream") -> None:
+        if tokens.ndim != 1:
             raise ValueError(f"expected a 1-D token stream, got shape {tuple(tokens.shape)}")
         if seq_len < 1:
             raise ValueError(f"train.seq_len: must be >= 1, got {seq_len}")
-        num_windows = (tokens.numel() - 1) // seq_len
+        num_windows = (len(tokens) - 1) // seq_len
         if num_windows < 1:
             raise ValueError(
-                f"{what} has {tokens.numel()} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
+                f"{what} has {len(tokens)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
                 "provide more data or lower train.seq_len"
             )
         self.tokens = tokens
@@ -68,8 +70,49 @@ class TokenWindows:
         if not 0 <= index < self._num_windows:
             raise IndexError(f"window {index} out of range [0, {self._num_windows})")
         start = index * self.seq_len
-        window = self.tokens[start : start + self.seq_len + 1].to(torch.int64)
+        window = self.tokens[start : start + self.seq_len + 1]
+        window = torch.from_numpy(window.astype(np.int64)) if isinstance(window, np.ndarray) else window.to(torch.int64)
         return window[:-1], window[1:]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(tokens={self.tokens.numel()}, seq_len={self.seq_len}, windows={len(self)})"
+        return f"{type(self).__name__}(tokens={len(self.tokens)}, seq_len={self.seq_len}, windows={len(self)})"
+
+
+class WindowRange:
+    """Samples ``start .. stop - 1`` of ``source``, renumbered from 0: a train or validation split.
+
+    Splitting at a window boundary keeps the two halves apart: no target token is in both.
+    """
+
+    def __init__(self, source: Source, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= len(source):
+            raise ValueError(f"window range [{start}, {stop}) is empty or outside [0, {len(source)})")
+        self.source, self.start, self.stop = source, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range [0, {len(self)})")
+        return self.source[self.start + index]
+
+    def __repr__(self) -> str:
+        return f"WindowRange({self.source!r}, {self.start}, {self.stop})"
+
+
+def split_tail(source: Source, fraction: float, *, path: str) -> tuple[Source, Source | None]:
+    """``(train, validation)``: the last ``fraction`` of the windows held out (``None`` for 0).
+
+    Raises:
+        ValueError: naming ``path`` when either side would be empty.
+    """
+    if fraction <= 0:
+        return source, None
+    n_val = int(len(source) * fraction)
+    if n_val < 1 or n_val >= len(source):
+        raise ValueError(f"{path}: {fraction} of {len(source)} windows leaves an empty "
+                         f"{'validation' if n_val < 1 else 'training'} split (use a fraction that keeps at least "
+                         "one window on each side, or more data)")
+    cut = len(source) - n_val
+    return WindowRange(source, 0, cut), WindowRange(source, cut, len(source))

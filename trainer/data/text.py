@@ -122,6 +122,8 @@ class TextSource(TokenWindows):
                 "use a glob that selects text files, e.g. '**/*.py' or '**/*.txt'"
             )
         data = read_concatenated(self.files, cfg.max_bytes)
+        # What the files hold in all, so the run can say when max_bytes cut the text short.
+        self.available_bytes = sum(f.stat().st_size for f in self.files) + len(FILE_SEPARATOR) * (len(self.files) - 1)
         # bytearray: frombuffer needs a writable buffer to avoid a warning; clone detaches it.
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
         super().__init__(tokens, seq_len, what=f"the text under data.root {str(self.root)!r}")
@@ -129,3 +131,10 @@ class TextSource(TokenWindows):
     @property
     def num_bytes(self) -> int:
         return self.tokens.numel()
+
+    def notes(self) -> list[str]:
+        """What a user should know about the data actually used (printed and tagged at start)."""
+        if self.available_bytes <= self.num_bytes:
+            return []
+        return [f"data: using the first {self.num_bytes / 1e6:.1f} MB of {self.available_bytes / 1e6:.1f} MB of text "
+                f"({len(self.files)} files): data.max_bytes={self.cfg.max_bytes} cuts the rest; raise it to use more"]
