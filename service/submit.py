@@ -15,6 +15,7 @@ process exists:
 
 from __future__ import annotations
 
+import glob as globlib
 import os
 import threading
 from pathlib import Path
@@ -139,6 +140,41 @@ def _confine_in_workspace(section: dict, key: str, path: str, workspace: Path, w
     return []
 
 
+def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIssue]:
+    """data=files over REST: every path and glob, the tokenizer and the token cache inside the
+    workspace (relative ones are relative to the job's workdir); the cache is shared by the jobs."""
+    issues: list[ConfigIssue] = []
+    for key in ("paths", "val_paths"):
+        patterns = data.get(key)
+        if not isinstance(patterns, list):
+            continue
+        for index, pattern in enumerate(patterns):
+            if not isinstance(pattern, str):
+                continue
+            absolute = Path(pattern) if Path(pattern).is_absolute() else workdir / pattern
+            literal = Path(*[part for part in absolute.parts[: _first_glob_part(absolute.parts)]])
+            escapes = ".." in absolute.parts or not _inside(literal, workspace)
+            # A symlink below the literal prefix may still lead out: the matches themselves must stay in.
+            escapes = escapes or any(not _inside(Path(m), workspace) for m in globlib.glob(str(absolute), recursive=True))
+            if escapes:
+                issues.append(ConfigIssue(f"data.{key}[{index}]", f"{pattern!r} reaches outside the service's workspace",
+                                          f"put the files inside {workspace} and give their path there, without `..`"))
+            else:
+                patterns[index] = str(absolute)
+    if isinstance(data.get("tokenizer"), str):
+        issues += _confine_in_workspace(data, "tokenizer", "data.tokenizer", workspace, workdir,
+                                        f"put the tokenizer inside {workspace} and give its path there")
+    data.setdefault("cache_dir", str(workspace / ".cache" / "meshflow-tokens"))
+    if isinstance(data.get("cache_dir"), str):
+        issues += _confine_in_workspace(data, "cache_dir", "data.cache_dir", workspace, workdir,
+                                        f"use a directory inside {workspace}, or leave data.cache_dir out")
+    return issues
+
+
+def _first_glob_part(parts: tuple[str, ...]) -> int:
+    return next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+
+
 def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri: str,
             run_id: str | None) -> tuple[dict[str, Any], list[ConfigIssue]]:
     """A copy of ``raw`` with the service's values forced into the confined fields, and what was refused."""
@@ -168,6 +204,8 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
         glob = data.get("glob")
         if isinstance(glob, str) and (".." in Path(glob).parts or glob.startswith("/")):
             issues.append(ConfigIssue("data.glob", f"{glob!r} reaches outside data.root", "use a relative glob without `..`"))
+        if data.get("kind") == "files":
+            issues += _confine_files(data, workspace, workdir)
     model = out.get("model")
     if isinstance(model, dict) and model.get("arch") == "custom" and model.get("builder") is not None:
         issues.append(ConfigIssue("model.builder", "an import path over REST would run code the service was sent",

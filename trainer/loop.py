@@ -148,7 +148,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         if (ckpt.every and step % ckpt.every == 0) or (ckpt.save_final and step == t.steps):
             began_save = time.perf_counter()
             extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                     "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json")}
+                     "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json"),
+                     "data_config": cfg.data.model_dump(mode="json")}
             saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
             seconds = time.perf_counter() - began_save
             if rank == 0:

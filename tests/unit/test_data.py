@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import LlamaConfig, MLPConfig, RegressionDataConfig, SyntheticDataConfig, TextDataConfig
+from trainer.config import (
+    FilesDataConfig,
+    LlamaConfig,
+    MLPConfig,
+    RegressionDataConfig,
+    SyntheticDataConfig,
+    TextDataConfig,
+)
 from trainer.data import (
     SOURCE_REGISTRY,
     ByteTokenizer,
@@ -205,7 +212,16 @@ def test_loader_dp_ranks_partition_the_single_rank_batch() -> None:
         assert [h[0].shape for h in halves] == [(4, 4), (4, 4)]
         pair_inputs, pair_targets = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
         assert torch.equal(pair_inputs, inputs) and torch.equal(pair_targets, targets)
-    assert single.state_dict() == pair[1].state_dict() == {"next_sample": 24, "global_batch_size": 8, "seed": 0}
+    assert single.state_dict() == pair[1].state_dict() == {"next_sample": 24, "global_batch_size": 8, "seed": 0,
+                                                           "num_samples": len(source)}
+
+
+def test_loader_refuses_a_position_saved_over_other_data() -> None:
+    saved = _loaders(_windows(50), 1)[0]
+    saved.next_batch()
+    (other,) = _loaders(_windows(60), 1)
+    with pytest.raises(ValueError, match=r"data: the checkpoint's data had \d+ samples per epoch, this run's has"):
+        other.load_state_dict(saved.state_dict())
 
 
 def test_loader_resumes_on_another_dp_size() -> None:
@@ -269,7 +285,8 @@ def test_regression_shapes_determinism_and_scale() -> None:
 
 
 def test_build_source_dispatches_on_kind() -> None:
-    kinds = {cls.model_fields["kind"].default for cls in (TextDataConfig, SyntheticDataConfig, RegressionDataConfig)}
+    kinds = {cls.model_fields["kind"].default
+             for cls in (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig)}
     assert set(SOURCE_REGISTRY) == kinds
     markov = build_source(SyntheticDataConfig(num_tokens=4096), seq_len=16, model_cfg=LlamaConfig())
     assert isinstance(markov, MarkovSource) and markov[0][0].shape == (16,)

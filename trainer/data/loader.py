@@ -103,7 +103,8 @@ class GlobalBatchLoader:
 
     def state_dict(self) -> dict[str, int]:
         """The global position (plus what it depends on); the same on every dp rank."""
-        return {"next_sample": self.next_sample, "global_batch_size": self.global_batch_size, "seed": self.seed}
+        return {"next_sample": self.next_sample, "global_batch_size": self.global_batch_size, "seed": self.seed,
+                "num_samples": len(self.source)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position, whatever dp_size and dp_rank it was saved with.
@@ -120,6 +121,12 @@ class GlobalBatchLoader:
             raise ValueError(
                 f"train.seed: the checkpoint's data order was seeded with {state['seed']}, this run uses "
                 f"{self.seed}; resume with train.seed={state['seed']} (or start a fresh run)"
+            )
+        if "num_samples" in state and state["num_samples"] != len(self.source):
+            raise ValueError(
+                f"data: the checkpoint's data had {state['num_samples']} samples per epoch, this run's has "
+                f"{len(self.source)}, so the saved position would index a different order; resume with the same "
+                "data, train.seq_len and validation split (or start a fresh run)"
             )
         self.next_sample = next_sample
 
