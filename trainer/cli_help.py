@@ -16,6 +16,9 @@ Compose a run from conf/ (Hydra), validate it against the model, then train.
   python -m trainer +parallel=3d mesh=[2,2,2]     8 workers: dp x pp x tp
   python -m trainer validate_only=true ...        check the config and exit
   python -m trainer --cfg job                     print the resolved config
+  python -m trainer model=hf model.path=DIR data=files 'data.paths=[corpus/*.jsonl]' data.tokenizer=DIR
+                                                  your Hugging Face model and your documents
+Beside it: python -m trainer.export CKPT [--format hf] (weights out), python -m trainer.generate CKPT --prompt TEXT.
 """
 
 
@@ -45,6 +48,7 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
 def print_help() -> None:
     from trainer.config import (
         CustomModelConfig,
+        FilesDataConfig,
         HFModelConfig,
         LlamaConfig,
         MLPConfig,
@@ -60,6 +64,6 @@ def print_help() -> None:
     for title, model in [("model (arch=llama)", LlamaConfig), ("model (arch=mlp)", MLPConfig),
                          ("model (arch=hf)", HFModelConfig), ("model (arch=custom)", CustomModelConfig),
                          ("data (kind=text)", TextDataConfig), ("data (kind=synthetic)", SyntheticDataConfig),
-                         ("data (kind=regression)", RegressionDataConfig)]:
+                         ("data (kind=regression)", RegressionDataConfig), ("data (kind=files)", FilesDataConfig)]:
         print(f"\n{title}:")
         print("\n".join(_fields(model, f"{title.split()[0]}.")))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,11 +23,10 @@ from trainer.checkpoint import CheckpointError, read_extra
 from trainer.config import ModelConfig
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = "safetensors") -> dict[str, int]:
-    """Write the checkpoint's model weights to ``out`` (a file; a directory for ``format="hf"``,
-    see :mod:`trainer.hf_export`); return {"tensors": n, "bytes": size}."""
+def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict]:
+    """``(the plain model with the checkpoint's weights, its config, the checkpoint's extra state)``,
+    gathered into one process from any mesh's checkpoint."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
 
     from trainer.models import build_model
 
@@ -35,16 +35,30 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
     model = build_model(model_cfg, seed=0)
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        with warnings.catch_warnings():  # one process reading on purpose: DCP's warning says so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
             raise
-        raise CheckpointError(f"cannot export checkpoint {str(checkpoint)!r}: {exc}") from exc
+        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: {exc}") from exc
+    model.load_state_dict(state["model"])
+    return model, model_cfg, extra
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = "safetensors") -> dict[str, int]:
+    """Write the checkpoint's model weights to ``out`` (a file; a directory for ``format="hf"``,
+    see :mod:`trainer.hf_export`, with the run's tokenizer when it had one); return
+    {"tensors": n, "bytes": size}."""
+    from safetensors.torch import save_file
+
+    model, model_cfg, extra = load_checkpoint_model(checkpoint)
+    state = model.state_dict()
     if format == "hf":
         from trainer.hf_export import export_hf
 
-        return export_hf(state["model"], model_cfg, out)
-    tensors = {k: v.detach().contiguous() for k, v in state["model"].items()}
+        return export_hf(state, model_cfg, out, tokenizer=(extra.get("data_config") or {}).get("tokenizer"))
+    tensors = {k: v.detach().contiguous() for k, v in state.items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
                                            "step": str(extra.get("step"))})

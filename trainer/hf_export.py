@@ -54,9 +54,11 @@ def llama_hf_config(cfg: LlamaConfig) -> dict:
     }
 
 
-def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path) -> dict[str, int]:
+def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *, tokenizer: str | None = None) -> dict[str, int]:
     """Write ``state`` (the full model's weights) of a model built from ``model_cfg`` as a
-    Hugging Face directory ``out``; returns ``{"tensors": n, "bytes": size}``."""
+    Hugging Face directory ``out``, with the tokenizer files of the model directory and of
+    ``tokenizer`` (the run's ``data.tokenizer``: a tokenizer.json or a directory holding one);
+    returns ``{"tensors": n, "bytes": size}``."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -78,6 +80,12 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path) -> dic
         (out / "config.json").write_text(json.dumps(llama_hf_config(model_cfg), indent=2))
     else:
         raise ValueError(f"model {model_cfg.arch} has no Hugging Face counterpart; export it as safetensors (--format safetensors)")
+    if tokenizer and Path(tokenizer).exists():  # the run's own tokenizer wins over the model directory's
+        file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+        for name in TOKENIZER_FILES:
+            if (file.parent / name).is_file() and name != "tokenizer.json":
+                shutil.copy(file.parent / name, out / name)
+        shutil.copy(file, out / "tokenizer.json")
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return {"tensors": len(tensors), "bytes": (out / "model.safetensors").stat().st_size}
