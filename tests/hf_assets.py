@@ -5,15 +5,26 @@ from __future__ import annotations
 import torch
 
 
-def write_tiny_llama(path, *, seed: int = 0, vocab_size: int = 256) -> None:
-    """A 4-layer Llama (dim 64, GQA 4/2 heads, ffn 172) with random weights, saved as transformers saves models."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def write_tiny_llama(path, *, seed: int = 0, vocab_size: int = 256, model_type: str = "llama") -> None:
+    """A 4-layer Llama-family model (dim 64, GQA 4/2 heads, ffn 172) with random weights, saved as
+    transformers saves models. ``model_type`` qwen2 adds q/k/v biases (made non-zero here, so a
+    lost bias shows), qwen3 per-head q/k norms and a head_dim (24) that is not dim / heads."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(path)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    if model_type == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif model_type == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=24))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "q_norm" in name or "k_norm" in name:
+                param.normal_(0.0, 0.5 if name.endswith("bias") else 1.0).add_(0 if name.endswith("bias") else 0.5)
+    model.save_pretrained(path)
 
 
 WORDS = ("the mesh shards every parameter over its axes while the pipeline passes activations between stages "

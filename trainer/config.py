@@ -35,10 +35,18 @@ class LlamaConfig(_Section):
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal initialisation of linear and embedding weights.")
+    head_dim: int | None = Field(None, ge=2, description="Width of one attention head; null = dim / n_heads.")
+    qkv_bias: bool = Field(False, description="Biases on the q/k/v projections (Qwen2).")
+    qk_norm: bool = Field(False, description="RMSNorm of each query and key head before RoPE (Qwen3).")
 
     @property
     def num_kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_width(self) -> int:
+        """One attention head's width: ``head_dim``, or ``dim // n_heads`` when that is null."""
+        return self.head_dim or self.dim // self.n_heads
 
 
 class MLPConfig(_Section):
@@ -53,10 +61,11 @@ class MLPConfig(_Section):
 
 
 class HFModelConfig(_Section):
-    arch: Literal["hf"] = Field("hf", description="A Hugging Face causal LM from a local directory (Llama family).")
+    arch: Literal["hf"] = Field("hf", description="A Hugging Face causal LM from a local directory (Llama family: "
+                                "Llama, Mistral, Qwen2, Qwen3).")
     path: str | None = Field(
         None,
-        description="Directory with the model's config.json (model_type llama or mistral), plus *.safetensors weights "
+        description="Directory with the model's config.json (model_type llama, mistral, qwen2 or qwen3), plus *.safetensors weights "
         "when present (random init from the config when absent). Nothing is downloaded.",
     )
 

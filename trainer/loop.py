@@ -25,11 +25,12 @@ from trainer.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from trainer.config import OptimConfig, RunConfig
+from trainer.config import HFModelConfig, OptimConfig, RunConfig
 from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
 from trainer.metrics import Progress, peak_memory_mb
 from trainer.models import build_model, decoder_config, loss_fn_for
+from trainer.models.hf import build_hf_model, load_hf_sharded, weight_files
 from trainer.tracking import Tracker
 
 
@@ -67,13 +68,25 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
 
 
 def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
-    """The full model, initialised from the seed, then split and sharded as the config's plan says."""
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    """The full model, initialised from the seed, then split and sharded as the config's plan says.
+
+    A Hugging Face model's safetensors are read after sharding on a mesh, each rank reading only
+    the slices it holds (:func:`trainer.models.hf.load_hf_sharded`); ``train.init_from`` replaces
+    every weight before sharding."""
+    sharded_hf = (isinstance(cfg.model, HFModelConfig) and cfg.world_size > 1 and not cfg.train.init_from
+                  and bool(weight_files(cfg.model.path)))
+    if sharded_hf:
+        model = build_hf_model(cfg.model, seed=cfg.train.seed, load_weights=False)
+    else:
+        model = build_model(cfg.model, seed=cfg.train.seed)
     if cfg.train.init_from:
         from trainer.export import load_weights
 
         load_weights(model, cfg.train.init_from)
-    return parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device)
+    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device)
+    if sharded_hf:
+        load_hf_sharded(pm.model_parts, cfg.model.path)
+    return pm
 
 
 def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, local_rank: int = 0) -> TrainResult:

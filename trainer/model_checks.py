@@ -102,12 +102,13 @@ def _check_decoder(m: LlamaConfig, d, t) -> list[ConfigIssue]:
         issues.append(ConfigIssue("model.n_layers",
                                   f"{m.n_layers} blocks is more than the {MAX_LAYERS} this trainer supports",
                                   f"use n_layers <= {MAX_LAYERS}"))
-    if m.dim % m.n_heads:
+    if m.head_dim is None and m.dim % m.n_heads:
         issues.append(ConfigIssue("model.n_heads", f"dim {m.dim} does not split into {m.n_heads} heads",
-                                  "use an n_heads that divides model.dim"))
-    elif (m.dim // m.n_heads) % 2:
-        issues.append(ConfigIssue("model.n_heads", f"head_dim {m.dim // m.n_heads} is odd; rotary embeddings pair dimensions",
-                                  "choose dim and n_heads so dim / n_heads is even"))
+                                  "use an n_heads that divides model.dim, or set model.head_dim"))
+    elif m.head_width % 2:
+        issues.append(ConfigIssue("model.head_dim" if m.head_dim else "model.n_heads",
+                                  f"head_dim {m.head_width} is odd; rotary embeddings pair dimensions",
+                                  "choose an even head width (dim / n_heads, or model.head_dim)"))
     if m.n_heads % m.num_kv_heads:
         issues.append(ConfigIssue("model.n_kv_heads", f"{m.n_heads} query heads do not group over {m.num_kv_heads} kv heads",
                                   "use an n_kv_heads that divides n_heads"))
@@ -139,6 +140,12 @@ def _check_heads(cfg: RunConfig, m: LlamaConfig | None, where: str, axes, fqns: 
         n = cfg.axis_size(axis)
         if not p.is_shard or n == 1:
             continue
+        if m.qk_norm:
+            # Each rank would hold its heads' share of the q/k norm gradients, never summed over the axis.
+            return [ConfigIssue(f"{where}.{axis}", "the model normalises each query/key head (Qwen3 q_norm/k_norm), "
+                                "which tensor-parallel attention does not support yet",
+                                "shard only the MLP (e.g. parallel.placements on *.mlp.*), or use fsdp, dp or pp "
+                                "for this model")]
         for what, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.num_kv_heads)):
             if heads % n:
                 return [ConfigIssue(f"{where}.{axis}",

@@ -49,6 +49,7 @@ def test_hf_model_takes_the_presets_and_the_model_names(tmp_path):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_unsupported_checkpoints_are_refused_at_model_path(tmp_path, changes, reason):
     (issue,) = _issues(["model=hf", f"model.path={_hf_dir(tmp_path, **changes)}"])
@@ -66,7 +67,23 @@ def test_config_values_are_checked_like_the_builtin_model(tmp_path):
     path = _hf_dir(tmp_path, num_attention_heads=3, num_key_value_heads=3)  # 64 / 3 heads
     issues = _issues(["model=hf", f"model.path={path}"])
     assert ("model.path", "(config.json) model.n_heads: dim 64 does not split into 3 heads",
-            "use an n_heads that divides model.dim") in issues
+            "use an n_heads that divides model.dim, or set model.head_dim") in issues
+
+
+def test_qwen_families_take_their_layout_and_qwen3_refuses_tensor_parallel_attention(tmp_path):
+    (tmp_path / "q2").mkdir()
+    (tmp_path / "q3").mkdir()
+    qwen2 = _hf_dir(tmp_path / "q2", model_type="qwen2")
+    _, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={qwen2}", "+parallel=tp"]))
+    biases = sorted(f for f in plan.placements if f.endswith("bias"))
+    assert len(biases) == 3 * 4 and all(str(plan.placements[f]["tp"]) == "Shard(0)" for f in biases)
+    qwen3 = _hf_dir(tmp_path / "q3", model_type="qwen3", head_dim=24)
+    cfg, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={qwen3}", "+parallel=3d", "mesh=[2,2,1]",
+                                                 "parallel.tensor_parallel=null"]))  # fsdp x pp: fine
+    assert plan.pipeline is not None
+    issues = _issues(["model=hf", f"model.path={qwen3}", "+parallel=tp"])
+    assert issues and all("q_norm/k_norm" in reason and "fsdp" in fix for _, reason, fix in issues)
+    assert {path.rsplit(".", 1)[-1] for path, _, _ in issues} == {"tp"}
 
 
 def test_tied_embeddings_cannot_be_cut_into_stages(tmp_path):

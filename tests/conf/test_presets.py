@@ -30,7 +30,7 @@ REPO = CONF_DIR.parent
 GROUPS = ("model", "data", "optim", "tracking")
 # The data a model trains on, and back: `model=mlp` needs `data=regression` and vice versa.
 DATA_FOR_ARCH = {"llama": "text", "mlp": "regression", "hf": "text", "custom": "text"}
-MODEL_FOR_DATA_KIND = {"text": "gpt_debug", "synthetic": "gpt_debug", "regression": "mlp"}
+MODEL_FOR_DATA_KIND = {"text": "gpt_debug", "synthetic": "gpt_debug", "regression": "mlp", "files": "gpt_debug"}
 MEGATRON = {  # what 2d/3d/tp/tp_sp place on their tp axis
     "layers.*.attn.w[qkv].weight": "Shard(0)",
     "layers.*.attn.wo.weight": "Shard(1)",
@@ -101,6 +101,9 @@ def test_group_option_validates(overrides, tmp_path):
         overrides = [*overrides, f"model.path={tmp_path}"]
     if overrides[0] == "model=custom":  # any importable builder: an embedding table is a (tiny) language model
         overrides = [*overrides, "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
+    if overrides[0] == "data=files":  # files are the data: give it one (byte-level tokens, the default)
+        (tmp_path / "corpus.txt").write_text("some text " * 100)
+        overrides = [*overrides, f"data.paths=[{tmp_path}/*.txt]"]
     cfg = validated(overrides)
     group, option = overrides[0].split("=")
     written = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text()) or {}

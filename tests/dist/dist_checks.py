@@ -68,7 +68,10 @@ def reference_run(model_cfg) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grad_norms": norms}
+    with torch.no_grad():  # forward only, after training: what ParallelModel.evaluate must give
+        inputs, targets = batches(model_cfg)[0]
+        eval_loss = loss_fn(model(inputs), targets).item()
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss}
 
 
 # --------------------------------------------------------------------------- presets
@@ -110,7 +113,11 @@ def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(pm.reduce_loss(loss))
-    return {"losses": losses, "grad_norms": norms}
+    inputs, targets = batches(model_cfg)[0]
+    per = inputs.shape[0] // pm.dp_size
+    share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+    eval_loss = pm.reduce_loss(pm.evaluate(inputs[share], targets[share], loss_fn))
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss}
 
 
 # ------------------------------------------------------------------------ placements
@@ -339,22 +346,30 @@ def comm_check(preset: str):
 
 
 def hf_logits_check(*, rank: int, world_size: int) -> dict:
-    """A Hugging Face Llama loaded from safetensors into fsdp x tp (the 2d preset, by the model's
-    megatron plan in Hugging Face's names): its logits are transformers' own."""
+    """A Hugging Face Llama and a Qwen2 loaded from safetensors into fsdp x tp (the 2d preset, by
+    the model's megatron plan in Hugging Face's names): their logits are transformers' own."""
     import os
 
     from transformers import AutoModelForCausalLM
 
     from trainer.config import HFModelConfig
+    from trainer.models.hf import build_hf_model, load_hf_sharded
 
-    path = os.environ["MESHFLOW_TEST_HF_DIR"]  # written by the parent test
-    mesh, par = load_preset("2d")
-    pm = parallelize_preset(build_model(HFModelConfig(path=path), seed=0), mesh, par)
-    tokens = batches(llama_cfg())[0][0]
-    with torch.no_grad():
-        ours = pm.model_parts[0](tokens)
-        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
-    return {"max_abs_diff": float((ours - theirs).abs().max()), "report": pm.placement_report}
+    out = {}
+    # Qwen2: q/k/v biases, split with their weights' rows. Qwen3 (per-head q/k norms, refused under
+    # tensor-parallel attention) on hsdp.
+    for kind, preset in (("llama", "2d"), ("qwen2", "2d"), ("qwen3", "hsdp")):
+        path = os.environ[f"MESHFLOW_TEST_{kind.upper()}_DIR"]  # written by the parent test
+        mesh, par = load_preset(preset)
+        # The trainer's road: random init, shard, then each rank reads its slices of the safetensors.
+        pm = parallelize_preset(build_hf_model(HFModelConfig(path=path), seed=0, load_weights=False), mesh, par)
+        load_hf_sharded(pm.model_parts, path)
+        tokens = batches(llama_cfg())[0][0]
+        with torch.no_grad():
+            ours = pm.model_parts[0](tokens)
+            theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
+        out[kind] = {"max_abs_diff": float((ours - theirs).abs().max()), "report": pm.placement_report}
+    return out
 
 
 SUITES = {

@@ -35,11 +35,14 @@ def hf_dir(tmp_path_factory):
 
     from tests.hf_assets import write_tiny_llama
 
-    path = tmp_path_factory.mktemp("llama-tiny")
-    write_tiny_llama(path)
-    os.environ["MESHFLOW_TEST_HF_DIR"] = str(path)
-    yield path
-    os.environ.pop("MESHFLOW_TEST_HF_DIR", None)
+    paths = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        paths[kind] = tmp_path_factory.mktemp(f"{kind}-tiny")
+        write_tiny_llama(paths[kind], model_type=kind)
+        os.environ[f"MESHFLOW_TEST_{kind.upper()}_DIR"] = str(paths[kind])
+    yield paths
+    for kind in paths:
+        os.environ.pop(f"MESHFLOW_TEST_{kind.upper()}_DIR", None)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,9 @@ def test_loss_parity(check, results, reference):
     assert _max_rel(losses, ref["losses"]) <= LOSS_REL_TOL, (losses, ref["losses"])
     for r in per_rank:
         assert _max_rel(r["grad_norms"], ref["grad_norms"]) <= LOSS_REL_TOL, (r["grad_norms"], ref["grad_norms"])
+    # Forward only (ParallelModel.evaluate: the pipeline schedules' eval, no gradients) after training.
+    assert all(r["eval_loss"] == per_rank[0]["eval_loss"] for r in per_rank)
+    assert _max_rel([per_rank[0]["eval_loss"]], [ref["eval_loss"]]) <= LOSS_REL_TOL
 
 
 def test_single_device_is_plain(results, reference):
@@ -185,6 +191,9 @@ def test_paddle_explicit_rank_mesh(results):
 
 def test_hf_model_in_fsdp_x_tp_gives_transformers_logits(results):
     for per_rank in results("hf_2d_logits"):
-        assert per_rank["max_abs_diff"] <= 1e-5, per_rank["max_abs_diff"]
-        styles = per_rank["report"]
-        assert styles["model.layers.0.self_attn.q_proj"] == "colwise" and styles["model.layers.3.mlp.down_proj"] == "rowwise"
+        for kind in ("llama", "qwen2", "qwen3"):
+            assert per_rank[kind]["max_abs_diff"] <= 1e-5, (kind, per_rank[kind]["max_abs_diff"])
+        for kind in ("llama", "qwen2"):
+            styles = per_rank[kind]["report"]
+            assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
+            assert styles["model.layers.3.mlp.down_proj"] == "rowwise"

@@ -94,12 +94,16 @@ def _logits_of_checkpoint(checkpoint, tokens: torch.Tensor, tmp_path) -> torch.T
         return model.eval()(tokens)
 
 
-def test_step0_logits_equal_transformers(hf_dir):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_step0_logits_equal_transformers(model_type, hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from trainer.config import HFModelConfig
     from trainer.models import build_model
 
+    if model_type != "llama":
+        hf_dir = tmp_path / model_type
+        write_tiny_llama(hf_dir, model_type=model_type, vocab_size=VOCAB)
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     ours = build_model(HFModelConfig(path=str(hf_dir)), seed=7)  # the seed must not matter: weights come from the file
     with torch.no_grad():

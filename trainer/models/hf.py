@@ -3,7 +3,8 @@
     model = build_hf_model(HFModelConfig(path="/data/llama-tiny"), seed=0)   # weights from *.safetensors
     model.state_dict().keys()   # model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ...
 
-A Llama-family ``config.json`` (``model_type`` llama or mistral: the same layout) becomes a
+A Llama-family ``config.json`` (``model_type`` llama, mistral, qwen2 or qwen3: one layout, give
+or take Qwen2's q/k/v biases and Qwen3's per-head q/k norms) becomes a
 :class:`~trainer.config.LlamaConfig` and a :class:`~trainer.models.llama.Transformer` with
 ``layout="hf"``, whose parameter names and rotary convention are ``LlamaForCausalLM``'s: the
 checkpoint loads key for key, the logits equal transformers' own, and every layout the engine
@@ -21,7 +22,8 @@ import torch
 from trainer.config import HFModelConfig, LlamaConfig
 from trainer.models.llama import Transformer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+# The Llama layout and its kin: Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms and a free head_dim.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class HFModelError(ValueError):
@@ -48,7 +50,7 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
     kind = hf.get("model_type")
     if kind not in SUPPORTED_MODEL_TYPES:
         raise HFModelError(f"model_type {kind!r} in {str(config_file)!r} is not supported",
-                           f"use a model of type {' or '.join(SUPPORTED_MODEL_TYPES)} (the Llama layout)")
+                           f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)} (the Llama layout)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise HFModelError(f"rope settings {rope!r} in {str(config_file)!r} are not an object", "give a valid config.json")
@@ -57,6 +59,7 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
         (f"hidden_act {hf.get('hidden_act')!r}", hf.get("hidden_act", "silu") != "silu"),
         ("attention_bias", bool(hf.get("attention_bias"))),
         ("mlp_bias", bool(hf.get("mlp_bias"))),
+        ("use_sliding_window", bool(hf.get("use_sliding_window"))),
     ]
     try:
         cfg = LlamaConfig(
@@ -64,16 +67,16 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
             n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"], vocab_size=hf["vocab_size"],
             ffn_hidden_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
             norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-            init_std=hf.get("initializer_range", 0.02),
+            init_std=hf.get("initializer_range", 0.02), head_dim=hf.get("head_dim"),
+            qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
         )
     except (KeyError, ValueError) as err:
         raise HFModelError(f"{str(config_file)!r} lacks or has a bad value: {err}", "give a complete Llama config.json") from None
-    # Checked once the sizes are known to be there (a config without them is the error above).
-    unsupported.append((f"head_dim {hf.get('head_dim')}", hf.get("head_dim") not in (None, cfg.dim // cfg.n_heads)))
     for what, bad in unsupported:
         if bad:
             raise HFModelError(f"{what} in {str(config_file)!r} is not supported by the Llama layout here",
-                               "use a checkpoint with default RoPE, silu, no biases and head_dim = hidden_size / heads")
+                               "use a checkpoint with default RoPE, silu, full attention and no biases "
+                               "(Qwen2's q/k/v biases excepted)")
     return cfg, bool(hf.get("tie_word_embeddings", False))
 
 
@@ -82,18 +85,41 @@ def weight_files(path: str) -> list[Path]:
     return sorted(Path(path).glob("*.safetensors"))
 
 
-def build_hf_model(cfg: HFModelConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+def build_hf_model(cfg: HFModelConfig, *, device: str | torch.device = "cpu", seed: int = 0,
+                   load_weights: bool = True) -> Transformer:
     """The model of ``cfg.path``: initialised from ``(seed, FQN)``, then overwritten by the
-    directory's safetensors weights when there are any (``device="meta"``: shapes only)."""
+    directory's safetensors weights when there are any and ``load_weights`` (``device="meta"``:
+    shapes only). A sharded run loads them after parallelizing instead: :func:`load_hf_sharded`."""
     llama, tied = read_hf_config(cfg.path)
     with torch.device(device):
         model = Transformer(llama, layout="hf", tie_embeddings=tied)
     if torch.device(device).type == "meta":
         return model
     model.init_weights(seed)
-    if files := weight_files(cfg.path):
+    if load_weights and (files := weight_files(cfg.path)):
         load_hf_weights(model, files, tied=tied)
     return model
+
+
+def load_hf_sharded(parts: list[torch.nn.Module], path: str) -> None:
+    """Fill this rank's (sharded, split) model parts from the directory's safetensors through DCP's
+    Hugging Face reader: every rank asks for the pieces its DTensor shards and pipeline stages
+    hold and the reader slices them out of the files, so no rank materialises the whole
+    checkpoint. Collective: every rank of the job calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    _, tied = read_hf_config(path)
+    reader = HuggingFaceStorageReader(path)
+    in_files = set(reader.read_metadata().state_dict_metadata)
+    state: dict[str, torch.Tensor] = {}
+    for part in parts:
+        state.update(part.state_dict())
+    missing = sorted(k for k in state if k not in in_files and not (tied and k == "lm_head.weight"))
+    if missing:
+        raise HFModelError(f"the safetensors weights do not fit config.json: missing {missing[:4]}",
+                           "give the weights saved with this config.json")
+    dcp.load({k: v for k, v in state.items() if k in in_files}, storage_reader=reader)
 
 
 def load_hf_weights(model: Transformer, files: list[Path], *, tied: bool) -> None:

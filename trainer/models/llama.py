@@ -102,13 +102,16 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, names: Names = MESHFLOW_NAMES) -> None:
         super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = cfg.head_width
         self.max_seq_len = cfg.max_seq_len
         self.rope_theta = cfg.rope_theta
         self._names = names
         for name, heads in ((names.q, cfg.n_heads), (names.k, cfg.num_kv_heads), (names.v, cfg.num_kv_heads)):
-            self.add_module(name, nn.Linear(cfg.dim, heads * self.head_dim, bias=False))
+            self.add_module(name, nn.Linear(cfg.dim, heads * self.head_dim, bias=cfg.qkv_bias))
         self.add_module(names.o, nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False))
+        # Qwen3: each head's query and key are RMS-normalised (one weight of head_dim, shared by the heads).
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # Non-persistent: derived from the config, so kept out of checkpoints; allocated on the
         # ambient device (meta included) and filled by reset_rope().
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, self.head_dim // 2), persistent=False)
@@ -131,6 +134,8 @@ class Attention(nn.Module):
         q = getattr(self, n.q)(x).view(bsz, seqlen, -1, self.head_dim)
         k = getattr(self, n.k)(x).view(bsz, seqlen, -1, self.head_dim)
         v = getattr(self, n.v)(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         q, k = apply_rope(q, cos, sin, n.rope), apply_rope(k, cos, sin, n.rope)
         # Query head i reads kv head i // n_rep; sharding heads contiguously keeps groups whole.
@@ -190,10 +195,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: LlamaConfig, *, layout: Literal["meshflow", "hf"] = "meshflow",
                  tie_embeddings: bool = False) -> None:
         super().__init__()
-        if cfg.dim % cfg.n_heads:
+        if cfg.head_dim is None and cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim {cfg.dim} is not divisible by model.n_heads {cfg.n_heads}")
-        if (cfg.dim // cfg.n_heads) % 2:
-            raise ValueError(f"head_dim {cfg.dim // cfg.n_heads} must be even for rotary embeddings")
+        if cfg.head_width % 2:
+            raise ValueError(f"head_dim {cfg.head_width} must be even for rotary embeddings")
         if cfg.n_heads % cfg.num_kv_heads:
             raise ValueError(f"model.n_heads {cfg.n_heads} is not divisible by model.n_kv_heads {cfg.num_kv_heads}")
         self.cfg = cfg
@@ -247,6 +252,8 @@ class Transformer(nn.Module):
                           f"{blocks}.mlp.w[13].weight": col, f"{blocks}.mlp.w2.weight": row}
         else:
             placements = {f"{blocks}.{n.attn}.{p}.weight": col for p in (n.q, n.k, n.v)}
+            if self.cfg.qkv_bias:  # a column-parallel layer's bias is split like its output rows
+                placements |= {f"{blocks}.{n.attn}.{p}.bias": col for p in (n.q, n.k, n.v)}
             placements[f"{blocks}.{n.attn}.{n.o}.weight"] = row
             placements |= {f"{blocks}.{n.mlp}.{p}.weight": col for p in (n.gate, n.up)}
             placements[f"{blocks}.{n.mlp}.{n.down}.weight"] = row
@@ -258,6 +265,8 @@ class Transformer(nn.Module):
         module = self.get_submodule(module_name)
         if isinstance(module, nn.RMSNorm):
             return "ones", 0.0
+        if isinstance(module, nn.Linear) and fqn.endswith(".bias"):
+            return "zeros", 0.0
         if isinstance(module, (nn.Linear, nn.Embedding)):
             # Residual-branch output projections are scaled down so the residual stream's
             # variance does not grow with depth (GPT-2 / Llama practice). cfg.n_layers, not
