@@ -106,6 +106,8 @@ class ParallelModel:
         if self._pipeline is None:
             (model,) = self.model_parts
             return loss_fn(model(inputs), targets)
+        if self._pipeline.schedule == "ZBV":
+            raise NotImplementedError("the ZBV schedule has no forward-only pass in torch; evaluate with another schedule")
         return self._run_schedule(inputs, targets, loss_fn, 1.0, backward=False)
 
     def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, loss_scale: float,

@@ -60,6 +60,12 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("train.eval_every", f"evaluates every {t.eval_every} steps, but data.kind: {d.kind} "
                                   "has no validation split", "set data.val_fraction (text, files) or data.val_paths "
                                   "(files), or train.eval_every=0"))
+    pipeline = cfg.parallel.pipeline if cfg.parallel is not None else None
+    if pipeline is not None and pipeline.schedule == "ZBV" and (getattr(d, "val_fraction", 0) or getattr(d, "val_paths", None)):
+        # torch 2.13's ZBV schedule cannot run forward-only (its V stages steal the backward input).
+        issues.append(ConfigIssue("parallel.pipeline.schedule", "ZBV cannot evaluate the validation split "
+                                  "(torch's V schedule has no forward-only pass)",
+                                  "use InterleavedZeroBubble or Interleaved1F1B, or drop data.val_fraction / val_paths"))
     if d.kind == "files":
         issues += _check_files(d)
     if isinstance(cfg.model, HFModelConfig):

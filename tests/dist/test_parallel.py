@@ -82,8 +82,9 @@ def test_loss_parity(check, results, reference):
     for r in per_rank:
         assert _max_rel(r["grad_norms"], ref["grad_norms"]) <= LOSS_REL_TOL, (r["grad_norms"], ref["grad_norms"])
     # Forward only (ParallelModel.evaluate: the pipeline schedules' eval, no gradients) after training.
-    assert all(r["eval_loss"] == per_rank[0]["eval_loss"] for r in per_rank)
-    assert _max_rel([per_rank[0]["eval_loss"]], [ref["eval_loss"]]) <= LOSS_REL_TOL
+    if check != "pp_ZBV":  # refused by the validator with a validation split
+        assert all(r["eval_loss"] == per_rank[0]["eval_loss"] for r in per_rank)
+        assert _max_rel([per_rank[0]["eval_loss"]], [ref["eval_loss"]]) <= LOSS_REL_TOL
 
 
 def test_single_device_is_plain(results, reference):

@@ -142,6 +142,9 @@ def test_bad_files_configs_name_the_path_reason_and_fix(corpus, tmp_path):
     assert "mixes formats" in issues(f"data.paths=[{corpus}/a.jsonl,{corpus}/all.parquet]")["data.paths"]
     assert "no validation split" in issues(f"data.paths=[{corpus}/a.jsonl]", "train.eval_every=5")["train.eval_every"]
     assert "names no files" in issues()["data.paths"]
+    zbv = issues(f"data.paths=[{corpus}/a.jsonl]", "data.val_fraction=0.1", "+parallel=pp",
+                 "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2")
+    assert "no forward-only pass" in zbv["parallel.pipeline.schedule"]
     with pytest.raises(ConfigError, match=r"data\.text_field: 'body' is not a field .* they have \['id', 'text'\]"):
         FilesSource(_cfg(corpus, tmp_path, text_field="body"), SEQ)
     with pytest.raises(ConfigError, match=r"data\.eos_token: .*has no end-of-document token"):
