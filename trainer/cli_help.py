@@ -46,24 +46,14 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def print_help() -> None:
-    from trainer.config import (
-        CustomModelConfig,
-        FilesDataConfig,
-        HFModelConfig,
-        LlamaConfig,
-        MLPConfig,
-        RegressionDataConfig,
-        SyntheticDataConfig,
-        TextDataConfig,
-    )
+    from trainer.config import DATA_SECTIONS, MODEL_SECTIONS
 
     print(USAGE)
     print("config groups:\n" + _groups() + "\n")
     print("keys:")
     print("\n".join(_fields(RunConfig)))
-    for title, model in [("model (arch=llama)", LlamaConfig), ("model (arch=mlp)", MLPConfig),
-                         ("model (arch=hf)", HFModelConfig), ("model (arch=custom)", CustomModelConfig),
-                         ("data (kind=text)", TextDataConfig), ("data (kind=synthetic)", SyntheticDataConfig),
-                         ("data (kind=regression)", RegressionDataConfig), ("data (kind=files)", FilesDataConfig)]:
+    sections = [(f"model (arch={m().arch})", m) for m in MODEL_SECTIONS]
+    sections += [(f"data (kind={d().kind})", d) for d in DATA_SECTIONS]
+    for title, model in sections:
         print(f"\n{title}:")
         print("\n".join(_fields(model, f"{title.split()[0]}.")))

@@ -23,26 +23,16 @@ def register_defaults() -> None:
     presets in ``conf/model`` and ``conf/data`` extend. Idempotent."""
     from hydra.core.config_store import ConfigStore
 
-    from trainer.config import (
-        CustomModelConfig,
-        FilesDataConfig,
-        HFModelConfig,
-        LlamaConfig,
-        MLPConfig,
-        RegressionDataConfig,
-        RunConfig,
-        SyntheticDataConfig,
-        TextDataConfig,
-    )
+    from trainer.config import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
 
     store = ConfigStore.instance()
     base = RunConfig().model_dump(mode="json")
     for union in ("model", "data"):  # a preset names its member; merging two members would mix their keys
         base.pop(union)
     store.store(name=BASE_CONFIG, node=base)
-    for model in (LlamaConfig, MLPConfig, HFModelConfig, CustomModelConfig):
+    for model in MODEL_SECTIONS:
         store.store(group="model", name=f"{model().arch}_defaults", node=model().model_dump(mode="json"))
-    for data in (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig):
+    for data in DATA_SECTIONS:
         store.store(group="data", name=f"{data().kind}_defaults", node=data().model_dump(mode="json"))
 
 

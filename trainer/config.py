@@ -83,7 +83,9 @@ class CustomModelConfig(_Section):
         "lm", description="lm: cross-entropy of logits [B, T, vocab] (text, synthetic data); mse: regression.")
 
 
-ModelConfig = Annotated[Union[LlamaConfig, MLPConfig, HFModelConfig, CustomModelConfig], Field(discriminator="arch")]
+# The members of each tagged union, once: Hydra's `<tag>_defaults` and `--help` list them from here.
+MODEL_SECTIONS = (LlamaConfig, MLPConfig, HFModelConfig, CustomModelConfig)
+ModelConfig = Annotated[Union[MODEL_SECTIONS], Field(discriminator="arch")]
 
 # ------------------------------------------------------------------------------ data
 
@@ -140,8 +142,8 @@ class FilesDataConfig(_Section):
         "for validation (when val_paths is empty).")
 
 
-DataConfig = Annotated[Union[TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig],
-                       Field(discriminator="kind")]
+DATA_SECTIONS = (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig)
+DataConfig = Annotated[Union[DATA_SECTIONS], Field(discriminator="kind")]
 
 # ----------------------------------------------------------------------------- optim
 

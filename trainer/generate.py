@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json or directory instead of the run's own")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens: must be >= 1")
+    if args.temperature < 0:
+        parser.error("--temperature: must be >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        parser.error("--top-k: must be >= 0 (0 = all tokens)")
     from parallel.errors import ConfigError
     from trainer.checkpoint import CheckpointError
 

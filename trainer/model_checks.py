@@ -56,18 +56,21 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
     if d.kind not in _DATA_FOR_ARCH[cfg.model.arch]:
         issues.append(ConfigIssue("data.kind", f"model {cfg.model.arch} cannot train on {d.kind} data",
                                   f"use data={' or data='.join(_DATA_FOR_ARCH[cfg.model.arch])}"))
-    if t.eval_every and not (getattr(d, "val_fraction", 0) or getattr(d, "val_paths", None)):
+    has_val_split = bool(getattr(d, "val_fraction", 0) or getattr(d, "val_paths", None))
+    if t.eval_every and not has_val_split:
         issues.append(ConfigIssue("train.eval_every", f"evaluates every {t.eval_every} steps, but data.kind: {d.kind} "
                                   "has no validation split", "set data.val_fraction (text, files) or data.val_paths "
                                   "(files), or train.eval_every=0"))
     pipeline = cfg.parallel.pipeline if cfg.parallel is not None else None
-    if pipeline is not None and pipeline.schedule == "ZBV" and (getattr(d, "val_fraction", 0) or getattr(d, "val_paths", None)):
+    if pipeline is not None and pipeline.schedule == "ZBV" and has_val_split:
         # torch 2.13's ZBV schedule cannot run forward-only (its V stages steal the backward input).
         issues.append(ConfigIssue("parallel.pipeline.schedule", "ZBV cannot evaluate the validation split "
                                   "(torch's V schedule has no forward-only pass)",
                                   "use InterleavedZeroBubble or Interleaved1F1B, or drop data.val_fraction / val_paths"))
+    data_vocab = None  # the tokenizer's id count, for data=files
     if d.kind == "files":
-        issues += _check_files(d)
+        file_issues, data_vocab = _check_files(d)
+        issues += file_issues
     if isinstance(cfg.model, HFModelConfig):
         from trainer.models.hf import HFModelError, read_hf_config
 
@@ -80,9 +83,9 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
                                       "and pipeline stages cannot share a parameter", "use a layout without a pipeline"))
         # The decoder's own checks below speak of config.json's values, reported at model.path.
         return issues + [ConfigIssue("model.path", f"(config.json) {i.path}: {i.reason}", i.fix) if i.path.startswith("model.")
-                         else i for i in _check_decoder(m, d, t)]
+                         else i for i in _check_decoder(m, d, t, data_vocab)]
     if isinstance(cfg.model, LlamaConfig):
-        issues += _check_decoder(cfg.model, d, t)
+        issues += _check_decoder(cfg.model, d, t, data_vocab)
     if isinstance(cfg.model, CustomModelConfig):
         from trainer.models.custom import CustomModelError, resolve_builder
 
@@ -101,8 +104,9 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
     return issues
 
 
-def _check_decoder(m: LlamaConfig, d, t) -> list[ConfigIssue]:
-    """Checks of a decoder config against the data and the training shape."""
+def _check_decoder(m: LlamaConfig, d, t, data_vocab: int | None = None) -> list[ConfigIssue]:
+    """Checks of a decoder config against the data (``data_vocab``: the files' tokenizer's id
+    count, when known) and the training shape."""
     issues = []
     if m.n_layers > MAX_LAYERS:
         issues.append(ConfigIssue("model.n_layers",
@@ -124,10 +128,10 @@ def _check_decoder(m: LlamaConfig, d, t) -> list[ConfigIssue]:
     if d.kind == "text" and m.vocab_size < 256:
         issues.append(ConfigIssue("model.vocab_size", f"byte-level text needs 256 token ids, got {m.vocab_size}",
                                   "set model.vocab_size: 256"))
-    if d.kind == "files" and (vocab := _tokenizer_vocab(d)) and m.vocab_size < vocab:
-        issues.append(ConfigIssue("model.vocab_size", f"the tokenizer ({d.tokenizer or 'bytes'}) has {vocab} token "
+    if data_vocab and m.vocab_size < data_vocab:
+        issues.append(ConfigIssue("model.vocab_size", f"the tokenizer ({d.tokenizer or 'bytes'}) has {data_vocab} token "
                                   f"ids, the model's embedding only {m.vocab_size}",
-                                  f"use a model with vocab_size >= {vocab}, or its own tokenizer"))
+                                  f"use a model with vocab_size >= {data_vocab}, or its own tokenizer"))
     if d.kind == "synthetic" and d.num_symbols ** (d.order + 1) > 2**22:
         issues.append(ConfigIssue("data.num_symbols", f"the order-{d.order} transition table over {d.num_symbols} "
                                   f"symbols has {d.num_symbols ** (d.order + 1):,} entries (limit {2**22:,})",
@@ -160,15 +164,14 @@ def _check_heads(cfg: RunConfig, m: LlamaConfig | None, where: str, axes, fqns: 
     return []
 
 
-def _check_files(d) -> list[ConfigIssue]:
-    """Every path and glob matches a file, and the tokenizer loads (the corpus is not read here)."""
+def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
+    """Every path and glob matches a file, and the tokenizer loads (the corpus is not read here):
+    ``(issues, the tokenizer's vocabulary size or None when it does not load)``."""
     from trainer.data.files import expand_paths, file_format
     from trainer.data.tokenizer import load_tokenizer
 
-    issues = []
-    for key, paths in (("data.paths", d.paths), ("data.val_paths", d.val_paths)):
-        if key == "data.val_paths" and not paths:
-            continue
+    issues, vocab = [], None
+    for key, paths in [("data.paths", d.paths)] + ([("data.val_paths", d.val_paths)] if d.val_paths else []):
         try:
             file_format(expand_paths(paths, key), key)
         except ConfigError as err:
@@ -177,19 +180,10 @@ def _check_files(d) -> list[ConfigIssue]:
         issues.append(ConfigIssue("data.val_fraction", "is set as well as data.val_paths",
                                   "use one validation split: val_paths or val_fraction"))
     try:
-        load_tokenizer(d.tokenizer, d.eos_token)
+        vocab = load_tokenizer(d.tokenizer, d.eos_token).vocab_size
     except ConfigError as err:
         issues += err.issues
-    return issues
-
-
-def _tokenizer_vocab(d) -> int | None:
-    from trainer.data.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(d.tokenizer, d.eos_token).vocab_size
-    except ConfigError:  # reported by _check_files
-        return None
+    return issues, vocab
 
 
 def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:

@@ -134,7 +134,7 @@ def build_splits(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelCo
     if isinstance(data_cfg, FilesDataConfig) and data_cfg.val_paths:
         from trainer.data.files import FilesSource
 
-        val = FilesSource(data_cfg, seq_len, paths=data_cfg.val_paths, key="data.val_paths")
+        val = FilesSource(data_cfg, seq_len, paths=data_cfg.val_paths, key="data.val_paths", tokenizer=source.tokenizer)
         return DataSplits(source, val, notes + [f"validation {note}" for note in val.notes()])
     train, val = split_tail(source, getattr(data_cfg, "val_fraction", 0.0), path="data.val_fraction")
     if val is not None:

@@ -122,13 +122,14 @@ class FilesSource(TokenWindows):
         seq_len: tokens per sample (``train.seq_len``).
         paths: the file list to use instead of ``cfg.paths`` (``cfg.val_paths`` for validation).
         key: the config path the file list is reported at.
+        tokenizer: ``cfg.tokenizer`` already loaded (the validation split reuses the training one's).
     """
 
     def __init__(self, cfg: FilesDataConfig, seq_len: int, *, paths: list[str] | None = None,
-                 key: str = "data.paths") -> None:
+                 key: str = "data.paths", tokenizer: Tokenizer | None = None) -> None:
         self.cfg = cfg
         self.files = expand_paths(cfg.paths if paths is None else paths, key)
-        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.eos_token)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, cfg.eos_token)
         path = build_token_file(self.files, self.tokenizer, text_field=cfg.text_field,
                                 cache_dir=Path(cfg.cache_dir).expanduser(), num_proc=cfg.num_proc)
         meta = json.loads(path.with_suffix(".json").read_text())

@@ -252,11 +252,11 @@ class Transformer(nn.Module):
                           f"{blocks}.mlp.w[13].weight": col, f"{blocks}.mlp.w2.weight": row}
         else:
             placements = {f"{blocks}.{n.attn}.{p}.weight": col for p in (n.q, n.k, n.v)}
-            if self.cfg.qkv_bias:  # a column-parallel layer's bias is split like its output rows
-                placements |= {f"{blocks}.{n.attn}.{p}.bias": col for p in (n.q, n.k, n.v)}
             placements[f"{blocks}.{n.attn}.{n.o}.weight"] = row
             placements |= {f"{blocks}.{n.mlp}.{p}.weight": col for p in (n.gate, n.up)}
             placements[f"{blocks}.{n.mlp}.{n.down}.weight"] = row
+        if self.cfg.qkv_bias:  # a column-parallel layer's bias is split like its output rows
+            placements |= {f"{blocks}.{n.attn}.{p}.bias": col for p in (n.q, n.k, n.v)}
         layouts = {f"{blocks}.{norm}": {"input": {axis: "Shard(1)"}} for norm in (n.attn_norm, n.mlp_norm)}
         return placements, (layouts if sequence_parallel else {})
 
