@@ -8,9 +8,12 @@
     print(pm.reduce_loss(loss))                               # the global mean, on every rank
 
 Order of application, as torchtitan does it: split into pipeline stages -> tensor parallel
-(placements, layouts) -> activation checkpointing -> data parallel. The model must be built
-and initialised in full on every rank first; because the initial values depend only on
-(seed, FQN), splitting and sharding then keeps every value identical to one device.
+(placements, layouts) -> activation checkpointing -> data parallel -> (a meta model only)
+allocate this rank's shards and initialise them. The model is either built and initialised in
+full on every rank, or built on the ``meta`` device and initialised after sharding
+(``parallelize(meta_model, plan, device=..., init=lambda part: part.init_weights(seed))``);
+because the initial values depend only on (seed, FQN, shape), both give every value of one
+device.
 
 With one device (a plan whose mesh is ``(1,)``) there is no mesh and ``forward_backward`` is a
 plain forward and backward, so the training loop is the same code for every mesh.
@@ -213,18 +216,27 @@ def _is_shard(placement: Any) -> bool:
     return isinstance(placement, Shard) or getattr(placement, "dim", None) is not None
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -> ParallelModel:
-    """Spread the full, initialised ``model`` over the plan's mesh; returns this rank's
-    :class:`ParallelModel`.
+def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
+                init: Callable[[nn.Module], None] | None = None) -> ParallelModel:
+    """Spread ``model`` over the plan's mesh; returns this rank's :class:`ParallelModel`.
 
     Args:
-        model: the whole model on CPU, initialised (identically on every rank).
+        model: the whole model, either initialised on CPU (identically on every rank) or built
+            on the ``meta`` device (names and shapes only). A meta model is split and sharded
+            as it is, then each part is allocated on ``device`` (``to_empty``) and ``init(part)``
+            fills this rank's shards: no rank ever allocates a parameter it does not hold.
         plan: from :func:`parallel.plan.resolve_plan` for this model and config.
         device: where this rank computes (``cpu``, or its own ``cuda`` device).
+        init: with a meta model, fills a materialised part's parameters and buffers (the
+            trainer passes the model's ``init_weights(seed)``, which computes each shard's
+            block of the full value, so every mesh starts from one device's values).
     """
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and init is None:
+        raise ValueError("a model on the meta device needs init= to give its shards their values")
     ac = dict(mode=plan.activation_checkpointing, every=plan.activation_checkpointing_every, block_fqns=plan.blocks)
     if plan.mesh.world_size == 1:
-        model.to(device)
+        _materialize(model, device, init if on_meta else None)
         apply_ac(model, **ac)
         return ParallelModel(model_parts=[model], mesh=None, device=device)
 
@@ -241,13 +253,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -
     dp = plan.data_parallel
     dp_names = list(dp.dim_names) if dp is not None else []
     for _, part in stages:
-        part.to(device)
+        if not on_meta:
+            part.to(device)
         if plan.placements or plan.layouts:
             report.update(apply_placements(part, mesh, placements=plan.placements, layouts=plan.layouts))
         apply_ac(part, **ac)
         if dp is not None:
             apply_data_parallel(part, mesh, mode=dp.mode, dim_names=dp_names, block_fqns=plan.blocks,
                                 pipelined=pp is not None)
+        if on_meta:
+            _materialize(part, device, init)
     return ParallelModel(
         model_parts=[part for _, part in stages],
         mesh=mesh,
@@ -258,6 +273,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -
         device=device,
         placement_report=report,
     )
+
+
+def _materialize(part: nn.Module, device: torch.device, init: Callable[[nn.Module], None] | None) -> None:
+    """Move ``part`` to ``device``; a meta part is allocated there (its shards only: after
+    tensor and data parallelism a DTensor's local tensor is the shard) and given its values."""
+    if init is None:
+        part.to(device)
+        return
+    part.to_empty(device=device)
+    init(part)
 
 
 __all__ = ["ParallelModel", "parallelize", "submesh"]

@@ -65,21 +65,43 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
     return {"tensors": len(tensors), "bytes": Path(out).stat().st_size}
 
 
-def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load a safetensors file from :func:`export_checkpoint` into the plain model, strictly."""
-    from safetensors.torch import load_file
+def check_weights_fit(model: torch.nn.Module, path: str | Path) -> None:
+    """Raise unless the safetensors file ``path`` holds exactly ``model``'s tensors, shape for
+    shape; reads only the file's header, so ``model`` may be on the meta device."""
+    from safetensors import safe_open
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"train.init_from: {str(path)!r} does not exist (give a file written by python -m trainer.export)")
-    weights = load_file(str(path))
-    own = model.state_dict()
-    missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
-    wrong = sorted(k for k in own.keys() & weights.keys() if own[k].shape != weights[k].shape)
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, unexpected = sorted(own.keys() - shapes.keys()), sorted(shapes.keys() - own.keys())
+    wrong = sorted(k for k in own.keys() & shapes.keys() if own[k] != shapes[k])
     if missing or unexpected or wrong:
         raise ValueError(f"train.init_from: {str(path)!r} does not fit the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}, other shapes {wrong[:5]} "
                          "(export from a checkpoint of the same model config)")
-    model.load_state_dict(weights, strict=True)
+
+
+def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Path) -> None:
+    """Load a safetensors file from :func:`export_checkpoint` into the plain model, or into this
+    rank's sharded parts (pipeline stages, DTensor shards): each tensor reads only the block it
+    holds (safetensors slices the file), so a sharded run never loads a whole parameter it does
+    not hold. Checks the file against the model first when given the whole model."""
+    from safetensors import safe_open
+
+    from trainer.models.init import local_box
+
+    if isinstance(parts, torch.nn.Module):
+        check_weights_fit(parts, path)
+        parts = [parts]
+    with safe_open(str(path), framework="pt") as f, torch.no_grad():
+        for part in parts:
+            for name, tensor in part.state_dict().items():
+                offset, local = local_box(tensor)
+                block = f.get_slice(name)[tuple(slice(o, o + k) for o, k in zip(offset, local))] if local else f.get_tensor(name)
+                target = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                target.copy_(block)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,8 +29,9 @@ from trainer.config import HFModelConfig, OptimConfig, RunConfig
 from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
 from trainer.metrics import Progress, peak_memory_mb
-from trainer.models import build_model, decoder_config, loss_fn_for
-from trainer.models.hf import build_hf_model, load_hf_sharded, weight_files
+from trainer.export import check_weights_fit, load_weights
+from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
+from trainer.models.hf import load_hf_sharded, weight_files
 from trainer.tracking import Tracker
 
 
@@ -68,25 +69,38 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
 
 
 def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
-    """The full model, initialised from the seed, then split and sharded as the config's plan says.
+    """This rank's share of the model, split and sharded as the config's plan says, with one
+    device's initial values (from the seed, ``train.init_from``, or a Hugging Face directory's
+    safetensors).
 
-    A Hugging Face model's safetensors are read after sharding on a mesh, each rank reading only
-    the slices it holds (:func:`trainer.models.hf.load_hf_sharded`); ``train.init_from`` replaces
-    every weight before sharding."""
-    sharded_hf = (isinstance(cfg.model, HFModelConfig) and cfg.world_size > 1 and not cfg.train.init_from
-                  and bool(weight_files(cfg.model.path)))
-    if sharded_hf:
-        model = build_hf_model(cfg.model, seed=cfg.train.seed, load_weights=False)
-    else:
-        model = build_model(cfg.model, seed=cfg.train.seed)
+    On a mesh the model is built on the meta device, split and sharded there, and only then
+    allocated: each rank holds and initialises its own shards (values computed block by block,
+    :func:`trainer.models.init.initial_block`) and reads only its slices of a weights file. A
+    custom module without ``init_weights`` cannot be initialised that way: every rank builds it
+    in full (its builder sets the values) before sharding."""
+    init = None
+    if cfg.world_size > 1:
+        model = build_model(cfg.model, device="meta")
+        init = meta_initializer(model, cfg.train.seed)
+    if init is None:
+        return _build_in_full(cfg, device)
+    hf_files = isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path))
     if cfg.train.init_from:
-        from trainer.export import load_weights
-
-        load_weights(model, cfg.train.init_from)
-    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device)
-    if sharded_hf:
+        check_weights_fit(model, cfg.train.init_from)
+    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, init=init)
+    if cfg.train.init_from:
+        load_weights(pm.model_parts, cfg.train.init_from)
+    elif hf_files:
         load_hf_sharded(pm.model_parts, cfg.model.path)
     return pm
+
+
+def _build_in_full(cfg: RunConfig, device: torch.device) -> ParallelModel:
+    """The whole model built and initialised on every rank, then split and sharded."""
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    if cfg.train.init_from:
+        load_weights(model, cfg.train.init_from)
+    return parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device)
 
 
 def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, local_rank: int = 0) -> TrainResult:

@@ -25,7 +25,7 @@ from parallel.placements import parse_placement
 from parallel.tensor_parallel import apply_placements
 from parallel.config import ParallelConfig
 from trainer.config import LlamaConfig, MLPConfig
-from trainer.models import build_model, loss_fn_for
+from trainer.models import build_model, loss_fn_for, meta_initializer
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, GLOBAL_BATCH, SEQ_LEN, LR, GRAD_CLIP = 5, 8, 32, 1e-3, 1.0
@@ -90,10 +90,12 @@ CPU = torch.device("cpu")
 
 
 def parallelize_preset(model: nn.Module, mesh: list | None, par: ParallelConfig | None, **overrides) -> ParallelModel:
-    """The trainer's road: resolve the plan of ``par`` (fields replaced by ``overrides``), then parallelize."""
+    """The trainer's road: resolve the plan of ``par`` (fields replaced by ``overrides``), then
+    parallelize; a model on the meta device is initialised shard by shard after sharding."""
     if par is not None and overrides:
         par = par.model_copy(update=overrides)
-    return parallelize(model, resolve_plan(par, mesh, model), device=CPU)
+    init = meta_initializer(model, seed=0) if any(p.is_meta for p in model.parameters()) else None
+    return parallelize(model, resolve_plan(par, mesh, model), device=CPU, init=init)
 
 
 def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
@@ -201,7 +203,7 @@ def preset_check(name: str | tuple[list, dict], *, grad_accum: int = 1, **pipeli
         else:
             mesh, par = name[0], ParallelConfig.model_validate(name[1])
         cfg = llama_cfg()
-        pm = parallelize_preset(build_model(cfg, seed=0), mesh, par)
+        pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par)
         errors = check_placements(pm, par, mesh, cfg)
         probe = _probe_norm_input(pm)
         fqns = sorted(n.replace("_checkpoint_wrapped_module.", "") for n, _ in pm.named_parameters())
@@ -230,7 +232,7 @@ def ac_check(name: str, mode: str):
     def check(*, rank: int, world_size: int) -> dict:
         mesh, par = load_preset(name)
         cfg = llama_cfg()
-        pm = parallelize_preset(build_model(cfg, seed=0), mesh, par, activation_checkpointing=mode,
+        pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par, activation_checkpointing=mode,
                                 activation_checkpointing_every=2)
         wrapped = sorted(n for n, m in pm.model_parts[0].named_modules() if isinstance(m, CheckpointWrapper))
         return {**train(pm, cfg), "wrapped": wrapped}
@@ -245,7 +247,7 @@ def mlp_tp_check(*, rank: int, world_size: int) -> dict:
     """The seeds' MLP: raw w0 Shard(1), w1 Shard(0) via DTensor propagation; trains to parity,
     and a Partial output layout leaves the output Partial with the right sum."""
     par = ParallelConfig.model_validate({"dims": ["tp"], "placements": MLP_PLACEMENTS})
-    pm = parallelize_preset(build_model(MLP_CFG, seed=0), [2], par)
+    pm = parallelize_preset(build_model(MLP_CFG, device="meta"), [2], par)
     shapes = {n: list(p.to_local().shape) for n, p in pm.named_parameters()}
     result = {**train(pm, MLP_CFG), "report": pm.placement_report, "local_shapes": shapes}
 
@@ -266,7 +268,7 @@ def mlp_pp_check(*, rank: int, world_size: int) -> dict:
     par = ParallelConfig.model_validate(
         {"dims": ["pp"], "pipeline": {"dim": "pp", "schedule": "GPipe", "microbatches": 2, "boundaries": ["w1"]}}
     )
-    pm = parallelize_preset(build_model(MLP_CFG, seed=0), [2], par)
+    pm = parallelize_preset(build_model(MLP_CFG, device="meta"), [2], par)
     fqns = sorted(n for n, _ in pm.named_parameters())
     return {**train(pm, MLP_CFG), "fqns": fqns}
 
@@ -334,7 +336,7 @@ def comm_check(preset: str):
 
         mesh, par = load_preset(preset)
         cfg = llama_cfg()
-        pm = parallelize_preset(build_model(cfg, seed=0), mesh, par)
+        pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par)
         optimizer = make_optimizer(pm.parameters())
         inputs, targets = batches(cfg)[0]
         with CommDebugMode() as step_comm:
@@ -365,13 +367,24 @@ def hf_logits_check(*, rank: int, world_size: int) -> dict:
         path = os.environ[f"MESHFLOW_TEST_{kind.upper()}_DIR"]  # written by the parent test
         mesh, par = load_preset(preset)
         # The trainer's road: random init, shard, then each rank reads its slices of the safetensors.
-        pm = parallelize_preset(build_hf_model(HFModelConfig(path=path), seed=0, load_weights=False), mesh, par)
+        pm = parallelize_preset(build_hf_model(HFModelConfig(path=path), device="meta"), mesh, par)
         load_hf_sharded(pm.model_parts, path)
         tokens = batches(llama_cfg())[0][0]
         with torch.no_grad():
             ours = pm.model_parts[0](tokens)
             theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
         out[kind] = {"max_abs_diff": float((ours - theirs).abs().max()), "report": pm.placement_report}
+        if kind == "llama":  # train.init_from's road: each rank reads its blocks of one safetensors file
+            from trainer.export import load_weights
+
+            pp_tp = ParallelConfig.model_validate({"dims": ["pp", "tp"], "tensor_parallel": {"dim": "tp"},
+                                                   "pipeline": {"dim": "pp", "microbatches": 2}})
+            pm = parallelize_preset(build_hf_model(HFModelConfig(path=path), device="meta"), [2, 2], pp_tp)
+            load_weights(pm.model_parts, os.path.join(path, "model.safetensors"))
+            full = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in pm.named_parameters()}
+            theirs_state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+            out["init_from_pp_tp_max_abs_diff"] = max(float((full[n] - theirs_state[n]).abs().max()) for n in full)
+            out["init_from_pp_tp_params"] = len(full)
     return out
 
 

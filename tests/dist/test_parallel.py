@@ -194,6 +194,8 @@ def test_hf_model_in_fsdp_x_tp_gives_transformers_logits(results):
     for per_rank in results("hf_2d_logits"):
         for kind in ("llama", "qwen2", "qwen3"):
             assert per_rank[kind]["max_abs_diff"] <= 1e-5, (kind, per_rank[kind]["max_abs_diff"])
+        # train.init_from on pp x tp: every parameter the rank holds (its stage's) has the file's values.
+        assert per_rank["init_from_pp_tp_max_abs_diff"] == 0.0 and per_rank["init_from_pp_tp_params"] > 0
         for kind in ("llama", "qwen2"):
             styles = per_rank[kind]["report"]
             assert styles["model.layers.0.self_attn.q_proj"] == "colwise"

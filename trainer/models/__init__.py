@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig
-from trainer.models.init import canonical_fqn, init_parameter, stable_seed
+from trainer.models.init import canonical_fqn, init_named_parameters, init_parameter, stable_seed
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 from trainer.models.mlp import MatmulMLP
 
@@ -70,6 +70,26 @@ def build_model(cfg: ModelCfg, *, device: str | torch.device = "cpu", seed: int 
     return model
 
 
+def meta_initializer(model: nn.Module, seed: int) -> Callable[[nn.Module], None] | None:
+    """How a part of ``model`` built on ``meta`` (the whole model, a pipeline stage) gets its
+    values once allocated: its ``init_weights(seed)``, or for a stage of raw parameters (the
+    MLP's ``w0``, ``w1``) the model's rule by FQN. ``None`` when the model has neither (a custom
+    module without ``init_weights``): it must be built in full, where its builder initialises it."""
+    rule = getattr(model, "_init_rule", None)
+    if not callable(getattr(model, "init_weights", None)):
+        return None
+
+    def init(part: nn.Module) -> None:
+        if callable(getattr(part, "init_weights", None)):
+            part.init_weights(seed)
+        elif rule is not None:
+            init_named_parameters(part.named_parameters(), seed, rule)
+        else:
+            raise TypeError(f"{type(part).__name__} has no init_weights to initialise it after sharding")
+
+    return init
+
+
 def decoder_config(cfg: ModelCfg) -> LlamaConfig | None:
     """The decoder's shape: the built-in config, what a Hugging Face directory's config.json says,
     or None (the MLP, a custom module)."""
@@ -108,6 +128,7 @@ __all__ = [
     "init_parameter",
     "lm_loss",
     "loss_fn_for",
+    "meta_initializer",
     "mse_loss",
     "stable_seed",
 ]
