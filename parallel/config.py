@@ -32,6 +32,8 @@ AxisPlacements = dict[str, Placement]
 DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
 ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
+# Compute precision: fp32, or bf16 compute over fp32 master weights, optimizer state and gradient reduction.
+Precision = Literal["fp32", "bf16"]
 INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBV",)  # two stages per rank, placed as a V
 MULTI_STAGE_SCHEDULES = INTERLEAVED_SCHEDULES + V_SCHEDULES

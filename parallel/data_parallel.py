@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from parallel.config import DataParallelMode
+from parallel.config import DataParallelMode, Precision
 from parallel.mesh import submesh
 
 
@@ -39,6 +40,7 @@ def apply_data_parallel(
     dim_names: Sequence[str],
     block_fqns: Sequence[str] = (),
     pipelined: bool = False,
+    precision: Precision = "fp32",
 ) -> nn.Module:
     """Wrap ``module`` (the model or one pipeline stage) for data parallelism over the mesh
     axes ``dim_names``; returns it (modified in place).
@@ -52,20 +54,25 @@ def apply_data_parallel(
         pipelined: ``module`` is a pipeline stage run once per micro-batch. FSDP then keeps
             parameters gathered after forward (as torchtitan does): resharding would
             all-gather them again for every micro-batch. Gradients stay sharded.
+        precision: ``bf16`` gathers parameters in bf16 and computes in bf16, while the sharded
+            master weights (and so the optimizer state) stay fp32 and gradients are reduced in
+            fp32 (FSDP2's ``MixedPrecisionPolicy``; ``ddp`` is FSDP2's replicate, so the same).
     """
     dim_names = list(dim_names)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+        else MixedPrecisionPolicy()
     if mode == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        return replicate(module, mesh=submesh(mesh, dim_names))
+        return replicate(module, mesh=submesh(mesh, dim_names), mp_policy=mp)
     # hsdp keeps its two axes as a 2-D mesh: FSDP2 replicates over the first, shards over the second.
     dp_mesh = submesh(mesh, dim_names, flatten=mode != "hsdp")
     reshard = mode != "zero2" and not pipelined
     modules = dict(module.named_modules())
     for fqn in block_fqns:
         if fqn in modules:
-            fully_shard(modules[fqn], mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(modules[fqn], mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     # The root's parameters (embeddings, final norm, head) are needed again right at the start
     # of backward: keeping them gathered saves an all-gather for nothing.
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     return module

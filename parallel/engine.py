@@ -21,6 +21,7 @@ plain forward and backward, so the training loop is the same code for every mesh
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -29,9 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel.activation_checkpointing import apply_ac
+from parallel.config import Precision
 from parallel.data_parallel import apply_data_parallel
 from parallel.mesh import axis_rank, build_mesh, submesh
 from parallel.pipeline import build_schedule, split_stages
@@ -64,6 +67,7 @@ class ParallelModel:
         pipeline: PipelineSpec | None = None,
         device: torch.device | str = "cpu",
         placement_report: dict[str, str] | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.model_parts = model_parts
         self.mesh = mesh
@@ -76,6 +80,7 @@ class ParallelModel:
         self.placement_report = placement_report or {}
         self._pipeline = pipeline
         self._device = torch.device(device)
+        self._autocast = autocast
         self._schedule = None
         self._loss_fn: LossFn | None = None
         self._loss_factor = 1.0
@@ -96,10 +101,12 @@ class ParallelModel:
         """
         if self._pipeline is None:
             (model,) = self.model_parts
-            loss = loss_fn(model(inputs), targets)
+            with self._precision():
+                loss = loss_fn(model(inputs), targets)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             return loss.detach()
-        return self._run_schedule(inputs, targets, loss_fn, loss_scale, backward=True)
+        with self._precision():
+            return self._run_schedule(inputs, targets, loss_fn, loss_scale, backward=True)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
@@ -108,10 +115,28 @@ class ParallelModel:
         ranks' values with :meth:`reduce_loss`."""
         if self._pipeline is None:
             (model,) = self.model_parts
-            return loss_fn(model(inputs), targets)
-        if self._pipeline.schedule == "ZBV":
+            with self._precision():
+                loss = loss_fn(model(inputs), targets)
+        elif self._pipeline.schedule == "ZBV":
             raise NotImplementedError("the ZBV schedule has no forward-only pass in torch; evaluate with another schedule")
-        return self._run_schedule(inputs, targets, loss_fn, 1.0, backward=False)
+        else:
+            with self._precision():
+                loss = self._run_schedule(inputs, targets, loss_fn, 1.0, backward=False)
+        # FSDP keeps what it gathered without resharding after forward (the root, zero2, pipeline
+        # stages) until a backward that never comes here: give the module its sharded fp32
+        # parameters back, as the optimizer and a checkpoint expect them.
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return loss
+
+    def _precision(self):
+        """bf16 autocast where no FSDP mixed-precision policy casts the parameters (one device,
+        tp, pp without dp): matmuls in bf16, fp32 weights and gradients. Else a no-op."""
+        if self._autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self._device.type, dtype=self._autocast)
 
     def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, loss_scale: float,
                       *, backward: bool) -> torch.Tensor | None:
@@ -217,7 +242,7 @@ def _is_shard(placement: Any) -> bool:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
-                init: Callable[[nn.Module], None] | None = None) -> ParallelModel:
+                init: Callable[[nn.Module], None] | None = None, precision: Precision = "fp32") -> ParallelModel:
     """Spread ``model`` over the plan's mesh; returns this rank's :class:`ParallelModel`.
 
     Args:
@@ -230,6 +255,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         init: with a meta model, fills a materialised part's parameters and buffers (the
             trainer passes the model's ``init_weights(seed)``, which computes each shard's
             block of the full value, so every mesh starts from one device's values).
+        precision: ``bf16``: bf16 compute over fp32 master weights, optimizer state and
+            gradient reduction; FSDP2's mixed-precision policy where data parallelism applies
+            (every mode is FSDP2-based), ``torch.autocast`` otherwise.
     """
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init is None:
@@ -238,7 +266,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     if plan.mesh.world_size == 1:
         _materialize(model, device, init if on_meta else None)
         apply_ac(model, **ac)
-        return ParallelModel(model_parts=[model], mesh=None, device=device)
+        return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None))
 
     mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, rank_ids=plan.mesh.rank_ids, device_type=device.type)
     if dist.get_world_size() != mesh.size():
@@ -260,7 +288,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         apply_ac(part, **ac)
         if dp is not None:
             apply_data_parallel(part, mesh, mode=dp.mode, dim_names=dp_names, block_fqns=plan.blocks,
-                                pipelined=pp is not None)
+                                pipelined=pp is not None, precision=precision)
         if on_meta:
             _materialize(part, device, init)
     return ParallelModel(
@@ -272,7 +300,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         pipeline=pp,
         device=device,
         placement_report=report,
+        autocast=_autocast_dtype(precision, dp),
     )
+
+
+def _autocast_dtype(precision: Precision, dp: Any) -> torch.dtype | None:
+    # With data parallelism FSDP2's policy already computes in bf16; autocast on top would only re-cast.
+    return torch.bfloat16 if precision == "bf16" and dp is None else None
 
 
 def _materialize(part: nn.Module, device: torch.device, init: Callable[[nn.Module], None] | None) -> None:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
-from parallel.config import MeshValue, ParallelConfig, Section as _Section, mesh_shape_of
+from parallel.config import MeshValue, ParallelConfig, Precision, Section as _Section, mesh_shape_of
 
 # ----------------------------------------------------------------------------- model
 
@@ -197,6 +197,9 @@ class TrainConfig(_Section):
     eval_batches: int = Field(
         4, ge=1, description="Validation batches per evaluation (global_batch_size / grad_accum sequences each, "
         "the same ones every time); fewer when the split is smaller.")
+    precision: Precision = Field(
+        "fp32", description="fp32, or bf16: bf16 compute with fp32 master weights, optimizer state and gradient "
+        "reduction (FSDP2's mixed-precision policy under data parallelism, autocast otherwise).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     init_from: str | None = Field(
         None, description="Initialise the weights from a safetensors file (see `python -m trainer.export`) "

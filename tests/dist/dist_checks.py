@@ -56,13 +56,15 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list(params), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
 
 
-def reference_run(model_cfg) -> dict:
-    """Single device, no engine: the losses and pre-clip gradient norms every mesh must match."""
+def reference_run(model_cfg, *, precision: str = "fp32") -> dict:
+    """Single device, no engine: the losses and pre-clip gradient norms every mesh must match
+    (``precision="bf16"``: under bf16 autocast, fp32 weights)."""
     model = build_model(model_cfg, seed=0)
     optimizer, loss_fn = make_optimizer(model.parameters()), loss_fn_for(model_cfg)
     losses, norms = [], []
     for inputs, targets in batches(model_cfg):
-        loss = loss_fn(model(inputs), targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(model(inputs), targets)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)))
         optimizer.step()
@@ -89,13 +91,14 @@ def load_preset(name: str, **pipeline_update) -> tuple[list, ParallelConfig]:
 CPU = torch.device("cpu")
 
 
-def parallelize_preset(model: nn.Module, mesh: list | None, par: ParallelConfig | None, **overrides) -> ParallelModel:
+def parallelize_preset(model: nn.Module, mesh: list | None, par: ParallelConfig | None, *, precision: str = "fp32",
+                       **overrides) -> ParallelModel:
     """The trainer's road: resolve the plan of ``par`` (fields replaced by ``overrides``), then
     parallelize; a model on the meta device is initialised shard by shard after sharding."""
     if par is not None and overrides:
         par = par.model_copy(update=overrides)
     init = meta_initializer(model, seed=0) if any(p.is_meta for p in model.parameters()) else None
-    return parallelize(model, resolve_plan(par, mesh, model), device=CPU, init=init)
+    return parallelize(model, resolve_plan(par, mesh, model), device=CPU, init=init, precision=precision)
 
 
 def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
@@ -194,7 +197,7 @@ def check_placements(pm: ParallelModel, par: ParallelConfig, mesh_shape, model_c
 # ---------------------------------------------------------------------------- checks
 
 
-def preset_check(name: str | tuple[list, dict], *, grad_accum: int = 1, **pipeline_update):
+def preset_check(name: str | tuple[list, dict], *, grad_accum: int = 1, precision: str = "fp32", **pipeline_update):
     """Parity, placements and FQNs of a preset by name, or of an inline ``(mesh, parallel dict)``."""
 
     def check(*, rank: int, world_size: int) -> dict:
@@ -203,11 +206,17 @@ def preset_check(name: str | tuple[list, dict], *, grad_accum: int = 1, **pipeli
         else:
             mesh, par = name[0], ParallelConfig.model_validate(name[1])
         cfg = llama_cfg()
-        pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par)
+        pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par, precision=precision)
         errors = check_placements(pm, par, mesh, cfg)
         probe = _probe_norm_input(pm)
+        linear_dtypes: set[str] = set()
+        for module in pm.model_parts[0].modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(lambda _m, _i, out: linear_dtypes.add(str(out.dtype)))
         fqns = sorted(n.replace("_checkpoint_wrapped_module.", "") for n, _ in pm.named_parameters())
         return {**train(pm, cfg, grad_accum=grad_accum), "placement_errors": errors, "fqns": fqns, "report": pm.placement_report,
+                "param_dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
+                "linear_output_dtypes": sorted(linear_dtypes),
                 "stages": pm.stage_indices, "norm_input_local_shape": probe}
 
     return check
@@ -409,15 +418,21 @@ SUITES = {
         ("tp_sp_ac_selective", ac_check("tp_sp", "selective")),
         ("mlp_tp", mlp_tp_check),
         ("mlp_pp", mlp_pp_check),
+        ("bf16_dp", preset_check("dp", precision="bf16")),
+        ("bf16_fsdp", preset_check("fsdp", precision="bf16")),
+        ("bf16_tp", preset_check("tp", precision="bf16")),
+        ("bf16_pp", preset_check("pp", precision="bf16")),
     ],
     "four_rank": [
         ("hsdp", preset_check("hsdp")),
         ("fsdp_pp_grad_accum", preset_check(([2, 2], FSDP_PP), grad_accum=2)),
         ("2d", preset_check("2d")),
+        ("bf16_2d", preset_check("2d", precision="bf16")),
         ("hf_2d_logits", hf_logits_check),
     ],
     "eight_rank": [
         ("3d", preset_check("3d")),
+        ("bf16_3d", preset_check("3d", precision="bf16")),
         ("paddle_mesh", paddle_mesh_check),
     ],
 }
