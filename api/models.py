@@ -121,6 +121,13 @@ class PlanRank(BaseModel):
     param_bytes: float = Field(description="Bytes of parameters per rank after data-parallel sharding.")
     grad_bytes: float = Field(description="Bytes of gradients per rank.")
     optim_bytes: float = Field(description="Bytes of AdamW state per rank.")
+    gathered_bytes: float = Field(0.0, description="Bytes of FSDP's gathered (unsharded) parameters, or autocast's bf16 "
+                                  "weight copies, at the peak.")
+    activation_bytes: float = Field(0.0, description="Bytes of activations saved for backward at the peak, over the "
+                                    "micro-batches in flight.")
+    microbatches_in_flight: int = Field(1, description="Micro-batch passes whose activations this rank holds at once.")
+    peak_bytes: float = Field(0.0, description="Predicted peak bytes per rank: weights + grads + AdamW + gathered + "
+                              "activations.")
 
 
 class PlanPublic(BaseModel):
@@ -135,4 +142,6 @@ class PlanPublic(BaseModel):
     per_pp_rank: list[PlanRank] = Field(description="Memory per pipeline rank.")
     bubble: float = Field(description="Pipeline bubble fraction (0 without a pipeline).")
     comm_bytes_per_step: dict[str, float] = Field(description="Bytes each rank sends per optimizer step, per mesh axis.")
+    memory_budget_bytes: float = Field(0.0, description="The per-rank budget a run is checked against "
+                                       "(launch.memory_budget_gb, the GPU's memory, or a share of the host's).")
     config: dict[str, Any] = Field(description="The resolved, validated config.")

@@ -89,11 +89,11 @@ class ControlPlane:
                               workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None)
 
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
-        """The validated config and :func:`trainer.plan.plan_numbers` of it; nothing is launched."""
-        from trainer.plan import plan_numbers  # the trainer's public planning function
+        """The validated config and :func:`trainer.plan.plan_report` of it; nothing is launched."""
+        from trainer.plan import plan_report  # the trainer's public planning function
 
         cfg, plan = self.resolve(overrides=overrides, document=document)
-        return cfg, plan_numbers(cfg, plan)
+        return cfg, plan_report(cfg, plan)
 
     def submit_job(self, session: Session, *, owner: str, name: str, overrides: list[str] | None = None,
                    document: dict[str, Any] | None = None, priority: int = 0,

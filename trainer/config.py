@@ -215,6 +215,9 @@ class LaunchConfig(_Section):
     node_rank: int = Field(0, ge=0, description="This host's rank among nnodes.")
     rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one.")
     max_restarts: int = Field(0, ge=0, description="Times torch's elastic agent restarts failed workers.")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="Memory per worker a run may use (GiB); a config predicted to need more is refused "
+        "before any worker starts. null = the GPU's memory, or 90% of the host's memory shared by its workers.")
 
 
 # ------------------------------------------------------------------------------- run

@@ -28,7 +28,7 @@ from trainer.checkpoint import (
 from trainer.config import HFModelConfig, OptimConfig, RunConfig
 from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
-from trainer.metrics import Progress, peak_memory_mb
+from trainer.metrics import MemoryMeter, Progress
 from trainer.export import check_weights_fit, load_weights
 from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
 from trainer.models.hf import load_hf_sharded, weight_files
@@ -109,14 +109,19 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     t = cfg.train
     device = resolve_device(cfg.device, local_rank)
     torch.manual_seed(t.seed)
+    splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
+    source, val_source = splits.train, splits.val
+    meter = MemoryMeter(device)  # from here on: the model's memory, beside the plan's prediction
+    if rank == 0:
+        predicted = _predicted_peak_mb(cfg)
+        tracker.log_metrics({"predicted_peak_memory_mb": predicted}, step=0)
+        progress.log(f"memory: predicted peak {predicted:,.0f} MiB per rank")
     pm = build_parallel_model(cfg, device)
     optimizer = torch.optim.AdamW(
         list(pm.parameters()), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, t.steps))
-    splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
-    source, val_source = splits.train, splits.val
     for note in splits.notes:
         progress.log(note)
     # One loader batch is one accumulation batch; the loader position is global, so a resume
@@ -159,10 +164,11 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         result.losses.append(loss_value)
 
         if step % t.log_every == 0 or step == t.steps:
+            peaks = _per_rank(meter.peak_mb(), pm, device)
             metrics = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                        "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                       "peak_memory_mb": peak_memory_mb(device)}
-            tracker.log_metrics(metrics, step=step)
+                       "peak_memory_mb": max(peaks)}
+            tracker.log_metrics({**metrics, **{f"peak_memory_mb_rank{r}": v for r, v in enumerate(peaks)}}, step=step)
             progress.log_step(step, metrics)
         progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time)
         if val_source is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
@@ -204,6 +210,26 @@ def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, dev
     finally:
         pm.train(True)
     return sum(losses) / len(losses)
+
+
+def _predicted_peak_mb(cfg: RunConfig) -> float:
+    """The plan's per-rank peak (the largest over pipeline ranks), MiB."""
+    from trainer.memory import predict_memory
+
+    plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    return max(e.total for e in predict_memory(cfg, plan)) / 2**20
+
+
+def _per_rank(value: float, pm: ParallelModel, device: torch.device) -> list[float]:
+    """``value`` of every rank, in rank order (a collective: every rank calls it)."""
+    if pm.mesh is None:
+        return [value]
+    import torch.distributed as dist
+
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [float(v) for v in everyone]
 
 
 def _rng_state() -> dict:

@@ -19,6 +19,48 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+class MemoryMeter:
+    """The memory this worker's training used, comparable with the plan's prediction.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (what the caching allocator handed out). CPU: the
+    process's resident high-water mark (``VmHWM``) above its floor, the resident size when the meter
+    was made (interpreter, torch, the data), with the high-water mark reset there when Linux
+    allows it (``/proc/self/clear_refs``), so start-up does not count.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.floor = 0.0
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident size
+        except OSError:
+            pass
+        self.floor = _proc_status_kib("VmRSS") or 0.0
+
+    def peak_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        peak = _proc_status_kib("VmHWM")
+        if peak is None:
+            return peak_memory_mb(self.device)
+        return max(0.0, peak - self.floor) / 1024
+
+
+def _proc_status_kib(key: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def format_metrics(step: int, total: int, metrics: dict[str, float]) -> str:
     return (f"step {step}/{total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
             f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "

@@ -47,7 +47,19 @@ def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[Confi
             issues.append(ConfigIssue("parallel.activation_checkpointing",
                                       f"model {cfg.model.arch} has no transformer blocks to checkpoint",
                                       "set activation_checkpointing: none"))
+    if plan is not None and not issues and not cfg.dry_run:  # a dry run prints the prediction instead
+        issues += _check_memory(cfg, plan)
     return (plan if not issues else None), issues
+
+
+def _check_memory(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
+    """Refuse a config predicted not to fit its per-rank memory budget (never starting a worker)."""
+    from trainer.memory import check_memory
+
+    try:
+        return check_memory(cfg, plan)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot run forward is not predicted, not refused
+        return []
 
 
 def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:

@@ -5,7 +5,9 @@ and per-parameter placements the engine builds) and the model on the meta device
 count the parameters it holds after pipeline split, tensor-parallel sharding and data-parallel
 sharding, the bytes of parameters,
 gradients and AdamW state, the collective bytes per step on each mesh axis (analytic, ring
-algorithms), and the pipeline bubble. Works for any mesh size, e.g. [64, 8, 8].
+algorithms), the pipeline bubble, and the predicted peak memory per rank with activations
+(:mod:`trainer.memory`) against the budget a run is checked against. Works for any mesh size,
+e.g. [64, 8, 8].
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
 from trainer.models import decoder_config
 
-BYTES = 4  # fp32 everywhere on this path
+BYTES = 4  # fp32 master weights, gradients and AdamW state
 
 
 def _unit_of(fqn: str, units: list[str]) -> str:
@@ -80,7 +82,7 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[dict]) -> dic
         out[",".join(dp.dim_names)] = factor * local * cfg.train.grad_accum ** (dp.mode == "fsdp")
     tokens = cfg.train.global_batch_size // max(1, cfg.dp_size) * cfg.train.seq_len
     if (decoder := decoder_config(cfg.model)) is not None:
-        act = tokens * decoder.dim * BYTES
+        act = tokens * decoder.dim * (2 if cfg.train.precision == "bf16" else BYTES)  # activations in compute precision
         layers_per_rank = decoder.n_layers / cfg.pp_size
         for axis in {a for axes in plan.placements.values() for a in axes}:
             n = cfg.axis_size(axis)
@@ -91,8 +93,23 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[dict]) -> dic
     return out
 
 
+def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
+    """:func:`plan_numbers` plus the predicted per-rank peak memory, activations included
+    (:mod:`trainer.memory`), and the budget it is checked against: what the dry run prints and
+    REST's plan endpoint returns."""
+    from trainer.memory import memory_budget, predict_memory
+
+    numbers = plan_numbers(cfg, plan)
+    budget, source = memory_budget(cfg)
+    numbers["memory"] = [{"pp_rank": e.pp_rank, "peak_bytes": e.total, "param_bytes": e.params, "grad_bytes": e.grads,
+                          "optim_bytes": e.optimizer, "gathered_bytes": e.gathered, "activation_bytes": e.activations,
+                          "microbatches_in_flight": e.in_flight} for e in predict_memory(cfg, plan)]
+    numbers["memory_budget"] = {"bytes": budget, "source": source}
+    return numbers
+
+
 def describe_plan(cfg: RunConfig, plan: ParallelPlan) -> str:
-    n = plan_numbers(cfg, plan)
+    n = plan_report(cfg, plan)
     mib = 2**20
     lines = [f"plan: {cfg.model.arch} model on mesh {list(cfg.mesh_shape)} ({cfg.world_size} workers), "
              f"dims {cfg.parallel.dims if cfg.parallel else []}"]
@@ -106,5 +123,13 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan) -> str:
                      f"{r['grad_bytes'] / mib:>10.2f} {r['optim_bytes'] / mib:>9.2f} {total / mib:>10.2f}")
     for axis, nbytes in n["comm"].items():
         lines.append(f"comm per step on {axis}: {nbytes / mib:.2f} MiB sent per rank")
-    lines.append("(activations not included; fp32)")
+    budget = n["memory_budget"]
+    lines.append(f"{'pp rank':>8} {'gathered MiB':>13} {'activations MiB':>16} {'in flight':>10} {'peak MiB':>10}"
+                 f"   (peak: weights + grads + AdamW + gathered + activations, {cfg.train.precision})")
+    for m in n["memory"]:
+        lines.append(f"{m['pp_rank']:>8} {m['gathered_bytes'] / mib:>13.2f} {m['activation_bytes'] / mib:>16.2f} "
+                     f"{m['microbatches_in_flight']:>10} {m['peak_bytes'] / mib:>10.2f}")
+    worst = max(m["peak_bytes"] for m in n["memory"])
+    verdict = "fits" if worst <= budget["bytes"] else "does NOT fit (a run is refused: see launch.memory_budget_gb)"
+    lines.append(f"memory budget {budget['bytes'] / mib:,.0f} MiB per rank ({budget['source']}): {verdict}")
     return "\n".join(lines)

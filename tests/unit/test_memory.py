@@ -1,0 +1,74 @@
+"""The memory plan: activations counted per schedule and mode, a budget that refuses before any
+worker starts (naming the fix), and the meter that measures what a run used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.errors import ConfigError
+from tests.conftest import run_cli
+from trainer.compose import compose_dict
+from trainer.memory import GIB, predict_memory
+from trainer.metrics import MemoryMeter
+from trainer.validate import validate_config, validate_with_plan
+
+
+def _predict(*overrides: str):
+    cfg, plan = validate_with_plan(compose_dict([*overrides, "tracking=none"]))
+    return predict_memory(cfg, plan)
+
+
+def test_activations_scale_with_the_batch_and_shrink_with_checkpointing():
+    (one,) = _predict("model=gpt_small", "train.global_batch_size=8")
+    (two,) = _predict("model=gpt_small", "train.global_batch_size=16")
+    assert two.activations == pytest.approx(2 * one.activations, rel=1e-2)  # (batch-independent tables aside)
+    assert two.params == one.params and two.optimizer == 2 * two.params
+    (full,) = _predict("model=gpt_small", "+parallel=fsdp", "mesh=[2]", "+parallel.activation_checkpointing=full")
+    (none,) = _predict("model=gpt_small", "+parallel=fsdp", "mesh=[2]")
+    assert full.activations < none.activations / 2
+    (half,) = _predict("model=gpt_small", "train.precision=bf16")
+    assert half.activations < 0.7 * two.activations  # bf16 activations (the loss's fp32 logits stay)
+
+
+def test_schedules_hold_the_micro_batches_they_keep_in_flight():
+    gpipe = _predict("+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=GPipe", "parallel.pipeline.microbatches=4")
+    one_f_one_b = _predict("+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=1F1B", "parallel.pipeline.microbatches=4")
+    assert [e.in_flight for e in gpipe] == [4, 4]
+    assert [e.in_flight for e in one_f_one_b] == [2, 1]  # pp - rank: warm-up forwards, then one in, one out
+    assert gpipe[0].activations == pytest.approx(2 * one_f_one_b[0].activations)
+
+
+def test_tensor_and_sequence_parallel_shrink_activations():
+    (single,) = _predict("model=gpt_small")
+    (tp,) = _predict("model=gpt_small", "+parallel=tp", "mesh=[2]")
+    (sp,) = _predict("model=gpt_small", "+parallel=tp_sp", "mesh=[2]")
+    assert sp.activations < tp.activations < single.activations
+
+
+def test_a_config_over_its_budget_is_refused_with_the_fix():
+    overrides = ["model=gpt_small", "+parallel=fsdp", "mesh=[2]", "tracking=none"]
+    cfg, plan = validate_with_plan(compose_dict(overrides))
+    peak = max(e.total for e in predict_memory(cfg, plan))
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_dict([*overrides, f"launch.memory_budget_gb={0.9 * peak / GIB}"]))
+    (issue,) = err.value.issues
+    assert issue.path == "launch.memory_budget_gb"
+    assert "exceeds the budget" in issue.reason and "activations" in issue.reason
+    assert "parallel.activation_checkpointing=full" in issue.fix  # predicted to fit: checkpointing frees the most
+
+
+def test_the_cli_refuses_before_any_worker_starts(tmp_path):
+    out = run_cli(["+parallel=fsdp", "mesh=[2]", "launch.memory_budget_gb=0.001", "tracking=none"], cwd=tmp_path,
+                  timeout=120)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "launch.memory_budget_gb" in text and "exceeds the budget" in text
+    assert "workers:" not in text  # the launcher never ran
+
+
+def test_meter_counts_what_the_process_allocated_after_it_was_made():
+    meter = MemoryMeter(torch.device("cpu"))
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert 60 <= meter.peak_mb() <= 120
+    del block
