@@ -8,9 +8,10 @@
     print(pm.reduce_loss(loss))                               # the global mean, on every rank
 
 Order of application, as torchtitan does it: split into pipeline stages -> tensor parallel
-(placements, layouts) -> activation checkpointing -> data parallel. The model must be built
-and initialised in full on every rank first; because the initial values depend only on
-(seed, FQN), splitting and sharding then keeps every value identical to one device.
+(placements, layouts) -> activation checkpointing -> torch.compile per block (``compile=True``)
+-> data parallel. The model must be built and initialised in full on every rank first; because
+the initial values depend only on (seed, FQN), splitting and sharding then keeps every value
+identical to one device.
 
 With one device (a plan whose mesh is ``(1,)``) there is no mesh and ``forward_backward`` is a
 plain forward and backward, so the training loop is the same code for every mesh.
@@ -29,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel.activation_checkpointing import apply_ac
+from parallel.compile import apply_compile
+from parallel.config import SPLIT_BACKWARD_SCHEDULES
 from parallel.data_parallel import apply_data_parallel
 from parallel.mesh import axis_rank, build_mesh, submesh
 from parallel.pipeline import build_schedule, split_stages
@@ -213,7 +216,7 @@ def _is_shard(placement: Any) -> bool:
     return isinstance(placement, Shard) or getattr(placement, "dim", None) is not None
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -> ParallelModel:
+def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, compile: bool = False) -> ParallelModel:
     """Spread the full, initialised ``model`` over the plan's mesh; returns this rank's
     :class:`ParallelModel`.
 
@@ -221,17 +224,24 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -
         model: the whole model on CPU, initialised (identically on every rank).
         plan: from :func:`parallel.plan.resolve_plan` for this model and config.
         device: where this rank computes (``cpu``, or its own ``cuda`` device).
+        compile: ``torch.compile`` each block (:func:`parallel.compile.apply_compile`), or the
+            whole module when the model has no blocks; parameter names do not change.
     """
     ac = dict(mode=plan.activation_checkpointing, every=plan.activation_checkpointing_every, block_fqns=plan.blocks)
     if plan.mesh.world_size == 1:
         model.to(device)
         apply_ac(model, **ac)
+        if compile:
+            apply_compile(model, block_fqns=plan.blocks)
         return ParallelModel(model_parts=[model], mesh=None, device=device)
 
     mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, rank_ids=plan.mesh.rank_ids, device_type=device.type)
     if dist.get_world_size() != mesh.size():
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}")
     pp = plan.pipeline
+    if compile and pp is not None and pp.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(f"torch.compile does not compose with the {pp.schedule} schedule (its weight-gradient pass "
+                         "re-runs a compiled block's whole backward); use 1F1B or Interleaved1F1B, or compile=False")
     if pp is not None:
         stages = split_stages(model, pp, units=plan.units, pp_rank=mesh.get_local_rank(pp.dim))
     else:
@@ -245,6 +255,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device) -
         if plan.placements or plan.layouts:
             report.update(apply_placements(part, mesh, placements=plan.placements, layouts=plan.layouts))
         apply_ac(part, **ac)
+        if compile:
+            apply_compile(part, block_fqns=plan.blocks)
         if dp is not None:
             apply_data_parallel(part, mesh, mode=dp.mode, dim_names=dp_names, block_fqns=plan.blocks,
                                 pipelined=pp is not None)

@@ -83,7 +83,7 @@ def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
         from trainer.export import load_weights
 
         load_weights(model, cfg.train.init_from)
-    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device)
+    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, compile=cfg.train.compile)
     if sharded_hf:
         load_hf_sharded(pm.model_parts, cfg.model.path)
     return pm
