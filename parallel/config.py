@@ -37,6 +37,9 @@ Precision = Literal["fp32", "bf16"]
 INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBV",)  # two stages per rank, placed as a V
 MULTI_STAGE_SCHEDULES = INTERLEAVED_SCHEDULES + V_SCHEDULES
+# Zero-bubble schedules: input and weight gradients in separate backward passes (the first retains the graph);
+# torch.compile does not compose with them (see parallel/compile.py).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBV")
 
 
 class DataParallelConfig(Section):

@@ -8,12 +8,12 @@
     print(pm.reduce_loss(loss))                               # the global mean, on every rank
 
 Order of application, as torchtitan does it: split into pipeline stages -> tensor parallel
-(placements, layouts) -> activation checkpointing -> data parallel -> (a meta model only)
-allocate this rank's shards and initialise them. The model is either built and initialised in
-full on every rank, or built on the ``meta`` device and initialised after sharding
-(``parallelize(meta_model, plan, device=..., init=lambda part: part.init_weights(seed))``);
-because the initial values depend only on (seed, FQN, shape), both give every value of one
-device.
+(placements, layouts) -> activation checkpointing -> torch.compile per block (``compile=True``)
+-> data parallel -> (a meta model only) allocate this rank's shards and initialise them. The
+model is either built and initialised in full on every rank, or built on the ``meta`` device and
+initialised after sharding (``parallelize(meta_model, plan, device=..., init=lambda part:
+part.init_weights(seed))``); because the initial values depend only on (seed, FQN, shape), both
+give every value of one device.
 
 With one device (a plan whose mesh is ``(1,)``) there is no mesh and ``forward_backward`` is a
 plain forward and backward, so the training loop is the same code for every mesh.
@@ -34,7 +34,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel.activation_checkpointing import apply_ac
-from parallel.config import Precision
+from parallel.compile import apply_compile
+from parallel.config import SPLIT_BACKWARD_SCHEDULES, Precision
 from parallel.data_parallel import apply_data_parallel
 from parallel.mesh import axis_rank, build_mesh, submesh
 from parallel.pipeline import build_schedule, split_stages
@@ -242,7 +243,8 @@ def _is_shard(placement: Any) -> bool:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
-                init: Callable[[nn.Module], None] | None = None, precision: Precision = "fp32") -> ParallelModel:
+                init: Callable[[nn.Module], None] | None = None, precision: Precision = "fp32",
+                compile: bool = False) -> ParallelModel:
     """Spread ``model`` over the plan's mesh; returns this rank's :class:`ParallelModel`.
 
     Args:
@@ -258,6 +260,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         precision: ``bf16``: bf16 compute over fp32 master weights, optimizer state and
             gradient reduction; FSDP2's mixed-precision policy where data parallelism applies
             (every mode is FSDP2-based), ``torch.autocast`` otherwise.
+        compile: ``torch.compile`` each block (:func:`parallel.compile.apply_compile`), or the
+            whole module when the model has no blocks; parameter names do not change.
     """
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init is None:
@@ -266,12 +270,17 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     if plan.mesh.world_size == 1:
         _materialize(model, device, init if on_meta else None)
         apply_ac(model, **ac)
+        if compile:
+            apply_compile(model, block_fqns=plan.blocks)
         return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None))
 
     mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, rank_ids=plan.mesh.rank_ids, device_type=device.type)
     if dist.get_world_size() != mesh.size():
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}")
     pp = plan.pipeline
+    if compile and pp is not None and pp.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(f"torch.compile does not compose with the {pp.schedule} schedule (its weight-gradient pass "
+                         "re-runs a compiled block's whole backward); use 1F1B or Interleaved1F1B, or compile=False")
     if pp is not None:
         stages = split_stages(model, pp, units=plan.units, pp_rank=mesh.get_local_rank(pp.dim))
     else:
@@ -286,6 +295,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         if plan.placements or plan.layouts:
             report.update(apply_placements(part, mesh, placements=plan.placements, layouts=plan.layouts))
         apply_ac(part, **ac)
+        if compile:
+            apply_compile(part, block_fqns=plan.blocks)
         if dp is not None:
             apply_data_parallel(part, mesh, mode=dp.mode, dim_names=dp_names, block_fqns=plan.blocks,
                                 pipelined=pp is not None, precision=precision)

@@ -163,16 +163,21 @@ def _share_pair_inputs(modules: Mapping[str, nn.Module], col: Mapping[str, str],
         parent = name.rpartition(".")[0]
         if _enclosing(sp_blocks, parent) is None:
             groups.setdefault((parent, axis), []).append(name)
-    for (_, axis), names in groups.items():
+    for (parent, axis), names in groups.items():
         shared = _SharedReplicate(submesh(mesh, axis))
         for name in names:
             # prepend: before ColwiseParallel's own input hook, which then finds a DTensor.
             modules[name].register_forward_pre_hook(shared.hook, prepend=True, with_kwargs=True)
+        modules[parent].register_forward_hook(shared.forget)
 
 
 class _SharedReplicate:
     """Turns a tensor into a Replicate DTensor once: every module that reads the same tensor
-    object (until the next one comes) gets the same DTensor, so autograd sums their gradients."""
+    object (until the parent's forward ends) gets the same DTensor, so autograd sums their gradients.
+
+    The parent's forward hook (:meth:`forget`) drops the pair: nothing outlives one forward, so
+    a block compiled by ``torch.compile`` neither returns the cached DTensor as an extra output
+    (a graph output that needs a gradient but gets none fails in backward) nor guards on it."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
@@ -190,6 +195,9 @@ class _SharedReplicate:
         if args:
             return (self.convert(args[0]), *args[1:]), kwargs
         return args, {key: self.convert(value) if key == "input" else value for key, value in kwargs.items()}
+
+    def forget(self, _mod: nn.Module, _args: tuple, _output: Any) -> None:
+        self.last_input = self.last_output = None
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -205,6 +205,12 @@ class TrainConfig(_Section):
         None, description="Initialise the weights from a safetensors file (see `python -m trainer.export`) "
         "instead of from the seed; null = from the seed."
     )
+    compile: bool = Field(
+        False, description="torch.compile each transformer block (the whole model when it has no blocks, as the "
+        "mlp arch), applied after tensor parallelism and activation checkpointing, before data parallelism. The "
+        "first steps are slow (compilation); losses equal eager ones within fp32 rounding, and parameter and "
+        "checkpoint names do not change, so checkpoints move between compiled and eager runs. On CPU Inductor "
+        "needs a C++ compiler ($CXX, else g++).")
 
 
 # ---------------------------------------------------------------------------- launch

@@ -88,7 +88,7 @@ def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
     if cfg.train.init_from:
         check_weights_fit(model, cfg.train.init_from)
     pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, init=init,
-                     precision=cfg.train.precision)
+                     precision=cfg.train.precision, compile=cfg.train.compile)
     if cfg.train.init_from:
         load_weights(pm.model_parts, cfg.train.init_from)
     elif hf_files:
@@ -101,7 +101,8 @@ def _build_in_full(cfg: RunConfig, device: torch.device) -> ParallelModel:
     model = build_model(cfg.model, seed=cfg.train.seed)
     if cfg.train.init_from:
         load_weights(model, cfg.train.init_from)
-    return parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, precision=cfg.train.precision)
+    return parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, precision=cfg.train.precision,
+                       compile=cfg.train.compile)
 
 
 def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, local_rank: int = 0) -> TrainResult:

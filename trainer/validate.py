@@ -12,12 +12,14 @@ Every issue names the config path, the reason and a fix; all issues are reported
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from parallel.config import INTERLEAVED_SCHEDULES, mesh_rank_ids, mesh_shape_of
+from parallel.config import INTERLEAVED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
@@ -161,6 +163,8 @@ def check_structure(cfg: RunConfig) -> list[ConfigIssue]:
     if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
         issues += _check_batch(cfg)  # axis sizes (dp size) are only defined once dims match the mesh
     issues += _check_misc(cfg)
+    if cfg.train.compile:
+        issues += _check_compile(cfg)
     return issues
 
 
@@ -386,3 +390,40 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
             issues.append(ConfigIssue("mesh", f"{cfg.world_size} workers but only {torch.cuda.device_count()} GPUs per host",
                                       "use a smaller mesh or more hosts (launch.nnodes)"))
     return issues
+
+
+def _check_compile(cfg: RunConfig) -> list[ConfigIssue]:
+    """``train.compile=true``: a C++ compiler for Inductor, and no zero-bubble pipeline schedule."""
+    issues = [issue] if (issue := _check_cxx()) else []
+    pp = cfg.parallel.pipeline if cfg.parallel else None
+    if pp is not None and pp.schedule in SPLIT_BACKWARD_SCHEDULES:
+        issues.append(ConfigIssue(
+            "train.compile", f"torch.compile does not compose with parallel.pipeline.schedule {pp.schedule}: a zero-bubble "
+            "schedule splits each backward into an input-gradient and a weight-gradient pass, but a compiled block is one "
+            "autograd node, so the weight pass re-runs its whole backward; and in torch 2.13 the graph retained for it can get "
+            "wrong gradients (Inductor's FX graph cache may serve a backward compiled with donated buffers, which "
+            "overwrites the saved activations)",
+            "use schedule 1F1B or Interleaved1F1B with train.compile=true, or set train.compile=false"))
+    return issues
+
+
+def _check_cxx() -> ConfigIssue | None:
+    """Inductor compiles C++ on CPU with ``$CXX`` when set, else ``g++`` (nothing else; see
+    ``torch._inductor.cpp_builder.get_cpp_compiler``): one of them must be on PATH. Only
+    ``shutil.which``: validation imports nothing of torch for this."""
+    if cxx := os.environ.get("CXX"):
+        if shutil.which(cxx) is None:
+            return ConfigIssue("train.compile", f"torch.compile (Inductor) needs a C++ compiler: $CXX is {cxx!r}, "
+                               "which is not an executable on PATH",
+                               "point CXX at an installed C++ compiler (or unset it to use g++), or set train.compile=false")
+        return None
+    if shutil.which("g++") is not None:
+        return None
+    others = [name for name in ("c++", "clang++") if shutil.which(name)]
+    if others:
+        return ConfigIssue("train.compile", f"torch.compile (Inductor) looks for $CXX, else g++; $CXX is unset and "
+                           f"there is no g++ on PATH (found {', '.join(others)})",
+                           f"export CXX={others[0]} before launching, or set train.compile=false")
+    return ConfigIssue("train.compile", "torch.compile (Inductor) needs a C++ compiler on CPU; none was found "
+                       "($CXX is unset; no g++, c++ or clang++ on PATH)",
+                       "install a C++ compiler, e.g. apt-get install g++, or set train.compile=false")

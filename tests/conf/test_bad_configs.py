@@ -301,6 +301,10 @@ CASES: dict[str, Bad] = {
     "train/checkpoint-every-past-steps": bad(
         ["train.steps=200", "train.checkpoint.every=500"], "train.checkpoint.every",
         ["500 is more than train.steps 200"], ["every <= steps"]),
+    "train/compile-with-zero-bubble-schedule": bad(
+        ["+parallel=pp", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2", "train.compile=true"],
+        "train.compile", ["parallel.pipeline.schedule ZBV", "re-runs its whole backward"],
+        ["1F1B or Interleaved1F1B", "train.compile=false"]),
     "launch/node-rank-not-below-nnodes": bad(
         ["launch.node_rank=1"], "launch.node_rank", ["1 is not below launch.nnodes 1"], ["from 0 to 0"]),
     "launch/nnodes-does-not-divide-world": bad(

@@ -5,10 +5,14 @@ one launch, reusing one process group; each rank writes its results as JSON and 
 reads them back:
 
     results = launch("two_rank", world_size=2, out_dir=tmp_path)   # [rank0 dict, rank1 dict]
+
+``checks`` names the module (in tests/dist) whose ``SUITES`` hold the checks: ``dist_checks``
+by default, ``compile_checks`` for the torch.compile suites.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import traceback
@@ -20,7 +24,8 @@ from ports import free_port
 
 
 
-def _entry(rank: int, world_size: int, port: int, suite: str, out_dir: str, only: list[str] | None) -> None:
+def _entry(rank: int, world_size: int, port: int, suite: str, out_dir: str, only: list[str] | None,
+           checks_module: str = "dist_checks", timeout_s: float = 120) -> None:
     """Module-level so ``spawn`` can pickle it: one rank of one suite."""
     import torch
     import torch.distributed as dist
@@ -29,9 +34,9 @@ def _entry(rank: int, world_size: int, port: int, suite: str, out_dir: str, only
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=120),
+        timeout=timedelta(seconds=timeout_s),
     )
-    import dist_checks as checks  # tests/dist is on sys.path (pytest rootdir-relative import); spawn inherits it
+    checks = importlib.import_module(checks_module)  # tests/dist is on sys.path (pytest rootdir-relative import); spawn inherits it
 
     selected = [(name, check) for name, check in checks.SUITES[suite] if only is None or name in only]
     run_checks_and_exit([(name, lambda check=check: check(rank=rank, world_size=world_size)) for name, check in selected],
@@ -60,10 +65,12 @@ def run_checks_and_exit(named_checks, *, rank: int, out_dir: str) -> None:
         os._exit(0)
 
 
-def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None = None) -> list[dict]:
-    """Run ``checks.SUITES[suite]`` (or the checks named in ``only``) on ``world_size``
-    processes; the per-rank result dicts."""
+def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None = None,
+           checks: str = "dist_checks", timeout_s: float = 120) -> list[dict]:
+    """Run ``<checks>.SUITES[suite]`` (or the checks named in ``only``) on ``world_size``
+    processes; the per-rank result dicts. ``timeout_s`` bounds every collective's wait (raise
+    it where ranks compile: one rank may wait for another's compilation)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only), nprocs=world_size,
+    mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only, checks, timeout_s), nprocs=world_size,
                        join=True, start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
