@@ -18,7 +18,7 @@ def create_plan(body: JobCreate, plane: PlaneDep, user: CurrentUser) -> PlanPubl
     return PlanPublic(
         world_size=cfg.world_size, mesh_shape=list(cfg.mesh_shape), dims=list(cfg.parallel.dims) if cfg.parallel else [],
         model=cfg.model.arch, stage_boundaries=list(numbers["boundaries"]), stage_params=list(numbers["stage_params"]),
-        per_pp_rank=[PlanRank(**rank, **{k: v for k, v in memory.items() if k != "pp_rank"})
+        per_pp_rank=[PlanRank(**{**memory, **rank})
                      for rank, memory in zip(numbers["per_pp_rank"], numbers["memory"], strict=True)],
         bubble=float(numbers["bubble"]), comm_bytes_per_step={axis: float(n) for axis, n in numbers["comm"].items()},
         memory_budget_bytes=float(numbers["memory_budget"]["bytes"]),
