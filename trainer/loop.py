@@ -114,9 +114,13 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     source, val_source = splits.train, splits.val
     meter = MemoryMeter(device)  # from here on: the model's memory, beside the plan's prediction
     if rank == 0:
-        predicted = _predicted_peak_mb(cfg)
-        tracker.log_metrics({"predicted_peak_memory_mb": predicted}, step=0)
-        progress.log(f"memory: predicted peak {predicted:,.0f} MiB per rank")
+        try:
+            predicted = _predicted_peak_mb(cfg)
+        except Exception as err:  # noqa: BLE001 - a model the meta device cannot run is trained, not predicted
+            progress.log(f"memory: no prediction ({type(err).__name__}: {str(err)[:100]})")
+        else:
+            tracker.log_metrics({"predicted_peak_memory_mb": predicted}, step=0)
+            progress.log(f"memory: predicted peak {predicted:,.0f} MiB per rank")
     pm = build_parallel_model(cfg, device)
     optimizer = torch.optim.AdamW(
         list(pm.parameters()), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
