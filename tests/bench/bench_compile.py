@@ -25,7 +25,7 @@ Measured on the 2-core development machine while another job kept it busy (load 
 runs: compiled / eager 0.74-0.80x one device, 0.81-0.87x fsdp, 0.43-0.50x 3d (eager tensor
 parallelism pays DTensor's Python dispatch on every op; the compiled block has none); in the
 compiler per process 31-97 s one device, 49-75 s fsdp, 34-44 s 3d (8 at once); with the cache
-warm 3 s, 7-8 s and 20-34 s (Dynamo and AOTAutograd still trace; only Inductor's output is reused).
+warm 3 s, 7-8 s and 20-34 s (Dynamo still traces each block every run; the cache saves the rest).
 """
 
 from __future__ import annotations
