@@ -126,8 +126,11 @@ class PlanRank(BaseModel):
     activation_bytes: float = Field(0.0, description="Bytes of activations saved for backward at the peak, over the "
                                     "micro-batches in flight.")
     microbatches_in_flight: int = Field(1, description="Micro-batch passes whose activations this rank holds at once.")
-    peak_bytes: float = Field(0.0, description="Predicted peak bytes per rank: weights + grads + AdamW + gathered + "
-                              "activations.")
+    backward_bytes: float = Field(0.0, description="Bytes backward adds to the saved activations at its worst moment "
+                                  "(gradients of the largest activations and of the logits).")
+    process_bytes: float = Field(0.0, description="Bytes of the worker's runtime and, on CPU, of glibc's heap holes.")
+    peak_bytes: float = Field(0.0, description="Predicted peak bytes per rank: weights + grads + AdamW + gathered + the "
+                              "larger of (activations + backward) and the optimizer step's temporaries + process.")
 
 
 class PlanPublic(BaseModel):

@@ -1,15 +1,21 @@
-"""Per-rank peak memory of a config, activations included, predicted before any worker starts.
-
-Weights, gradients and AdamW state come from the plan (:func:`trainer.plan.plan_numbers`: what each
-rank holds after pipeline split, tensor and data-parallel sharding). Activations are not guessed
-from a formula: the model runs one forward pass (and the loss) on the meta device, with each
-tensor-parallel parameter at its local shape and a micro-batch of the run's shape, and every
-tensor autograd saves for backward is counted (``torch.autograd.graph.saved_tensors_hooks``), per
-pipeline unit and per block. That is exact for any model source's own code, then scaled by what the
-schedule keeps in flight, activation checkpointing and sequence parallelism:
+"""Per-rank peak memory of a config, predicted before any worker starts: the steady state's
+(from the second step on, when AdamW's moments sit beside the forward's activations).
 
     est = predict_memory(cfg, plan)          # one MemoryEstimate per pp rank
     est[0].total / 2**30                     # GiB at the peak of a training step on pp rank 0
+
+* Weights, gradients, AdamW: from the plan (:func:`trainer.plan.plan_numbers`: what each rank holds
+  after pipeline split, tensor and data-parallel sharding).
+* Activations and backward: measured, not guessed. The model runs a forward and backward on the
+  meta device, tensor-parallel parameters at their local shapes, on a micro-batch of the run's
+  shape. What autograd saves is counted per pipeline unit and block (``saved_tensors_hooks``), then
+  scaled by the micro-batches the schedule keeps in flight, activation checkpointing and sequence
+  parallelism; a dispatch mode follows every tensor the pass creates until it dies, so what
+  backward adds at its worst moment (gradients of the largest activations, e.g. SwiGLU's
+  [b, s, ffn] ones, and of the logits; parameter gradients as they appear) is exact for the model.
+* FSDP's unsharded blocks, autocast's bf16 weight copies (:func:`_gathered`).
+* CPU only: the mesh's process groups and glibc's heap fragmentation (:func:`_host_overhead`), so
+  the total compares with the resident high-water mark :class:`trainer.metrics.MemoryMeter` reads.
 
 On CPU the real attention kernel keeps only its log-sum-exp (not the T x T scores); the meta
 device would take the math path and count the scores, so the counting pass uses the fused
@@ -19,38 +25,60 @@ kernel's own autograd formula.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from parallel.config import INTERLEAVED_SCHEDULES, V_SCHEDULES
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
 
+MIB = 2**20
+# glibc serves requests from 32 MiB up with their own mmap, unmapped on free; smaller ones come from
+# the heap (its dynamic mmap threshold rises to the largest freed block, at most 32 MiB).
+MMAP_FROM = 32 * MIB
+RUNTIME_DISTRIBUTED = 46 * MIB  # a mesh's gloo process groups and their worker threads (tiny model, 2-4 ranks)
+RUNTIME_SINGLE = 10 * MIB  # the batch, the autograd engine's and the loop's own buffers
+# Resident heap holes (see _host_overhead): per byte of a step's cycled memory at the peak, and per
+# byte of FSDP's flat / per-parameter buffers cycled through the heap in a step.
+FRAGMENTATION, FSDP_FLAT, FSDP_PER_PARAM = 0.35, 0.5, 0.2
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at the peak of a training step, by kind."""
+    """Bytes one rank holds at the peak of a training step, by kind. ``parts``: ``transient`` (what
+    backward adds to the saved activations at its worst moment), ``step_temporaries`` (clipping and
+    AdamW), ``runtime`` and ``allocator`` (CPU: process groups, glibc's heap holes)."""
 
     pp_rank: int
     params: float
     grads: float
     optimizer: float
-    gathered: float  # FSDP's unsharded parameters, autocast's bf16 weight copies
+    gathered: float  # FSDP's unsharded parameters and collective buffers, autocast's bf16 weight copies
     activations: float  # saved for backward, over the micro-batches in flight
     in_flight: int  # micro-batch x stage passes whose activations are held at once
     parts: dict = field(default_factory=dict)
 
     @property
+    def live(self) -> float:
+        """Bytes in tensors at the peak: the larger of backward's worst moment (saved activations,
+        what backward adds, and with accumulation all the gradients) and the optimizer step's."""
+        p = self.parts
+        backward = self.activations + p.get("transient", 0.0) + (self.grads if p.get("accumulates") else 0.0)
+        step = self.grads + p.get("step_temporaries", 0.0)
+        return self.params + self.optimizer + self.gathered + max(backward, step)
+
+    @property
     def total(self) -> float:
-        # Gradients appear as activations are released in backward; with micro-batches or
-        # accumulation the first ones' gradients live beside the later ones' activations.
-        overlap = self.activations + self.grads if self.parts.get("accumulates") else max(self.activations, self.grads)
-        return self.params + self.optimizer + self.gathered + overlap
+        return self.live + self.parts.get("runtime", 0.0) + self.parts.get("allocator", 0.0)
 
 
 def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -85,20 +113,58 @@ def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
         setattr(module, name, nn.Parameter(torch.empty(shape, device="meta")))
 
 
-def _unit_of(fqn: str, units: tuple[str, ...]) -> str | None:
-    for unit in units:
-        if fqn == unit or fqn.startswith(unit + "."):
-            return unit
-    return None
+class _Census(TorchDispatchMode):
+    """``timeline``: live bytes of the tensors a meta pass creates, after every op, as (activations
+    and temporaries, parameter gradients). A storage counts from the op that makes it until its last
+    reference dies; a gradient moves to the second column when autograd accumulates it."""
+
+    def __init__(self, model: nn.Module, share) -> None:
+        super().__init__()
+        self.share = share  # () -> the share of a new tensor this rank holds (sequence parallel)
+        self.live = [0.0, 0.0]
+        self.timeline: list[tuple[float, float]] = []
+        self._bytes: dict[int, list[float]] = {}  # key -> [column, bytes]
+        self._keys = itertools.count(1)
+        for t in [*model.parameters(), *model.buffers()]:
+            t.untyped_storage()._census = 0
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._to_grads)
+
+    def _to_grads(self, p: torch.Tensor) -> None:
+        entry = self._bytes.get(getattr(p.grad.untyped_storage(), "_census", 0))
+        if entry is not None and entry[0] == 0:
+            entry[0] = 1
+            self.live[0] -= entry[1]
+            self.live[1] += entry[1]
+
+    def _free(self, key: int) -> None:
+        column, nbytes = self._bytes.pop(key)
+        self.live[int(column)] -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not hasattr(storage := t.untyped_storage(), "_census"):
+                key = storage._census = next(self._keys)
+                self._bytes[key] = [0, storage.nbytes() * self.share()]
+                self.live[0] += self._bytes[key][1]
+                weakref.finalize(storage, self._free, key)
+        self.timeline.append((self.live[0], self.live[1]))
+        return out
 
 
 def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int) -> dict:
-    """Bytes autograd saves for one micro-batch of ``micro_batch`` sequences: ``{"units": {unit:
-    bytes}, "block_inputs": {block: bytes}}`` (the last unit also holds the loss's)."""
+    """One forward and backward of ``micro_batch`` sequences on the meta device: ``{"units": {unit:
+    bytes saved for backward}, "block_inputs": {block: bytes}, "timeline": [(activations and
+    temporaries, gradients) after each op], "forward_ops": n, "unit_params": {unit: [fp32 bytes of
+    each tp-local parameter]}}`` (the last unit also holds the loss's)."""
     from trainer.models import build_model, loss_fn_for
 
     model = build_model(cfg.model, device="meta")
     _local_shapes(model, plan)
+    unit_params: dict[str, list[float]] = defaultdict(list)
+    for fqn, p in model.named_parameters():
+        unit_params[next((u for u in plan.units if fqn == u or fqn.startswith(u + ".")), "")].append(p.numel() * 4.0)
     if cfg.train.precision == "bf16":
         model.to(torch.bfloat16)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -119,15 +185,15 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int) -> d
         if name in plan.blocks and args and isinstance(args[0], torch.Tensor):
             inputs[name] = args[0].numel() * args[0].element_size()
 
+    def share() -> float:  # sequence parallel: a norm runs on this rank's sequence shard
+        return 1 / tp if any(c in sp_norms for c in current) else 1.0
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage._cdata not in params and storage._cdata not in seen:
             seen.add(storage._cdata)
-            nbytes = storage.nbytes()
-            if any(c in sp_norms for c in current):
-                nbytes /= tp  # sequence parallel: the norm runs on this rank's sequence shard
             owner = next((c for c in current if c in plan.units), plan.units[-1])
-            units[owner] += nbytes
+            units[owner] += storage.nbytes() * share()
         return t
 
     seq = cfg.train.seq_len
@@ -137,13 +203,19 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int) -> d
     else:
         x = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
-    with _fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
-        if out.shape == y.shape or out.shape[:-1] == y.shape:  # a tp-local output (Partial / Shard) has no loss here
-            loss_fn_for(cfg.model)(out, y)
+    census = _Census(model, share)
+    with _fused_attention(), census:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+            # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
+            loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+        forward_ops = len(census.timeline)
+        if loss.requires_grad:
+            loss.backward()
     for hook in hooks:
         hook.remove()
-    return {"units": dict(units), "block_inputs": inputs}
+    return {"units": dict(units), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
+            "unit_params": dict(unit_params)}
 
 
 def _in_flight(plan: ParallelPlan, pp_rank: int) -> int:
@@ -170,11 +242,18 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan) -> list[MemoryEstimate]:
     t = cfg.train
     micro = max(1, t.global_batch_size // t.grad_accum // max(1, plan.dp_size) // cfg.num_microbatches)
     saved = saved_activations(cfg, plan, micro)
-    pp = plan.pipeline
+    pp, dp = plan.pipeline, plan.data_parallel
     stage_units = pp.stage_units if pp else (tuple(plan.units),)
     wrapped = _checkpointed(plan)
-    half = cfg.train.precision == "bf16"
-    dp = plan.data_parallel
+    shard = plan.mesh.size(dp.shard_dim_names) if dp is not None else 1
+    # With accumulation (grad_accum, a pipeline's micro-batches) earlier passes' gradients are all there
+    # beside later activations (MemoryEstimate.live adds them); else backward makes them as it frees
+    # activations and the census gives both at its worst moment, FSDP keeping 1/shard once reduce-scattered.
+    accumulates = pp is not None or t.grad_accum > 1
+    keep = 0.0 if accumulates else 1.0 / shard if dp is not None and dp.mode != "ddp" else 1.0
+    backward = saved["timeline"][saved["forward_ops"]:] or [(0.0, 0.0)]
+    transient = max(0.0, max(a + keep * g for a, g in backward) - sum(saved["units"].values()))
+    cpu = not _on_cuda(cfg)
     out = []
     for rank_numbers in numbers["per_pp_rank"]:
         r = rank_numbers["pp_rank"]
@@ -187,24 +266,77 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan) -> list[MemoryEstimate]:
                 recompute = max(recompute, full)
             else:
                 acts += full
-        n_stages = max(1, len(rank_numbers["stages"]))
         in_flight = _in_flight(plan, r)
-        activations = acts / n_stages * in_flight + recompute
-        local_params = rank_numbers["params"] * 4  # tp-local, before dp sharding
-        gathered = 0.0
-        if dp is not None and dp.mode != "ddp":
-            blocks = [u for u in held if u in plan.blocks]
-            block_bytes = local_params / max(1, len(held)) if not blocks else _largest_block(cfg, plan, blocks)
-            keeps_all = dp.mode == "zero2" or pp is not None
-            gathered = local_params if keeps_all else local_params - block_bytes * max(0, len(blocks) - 2)
-            gathered *= 0.5 if half else 1.0
-        elif half:
-            gathered = local_params * 0.5  # autocast's bf16 copies of the weights, kept for the step
-        accumulates = pp is not None or t.grad_accum > 1
-        out.append(MemoryEstimate(pp_rank=r, params=rank_numbers["param_bytes"], grads=rank_numbers["grad_bytes"],
-                                  optimizer=rank_numbers["optim_bytes"], gathered=gathered, activations=activations,
-                                  in_flight=in_flight, parts={"accumulates": accumulates, "micro_batch": micro}))
+        blocks = [saved["unit_params"].get(u, []) for u in held if u in plan.blocks]
+        root = sum(sum(saved["unit_params"].get(u, [])) for u in held if u not in plan.blocks)
+        estimate = MemoryEstimate(
+            pp_rank=r, params=rank_numbers["param_bytes"], grads=rank_numbers["grad_bytes"],
+            optimizer=rank_numbers["optim_bytes"], gathered=_gathered(cfg, plan, rank_numbers["params"] * 4.0, blocks, root),
+            activations=acts / max(1, len(rank_numbers["stages"])) * in_flight + recompute, in_flight=in_flight,
+            parts={"accumulates": accumulates, "micro_batch": micro, "transient": transient,
+                   "step_temporaries": 4.0 * max(max(v) for v in saved["unit_params"].values()) / shard})
+        runtime = (RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE) if cpu else 0.0
+        allocator = _host_overhead(cfg, plan, estimate, blocks) if cpu else 0.0
+        out.append(replace(estimate, parts={**estimate.parts, "runtime": runtime, "allocator": allocator}))
     return out
+
+
+def _on_cuda(cfg: RunConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def _fsdp(plan: ParallelPlan) -> bool:  # FSDP2 shards parameters (one rank: no data parallelism at all)
+    dp = plan.data_parallel
+    return dp is not None and dp.mode != "ddp" and plan.mesh.world_size > 1
+
+
+def _gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list[float]], root: float) -> float:
+    """Unsharded parameter bytes at the backward's peak (``local``: this rank's tp-local fp32
+    parameter bytes; ``blocks``: each held block's parameter sizes; ``root``: the others' bytes).
+    FSDP2 keeps the root's parameters (embeddings, final norm, head) unsharded from forward to
+    backward and, early in backward while the activations are all there, one block's unsharded
+    parameters and the next one's (prefetched) with the all-gather output they are copied from.
+    zero2 and pipelined stages keep every parameter unsharded, plus one block's unsharded gradients
+    and fp32 reduce-scatter input. Unsharded, bf16 autocast keeps a bf16 copy of every weight."""
+    half = cfg.train.precision == "bf16"
+    pdt = 0.5 if half else 1.0  # gathered parameters and unsharded gradients are in the compute dtype
+    if not _fsdp(plan):
+        return local * 0.5 if half else 0.0
+    block = max((sum(b) for b in blocks), default=0.0)
+    if plan.data_parallel.mode == "zero2" or plan.pipeline is not None:
+        return local * pdt + block * (pdt + 1.0)
+    return root * pdt + 3 * block * pdt
+
+
+def _host_overhead(cfg: RunConfig, plan: ParallelPlan, e: MemoryEstimate, blocks: list[list[float]]) -> float:
+    """Resident memory glibc's heap holds beyond the live tensors at the peak (CPU only).
+
+    glibc serves tensors under 32 MiB from its heap, whose freed chunks stay resident and are
+    reused only by requests that fit; memory goes back to the OS only from the heap's top. What a
+    step allocates and frees (activations, gradients, temporaries, gathered weights) is carved out
+    of the previous step's holes, around AdamW's moments (placed in the first step's holes) and
+    the small long-lived objects autograd and Python put between them. From the second step on the
+    high-water mark settles ``FRAGMENTATION`` (35%) above that cycled memory's live peak: 29-39%
+    measured on one process and pipeline / tensor-parallel ranks (25M and 100M Llamas, batch 8-64,
+    seq 128-256). FSDP also cycles per block and pass an all-gather output and the unsharded
+    parameters copied out of it, in backward the unsharded gradients and the reduce-scatter input,
+    each landing in whatever hole fits between activations that live until backward. Its
+    block-sized flat buffers, the largest requests, seldom fit: half their bytes per step stay
+    resident (``FSDP_FLAT``), a fifth of the per-parameter ones' (``FSDP_PER_PARAM``); fitted on fsdp
+    [2], [4] and dp x tp [2, 2] (25M, 100M) within 9%, where reruns of one config differ by 20%."""
+    flat = per_param = 0.0
+    if _fsdp(plan):
+        pdt = 0.5 if cfg.train.precision == "bf16" else 1.0
+        gathers = 1 if plan.data_parallel.mode == "zero2" or plan.pipeline is not None else 2  # per block and step
+
+        def heap(nbytes: float) -> float:
+            return nbytes if nbytes < MMAP_FROM else 0.0
+
+        for sizes in blocks:
+            flat += gathers * heap(sum(sizes) * pdt) + heap(sum(sizes))  # all-gather outputs, reduce-scatter input
+            per_param += (gathers + 1) * sum(heap(s * pdt) for s in sizes)  # unsharded parameters, gradients
+    cycled = e.live - e.params - e.optimizer
+    return FRAGMENTATION * cycled + FSDP_FLAT * flat + FSDP_PER_PARAM * per_param
 
 
 def _checkpointed(plan: ParallelPlan) -> set[str]:
@@ -214,15 +346,6 @@ def _checkpointed(plan: ParallelPlan) -> set[str]:
         every = plan.activation_checkpointing_every
         return {b for i, b in enumerate(plan.blocks) if (i + 1) % every == 0}
     return set()
-
-
-def _largest_block(cfg: RunConfig, plan: ParallelPlan, blocks: list[str]) -> float:
-    """fp32 bytes of the largest block at its tp-local size."""
-    from trainer.models import build_model
-
-    model = build_model(cfg.model, device="meta")
-    _local_shapes(model, plan)
-    return max(sum(p.numel() for p in model.get_submodule(b).parameters()) for b in blocks) * 4.0
 
 
 # --------------------------------------------------------------------------- budget
@@ -235,7 +358,7 @@ def memory_budget(cfg: RunConfig) -> tuple[float, str]:
     GPU's memory when the run will use CUDA, else 90% of this host's memory shared by its workers."""
     if cfg.launch.memory_budget_gb is not None:
         return cfg.launch.memory_budget_gb * GIB, "launch.memory_budget_gb"
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    if _on_cuda(cfg):
         return float(torch.cuda.get_device_properties(0).total_memory), "the GPU's memory"
     import os
 
@@ -245,9 +368,11 @@ def memory_budget(cfg: RunConfig) -> tuple[float, str]:
 
 
 def describe_estimate(e: MemoryEstimate) -> str:
+    p = e.parts
     return (f"weights {e.params / GIB:.2f} + grads {e.grads / GIB:.2f} + AdamW {e.optimizer / GIB:.2f} + gathered "
             f"{e.gathered / GIB:.2f} + activations {e.activations / GIB:.2f} GiB ({e.in_flight} micro-batch pass"
-            f"{'es' if e.in_flight != 1 else ''} in flight)")
+            f"{'es' if e.in_flight != 1 else ''} in flight) + backward {p.get('transient', 0.0) / GIB:.2f} + process "
+            f"{(p.get('runtime', 0.0) + p.get('allocator', 0.0)) / GIB:.2f} GiB")
 
 
 def check_memory(cfg: RunConfig, plan: ParallelPlan):

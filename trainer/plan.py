@@ -103,6 +103,8 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
     budget, source = memory_budget(cfg)
     numbers["memory"] = [{"pp_rank": e.pp_rank, "peak_bytes": e.total, "param_bytes": e.params, "grad_bytes": e.grads,
                           "optim_bytes": e.optimizer, "gathered_bytes": e.gathered, "activation_bytes": e.activations,
+                          "backward_bytes": e.parts.get("transient", 0.0),
+                          "process_bytes": e.parts.get("runtime", 0.0) + e.parts.get("allocator", 0.0),
                           "microbatches_in_flight": e.in_flight} for e in predict_memory(cfg, plan)]
     numbers["memory_budget"] = {"bytes": budget, "source": source}
     return numbers
@@ -124,11 +126,15 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan) -> str:
     for axis, nbytes in n["comm"].items():
         lines.append(f"comm per step on {axis}: {nbytes / mib:.2f} MiB sent per rank")
     budget = n["memory_budget"]
-    lines.append(f"{'pp rank':>8} {'gathered MiB':>13} {'activations MiB':>16} {'in flight':>10} {'peak MiB':>10}"
-                 f"   (peak: weights + grads + AdamW + gathered + activations, {cfg.train.precision})")
+    lines.append(f"{'pp rank':>8} {'gathered MiB':>13} {'activations MiB':>16} {'in flight':>10} {'backward MiB':>13} "
+                 f"{'process MiB':>12} {'peak MiB':>10}")
     for m in n["memory"]:
         lines.append(f"{m['pp_rank']:>8} {m['gathered_bytes'] / mib:>13.2f} {m['activation_bytes'] / mib:>16.2f} "
-                     f"{m['microbatches_in_flight']:>10} {m['peak_bytes'] / mib:>10.2f}")
+                     f"{m['microbatches_in_flight']:>10} {m['backward_bytes'] / mib:>13.2f} "
+                     f"{m['process_bytes'] / mib:>12.2f} {m['peak_bytes'] / mib:>10.2f}")
+    lines.append(f"(peak, {cfg.train.precision}: weights + grads + AdamW + gathered + the larger of backward's worst moment "
+                 "(activations + what backward adds) and the optimizer step's; process: the runtime and, on CPU, "
+                 "glibc's heap holes)")
     worst = max(m["peak_bytes"] for m in n["memory"])
     verdict = "fits" if worst <= budget["bytes"] else "does NOT fit (a run is refused: see launch.memory_budget_gb)"
     lines.append(f"memory budget {budget['bytes'] / mib:,.0f} MiB per rank ({budget['source']}): {verdict}")

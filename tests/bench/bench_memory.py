@@ -1,0 +1,115 @@
+"""Per-rank peak memory, predicted by the plan beside measured in real runs, for Llama-shaped
+models of about 25M, 100M, 400M and 1B parameters on one process and on fsdp [2], [4], [8], 2d
+(dp x tp [2, 2]) and 3d (dp x pp x tp [2, 2, 2]).
+
+    python tests/bench/bench_memory.py                       # every size and layout (an hour or more on 2 cores)
+    python tests/bench/bench_memory.py --sizes 25M 100M      # some sizes
+    python tests/bench/bench_memory.py --sizes 1B --layouts single fsdp8
+
+Each row is one ``python -m trainer`` run of 3 optimizer steps (global batch 8 x 128 tokens,
+synthetic data, no tracking) that logs both figures: ``memory: predicted peak ... MiB per rank``
+(the plan's steady-state peak, the largest pipeline rank's) before any worker starts, and
+``peak ... MB`` after each step (CPU: the resident high-water mark above the worker's floor, the
+largest over ranks). Prediction and measurement come from the same process, so the table needs
+nothing but the trainer's own output. A run the budget refuses, or one the machine cannot hold,
+is a row that says so: the last column of the table is what the largest model per layout did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Llama-shaped built-in decoders (byte vocabulary): dim, layers, heads, SwiGLU hidden size.
+SIZES = {
+    "25M": dict(dim=512, n_layers=8, n_heads=8, ffn_hidden_dim=1376),
+    "100M": dict(dim=768, n_layers=14, n_heads=12, ffn_hidden_dim=2048),
+    "400M": dict(dim=1280, n_layers=20, n_heads=10, ffn_hidden_dim=3456),
+    "1B": dict(dim=2048, n_layers=20, n_heads=16, ffn_hidden_dim=5504),
+}
+LAYOUTS = {  # name -> overrides
+    "single": [],
+    "fsdp2": ["+parallel=fsdp", "mesh=[2]"],
+    "fsdp4": ["+parallel=fsdp", "mesh=[4]"],
+    "fsdp8": ["+parallel=fsdp", "mesh=[8]"],
+    "2d": ["+parallel=2d", "mesh=[2,2]"],
+    "3d": ["+parallel=3d", "mesh=[2,2,2]"],
+}
+PREDICTED = re.compile(r"memory: predicted peak ([\d,.]+) MiB")
+MEASURED = re.compile(r"step (\d+)/\d+ .*\| (\d+) ms/step \| peak (\d+) MB")
+
+
+def params(shape: dict) -> float:
+    d, f, layers = shape["dim"], shape["ffn_hidden_dim"], shape["n_layers"]
+    return layers * (4 * d * d + 3 * d * f + 2 * d) + 2 * 256 * d + d
+
+
+def run(size: str, layout: str, steps: int, timeout: int) -> dict:
+    shape = SIZES[size]
+    overrides = [*LAYOUTS[layout], "model=gpt_small", *(f"model.{k}={v}" for k, v in shape.items()),
+                 f"model.n_kv_heads={shape['n_heads']}", "data=synthetic", "tracking=none",
+                 f"train.steps={steps}", "train.global_batch_size=8", "train.seq_len=128", "train.log_every=1",
+                 "train.checkpoint.save_final=false"]
+    began = time.perf_counter()
+    with TemporaryDirectory() as cwd:
+        try:
+            out = subprocess.run([sys.executable, "-m", "trainer", *overrides], cwd=cwd, capture_output=True,
+                                 text=True, timeout=timeout)
+            text, rc = out.stdout + out.stderr, out.returncode
+        except subprocess.TimeoutExpired as err:
+            text, rc = (err.stdout or b"").decode() + (err.stderr or b"").decode(), "timeout"
+    row = {"size": size, "layout": layout, "seconds": time.perf_counter() - began, "rc": rc}
+    if m := PREDICTED.search(text):
+        row["predicted"] = float(m.group(1).replace(",", ""))
+    steps_seen = MEASURED.findall(text)
+    if steps_seen:
+        row["measured"] = float(steps_seen[-1][2])
+        row["ms_per_step"] = float(steps_seen[-1][1])
+    if rc != 0:
+        reason = next((line for line in text.splitlines() if "exceeds the budget" in line or "Killed" in line
+                       or "Error" in line), text.strip().splitlines()[-1] if text.strip() else "")
+        row["status"] = f"failed ({rc}): {reason.strip()[:110]}"
+    else:
+        row["status"] = "ok"
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    args = ap.parse_args()
+
+    rows = []
+    header = f"{'model':>6} {'params':>7} {'layout':>7} {'predicted MiB':>14} {'measured MB':>12} {'pred/meas':>9} " \
+             f"{'s/step':>7}  status"
+    print(header, flush=True)
+    for size in args.sizes:
+        for layout in args.layouts:
+            row = run(size, layout, args.steps, args.timeout)
+            rows.append(row)
+            ratio = f"{row['predicted'] / row['measured']:.2f}" if row.get("measured") and row.get("predicted") else "-"
+            print(f"{size:>6} {params(SIZES[size]) / 1e6:>6.0f}M {layout:>7} {row.get('predicted', float('nan')):>14,.0f} "
+                  f"{row.get('measured', float('nan')):>12,.0f} {ratio:>9} "
+                  f"{row.get('ms_per_step', float('nan')) / 1000:>7.1f}  {row['status']}", flush=True)
+    ok = [r for r in rows if r["status"] == "ok" and r.get("predicted") and r.get("measured")]
+    if ok:
+        errors = [abs(r["predicted"] / r["measured"] - 1) for r in ok]
+        within = sum(e <= 0.10 for e in errors)
+        print(f"\n{within}/{len(ok)} rows within 10%; worst {max(errors):.0%} off, mean {sum(errors) / len(errors):.0%}")
+    for layout in args.layouts:
+        trained = [r["size"] for r in rows if r["layout"] == layout and r["status"] == "ok"]
+        print(f"largest that trained {args.steps} steps on {layout}: {trained[-1] if trained else 'none'}")
+
+
+if __name__ == "__main__":
+    main()
