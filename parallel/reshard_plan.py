@@ -97,7 +97,8 @@ class MeshLayout:
         return tuple(axis for axis, p in enumerate(self.placements) if isinstance(p, kind))
 
     def __repr__(self) -> str:
-        return f"MeshLayout({list(self.ranks) if isinstance(self.ranks, tuple) else self.ranks}, {list(self.placements)})"
+        nested_ranks = torch.tensor(self.flat_ranks).reshape(self.mesh_shape).tolist()
+        return f"MeshLayout({nested_ranks}, {list(self.placements)})"
 
 
 def _nested_tuple(value):
