@@ -171,6 +171,9 @@ def layout_boxes(global_shape: Sequence[int], layout: MeshLayout) -> dict[int, B
     Replicate and Partial axes), computed by DTensor's own helper so uneven and nested shards
     match DTensor exactly."""
     shape = tuple(global_shape)
+    # The public compute_local_shape_and_global_offset needs a DeviceMesh holding the calling rank;
+    # a plan is made for every rank of meshes this process may not belong to, so it calls the
+    # plain-data helper behind it (same code, mesh shape and coordinate given explicitly).
     boxes = {}
     for rank, coordinate in zip(layout.flat_ranks, layout.coordinates(), strict=True):
         local_shape, offset = _compute_local_shape_and_global_offset(shape, layout.mesh_shape, list(coordinate), layout.placements)
