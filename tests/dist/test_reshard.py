@@ -2,7 +2,7 @@
 rank DTensor's piece bit for bit with the plan's bytes on the wire, and on the world mesh reshard
 agrees with DTensor.redistribute.
 
-    PYTHONPATH=. python -m pytest tests/dist/test_reshard.py -q     # one launch, ~40-60 s on 2 cores
+    PYTHONPATH=. python -m pytest tests/dist/test_reshard.py -q     # one launch, ~50-80 s on 2 shared cores
 
 The checks run in the workers (``reshard_checks.SUITES``); this file only reads their results.
 """
