@@ -108,6 +108,22 @@ def test_resume_reshards_across_meshes(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_per_stage_layouts_train_and_move_to_a_uniform_layout_and_back(tmp_path, reference):
+    """``+parallel=pp_stages`` (stage 0 fsdp on ranks 0-1, stage 1 Megatron tp on ranks 2-3): one
+    device's losses; its step-2 checkpoint resumes on dp x tp [2, 2], whose step-4 checkpoint
+    resumes on the per-stage layouts again, each continuing the one-device run."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    staged, uniform = tmp_path / "staged", tmp_path / "uniform"
+    _cli(tmp_path, uri, "staged", "+parallel=pp_stages", f"train.checkpoint.dir={staged}", "train.checkpoint.every=2")
+    _assert_continues(_losses(uri, "staged"), reference, range(1, 7))
+    _cli(tmp_path, uri, "uniform", "+parallel=2d", "mesh=[2,2]", f"train.checkpoint.resume={staged}/step_00000002",
+         f"train.checkpoint.dir={uniform}", "train.checkpoint.every=2")
+    _assert_continues(_losses(uri, "uniform"), reference, range(3, 7))
+    _cli(tmp_path, uri, "staged_again", "+parallel=pp_stages", f"train.checkpoint.resume={uniform}/step_00000004")
+    _assert_continues(_losses(uri, "staged_again"), reference, range(5, 7))
+
+
+@pytest.mark.slow
 def test_killed_worker_is_restarted_and_the_run_continues_exactly(tmp_path):
     """max_restarts=1: SIGKILL a worker mid-run; the elastic agent restarts the workers, they resume
     from the newest checkpoint, and every step's loss equals the uninterrupted run's."""

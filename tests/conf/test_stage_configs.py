@@ -1,0 +1,106 @@
+"""Per-stage layouts (``parallel.pipeline.stages``): what the plan resolves for each stage, and
+every bad form with its path, reason and fix (the cases of ``test_bad_configs.py``, for stages).
+
+Run: ``python -m pytest tests/conf/test_stage_configs.py -q``
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel.errors import ConfigError
+from trainer.validate import validate_with_plan
+from test_bad_configs import Bad, bad, both, compose, put
+
+STAGES = ("parallel", "pipeline", "stages")
+
+
+def stage_put(index: int, key: str, value) -> callable:
+    def edit(raw: dict) -> None:
+        raw["parallel"]["pipeline"]["stages"][index][key] = value
+
+    return edit
+
+
+CASES: dict[str, Bad] = {
+    "ranks-overlap": bad(["+parallel=pp_stages"], "parallel.pipeline.stages[1].ranks", ["rank 1 is also in stage 0"],
+                         ["exactly one stage"], edit=stage_put(1, "ranks", [1, 2])),
+    "rank-does-not-exist": bad(["+parallel=pp_stages"], "parallel.pipeline.stages[1].ranks",
+                               ["rank 7 does not exist", "0..3"], ["ranks below 4"], edit=stage_put(1, "ranks", [2, 7])),
+    "unequal-stage-sizes": bad(["+parallel=pp_stages", "mesh=[4]"], "parallel.pipeline.stages", ["[1, 3] ranks", "lanes"],
+                               ["give every stage 3 ranks"], edit=both(stage_put(0, "ranks", [0]), stage_put(1, "ranks", [1, 2, 3]))),
+    "ranks-in-no-stage": bad(["+parallel=pp_stages", "mesh=[6]"], "parallel.pipeline.stages", ["ranks [4, 5]", "no stage"],
+                             ["mesh=[4]"]),
+    "top-level-placements": bad(["+parallel=pp_stages"], "parallel.placements", ["each stage has its own layout"],
+                                ["parallel.pipeline.stages[i].placements"],
+                                edit=put("parallel", "placements", {"output.weight": {"pp": "Replicate"}})),
+    "interleaved-schedule": bad(["+parallel=pp_stages", "parallel.pipeline.schedule=Interleaved1F1B",
+                                 "parallel.pipeline.stages_per_rank=2"], "parallel.pipeline.schedule",
+                                ["one stage per rank"], ["GPipe or 1F1B"]),
+    "unknown-stage-axis": bad(["+parallel=pp_stages"], 'parallel.pipeline.stages[1].placements["output.weight"].tq',
+                              ["not one of this stage's dims ['tp']"], ["parallel.pipeline.stages[1].dims"],
+                              edit=stage_put(1, "placements", {"output.weight": {"tq": "Shard(0)"}})),
+    "placement-on-stage-dp-axis": bad(["+parallel=pp_stages"], 'parallel.pipeline.stages[0].placements["layers.0.*"].dp',
+                                      ["data-parallel axis"], ["other axes"],
+                                      edit=stage_put(0, "placements", {"layers.0.*": {"dp": "Shard(0)"}})),
+    "glob-names-another-stages-parameter": bad(
+        ["+parallel=pp_stages"], 'parallel.pipeline.stages[1].placements["tok_embeddings.weight"]',
+        ["matches no parameter of this stage (parallel.pipeline.stages[1])"], ["fix the glob", "layers.2"],
+        edit=stage_put(1, "placements", {"tok_embeddings.weight": {"tp": "Shard(0)"}})),
+    "stage-ranks-decrease": bad(["+examples=paddle_3d"], "parallel.pipeline.stages[0].ranks",
+                                ["decrease along the stage's axis 'dp'"], ["increasing"],
+                                edit=stage_put(0, "ranks", [[2, 3], [0, 1]])),
+    "stage-dims-do-not-match-ranks": bad(["+parallel=pp_stages"], "parallel.pipeline.stages[0].dims",
+                                         ["names 2 axes", "have 1"], ["one axis name per axis"],
+                                         edit=stage_put(0, "dims", ["dp", "x"])),
+    "boundaries-do-not-make-the-stages": bad(["+examples=oneflow_mixed", "parallel.pipeline.boundaries=[]"],
+                                             "parallel.pipeline.boundaries",
+                                             ["0 boundaries make 1 stages", "parallel.pipeline.stages lists 2"],
+                                             ["give 1 boundary"]),
+    "batch-rows-do-not-split-over-lanes": bad(["+parallel=pp_stages", "train.global_batch_size=12"],
+                                              "train.global_batch_size", ["dp size 2 x microbatches 4"], ["multiple of 8"]),
+    "explicit-rank-ids-with-stages": bad(["+parallel=pp_stages", "mesh=[[0,1],[2,3]]", "parallel.dims=[pp,x]"], "mesh",
+                                         ["stages already say"], ["mesh=[4]"]),
+    "stage-tp-on-its-dp-axis": bad(["+parallel=pp_stages"], "parallel.pipeline.stages[0].tensor_parallel.dim",
+                                   ["already the stage's data-parallel axis"], ["its own axis"],
+                                   edit=stage_put(0, "tensor_parallel", {"dim": "dp"})),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_bad_stage_config_names_path_reason_and_fix(case: Bad):
+    raw = compose(*case.overrides)
+    if case.edit is not None:
+        case.edit(raw)
+    with pytest.raises(ConfigError) as excinfo:
+        validate_with_plan(raw)
+    issues = excinfo.value.issues
+    at_path = [i for i in issues if i.path == case.path]
+    assert at_path, [(i.path, i.reason) for i in issues]
+    assert any(all(p in i.reason for p in case.reason) and all(p in i.fix for p in case.fix) for i in at_path), \
+        [(i.reason, i.fix) for i in at_path]
+
+
+def test_each_stage_resolves_its_own_layout():
+    """pp_stages on the built-in Llama: stage 0 (embeddings, layers 0-1) fsdp over ranks 0-1 with no
+    placements; stage 1 (layers 2-3, norm, head) the Megatron plan on its tp axis, its parameters only."""
+    _, plan = validate_with_plan(compose("+parallel=pp_stages"))
+    pp = plan.pipeline
+    assert plan.pp_size == 2 and pp.stage_units[0] == ("tok_embeddings", "layers.0", "layers.1")
+    first, second = pp.stages
+    assert (first.ranks, second.ranks) == ((0, 1), (2, 3))
+    assert first.layout.mesh.shape == (2,) and first.layout.mesh.dim_names == ("dp",)
+    assert first.layout.data_parallel.mode == "fsdp" and dict(first.layout.placements) == {}
+    assert second.layout.data_parallel is None
+    placed = {fqn: {a: str(p) for a, p in axes.items()} for fqn, axes in second.layout.placements.items()}
+    assert placed["layers.2.attn.wq.weight"] == {"tp": "Shard(0)"} and placed["layers.3.mlp.w2.weight"] == {"tp": "Shard(1)"}
+    assert all(f.startswith(("layers.2.", "layers.3.")) for f in placed), sorted(placed)
+    assert len(placed) == 2 * 7  # wq, wk, wv, wo, w1, w2, w3 of each of the stage's two blocks
+
+
+def test_examples_are_the_seeds_stage_meshes():
+    _, plan = validate_with_plan(compose("+examples=paddle_3d"))
+    assert [s.rank_ids for s in plan.pipeline.stages] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert [str(s.layout.placements[w]["mp"]) for s, w in zip(plan.pipeline.stages, ("w0", "w1"))] == ["Shard(1)", "Shard(0)"]
+    _, plan = validate_with_plan(compose("+examples=oneflow_mixed"))
+    assert [s.layout.data_parallel and s.layout.data_parallel.mode for s in plan.pipeline.stages] == ["ddp", None]
