@@ -147,4 +147,6 @@ class PlanPublic(BaseModel):
     comm_bytes_per_step: dict[str, float] = Field(description="Bytes each rank sends per optimizer step, per mesh axis.")
     memory_budget_bytes: float = Field(0.0, description="The per-rank budget a run is checked against "
                                        "(launch.memory_budget_gb, the GPU's memory, or a share of the host's).")
+    memory_note: str | None = Field(None, description="Why activations were not predicted (then each rank's peak "
+                                    "is weights + grads + AdamW only, a lower bound); null when they were.")
     config: dict[str, Any] = Field(description="The resolved, validated config.")

@@ -236,7 +236,10 @@ def _in_flight(plan: ParallelPlan, pp_rank: int) -> int:
 
 def predict_memory(cfg: RunConfig, plan: ParallelPlan) -> list[MemoryEstimate]:
     """One :class:`MemoryEstimate` per pp rank (one without a pipeline)."""
-    from trainer.plan import plan_numbers
+    from trainer.plan import plan_numbers, stage_views
+
+    if plan.pipeline is not None and plan.pipeline.stages:  # each stage by its own layout
+        return [predict_memory(view_cfg, view)[i] for i, (view_cfg, view) in enumerate(stage_views(cfg, plan))]
 
     numbers = plan_numbers(cfg, plan)
     t = cfg.train

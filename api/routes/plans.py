@@ -21,6 +21,6 @@ def create_plan(body: JobCreate, plane: PlaneDep, user: CurrentUser) -> PlanPubl
         per_pp_rank=[PlanRank(**{**memory, **rank})
                      for rank, memory in zip(numbers["per_pp_rank"], numbers["memory"], strict=True)],
         bubble=float(numbers["bubble"]), comm_bytes_per_step={axis: float(n) for axis, n in numbers["comm"].items()},
-        memory_budget_bytes=float(numbers["memory_budget"]["bytes"]),
+        memory_budget_bytes=float(numbers["memory_budget"]["bytes"]), memory_note=numbers["memory_note"],
         config=cfg.model_dump(mode="json"),
     )
