@@ -35,9 +35,13 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     lines = []
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
-        nested = [a for a in typing.get_args(field.annotation) or (field.annotation,)
-                  if isinstance(a, type) and issubclass(a, BaseModel)]
-        if len(nested) == 1 and name not in ("model", "data"):
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        items = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is list and typing.get_args(a)]
+        nested = [a for a in (*args, *items) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if items and nested:  # a list of sections (parallel.pipeline.stages): its entries' keys as [i].key
+            lines.append(f"  {path}: {field.description}")
+            lines += _fields(nested[0], f"{path}[i].")
+        elif len(nested) == 1 and name not in ("model", "data"):
             lines.append(f"  {path}: {field.description}")
             lines += _fields(nested[0], f"{path}.")
         else:
