@@ -32,8 +32,9 @@ from parallel.pipeline import block_units, pipeline_units, stage_boundaries, sta
 from parallel.placements import PlacementSpec, parse_placement
 
 AxisSpecs = Mapping[str, PlacementSpec]
-# A model-specific check of one placements glob: (its config path, placements, the FQNs it matched) -> issues.
-GlobCheck = Callable[[str, AxisSpecs, list[str]], list[ConfigIssue]]
+# A model-specific check of one placements glob: (its config path, placements, the FQNs it matched, the mesh
+# whose axes the placements name) -> issues.
+GlobCheck = Callable[[str, AxisSpecs, list[str], "MeshSpec"], list[ConfigIssue]]
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ def _match_entry(glob: str, axes: AxisSpecs, path: str, mesh: MeshSpec, params: 
                 reported.add(issue.path)
                 issues.append(issue)
     if check_glob is not None and matched:
-        issues += check_glob(path, axes, matched)
+        issues += check_glob(path, axes, matched, mesh)
 
 
 def _check_shards(mesh: MeshSpec, where: str, axes: AxisSpecs, shape: tuple[int, ...], fqn: str) -> list[ConfigIssue]:

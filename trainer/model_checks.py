@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from parallel.errors import ConfigError, ConfigIssue
-from parallel.plan import ParallelPlan, resolve_plan
+from parallel.plan import MeshSpec, ParallelPlan, resolve_plan
 from trainer.config import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
 from trainer.models import decoder_config
 
@@ -39,7 +39,7 @@ def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[Confi
                                   "use model sizes whose tensors fit in memory (each dimension well below 2**31)")]
     try:
         decoder = decoder_config(cfg.model)
-        plan = resolve_plan(cfg.parallel, cfg.mesh, model, check_glob=lambda *glob: _check_heads(cfg, decoder, *glob))
+        plan = resolve_plan(cfg.parallel, cfg.mesh, model, check_glob=lambda *glob: _check_heads(decoder, *glob))
     except ConfigError as err:
         plan, issues = None, issues + err.issues
     if cfg.parallel is not None:
@@ -154,12 +154,13 @@ def _check_decoder(m: LlamaConfig, d, t, data_vocab: int | None = None) -> list[
     return issues
 
 
-def _check_heads(cfg: RunConfig, m: LlamaConfig | None, where: str, axes, fqns: list[str]) -> list[ConfigIssue]:
-    """Attention is split by heads: a sharding axis of an attention glob must divide the head counts."""
+def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh: MeshSpec) -> list[ConfigIssue]:
+    """Attention is split by heads: a sharding axis of an attention glob (of ``mesh``: the run's,
+    or a pipeline stage's own) must divide the head counts."""
     if m is None or not any(f.split(".")[-2] in _ATTENTION_PROJECTIONS for f in fqns):
         return []
     for axis, p in axes.items():
-        n = cfg.axis_size(axis)
+        n = mesh.size(axis)
         if not p.is_shard or n == 1:
             continue
         if m.qk_norm:
