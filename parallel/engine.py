@@ -274,7 +274,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
             apply_compile(model, block_fqns=plan.blocks)
         return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None))
 
-    mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, rank_ids=plan.mesh.rank_ids, device_type=device.type)
+    # Explicit rank ids only say which device each position's worker runs on (the launcher bound it):
+    # the mesh itself is always torch ranks 0..n-1 row-major.
+    mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, device_type=device.type)
     if dist.get_world_size() != mesh.size():
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}")
     pp = plan.pipeline
