@@ -17,8 +17,10 @@ coordinate (which cuts the shards) would disagree.
 
     rank_id_of([[2, 4, 5], [0, 1, 3]], 3)                       # 0: torch rank 3 is the worker with id 0
 
-Every rank of the default process group must call :func:`build_mesh` (DeviceMesh creates its
-subgroups collectively).
+A sub-mesh over some of the world's torch ranks (a pipeline stage's) is ``build_mesh(..., rank_ids=...)``
+with ranks increasing along every axis. Every rank of the default process group must call
+:func:`build_mesh` (DeviceMesh creates its subgroups collectively), also for a sub-mesh it is
+not in.
 """
 
 from __future__ import annotations
@@ -26,18 +28,29 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Sub-meshes made once per (mesh, axes): the engine asks for the same axis for every module.
 _SUBMESHES: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], DeviceMesh]] = weakref.WeakKeyDictionary()
 
 
-def build_mesh(mesh_shape: Sequence[int], dim_names: Sequence[str], *, device_type: str = "cpu") -> DeviceMesh:
-    """The ``DeviceMesh`` of ``mesh_shape`` over torch ranks ``0 .. n-1`` row-major, axes named ``dim_names``.
+def build_mesh(
+    mesh_shape: Sequence[int],
+    dim_names: Sequence[str],
+    *,
+    rank_ids: Sequence | None = None,
+    device_type: str = "cpu",
+) -> DeviceMesh:
+    """The ``DeviceMesh`` of ``mesh_shape`` with axes named ``dim_names``.
 
     Args:
         mesh_shape: axis sizes, outermost first; their product is the number of ranks.
         dim_names: one unique name per axis.
+        rank_ids: the torch ranks of a sub-mesh (a pipeline stage's), nested like ``mesh_shape``
+            and increasing along every axis (see :func:`unordered_axes`); default: the whole
+            world, ``0 .. n-1`` row-major. Not a config's explicit ``mesh`` ids: those are
+            device labels, and their mesh is the whole world in order.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
     """
     mesh_shape, dim_names = tuple(int(s) for s in mesh_shape), tuple(dim_names)
@@ -45,7 +58,37 @@ def build_mesh(mesh_shape: Sequence[int], dim_names: Sequence[str], *, device_ty
         raise ValueError(f"mesh shape {list(mesh_shape)} has {len(mesh_shape)} axes but {len(dim_names)} names {list(dim_names)}")
     if len(set(dim_names)) != len(dim_names):
         raise ValueError(f"mesh axis names must be unique, got {list(dim_names)}")
-    return init_device_mesh(device_type, mesh_shape, mesh_dim_names=dim_names)
+    if rank_ids is None:
+        return init_device_mesh(device_type, mesh_shape, mesh_dim_names=dim_names)
+    ids = torch.tensor(rank_ids, dtype=torch.int)
+    if tuple(ids.shape) != mesh_shape:
+        raise ValueError(f"rank ids of shape {list(ids.shape)} do not match the mesh shape {list(mesh_shape)}")
+    if sorted(ids.flatten().tolist()) != sorted(set(ids.flatten().tolist())):
+        raise ValueError(f"rank ids {rank_ids} repeat a rank")
+    if bad := unordered_axes(ids, dim_names):
+        raise ValueError(
+            f"mesh ranks {rank_ids}: along axis {bad[0]!r} the ranks are not in increasing order. torch "
+            "orders the members of each axis's process group by global rank, while DTensor cuts shards by mesh "
+            "position, so collectives would assemble shards in the wrong order. List every axis's ranks in "
+            "increasing order (e.g. swap rows/columns of the nested list)"
+        )
+    return DeviceMesh(device_type, ids, mesh_dim_names=dim_names)
+
+
+def unordered_axes(rank_ids: torch.Tensor, dim_names: Sequence[str]) -> list[str]:
+    """Axes along which some line of ``rank_ids`` (torch ranks) is not increasing.
+
+    ``torch.distributed.new_group`` sorts its ranks, so the group rank of a process along an axis
+    is its position in *sorted* order, while ``DeviceMesh.get_coordinate`` (which DTensor uses to
+    cut a tensor) is its position in the nested list. They agree only if every line is increasing:
+    ``[[2, 4, 5], [0, 1, 3]]`` as torch ranks has columns ``[2, 0]``, ``[4, 1]``, ``[5, 3]``.
+    """
+    bad = []
+    for axis, name in enumerate(dim_names):
+        lines = rank_ids.movedim(axis, -1).reshape(-1, rank_ids.shape[axis])
+        if bool((lines[:, 1:] <= lines[:, :-1]).any()):
+            bad.append(name)
+    return bad
 
 
 def flat_rank_ids(rank_ids: Sequence) -> list[int]:

@@ -74,3 +74,15 @@ def test_worker_binds_to_the_cpu_its_id_names(monkeypatch):
     pinned.clear()
     plain = validate_config(compose_dict(["+parallel=2d", "tracking=none", "device=cpu"]))
     assert bind_worker(plain, 3, 1, 2) == (3, 1) and pinned == []
+
+
+def test_a_sub_mesh_of_torch_ranks_must_increase_along_every_axis():
+    """``build_mesh(rank_ids=...)`` takes torch ranks (a pipeline stage's sub-mesh), not labels:
+    a decreasing axis would make DTensor's coordinate and the sorted group rank disagree, so it is
+    refused before any process group is touched."""
+    from parallel.mesh import build_mesh
+
+    with pytest.raises(ValueError, match="along axis 'x' the ranks are not in increasing order"):
+        build_mesh((2, 3), ("x", "y"), rank_ids=PADDLE)
+    with pytest.raises(ValueError, match="repeat a rank"):
+        build_mesh((2,), ("x",), rank_ids=[1, 1])
