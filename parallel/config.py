@@ -55,17 +55,6 @@ class DataParallelConfig(Section):
         return [self.dim] if isinstance(self.dim, str) else list(self.dim)
 
 
-class PipelineConfig(Section):
-    dim: str = Field("pp", description="Mesh axis name along which stages are laid out.")
-    schedule: ScheduleName = Field("1F1B", description="torch.distributed.pipelining schedule.")
-    microbatches: int = Field(4, ge=1, description="Micro-batches each (accumulation) batch is cut into.")
-    stages_per_rank: int = Field(1, ge=1, description="Stages held by each pp rank; >= 2 for interleaved, 2 for ZBV.")
-    boundaries: list[str] | Literal["auto"] = Field(
-        "auto",
-        description="First module of every stage but the first (e.g. [layers.2]); `auto` balances parameter counts.",
-    )
-
-
 class TensorParallelConfig(Section):
     dim: str = Field("tp", description="Mesh axis name the model's tensor-parallel plan splits over.")
     plan: Literal["megatron"] = Field(
@@ -79,6 +68,55 @@ class TensorParallelConfig(Section):
 class LayoutConfig(Section):
     input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
     output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
+
+
+class StageConfig(Section):
+    """One pipeline stage's own ranks and layout (``parallel.pipeline.stages[i]``)."""
+
+    ranks: list[int] | list[list[int]] = Field(
+        description="Global ranks holding this stage: a list ([0, 1]) or a nested list for a 2-D sub-mesh ([[0,1],[2,3]]).",
+    )
+    dims: list[str] = Field(description="One name per axis of `ranks`, e.g. [dp] or [dp, tp].")
+    data_parallel: DataParallelConfig | None = Field(None, description="Data parallelism inside this stage; null = none.")
+    tensor_parallel: TensorParallelConfig | None = Field(
+        None, description="The model family's named tensor-parallel plan inside this stage; null = only explicit placements."
+    )
+    placements: dict[str, AxisPlacements] = Field(
+        default_factory=dict,
+        description="Parameter-FQN glob -> {axis of this stage: Shard(d) | Replicate}, for this stage's parameters.",
+    )
+    layouts: dict[str, LayoutConfig] = Field(
+        default_factory=dict, description="Module-FQN glob -> input/output placements, for this stage's modules."
+    )
+
+    @property
+    def rank_list(self) -> list[int]:
+        """The stage's ranks, row-major (the order its lanes are numbered in)."""
+        return [r for row in self.ranks for r in (row if isinstance(row, list) else [row])]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The sub-mesh's shape: ``(len(ranks),)`` for a list, rows x columns for a nested one."""
+        if self.ranks and isinstance(self.ranks[0], list):
+            return (len(self.ranks), len(self.ranks[0]))
+        return (len(self.ranks),)
+
+
+class PipelineConfig(Section):
+    dim: str = Field("pp", description="Mesh axis name along which stages are laid out.")
+    schedule: ScheduleName = Field("1F1B", description="torch.distributed.pipelining schedule.")
+    microbatches: int = Field(4, ge=1, description="Micro-batches each (accumulation) batch is cut into.")
+    stages_per_rank: int = Field(1, ge=1, description="Stages held by each pp rank; >= 2 for interleaved, 2 for ZBV.")
+    boundaries: list[str] | Literal["auto"] = Field(
+        "auto",
+        description="First module of every stage but the first (e.g. [layers.2]); `auto` balances parameter counts.",
+    )
+    stages: list[StageConfig] | None = Field(
+        None,
+        description="Optional: each stage its own ranks and layout (dims, data_parallel, tensor_parallel, placements, "
+        "layouts), one entry per stage; the mesh is then the world's ranks and the stage entries place them. "
+        "null = every stage has the layout of the parallel section (one role per mesh axis).",
+    )
 
 
 class ParallelConfig(Section):

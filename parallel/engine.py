@@ -40,6 +40,7 @@ from parallel.data_parallel import apply_data_parallel
 from parallel.mesh import axis_rank, build_mesh, submesh
 from parallel.pipeline import build_schedule, split_stages
 from parallel.plan import ParallelPlan, PipelineSpec
+from parallel.stage_io import attach_boundaries, lane_groups, stage_to_group_rank
 from parallel.tensor_parallel import apply_placements
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,6 +70,10 @@ class ParallelModel:
         device: torch.device | str = "cpu",
         placement_report: dict[str, str] | None = None,
         autocast: torch.dtype | None = None,
+        pp_group: dist.ProcessGroup | None = None,
+        replicas: int = 1,
+        lanes: int = 1,
+        stage_to_group_rank: dict[int, int] | None = None,
     ) -> None:
         self.model_parts = model_parts
         self.mesh = mesh
@@ -85,8 +90,11 @@ class ParallelModel:
         self._schedule = None
         self._loss_fn: LossFn | None = None
         self._loss_factor = 1.0
-        self.pp_size = mesh.size(mesh.mesh_dim_names.index(pipeline.dim)) if pipeline is not None else 1
-
+        self.pp_size = num_stages // pipeline.stages_per_rank if pipeline is not None else 1
+        self._pp_group = pp_group
+        self._replicas = replicas  # ranks holding each stage (the last stage's all hold a loss)
+        self._lanes = lanes  # per-stage layouts: lanes a micro-batch is split over between stages
+        self._stage_to_group_rank = stage_to_group_rank
     # -- training step -------------------------------------------------------------
 
     def forward_backward(
@@ -143,8 +151,9 @@ class ParallelModel:
                       *, backward: bool) -> torch.Tensor | None:
         microbatches = self._pipeline.num_microbatches
         # Each micro-batch's loss is divided by their number here (not by the schedule's
-        # scale_grads, which would also rescale gradients accumulated by earlier calls).
-        self._loss_fn, self._loss_factor = loss_fn, loss_scale / microbatches
+        # scale_grads, which would also rescale gradients accumulated by earlier calls), and by the
+        # lanes it is split over between stages of their own layouts (parallel.stage_io).
+        self._loss_fn, self._loss_factor = loss_fn, loss_scale / microbatches / self._lanes
         if self._schedule is None:
             self._schedule = build_schedule(
                 list(zip(self.stage_indices, self.model_parts)),
@@ -152,8 +161,9 @@ class ParallelModel:
                 microbatches=microbatches,
                 loss_fn=self._scaled_loss,
                 num_stages=self.num_stages,
-                pp_group=self.mesh.get_group(self._pipeline.dim),
+                pp_group=self._pp_group,
                 device=self._device,
+                stage_to_group_rank=self._stage_to_group_rank,
             )
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first_stage else ()
@@ -163,8 +173,8 @@ class ParallelModel:
         if not self.is_last_stage:
             return None
         # Micro-batches are equal slices, so the batch mean is the mean of their means:
-        # sum(loss_i * scale / M) / scale.
-        return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
+        # sum(loss_i * scale / M / lanes) / (scale / lanes).
+        return torch.stack([loss.detach() for loss in losses]).sum() * self._lanes / loss_scale
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The schedule holds this function; the user's loss and factor are set per call.
@@ -206,7 +216,7 @@ class ParallelModel:
                 # Partial, every optimizer op touching it would all-reduce it again.
                 p.grad = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        holders = (self.mesh.size() // self.pp_size) if self.mesh is not None else 1
+        holders = self._replicas
         total = torch.zeros((), dtype=torch.float64, device=self._device)
         for g in grads:
             if isinstance(g, DTensor):
@@ -232,8 +242,8 @@ class ParallelModel:
             return float(loss)
         value = torch.tensor([0.0 if loss is None else float(loss)], dtype=torch.float64)
         dist.all_reduce(value)
-        # Every rank of the last stage holds a loss: dp replicas differ, tp ranks repeat them.
-        return float(value) / (self.mesh.size() // self.pp_size)
+        # Every rank of the last stage holds a loss: dp replicas (and lanes) differ, tp ranks repeat them.
+        return float(value) / self._replicas
 
 
 def _is_shard(placement: Any) -> bool:
@@ -274,36 +284,26 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
             apply_compile(model, block_fqns=plan.blocks)
         return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None))
 
-    # Explicit rank ids only say which device each position's worker runs on (the launcher bound it):
-    # the mesh itself is always torch ranks 0..n-1 row-major.
-    mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, device_type=device.type)
-    if dist.get_world_size() != mesh.size():
-        raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}")
     pp = plan.pipeline
     if compile and pp is not None and pp.schedule in SPLIT_BACKWARD_SCHEDULES:
         raise ValueError(f"torch.compile does not compose with the {pp.schedule} schedule (its weight-gradient pass "
                          "re-runs a compiled block's whole backward); use 1F1B or Interleaved1F1B, or compile=False")
+    part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile)
+    if pp is not None and pp.stages:
+        return _parallelize_stages(model, plan, **part_options)
+    # Explicit mesh rank ids only say which device each position's worker runs on (the launcher bound
+    # it): the world mesh itself is always torch ranks 0..n-1 row-major.
+    mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, device_type=device.type)
+    if dist.get_world_size() != mesh.size():
+        raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}")
     if pp is not None:
         stages = split_stages(model, pp, units=plan.units, pp_rank=mesh.get_local_rank(pp.dim))
     else:
         stages = [(0, model)]
-
     report: dict[str, str] = {}
-    dp = plan.data_parallel
-    dp_names = list(dp.dim_names) if dp is not None else []
     for _, part in stages:
-        if not on_meta:
-            part.to(device)
-        if plan.placements or plan.layouts:
-            report.update(apply_placements(part, mesh, placements=plan.placements, layouts=plan.layouts))
-        apply_ac(part, **ac)
-        if compile:
-            apply_compile(part, block_fqns=plan.blocks)
-        if dp is not None:
-            apply_data_parallel(part, mesh, mode=dp.mode, dim_names=dp_names, block_fqns=plan.blocks,
-                                pipelined=pp is not None, precision=precision)
-        if on_meta:
-            _materialize(part, device, init)
+        report.update(_parallelize_part(part, mesh, plan, pipelined=pp is not None, **part_options))
+    dp_names = list(plan.data_parallel.dim_names) if plan.data_parallel is not None else []
     return ParallelModel(
         model_parts=[part for _, part in stages],
         mesh=mesh,
@@ -313,7 +313,60 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         pipeline=pp,
         device=device,
         placement_report=report,
-        autocast=_autocast_dtype(precision, dp),
+        autocast=_autocast_dtype(precision, plan.data_parallel),
+        pp_group=mesh.get_group(pp.dim) if pp is not None else None,
+        replicas=mesh.size() // plan.pp_size,
+    )
+
+
+def _parallelize_part(part: nn.Module, mesh: DeviceMesh, layout: ParallelPlan, *, pipelined: bool, device: torch.device,
+                      init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool) -> dict[str, str]:
+    """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
+    tensor parallel -> activation checkpointing -> compile -> data parallel -> (``init``: a meta
+    part) allocate and initialise this rank's shards. Returns tensor parallelism's report."""
+    report: dict[str, str] = {}
+    if init is None:
+        part.to(device)
+    if layout.placements or layout.layouts:
+        report = apply_placements(part, mesh, placements=layout.placements, layouts=layout.layouts)
+    apply_ac(part, mode=layout.activation_checkpointing, every=layout.activation_checkpointing_every,
+             block_fqns=layout.blocks)
+    if compile:
+        apply_compile(part, block_fqns=layout.blocks)
+    dp = layout.data_parallel
+    if dp is not None:
+        apply_data_parallel(part, mesh, mode=dp.mode, dim_names=list(dp.dim_names), block_fqns=layout.blocks,
+                            pipelined=pipelined, precision=precision)
+    if init is not None:
+        _materialize(part, device, init)
+    return report
+
+
+def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
+                        init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool) -> ParallelModel:
+    """Per-stage layouts (``parallel.pipeline.stages``): every stage on its own sub-mesh with its
+    own layout, the schedule along lanes of one rank per stage (:mod:`parallel.stage_io`)."""
+    pp = plan.pipeline
+    if dist.get_world_size() != plan.mesh.world_size:
+        raise ValueError(f"the mesh has {plan.mesh.world_size} ranks but the world has {dist.get_world_size()}")
+    # Every rank builds every stage's mesh and every lane's group: both are collectives.
+    meshes = [build_mesh(s.layout.mesh.shape, s.layout.mesh.dim_names, rank_ids=s.rank_ids, device_type=device.type)
+              for s in pp.stages]
+    lanes = lane_groups([s.ranks for s in pp.stages])
+    rank = dist.get_rank()
+    index = next(i for i, s in enumerate(pp.stages) if rank in s.ranks)
+    stage, mesh = pp.stages[index], meshes[index]
+    lane = stage.ranks.index(rank)
+    (_, part), = split_stages(model, pp, units=plan.units, pp_rank=index)
+    report = _parallelize_part(part, mesh, stage.layout, pipelined=True, device=device, init=init,
+                               precision=precision, compile=compile)
+    dp = stage.layout.data_parallel
+    attach_boundaries(part, mesh, dp_axes=dp.dim_names if dp is not None else ())
+    lane_ranks, lane_group = lanes[lane]
+    return ParallelModel(
+        model_parts=[part], mesh=mesh, dp_rank=lane, dp_size=len(stage.ranks), stage_indices=[index], pipeline=pp,
+        device=device, placement_report=report, autocast=_autocast_dtype(precision, dp), pp_group=lane_group,
+        replicas=len(stage.ranks), lanes=len(stage.ranks), stage_to_group_rank=stage_to_group_rank(lane_ranks),
     )
 
 

@@ -161,12 +161,15 @@ def build_schedule(
     num_stages: int,
     pp_group: torch.distributed.ProcessGroup,
     device: torch.device | str,
+    stage_to_group_rank: dict[int, int] | None = None,
 ):
     """A torch pipelining schedule over this rank's ``stages``; ``step(inputs, target=...,
     losses=[])`` then runs forward and backward of all micro-batches.
 
     ``scale_grads=False``: ``loss_fn`` must already be divided by ``microbatches`` for the
     gradients to be those of the batch mean (see the module docstring for why).
+    ``stage_to_group_rank``: stage index -> ``pp_group`` rank of its holder, when that is not
+    the stage's position (per-stage layouts: a lane's ranks need not increase with the stage).
     """
     from torch.distributed.pipelining import (
         PipelineStage,
@@ -194,4 +197,7 @@ def build_schedule(
         return classes[schedule](pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     if len(pipeline_stages) != 1:
         raise ValueError(f"{schedule} runs one stage per rank, got {len(pipeline_stages)}; use an interleaved schedule")
-    return classes[schedule](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    built = classes[schedule](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    if stage_to_group_rank is not None:  # after the schedule: a one-stage schedule keeps the stage's own mapping
+        pipeline_stages[0].stage_index_to_group_rank = dict(stage_to_group_rank)
+    return built

@@ -86,6 +86,8 @@ class PipelineSpec:
     stages_per_rank: int
     stage_units: tuple[tuple[str, ...], ...]
     stage_ranks: tuple[int, ...]
+    # ``parallel.pipeline.stages``: each stage its own ranks and layout (empty: the plan's layout everywhere).
+    stages: tuple[StagePlan, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -137,7 +139,24 @@ class ParallelPlan:
 
     @property
     def pp_size(self) -> int:
+        if self.pipeline is not None and self.pipeline.stages:
+            return self.pipeline.num_stages
         return self.mesh.size(self.pipeline.dim) if self.pipeline else 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage's own ranks and layout (``parallel.pipeline.stages[i]``).
+
+    ``ranks``: the stage's global ranks, row-major; the stage's ``i``-th rank is on lane ``i``
+    (every stage has the same number of ranks, so lane ``i`` is one rank of every stage, and
+    torch's pipeline schedule runs along it). ``layout``: the stage's plan on its own sub-mesh
+    (``layout.mesh``: the shape and axis names of its ``ranks``), with its data parallelism,
+    placements and layouts; its parameters are the stage's only."""
+
+    ranks: tuple[int, ...]
+    rank_ids: Any  # the nested list as written (the sub-mesh's rank ids)
+    layout: ParallelPlan
 
 
 def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *,
@@ -153,32 +172,13 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     if parallel is None:
         return ParallelPlan(units=units, blocks=blocks)
     mesh_spec = MeshSpec(mesh_shape_of(mesh), tuple(parallel.dims), mesh_rank_ids(mesh))
-    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    modules = [name for name, _ in model.named_modules() if name]
+    if parallel.pipeline is not None and parallel.pipeline.stages:
+        from parallel.stage_plan import resolve_stages  # each stage its own ranks and layout
+
+        return resolve_stages(parallel, mesh_spec, model, units=units, blocks=blocks, check_glob=check_glob)
     issues: list[ConfigIssue] = []
-    family_placements, family_layouts = _family_plan(parallel, model, issues)
-    placements = _match_placements(family_placements, mesh_spec, params, issues, check_glob)
-    layouts, layout_paths = _match_layouts(family_layouts, modules, issues)
-    # Explicit globs after the family's: they may re-place what the plan placed (no overlap issue).
-    placements.update(_match_placements(
-        [(glob, axes, format_path("parallel", "placements", glob)) for glob, axes in parallel.placements.items()],
-        mesh_spec, params, issues, check_glob))
-    explicit_layouts, explicit_paths = _match_layouts(
-        [(glob, layout, format_path("parallel", "layouts", glob)) for glob, layout in parallel.layouts.items()],
-        modules, issues)
-    layouts.update(explicit_layouts)
-    layout_paths.update(explicit_paths)
+    placements, layouts = resolve_layout(parallel, ("parallel",), mesh_spec, model, issues, check_glob=check_glob)
     issues += _check_boundaries(parallel, mesh_spec, units)
-    if issues:
-        raise ConfigError(issues)
-
-    from parallel.tensor_parallel import classify  # classification needs the module types
-
-    for name in classify(model, placements, layouts).unsupported:
-        issues.append(ConfigIssue(layout_paths[name],
-                                  f"module {name}: only a Shard input of a norm-like module (sequence parallel) or the "
-                                  "input/output of a module with DTensor-placed parameters is supported",
-                                  "remove this layout, or give the module's parameters placements"))
     if issues:
         raise ConfigError(issues)
     dp = parallel.data_parallel
@@ -195,17 +195,54 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     )
 
 
+def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module, issues: list[ConfigIssue], *,
+                   check_glob: GlobCheck | None = None, only: set[str] | None = None
+                   ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec]]:
+    """``(placements, layouts)`` of one layout section (``parallel``, or a pipeline stage at
+    ``prefix`` = ``("parallel", "pipeline", "stages", i)``): the model family's named plan, then the
+    explicit globs over it, matched against the model's parameters and modules (only those whose
+    names are in ``only``, a stage's, when given: there a family glob may match nothing).
+    Problems are appended to ``issues``."""
+    params = {name: tuple(p.shape) for name, p in model.named_parameters() if only is None or name in only}
+    modules = [name for name, _ in model.named_modules() if name and (only is None or name in only)]
+    family_placements, family_layouts = _family_plan(section, prefix, model, issues)
+    scope = {"scope": "the model"} if only is None else {"scope": f"this stage ({format_path(*prefix)})"}
+    placements = _match_placements(family_placements, mesh, params, issues, check_glob, **scope, required=only is None)
+    layouts, layout_paths = _match_layouts(family_layouts, modules, issues, **scope, required=only is None)
+    # Explicit globs after the family's: they may re-place what the plan placed (no overlap issue).
+    placements.update(_match_placements(
+        [(glob, axes, format_path(*prefix, "placements", glob)) for glob, axes in section.placements.items()],
+        mesh, params, issues, check_glob, **scope))
+    explicit_layouts, explicit_paths = _match_layouts(
+        [(glob, layout, format_path(*prefix, "layouts", glob)) for glob, layout in section.layouts.items()],
+        modules, issues, **scope)
+    layouts.update(explicit_layouts)
+    layout_paths.update(explicit_paths)
+    if issues:
+        return placements, layouts
+
+    from parallel.tensor_parallel import classify  # classification needs the module types
+
+    for name in classify(model, placements, layouts).unsupported:
+        issues.append(ConfigIssue(layout_paths[name],
+                                  f"module {name}: only a Shard input of a norm-like module (sequence parallel) or the "
+                                  "input/output of a module with DTensor-placed parameters is supported",
+                                  "remove this layout, or give the module's parameters placements"))
+    return placements, layouts
+
+
 # ---------------------------------------------------------------------- placements
 
 
 def _match_glob(section: str, glob: str, path: str, names: list[str], sources: dict[str, str],
-                issues: list[ConfigIssue]) -> list[str]:
+                issues: list[ConfigIssue], scope: str = "the model", required: bool = True) -> list[str]:
     """The names ``glob`` (written at ``path``) matches, recorded in ``sources``; a glob matching
-    nothing, or a name another glob of the same section already took, is an issue."""
+    nothing (unless not ``required``), or a name another glob of the same section already took,
+    is an issue. ``scope``: whose names ``names`` are, for the message."""
     noun, holds = ("parameter", "placement") if section == "placements" else ("module", "layout")
     matched = [name for name in names if fnmatchcase(name, glob)]
-    if not matched:
-        issues.append(ConfigIssue(path, f"matches no {noun} of the model",
+    if not matched and required:
+        issues.append(ConfigIssue(path, f"matches no {noun} of {scope}",
                                   f"fix the glob; {noun}s look like {', '.join(names[:4])}, ..."))
     for name in matched:
         if name in sources:
@@ -216,24 +253,26 @@ def _match_glob(section: str, glob: str, path: str, names: list[str], sources: d
 
 
 def _match_placements(entries: list[tuple[str, AxisSpecs, str]], mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
-                      issues: list[ConfigIssue], check_glob: GlobCheck | None) -> dict[str, AxisSpecs]:
-    """``entries``: ``(glob, placements, the config path it was written at)``, in order."""
+                      issues: list[ConfigIssue], check_glob: GlobCheck | None, **scope) -> dict[str, AxisSpecs]:
+    """``entries``: ``(glob, placements, the config path it was written at)``, in order;
+    ``scope``: :func:`_match_glob`'s ``scope`` and ``required``."""
     placements: dict[str, AxisSpecs] = {}
     sources: dict[str, str] = {}
     for glob, axes, path in entries:
         found: list[ConfigIssue] = []
-        _match_entry(glob, axes, path, mesh, params, placements, sources, found, check_glob)
-        if path.startswith("parallel.tensor_parallel"):  # a named plan is not edited: it is overridden
+        _match_entry(glob, axes, path, mesh, params, placements, sources, found, check_glob, scope)
+        if ".tensor_parallel.plan[" in path:  # a named plan is not edited: it is overridden
+            section = path.split(".tensor_parallel.plan[")[0]
             found = [ConfigIssue(i.path, i.reason, i.fix.replace(", or Replicate", ", or override it in "
-                                                              "parallel.placements (e.g. Replicate)")) for i in found]
+                                                              f"{section}.placements (e.g. Replicate)")) for i in found]
         issues += found
     return placements
 
 
 def _match_entry(glob: str, axes: AxisSpecs, path: str, mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
                  placements: dict[str, AxisSpecs], sources: dict[str, str], issues: list[ConfigIssue],
-                 check_glob: GlobCheck | None) -> None:
-    matched = _match_glob("placements", glob, path, list(params), sources, issues)
+                 check_glob: GlobCheck | None, scope: dict) -> None:
+    matched = _match_glob("placements", glob, path, list(params), sources, issues, **scope)
     for fqn in matched:
         placements[fqn] = MappingProxyType(dict(axes))
     # A glob can match parameters of different shapes ("*", GQA's wq/wk): check each shape once.
@@ -281,13 +320,13 @@ def _check_shards(mesh: MeshSpec, where: str, axes: AxisSpecs, shape: tuple[int,
 
 
 def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[str],
-                   issues: list[ConfigIssue]) -> tuple[dict[str, LayoutSpec], dict[str, str]]:
+                   issues: list[ConfigIssue], **scope) -> tuple[dict[str, LayoutSpec], dict[str, str]]:
     """``(module FQN -> layout, module FQN -> the config path that gave it)``."""
     layouts: dict[str, LayoutSpec] = {}
     paths: dict[str, str] = {}
     sources: dict[str, str] = {}
     for glob, layout, path in entries:
-        for name in _match_glob("layouts", glob, path, modules, sources, issues):
+        for name in _match_glob("layouts", glob, path, modules, sources, issues, **scope):
             layouts[name] = LayoutSpec(MappingProxyType(dict(layout.input or {})),
                                        MappingProxyType(dict(layout.output or {})))
             paths[name] = path
@@ -297,19 +336,21 @@ def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[s
 # ---------------------------------------------------------------------- named plans
 
 
-def _family_plan(parallel: ParallelConfig, model: nn.Module, issues: list[ConfigIssue]) -> tuple[list, list]:
-    """The model family's named tensor-parallel plan as ``(placement entries, layout entries)``,
-    each entry ``(glob, value, path)``; explicit globs come after them and override them."""
-    tp = parallel.tensor_parallel
+def _family_plan(section: Any, prefix: tuple, model: nn.Module, issues: list[ConfigIssue]) -> tuple[list, list]:
+    """The model family's named tensor-parallel plan of a layout section (at ``prefix``) as
+    ``(placement entries, layout entries)``, each entry ``(glob, value, path)``; explicit globs
+    come after them and override them."""
+    tp = section.tensor_parallel
     if tp is None:
         return [], []
     provider = getattr(model, "parallel_plan", None)  # the family's plans: a method of its root module
     if provider is None:
-        issues.append(ConfigIssue("parallel.tensor_parallel.plan", f"model {type(model).__name__} provides no named plans",
-                                  "write parallel.placements globs instead (and drop parallel.tensor_parallel)"))
+        issues.append(ConfigIssue(format_path(*prefix, "tensor_parallel", "plan"),
+                                  f"model {type(model).__name__} provides no named plans",
+                                  f"write {format_path(*prefix, 'placements')} globs instead (and drop its tensor_parallel)"))
         return [], []
     placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
-    where = f"parallel.tensor_parallel.plan[{tp.plan}]"
+    where = f"{format_path(*prefix, 'tensor_parallel', 'plan')}[{tp.plan}]"
     return ([(glob, {axis: parse_placement(p) for axis, p in axes.items()}, f'{where}["{glob}"]')
              for glob, axes in placements.items()],
             [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
@@ -318,12 +359,15 @@ def _family_plan(parallel: ParallelConfig, model: nn.Module, issues: list[Config
 # ------------------------------------------------------------------------ pipeline
 
 
-def _check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[str]) -> list[ConfigIssue]:
+def _check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[str],
+                      num_stages: int | None = None) -> list[ConfigIssue]:
+    """``num_stages``: given by ``parallel.pipeline.stages``; else pp size x stages per rank."""
     pp = parallel.pipeline
     if pp is None:
         return []
     pp_size = mesh.size(pp.dim)
-    num_stages = pp_size * pp.stages_per_rank
+    stages_given = num_stages is not None
+    num_stages = num_stages if stages_given else pp_size * pp.stages_per_rank
     units = list(units)
     if pp.boundaries == "auto":
         if num_stages > len(units):
@@ -348,8 +392,9 @@ def _check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[
                                   "list each boundary once, in the order the model runs them"))
     if len(pp.boundaries) != num_stages - 1:
         issues.append(ConfigIssue("parallel.pipeline.boundaries",
-                                  f"{len(pp.boundaries)} boundaries make {len(pp.boundaries) + 1} stages, but pp size "
-                                  f"{pp_size} x stages_per_rank {pp.stages_per_rank} needs {num_stages}",
+                                  f"{len(pp.boundaries)} boundaries make {len(pp.boundaries) + 1} stages, but "
+                                  + (f"parallel.pipeline.stages lists {num_stages}" if stages_given else
+                                     f"pp size {pp_size} x stages_per_rank {pp.stages_per_rank} needs {num_stages}"),
                                   f"give {num_stages - 1} boundar{'y' if num_stages == 2 else 'ies'}, or boundaries: auto"))
     return issues
 

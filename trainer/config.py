@@ -266,13 +266,24 @@ class RunConfig(_Section):
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel ranks the batch is split over (with per-stage layouts: the lanes)."""
+        if (stages := self.stages) and stages[0].ranks:
+            return len(stages[0].rank_list)
         dp = self.parallel.data_parallel if self.parallel else None
         return math.prod(self.axis_size(n) for n in dp.dim_names) if dp else 1
 
     @property
     def pp_size(self) -> int:
+        if stages := self.stages:
+            return len(stages)
         pp = self.parallel.pipeline if self.parallel else None
         return self.axis_size(pp.dim) if pp else 1
+
+    @property
+    def stages(self) -> list | None:
+        """``parallel.pipeline.stages`` (each stage its own ranks and layout), or None."""
+        pp = self.parallel.pipeline if self.parallel else None
+        return pp.stages if pp is not None else None
 
     @property
     def num_microbatches(self) -> int:

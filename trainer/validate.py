@@ -159,6 +159,10 @@ def check_structure(cfg: RunConfig) -> list[ConfigIssue]:
     if issues:
         return issues
     issues += _check_parallel(cfg)
+    if cfg.stages:
+        from trainer.stage_checks import check_stages
+
+        issues += check_stages(cfg)
     par = cfg.parallel
     if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
         issues += _check_batch(cfg)  # axis sizes (dp size) are only defined once dims match the mesh
@@ -257,7 +261,7 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
     if pp := par.pipeline:
         issues += _check_own_axis("pipeline", pp.dim, par.dims, role, "the pipeline")
         role[pp.dim] = "pipeline"
-        issues += _check_schedule(pp, cfg.axis_size(pp.dim))
+        issues += _check_schedule(pp, cfg.pp_size)
     if tp := par.tensor_parallel:
         issues += _check_own_axis("tensor_parallel", tp.dim, par.dims, role, "tensor parallelism")
     issues += _check_placements(par, role)

@@ -64,19 +64,22 @@ OF_MP = rank({"w0": ({"mp": S1}, [5, 4]), "w1": ({"mp": S0}, [4, 3])},
              stage(0, [4, 5], {"mp": P}, [4, 3], [4, 3], [4, 3]))
 OF_PP = [rank({"w0": ({}, [5, 8])}, stage(0, [2, 5], {}, [2, 8], [2, 8], [2, 8])),
          rank({"w1": ({}, [8, 3])}, stage(1, [2, 8], {}, [2, 3], [2, 3], [2, 3]))]
-OF_MIXED = [rank({"w0": ({}, [5, 8])}, stage(0, [2, 5], {}, [2, 8], [2, 8], [2, 8])),
-            rank({"w1": ({"mp": S1}, [8, 3])}, stage(1, [2, 8], {"mp": S1}, [2, 3], [2, 6], [2, 6]))]
+# Per-stage layouts: stage 0 dp on ranks 0-1, stage 1 mp on ranks 2-3. A micro-batch of 2 rows
+# travels as one row per lane (the stage input and the handed-on output); stage 1 gathers both.
+OF_MIXED = [rank({"w0": ({"dp": R}, [5, 8])}, stage(0, [1, 5], {}, [1, 8], [1, 8], [1, 8])),
+            rank({"w1": ({"mp": S1}, [8, 3])}, stage(1, [1, 8], {"mp": S1}, [2, 3], [2, 6], [1, 6]))]
 PD_DP = rank({"w0": ({"dp": R}, [1024, 4096]), "w1": ({"dp": R}, [4096, 1024])},
              stage(0, [4, 1024], {}, [4, 1024], [4, 1024], [4, 1024]))
 PD_TP = rank({"w0": ({"mp": S1}, [1024, 2048]), "w1": ({"mp": S0}, [2048, 1024])},
              stage(0, [8, 1024], {"mp": P}, [8, 1024], [8, 1024], [8, 1024]))
 PD_PP = [rank({"w0": ({}, [1024, 4096])}, stage(0, [4, 1024], {}, [4, 4096], [4, 4096], [4, 4096])),
          rank({"w1": ({}, [4096, 1024])}, stage(1, [4, 4096], {}, [4, 1024], [4, 1024], [4, 1024]))]
-# [pp, dp, mp] = [2, 2, 2]: FSDP shards dim 0 over dp on top of the mp placement.
-PD_3D = [rank({"w0": ({"dp": S0, "mp": S1}, [512, 2048])},
-              stage(0, [2, 1024], {"mp": S1}, [2, 2048], [2, 4096], [2, 4096])),
-         rank({"w1": ({"dp": S0, "mp": S0}, [1024, 1024])},
-              stage(1, [2, 4096], {"mp": P}, [2, 1024], [2, 1024], [2, 1024]))]
+# Per-stage layouts, each stage a [2,2] dp x mp sub-mesh (dp: ddp, the seed's Replicate). A
+# micro-batch of 4 rows travels as one row per lane; inside a stage each dp row holds 2 rows.
+PD_3D = [rank({"w0": ({"dp": R, "mp": S1}, [1024, 2048])},
+              stage(0, [1, 1024], {"mp": S1}, [2, 2048], [2, 4096], [1, 4096])),
+         rank({"w1": ({"dp": R, "mp": S0}, [2048, 1024])},
+              stage(1, [1, 4096], {"mp": P}, [2, 1024], [2, 1024], [1, 1024]))]
 # Paddle's ProcessMesh([[2,4,5],[0,1,3]], ["x","y"]): every rank holds w0 [6,4] split over x and
 # w1 [4,3] split [Shard(0), Shard(1)]; which piece is each rank id's (PADDLE_SLICES).
 PD_MESH = rank({"w0": ({"x": S1, "y": R}, [6, 2]), "w1": ({"x": S0, "y": S1}, [2, 1])},
