@@ -291,7 +291,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile)
     if pp is not None and pp.stages:
         return _parallelize_stages(model, plan, **part_options)
-    mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, rank_ids=plan.mesh.rank_ids, device_type=device.type)
+    # Explicit mesh rank ids only say which device each position's worker runs on (the launcher bound
+    # it): the world mesh itself is always torch ranks 0..n-1 row-major.
+    mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, device_type=device.type)
     if dist.get_world_size() != mesh.size():
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}")
     if pp is not None:

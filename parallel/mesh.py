@@ -1,16 +1,26 @@
 """Device meshes: the named axes every other part of the engine refers to.
 
-A mesh is given by its shape, outermost axis first, and one name per axis (``dims``). The
-ranks are laid out row-major over the world unless explicit nested rank ids are given, as in
-PaddlePaddle's ``ProcessMesh([[2, 4, 5], [0, 1, 3]])``::
+A mesh is given by its shape, outermost axis first, and one name per axis (``dims``). Its
+positions are torch's ranks 0..n-1 in row-major order, always:
 
     mesh = build_mesh((2, 2, 2), ("dp", "pp", "tp"))          # ranks 0..7 row-major
-    mesh = build_mesh((2, 3), ("x", "y"), rank_ids=[[2, 4, 5], [0, 1, 3]])
     tp_mesh = submesh(mesh, ["tp"])                             # 1-D, for parallelize_module
     dp_mesh = submesh(mesh, ["dp_replicate", "dp_shard"])       # several axes -> one flattened axis
 
-Every rank of the default process group must call these (DeviceMesh creates its subgroups
-collectively), including ranks outside an explicit ``rank_ids`` mesh.
+Explicit rank ids, as in PaddlePaddle's ``ProcessMesh([[2, 4, 5], [0, 1, 3]])``, are labels:
+a rank id names the process slot (the device, or the CPU) a worker runs on, not its torch rank.
+The launcher numbers workers by position, so the worker at row-major position ``r`` has torch
+rank ``r`` and rank id ``flat_ids[r]`` (:func:`rank_id_of`), and it binds to the device its id
+names (:func:`device_slot`). Built over ranks in any other order, a mesh would break DTensor:
+``new_group`` sorts its members, so along an axis whose ids decrease the group rank and the mesh
+coordinate (which cuts the shards) would disagree.
+
+    rank_id_of([[2, 4, 5], [0, 1, 3]], 3)                       # 0: torch rank 3 is the worker with id 0
+
+A sub-mesh over some of the world's torch ranks (a pipeline stage's) is ``build_mesh(..., rank_ids=...)``
+with ranks increasing along every axis. Every rank of the default process group must call
+:func:`build_mesh` (DeviceMesh creates its subgroups collectively), also for a sub-mesh it is
+not in.
 """
 
 from __future__ import annotations
@@ -31,18 +41,17 @@ def build_mesh(
     *,
     rank_ids: Sequence | None = None,
     device_type: str = "cpu",
-    allow_unordered: bool = False,
 ) -> DeviceMesh:
     """The ``DeviceMesh`` of ``mesh_shape`` with axes named ``dim_names``.
 
     Args:
         mesh_shape: axis sizes, outermost first; their product is the number of ranks.
         dim_names: one unique name per axis.
-        rank_ids: optional nested list of global ranks shaped like ``mesh_shape``
-            (e.g. ``[[2, 4, 5], [0, 1, 3]]``); default row-major ``0 .. n-1``.
+        rank_ids: the torch ranks of a sub-mesh (a pipeline stage's), nested like ``mesh_shape``
+            and increasing along every axis (see :func:`unordered_axes`); default: the whole
+            world, ``0 .. n-1`` row-major. Not a config's explicit ``mesh`` ids: those are
+            device labels, and their mesh is the whole world in order.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
-        allow_unordered: build the mesh even if an axis lists its ranks out of increasing
-            order (see :func:`unordered_axes`); only local slicing is then trustworthy.
     """
     mesh_shape, dim_names = tuple(int(s) for s in mesh_shape), tuple(dim_names)
     if len(mesh_shape) != len(dim_names):
@@ -56,10 +65,9 @@ def build_mesh(
         raise ValueError(f"rank ids of shape {list(ids.shape)} do not match the mesh shape {list(mesh_shape)}")
     if sorted(ids.flatten().tolist()) != sorted(set(ids.flatten().tolist())):
         raise ValueError(f"rank ids {rank_ids} repeat a rank")
-    bad = unordered_axes(ids, dim_names)
-    if bad and not allow_unordered:
+    if bad := unordered_axes(ids, dim_names):
         raise ValueError(
-            f"mesh rank ids {rank_ids}: along axis {bad[0]!r} the ranks are not in increasing order. torch "
+            f"mesh ranks {rank_ids}: along axis {bad[0]!r} the ranks are not in increasing order. torch "
             "orders the members of each axis's process group by global rank, while DTensor cuts shards by mesh "
             "position, so collectives would assemble shards in the wrong order. List every axis's ranks in "
             "increasing order (e.g. swap rows/columns of the nested list)"
@@ -68,12 +76,12 @@ def build_mesh(
 
 
 def unordered_axes(rank_ids: torch.Tensor, dim_names: Sequence[str]) -> list[str]:
-    """Axes along which some line of ``rank_ids`` is not increasing.
+    """Axes along which some line of ``rank_ids`` (torch ranks) is not increasing.
 
     ``torch.distributed.new_group`` sorts its ranks, so the group rank of a process along an axis
     is its position in *sorted* order, while ``DeviceMesh.get_coordinate`` (which DTensor uses to
-    cut a tensor) is its position in the nested list. They agree only if every line is increasing.
-    Paddle's ``[[2, 4, 5], [0, 1, 3]]`` has columns ``[2, 0]``, ``[4, 1]``, ``[5, 3]``: decreasing.
+    cut a tensor) is its position in the nested list. They agree only if every line is increasing:
+    ``[[2, 4, 5], [0, 1, 3]]`` as torch ranks has columns ``[2, 0]``, ``[4, 1]``, ``[5, 3]``.
     """
     bad = []
     for axis, name in enumerate(dim_names):
@@ -81,6 +89,29 @@ def unordered_axes(rank_ids: torch.Tensor, dim_names: Sequence[str]) -> list[str
         if bool((lines[:, 1:] <= lines[:, :-1]).any()):
             bad.append(name)
     return bad
+
+
+def flat_rank_ids(rank_ids: Sequence) -> list[int]:
+    """Nested rank ids flattened row-major: element ``r`` is the id of the worker whose torch
+    rank is ``r`` (``[[2, 4, 5], [0, 1, 3]]`` -> ``[2, 4, 5, 0, 1, 3]``)."""
+    return [i for node in rank_ids for i in (flat_rank_ids(node) if isinstance(node, Sequence) else [int(node)])]
+
+
+def rank_id_of(rank_ids: Sequence | None, rank: int) -> int:
+    """The rank id of the worker whose torch rank is ``rank`` (see :func:`flat_rank_ids`), or
+    ``rank`` itself when there are no explicit ids (a plain mesh shape)."""
+    if rank_ids is None:
+        return rank
+    ids = flat_rank_ids(rank_ids)
+    if not 0 <= rank < len(ids):
+        raise ValueError(f"torch rank {rank} is outside the mesh of {len(ids)} rank ids {rank_ids}")
+    return ids[rank]
+
+
+def device_slot(rank_id: int, num_slots: int) -> int:
+    """The slot a rank id names among a host's ``num_slots`` (its GPUs, its workers, or the CPUs
+    it may use): ``rank_id % num_slots``, so ids past the slots share them round-robin."""
+    return rank_id % num_slots
 
 
 def submesh(mesh: DeviceMesh, names: str | Sequence[str], *, flatten: bool = True) -> DeviceMesh:

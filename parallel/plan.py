@@ -28,6 +28,7 @@ from torch import nn
 
 from parallel.config import LayoutConfig, ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
+from parallel.mesh import rank_id_of
 from parallel.pipeline import block_units, pipeline_units, stage_boundaries, stage_ranks
 from parallel.placements import PlacementSpec, parse_placement
 
@@ -39,7 +40,11 @@ GlobCheck = Callable[[str, AxisSpecs, list[str], "MeshSpec"], list[ConfigIssue]]
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Axis sizes (outermost first), their names, and optional nested explicit rank ids."""
+    """Axis sizes (outermost first), their names, and optional nested explicit rank ids.
+
+    The mesh's positions are torch ranks ``0 .. n-1`` row-major whatever ``rank_ids`` says; a
+    rank id (PaddlePaddle's process id) only names the device the worker at that position runs
+    on (:func:`parallel.mesh.rank_id_of`)."""
 
     shape: tuple[int, ...] = (1,)
     dim_names: tuple[str, ...] = ()
@@ -48,6 +53,10 @@ class MeshSpec:
     @property
     def world_size(self) -> int:
         return math.prod(self.shape)
+
+    def rank_id(self, rank: int) -> int:
+        """The rank id of the worker whose torch rank is ``rank`` (``rank`` itself without explicit ids)."""
+        return rank_id_of(self.rank_ids, rank)
 
     def size(self, names: str | Sequence[str]) -> int:
         """Product of the sizes of the axes ``names`` (an axis the mesh lacks counts 1)."""

@@ -236,7 +236,10 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="The training loop.")
     mesh: MeshValue | None = Field(
         None,
-        description="Device mesh: a shape, outermost first ([2,2,2]), or nested explicit rank ids ([[2,4,5],[0,1,3]]). "
+        description="Device mesh: a shape, outermost first ([2,2,2]), or nested explicit rank ids in any order "
+        "([[2,4,5],[0,1,3]], PaddlePaddle's ProcessMesh; one host only). A rank id names the device a worker runs on "
+        "(cuda:<id>; on CPU the id-th allowed core, modulo their number); torch's rank is the position in the "
+        "row-major flattened mesh, so the worker with id 2 above is torch rank 0 at mesh position [0,0]. "
         "null = one device.",
     )
     parallel: ParallelConfig | None = Field(None, description="How the model is spread over the mesh; null = one device.")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import sys
 import tempfile
 import uuid
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from parallel.config import mesh_rank_ids
 from trainer.config import RunConfig
 from trainer.metrics import NullProgress, Progress
 from trainer.tracking import NullTracker, Terminated, install_signal_handlers, make_tracker, run_lifecycle
@@ -137,20 +139,23 @@ def worker_main(config_path: str, run_id: str | None) -> dict:
     cfg = RunConfig.model_validate_json(Path(config_path).read_text())
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg = _resume_latest(cfg)  # the elastic agent restarted us after a failure
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    backend = "nccl" if resolve_device(cfg.device, local_rank).type == "cuda" else "gloo"
+    rank = int(os.environ["RANK"])
+    rank_id, device_index = bind_worker(cfg, rank, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+    device = resolve_device(cfg.device, device_index)
     torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     try:
         is_main = rank == 0
-        pids = [None] * dist.get_world_size()
-        dist.all_gather_object(pids, os.getpid())
+        workers = [None] * dist.get_world_size()
+        dist.all_gather_object(workers, (os.getpid(), _placement(rank, rank_id, device)))
         if is_main:  # lets an operator (and the tests) find and signal one worker
-            print("workers: " + " ".join(f"rank{r}={pid}" for r, pid in enumerate(pids)), flush=True)
+            print("workers: " + " ".join(f"rank{r}={pid}" for r, (pid, _) in enumerate(workers)), flush=True)
+            if mesh_rank_ids(cfg.mesh) is not None:  # and see that each id runs where it names
+                print("rank ids: " + " ".join(where for _, where in workers), flush=True)
         tracker = make_tracker(cfg.tracking, is_main=is_main, run_id=run_id) if run_id else NullTracker()
         progress = Progress() if is_main else NullProgress()
         try:
-            result = train(cfg, tracker=tracker, progress=progress, rank=rank, local_rank=local_rank)
+            result = train(cfg, tracker=tracker, progress=progress, rank=rank, device_index=device_index)
         except Exception as err:
             # The agent reports whichever worker it saw die first, often a peer whose collective
             # broke; every worker names its own error so the root cause is in the output.
@@ -159,6 +164,47 @@ def worker_main(config_path: str, run_id: str | None) -> dict:
         return {"losses": result.losses, "first_step": result.first_step, "val_loss": result.val_loss}
     finally:
         dist.destroy_process_group()
+
+
+def bind_worker(cfg: RunConfig, rank: int, local_rank: int, local_world_size: int) -> tuple[int, int]:
+    """This worker's rank id and the index of the GPU it uses (unused on CPU).
+
+    A plain mesh shape: the id is the torch rank, the GPU is ``local_rank``, and the OS schedules
+    the worker on any CPU. Explicit rank ids (``mesh: [[2,4,5],[0,1,3]]``) are placement labels:
+    the worker at torch rank ``r`` (its position in the row-major flattened mesh) has id
+    ``flat_ids[r]`` and runs on the slot the id names, GPU ``id % local_world_size`` or, on CPU,
+    pinned to the ``id % k``-th of the ``k`` CPUs the process may use (ids beyond the cores share
+    them: on a 2-core host ids 0, 2, 4 run on the first core and 1, 3, 5 on the second)."""
+    from parallel.mesh import device_slot, rank_id_of
+    from trainer.loop import resolve_device
+
+    ids = mesh_rank_ids(cfg.mesh)
+    if ids is None:
+        return rank, local_rank
+    rank_id = rank_id_of(ids, rank)
+    device_index = device_slot(rank_id, local_world_size)
+    if resolve_device(cfg.device, device_index).type == "cpu" and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        _pin_process({cpus[device_slot(rank_id, len(cpus))]})
+    return rank_id, device_index
+
+
+def _pin_process(cpus: set[int]) -> None:
+    """Every thread of this process (and so each thread it starts later) on ``cpus``: the
+    affinity call itself only moves the calling thread."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    os.sched_setaffinity(0, cpus)
+
+
+def _placement(rank: int, rank_id: int, device) -> str:
+    """Where this worker runs, as the launcher's ``rank ids:`` line shows it:
+    ``rank3=0 (host=node1 device=cpu cpus=0)``."""
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if hasattr(os, "sched_getaffinity") else "any"
+    return f"rank{rank}={rank_id} (host={socket.gethostname()} device={device} cpus={cpus})"
 
 
 def main(argv: list[str] | None = None) -> int:

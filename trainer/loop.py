@@ -60,11 +60,12 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
     return factor
 
 
-def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    """This worker's device for ``device: auto | cpu | cuda`` (selected as current on CUDA)."""
+def resolve_device(device: str, device_index: int = 0) -> torch.device:
+    """This worker's device for ``device: auto | cpu | cuda``: GPU ``device_index`` of its host
+    (selected as current), or the CPU (see :func:`trainer.launch.bind_worker` for the index)."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(device_index)
+        return torch.device("cuda", device_index)
     return torch.device("cpu")
 
 
@@ -105,10 +106,11 @@ def _build_in_full(cfg: RunConfig, device: torch.device) -> ParallelModel:
                        compile=cfg.train.compile)
 
 
-def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, local_rank: int = 0) -> TrainResult:
-    """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming)."""
+def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, device_index: int = 0) -> TrainResult:
+    """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming) on GPU
+    ``device_index`` of the host, or the CPU."""
     t = cfg.train
-    device = resolve_device(cfg.device, local_rank)
+    device = resolve_device(cfg.device, device_index)
     torch.manual_seed(t.seed)
     splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
     source, val_source = splits.train, splits.val

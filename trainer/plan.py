@@ -163,6 +163,11 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan) -> str:
     mib = 2**20
     lines = [f"plan: {cfg.model.arch} model on mesh {list(cfg.mesh_shape)} ({cfg.world_size} workers), "
              f"dims {cfg.parallel.dims if cfg.parallel else []}"]
+    if plan.mesh.rank_ids is not None:
+        # Ids as the user wrote them: they name devices; torch's ranks are the row-major positions.
+        by_rank = ", ".join(f"{r}->{plan.mesh.rank_id(r)}" for r in range(plan.mesh.world_size))
+        lines.append(f"rank ids {plan.mesh.rank_ids}: each worker runs on the device (CPU: the core) its id names; "
+                     f"torch rank -> id by row-major position: {by_rank}")
     if n["boundaries"]:
         lines.append(f"pipeline: stages begin at {n['boundaries']}; parameters per stage {n['stage_params']}; "
                      f"bubble {n['bubble']:.1%}")

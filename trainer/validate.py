@@ -190,6 +190,8 @@ def _check_mesh(mesh: Any) -> list[ConfigIssue]:
 
 
 def _check_rank_ids(mesh: list) -> list[ConfigIssue]:
+    """Explicit rank ids: a rectangular nested list holding each of 0..n-1 once, in any order (an
+    id names the device a worker binds to, not its torch rank: see :mod:`parallel.mesh`)."""
     shape = mesh_shape_of(mesh)
     flat: list[Any] = []
 
@@ -215,7 +217,7 @@ def _check_rank_ids(mesh: list) -> list[ConfigIssue]:
                             "give at least one rank id per row, e.g. [[0,1],[2,3]], or null for one device")]
     if sorted(flat) != list(range(n)):
         return [ConfigIssue("mesh", f"explicit rank ids {sorted(flat)} are not each of 0..{n - 1} exactly once",
-                            f"use every rank id from 0 to {n - 1} once")]
+                            f"use every rank id from 0 to {n - 1} once, in any order")]
     return []
 
 
@@ -262,8 +264,6 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         issues += _check_schedule(pp, cfg.pp_size)
     if tp := par.tensor_parallel:
         issues += _check_own_axis("tensor_parallel", tp.dim, par.dims, role, "tensor parallelism")
-    if (ids := mesh_rank_ids(cfg.mesh)) is not None:
-        issues += _check_rank_order(ids, par.dims)
     issues += _check_placements(par, role)
     used = set(role) | {a for p in par.placements.values() for a in p}
     used |= {par.tensor_parallel.dim} if par.tensor_parallel else set()
@@ -274,20 +274,6 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
                                       f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline, tensor_parallel or placement names it)",
                                       "name it in data_parallel, pipeline, tensor_parallel or placements, or set its mesh size to 1"))
     return issues
-
-
-def _check_rank_order(ids: list, dims: list[str]) -> list[ConfigIssue]:
-    import torch
-
-    from parallel.mesh import unordered_axes
-
-    return [
-        ConfigIssue("mesh", f"explicit rank ids {ids} decrease along axis {axis!r}; torch orders every process "
-                    "group's ranks ascending, so shards along that axis would be gathered in the wrong order",
-                    "list the rank ids so they increase along every axis (e.g. swap the rows: "
-                    "[[0,1,3],[2,4,5]] instead of [[2,4,5],[0,1,3]])")
-        for axis in unordered_axes(torch.tensor(ids), dims)
-    ]
 
 
 def _check_own_axis(section: str, axis: str, dims: list[str], role: dict[str, str], what: str) -> list[ConfigIssue]:
@@ -373,7 +359,10 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("launch.nnodes", f"world size {cfg.world_size} does not split over {ln.nnodes} hosts",
                                   "use an nnodes that divides the number of mesh devices"))
     if mesh_rank_ids(cfg.mesh) is not None and ln.nnodes > 1:
-        issues.append(ConfigIssue("mesh", "explicit rank ids are supported on one host only",
+        # An id names a device slot on the worker's host, but the elastic launcher gives each host
+        # a block of torch ranks, so an id could name a slot on another host.
+        issues.append(ConfigIssue("mesh", "explicit rank ids are supported on one host only: a rank id names a "
+                                  "device of the worker's own host, and several hosts each run a fixed block of ranks",
                                   "use a mesh shape with several hosts"))
     for path, seed in (("train.seed", cfg.train.seed), ("data.seed", getattr(cfg.data, "seed", 0))):
         if not -(2**63) <= seed < 2**64:  # torch's manual_seed range: training seeds torch with it

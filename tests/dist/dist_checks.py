@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial
 
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -23,7 +23,7 @@ from parallel.mesh import build_mesh
 from parallel.plan import LayoutSpec, resolve_plan
 from parallel.placements import parse_placement
 from parallel.tensor_parallel import apply_placements
-from parallel.config import ParallelConfig
+from parallel.config import ParallelConfig, mesh_shape_of
 from trainer.config import LlamaConfig, MLPConfig
 from trainer.models import build_model, loss_fn_for, meta_initializer
 
@@ -207,7 +207,7 @@ def preset_check(name: str | tuple[list, dict], *, grad_accum: int = 1, precisio
             mesh, par = name[0], ParallelConfig.model_validate(name[1])
         cfg = llama_cfg()
         pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par, precision=precision)
-        errors = check_placements(pm, par, mesh, cfg)
+        errors = check_placements(pm, par, mesh_shape_of(mesh), cfg)
         probe = _probe_norm_input(pm)
         linear_dtypes: set[str] = set()
         for module in pm.model_parts[0].modules():
@@ -217,7 +217,8 @@ def preset_check(name: str | tuple[list, dict], *, grad_accum: int = 1, precisio
         return {**train(pm, cfg, grad_accum=grad_accum), "placement_errors": errors, "fqns": fqns, "report": pm.placement_report,
                 "param_dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
                 "linear_output_dtypes": sorted(linear_dtypes),
-                "stages": pm.stage_indices, "norm_input_local_shape": probe}
+                "stages": pm.stage_indices, "norm_input_local_shape": probe,
+                "mesh_ranks": pm.mesh.mesh.tolist(), "coordinate": pm.mesh.get_coordinate()}
 
     return check
 
@@ -282,54 +283,17 @@ def mlp_pp_check(*, rank: int, world_size: int) -> dict:
     return {**train(pm, MLP_CFG), "fqns": fqns}
 
 
-def paddle_mesh_check(*, rank: int, world_size: int) -> dict:
-    """PaddlePaddle's example: a [4, 3] tensor on ProcessMesh([[2, 4, 5], [0, 1, 3]]) with
-    [Shard(0), Shard(1)] leaves each of the 6 ranks a [2, 1] piece: the rows and column of its
-    position in the nested list. Ranks 6 and 7 of the launch are outside the mesh.
-
-    That mesh lists axis x's ranks in decreasing order ([2, 0], ...), which torch's process
-    groups cannot honour (they sort ranks), so ``build_mesh`` refuses it unless told
-    ``allow_unordered=True``; only local slicing is checked on it. The same layout with rows in
-    increasing order ([[0, 1, 3], [2, 4, 5]]) is checked end to end: scatter from a source rank,
-    and gathering the pieces back.
-    """
-    full = torch.arange(12.0).reshape(4, 3)
-    result: dict = {}
-    try:
-        build_mesh([2, 3], ["x", "y"], rank_ids=[[2, 4, 5], [0, 1, 3]])
-        result["unordered_refused"] = False
-    except ValueError as err:
-        result["unordered_refused"] = "increasing order" in str(err)
-    for label, ids in (("paddle", [[2, 4, 5], [0, 1, 3]]), ("ordered", [[0, 1, 3], [2, 4, 5]])):
-        mesh = build_mesh([2, 3], ["x", "y"], rank_ids=ids, allow_unordered=True)
-        sliced = distribute_tensor(full, mesh, [Shard(0), Shard(1)], src_data_rank=None)
-        scattered = distribute_tensor(full, mesh, [Shard(0), Shard(1)]) if label == "ordered" else None
-        gathered = sliced.full_tensor() if label == "ordered" else None
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            result[label] = {"member": False}
-            continue
-        i, j = coordinate
-        piece = full[2 * i : 2 * i + 2, j : j + 1]
-        result[label] = {
-            "member": True,
-            "coordinate": list(coordinate),
-            "expected_coordinate": next([r, c] for r, row in enumerate(ids) for c, v in enumerate(row) if v == rank),
-            "local_shape": list(sliced.to_local().shape),
-            "local_matches": bool(torch.equal(sliced.to_local(), piece)),
-        }
-        if label == "ordered":
-            result[label]["scatter_matches"] = bool(torch.equal(scattered.to_local(), piece))
-            result[label]["gather_matches"] = bool(torch.equal(gathered, full))
-    return result
-
-
 def single_device_check(*, rank: int, world_size: int) -> dict:
     """``parallelize`` with mesh (1,) is a plain model (run on every rank, no communication)."""
     cfg = llama_cfg()
     pm = parallelize_preset(build_model(cfg, seed=0), None, None)
     return {**train(pm, cfg), "mesh_is_none": pm.mesh is None}
 
+
+HSDP = {"dims": ["dp_replicate", "dp_shard"], "data_parallel": {"dim": ["dp_replicate", "dp_shard"], "mode": "hsdp"}}
+# Explicit rank ids in an order torch's sorted process groups could not follow as a mesh: they
+# label devices, and the engine's mesh is still torch ranks 0..7 row-major.
+RANK_IDS_MESH = [[1, 3, 5, 7], [0, 2, 4, 6]]
 
 FSDP_PP = {  # FSDP inside pipeline stages, with gradient accumulation on top
     "dims": ["dp", "pp"],
@@ -433,6 +397,6 @@ SUITES = {
     "eight_rank": [
         ("3d", preset_check("3d")),
         ("bf16_3d", preset_check("3d", precision="bf16")),
-        ("paddle_mesh", paddle_mesh_check),
+        ("hsdp_rank_ids", preset_check((RANK_IDS_MESH, HSDP))),
     ],
 }

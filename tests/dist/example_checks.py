@@ -6,7 +6,10 @@ the model exactly as the trainer does (``trainer.loop.build_parallel_model``) an
 JSON, per example:
 
 * ``params``: each parameter's DTensor placements per mesh axis (``{}`` for a plain tensor),
-  local shard shape, and whether the gathered values equal the one-device initialisation;
+  local shard shape, and whether the gathered values equal the one-device initialisation; for a
+  DTensor also ``slices`` (``[start, stop]`` per dim of the global tensor the local shard covers)
+  and ``local_values_match`` (the local shard equals those slices of the one-device value);
+* ``rank_id``: the rank's id under the example's explicit ``mesh`` ids (its torch rank without);
 * ``stages``: per stage module, the local shape of its input and, captured by a forward hook
   that runs *before* the engine's own output redistribution, the placements, local and global
   shape of the raw output (a ``Partial`` output shows here), plus the shape handed on afterwards;
@@ -133,6 +136,8 @@ def check_example(raw: dict) -> dict:
     and the example is built once.
     """
     import trainer.loop as loop
+    from parallel.config import mesh_rank_ids
+    from parallel.mesh import rank_id_of
     from trainer.metrics import NullProgress
     from trainer.models import build_model
     from trainer.tracking import NullTracker
@@ -149,7 +154,8 @@ def check_example(raw: dict) -> dict:
         for fqn, p in pm.named_parameters():
             value = p.full_tensor() if isinstance(p, DTensor) else p
             params[fqn] = {"placements": _placements(p), "local": _local_shape(p),
-                           "values_match": bool(torch.equal(value.detach(), full[fqn].detach()))}
+                           "values_match": bool(torch.equal(value.detach(), full[fqn].detach())),
+                           **(_local_slices(p, full[fqn]) if isinstance(p, DTensor) else {})}
         report.update(params=params, stages=_probe_stages(pm), dp_size=pm.dp_size)
         return pm
 
@@ -158,4 +164,15 @@ def check_example(raw: dict) -> dict:
         losses = loop.train(cfg, tracker=NullTracker(), progress=NullProgress()).losses
     finally:
         loop.build_parallel_model = build
-    return {**report, "losses": losses, "partial": _partial_output(cfg)}
+    return {**report, "losses": losses, "partial": _partial_output(cfg),
+            "rank_id": rank_id_of(mesh_rank_ids(cfg.mesh), torch.distributed.get_rank())}
+
+
+def _local_slices(param: DTensor, full: torch.Tensor) -> dict:
+    """Which slices of the global tensor this rank's shard covers, and whether it holds their values."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    slices = [[start, start + size] for start, size in zip(offset, shape)]
+    expected = full[tuple(slice(a, b) for a, b in slices)]
+    return {"slices": slices, "local_values_match": bool(torch.equal(param.to_local().detach(), expected.detach()))}

@@ -5,19 +5,24 @@ trainer's validator, and built by ``trainer.loop.build_parallel_model`` inside t
 ``example_checks``). The tests hold, on every rank: each parameter's placements per mesh axis and
 local shard shape, the input/output shapes of every stage, the ``Partial`` output where the seed
 says the output is a pending sum, the gathered values against one device, and 3 training steps
-against one device (rel 1e-5). One CLI run checks ``python -m trainer +examples=oneflow_pipeline``.
+against one device (rel 1e-5). Paddle's explicit-id mesh ``[[2,4,5],[0,1,3]]`` is held by rank
+id: which slices of the [4,3] weight each id holds. Two CLI runs: ``python -m trainer
++examples=oneflow_pipeline``, and ``+examples=paddle_process_mesh``, whose launcher reports
+(torch rank, rank id, host, device, CPU affinity) for every worker.
 
-    python -m pytest tests/dist/test_examples.py -q      # ~1 minute on 2 cores
+    python -m pytest tests/dist/test_examples.py -q      # ~2 minutes on 2 cores
 
-Three launches, one per world size the examples need (2, 4 and 8 processes; the engine builds its
-mesh over the whole world, so a 2-rank example cannot run inside a 4-rank process group), started
-together with the CLI run so that their start-ups overlap.
+Four launches, one per world size the examples need (2, 4, 6 and 8 processes; the engine builds
+its mesh over the whole world, so a 2-rank example cannot run inside a 4-rank process group),
+started together with the CLI runs so that their start-ups overlap.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +80,10 @@ PD_3D = [rank({"w0": ({"dp": R, "mp": S1}, [1024, 2048])},
               stage(0, [1, 1024], {"mp": S1}, [2, 2048], [2, 4096], [1, 4096])),
          rank({"w1": ({"dp": R, "mp": S0}, [2048, 1024])},
               stage(1, [1, 4096], {"mp": P}, [2, 1024], [2, 1024], [1, 1024]))]
+# Paddle's ProcessMesh([[2,4,5],[0,1,3]], ["x","y"]): every rank holds w0 [6,4] split over x and
+# w1 [4,3] split [Shard(0), Shard(1)]; which piece is each rank id's (PADDLE_SLICES).
+PD_MESH = rank({"w0": ({"x": S1, "y": R}, [6, 2]), "w1": ({"x": S0, "y": S1}, [2, 1])},
+               stage(0, [4, 6], {"x": P, "y": S1}, [4, 1], [4, 3], [4, 3]))
 EXPECTED = {
     "oneflow_data_parallel": [OF_DP] * 2,
     "oneflow_model_parallel": [OF_MP] * 2,
@@ -84,10 +93,17 @@ EXPECTED = {
     "paddle_tensor_parallel": [PD_TP] * 2,
     "paddle_pipeline": PD_PP,
     "paddle_3d": [PD_3D[0]] * 4 + [PD_3D[1]] * 4,             # [[0,1],[2,3]] stage 0, [[4,5],[6,7]] stage 1
+    "paddle_process_mesh": [PD_MESH] * 6,
 }
+# Paddle's example by rank id: (rows, columns) of w1 [4,3] and (rows, columns) of w0 [6,4].
+PADDLE_SLICES = {
+    2: ([[0, 2], [0, 1]], [[0, 6], [0, 2]]), 4: ([[0, 2], [1, 2]], [[0, 6], [0, 2]]), 5: ([[0, 2], [2, 3]], [[0, 6], [0, 2]]),
+    0: ([[2, 4], [0, 1]], [[0, 6], [2, 4]]), 1: ([[2, 4], [1, 2]], [[0, 6], [2, 4]]), 3: ([[2, 4], [2, 3]], [[0, 6], [2, 4]]),
+}
+PADDLE_IDS_BY_RANK = [2, 4, 5, 0, 1, 3]  # torch rank = position in the row-major flattened mesh
 # With layouts {"": {output: {mp: Partial}}} the output stays a pending sum: (placements, local shape).
 PARTIAL = {"oneflow_model_parallel": ({"mp": P}, [4, 3]), "paddle_tensor_parallel": ({"mp": P}, [8, 1024])}
-CLI_ARGS = ["+examples=oneflow_pipeline", "tracking=none"]
+CLI_RUNS = ["oneflow_pipeline", "paddle_process_mesh"]  # python -m trainer +examples=<name> tracking=none
 
 
 def example_files() -> list[str]:
@@ -101,11 +117,14 @@ def configs() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def launched(configs, tmp_path_factory) -> dict:
-    """One launch per world size (2, 4, 8) and the CLI run, all started at once: on 2 cores
-    their start-ups overlap. ``{world size: [per-rank dicts]}`` and ``"cli"``: the process."""
+    """One launch per world size (2, 4, 6, 8) and the CLI runs, all started at once: on 2 cores
+    their start-ups overlap. ``{world size: [per-rank dicts]}`` and ``"cli"``: ``{example:
+    (exit code, stdout, stderr)}``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cli = subprocess.Popen([sys.executable, "-m", "trainer", *CLI_ARGS], cwd=tmp_path_factory.mktemp("cli"),
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    clis = {name: subprocess.Popen([sys.executable, "-m", "trainer", f"+examples={name}", "tracking=none"],
+                                   cwd=tmp_path_factory.mktemp("cli"), env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for name in CLI_RUNS}
     worlds = sorted({len(ranks) for ranks in EXPECTED.values()})
     with ThreadPoolExecutor(len(worlds)) as pool:
         futures = {
@@ -114,8 +133,10 @@ def launched(configs, tmp_path_factory) -> dict:
             for world in worlds
         }
         out: dict = {world: f.result() for world, f in futures.items()}
-    stdout, stderr = cli.communicate(timeout=180)
-    out["cli"] = (cli.returncode, stdout, stderr)
+    out["cli"] = {}
+    for name, cli in clis.items():
+        stdout, stderr = cli.communicate(timeout=300)
+        out["cli"][name] = (cli.returncode, stdout, stderr)
     return out
 
 
@@ -199,7 +220,38 @@ def test_losses_match_one_device(name, results, reference):
 def test_cli_runs_the_pipeline_example(launched, reference):
     """``python -m trainer +examples=oneflow_pipeline tracking=none``: 2 workers, exit 0, the
     one-device losses in the summary line."""
-    returncode, stdout, stderr = launched["cli"]
+    returncode, stdout, stderr = launched["cli"]["oneflow_pipeline"]
     assert returncode == 0, stderr[-3000:]
     losses = reference["oneflow_pipeline"]
+    assert f"done: steps 1..3, loss {losses[0]:.4f} -> {losses[-1]:.4f}" in stdout.splitlines(), stdout
+
+
+def test_paddle_mesh_shards_by_rank_id(results):
+    """Paddle's [4,3] tensor (w1) with [Shard(0), Shard(1)] on [[2,4,5],[0,1,3]]: id 2 holds rows
+    0:2 of column 0, id 4 column 1, id 5 column 2, ids 0, 1, 3 rows 2:4 of columns 0, 1, 2, each
+    with those slices' one-device values; w0's columns follow the mesh row (axis x)."""
+    per_rank = results("paddle_process_mesh")
+    assert [r["rank_id"] for r in per_rank] == PADDLE_IDS_BY_RANK
+    for r in per_rank:
+        w1_slices, w0_slices = PADDLE_SLICES[r["rank_id"]]
+        w1, w0 = r["params"]["w1"], r["params"]["w0"]
+        assert (w1["slices"], w0["slices"]) == (w1_slices, w0_slices), f"id {r['rank_id']}"
+        assert w1["local_values_match"] and w0["local_values_match"], f"id {r['rank_id']}"
+
+
+def test_cli_binds_each_rank_id_to_its_cpu(launched, reference):
+    """``python -m trainer +examples=paddle_process_mesh``: the launcher numbers the workers by
+    mesh position (torch rank r has id [2,4,5,0,1,3][r]), each runs on this host, on the CPU its
+    id names (the id-th of the CPUs allowed, modulo their number), and the losses are one device's."""
+    returncode, stdout, stderr = launched["cli"]["paddle_process_mesh"]
+    assert returncode == 0, stderr[-3000:]
+    line = next((x for x in stdout.splitlines() if x.startswith("rank ids: ")), None)
+    assert line is not None, stdout
+    pattern = r"rank(\d+)=(\d+) \(host=(\S+) device=(\S+) cpus=([\d,]+)\)"
+    workers = [(int(r), int(i), host, device, [int(c) for c in cpus.split(",")])
+               for r, i, host, device, cpus in re.findall(pattern, line)]
+    allowed = sorted(os.sched_getaffinity(0))
+    assert workers == [(r, i, socket.gethostname(), "cpu", [allowed[i % len(allowed)]])
+                       for r, i in enumerate(PADDLE_IDS_BY_RANK)], line
+    losses = reference["paddle_process_mesh"]
     assert f"done: steps 1..3, loss {losses[0]:.4f} -> {losses[-1]:.4f}" in stdout.splitlines(), stdout

@@ -1,6 +1,6 @@
 """Real multi-process checks of the distribution engine on CPU (gloo): loss parity with one
 device for every preset in conf/parallel, placements on every rank, pipeline FQNs, the seeds'
-MLP through DTensor propagation, and PaddlePaddle's explicit-rank mesh.
+MLP through DTensor propagation, and hsdp on a mesh of explicit rank ids in any order.
 
     pytest tests/dist -q          # about 2 minutes on 2 cores
 
@@ -22,7 +22,7 @@ WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
 LOSS_REL_TOL = 1e-5
 PARITY_CHECKS = [name for name in SUITE_OF
-                 if name not in ("paddle_mesh", "tp_comm", "tp_sp_comm", "hf_2d_logits") and not name.startswith("bf16")]
+                 if name not in ("tp_comm", "tp_sp_comm", "hf_2d_logits") and not name.startswith("bf16")]
 BF16_CHECKS = [name for name in SUITE_OF if name.startswith("bf16")]
 # bf16 against one device's bf16 (autocast): not bit for bit, because the bf16 roundings differ by
 # layout: FSDP2's policy computes whole blocks in bf16 where autocast casts only the matmuls, and
@@ -33,7 +33,7 @@ BF16_CHECKS = [name for name in SUITE_OF if name.startswith("bf16")]
 BF16_REL_TOL = 2e-4
 PRESET_CHECKS = ["dp", "fsdp", "zero2", "tp", "tp_sp", "pp_GPipe", "pp_1F1B", "pp_Interleaved1F1B",
                  "pp_InterleavedZeroBubble", "pp_ZBV", "hsdp", "2d", "3d",
-                 "pp_1F1B_grad_accum", "tp_sp_grad_accum", "fsdp_pp_grad_accum"]
+                 "pp_1F1B_grad_accum", "tp_sp_grad_accum", "fsdp_pp_grad_accum", "hsdp_rank_ids"]
 _launched: dict[str, list[dict]] = {}
 
 
@@ -196,22 +196,13 @@ def test_mlp_pipeline_keeps_parameter_names(results):
     assert [r["fqns"] for r in results("mlp_pp")] == [["w0"], ["w1"]]
 
 
-def test_paddle_explicit_rank_mesh(results):
-    """[4, 3] over [[2, 4, 5], [0, 1, 3]] with [Shard(0), Shard(1)]: [2, 1] pieces, cut by each
-    rank's position in the nested list. That layout is refused for training (its axis-x lines
-    decrease, which torch's sorted process groups cannot honour); the row-ordered layout
-    works end to end."""
-    per_rank = results("paddle_mesh")
-    assert all(r["unordered_refused"] for r in per_rank)
-    for label in ("paddle", "ordered"):
-        members = [r[label] for r in per_rank if r[label]["member"]]
-        assert len(members) == 6
-        for m in members:
-            assert m["coordinate"] == m["expected_coordinate"]
-            assert m["local_shape"] == [2, 1]
-            assert m["local_matches"]
-            if label == "ordered":
-                assert m["scatter_matches"] and m["gather_matches"]
+def test_explicit_rank_ids_leave_the_mesh_ordered(results):
+    """hsdp on mesh [[1,3,5,7],[0,2,4,6]] (ids decreasing along dp_replicate): the ids only name
+    devices, so the engine's mesh is torch ranks 0..7 row-major and rank r sits at position
+    divmod(r, 4); its losses are one device's (test_loss_parity[hsdp_rank_ids])."""
+    for r, per_rank in enumerate(results("hsdp_rank_ids")):
+        assert per_rank["mesh_ranks"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert per_rank["coordinate"] == list(divmod(r, 4))
 
 
 def test_hf_model_in_fsdp_x_tp_gives_transformers_logits(results):
