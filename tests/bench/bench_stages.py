@@ -13,9 +13,18 @@ each, interleaved) so that the machine's other load falls on all of them alike; 
 each layout's median over its rounds and its ratio to the per-stage one. Losses of all rows are
 the one device's (checked by the test suite), so only speed differs.
 
-Measured on the 2-core development machine (3 rounds, gpt_debug, 20 steps), while other jobs ran:
-see the table in the project's notes for the issue; on 4 processes sharing 2 cores the numbers
-compare layouts' work and traffic, not what 4 devices would do.
+Measured on the 2-core development machine (``--rounds 3 --steps 15``, gpt_debug) while other
+jobs kept it busy (load 9), so single rounds vary by 2x; on 4 processes sharing 2 cores the
+numbers compare the layouts' work and traffic, not what 4 devices would do::
+
+    layout (4 ranks, 2 stages)     tokens/s  vs per-stage   rounds
+    per-stage: fsdp | tp              7,032         1.00x   7,032, 7,654, 4,602
+    uniform: fsdp x pp [2,2]          5,101         0.73x   4,626, 8,040, 5,101
+    uniform: pp x tp [2,2]            4,186         0.60x   4,186, 5,344, 2,824
+
+An earlier 2-round run under heavier load gave 3,831 / 4,023 / 4,364 tokens/s (1.00 / 1.05 /
+1.14x): within this machine's noise, the per-stage layout costs no throughput against the
+uniform ones.
 """
 
 from __future__ import annotations
