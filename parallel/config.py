@@ -70,23 +70,31 @@ class LayoutConfig(Section):
     output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
 
 
-class StageConfig(Section):
-    """One pipeline stage's own ranks and layout (``parallel.pipeline.stages[i]``)."""
+class LayoutSection(Section):
+    """What places a model on a mesh: the axes' names and roles, the named plan, the globs. The
+    ``parallel`` section is one, and so is each ``parallel.pipeline.stages`` entry (on its ranks)."""
 
-    ranks: list[int] | list[list[int]] = Field(
-        description="Global ranks holding this stage: a list ([0, 1]) or a nested list for a 2-D sub-mesh ([[0,1],[2,3]]).",
-    )
-    dims: list[str] = Field(description="One name per axis of `ranks`, e.g. [dp] or [dp, tp].")
-    data_parallel: DataParallelConfig | None = Field(None, description="Data parallelism inside this stage; null = none.")
+    dims: list[str] = Field(description="One name per mesh axis (a stage: per axis of its ranks), outermost first, "
+                            "e.g. [dp, pp, tp].")
+    data_parallel: DataParallelConfig | None = Field(None, description="Data parallelism; null = none.")
     tensor_parallel: TensorParallelConfig | None = Field(
-        None, description="The model family's named tensor-parallel plan inside this stage; null = only explicit placements."
+        None, description="Tensor parallelism by the model family's named plan; null = only explicit placements."
     )
     placements: dict[str, AxisPlacements] = Field(
         default_factory=dict,
-        description="Parameter-FQN glob -> {axis of this stage: Shard(d) | Replicate}, for this stage's parameters.",
+        description="Parameter-FQN glob -> {mesh axis: Shard(d) | Replicate}; axes not named are Replicate.",
     )
     layouts: dict[str, LayoutConfig] = Field(
-        default_factory=dict, description="Module-FQN glob -> input/output placements, for this stage's modules."
+        default_factory=dict, description="Module-FQN glob -> input/output placements (sequence parallel, Partial)."
+    )
+
+
+class StageConfig(LayoutSection):
+    """One pipeline stage's own ranks and layout (``parallel.pipeline.stages[i]``); its globs
+    match its own parameters and modules only."""
+
+    ranks: list[int] | list[list[int]] = Field(
+        description="Global ranks holding this stage: a list ([0, 1]) or a nested list for a 2-D sub-mesh ([[0,1],[2,3]]).",
     )
 
     @property
@@ -119,20 +127,8 @@ class PipelineConfig(Section):
     )
 
 
-class ParallelConfig(Section):
-    dims: list[str] = Field(description="One name per mesh axis, outermost first, e.g. [dp, pp, tp].")
-    data_parallel: DataParallelConfig | None = Field(None, description="Data parallelism; null = none.")
+class ParallelConfig(LayoutSection):
     pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism; null = none.")
-    tensor_parallel: TensorParallelConfig | None = Field(
-        None, description="Tensor parallelism by the model family's named plan; null = only explicit placements."
-    )
-    placements: dict[str, AxisPlacements] = Field(
-        default_factory=dict,
-        description="Parameter-FQN glob -> {mesh axis: Shard(d) | Replicate}; axes not named are Replicate.",
-    )
-    layouts: dict[str, LayoutConfig] = Field(
-        default_factory=dict, description="Module-FQN glob -> input/output placements (sequence parallel, Partial)."
-    )
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="Recompute activations in backward: none, every block (full), or every n-th (selective)."
     )

@@ -349,6 +349,11 @@ def _describe(issues: list[ConfigIssue]) -> str:
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_bad_config_names_path_reason_and_fix(case: Bad):
+    assert_bad(case)
+
+
+def assert_bad(case: Bad) -> None:
+    """The case's config is refused with an issue at its path whose reason and fix hold its phrases."""
     raw = compose(*case.overrides)
     if case.edit is not None:
         case.edit(raw)

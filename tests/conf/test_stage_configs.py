@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.errors import ConfigError
 from trainer.validate import validate_with_plan
-from test_bad_configs import Bad, bad, both, compose, put
+from test_bad_configs import Bad, assert_bad, bad, both, compose, put
 
 STAGES = ("parallel", "pipeline", "stages")
 
@@ -73,16 +72,7 @@ CASES: dict[str, Bad] = {
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_bad_stage_config_names_path_reason_and_fix(case: Bad):
-    raw = compose(*case.overrides)
-    if case.edit is not None:
-        case.edit(raw)
-    with pytest.raises(ConfigError) as excinfo:
-        validate_with_plan(raw)
-    issues = excinfo.value.issues
-    at_path = [i for i in issues if i.path == case.path]
-    assert at_path, [(i.path, i.reason) for i in issues]
-    assert any(all(p in i.reason for p in case.reason) and all(p in i.fix for p in case.fix) for i in at_path), \
-        [(i.reason, i.fix) for i in at_path]
+    assert_bad(case)
 
 
 def test_each_stage_resolves_its_own_layout():
