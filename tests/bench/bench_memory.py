@@ -18,6 +18,7 @@ is a row that says so: the last column of the table is what the largest model pe
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -43,7 +44,7 @@ LAYOUTS = {  # name -> overrides
     "3d": ["+parallel=3d", "mesh=[2,2,2]"],
 }
 PREDICTED = re.compile(r"memory: predicted peak ([\d,.]+) MiB")
-MEASURED = re.compile(r"step (\d+)/\d+ .*\| (\d+) ms/step \| peak (\d+) MB")
+MEASURED = re.compile(r"step (\d+)/\d+ .*\| (\d+) ms/step \| peak (\d+) MiB")
 
 
 def params(shape: dict) -> float:
@@ -51,12 +52,27 @@ def params(shape: dict) -> float:
     return layers * (4 * d * d + 3 * d * f + 2 * d) + 2 * 256 * d + d
 
 
-def run(size: str, layout: str, steps: int, timeout: int) -> dict:
+def overrides_for(size: str, layout: str, steps: int) -> list[str]:
     shape = SIZES[size]
-    overrides = [*LAYOUTS[layout], "model=gpt_small", *(f"model.{k}={v}" for k, v in shape.items()),
-                 f"model.n_kv_heads={shape['n_heads']}", "data=synthetic", "tracking=none",
-                 f"train.steps={steps}", "train.global_batch_size=8", "train.seq_len=128", "train.log_every=1",
-                 "train.checkpoint.save_final=false"]
+    return [*LAYOUTS[layout], "model=gpt_small", *(f"model.{k}={v}" for k, v in shape.items()),
+            f"model.n_kv_heads={shape['n_heads']}", "data=synthetic", "tracking=none",
+            f"train.steps={steps}", "train.global_batch_size=8", "train.seq_len=128", "train.log_every=1",
+            "train.checkpoint.save_final=false"]
+
+
+def predict(size: str, layout: str, steps: int) -> float:
+    """The plan's per-rank peak (MiB) by this checkout's code, without running anything."""
+    sys.path.insert(0, str(REPO))
+    from trainer.compose import compose_dict
+    from trainer.memory import predict_memory
+    from trainer.validate import validate_with_plan
+
+    cfg, plan = validate_with_plan(compose_dict(overrides_for(size, layout, steps)))
+    return max(e.total for e in predict_memory(cfg, plan)) / 2**20
+
+
+def run(size: str, layout: str, steps: int, timeout: int) -> dict:
+    overrides = overrides_for(size, layout, steps)
     began = time.perf_counter()
     with TemporaryDirectory() as cwd:
         try:
@@ -67,15 +83,18 @@ def run(size: str, layout: str, steps: int, timeout: int) -> dict:
             text, rc = (err.stdout or b"").decode() + (err.stderr or b"").decode(), "timeout"
     row = {"size": size, "layout": layout, "seconds": time.perf_counter() - began, "rc": rc}
     if m := PREDICTED.search(text):
-        row["predicted"] = float(m.group(1).replace(",", ""))
+        row["predicted_by_run"] = float(m.group(1).replace(",", ""))  # the code the run had
     steps_seen = MEASURED.findall(text)
     if steps_seen:
         row["measured"] = float(steps_seen[-1][2])
         row["ms_per_step"] = float(steps_seen[-1][1])
     if rc != 0:
-        reason = next((line for line in text.splitlines() if "exceeds the budget" in line or "Killed" in line
-                       or "Error" in line), text.strip().splitlines()[-1] if text.strip() else "")
+        # A worker names its own error ("worker rank N failed: ..."); Hydra's "Error executing job" says nothing.
+        lines = [line for line in text.splitlines() if line.strip() and "Error executing job" not in line]
+        reason = next((line for line in lines if "exceeds the budget" in line or "failed:" in line or "Killed" in line
+                       or "Error" in line), lines[-1] if lines else "")
         row["status"] = f"failed ({rc}): {reason.strip()[:110]}"
+        row["output_tail"] = "\n".join(lines[-30:])
     else:
         row["status"] = "ok"
     return row
@@ -87,15 +106,32 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    ap.add_argument("--record", type=Path, help="append each run's row (JSON lines) to this file")
+    ap.add_argument("--replay", type=Path, help="take the measured rows from this --record file instead of "
+                    "running them (the 1B rows take an hour); the predicted column is this checkout's")
     args = ap.parse_args()
+    recorded = {}
+    if args.replay:
+        for line in args.replay.read_text().splitlines():
+            row = json.loads(line)
+            recorded[row["size"], row["layout"]] = row  # the latest run of a row wins
 
     rows = []
-    header = f"{'model':>6} {'params':>7} {'layout':>7} {'predicted MiB':>14} {'measured MB':>12} {'pred/meas':>9} " \
+    header = f"{'model':>6} {'params':>7} {'layout':>7} {'predicted MiB':>14} {'measured MiB':>12} {'pred/meas':>9} " \
              f"{'s/step':>7}  status"
     print(header, flush=True)
     for size in args.sizes:
         for layout in args.layouts:
-            row = run(size, layout, args.steps, args.timeout)
+            if args.replay:
+                if (size, layout) not in recorded:
+                    continue
+                row = recorded[size, layout]
+            else:
+                row = run(size, layout, args.steps, args.timeout)
+                if args.record:
+                    with args.record.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+            row = {**row, "predicted": predict(size, layout, args.steps)}
             rows.append(row)
             ratio = f"{row['predicted'] / row['measured']:.2f}" if row.get("measured") and row.get("predicted") else "-"
             print(f"{size:>6} {params(SIZES[size]) / 1e6:>6.0f}M {layout:>7} {row.get('predicted', float('nan')):>14,.0f} "
