@@ -14,8 +14,8 @@
   backward adds at its worst moment (gradients of the largest activations, e.g. SwiGLU's
   [b, s, ffn] ones, and of the logits; parameter gradients as they appear) is exact for the model.
 * FSDP's unsharded blocks, autocast's bf16 weight copies (:func:`_gathered`).
-* CPU only: the mesh's process groups and glibc's heap fragmentation (:func:`_host_overhead`), so
-  the total compares with the resident high-water mark :class:`trainer.metrics.MemoryMeter` reads.
+* CPU only: the runtime's own memory and glibc's heap holes (:mod:`trainer.host_memory`), so the
+  total compares with the resident high-water mark :class:`trainer.metrics.MemoryMeter` reads.
 
 On CPU the real attention kernel keeps only its log-sum-exp (not the T x T scores); the meta
 device would take the math path and count the scores, so the counting pass uses the fused
@@ -40,16 +40,9 @@ from torch.utils._pytree import tree_leaves
 from parallel.config import INTERLEAVED_SCHEDULES, V_SCHEDULES
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
+from trainer.host_memory import host_overhead, runtime
 
 MIB = 2**20
-# glibc serves requests from 32 MiB up with their own mmap, unmapped on free; smaller ones come from
-# the heap (its dynamic mmap threshold rises to the largest freed block, at most 32 MiB).
-MMAP_FROM = 32 * MIB
-RUNTIME_DISTRIBUTED = 46 * MIB  # a mesh's gloo process groups and their worker threads (tiny model, 2-4 ranks)
-RUNTIME_SINGLE = 10 * MIB  # the batch, the autograd engine's and the loop's own buffers
-# Resident heap holes (see _host_overhead): per byte of a step's cycled memory at the peak, and per
-# byte of FSDP's flat / per-parameter buffers cycled through the heap in a step.
-FRAGMENTATION, FSDP_FLAT, FSDP_PER_PARAM = 0.35, 0.5, 0.2
 
 
 @dataclass(frozen=True)
@@ -278,9 +271,9 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan) -> list[MemoryEstimate]:
             activations=acts / max(1, len(rank_numbers["stages"])) * in_flight + recompute, in_flight=in_flight,
             parts={"accumulates": accumulates, "micro_batch": micro, "transient": transient,
                    "step_temporaries": 4.0 * max(max(v) for v in saved["unit_params"].values()) / shard})
-        runtime = (RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE) if cpu else 0.0
-        allocator = _host_overhead(cfg, plan, estimate, blocks) if cpu else 0.0
-        out.append(replace(estimate, parts={**estimate.parts, "runtime": runtime, "allocator": allocator}))
+        host = {"runtime": runtime(plan),
+                "allocator": host_overhead(cfg, plan, estimate.live - estimate.params - estimate.optimizer, blocks)}
+        out.append(replace(estimate, parts={**estimate.parts, **(host if cpu else {})}))
     return out
 
 
@@ -309,37 +302,6 @@ def _gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[lis
     if plan.data_parallel.mode == "zero2" or plan.pipeline is not None:
         return local * pdt + block * (pdt + 1.0)
     return root * pdt + 3 * block * pdt
-
-
-def _host_overhead(cfg: RunConfig, plan: ParallelPlan, e: MemoryEstimate, blocks: list[list[float]]) -> float:
-    """Resident memory glibc's heap holds beyond the live tensors at the peak (CPU only).
-
-    glibc serves tensors under 32 MiB from its heap, whose freed chunks stay resident and are
-    reused only by requests that fit; memory goes back to the OS only from the heap's top. What a
-    step allocates and frees (activations, gradients, temporaries, gathered weights) is carved out
-    of the previous step's holes, around AdamW's moments (placed in the first step's holes) and
-    the small long-lived objects autograd and Python put between them. From the second step on the
-    high-water mark settles ``FRAGMENTATION`` (35%) above that cycled memory's live peak: 29-39%
-    measured on one process and pipeline / tensor-parallel ranks (25M and 100M Llamas, batch 8-64,
-    seq 128-256). FSDP also cycles per block and pass an all-gather output and the unsharded
-    parameters copied out of it, in backward the unsharded gradients and the reduce-scatter input,
-    each landing in whatever hole fits between activations that live until backward. Its
-    block-sized flat buffers, the largest requests, seldom fit: half their bytes per step stay
-    resident (``FSDP_FLAT``), a fifth of the per-parameter ones' (``FSDP_PER_PARAM``); fitted on fsdp
-    [2], [4] and dp x tp [2, 2] (25M, 100M) within 9%, where reruns of one config differ by 20%."""
-    flat = per_param = 0.0
-    if _fsdp(plan):
-        pdt = 0.5 if cfg.train.precision == "bf16" else 1.0
-        gathers = 1 if plan.data_parallel.mode == "zero2" or plan.pipeline is not None else 2  # per block and step
-
-        def heap(nbytes: float) -> float:
-            return nbytes if nbytes < MMAP_FROM else 0.0
-
-        for sizes in blocks:
-            flat += gathers * heap(sum(sizes) * pdt) + heap(sum(sizes))  # all-gather outputs, reduce-scatter input
-            per_param += (gathers + 1) * sum(heap(s * pdt) for s in sizes)  # unsharded parameters, gradients
-    cycled = e.live - e.params - e.optimizer
-    return FRAGMENTATION * cycled + FSDP_FLAT * flat + FSDP_PER_PARAM * per_param
 
 
 def _checkpointed(plan: ParallelPlan) -> set[str]:

@@ -64,7 +64,7 @@ def _proc_status_kib(key: str) -> float | None:
 def format_metrics(step: int, total: int, metrics: dict[str, float]) -> str:
     return (f"step {step}/{total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
             f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
-            f"{metrics['step_time_s'] * 1000:.0f} ms/step | peak {metrics['peak_memory_mb']:.0f} MB")
+            f"{metrics['step_time_s'] * 1000:.0f} ms/step | peak {metrics['peak_memory_mb']:.0f} MiB")
 
 
 class NullProgress:

@@ -46,6 +46,17 @@ def test_tensor_and_sequence_parallel_shrink_activations():
     assert sp.activations < tp.activations < single.activations
 
 
+def test_fsdp_heap_holes_do_not_shrink_with_the_ranks():
+    # FSDP's flat buffers are a whole block's on any number of ranks, so the holes they leave stay
+    # while the live tensors shrink: the reason measured fsdp [8] peaks sat far above 1/4 of fsdp [2]'s.
+    (two,) = _predict("model=gpt_small", "+parallel=fsdp", "mesh=[2]")
+    (eight,) = _predict("model=gpt_small", "+parallel=fsdp", "mesh=[8]")
+    assert eight.live < two.live / 2
+    assert eight.parts["allocator"] == pytest.approx(two.parts["allocator"], rel=0.01)
+    (single,) = _predict("model=gpt_small")
+    assert single.parts["allocator"] < two.parts["allocator"]  # one process: only the step's own holes
+
+
 def test_a_config_over_its_budget_is_refused_with_the_fix():
     overrides = ["model=gpt_small", "+parallel=fsdp", "mesh=[2]", "tracking=none"]
     cfg, plan = validate_with_plan(compose_dict(overrides))

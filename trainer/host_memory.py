@@ -1,0 +1,95 @@
+"""What a CPU worker's resident memory holds beyond its live tensors: the terms
+:func:`trainer.memory.predict_memory` adds on CPU, so that its total compares with the resident
+high-water mark above the worker's start-up floor (:class:`trainer.metrics.MemoryMeter`).
+
+Each term is named, says what it is, and how it was measured (Llama-shaped 25M and 100M models,
+global batch 8 x 128 tokens, 3 steps; ``tests/bench/bench_memory.py``). The measurements that
+separate them:
+
+* Heap holes are the whole gap. Run with ``MALLOC_MMAP_THRESHOLD_=131072`` (glibc then serves
+  every block from 128 KiB up with its own mmap and unmaps it on free, so no hole stays
+  resident), a rank's peak is the live tensors :mod:`trainer.memory` predicts plus 39-51 MiB
+  (25M: fsdp [2] 397 MiB for 358 live, fsdp [8] 170 for 119, dp x tp [2, 2] 250 for 207), against
+  545-714 MiB with glibc's default dynamic threshold. (Not the default: that threshold costs one
+  process ~40% more CPU time per step in page faults, measured on the 25M Llama.)
+* The process groups are not: a script that only builds a mesh of [2], [4], [8], [2, 2] or
+  [2, 2, 2] ranks and runs one collective on every axis grows 2-3 MiB per rank above the floor
+  (the default group exists before the floor is read; a sub-group adds three threads).
+* ``malloc_stats()`` at the end of an fsdp [8] run: the main arena holds 490-605 MB (25M) and
+  1.1-1.8 GB (100M) for 162 MB / 0.4 GB in use; each of gloo's two worker threads' arenas holds
+  14-64 MB (25M) and about 56 MB (100M) with nothing in use.
+"""
+
+from __future__ import annotations
+
+from parallel.plan import ParallelPlan
+from trainer.config import RunConfig
+
+MIB = 2**20
+# glibc serves requests from 32 MiB up with their own mmap, unmapped on free; smaller ones come from
+# the heap (its dynamic mmap threshold rises to the largest freed block, at most 32 MiB).
+MMAP_FROM = 32 * MIB
+
+# Resident at the peak beyond the live tensors when no heap hole stays resident (measured with the
+# fixed mmap threshold above): one process, the batch, the autograd engine's and the loop's buffers;
+# several, also FSDP's and DTensor's per-module state and the code pages first run after the floor
+# (file-backed resident +12 MiB on fsdp [8]), 39-51 MiB on fsdp [2], [8] and dp x tp [2, 2] (25M).
+RUNTIME_SINGLE = 10 * MIB
+RUNTIME_DISTRIBUTED = 46 * MIB
+
+# Heap holes around the memory a step allocates and frees (activations, gradients, temporaries): the
+# freed chunks stay resident and are reused only by requests that fit, so from the second step on the
+# high-water mark settles this far above that cycled memory's live peak: 29-39% on one process and
+# pipeline / tensor-parallel ranks (25M and 100M, batch 8-64, seq 128-256).
+FRAGMENTATION = 0.35
+
+# Heap holes FSDP leaves, per byte of its block-sized flat buffers that pass through the heap in a
+# step (each block's all-gather outputs, one per gather, and its reduce-scatter input). Between a
+# block's all-gather and its free, that block's unsharded parameters and activations are carved
+# out of the holes, so the next block's flat buffer seldom fits one and extends the heap. The
+# step's other cycled memory is placed in these same holes, so the larger of the two counts, not
+# their sum. Summed over a step the holes come to about the flat bytes, whatever the number of
+# ranks (the buffers are a whole block's, not a shard's): main-arena holes 0.75-1.06x the flat
+# bytes on fsdp [2], [8] and dp x tp [2, 2] (25M), 0.95x on fsdp [8] (100M). This is why the gap to
+# the live tensors grew with the ranks: the live bytes shrink as 1 / ranks, the holes do not.
+FSDP_FLAT = 1.0
+# From 400M on, a block's flat buffers pass 32 MiB and are mmapped (no holes), while its unsharded
+# parameters and gradients, one tensor per parameter, stay below it and come from the heap: a fifth
+# of their bytes per step stay resident in holes, beside the cycled memory's own (fsdp [8], 400M:
+# 2236 MiB measured for 1077 live, 0.21x). Below 400M both fit the flat buffers' larger holes.
+FSDP_PER_PARAM = 0.2
+
+# gloo runs a group's collectives on its own worker threads (two per group), which copy FSDP's flat
+# buffers in their own glibc arenas; each arena's heap keeps about two of the largest resident
+# with nothing in use between steps: 14-64 MB per arena (25M, 12 MiB blocks) and 56 MB (100M, 27 MiB
+# blocks) in malloc_stats() at the end of fsdp [8] runs.
+GLOO_THREADS, GLOO_BUFFERS_PER_ARENA = 2, 2
+def runtime(plan: ParallelPlan) -> float:
+    return RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
+
+
+def fsdp_heap_buffers(cfg: RunConfig, plan: ParallelPlan, blocks: list[list[float]]) -> tuple[list[float], float]:
+    """``(sizes of FSDP's block-sized flat buffers served from the heap in one step, one entry per
+    allocation; bytes of its per-parameter unsharded tensors from the heap in one step)``
+    (``blocks``: each held block's tp-local fp32 parameter sizes); nothing without FSDP."""
+    dp = plan.data_parallel
+    if dp is None or dp.mode == "ddp" or plan.mesh.world_size == 1:
+        return [], 0.0
+    pdt = 0.5 if cfg.train.precision == "bf16" else 1.0  # all-gathers move the compute dtype
+    gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2  # per block and step
+    flat, per_param = [], 0.0
+    for sizes in blocks:
+        flat += [sum(sizes) * pdt] * gathers + [sum(sizes)]  # all-gather outputs, reduce-scatter input
+        per_param += (gathers + 1) * sum(s * pdt for s in sizes if s * pdt < MMAP_FROM)  # parameters, gradients
+    return [b for b in flat if b < MMAP_FROM], per_param
+
+
+def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: list[list[float]]) -> float:
+    """Resident bytes of glibc's heap holes at the peak (``cycled``: the live bytes a step
+    allocates and frees at its peak, i.e. all but the weights and AdamW's moments). Where FSDP's
+    flat buffers come from the heap their holes hold everything else's; else the step's cycled
+    tensors and FSDP's per-parameter ones, of like sizes, leave holes of their own."""
+    flat, per_param = fsdp_heap_buffers(cfg, plan, blocks)
+    main_arena = max(FSDP_FLAT * sum(flat), FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param)
+    gloo_arenas = GLOO_THREADS * GLOO_BUFFERS_PER_ARENA * max(flat, default=0.0)
+    return main_arena + gloo_arenas
