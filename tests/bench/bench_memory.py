@@ -17,10 +17,12 @@ is a row that says so: the last column of the table is what the largest model pe
     python tests/bench/bench_memory.py --record rows.jsonl        # appends each measured row
     python tests/bench/bench_memory.py --replay tests/bench/memory_rows.jsonl   # recorded rows, predicted now
 
-Recorded on a shared 2-core, 24 GB machine (3 other agents' tests running; s/step is noise), with
-``--replay tests/bench/memory_rows.jsonl`` (1B rows not run: out of time). The 25M 3d row failed in
-the bench; alone it measured 268 MiB (0.87). 400M fsdp8 logged 2,236 MiB then a worker died (likely
-the host's memory: 8 x ~2.5 GiB beside other jobs; its reason was not kept):
+Recorded on a shared 2-core, 24 GB machine (other agents' tests running for most rows; s/step is
+noise), shown with ``--replay tests/bench/memory_rows.jsonl``; 400M fsdp8 and 25M 3d were rerun
+alone (in the shared run a worker of 400M fsdp8 died after logging 2,236 MiB, likely the host's
+memory beside the other jobs). 1B rows not run: one process is predicted at 17 GB (about 25
+minutes for 3 steps here) and fsdp [8] at 3.7 GiB per rank, which this host's budget (2.7 GiB per
+rank for 8 workers) refuses before any worker starts::
 
      model  params  layout  predicted MiB measured MiB pred/meas  s/step  status
        25M     26M  single            774          802      0.97    41.9  ok
@@ -28,7 +30,7 @@ the host's memory: 8 x ~2.5 GiB beside other jobs; its reason was not kept):
        25M     26M   fsdp4            582          642      0.91    16.5  ok
        25M     26M   fsdp8            503          545      0.92    17.6  ok
        25M     26M      2d            422          411      1.03     7.4  ok
-       25M     26M      3d            232          nan         -     nan  failed (1): Error executing job with overrides: ['+parallel=3d', 'mesh=[2,2,2]', 'model=gpt_small', 'model.dim=512', 'mode
+       25M     26M      3d            232          272      0.85     3.0  ok
       100M    100M  single          2,358        2,329      1.01     6.2  ok
       100M    100M   fsdp2          2,388        2,241      1.07    13.5  ok
       100M    100M   fsdp4          1,882        1,915      0.98    13.3  ok
@@ -38,15 +40,15 @@ the host's memory: 8 x ~2.5 GiB beside other jobs; its reason was not kept):
       400M    397M  single          7,434        7,692      0.97   152.4  ok
       400M    397M   fsdp2          4,978        5,326      0.93    22.5  ok
       400M    397M   fsdp4          3,132        3,153      0.99    41.3  ok
-      400M    397M   fsdp8          2,209        2,236      0.99   148.9  failed (1): Error executing job with overrides: ['+parallel=fsdp', 'mesh=[8]', 'model=gpt_small', 'model.dim=1280', 'model
+      400M    397M   fsdp8          2,209        2,430      0.91    52.4  ok
       400M    397M      2d          2,722        2,919      0.93    30.6  ok
       400M    397M      3d          1,874        1,932      0.97    32.9  ok
-    
-    15/16 rows within 10%; worst 12% off, mean 5%
+
+    16/18 rows within 10%; worst 15% off, mean 6%
     largest that trained 3 steps on single: 400M
     largest that trained 3 steps on fsdp2: 400M
     largest that trained 3 steps on fsdp4: 400M
-    largest that trained 3 steps on fsdp8: 100M
+    largest that trained 3 steps on fsdp8: 400M
     largest that trained 3 steps on 2d: 400M
     largest that trained 3 steps on 3d: 400M
 """
