@@ -100,7 +100,7 @@ class StageConfig(LayoutSection):
     @property
     def rank_list(self) -> list[int]:
         """The stage's ranks, row-major (the order its lanes are numbered in)."""
-        return [r for row in self.ranks for r in (row if isinstance(row, list) else [row])]
+        return flat_ranks(self.ranks)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -136,6 +136,11 @@ class ParallelConfig(LayoutSection):
 
 
 # ------------------------------------------------------------------------------ mesh
+
+
+def flat_ranks(ranks: list) -> list[int]:
+    """A list or a nested (2-D) list of ranks, row-major."""
+    return [r for row in ranks for r in (row if isinstance(row, list) else [row])]
 
 MeshValue = list[int] | list[Any]
 

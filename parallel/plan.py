@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from parallel.config import LayoutConfig, ParallelConfig, mesh_rank_ids, mesh_shape_of
+from parallel.config import LayoutConfig, ParallelConfig, flat_ranks, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.mesh import rank_id_of
 from parallel.pipeline import block_units, pipeline_units, stage_boundaries, stage_ranks
@@ -149,15 +149,20 @@ class ParallelPlan:
 class StagePlan:
     """One pipeline stage's own ranks and layout (``parallel.pipeline.stages[i]``).
 
-    ``ranks``: the stage's global ranks, row-major; the stage's ``i``-th rank is on lane ``i``
+    ``rank_ids``: the stage's global ranks (a list, or a nested list for a 2-D sub-mesh); its ``i``-th
+    rank, row-major, is on lane ``i``
     (every stage has the same number of ranks, so lane ``i`` is one rank of every stage, and
     torch's pipeline schedule runs along it). ``layout``: the stage's plan on its own sub-mesh
     (``layout.mesh``: the shape and axis names of its ``ranks``), with its data parallelism,
     placements and layouts; its parameters are the stage's only."""
 
-    ranks: tuple[int, ...]
-    rank_ids: Any  # the nested list as written (the sub-mesh's rank ids)
+    rank_ids: Any  # the stage's global ranks as written: a list, or a nested list (its sub-mesh)
     layout: ParallelPlan
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The stage's ranks, row-major: its ``i``-th is on lane ``i``."""
+        return tuple(flat_ranks(self.rank_ids))
 
 
 def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *,

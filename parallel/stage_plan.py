@@ -73,7 +73,7 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
             activation_checkpointing=parallel.activation_checkpointing,
             activation_checkpointing_every=parallel.activation_checkpointing_every,
         )
-        stage_plans.append(StagePlan(ranks=tuple(stage.rank_list), rank_ids=stage.ranks, layout=layout))
+        stage_plans.append(StagePlan(rank_ids=stage.ranks, layout=layout))
     if issues:
         raise ConfigError(issues)
     return ParallelPlan(
