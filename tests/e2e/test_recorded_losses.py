@@ -4,8 +4,11 @@ that a refactor of that road cannot change what trains: the first 5 losses of si
     pytest tests/e2e/test_recorded_losses.py -q -s      # about 4 minutes on 2 cores
 
 Recorded on CPU (gloo), torch 2.13.0, before the config took one road from the user to the
-workers; every later run must give the same floats, bit for bit. They also agree with one
-device to rel 1e-5, as every mesh must.
+workers; every later run must give the same floats to within 2 float32 ulps (rel 3e-7). Not bit
+for bit: the same wheel picks its matmul kernels by the CPU's instruction set, and on another CPU of
+the development machines the pp and hsdp x tp runs differed from the recorded floats by one ulp
+from step 2 on (the recording commit itself reproduced that), while a refactor that changes what
+trains moves losses by far more. They also agree with one device to rel 1e-5, as every mesh must.
 """
 
 from __future__ import annotations
@@ -53,6 +56,6 @@ def test_first_losses_are_the_recorded_ones(tmp_path, name):
     losses = _losses(tmp_path, name)
     print(f"{name}: {losses!r}")
     assert len(losses) == 5
-    assert losses == RECORDED[name]  # exactly: same floats, bit for bit
+    assert losses == pytest.approx(RECORDED[name], rel=3e-7, abs=0)  # the same floats, to 2 ulps (see the docstring)
     single = RECORDED["single"]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, single)) <= 1e-5
