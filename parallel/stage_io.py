@@ -91,8 +91,8 @@ def attach_boundaries(part: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[st
         return (x, *rest)
 
     def to_transfer(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
-        if isinstance(out, DTensor):  # a stage output left as a DTensor: this stage's layout, made whole
-            out = out.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        if isinstance(out, DTensor):  # a stage output left as a DTensor (on its own, e.g. tp, mesh): made whole
+            out = out.redistribute(out.device_mesh, [Replicate()] * out.device_mesh.ndim).to_local()
         if dp_size > 1 and out.requires_grad:
             out = _ScaleGrad.apply(out, float(dp_size))
         if transfer == inside:
