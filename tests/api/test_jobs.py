@@ -108,6 +108,23 @@ def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
         assert bob.get("/v1/jobs").json()["total"] == before
 
 
+def test_plan_of_per_stage_layouts_gives_each_stage_its_own_numbers(queue_server):
+    """pp_stages over REST: stage 0 (fsdp over 2) holds its parameters whole per tp rank, stage 1
+    (Megatron tp over 2) about half of its own; a stage whose output the meta pass cannot hand on
+    (Paddle's 3-D example) gets a lower bound and the reason, not a failure."""
+    with queue_server.client("bob") as bob:
+        body = bob.post("/v1/plans", json={"overrides": ["+parallel=pp_stages"]}).json()
+        first, second = body["per_pp_rank"]
+        assert body["world_size"] == 4 and body["stage_params"] == [107264, 107328]
+        assert first["params"] == 107264 and first["param_bytes"] == 107264 * 4 / 2  # fsdp shards over 2
+        assert 107328 / 2 < second["params"] < 107328 and second["param_bytes"] == second["params"] * 4
+        assert body["memory_note"] is None and first["activation_bytes"] > 0
+        assert set(body["comm_bytes_per_step"]) == {"stage 0 dp", "stage 1 tp", "pp"}
+        paddle = bob.post("/v1/plans", json={"overrides": ["+examples=paddle_3d"]}).json()
+        assert paddle["memory_note"].startswith("activations not predicted")
+        assert [r["peak_bytes"] for r in paddle["per_pp_rank"]] == [r["param_bytes"] * 4 for r in paddle["per_pp_rank"]]
+
+
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "parallel").glob("*.yaml")))
 def test_job_json_is_the_resolved_config(preset, tmp_path):
     """What the runner writes reads back (``python -m trainer.launch job.json``) into the same config."""
