@@ -276,19 +276,15 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init is None:
         raise ValueError("a model on the meta device needs init= to give its shards their values")
-    ac = dict(mode=plan.activation_checkpointing, every=plan.activation_checkpointing_every, block_fqns=plan.blocks)
-    if plan.mesh.world_size == 1:
-        _materialize(model, device, init if on_meta else None)
-        apply_ac(model, **ac)
-        if compile:
-            apply_compile(model, block_fqns=plan.blocks)
+    part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile)
+    if plan.mesh.world_size == 1:  # no placements, no data parallelism: materialise, AC, compile
+        _parallelize_part(model, None, plan, pipelined=False, **part_options)
         return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None))
 
     pp = plan.pipeline
     if compile and pp is not None and pp.schedule in SPLIT_BACKWARD_SCHEDULES:
         raise ValueError(f"torch.compile does not compose with the {pp.schedule} schedule (its weight-gradient pass "
                          "re-runs a compiled block's whole backward); use 1F1B or Interleaved1F1B, or compile=False")
-    part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile)
     if pp is not None and pp.stages:
         return _parallelize_stages(model, plan, **part_options)
     # Explicit mesh rank ids only say which device each position's worker runs on (the launcher bound
@@ -319,7 +315,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     )
 
 
-def _parallelize_part(part: nn.Module, mesh: DeviceMesh, layout: ParallelPlan, *, pipelined: bool, device: torch.device,
+def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: ParallelPlan, *, pipelined: bool, device: torch.device,
                       init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
     tensor parallel -> activation checkpointing -> compile -> data parallel -> (``init``: a meta
