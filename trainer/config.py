@@ -170,6 +170,16 @@ class TrackingConfig(_Section):
     run_id: str | None = Field(
         None, description="Log into this existing MLflow run instead of creating one (set by the control plane)."
     )
+    pictures: bool = Field(
+        True, description="Draw the pipeline timeline (Chrome trace + PNG) and the placement picture, log them as "
+        "MLflow artifacts under `pictures/` and print their paths; false skips both.")
+    timeline_steps: int = Field(
+        2, ge=1, description="Optimizer steps the measured pipeline timeline records (the run's last ones, "
+        "so start-up is not in the picture).")
+    system_metrics: bool = Field(
+        True, description="Record MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) on the "
+        "main rank every `system_metrics_interval` seconds.")
+    system_metrics_interval: float = Field(10.0, gt=0, description="Seconds between system-metric samples.")
 
 
 # ----------------------------------------------------------------------------- train

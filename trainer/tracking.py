@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from trainer.config import TrackingConfig
@@ -71,6 +72,8 @@ class Tracker(Protocol):
 
     def log_artifact_text(self, text: str, name: str) -> None: ...
 
+    def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None: ...
+
     def set_tag(self, key: str, value: Any) -> None: ...
 
     def finish(self, status: RunStatus) -> None: ...
@@ -88,6 +91,9 @@ class NullTracker:
         pass
 
     def log_artifact_text(self, text: str, name: str) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None:
         pass
 
     def set_tag(self, key: str, value: Any) -> None:
@@ -231,6 +237,10 @@ class MLflowTracker:
 
     def log_artifact_text(self, text: str, name: str) -> None:
         self._client.log_text(self._run_id, text, name)
+
+    def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None:
+        """Upload the file ``path`` into the run's artifacts, under ``artifact_dir`` if given."""
+        self._client.log_artifact(self._run_id, str(path), artifact_dir)
 
     def set_tag(self, key: str, value: Any) -> None:
         self._client.set_tag(self._run_id, _mlflow_key(key), str(value))
