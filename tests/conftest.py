@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,8 +42,17 @@ def worker_pids(proc: subprocess.Popen, lines: list[str], *, until: str, timeout
         line = proc.stdout.readline()
         lines.append(line)
         assert line or proc.poll() is None, "".join(lines)
+        line = unprefixed(line)
         if line.startswith("workers: "):
             ranks = {int(k.removeprefix("rank")): int(v) for k, v in (w.split("=") for w in line.split()[1:])}
         if line.startswith(until) and ranks:
             return ranks
     raise AssertionError("workers did not start:\n" + "".join(lines))
+
+
+WORKER_PREFIX = re.compile(r"^\[rank\d+\]: ")
+
+
+def unprefixed(line: str) -> str:
+    """A worker's console line without the ``[rank3]: `` the launcher puts before it."""
+    return WORKER_PREFIX.sub("", line)

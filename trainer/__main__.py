@@ -5,6 +5,7 @@
     python -m trainer validate_only=true +parallel=tp mesh=[4]
     python -m trainer --cfg job                      # print the resolved config
     python -m trainer --help                         # every config key, documented
+    python -m trainer --multirun optim.lr=1e-3,3e-3  # a sweep: one parent MLflow run, a child per job
 """
 
 import sys
@@ -15,6 +16,7 @@ if __name__ == "__main__":
 
         print_help()
         sys.exit(0)
-    from trainer.main import main
+    from trainer.main import exit_code, main
 
     main()
+    sys.exit(exit_code())  # a sweep whose job failed; a single run has already exited

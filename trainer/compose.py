@@ -37,19 +37,35 @@ def register_defaults() -> None:
 
 
 def compose_dict(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """The resolved config for ``overrides`` (as typed after ``python -m trainer``), as a plain dict."""
+    """The resolved config for ``overrides`` (as typed after ``python -m trainer``), as a plain dict,
+    with the preset it came from in ``tracking.tags.preset`` as the CLI has it."""
     from hydra import compose, initialize_config_dir
 
     register_defaults()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="meshflow"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return to_plain(cfg)
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    return with_preset(to_plain(cfg), choices)
+
+
+def with_preset(raw: dict[str, Any], choices: Any) -> dict[str, Any]:
+    """``raw`` with ``tracking.tags.preset`` set (unless given) to the config group it was composed
+    from: the seed example, else the parallel preset, else ``single`` (one device)."""
+    preset = next((str(choices[g]) for g in ("examples", "parallel") if choices.get(g)), "single")
+    tracking = raw.setdefault("tracking", {})
+    if isinstance(tracking, dict):
+        tags = tracking.get("tags")
+        if tags is None or isinstance(tags, dict):
+            tracking["tags"] = {"preset": preset, **(tags or {})}
+    return raw
 
 
 def to_plain(cfg: Any) -> dict[str, Any]:
     """A composed DictConfig as a plain dict without Hydra's own `hydra` node."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
-    raw = OmegaConf.to_container(cfg, resolve=True)
-    raw.pop("hydra", None)
-    return raw
+    if "hydra" in cfg:  # Hydra's own node resolves only inside a running Hydra app: drop it first
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return OmegaConf.to_container(cfg, resolve=True)

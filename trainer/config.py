@@ -166,7 +166,11 @@ class TrackingConfig(_Section):
     backend: Literal["mlflow", "none"] = Field("mlflow", description="`mlflow` logs one run per job; `none` logs nothing.")
     tracking_uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (file, sqlite, or http server).")
     experiment: str = Field("meshflow", min_length=1, description="MLflow experiment name.")
-    run_name: str | None = Field(None, description="MLflow run name; null lets MLflow choose one.")
+    run_name: str | None = Field(None, description="MLflow run name; null names it after the preset and the mesh "
+                                 "(`3d-2x2x2`).")
+    tags: dict[str, str] = Field(
+        default_factory=dict, description="Extra MLflow run tags (`+tracking.tags.team=nlp`); the CLI and the "
+        "control plane set `preset` to the config group the run came from.")
     run_id: str | None = Field(
         None, description="Log into this existing MLflow run instead of creating one (set by the control plane)."
     )
@@ -231,6 +235,11 @@ class LaunchConfig(_Section):
     node_rank: int = Field(0, ge=0, description="This host's rank among nnodes.")
     rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one.")
     max_restarts: int = Field(0, ge=0, description="Times torch's elastic agent restarts failed workers.")
+    log_dir: str | None = Field(
+        "logs", description="Where the workers' per-rank log files go (torch elastic's log options): "
+        "`<log_dir>/<run>/attempt_<n>/<rank>/stdout.log` and `stderr.log`, also uploaded to the MLflow run's "
+        "`logs/`; rank 0's output and every rank's errors still show on the console. null = a temporary "
+        "directory, removed after the upload.")
     memory_budget_gb: float | None = Field(
         None, gt=0, description="Memory per worker a run may use (GiB); a config predicted to need more is refused "
         "before any worker starts. null = the GPU's memory, or 90% of the host's memory shared by its workers.")

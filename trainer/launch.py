@@ -13,40 +13,50 @@ A config that was validated elsewhere (the control plane writes ``job.json``) is
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import sys
 import tempfile
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-
-import yaml
 
 from parallel.config import mesh_rank_ids
 from trainer.config import RunConfig
 from trainer.metrics import NullProgress, Progress
+from trainer.run_info import run_name
+from trainer.run_record import record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking import NullTracker, Terminated, install_signal_handlers, make_tracker, run_lifecycle
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
 
 def launch(cfg: RunConfig) -> int:
-    """Train as the config says; return the process exit code."""
-    tracker = make_tracker(cfg.tracking, is_main=True, run_id=cfg.tracking.run_id)
+    """Train as the config says; return the process exit code. The outcome of the last launch in
+    this process (losses, timings; a sweep reads it) is kept in :data:`LAST_OUTCOME`."""
+    global LAST_OUTCOME
+    LAST_OUTCOME = None
+    began = time.monotonic()
+    # One run per job: node 0's launcher owns it (another node's would make a second one).
+    tracker = make_tracker(cfg.tracking, is_main=cfg.launch.node_rank == 0, run_id=cfg.tracking.run_id,
+                           run_name=run_name(cfg))
     try:
-        with install_signal_handlers(), run_lifecycle(tracker):
-            params = cfg.model_dump(mode="json")
-            tracker.log_params(params)
-            tracker.log_artifact_text(yaml.safe_dump(params, sort_keys=False), "config.yaml")
-            if cfg.world_size == 1:
-                from trainer.loop import train
-
-                result = train(cfg, tracker=tracker, progress=Progress())
-                _summary(result.losses, result.first_step, result.val_loss)
-            else:
-                _launch_workers(cfg, tracker.run_id)
+        with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
+            record_start(tracker, cfg)
+            rdzv_id = f"{run_name(cfg)}-{uuid.uuid4().hex[:8]}"
+            with _worker_logs(cfg) as log_base:
+                try:
+                    outcome = _train(cfg, tracker, log_base, rdzv_id)
+                finally:
+                    # torch elastic puts this run's logs in <log_base>/<rdzv id>_<random>/
+                    log_dir = next(log_base.glob(f"{rdzv_id}_*"), None)
+                    upload_logs(tracker, log_dir)
+                print(summary(cfg, outcome, tracker, wall_s=time.monotonic() - began,
+                              log_dir=log_dir if cfg.launch.log_dir else None), flush=True)
+        LAST_OUTCOME = {**outcome, "run_id": tracker.run_id}
         return EXIT_OK
     except KeyboardInterrupt:
         print("interrupted: run stopped (MLflow run KILLED)", file=sys.stderr)
@@ -59,44 +69,78 @@ def launch(cfg: RunConfig) -> int:
         return EXIT_FAILED
 
 
+LAST_OUTCOME: dict | None = None
+
+
 class WorkerFailure(RuntimeError):
     """A worker process failed; the message names its rank and how it ended."""
 
 
-def _summary(losses: list[float], first_step: int, val_loss: float | None = None) -> None:
-    if losses:
-        val = f", val loss {val_loss:.4f} (perplexity {math.exp(min(val_loss, 700)):.2f})" if val_loss is not None else ""
-        print(f"done: steps {first_step + 1}..{first_step + len(losses)}, "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}{val}", flush=True)
+def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str) -> dict:
+    """One device in this process, or the workers through torch's elastic launcher: rank 0's outcome."""
+    if cfg.world_size == 1:
+        from trainer.loop import train
+
+        # the same layout as the workers' logs: the console's copy is this run's job log
+        with tee_output(log_base / f"{rdzv_id}_local" / "attempt_0" / "0" / "stdout.log"):
+            return train(cfg, tracker=tracker, progress=Progress()).summary()
+    return _launch_workers(cfg, tracker.run_id, log_base, rdzv_id)
 
 
-def _launch_workers(cfg: RunConfig, run_id: str | None) -> None:
+@contextmanager
+def _worker_logs(cfg: RunConfig) -> Iterator[Path]:
+    """The folder the per-rank logs go under: ``launch.log_dir``, or a temporary one (removed
+    afterwards) when that is null."""
+    if cfg.launch.log_dir is None:
+        with tempfile.TemporaryDirectory(prefix="meshflow-logs-") as tmp:
+            yield Path(tmp)
+    else:
+        yield Path(cfg.launch.log_dir)
+
+
+def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: str) -> dict:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
     ln = cfg.launch
+    nproc = cfg.world_size // ln.nnodes
     # With the rendezvous store shared into the workers (torch's default), a restarted round
     # reuses that store and the workers' process sub-groups read the dead round's addresses
     # (gloo: "connectFullMesh ... Connection refused"). A fresh worker store per round avoids it.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # Every worker writes its stdout and stderr to files (<log_dir>/<rdzv id>/attempt_<n>/<local
+    # rank>/); the console shows rank 0's output and every rank's errors, each line prefixed
+    # with its global rank, as torchrun's --tee does.
+    main_node = ln.node_rank == 0
+    logs = DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL,
+                            tee={r: Std.ALL if main_node and r == 0 else Std.ERR for r in range(nproc)})
     launch_config = LaunchConfig(
         min_nodes=ln.nnodes,
         max_nodes=ln.nnodes,
-        nproc_per_node=cfg.world_size // ln.nnodes,
-        run_id=f"meshflow-{uuid.uuid4().hex[:8]}",
+        nproc_per_node=nproc,
+        logs_specs=logs,
+        log_line_prefix_template=WORKER_LINE_PREFIX,
+        run_id=rdzv_id,
         rdzv_backend="c10d",
         rdzv_endpoint=ln.rdzv_endpoint,
-        rdzv_configs={"is_host": ln.node_rank == 0} if ln.nnodes > 1 else {},
+        rdzv_configs={"is_host": main_node} if ln.nnodes > 1 else {},
         max_restarts=ln.max_restarts,
         start_method="spawn",
         monitor_interval=0.2,
     )
+    if ln.nnodes > 1:  # a node other than 0 shows nothing else of the run: say what it does
+        print(f"node {ln.node_rank} of {ln.nnodes}: {nproc} workers join the rendezvous at {ln.rdzv_endpoint} "
+              f"(logs: {log_dir})", flush=True)
     with tempfile.TemporaryDirectory(prefix="meshflow-") as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(cfg.model_dump_json())
         results = _run_elastic(launch_config, config_path, run_id)
-    rank0 = results.get(0) if results else None
-    if rank0:
-        _summary(rank0["losses"], rank0["first_step"], rank0["val_loss"])
+    if ln.nnodes > 1:
+        print(f"node {ln.node_rank} of {ln.nnodes}: its {nproc} workers finished", flush=True)
+    return results.get(0) or {} if results else {}
+
+
+WORKER_LINE_PREFIX = "[rank${rank}]: "
 
 
 def _run_elastic(launch_config, config_path: Path, run_id: str | None) -> dict:
@@ -161,7 +205,7 @@ def worker_main(config_path: str, run_id: str | None) -> dict:
             # broke; every worker names its own error so the root cause is in the output.
             print(f"worker rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
             raise
-        return {"losses": result.losses, "first_step": result.first_step, "val_loss": result.val_loss}
+        return result.summary()
     finally:
         dist.destroy_process_group()
 

@@ -7,6 +7,7 @@ object that are null objects on the other ranks.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -42,6 +43,21 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     first_step: int = 0
     val_loss: float | None = None  # the last evaluation's, when there is a validation split
+    step_times: list[float] = field(default_factory=list)  # seconds per optimizer step, this run's steps
+    tokens_per_step: int = 0
+    last_checkpoint: str | None = None
+
+    @property
+    def mean_tokens_per_s(self) -> float | None:
+        """Tokens per second over the run's steps, the first (start-up, compilation) left out when there are more."""
+        times = self.step_times[1:] or self.step_times
+        return self.tokens_per_step * len(times) / sum(times) if times and sum(times) > 0 else None
+
+    def summary(self) -> dict:
+        """What the launcher's end-of-run summary needs, JSON-friendly (a worker returns it)."""
+        return {"losses": self.losses, "first_step": self.first_step, "val_loss": self.val_loss,
+                "step_times": self.step_times, "tokens_per_step": self.tokens_per_step,
+                "last_checkpoint": self.last_checkpoint}
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -151,7 +167,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         tracker.set_tag("resumed_from", str(path))
     result.first_step = start
 
-    tokens_per_step = t.global_batch_size * t.seq_len
+    tokens_per_step = result.tokens_per_step = t.global_batch_size * t.seq_len
+    window = LogWindow()
+    memory_rows: list[dict] = []  # per-rank peaks at each logged step: an artifact, the metric is their max
     progress.start(total=t.steps, completed=start)
     for step in range(start + 1, t.steps + 1):
         began = time.perf_counter()
@@ -169,13 +187,14 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         loss_value = pm.reduce_loss(local_loss)
         step_time = time.perf_counter() - began
         result.losses.append(loss_value)
+        result.step_times.append(step_time)
+        window.add(loss=loss_value, grad_norm=grad_norm, step_time_s=step_time)
 
         if step % t.log_every == 0 or step == t.steps:
             peaks = _per_rank(meter.peak_mb(), pm, device)
-            metrics = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                       "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                       "peak_memory_mb": max(peaks)}
-            tracker.log_metrics({**metrics, **{f"peak_memory_mb_rank{r}": v for r, v in enumerate(peaks)}}, step=step)
+            memory_rows.append({"step": step, **{f"rank{r}": round(v, 1) for r, v in enumerate(peaks)}})
+            metrics = {**window.means(tokens_per_step), "lr": lr, "peak_memory_mb": max(peaks)}
+            tracker.log_metrics(metrics, step=step)
             progress.log_step(step, metrics)
         progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time)
         if val_source is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
@@ -198,8 +217,30 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                 tracker.log_metrics({"checkpoint_seconds": seconds, "checkpoint_bytes": nbytes}, step=step)
                 tracker.set_tag("latest_checkpoint", str(saved.resolve()))
                 progress.log(f"checkpoint {saved} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)")
+            result.last_checkpoint = str(saved.resolve())
     progress.stop()
+    if memory_rows:
+        tracker.log_artifact_text(json.dumps(memory_rows, indent=1), "metrics/peak_memory_mb_per_rank.json")
     return result
+
+
+class LogWindow:
+    """The steps since the last logged one: metrics are logged as their means over the window (a
+    chart point stands for every step it covers, not one sample every ``log_every`` steps)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[float]] = {}
+
+    def add(self, **values: float) -> None:
+        for key, value in values.items():
+            self._values.setdefault(key, []).append(float(value))
+
+    def means(self, tokens_per_step: int) -> dict[str, float]:
+        """Means of the window's values, ``tokens_per_s`` over its total time; empties the window."""
+        out = {key: sum(v) / len(v) for key, v in self._values.items()}
+        out["tokens_per_s"] = tokens_per_step * len(self._values["step_time_s"]) / sum(self._values["step_time_s"])
+        self._values = {}
+        return out
 
 
 def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, device: torch.device) -> float:

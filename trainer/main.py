@@ -12,9 +12,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from trainer.compose import CONF_DIR, register_defaults, to_plain
 from parallel.errors import ConfigError
-from trainer.launch import EXIT_CONFIG, launch
+from trainer.compose import CONF_DIR, register_defaults, to_plain, with_preset
+from trainer.launch import EXIT_CONFIG, EXIT_OK, launch
+from trainer.run_info import SWEEP_JOB_TAG
 from trainer.validate import validate_with_plan
 
 
@@ -23,8 +24,17 @@ register_defaults()  # the base config Hydra composes from: the pydantic models'
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def main(composed: DictConfig) -> None:
-    raw = to_plain(composed)
+def main(composed: DictConfig) -> float | None:
+    """One job. In a single run the process exits with the launch's code; in a sweep (``--multirun``)
+    a job returns its final loss (what a sweeper such as Optuna minimises) or raises, so that Hydra
+    goes on with the next job and the sweep ends failed (:func:`exit_code`)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
+    raw = with_preset(to_plain(composed), HydraConfig.get().runtime.choices)
+    if sweeping and isinstance(raw.get("tracking"), dict):  # tells the sweep's runs apart (trainer.run_info)
+        raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
     try:
         cfg, plan = validate_with_plan(raw)
     except ConfigError as err:
@@ -32,6 +42,8 @@ def main(composed: DictConfig) -> None:
             _plan_despite_batch(raw, err)
             return
         print(err, file=sys.stderr)
+        if sweeping:
+            raise SweepJobFailed(f"invalid config (exit code {EXIT_CONFIG})") from None
         sys.exit(EXIT_CONFIG)
     if cfg.validate_only:
         print(f"config OK: {cfg.model.arch} model, mesh {list(cfg.mesh_shape)} "
@@ -42,7 +54,31 @@ def main(composed: DictConfig) -> None:
 
         print(describe_plan(cfg, plan))
         return
-    sys.exit(launch(cfg))
+    code = launch(cfg)
+    if not sweeping:
+        sys.exit(code)
+    if code != EXIT_OK:
+        FAILED_JOBS.append(code)
+        raise SweepJobFailed(f"job failed with exit code {code}")
+    return _final_loss()
+
+
+FAILED_JOBS: list[int] = []  # exit codes of a sweep's failed jobs, for the process's own exit code
+
+
+class SweepJobFailed(RuntimeError):
+    """One job of a sweep failed; Hydra records it and runs the next."""
+
+
+def _final_loss() -> float:
+    from trainer import launch as launcher
+
+    return ((launcher.LAST_OUTCOME or {}).get("losses") or [float("nan")])[-1]
+
+
+def exit_code() -> int:
+    """After :func:`main` returned: non-zero when a sweep's job failed (a single run exits itself)."""
+    return FAILED_JOBS[0] if FAILED_JOBS else 0
 
 
 def _plan_despite_batch(raw: dict, err: ConfigError) -> None:

@@ -15,11 +15,13 @@ FINISHED, FAILED or KILLED, never stuck RUNNING, even when the job is stopped wi
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import signal
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -31,6 +33,11 @@ from trainer.config import TrackingConfig
 log = logging.getLogger(__name__)
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+# MLflow 3's UI opens an experiment in the view its kind names; without the tag it guesses, and
+# an experiment with no runs yet (or with traces) opens in the GenAI view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
 
 # MLflow's limits (mlflow.utils.validation), repeated so NullTracker users need not import mlflow.
 MAX_PARAMS_PER_BATCH = 100
@@ -76,6 +83,10 @@ class Tracker(Protocol):
 
     def set_tag(self, key: str, value: Any) -> None: ...
 
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+
+    def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None: ...
+
     def finish(self, status: RunStatus) -> None: ...
 
 
@@ -83,6 +94,7 @@ class NullTracker:
     """Logs nothing; used on non-main ranks and with ``tracking.backend=none``."""
 
     run_id: str | None = None
+    experiment_id: str | None = None
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         pass
@@ -97,6 +109,12 @@ class NullTracker:
         pass
 
     def set_tag(self, key: str, value: Any) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        pass
+
+    def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None:
         pass
 
     def finish(self, status: RunStatus) -> None:
@@ -133,15 +151,19 @@ def _mlflow_keys(keys: list[str]) -> dict[str, str]:
     }
 
 
-def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """``{"train": {"seq_len": 128}}`` -> ``{"train.seq_len": "128"}``; lists, tuples, None as their str."""
+def readable_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted params: ``{"train": {"seq_len": 128}}`` -> ``{"train.seq_len": "128"}``. A list, and a
+    mapping with a key MLflow cannot take (the globs of ``parallel.placements``), is one JSON value
+    (a mangled ``layers._.attn.w_qkv_.weight`` key helps nobody); None is ``null``."""
     flat: dict[str, str] = {}
     for key, value in params.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten_params(value, prefix=f"{name}."))
+        if isinstance(value, Mapping) and value and not any(_BAD_KEY_CHARS.search(str(k)) for k in value):
+            flat.update(readable_params(value, prefix=f"{name}."))
+        elif isinstance(value, str):
+            flat[name] = value
         else:
-            flat[name] = str(value)
+            flat[name] = json.dumps(value, default=str)
     return flat
 
 
@@ -156,7 +178,7 @@ def get_or_create_experiment(client: Any, name: str) -> str:
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
-            return client.create_experiment(name)
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
         except MlflowException:  # another process created it first
             experiment = client.get_experiment_by_name(name)
             if experiment is None:
@@ -166,6 +188,10 @@ def get_or_create_experiment(client: Any, name: str) -> str:
             f"tracking.experiment: MLflow experiment {name!r} is deleted in {client.tracking_uri!r}; "
             "restore it (`mlflow experiments restore`) or choose another name"
         )
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) in (None, "", "no_inferred_type", "custom_model_development_inferred"):
+        # made before the kind was set, or only guessed by the UI: say what it is. A kind someone
+        # chose (e.g. genai_development) is theirs to keep.
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
     return experiment.experiment_id
 
 
@@ -177,7 +203,7 @@ class MLflowTracker:
     that is how worker rank 0 logs into the run the launcher or control plane created.
     """
 
-    def __init__(self, cfg: TrackingConfig, *, run_id: str | None = None) -> None:
+    def __init__(self, cfg: TrackingConfig, *, run_id: str | None = None, run_name: str | None = None) -> None:
         from mlflow.exceptions import MlflowException  # lazy: `tracking=none` needs no MLflow
         from mlflow.tracking import MlflowClient
 
@@ -187,7 +213,8 @@ class MLflowTracker:
         run_id = run_id or cfg.run_id
         if run_id is None:
             experiment_id = get_or_create_experiment(self._client, cfg.experiment)
-            self._run_id = self._client.create_run(experiment_id, run_name=cfg.run_name).info.run_id
+            run = self._client.create_run(experiment_id, run_name=run_name or cfg.run_name)
+            self._run_id, self.experiment_id = run.info.run_id, experiment_id
             return
         try:
             run = self._client.get_run(run_id)
@@ -198,21 +225,21 @@ class MLflowTracker:
             ) from exc
         if run.info.status != "RUNNING":  # e.g. a restarted worker after a failed attempt
             self._client.update_run(run_id, status="RUNNING")
-        self._run_id = run_id
+        self._run_id, self.experiment_id = run_id, run.info.experiment_id
 
     @property
     def run_id(self) -> str:
         return self._run_id
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        """Log a nested dict (the resolved config) as dotted params, 100 per request.
+        """Log a nested dict (the resolved config) as :func:`readable_params`, 100 per request.
 
         Values over MLflow's 6000 characters are cut in the param and logged whole as the
         text artifact ``params/<key>.txt``.
         """
         from mlflow.entities import Param
 
-        flat = flatten_params(params)
+        flat = readable_params(params)
         keys = _mlflow_keys(list(flat))
         batch: list[Param] = []
         for raw_key, value in flat.items():
@@ -245,6 +272,27 @@ class MLflowTracker:
     def set_tag(self, key: str, value: Any) -> None:
         self._client.set_tag(self._run_id, _mlflow_key(key), str(value))
 
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set all ``tags`` in one request."""
+        from mlflow.entities import RunTag
+
+        self._client.log_batch(self._run_id, tags=[RunTag(_mlflow_key(k), str(v)) for k, v in tags.items()])
+
+    def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None:
+        """Record the run's data as an MLflow dataset input (the run page's "Datasets used"):
+        ``source`` a local path or URL it was read from, None for data generated in code."""
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        with warnings.catch_warnings():  # a local path matches two registered source kinds; either is right
+            warnings.simplefilter("ignore", UserWarning)
+            origin = resolve_dataset_source(source) if source else CodeDatasetSource(tags={"generator": name})
+        dataset = MetaDataset(origin, name=name, digest=digest)._to_mlflow_entity()
+        self._client.log_inputs(self._run_id, [DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
+
     def finish(self, status: RunStatus) -> None:
         """End the run with ``status``; only the first call has an effect."""
         if self._finished:
@@ -256,11 +304,11 @@ class MLflowTracker:
         return f"MLflowTracker(tracking_uri={self._uri!r}, run_id={self._run_id!r})"
 
 
-def make_tracker(cfg: TrackingConfig, *, is_main: bool, run_id: str | None = None) -> Tracker:
+def make_tracker(cfg: TrackingConfig, *, is_main: bool, run_id: str | None = None, run_name: str | None = None) -> Tracker:
     """An :class:`MLflowTracker` on the main rank with ``backend=mlflow``, else a :class:`NullTracker`."""
     if cfg.backend == "none" or not is_main:
         return NullTracker()
-    return MLflowTracker(cfg, run_id=run_id)
+    return MLflowTracker(cfg, run_id=run_id, run_name=run_name)
 
 
 # ------------------------------------------------------------------------- lifecycle

@@ -114,6 +114,9 @@ def test_group_option_validates(overrides, tmp_path):
     # everything it does not write is the pydantic default of its kind: one source of defaults
     default = type(getattr(cfg, group))().model_dump(mode="json")
     given = set(written) | {o.split("=")[0].split(".", 1)[1] for o in overrides[1:] if o.startswith(f"{group}.")}
+    if group == "tracking":  # composition names the preset a run came from (trainer.compose.with_preset)
+        assert section["tags"] == {"preset": "single"}
+        given.add("tags")
     assert {k: v for k, v in section.items() if k not in given} == {k: v for k, v in default.items() if k not in given}
 
 

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from example_checks import launch
+from tests.conftest import unprefixed
 from trainer.compose import CONF_DIR, compose_dict
 from trainer.loop import train
 from trainer.metrics import NullProgress
@@ -245,7 +246,7 @@ def test_cli_binds_each_rank_id_to_its_cpu(launched, reference):
     id names (the id-th of the CPUs allowed, modulo their number), and the losses are one device's."""
     returncode, stdout, stderr = launched["cli"]["paddle_process_mesh"]
     assert returncode == 0, stderr[-3000:]
-    line = next((x for x in stdout.splitlines() if x.startswith("rank ids: ")), None)
+    line = next((x for x in map(unprefixed, stdout.splitlines()) if x.startswith("rank ids: ")), None)
     assert line is not None, stdout
     pattern = r"rank(\d+)=(\d+) \(host=(\S+) device=(\S+) cpus=([\d,]+)\)"
     workers = [(int(r), int(i), host, device, [int(c) for c in cpus.split(",")])

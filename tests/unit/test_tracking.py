@@ -64,11 +64,12 @@ def test_params_are_flattened_with_dotted_keys(cfg: TrackingConfig, client: Mlfl
     )
     assert client.get_run(tracker.run_id).data.params == {
         "train.seq_len": "128",
-        "train.grad_clip": "None",
+        "train.grad_clip": "null",
         "train.checkpoint.keep": "3",
         "mesh": "[2, 2]",
-        "optim.betas": "(0.9, 0.95)",
-        "parallel.placements.layers._.w_13_.weight.tp": "Shard(0)",  # MLflow rejects * [ ] in keys
+        "optim.betas": "[0.9, 0.95]",
+        # MLflow rejects * [ ] in keys: a glob-keyed mapping stays one readable JSON param
+        "parallel.placements": '{"layers.*.w[13].weight": {"tp": "Shard(0)"}}',
         "parallel.layouts": "{}",
     }
 

@@ -1,0 +1,110 @@
+"""What a run tells MLflow: names, tags, readable params, redaction, the UI link, the summary.
+
+Run: ``pytest tests/unit/test_run_info.py -q`` (no MLflow store, no process).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.compose import compose_dict
+from trainer.config import RunConfig
+from trainer.run_info import MASK, public_config, redact, run_name, run_tags, run_url, ui_command
+from trainer.run_record import dataset_identity, summary
+from trainer.tracking import NullTracker, readable_params
+
+
+def _cfg(*overrides: str) -> RunConfig:
+    return RunConfig.model_validate(compose_dict(list(overrides)))
+
+
+def test_urls_lose_their_credentials():
+    assert redact("postgresql://meshflow:hunter2@db:5432/mlflow") == "postgresql://***@db:5432/mlflow"
+    assert redact("https://token@mlflow.example.com/x and http://u:p@h") == "https://***@mlflow.example.com/x and http://***@h"
+    assert redact("sqlite:///mlflow.db") == "sqlite:///mlflow.db"  # nothing to hide
+
+
+def test_public_config_never_holds_the_tracking_uri_or_a_secret():
+    uri = "postgresql://meshflow:hunter2@db:5432/mlflow"
+    raw = {"tracking": {"tracking_uri": uri, "run_id": "abc", "experiment": "x",
+                        "tags": {"hf_token": "hf_abcdef", "team": "nlp"}},
+           "model": {"path": "https://user:pw@host/models/llama", "api_key": "sk-123"},
+           "data": {"paths": ["s3://key:secret@bucket/a.jsonl"]}}
+    public = public_config(raw)
+    text = json.dumps(public)
+    for secret in ("hunter2", "hf_abcdef", "sk-123", ":pw@", "secret@", "abc"):
+        assert secret not in text, secret
+    assert "tracking_uri" not in public["tracking"] and "run_id" not in public["tracking"]
+    assert public["tracking"]["tags"] == {"hf_token": MASK, "team": "nlp"}
+    assert public["model"] == {"path": "https://***@host/models/llama", "api_key": MASK}
+    assert public["data"]["paths"] == ["s3://***@bucket/a.jsonl"]
+
+
+def test_params_are_readable_globs_stay_one_json_value():
+    raw = compose_dict(["+parallel=3d", "mesh=[2,2,2]"])
+    raw["parallel"]["placements"] = {"layers.*.attn.w[qkv].weight": {"tp": "Shard(0)"}}
+    cfg = RunConfig.model_validate(raw)
+    params = readable_params(public_config(cfg.model_dump(mode="json")))
+    assert json.loads(params["parallel.placements"]) == {"layers.*.attn.w[qkv].weight": {"tp": "Shard(0)"}}
+    assert params["parallel.pipeline.schedule"] == "1F1B" and params["mesh"] == "[2, 2, 2]"
+    assert params["parallel.dims"] == '["dp", "pp", "tp"]'
+    assert not any("_.attn" in key for key in params)  # no mangled glob keys
+    assert not any("tracking_uri" in key for key in params)
+
+
+@pytest.mark.parametrize(("overrides", "name", "preset"), [
+    ((), "single-1", "single"),
+    (("+parallel=3d", "mesh=[2,2,2]"), "3d-2x2x2", "3d"),
+    (("+examples=paddle_process_mesh",), "paddle_process_mesh-2x3", "paddle_process_mesh"),
+    (("+parallel=fsdp", "mesh=[4]", "tracking.run_name=mine"), "mine", "fsdp"),
+])
+def test_run_name_and_tags_come_from_preset_and_mesh(overrides, name, preset):
+    cfg = _cfg(*overrides)
+    assert run_name(cfg) == name
+    tags = run_tags(cfg)
+    assert tags["preset"] == preset and tags["world_size"] == str(cfg.world_size)
+    assert json.loads(tags["mesh"]) == (cfg.mesh if cfg.mesh is not None else [1])
+    assert tags["precision"] == "fp32" and tags["model"] == cfg.model.arch and tags["user"] and tags["host"]
+    assert tags["mlflow.user"] == tags["user"]
+    assert "git_commit" not in tags or len(tags["git_commit"].removesuffix("-dirty")) == 40
+
+
+def test_sweep_jobs_are_numbered_and_children_of_the_parent(monkeypatch):
+    monkeypatch.setenv("MESHFLOW_SWEEP_PARENT_RUN", "parent123")
+    cfg = _cfg("+tracking.tags.sweep_job=1")
+    assert run_name(cfg) == "single-1-job1"
+    assert run_tags(cfg)["mlflow.parentRunId"] == "parent123"
+
+
+def test_run_url_points_at_the_server_or_the_local_ui():
+    assert run_url("http://127.0.0.1:5005", "3", "ab") == "http://127.0.0.1:5005/#/experiments/3/runs/ab"
+    assert run_url("https://u:p@mlflow.example.com/", "3", "ab") == "https://***@mlflow.example.com/#/experiments/3/runs/ab"
+    assert run_url("sqlite:///mlflow.db", "3", "ab") == "http://127.0.0.1:5000/#/experiments/3/runs/ab"
+    assert run_url("sqlite:///mlflow.db", None, "ab") is None
+    assert ui_command("sqlite:///x.db") == "mlflow ui --backend-store-uri sqlite:///x.db"
+    assert ui_command("http://h:5000") is None
+
+
+def test_dataset_identity_names_source_and_digest(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    files = _cfg("data=files", f"data.paths=[{tmp_path}/corpus/*.txt]")
+    name, source, digest = dataset_identity(files)
+    assert source == str(tmp_path / "corpus") and name.startswith("files:") and len(digest) == 16
+    synthetic = _cfg("data=synthetic")
+    assert dataset_identity(synthetic)[1] is None  # generated in code
+    assert dataset_identity(synthetic)[2] != dataset_identity(_cfg("data=synthetic", "data.seed=7"))[2]
+
+
+def test_summary_reports_time_speed_best_loss_and_where_things_are(tmp_path):
+    cfg = _cfg("train.seq_len=8", "train.global_batch_size=2")
+    outcome = {"losses": [3.0, 2.0, 2.5], "first_step": 4, "val_loss": None, "step_times": [9.0, 0.5, 0.5],
+               "tokens_per_step": 16, "last_checkpoint": "/ck/step_7", "pictures": {"timeline": "/p/timeline.png"}}
+    text = summary(cfg, outcome, NullTracker(), wall_s=12.34, log_dir=tmp_path)
+    lines = text.splitlines()
+    assert lines[0] == "done: steps 5..7, loss 3.0000 -> 2.5000"
+    assert "wall time 12.3 s" in lines[1] and "mean 32 tok/s" in lines[1]  # 16 tokens / 0.5 s, first step left out
+    assert "final loss 2.5000" in lines[1] and "best 2.0000 at step 6" in lines[1]
+    assert "  last checkpoint: /ck/step_7" in lines and f"  per-rank logs: {tmp_path}/attempt_<n>/<rank>/stdout.log, stderr.log" in lines
+    assert "  timeline: /p/timeline.png" in lines
