@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from parallel.errors import ConfigError
 from trainer.compose import CONF_DIR, register_defaults, to_plain, with_preset
+from trainer import launch as launcher
 from trainer.launch import EXIT_CONFIG, EXIT_OK, launch
 from trainer.run_info import SWEEP_JOB_TAG
 from trainer.validate import validate_with_plan
@@ -35,6 +36,8 @@ def main(composed: DictConfig) -> float | None:
     raw = with_preset(to_plain(composed), HydraConfig.get().runtime.choices)
     if sweeping and isinstance(raw.get("tracking"), dict):  # tells the sweep's runs apart (trainer.run_info)
         raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
+    if sweeping:
+        launcher.LAST_OUTCOME = None  # the previous job's is not this one's
     try:
         cfg, plan = validate_with_plan(raw)
     except ConfigError as err:
@@ -43,7 +46,7 @@ def main(composed: DictConfig) -> float | None:
             return
         print(err, file=sys.stderr)
         if sweeping:
-            raise SweepJobFailed(f"invalid config (exit code {EXIT_CONFIG})") from None
+            return _job_failed(EXIT_CONFIG)
         sys.exit(EXIT_CONFIG)
     if cfg.validate_only:
         print(f"config OK: {cfg.model.arch} model, mesh {list(cfg.mesh_shape)} "
@@ -58,21 +61,23 @@ def main(composed: DictConfig) -> float | None:
     if not sweeping:
         sys.exit(code)
     if code != EXIT_OK:
-        FAILED_JOBS.append(code)
-        raise SweepJobFailed(f"job failed with exit code {code}")
+        return _job_failed(code)
     return _final_loss()
 
 
 FAILED_JOBS: list[int] = []  # exit codes of a sweep's failed jobs, for the process's own exit code
 
 
-class SweepJobFailed(RuntimeError):
-    """One job of a sweep failed; Hydra records it and runs the next."""
+def _job_failed(code: int) -> float:
+    """A sweep goes on after a failed job (Hydra would stop at an exception) and ends failed; the
+    job's value is NaN, which a sweeper such as Optuna records as a failed trial."""
+    launcher.LAST_OUTCOME = None  # what trainer.sweep reads: this job has no outcome
+    FAILED_JOBS.append(code)
+    print(f"sweep: job failed (exit code {code}); going on with the next", file=sys.stderr, flush=True)
+    return float("nan")
 
 
 def _final_loss() -> float:
-    from trainer import launch as launcher
-
     return ((launcher.LAST_OUTCOME or {}).get("losses") or [float("nan")])[-1]
 
 

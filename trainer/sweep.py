@@ -8,11 +8,12 @@ found in the ``MESHFLOW_SWEEP_PARENT_RUN`` environment variable this callback se
 holds the swept overrides as params, one row per job in ``sweep.json`` and the best final loss.
 
     python -m trainer --multirun optim.lr=1e-3,3e-3 train.steps=20
-    python -m trainer --multirun hydra/sweeper=optuna hydra.sweeper.n_trials=8 'optim.lr=interval(1e-4,1e-2)'
+    python -m trainer --multirun hydra/sweeper=optuna hydra.sweeper.n_trials=8 "optim.lr=interval(1e-4,1e-2)"
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ class SweepParentRun(Callback):
             "mlflow.source.name": "python -m trainer --multirun"})
         self._run_id = run.info.run_id
         os.environ[PARENT_RUN_ENV] = self._run_id
+        atexit.register(self._close, "KILLED")  # a no-op once on_multirun_end closed it
         params = {"sweep.task_overrides": json.dumps(public_config({"o": sweep.get("task", [])})["o"])}
         sweeper_params = OmegaConf.to_container(config.hydra.sweeper, resolve=False).get("params") or {}
         params.update({f"sweep.params.{k}": redact(str(v)) for k, v in sweeper_params.items()})
@@ -70,26 +72,35 @@ class SweepParentRun(Callback):
 
         from trainer import launch
 
+        # trainer.main clears the outcome of a job that failed (it returns NaN so the sweep goes on)
         outcome = launch.LAST_OUTCOME if job_return.status == JobStatus.COMPLETED else None
         losses = (outcome or {}).get("losses") or [None]
         self._jobs.append({"job": len(self._jobs), "overrides": list(job_return.overrides or []),
-                           "status": job_return.status.name, "run_id": (outcome or {}).get("run_id"),
+                           "status": "COMPLETED" if outcome else "FAILED", "run_id": (outcome or {}).get("run_id"),
                            "final_loss": losses[-1]})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self._run_id is None:
             return
+        run_id = self._run_id
         from mlflow.entities import Metric
 
         finals = [job["final_loss"] for job in self._jobs if job.get("final_loss") is not None]
-        try:
-            self._client.log_text(self._run_id, json.dumps(self._jobs, indent=1), "sweep.json")
-            if finals:
-                self._client.log_batch(self._run_id, metrics=[Metric("best_final_loss", min(finals), 0, 0),
-                                                              Metric("jobs", len(self._jobs), 0, 0)])
-            failed = any(job["status"] != "COMPLETED" for job in self._jobs)
-            self._client.set_terminated(self._run_id, "FAILED" if failed else "FINISHED")
-        finally:
-            os.environ.pop(PARENT_RUN_ENV, None)
+        self._client.log_text(run_id, json.dumps(self._jobs, indent=1), "sweep.json")
+        if finals:
+            self._client.log_batch(run_id, metrics=[Metric("best_final_loss", min(finals), 0, 0),
+                                                          Metric("jobs", len(self._jobs), 0, 0)])
+        self._close("FAILED" if any(job["status"] != "COMPLETED" for job in self._jobs) else "FINISHED")
         print(f"sweep: {len(self._jobs)} jobs, {sum(j['status'] == 'COMPLETED' for j in self._jobs)} completed"
               + (f", best final loss {min(finals):.4f}" if finals else ""), flush=True)
+
+    def _close(self, status: str) -> None:
+        """End the parent run once; also at exit, when the sweep was stopped (Ctrl-C) before its end."""
+        if self._run_id is None:
+            return
+        run_id, self._run_id = self._run_id, None
+        os.environ.pop(PARENT_RUN_ENV, None)
+        try:
+            self._client.set_terminated(run_id, status)
+        except Exception:  # noqa: BLE001 - at exit the store may be gone; say so, don't crash
+            log.warning("could not end the sweep's parent run %s", run_id, exc_info=True)
