@@ -213,8 +213,12 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
     if isinstance(model, dict) and model.get("arch") == "hf" and isinstance(model.get("path"), str):
         issues += _confine_in_workspace(model, "path", "model.path", workspace, workdir,
                                         f"put the model directory inside {workspace} and give its path there")
-    launch = out.get("launch")
+    launch = out.setdefault("launch", {})
     if isinstance(launch, dict):
+        log_dir = launch.get("log_dir", "logs")
+        if isinstance(log_dir, str) and log_dir:  # the per-rank logs stay in the job's workdir
+            launch["log_dir"], issue = _confine_in_workdir(log_dir, "launch.log_dir", workdir)
+            issues += [issue] if issue else []
         if launch.get("nnodes", 1) != 1 or launch.get("node_rank", 0) != 0:
             issues.append(ConfigIssue("launch.nnodes", "the service runs single-host jobs only", "set launch.nnodes=1"))
         host = str(launch.get("rdzv_endpoint", "127.0.0.1:0")).rsplit(":", 1)[0]
