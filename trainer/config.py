@@ -184,6 +184,9 @@ class TrackingConfig(_Section):
         True, description="Record MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) on the "
         "main rank every `system_metrics_interval` seconds.")
     system_metrics_interval: float = Field(10.0, gt=0, description="Seconds between system-metric samples.")
+    log_model: bool = Field(
+        True, description="When the run saved a checkpoint: the last one's weights as `model/model.safetensors` "
+        "in the MLflow run (python -m trainer.export's file; train.init_from starts a run from it).")
 
 
 # ----------------------------------------------------------------------------- train

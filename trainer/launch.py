@@ -28,7 +28,7 @@ from parallel.config import mesh_rank_ids
 from trainer.config import RunConfig
 from trainer.metrics import NullProgress, Progress
 from trainer.run_info import run_name
-from trainer.run_record import record_start, summary, system_metrics, tee_output, upload_logs
+from trainer.run_record import log_final_model, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking import NullTracker, Terminated, install_signal_handlers, make_tracker, run_lifecycle
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -54,6 +54,7 @@ def launch(cfg: RunConfig) -> int:
                     # torch elastic puts this run's logs in <log_base>/<rdzv id>_<random>/
                     log_dir = next(log_base.glob(f"{rdzv_id}_*"), None)
                     upload_logs(tracker, log_dir)
+                log_final_model(tracker, cfg, outcome)
                 print(summary(cfg, outcome, tracker, wall_s=time.monotonic() - began,
                               log_dir=log_dir if cfg.launch.log_dir else None), flush=True)
         LAST_OUTCOME = {**outcome, "run_id": tracker.run_id}

@@ -106,6 +106,21 @@ def system_metrics(cfg: TrackingConfig, tracker: Tracker) -> Iterator[None]:
         monitor.finish()
 
 
+def log_final_model(tracker: Tracker, cfg: RunConfig, outcome: dict[str, Any]) -> None:
+    """The last checkpoint's weights, gathered into one safetensors file, as ``model/`` artifacts."""
+    checkpoint = outcome.get("last_checkpoint")
+    if not (checkpoint and cfg.tracking.log_model) or isinstance(tracker, NullTracker):
+        return
+    import tempfile
+
+    from trainer.export import export_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="meshflow-model-") as tmp:
+        out = Path(tmp) / "model.safetensors"
+        export_checkpoint(checkpoint, out)
+        tracker.log_artifact(out, "model")
+
+
 def upload_logs(tracker: Tracker, log_dir: Path | None) -> None:
     """The workers' per-rank log files (torch elastic's layout: ``<attempt>/<rank>/stdout.log``) as
     the run's ``logs/`` artifacts. Best effort: the logs are also on disk."""

@@ -97,7 +97,8 @@ def test_no_param_tag_or_config_artifact_holds_a_secret(tmp_path):
     store.mkdir()
     uri = f"sqlite:///{store / 'mlflow.db'}"
     proc = run_cli([*TINY, f"tracking.tracking_uri={uri}", "+tracking.tags.api_token=tok-77ab",
-                    "+tracking.tags.origin=https://alice:pw-9c2e@example.com/repo"], cwd=tmp_path, timeout=300)
+                    "+tracking.tags.origin=https://alice:pw-9c2e@example.com/repo", "train.checkpoint.save_final=true"],
+                   cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run,) = _runs(uri)
     client = MlflowClient(tracking_uri=uri)
@@ -107,3 +108,12 @@ def test_no_param_tag_or_config_artifact_holds_a_secret(tmp_path):
         assert secret not in shown, secret
     assert run.data.tags["origin"] == "https://***@example.com/repo" and run.data.tags["api_token"] == "***"
     assert run.data.tags["preset"] == "single" and run.info.run_name == "single-1"
+    # with a checkpoint, the final weights are in the run: the same tensors as the checkpoint's model
+    from safetensors.torch import load_file
+
+    from trainer.export import load_checkpoint_model
+
+    weights = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
+    model, _, _ = load_checkpoint_model(tmp_path / "checkpoints" / "step_00000002")
+    assert weights.keys() == model.state_dict().keys()
+    assert all(weights[k].equal(v) for k, v in model.state_dict().items())
