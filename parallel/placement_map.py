@@ -7,8 +7,8 @@ nothing where another pipeline stage holds the parameter. It includes what the e
 beyond the config's placements: FSDP / zero2 / hsdp shard dim 0 over the (flattened) sharding dp
 axes in torch.chunk style (the last ranks may get less, or an empty shard), and where tensor
 parallelism already splits dim 0 FSDP splits each tp shard (torch's ``_StridedShard``). The
-ranges come from DTensor's own local-shape/offset arithmetic, fed the mesh coordinate of each
-rank and the placements the engine gives the parameter::
+ranges come from DTensor's own local-shape/offset arithmetic, fed each rank's mesh coordinate
+and the placements the engine gives the parameter (no process group, no device mesh)::
 
     plan = resolve_plan(cfg.parallel, cfg.mesh, meta_model)
     shapes = {name: tuple(p.shape) for name, p in meta_model.named_parameters()}
@@ -30,10 +30,9 @@ from typing import Any
 
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from parallel.placements import PlacementSpec
-from parallel.plan import AxisSpecs, ParallelPlan
+from parallel.plan import AxisSpecs, DataParallelSpec, ParallelPlan
 
 Slices = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
 
@@ -52,14 +51,6 @@ class StageGrid:
     shape: tuple[int, ...]
     ranks: tuple[int, ...]
     labels: tuple[str, ...]
-
-    def coordinate(self, rank: int) -> dict[str, int]:
-        """``{axis: index}`` of ``rank`` in this grid."""
-        position = self.ranks.index(rank)
-        coord = {}
-        for name, size in reversed(list(zip(self.dim_names, self.shape))):
-            position, coord[name] = divmod(position, size)
-        return coord
 
     def label(self, rank: int) -> str:
         return self.labels[self.ranks.index(rank)]
@@ -118,18 +109,21 @@ def param_slices(plan: ParallelPlan, param_shapes: Mapping[str, Sequence[int]]) 
     ``named_parameters``): its stage, placements and the slices of every rank holding it."""
     grids = stage_grids(plan)
     stage_of = _stage_of_units(plan)
-    cache: dict[tuple, tuple[dict[str, str], dict[int, Slices]]] = {}
+    # Slices depend on the shape, the placements and the grid's geometry, not on the stage: the
+    # blocks of every stage of a uniform pipeline share them (a [64, 8, 8] mesh: 8 times fewer).
+    cache: dict[tuple, tuple[dict[str, str], list[Slices]]] = {}
     out = {}
     for fqn, shape in param_shapes.items():
         shape = tuple(int(n) for n in shape)
         stage = stage_of(fqn)
         layout = plan.pipeline.stages[stage].layout if plan.pipeline is not None and plan.pipeline.stages else plan
-        axes = layout.placements.get(fqn, {})
-        key = (stage, shape, tuple(sorted((a, repr(p)) for a, p in axes.items())))
+        axes, grid, dp = layout.placements.get(fqn, {}), grids[stage], layout.data_parallel
+        key = (shape, tuple(sorted((a, repr(p)) for a, p in axes.items())), grid.dim_names, grid.shape,
+               (dp.mode, dp.dim_names) if dp is not None else None)
         if key not in cache:
-            cache[key] = _layout_slices(shape, grids[stage], layout, axes)
-        placements, slices = cache[key]
-        out[fqn] = ParamSlices(fqn, shape, stage, placements, slices)
+            cache[key] = _layout_slices(shape, grid, dp, axes)
+        placements, by_position = cache[key]
+        out[fqn] = ParamSlices(fqn, shape, stage, placements, dict(zip(grid.ranks, by_position)))
     return out
 
 
@@ -176,36 +170,32 @@ def placement_groups_from_table(table: Mapping[str, Any]) -> list[PlacementGroup
 # --------------------------------------------------------------------------- arithmetic
 
 
-def _layout_slices(shape: tuple[int, ...], grid: StageGrid, layout: ParallelPlan,
-                   axes: AxisSpecs) -> tuple[dict[str, str], dict[int, Slices]]:
-    """``(placement per grid axis, {rank: slices})`` of a parameter of ``shape`` placed ``axes``
-    on ``grid`` by ``layout`` (the plan, or a stage's).
+def _layout_slices(shape: tuple[int, ...], grid: StageGrid, dp: DataParallelSpec | None,
+                   axes: AxisSpecs) -> tuple[dict[str, str], list[Slices]]:
+    """``(placement per grid axis, slices per grid position)`` of a parameter of ``shape`` placed
+    ``axes`` on ``grid`` with data parallelism ``dp``.
 
-    The placements are the ones the engine ends with: the config's on tensor-parallel axes, and
-    FSDP2's on the dp mesh put first (as ``fully_shard`` concatenates the dp mesh before the tp
-    one): ``Shard(0)``, or ``_StridedShard(0, split_factor=<tp shards of dim 0>)`` when tp also
-    splits dim 0, which makes each rank's rows a chunk of its tp shard."""
+    The shards are the engine's: the config's placements on tensor-parallel axes, then FSDP2's
+    dim-0 shard over the (flattened) sharding dp axes cut from each rank's tp shard, since
+    ``fully_shard`` chunks the local tensor it is given. Torch writes that as
+    ``_StridedShard(0, split_factor=<tp shards of dim 0>)`` on the dp axis placed first; DTensor's
+    arithmetic gives the same ranges for it as for a plain ``Shard(0)`` applied after the tp
+    shards (placements apply left to right), which is how it is computed here: the strided form
+    builds an index tensor per rank, thousands of times slower on a [64, 8, 8] mesh.
+    (tests/dist/test_examples.py holds both against FSDP's real shards.)"""
     ndim = len(shape)
     tp = [(a, _dim_of(axes[a], ndim)) for a in grid.dim_names if a in axes and axes[a].is_shard]
-    dp = layout.data_parallel
     shard_axes = tuple(a for a in dp.shard_dim_names if a in grid.dim_names) if dp is not None and ndim else ()
     size = dict(zip(grid.dim_names, grid.shape))
-    names: list[tuple[str, ...]] = []
-    torch_placements: list = []
-    if shard_axes:
-        split = math.prod(size[a] for a, d in tp if d == 0)
-        names.append(shard_axes)
-        torch_placements.append(_StridedShard(0, split_factor=split) if split > 1 else Shard(0))
-    names += [(a,) for a, _ in tp]
-    torch_placements += [Shard(d) for _, d in tp]
+    names = [(a,) for a, _ in tp] + ([shard_axes] if shard_axes else [])
+    torch_placements = [Shard(d) for _, d in tp] + ([Shard(0)] if shard_axes else [])
     mesh_shape = [math.prod(size[a] for a in group) for group in names]
-
-    slices: dict[int, Slices] = {}
-    for rank in grid.ranks:
-        coord = grid.coordinate(rank)
+    slices: list[Slices] = []
+    for position in range(len(grid.ranks)):
+        coord = dict(zip(grid.dim_names, _unravel(position, grid.shape)))
         my_coordinate = [_flat_index([coord[a] for a in group], [size[a] for a in group]) for group in names]
         local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, my_coordinate, torch_placements)
-        slices[rank] = tuple((o, o + n) for o, n in zip(offset, local))
+        slices.append(tuple((o, o + n) for o, n in zip(offset, local)))
 
     placements = {}
     for a in grid.dim_names:

@@ -41,8 +41,18 @@ def main(composed: DictConfig) -> None:
         from trainer.plan import describe_plan
 
         print(describe_plan(cfg, plan))
+        _write_pictures(cfg, plan)
         return
     sys.exit(launch(cfg))
+
+
+def _write_pictures(cfg, plan) -> None:
+    """The dry run's placement picture and table, under ./meshflow-plan (``tracking.pictures``)."""
+    if cfg.tracking.pictures:
+        from trainer.placement_picture import DRY_RUN_DIR, write_placement
+
+        paths = write_placement(cfg, plan, DRY_RUN_DIR)
+        print(f"placement picture: {paths['png'].resolve()}\nplacement table: {paths['json'].resolve()}")
 
 
 def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
@@ -57,4 +67,5 @@ def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
         print(ConfigError(err.issues + issues), file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     print(describe_plan(cfg, plan))
+    _write_pictures(cfg, plan)
     print(f"\nthis config would be refused at launch:\n{err}")
