@@ -4,8 +4,8 @@
     # {"png": meshflow-plan/placement.png, "json": meshflow-plan/placement.json}
 
 ``python -m trainer +examples=paddle_3d dry_run=true`` writes both under ``meshflow-plan/`` in
-the current directory (Hydra's run directory is ``.``) and prints their paths; a run logs them as
-MLflow artifacts. ``tracking.pictures=false`` skips them.
+the current directory (Hydra's run directory is ``.``) and prints their paths; a training run
+is meant to log the same two files as MLflow artifacts. ``tracking.pictures=false`` skips them.
 
 One row per parameter group (``layers.*.attn.wq.weight``: the same role in every block, one
 placement) and stage. On the left the stage's mesh as a grid of ranks, labelled as the user
@@ -231,12 +231,11 @@ def _draw_tensor(ax, row: _Row, colours: dict[tuple[int, ...], tuple]) -> None:
         ax.add_collection(PatchCollection(rects, facecolors=[colours[tuple(ranks)] for _, ranks in chosen],
                                           edgecolors="black", linewidths=1 if len(blocks) <= 256 else 0.2,
                                           hatch="//" if replicated else None))
-    for sl, ranks in blocks.items():
+    for sl, ranks in blocks.items() if labelled else ():
         (r0, r1), (c0, c1) = as_2d(sl)
-        if labelled:
-            text = _holders_text([grid.label(r) for r in ranks])
-            ax.text((c0 + c1) / 2, (r0 + r1) / 2, text, ha="center", va="center", fontsize=9 if len(blocks) <= 8 else 6,
-                    bbox={"facecolor": "white", "alpha": 0.8, "pad": 1, "linewidth": 0})
+        ax.text((c0 + c1) / 2, (r0 + r1) / 2, _holders_text([grid.label(r) for r in ranks]), ha="center", va="center",
+                fontsize=9 if len(blocks) <= 8 else 6, bbox={"facecolor": "white", "alpha": 0.8, "pad": 1, "linewidth": 0})
+    num_rows, num_cols = max(num_rows, 1), max(num_cols, 1)  # a zero-size dim still gets an (empty) frame
     ax.set_xlim(0, num_cols)
     ax.set_ylim(num_rows, 0)  # row 0 on top, as a matrix is written
     # Displayed height / width, clamped so that [1024, 4096] and [4, 3] both stay readable.

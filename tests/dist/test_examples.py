@@ -14,7 +14,10 @@ id: which slices of the [4,3] weight each id holds. Two CLI runs: ``python -m tr
 
 Four launches, one per world size the examples need (2, 4, 6 and 8 processes; the engine builds
 its mesh over the whole world, so a 2-rank example cannot run inside a 4-rank process group),
-started together with the CLI runs so that their start-ups overlap.
+started together with the CLI runs so that their start-ups overlap. The same launches also build
+(without training) a few non-seed configs, ``BUILDS``: FSDP, zero2 and HSDP shards, which no seed
+has. For every seed and build, the placement picture's slices (``parallel.placement_map``,
+computed from the plan alone) must equal each rank's real local shards.
 """
 
 from __future__ import annotations
