@@ -56,6 +56,7 @@ def main(composed: DictConfig) -> float | None:
         from trainer.plan import describe_plan
 
         print(describe_plan(cfg, plan))
+        _write_pictures(cfg, plan)
         return
     code = launch(cfg)
     if not sweeping:
@@ -86,6 +87,15 @@ def exit_code() -> int:
     return FAILED_JOBS[0] if FAILED_JOBS else 0
 
 
+def _write_pictures(cfg, plan) -> None:
+    """The dry run's placement picture and table, under ./meshflow-plan (``tracking.pictures``)."""
+    if cfg.tracking.pictures:
+        from trainer.placement_picture import DRY_RUN_DIR, write_placement
+
+        paths = write_placement(cfg, plan, DRY_RUN_DIR)
+        print(f"placement picture: {paths['png'].resolve()}\nplacement table: {paths['json'].resolve()}")
+
+
 def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
     """A plan for a big mesh is useful before the batch arithmetic is settled; all else must hold."""
     from trainer.config import RunConfig
@@ -98,4 +108,5 @@ def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
         print(ConfigError(err.issues + issues), file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     print(describe_plan(cfg, plan))
+    _write_pictures(cfg, plan)
     print(f"\nthis config would be refused at launch:\n{err}")

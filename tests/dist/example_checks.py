@@ -6,9 +6,9 @@ the model exactly as the trainer does (``trainer.loop.build_parallel_model``) an
 JSON, per example:
 
 * ``params``: each parameter's DTensor placements per mesh axis (``{}`` for a plain tensor),
-  local shard shape, and whether the gathered values equal the one-device initialisation; for a
-  DTensor also ``slices`` (``[start, stop]`` per dim of the global tensor the local shard covers)
-  and ``local_values_match`` (the local shard equals those slices of the one-device value);
+  local shard shape, whether the gathered values equal the one-device initialisation, ``slices``
+  (``[start, stop]`` per dim of the global tensor the local shard covers; all of it for a plain
+  tensor) and ``local_values_match`` (the local shard equals those slices of the one-device value);
 * ``rank_id``: the rank's id under the example's explicit ``mesh`` ids (its torch rank without);
 * ``stages``: per stage module, the local shape of its input and, captured by a forward hook
   that runs *before* the engine's own output redistribution, the placements, local and global
@@ -19,7 +19,11 @@ JSON, per example:
   whose sum over ranks equals the one-device output;
 * ``losses``: 3 steps of ``trainer.loop.train`` (null tracker and progress), as rank 0 logs them.
 
-    results = launch(world_size=2, configs={"oneflow_pipeline": raw_dict}, out_dir=tmp_path)
+Configs passed as ``builds`` (not seeds: FSDP's uneven and strided shards, which no seed has)
+are only built in the same launch and report ``params``.
+
+    results = launch(world_size=2, configs={"oneflow_pipeline": raw_dict}, out_dir=tmp_path,
+                     builds={"fsdp_uneven": other_raw_dict})
 """
 
 from __future__ import annotations
@@ -39,16 +43,18 @@ WORLD_TIMEOUT_S = 300  # a loaded 2-core machine can stall a rank for a long tim
 
 
 
-def launch(*, world_size: int, configs: dict[str, dict], out_dir: Path) -> list[dict]:
-    """Run :func:`check_example` for every ``{name: composed config dict}`` on ``world_size``
-    gloo processes (one process group for all of them); the per-rank result dicts."""
+def launch(*, world_size: int, configs: dict[str, dict], out_dir: Path, builds: dict[str, dict] | None = None) -> list[dict]:
+    """Run :func:`check_example` for every ``{name: composed config dict}`` of ``configs`` and
+    :func:`check_build` for every one of ``builds`` on ``world_size`` gloo processes (one process
+    group for all of them); the per-rank result dicts."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, free_port(), configs, str(out_dir)), nprocs=world_size,
+    mp.start_processes(_entry, args=(world_size, free_port(), configs, str(out_dir), builds or {}), nprocs=world_size,
                        join=True, start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def _entry(rank: int, world_size: int, port: int, configs: dict[str, dict], out_dir: str) -> None:
+def _entry(rank: int, world_size: int, port: int, configs: dict[str, dict], out_dir: str,
+           builds: dict[str, dict]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # up to 8 ranks on 2 cores
@@ -57,7 +63,8 @@ def _entry(rank: int, world_size: int, port: int, configs: dict[str, dict], out_
                             timeout=timedelta(seconds=WORLD_TIMEOUT_S))
     from dist_harness import run_checks_and_exit
 
-    run_checks_and_exit([(name, lambda raw=raw: check_example(raw)) for name, raw in configs.items()],
+    run_checks_and_exit([(name, lambda raw=raw: check_example(raw)) for name, raw in configs.items()]
+                        + [(name, lambda raw=raw: check_build(raw)) for name, raw in builds.items()],
                         rank=rank, out_dir=out_dir)
 
 
@@ -139,7 +146,6 @@ def check_example(raw: dict) -> dict:
     from parallel.config import mesh_rank_ids
     from parallel.mesh import rank_id_of
     from trainer.metrics import NullProgress
-    from trainer.models import build_model
     from trainer.tracking import NullTracker
     from trainer.validate import validate_config
 
@@ -149,14 +155,7 @@ def check_example(raw: dict) -> dict:
 
     def build_and_inspect(run_cfg, device):
         pm = build(run_cfg, device)
-        full = dict(build_model(run_cfg.model, seed=run_cfg.train.seed).named_parameters())
-        params = {}
-        for fqn, p in pm.named_parameters():
-            value = p.full_tensor() if isinstance(p, DTensor) else p
-            params[fqn] = {"placements": _placements(p), "local": _local_shape(p),
-                           "values_match": bool(torch.equal(value.detach(), full[fqn].detach())),
-                           **(_local_slices(p, full[fqn]) if isinstance(p, DTensor) else {})}
-        report.update(params=params, stages=_probe_stages(pm), dp_size=pm.dp_size)
+        report.update(params=_param_report(pm, run_cfg), stages=_probe_stages(pm), dp_size=pm.dp_size)
         return pm
 
     loop.build_parallel_model = build_and_inspect
@@ -168,11 +167,40 @@ def check_example(raw: dict) -> dict:
             "rank_id": rank_id_of(mesh_rank_ids(cfg.mesh), torch.distributed.get_rank())}
 
 
-def _local_slices(param: DTensor, full: torch.Tensor) -> dict:
-    """Which slices of the global tensor this rank's shard covers, and whether it holds their values."""
+def check_build(raw: dict) -> dict:
+    """A config that is only built, not trained (the data-parallel sharding the seeds lack:
+    FSDP's uneven and strided shards): ``params`` as :func:`check_example` reports them."""
+    from trainer.loop import build_parallel_model
+    from trainer.validate import validate_config
+
+    cfg = validate_config(raw)
+    return {"params": _param_report(build_parallel_model(cfg, torch.device("cpu")), cfg)}
+
+
+def _param_report(pm, cfg) -> dict:
+    """Per parameter of this rank: placements, local shape, slices and whether the values are one device's."""
+    from trainer.models import build_model
+
+    full = dict(build_model(cfg.model, seed=cfg.train.seed).named_parameters())
+    params = {}
+    for fqn, p in pm.named_parameters():
+        value = p.full_tensor() if isinstance(p, DTensor) else p
+        params[fqn] = {"placements": _placements(p), "local": _local_shape(p),
+                       "values_match": bool(torch.equal(value.detach(), full[fqn].detach())),
+                       **_local_slices(p, full[fqn])}
+    return params
+
+
+def _local_slices(param: torch.Tensor, full: torch.Tensor) -> dict:
+    """Which slices of the global tensor this rank's shard covers (a plain tensor: all of it),
+    and whether it holds their values."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    else:
+        shape, offset = tuple(param.shape), (0,) * param.dim()
     slices = [[start, start + size] for start, size in zip(offset, shape)]
     expected = full[tuple(slice(a, b) for a, b in slices)]
-    return {"slices": slices, "local_values_match": bool(torch.equal(param.to_local().detach(), expected.detach()))}
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return {"slices": slices, "local_values_match": bool(torch.equal(local.detach(), expected.detach()))}

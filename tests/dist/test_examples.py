@@ -14,7 +14,10 @@ id: which slices of the [4,3] weight each id holds. Two CLI runs: ``python -m tr
 
 Four launches, one per world size the examples need (2, 4, 6 and 8 processes; the engine builds
 its mesh over the whole world, so a 2-rank example cannot run inside a 4-rank process group),
-started together with the CLI runs so that their start-ups overlap.
+started together with the CLI runs so that their start-ups overlap. The same launches also build
+(without training) a few non-seed configs, ``BUILDS``: FSDP, zero2 and HSDP shards, which no seed
+has. For every seed and build, the placement picture's slices (``parallel.placement_map``,
+computed from the plan alone) must equal each rank's real local shards.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from example_checks import launch
+from parallel.placement_map import param_slices
 from tests.conftest import unprefixed
 from trainer.compose import CONF_DIR, compose_dict
 from trainer.loop import train
 from trainer.metrics import NullProgress
+from trainer.models import build_model
 from trainer.tracking import NullTracker
-from trainer.validate import validate_config
+from trainer.validate import validate_config, validate_with_plan
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +108,17 @@ PADDLE_SLICES = {
 }
 PADDLE_IDS_BY_RANK = [2, 4, 5, 0, 1, 3]  # torch rank = position in the row-major flattened mesh
 # With layouts {"": {output: {mp: Partial}}} the output stays a pending sum: (placements, local shape).
+# Not seeds, only built in the same launches (check_build): the data-parallel sharding no seed has.
+# {name: (world size, overrides)}; what each must show is in test_placement_map_covers_fsdp_shards.
+MLP = ["model=mlp", "data=regression", "model.hidden_features=8", "model.out_features=3", "train.global_batch_size=4"]
+BUILDS = {
+    "fsdp_uneven": (4, [*MLP, "+parallel=fsdp", "mesh=[4]", "model.in_features=5"]),   # w0 rows 2,2,1,0
+    "zero2_uneven": (2, [*MLP, "+parallel=zero2", "mesh=[2]", "model.in_features=3"]),  # w0 rows 2,1
+    "fsdp_tp": (8, ["+parallel=2d", "mesh=[4,2]"]),     # _StridedShard: each tp half of w1 [172,64] in 22,22,22,20 rows
+    "hsdp_tp": (8, ["+parallel=hsdp_tp"]),
+    "fsdp_pp_tp": (8, ["+parallel=3d"]),
+    "pp_stages": (4, ["+parallel=pp_stages"]),          # stage 0 fsdp on ranks 0-1, stage 1 tp on 2-3
+}
 PARTIAL = {"oneflow_model_parallel": ({"mp": P}, [4, 3]), "paddle_tensor_parallel": ({"mp": P}, [8, 1024])}
 CLI_RUNS = ["oneflow_pipeline", "paddle_process_mesh"]  # python -m trainer +examples=<name> tracking=none
 
@@ -117,7 +133,16 @@ def configs() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def launched(configs, tmp_path_factory) -> dict:
+def build_configs() -> dict[str, dict]:
+    return {name: compose_dict([*overrides, "tracking=none"]) for name, (_, overrides) in BUILDS.items()}
+
+
+def world_of(name: str) -> int:
+    return len(EXPECTED[name]) if name in EXPECTED else BUILDS[name][0]
+
+
+@pytest.fixture(scope="module")
+def launched(configs, build_configs, tmp_path_factory) -> dict:
     """One launch per world size (2, 4, 6, 8) and the CLI runs, all started at once: on 2 cores
     their start-ups overlap. ``{world size: [per-rank dicts]}`` and ``"cli"``: ``{example:
     (exit code, stdout, stderr)}``."""
@@ -126,11 +151,12 @@ def launched(configs, tmp_path_factory) -> dict:
                                    cwd=tmp_path_factory.mktemp("cli"), env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
             for name in CLI_RUNS}
-    worlds = sorted({len(ranks) for ranks in EXPECTED.values()})
+    worlds = sorted({world_of(name) for name in [*EXPECTED, *BUILDS]})
     with ThreadPoolExecutor(len(worlds)) as pool:
         futures = {
             world: pool.submit(launch, world_size=world, out_dir=tmp_path_factory.mktemp(f"w{world}"),
-                               configs={n: raw for n, raw in configs.items() if len(EXPECTED[n]) == world})
+                               configs={n: raw for n, raw in configs.items() if world_of(n) == world},
+                               builds={n: raw for n, raw in build_configs.items() if world_of(n) == world})
             for world in worlds
         }
         out: dict = {world: f.result() for world, f in futures.items()}
@@ -146,7 +172,7 @@ def results(launched):
     """``results(name) -> [per-rank dict]``, failing on any rank's error."""
 
     def get(name: str) -> list[dict]:
-        per_rank = [r[name] for r in launched[len(EXPECTED[name])]]
+        per_rank = [r[name] for r in launched[world_of(name)]]
         errors = [r["error"] for r in per_rank if not r["ok"]]
         assert not errors, errors[0]
         return per_rank
@@ -256,3 +282,48 @@ def test_cli_binds_each_rank_id_to_its_cpu(launched, reference):
                        for r, i in enumerate(PADDLE_IDS_BY_RANK)], line
     losses = reference["paddle_process_mesh"]
     assert f"done: steps 1..3, loss {losses[0]:.4f} -> {losses[-1]:.4f}" in stdout.splitlines(), stdout
+
+
+# ------------------------------------------------------------------ the placement picture's slices
+
+
+def _computed_slices(raw: dict) -> dict:
+    """:func:`parallel.placement_map.param_slices` of a config, from its plan and the meta model only."""
+    cfg, plan = validate_with_plan(raw)
+    model = build_model(cfg.model, device="meta")
+    return param_slices(plan, {name: tuple(p.shape) for name, p in model.named_parameters()})
+
+
+def _bare(placement: str) -> str:
+    return placement.removesuffix("()")  # the recorded "Replicate", the plan's "Replicate()"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED) + sorted(BUILDS))
+def test_placement_map_matches_local_shards(name, configs, build_configs, results):
+    """The slices the placement picture draws, computed from the plan without a process group,
+    are the slices every rank's real local shard covers (and holds the values of), parameter by
+    parameter; a rank holds exactly the parameters the map gives it; on every axis of the real
+    DTensor the map names the same placement (its other axes: Replicate)."""
+    computed = _computed_slices({**configs, **build_configs}[name])
+    for rank, got in enumerate(results(name)):
+        held = {fqn: p.slices[rank] for fqn, p in computed.items() if rank in p.slices}
+        recorded = {fqn: tuple(tuple(s) for s in p["slices"]) for fqn, p in got["params"].items()}
+        assert held == recorded, f"rank {rank}"
+        assert all(p["local_values_match"] for p in got["params"].values()), f"rank {rank}"
+        for fqn, p in got["params"].items():
+            mine = {axis: _bare(pl) for axis, pl in computed[fqn].placements.items()}
+            assert {a: mine.get(a) for a in p["placements"]} == p["placements"], f"rank {rank} {fqn}"
+            assert all(pl == "Replicate" for a, pl in mine.items() if a not in p["placements"]), f"rank {rank} {fqn}"
+
+
+def test_placement_map_covers_fsdp_shards(build_configs, results):
+    """The non-seed builds show what the map must get right: FSDP's torch.chunk shards (the last
+    rank empty) and _StridedShard under tp on the same dim (uneven chunks of each tp half)."""
+    by_rank = lambda name, fqn: [tuple(tuple(s) for s in r["params"][fqn]["slices"]) for r in results(name)]  # noqa: E731
+    assert by_rank("fsdp_uneven", "w0") == [((0, 2), (0, 8)), ((2, 4), (0, 8)), ((4, 5), (0, 8)), ((5, 5), (0, 8))]
+    assert by_rank("zero2_uneven", "w0") == [((0, 2), (0, 8)), ((2, 3), (0, 8))]
+    # mesh [4,2] dp x tp: rank = 2 * dp + tp; tp half t is rows 86t..86t+86, cut in 22, 22, 22, 20
+    rows = [r[0] for r in by_rank("fsdp_tp", "layers.0.mlp.w1.weight")]
+    assert rows == [(0, 22), (86, 108), (22, 44), (108, 130), (44, 66), (130, 152), (66, 86), (152, 172)]
+    placements = results("fsdp_tp")[0]["params"]["layers.0.mlp.w1.weight"]["placements"]
+    assert placements == {"dp": S0, "tp": S0}  # the recorder reads _StridedShard(0) as Shard(0)

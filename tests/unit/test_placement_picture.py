@@ -1,0 +1,80 @@
+"""The placement picture and table: a valid PNG, a JSON table that reads back into the same
+groups, many groups merged into their distinct patterns, and the dry run writing both (or not,
+with ``tracking.pictures=false``).
+
+    python -m pytest tests/unit/test_placement_picture.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image
+import pytest
+
+from parallel.placement_map import placement_groups_from_table, stage_grids
+from trainer.compose import compose_dict
+from trainer.placement_picture import MAX_SEPARATE, _rows, placement_report, write_placement
+from trainer.validate import validate_with_plan
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _plan(*overrides: str):
+    return validate_with_plan(compose_dict([*overrides, "tracking=none"]))
+
+
+@pytest.mark.parametrize("example", ["oneflow_mixed", "paddle_process_mesh"])
+def test_writes_a_png_and_a_table_that_reads_back(example, tmp_path):
+    cfg, plan = _plan(f"+examples={example}")
+    paths = write_placement(cfg, plan, tmp_path / "out")
+    assert set(paths) == {"png", "json"}
+    assert paths["png"].read_bytes()[:8] == PNG_SIGNATURE
+    height, width, _ = matplotlib.image.imread(paths["png"]).shape
+    assert width > 800 and height > 300  # two rows: one per (group, stage)
+    groups, table = placement_report(cfg, plan)
+    assert json.loads(paths["json"].read_text()) == table
+    assert placement_groups_from_table(json.loads(paths["json"].read_text())) == groups
+
+
+def test_table_of_oneflow_mixed():
+    """Stage 0 (ranks 0, 1, dp) holds w0 whole on both; stage 1 (ranks 2, 3, mp) splits w1's columns."""
+    cfg, plan = _plan("+examples=oneflow_mixed")
+    _, table = placement_report(cfg, plan)
+    assert table["groups"] == {
+        "w0": [{"stage": 0, "params": ["w0"], "shape": [5, 8], "placements": {"dp": "Replicate()"},
+                "ranks": {"0": [[0, 5], [0, 8]], "1": [[0, 5], [0, 8]]}}],
+        "w1": [{"stage": 1, "params": ["w1"], "shape": [8, 6], "placements": {"mp": "Shard(1)"},
+                "ranks": {"2": [[0, 8], [0, 3]], "3": [[0, 8], [3, 6]]}}]}
+    assert [(s["ranks"], s["dim_names"]) for s in table["stages"]] == [([0, 1], ["dp"]), ([2, 3], ["mp"])]
+
+
+def test_many_groups_merge_into_their_distinct_patterns():
+    """gpt_debug on dp x tp: 12 groups, 4 patterns (dp-sharded 2-D, dp-sharded 1-D, column and row
+    parallel); every group still drawn, in its pattern's row."""
+    cfg, plan = _plan("+parallel=2d", "mesh=[2,2]")
+    groups, _ = placement_report(cfg, plan)
+    assert len(groups) > MAX_SEPARATE
+    rows, left_out = _rows(groups, stage_grids(plan))
+    assert not left_out and len(rows) == 4
+    assert sorted(g.name for row in rows for g in row.groups) == sorted(g.name for g in groups)
+    column = next(row for row in rows if row.groups[0].name == "layers.*.attn.wq.weight")
+    assert {g.name for g in column.groups} == {f"layers.*.attn.w{x}.weight" for x in "qkv"} | {
+        "layers.*.mlp.w1.weight", "layers.*.mlp.w3.weight"}
+
+
+def test_dry_run_writes_the_picture_unless_switched_off(tmp_path, monkeypatch, capsys):
+    from trainer.main import _write_pictures
+
+    monkeypatch.chdir(tmp_path)
+    cfg, plan = _plan("+examples=paddle_3d")
+    _write_pictures(cfg, plan)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"placement picture: {tmp_path.resolve() / 'meshflow-plan' / 'placement.png'}",
+                   f"placement table: {tmp_path.resolve() / 'meshflow-plan' / 'placement.json'}"]
+    assert (tmp_path / "meshflow-plan" / "placement.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    cfg, plan = _plan("+examples=paddle_3d", "tracking.pictures=false")
+    (tmp_path / "meshflow-plan" / "placement.png").unlink()
+    _write_pictures(cfg, plan)
+    assert capsys.readouterr().out == "" and not (tmp_path / "meshflow-plan" / "placement.png").exists()
