@@ -45,11 +45,12 @@ def launch(cfg: RunConfig) -> int:
                            run_name=run_name(cfg))
     try:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
-            record_start(tracker, cfg)
             rdzv_id = f"{run_name(cfg)}-{uuid.uuid4().hex[:8]}"
             with _worker_logs(cfg) as log_base:
+                pictures = record_start(tracker, cfg, log_base / f"{rdzv_id}_pictures")
                 try:
                     outcome = _train(cfg, tracker, log_base, rdzv_id)
+                    outcome["pictures"] = {**pictures, **(outcome.get("pictures") or {})}
                 finally:
                     # torch elastic puts this run's logs in <log_base>/<rdzv id>_<random>/
                     log_dir = next(log_base.glob(f"{rdzv_id}_*"), None)

@@ -31,31 +31,45 @@ from trainer.tracking import NullTracker, Tracker
 log = logging.getLogger(__name__)
 
 
-def record_start(tracker: Tracker, cfg: RunConfig) -> None:
-    """Tags, params, the resolved config and dry-run plan as artifacts, and the data as a dataset input."""
+def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path) -> dict[str, str]:
+    """Tags, params, the resolved config and dry-run plan as artifacts, the data as a dataset input,
+    and (``tracking.pictures``) the placement picture written into ``pictures_dir`` and logged
+    under ``pictures/``; returns the pictures' paths by name."""
+    if isinstance(tracker, NullTracker) and not cfg.tracking.pictures:
+        return {}
+    plan = _plan(cfg)
+    pictures: dict[str, str] = {}
+    if plan is not None and cfg.tracking.pictures:
+        from trainer.placement_picture import write_placement
+
+        written = write_placement(cfg, plan, pictures_dir)
+        for kind, path in written.items():
+            tracker.log_artifact(path, "pictures")
+            pictures[f"placement {'picture' if kind == 'png' else 'table'}"] = str(path)
     if isinstance(tracker, NullTracker):
-        return
+        return pictures
     tracker.set_tags(run_tags(cfg))
     public = public_config(cfg.model_dump(mode="json"))
     tracker.log_params(public)
     tracker.log_artifact_text(yaml.safe_dump(public, sort_keys=False), "config.yaml")
-    if plan := plan_text(cfg):
-        tracker.log_artifact_text(plan, "plan.txt")
+    if plan is not None:
+        from trainer.plan import describe_plan
+
+        tracker.log_artifact_text(describe_plan(cfg, plan), "plan.txt")
     tracker.log_dataset(*dataset_identity(cfg))
+    return pictures
 
 
-def plan_text(cfg: RunConfig) -> str | None:
-    """The dry run's report of this config (``dry_run=true`` prints the same), or None when the
-    model cannot be planned on the meta device (a custom module that needs real tensors)."""
+def _plan(cfg: RunConfig):
+    """The config's resolved plan (what ``dry_run=true`` reports), or None when the model cannot be
+    planned on the meta device (a custom module that needs real tensors): the run trains anyway."""
     from parallel.plan import resolve_plan
     from trainer.models import build_model
-    from trainer.plan import describe_plan
 
     try:
-        plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
-        return describe_plan(cfg, plan)
-    except Exception as err:  # noqa: BLE001 - the run trains anyway; the plan is a description
-        log.warning("no plan.txt for this run: %s: %s", type(err).__name__, err)
+        return resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    except Exception as err:  # noqa: BLE001 - the plan only describes the run
+        log.warning("no plan.txt or placement picture for this run: %s: %s", type(err).__name__, err)
         return None
 
 
