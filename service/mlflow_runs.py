@@ -93,4 +93,6 @@ class MlflowRuns:
     def ui_link(self, experiment_id: str | None, run_id: str | None) -> str | None:
         if not (self.ui_url and experiment_id and run_id):
             return None
-        return f"{self.ui_url}/#/experiments/{experiment_id}/runs/{run_id}"
+        from trainer.run_info import run_url
+
+        return run_url(self.ui_url, experiment_id, run_id)

@@ -26,6 +26,7 @@ from typing import Any
 from trainer.config import RunConfig
 
 PRESET_TAG = "preset"
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
 SWEEP_JOB_TAG = "sweep_job"  # the job's number in a --multirun (trainer.main sets it)
 # The config keys never sent to MLflow: where it is (a URL that may hold credentials) and which run.
 NOT_LOGGED = ("tracking.tracking_uri", "tracking.run_id")
@@ -133,7 +134,9 @@ def run_url(tracking_uri: str, experiment_id: str | None, run_id: str | None, ui
     if not (experiment_id and run_id):
         return None
     base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else (ui_url or "http://127.0.0.1:5000")
-    return f"{redact(base).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    # MLflow 3.17's UI starts in its GenAI view whatever the experiment's kind tag says; the
+    # parameter opens the run in the model-training view.
+    return f"{redact(base).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
 
 
 def ui_command(tracking_uri: str) -> str | None:

@@ -20,7 +20,8 @@ def test_sdk_submit_get_list_cancel_wait(queue_server):
         assert client.submit([*TINY, "train.steps=3"], name="sdk", idempotency_key="sdk-1")["id"] == job["id"]
         assert client.get(job["id"])["state"] == "QUEUED"
         experiment_id = _experiment_id(queue_server, job)
-        assert job["mlflow_ui_url"] == f"http://mlflow.example:5000/#/experiments/{experiment_id}/runs/{job['mlflow_run_id']}"
+        assert job["mlflow_ui_url"] == (f"http://mlflow.example:5000/#/experiments/{experiment_id}/runs/{job['mlflow_run_id']}"
+                                         "?workflowType=machine_learning")
         assert job["id"] in [j["id"] for j in client.list(state="QUEUED", limit=500)["items"]]
         assert client.cancel(job["id"])["state"] == "CANCELLED"
         assert client.wait(job["id"], timeout=10)["state"] == "CANCELLED"

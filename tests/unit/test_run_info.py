@@ -79,9 +79,9 @@ def test_sweep_jobs_are_numbered_and_children_of_the_parent(monkeypatch):
 
 
 def test_run_url_points_at_the_server_or_the_local_ui():
-    assert run_url("http://127.0.0.1:5005", "3", "ab") == "http://127.0.0.1:5005/#/experiments/3/runs/ab"
-    assert run_url("https://u:p@mlflow.example.com/", "3", "ab") == "https://***@mlflow.example.com/#/experiments/3/runs/ab"
-    assert run_url("sqlite:///mlflow.db", "3", "ab") == "http://127.0.0.1:5000/#/experiments/3/runs/ab"
+    assert run_url("http://127.0.0.1:5005", "3", "ab") == "http://127.0.0.1:5005/#/experiments/3/runs/ab?workflowType=machine_learning"
+    assert run_url("https://u:p@mlflow.example.com/", "3", "ab") == "https://***@mlflow.example.com/#/experiments/3/runs/ab?workflowType=machine_learning"
+    assert run_url("sqlite:///mlflow.db", "3", "ab") == "http://127.0.0.1:5000/#/experiments/3/runs/ab?workflowType=machine_learning"
     assert run_url("sqlite:///mlflow.db", None, "ab") is None
     assert ui_command("sqlite:///x.db") == "mlflow ui --backend-store-uri sqlite:///x.db"
     assert ui_command("http://h:5000") is None
