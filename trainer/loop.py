@@ -16,6 +16,7 @@ import torch
 
 from parallel.engine import ParallelModel, parallelize
 from parallel.plan import resolve_plan
+from parallel.timeline import TimelineRecorder
 from trainer.checkpoint import (
     check_model_config,
     checkpoint_bytes,
@@ -32,6 +33,7 @@ from trainer.metrics import MemoryMeter, Progress
 from trainer.export import check_weights_fit, load_weights
 from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
 from trainer.models.hf import load_hf_sharded, weight_files
+from trainer.timeline import timeline_pictures
 from trainer.tracking import Tracker
 
 
@@ -42,6 +44,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     first_step: int = 0
     val_loss: float | None = None  # the last evaluation's, when there is a validation split
+    pictures: dict[str, str] = field(default_factory=dict)  # rank 0: timeline_trace, timeline_png -> file
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -152,20 +155,24 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     result.first_step = start
 
     tokens_per_step = t.global_batch_size * t.seq_len
+    recorder = TimelineRecorder(pm)  # the last timeline_steps steps: start-up is not in the picture
+    record_from = t.steps - cfg.tracking.timeline_steps + 1 if cfg.tracking.pictures else t.steps + 1
     progress.start(total=t.steps, completed=start)
     for step in range(start + 1, t.steps + 1):
         began = time.perf_counter()
-        local_loss = None
-        for _ in range(t.grad_accum):
-            inputs, targets = (x.to(device) for x in loader.next_batch())
-            loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum)
-            if loss is not None:
-                local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
-        grad_norm = pm.clip_grad_norm_(t.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        with recorder.step(step, record=step >= record_from):
+            local_loss = None
+            for _ in range(t.grad_accum):
+                inputs, targets = (x.to(device) for x in loader.next_batch())
+                loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum)
+                if loss is not None:
+                    local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
+            with recorder.mark("optimizer"):
+                grad_norm = pm.clip_grad_norm_(t.grad_clip)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
         loss_value = pm.reduce_loss(local_loss)
         step_time = time.perf_counter() - began
         result.losses.append(loss_value)
@@ -198,6 +205,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                 tracker.log_metrics({"checkpoint_seconds": seconds, "checkpoint_bytes": nbytes}, step=step)
                 tracker.set_tag("latest_checkpoint", str(saved.resolve()))
                 progress.log(f"checkpoint {saved} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)")
+    if cfg.tracking.pictures:  # a collective: every rank gathers its actions to rank 0, which draws them
+        result.pictures = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress)
     progress.stop()
     return result
 
