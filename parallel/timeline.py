@@ -158,19 +158,18 @@ class TimelineRecorder:
 
     def _install(self) -> None:
         schedule = self._pm.schedule
-        if schedule is None:
-            self._patch(self._pm, "forward_backward", self._timed(self._pm.forward_backward, lambda *a, **k: ("FB", None, None)))
+        if schedule is None:  # no pipeline: the whole forward and backward is one action
+            self._patch(self._pm, "forward_backward", self._timed(self._pm.forward_backward, _whole))
             return
         for stage in pipeline_stages(schedule):
             index = stage.stage_index
-            self._patch(stage, "forward_one_chunk", self._timed(stage.forward_one_chunk, lambda mb, *a, s=index, **k: ("F", s, mb)))
-            self._patch(stage, "backward_one_chunk", self._timed(stage.backward_one_chunk, _backward_kind(index)))
+            self._patch(stage, "forward_one_chunk", self._timed(stage.forward_one_chunk, _chunk("F", index)))
+            self._patch(stage, "backward_one_chunk", self._timed(stage.backward_one_chunk, _backward(index)))
             self._patch(stage, "backward_weight_one_chunk",
-                        self._timed(stage.backward_weight_one_chunk, lambda mb, *a, s=index, **k: ("W", s, mb)))
+                        self._timed(stage.backward_weight_one_chunk, _chunk("W", index)))
             for getter, kind in _GETTERS.items():
                 self._patch(stage, getter, self._tagging(getattr(stage, getter), kind, index))
-        self._patch(schedule, "_maybe_compute_loss", self._timed(
-            schedule._maybe_compute_loss, lambda stage, out, targets, mb, *a, **k: ("LOSS", stage.stage_index, mb) if stage.is_last else None))
+        self._patch(schedule, "_maybe_compute_loss", self._timed(schedule._maybe_compute_loss, _loss))
         from torch.distributed.pipelining import schedules
 
         self._patch(schedules, "_batch_p2p", self._posting(schedules._batch_p2p))
@@ -227,14 +226,30 @@ class TimelineRecorder:
         return wait
 
 
-def _backward_kind(stage: int) -> Callable[..., tuple]:
+# What a wrapped call is, from its arguments: (kind, stage, micro-batch), or None for "not timed".
+
+def _whole(*args: Any, **kwargs: Any) -> tuple:
+    return ("FB", None, None)
+
+
+def _chunk(kind: str, stage: int) -> Callable[..., tuple]:
+    # forward_one_chunk(fwd_chunk_id, ...), backward_weight_one_chunk(bwd_chunk_id, ...)
+    return lambda chunk, *args, **kwargs: (kind, stage, chunk)
+
+
+def _backward(stage: int) -> Callable[..., tuple]:
     # backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
     # a full backward is B; the input-gradient half of a split one (zero-bubble schedules) is I.
-    def describe(mb: int, *args: Any, **kwargs: Any) -> tuple:
+    def describe(chunk: int, *args: Any, **kwargs: Any) -> tuple:
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-        return ("B" if full else "I", stage, mb)
+        return ("B" if full else "I", stage, chunk)
 
     return describe
+
+
+def _loss(stage: Any, output: Any, targets: Any, chunk: int, *args: Any, **kwargs: Any) -> tuple | None:
+    # _maybe_compute_loss(stage, output, target_mbs, mb_index, ...) computes a loss on the last stage only.
+    return ("LOSS", stage.stage_index, chunk) if stage.is_last else None
 
 
 _MISSING = object()
