@@ -145,9 +145,11 @@ def draw_gantt(events: list[dict], path: Path, *, title: str = "", xlabel: str =
         ax.broken_barh(spans, (y, 0.5 if main else 0.15), facecolors=COLORS.get(kind, "#333333"),
                        edgecolor="white" if main else "none", linewidth=0.4)
     compute = [e for e in events if e["kind"] in ("F", "B", "I", "W")]
-    if len(compute) <= 160:  # label micro-batches while they stay legible
+    several = len({(e["rank"], e["stage"]) for e in compute}) > len({e["rank"] for e in compute})
+    if len(compute) <= 160:  # label micro-batches (stage:micro-batch where a rank holds several) while legible
         for e in compute:
-            ax.text((e["start_us"] + e["end_us"] - 2 * t0) / 2000, row[e["rank"]] - 0.1, str(e["microbatch"]),
+            label = f"{e['stage']}:{e['microbatch']}" if several else str(e["microbatch"])
+            ax.text((e["start_us"] + e["end_us"] - 2 * t0) / 2000, row[e["rank"]] - 0.1, label,
                     ha="center", va="center", fontsize=6, color="white")
     for step_start in sorted({min(e["start_us"] for e in events if e["step"] == s) for s in {e["step"] for e in events}})[1:]:
         ax.axvline((step_start - t0) / 1000, color="black", linestyle=":", linewidth=0.8)
