@@ -180,3 +180,13 @@ def theory_bubble(schedule: str, *, pp_size: int, stages_per_rank: int, microbat
     if schedule == "InterleavedZeroBubble":
         return (p - 1) / (3 * v * m + p - 1), "(p-1)/(3*v*m+p-1)"
     return None, "n/a: the ZB-V paper's 0 is not what torch's order reaches at T_F = T_B = T_W; see the prediction"
+
+
+def expected_bubble(schedule: str, *, pp_size: int, stages_per_rank: int, microbatches: int) -> float:
+    """The bubble a plan expects with equal stage costs: the schedule's theory, or where it has
+    none (ZBV) torch's order laid out with unit costs."""
+    theory, _ = theory_bubble(schedule, pp_size=pp_size, stages_per_rank=stages_per_rank, microbatches=microbatches)
+    if theory is not None:
+        return theory
+    order = schedule_order(schedule, pp_size=pp_size, stages_per_rank=stages_per_rank, microbatches=microbatches)
+    return bubble_fractions(predicted_events(order, num_stages=pp_size * stages_per_rank))["mean"]

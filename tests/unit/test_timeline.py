@@ -218,3 +218,31 @@ def test_run_pictures_log_artifacts_metrics_and_print_paths(compose, tmp_path, m
     assert set(timeline_pictures(recorder, compose("tracking=none"), tracker=tracker, progress=_Progress())) == {
         "timeline_trace", "timeline_png"}
     assert tracker.metrics == {} and len(tracker.artifacts) == 2
+
+
+@pytest.mark.parametrize("schedule, expected", [("InterleavedZeroBubble", 1 / 25), ("ZBV", None)])
+def test_the_plans_bubble_is_the_schedules_own(compose, schedule, expected):
+    """The dry run's and REST plan's ``bubble``: the zero-bubble schedules' theory, or (ZBV) the
+    unit-cost layout of torch's order, not interleaved 1F1B's (p-1)/(v*m+p-1) = 1/9."""
+    from trainer.plan import plan_numbers
+
+    cfg = compose("+parallel=pp", "mesh=[2]", f"parallel.pipeline.schedule={schedule}",
+                  "parallel.pipeline.stages_per_rank=2", "tracking=none")
+    plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    predicted = bubble_fractions(_predicted(schedule, 2, 2, 4))["mean"]
+    assert plan_numbers(cfg, plan)["bubble"] == pytest.approx(expected if expected is not None else predicted)
+
+
+def test_dry_run_names_why_torch_refuses_to_order_a_shape(tmp_path):
+    """A dry run despite batch errors (1F1B with fewer micro-batches than ranks) still prints its
+    plan; the picture line says why there is none."""
+    from trainer.compose import compose_dict
+    from trainer.config import RunConfig
+    from trainer.model_checks import check_against_model
+    from trainer.plan import describe_plan
+
+    cfg = RunConfig.model_validate(compose_dict(["+parallel=pp", "mesh=[4]", "parallel.pipeline.microbatches=2",
+                                                 "tracking=none"]))
+    plan, _ = check_against_model(cfg)
+    line = describe_plan(cfg, plan, pictures_dir=tmp_path).splitlines()[-1]
+    assert line.startswith("pictures: no predicted timeline (Number of microbatches (2) must be greater")
