@@ -30,8 +30,9 @@ recorded step cost one attribute test. Times come from ``time.monotonic_ns``: CL
 one system-wide clock on Linux, so the ranks of one host line up exactly and no rank's clock
 jumps with NTP; it is not comparable across hosts, which is why :meth:`TimelineRecorder.clock`
 gives each rank's offset to the wall clock for lining hosts up. On a GPU the device is
-synchronised around each timed action while recording, so the times are the kernels', not
-their launches'.
+synchronised around each timed compute action while recording, so those times are the kernels',
+not their launches'; a send's or receive's are what the host sees (NCCL's waits only order the
+streams), so there the compute row is the one to read.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
         from trainer.timeline import bubble_text, write_predicted_timeline
 
         try:
-            paths, summary = write_predicted_timeline(cfg, plan, pictures_dir)
+            paths, summary = write_predicted_timeline(plan, pictures_dir)
         except ValueError as err:  # torch's schedule refuses the shape (a dry run despite batch errors)
             lines.append(f"pictures: no predicted timeline ({str(err).splitlines()[0]})")
         else:

@@ -5,7 +5,7 @@ gathers every rank's actions to rank 0 and draws them; a dry run draws the order
 schedule will run, laid out with unit costs (:mod:`parallel.pipeline_order`). Both carry the
 bubble fraction beside the schedule's theory.
 
-    events = predicted_timeline(cfg, plan)                  # the dry run's (None without a pipeline)
+    events = predicted_timeline(plan)                       # the dry run's (None without a pipeline)
     paths = write_timeline(events, Path("meshflow-plan"), title="1F1B, p=2, m=4")
     paths["timeline_trace"], paths["timeline_png"]          # .../timeline.json, .../timeline.png
 
@@ -146,13 +146,15 @@ def draw_gantt(events: list[dict], path: Path, *, title: str = "", xlabel: str =
                        edgecolor="white" if main else "none", linewidth=0.4)
     compute = [e for e in events if e["kind"] in ("F", "B", "I", "W")]
     several = len({(e["rank"], e["stage"]) for e in compute}) > len({e["rank"] for e in compute})
-    if len(compute) <= 160:  # label micro-batches (stage:micro-batch where a rank holds several) while legible
-        for e in compute:
-            label = f"{e['stage']}:{e['microbatch']}" if several else str(e["microbatch"])
+    span = max(max((e["end_us"] for e in events), default=t0) - t0, 1e-9)
+    for e in compute:  # micro-batch labels (stage:micro-batch where a rank holds several) on bars wide enough
+        label = f"{e['stage']}:{e['microbatch']}" if several else str(e["microbatch"])
+        if (e["end_us"] - e["start_us"]) / span * 1150 >= 4.5 * len(label) + 3:  # ~1150 px of axis, ~4.5 px a digit
             ax.text((e["start_us"] + e["end_us"] - 2 * t0) / 2000, row[e["rank"]] - 0.1, label,
                     ha="center", va="center", fontsize=6, color="white")
-    for step_start in sorted({min(e["start_us"] for e in events if e["step"] == s) for s in {e["step"] for e in events}})[1:]:
-        ax.axvline((step_start - t0) / 1000, color="black", linestyle=":", linewidth=0.8)
+    step_starts = {s: min(e["start_us"] for e in events if e["step"] == s) for s in {e["step"] for e in events}}
+    for start in sorted(step_starts.values())[1:]:  # a dotted line where each later step begins
+        ax.axvline((start - t0) / 1000, color="black", linestyle=":", linewidth=0.8)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.6)
     ax.set_xlabel(xlabel)
@@ -179,26 +181,32 @@ def write_timeline(events: list[dict], out_dir: Path, *, title: str = "", name: 
 # ------------------------------------------------------------------ dry run and loop
 
 
-def predicted_timeline(cfg: Any, plan: Any) -> list[dict] | None:
-    """The order torch's schedule will run on each pp rank, laid out with unit costs (F = 1,
-    B = 2, I = W = 1 unit of 1 ms; no communication cost); ``None`` without a pipeline."""
+def pipeline_shape(plan: Any) -> dict | None:
+    """``schedule, pp_size, stages_per_rank, microbatches`` of a plan's pipeline (None without one)."""
     pp = plan.pipeline
     if pp is None:
         return None
-    pp_size = pp.num_stages // pp.stages_per_rank
-    order = schedule_order(pp.schedule, pp_size=pp_size, stages_per_rank=pp.stages_per_rank, microbatches=pp.num_microbatches)
-    return predicted_events(order, num_stages=pp.num_stages)
+    return dict(schedule=pp.schedule, pp_size=pp.num_stages // pp.stages_per_rank, stages_per_rank=pp.stages_per_rank,
+                microbatches=pp.num_microbatches)
 
 
-def write_predicted_timeline(cfg: Any, plan: Any, out_dir: Path) -> tuple[dict[str, Path], dict] | None:
-    """The dry run's pictures: :func:`predicted_timeline` written into ``out_dir``, and its bubble
-    summary; ``None`` without a pipeline."""
-    events = predicted_timeline(cfg, plan)
-    if events is None:
+def predicted_timeline(plan: Any) -> list[dict] | None:
+    """The order torch's schedule will run on each pp rank, laid out with unit costs (F = 1,
+    B = 2, I = W = 1 unit, drawn as 1 ms; no communication cost); ``None`` without a pipeline."""
+    if (shape := pipeline_shape(plan)) is None:
         return None
-    pp = plan.pipeline
-    shape = dict(schedule=pp.schedule, pp_size=pp.num_stages // pp.stages_per_rank, stages_per_rank=pp.stages_per_rank,
-                 microbatches=pp.num_microbatches)
+    order = schedule_order(shape["schedule"], pp_size=shape["pp_size"], stages_per_rank=shape["stages_per_rank"],
+                           microbatches=shape["microbatches"])
+    return predicted_events(order, num_stages=plan.pipeline.num_stages)
+
+
+def write_predicted_timeline(plan: Any, out_dir: Path) -> tuple[dict[str, Path], dict] | None:
+    """The dry run's pictures: :func:`predicted_timeline` written into ``out_dir`` (the paths), and
+    its :func:`bubble_summary`; ``None`` without a pipeline. Raises ``ValueError`` where torch's
+    schedule refuses the shape (e.g. 1F1B with fewer micro-batches than ranks)."""
+    if (events := predicted_timeline(plan)) is None:
+        return None
+    shape = pipeline_shape(plan)
     summary = bubble_summary(events, **shape)
     title = f"{schedule_text(**shape)}: {bubble_text(summary, what='predicted (unit costs, no communication)')}"
     return write_timeline(events, out_dir, title=title, xlabel="time (units: a forward = 1, drawn as 1 ms)"), summary
@@ -206,8 +214,8 @@ def write_predicted_timeline(cfg: Any, plan: Any, out_dir: Path) -> tuple[dict[s
 
 def timeline_pictures(recorder: Any, cfg: Any, *, tracker: Any, progress: Any) -> dict[str, str]:
     """After the loop, on every rank (a collective): gather the recorded steps; rank 0 draws them
-    into a new directory under the system's temporary directory (kept: the paths are printed and
-    returned), logs both files as MLflow artifacts under ``pictures/`` and, with a pipeline, the
+    into a new directory under the system's temporary directory, named after the MLflow run (kept:
+    the paths are printed and returned), logs both files as MLflow artifacts under ``pictures/`` and, with a pipeline, the
     bubble as metrics. Returns ``{"timeline_trace": path, "timeline_png": path}`` on rank 0, ``{}``
     elsewhere or when nothing was recorded."""
     events = gather_events(recorder)
@@ -227,7 +235,7 @@ def timeline_pictures(recorder: Any, cfg: Any, *, tracker: Any, progress: Any) -
         tracker.log_metrics(metrics, step=last_step)
     else:
         summary, title = None, f"no pipeline, steps {steps[0]}-{steps[-1]}: forward + backward and optimizer per rank"
-    out_dir = Path(tempfile.mkdtemp(prefix="meshflow-pictures-"))
+    out_dir = Path(tempfile.mkdtemp(prefix=f"meshflow-pictures-{tracker.run_id or 'run'}-"))
     paths = write_timeline(events, out_dir, title=title)
     for path in paths.values():
         tracker.log_artifact(path, "pictures")

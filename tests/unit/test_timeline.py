@@ -150,6 +150,8 @@ def test_dry_run_writes_the_predicted_timeline_and_names_it(compose, tmp_path):
 
 
 class _Tracker:
+    run_id = "4f2a"
+
     def __init__(self):
         self.metrics, self.artifacts = {}, []
 
@@ -209,7 +211,8 @@ def test_run_pictures_log_artifacts_metrics_and_print_paths(compose, tmp_path, m
     assert tracker.metrics == {"pipeline_bubble": pytest.approx(0.2), "pipeline_bubble_theory": pytest.approx(0.2),
                                "pipeline_bubble_predicted": pytest.approx(0.2)}
     assert progress.lines[0].startswith(f"pictures: timeline {paths['timeline_png']} ")
-    assert open(paths["timeline_png"], "rb").read(8) == PNG_SIGNATURE and paths["timeline_png"].startswith(str(tmp_path))
+    assert open(paths["timeline_png"], "rb").read(8) == PNG_SIGNATURE
+    assert paths["timeline_png"].startswith(str(tmp_path / "meshflow-pictures-4f2a-"))
     # Without a pipeline there is a picture but no bubble.
     pm, loss_fn = _one_device()
     recorder, tracker = TimelineRecorder(pm), _Tracker()
