@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_checks import MLP_CFG, SUITES, llama_cfg, reference_run
+from dist_checks import MLP_CFG, STEPS, SUITES, llama_cfg, reference_run
 from dist_harness import launch
 from trainer.models import build_model
 
@@ -235,10 +235,11 @@ def test_timeline_holds_every_ranks_actions_in_the_schedules_order(check, result
     per_rank = results(check)
     repeats = 2 if "grad_accum" in check else 1
     num_stages = 1 + max(e["stage"] for r in per_rank for e in r["timeline"] if e["kind"] in COMPUTE)
-    ends: dict[tuple[int, str, int], float] = {}
+    ends: dict[tuple[int, str, int], float] = {}  # (rank, action, its n-th run) -> end
+    ordered: list[list[dict]] = []  # per rank, events by start, each with its n-th run of the action
     for rank, r in enumerate(per_rank):
         events = sorted(r["timeline"], key=lambda e: e["start_us"])
-        assert {e["step"] for e in events} == {5} and all(e["rank"] == rank for e in events)
+        assert {e["step"] for e in events} == {STEPS} and all(e["rank"] == rank for e in events)
         assert all(e["start_us"] <= e["end_us"] for e in events)
         compute = [e for e in events if e["kind"] in COMPUTE]
         assert [e["name"] for e in compute] == r["pipeline_order"][str(r["pp_rank"])] * repeats
@@ -254,15 +255,11 @@ def test_timeline_holds_every_ranks_actions_in_the_schedules_order(check, result
             if s < num_stages - 1 and s + 1 not in stages:
                 expected += [f"{s}SEND_F{mb}" for mb in range(microbatches)] + [f"{s}RECV_B{mb}" for mb in range(microbatches)]
         assert sorted(e["name"] for e in events if e["kind"] in COMM) == sorted(expected * repeats)
-        seen: dict[str, int] = {}
+        ordered.append([{**e, "occurrence": n} for e, n in zip(events, _occurrences(events))])
+        ends.update({(rank, e["name"], e["occurrence"]): e["end_us"] for e in ordered[-1]})
+    for rank, events in enumerate(ordered):
+        peer_of = {(e["kind"], e["stage"], e["microbatch"], e["occurrence"]): e["peer"] for e in events if e["kind"] in COMM}
         for e in events:
-            seen[e["name"]] = seen.get(e["name"], 0) + 1
-            ends[(rank, e["name"], seen[e["name"]])] = e["end_us"]
-            e["occurrence"] = seen[e["name"]]
-        r["sorted"] = events
-    for rank, r in enumerate(per_rank):
-        peer_of = {(e["kind"], e["stage"], e["microbatch"], e["occurrence"]): e["peer"] for e in r["sorted"] if e["kind"] in COMM}
-        for e in r["sorted"]:
             s, mb, n = e["stage"], e["microbatch"], e["occurrence"]
             if e["kind"] == "F" and ("RECV_F", s, mb, n) in peer_of:
                 assert e["start_us"] >= ends[(peer_of[("RECV_F", s, mb, n)], f"{s - 1}F{mb}", n)], (rank, e)
@@ -270,6 +267,16 @@ def test_timeline_holds_every_ranks_actions_in_the_schedules_order(check, result
                 peer = peer_of[("RECV_B", s, mb, n)]
                 before = ends.get((peer, f"{s + 1}B{mb}", n), ends.get((peer, f"{s + 1}I{mb}", n)))
                 assert e["start_us"] >= before, (rank, e)
+
+
+def _occurrences(events: list[dict]) -> list[int]:
+    """For each event, how many times its action has run so far (1 for the first)."""
+    seen: dict[str, int] = {}
+    out = []
+    for e in events:
+        seen[e["name"]] = seen.get(e["name"], 0) + 1
+        out.append(seen[e["name"]])
+    return out
 
 
 def test_timeline_without_a_pipeline_has_forward_backward_and_optimizer(results):
