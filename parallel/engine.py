@@ -154,27 +154,35 @@ class ParallelModel:
         # scale_grads, which would also rescale gradients accumulated by earlier calls), and by the
         # lanes it is split over between stages of their own layouts (parallel.stage_io).
         self._loss_fn, self._loss_factor = loss_fn, loss_scale / microbatches / self._lanes
-        if self._schedule is None:
-            self._schedule = build_schedule(
-                list(zip(self.stage_indices, self.model_parts)),
-                schedule=self._pipeline.schedule,
-                microbatches=microbatches,
-                loss_fn=self._scaled_loss,
-                num_stages=self.num_stages,
-                pp_group=self._pp_group,
-                device=self._device,
-                stage_to_group_rank=self._stage_to_group_rank,
-            )
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first_stage else ()
         target = targets if self.is_last_stage else None
-        run = self._schedule.step if backward else self._schedule.eval
+        run = self.schedule.step if backward else self.schedule.eval
         run(*args, target=target, losses=losses, return_outputs=False)
         if not self.is_last_stage:
             return None
         # Micro-batches are equal slices, so the batch mean is the mean of their means:
         # sum(loss_i * scale / M / lanes) / (scale / lanes).
         return torch.stack([loss.detach() for loss in losses]).sum() * self._lanes / loss_scale
+
+    @property
+    def schedule(self) -> Any:
+        """The torch pipelining schedule running this rank's stages (built on first use: the
+        stages and the schedule's ``pipeline_order``), or ``None`` without a pipeline."""
+        if self._pipeline is None:
+            return None
+        if self._schedule is None:
+            self._schedule = build_schedule(
+                list(zip(self.stage_indices, self.model_parts)),
+                schedule=self._pipeline.schedule,
+                microbatches=self._pipeline.num_microbatches,
+                loss_fn=self._scaled_loss,
+                num_stages=self.num_stages,
+                pp_group=self._pp_group,
+                device=self._device,
+                stage_to_group_rank=self._stage_to_group_rank,
+            )
+        return self._schedule
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The schedule holds this function; the user's loss and factor are set per call.

@@ -47,7 +47,7 @@ def launch(cfg: RunConfig) -> int:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
             rdzv_id = f"{run_name(cfg)}-{uuid.uuid4().hex[:8]}"
             with _worker_logs(cfg) as log_base:
-                pictures = record_start(tracker, cfg, log_base / f"{rdzv_id}_pictures")
+                pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)))
                 try:
                     outcome = _train(cfg, tracker, log_base, rdzv_id)
                     outcome["pictures"] = {**pictures, **(outcome.get("pictures") or {})}
@@ -85,8 +85,13 @@ def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str) -> dict
 
         # the same layout as the workers' logs: the console's copy is this run's job log
         with tee_output(log_base / f"{rdzv_id}_local" / "attempt_0" / "0" / "stdout.log"):
-            return train(cfg, tracker=tracker, progress=Progress()).summary()
+            return train(cfg, tracker=tracker, progress=Progress(), pictures_dir=_pictures_dir(log_base, rdzv_id)).summary()
     return _launch_workers(cfg, tracker.run_id, log_base, rdzv_id)
+
+
+def _pictures_dir(log_base: Path, rdzv_id: str) -> str:
+    """Where a run's pictures are kept on disk: beside its logs (and in MLflow under ``pictures/``)."""
+    return str((log_base / f"{rdzv_id}_pictures").resolve())
 
 
 @contextmanager
@@ -136,7 +141,7 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
     with tempfile.TemporaryDirectory(prefix="meshflow-") as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(cfg.model_dump_json())
-        results = _run_elastic(launch_config, config_path, run_id)
+        results = _run_elastic(launch_config, config_path, run_id, _pictures_dir(log_dir, rdzv_id))
     if ln.nnodes > 1:
         print(f"node {ln.node_rank} of {ln.nnodes}: its {nproc} workers finished", flush=True)
     return results.get(0) or {} if results else {}
@@ -145,13 +150,13 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
 WORKER_LINE_PREFIX = "[rank${rank}]: "
 
 
-def _run_elastic(launch_config, config_path: Path, run_id: str | None) -> dict:
+def _run_elastic(launch_config, config_path: Path, run_id: str | None, pictures_dir: str) -> dict:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     try:
-        return elastic_launch(launch_config, worker_main)(str(config_path), run_id)
+        return elastic_launch(launch_config, worker_main)(str(config_path), run_id, pictures_dir)
     except SignalException as err:
         # The elastic agent already stopped every worker; report it as the signal it was.
         raise (KeyboardInterrupt() if err.sigval.name == "SIGINT" else Terminated()) from None
@@ -175,7 +180,7 @@ def _resume_latest(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint": ckpt})})
 
 
-def worker_main(config_path: str, run_id: str | None) -> dict:
+def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None = None) -> dict:
     """One worker: join the process group, train, leave. Runs in a process the launcher spawned."""
     import torch
     import torch.distributed as dist
@@ -201,7 +206,8 @@ def worker_main(config_path: str, run_id: str | None) -> dict:
         tracker = make_tracker(cfg.tracking, is_main=is_main, run_id=run_id) if run_id else NullTracker()
         progress = Progress() if is_main else NullProgress()
         try:
-            result = train(cfg, tracker=tracker, progress=progress, rank=rank, device_index=device_index)
+            result = train(cfg, tracker=tracker, progress=progress, rank=rank, device_index=device_index,
+                           pictures_dir=pictures_dir)
         except Exception as err:
             # The agent reports whichever worker it saw die first, often a peer whose collective
             # broke; every worker names its own error so the root cause is in the output.

@@ -17,6 +17,7 @@ import torch
 
 from parallel.engine import ParallelModel, parallelize
 from parallel.plan import resolve_plan
+from parallel.timeline import TimelineRecorder
 from trainer.checkpoint import (
     check_model_config,
     checkpoint_bytes,
@@ -33,6 +34,7 @@ from trainer.metrics import MemoryMeter, Progress
 from trainer.export import check_weights_fit, load_weights
 from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
 from trainer.models.hf import load_hf_sharded, weight_files
+from trainer.timeline import timeline_pictures
 from trainer.tracking import Tracker
 
 
@@ -46,6 +48,7 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)  # seconds per optimizer step, this run's steps
     tokens_per_step: int = 0
     last_checkpoint: str | None = None
+    pictures: dict[str, str] = field(default_factory=dict)  # rank 0: timeline_trace, timeline_png -> file
 
     @property
     def mean_tokens_per_s(self) -> float | None:
@@ -57,7 +60,7 @@ class TrainResult:
         """What the launcher's end-of-run summary needs, JSON-friendly (a worker returns it)."""
         return {"losses": self.losses, "first_step": self.first_step, "val_loss": self.val_loss,
                 "step_times": self.step_times, "tokens_per_step": self.tokens_per_step,
-                "last_checkpoint": self.last_checkpoint}
+                "last_checkpoint": self.last_checkpoint, "pictures": self.pictures}
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -122,9 +125,10 @@ def _build_in_full(cfg: RunConfig, device: torch.device) -> ParallelModel:
                        compile=cfg.train.compile)
 
 
-def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, device_index: int = 0) -> TrainResult:
+def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, device_index: int = 0,
+          pictures_dir: str | None = None) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming) on GPU
-    ``device_index`` of the host, or the CPU."""
+    ``device_index`` of the host, or the CPU; rank 0 draws the timeline into ``pictures_dir``."""
     t = cfg.train
     device = resolve_device(cfg.device, device_index)
     torch.manual_seed(t.seed)
@@ -170,20 +174,24 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     tokens_per_step = result.tokens_per_step = t.global_batch_size * t.seq_len
     window = LogWindow()
     memory_rows: list[dict] = []  # per-rank peaks at each logged step: an artifact, the metric is their max
+    recorder = TimelineRecorder(pm)  # the last timeline_steps steps: start-up is not in the picture
+    record_from = t.steps - cfg.tracking.timeline_steps + 1 if cfg.tracking.pictures else t.steps + 1
     progress.start(total=t.steps, completed=start)
     for step in range(start + 1, t.steps + 1):
         began = time.perf_counter()
-        local_loss = None
-        for _ in range(t.grad_accum):
-            inputs, targets = (x.to(device) for x in loader.next_batch())
-            loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum)
-            if loss is not None:
-                local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
-        grad_norm = pm.clip_grad_norm_(t.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        with recorder.step(step, record=step >= record_from):
+            local_loss = None
+            for _ in range(t.grad_accum):
+                inputs, targets = (x.to(device) for x in loader.next_batch())
+                loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum)
+                if loss is not None:
+                    local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
+            with recorder.mark("optimizer"):
+                grad_norm = pm.clip_grad_norm_(t.grad_clip)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
         loss_value = pm.reduce_loss(local_loss)
         step_time = time.perf_counter() - began
         result.losses.append(loss_value)
@@ -218,6 +226,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                 tracker.set_tag("latest_checkpoint", str(saved.resolve()))
                 progress.log(f"checkpoint {saved} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)")
             result.last_checkpoint = str(saved.resolve())
+    if cfg.tracking.pictures:  # a collective: every rank gathers its actions to rank 0, which draws them
+        result.pictures = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress, out_dir=pictures_dir)
     progress.stop()
     if memory_rows:
         tracker.log_artifact_text(json.dumps(memory_rows, indent=1), "metrics/peak_memory_mb_per_rank.json")

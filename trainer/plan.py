@@ -13,12 +13,15 @@ e.g. [64, 8, 8].
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+from parallel.pipeline_order import expected_bubble
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
 from trainer.models import decoder_config
 
 BYTES = 4  # fp32 master weights, gradients and AdamW state
+PLAN_PICTURES = Path("meshflow-plan")  # the dry run's pictures: in the working directory, beside mlflow.db
 
 
 def _unit_of(fqn: str, units: list[str]) -> str:
@@ -87,7 +90,8 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan) -> dict:
                          "param_bytes": sharded * BYTES, "grad_bytes": sharded * BYTES, "optim_bytes": 2 * sharded * BYTES})
 
     m = cfg.num_microbatches
-    bubble = (cfg.pp_size - 1) / (spr * m + cfg.pp_size - 1) if pp else 0.0
+    # (p-1)/(m+p-1), over v for interleaving; the zero-bubble schedules' own (parallel.pipeline_order).
+    bubble = expected_bubble(pp.schedule, pp_size=cfg.pp_size, stages_per_rank=spr, microbatches=m) if pp else 0.0
     comm = _comm_bytes(cfg, plan, per_rank)
     return {"stage_params": stage_params, "boundaries": bounds, "per_pp_rank": per_rank, "bubble": bubble, "comm": comm}
 
@@ -158,7 +162,9 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
     return numbers
 
 
-def describe_plan(cfg: RunConfig, plan: ParallelPlan) -> str:
+def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | None = PLAN_PICTURES) -> str:
+    """The dry run's text; with ``tracking.pictures`` and a pipeline it also writes the predicted
+    timeline (``timeline.json`` + ``timeline.png``) into ``pictures_dir`` and names the files."""
     n = plan_report(cfg, plan)
     mib = 2**20
     lines = [f"plan: {cfg.model.arch} model on mesh {list(cfg.mesh_shape)} ({cfg.world_size} workers), "
@@ -193,4 +199,14 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan) -> str:
     worst = max(m["peak_bytes"] for m in n["memory"])
     verdict = "fits" if worst <= budget["bytes"] else "does NOT fit (a run is refused: see launch.memory_budget_gb)"
     lines.append(f"memory budget {budget['bytes'] / mib:,.0f} MiB per rank ({budget['source']}): {verdict}")
+    if cfg.tracking.pictures and pictures_dir is not None and plan.pipeline is not None:
+        from trainer.timeline import bubble_text, write_predicted_timeline
+
+        try:
+            paths, summary = write_predicted_timeline(plan, pictures_dir)
+        except ValueError as err:  # torch's schedule refuses the shape (a dry run despite batch errors)
+            lines.append(f"pictures: no predicted timeline ({str(err).splitlines()[0]})")
+        else:
+            lines.append(f"pictures: predicted timeline {paths['timeline_png']} (Chrome trace {paths['timeline_trace']}); "
+                         f"{bubble_text(summary, what='predicted')}")
     return "\n".join(lines)

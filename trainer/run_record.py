@@ -55,7 +55,7 @@ def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path) -> dict[s
     if plan is not None:
         from trainer.plan import describe_plan
 
-        tracker.log_artifact_text(describe_plan(cfg, plan), "plan.txt")
+        tracker.log_artifact_text(describe_plan(cfg, plan, pictures_dir=None), "plan.txt")
     tracker.log_dataset(*dataset_identity(cfg))
     return pictures
 

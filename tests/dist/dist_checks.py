@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from parallel.engine import ParallelModel, parallelize
+from parallel.pipeline_order import compute_order
+from parallel.timeline import TimelineRecorder
 from parallel.mesh import build_mesh
 from parallel.plan import LayoutSpec, resolve_plan
 from parallel.placements import parse_placement
@@ -103,21 +105,29 @@ def parallelize_preset(model: nn.Module, mesh: list | None, par: ParallelConfig 
 
 def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
     """``STEPS`` optimizer steps on this rank's dp share (in ``grad_accum`` pieces, as the
-    trainer's loop does); losses as every rank sees them."""
+    trainer's loop does); losses as every rank sees them. The last step is recorded by a
+    :class:`TimelineRecorder`, as the trainer's loop records its last steps: ``timeline`` holds
+    this rank's actions, ``pipeline_order`` the schedule's compute order per pp rank."""
     optimizer, loss_fn = make_optimizer(pm.parameters()), loss_fn_for(model_cfg)
     losses, norms = [], []
-    for inputs, targets in batches(model_cfg):
+    recorder = TimelineRecorder(pm)
+    for step, (inputs, targets) in enumerate(batches(model_cfg), start=1):
         per = inputs.shape[0] // pm.dp_size
         share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
         loss = None
-        for x, y in zip(inputs[share].chunk(grad_accum), targets[share].chunk(grad_accum)):
-            piece = pm.forward_backward(x, y, loss_fn, loss_scale=1.0 / grad_accum)
-            if piece is not None:
-                loss = piece / grad_accum if loss is None else loss + piece / grad_accum
-        norms.append(pm.clip_grad_norm_(GRAD_CLIP))
-        optimizer.step()
-        optimizer.zero_grad()
+        with recorder.step(step, record=step == STEPS):
+            for x, y in zip(inputs[share].chunk(grad_accum), targets[share].chunk(grad_accum)):
+                piece = pm.forward_backward(x, y, loss_fn, loss_scale=1.0 / grad_accum)
+                if piece is not None:
+                    loss = piece / grad_accum if loss is None else loss + piece / grad_accum
+            with recorder.mark("optimizer"):
+                norms.append(pm.clip_grad_norm_(GRAD_CLIP))
+                optimizer.step()
+                optimizer.zero_grad()
         losses.append(pm.reduce_loss(loss))
+    timeline = {"timeline": recorder.events,
+                "pipeline_order": compute_order(pm.schedule.pipeline_order) if pm.schedule is not None else None,
+                "pp_rank": pipeline_rank(pm)}
     inputs, targets = batches(model_cfg)[0]
     per = inputs.shape[0] // pm.dp_size
     share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
@@ -125,7 +135,16 @@ def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
         eval_loss = pm.reduce_loss(pm.evaluate(inputs[share], targets[share], loss_fn))
     except NotImplementedError:  # ZBV: no forward-only pass in torch (refused with a validation split)
         eval_loss = None
-    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss}
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, **timeline}
+
+
+def pipeline_rank(pm: ParallelModel) -> int | None:
+    """This rank's position in its pipeline (the key of its row in ``pipeline_order``)."""
+    if pm.schedule is None:
+        return None
+    from parallel.timeline import pipeline_stages
+
+    return pipeline_stages(pm.schedule)[0].group_rank
 
 
 # ------------------------------------------------------------------------ placements

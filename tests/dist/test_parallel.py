@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_checks import MLP_CFG, SUITES, llama_cfg, reference_run
+from dist_checks import MLP_CFG, STEPS, SUITES, llama_cfg, reference_run
 from dist_harness import launch
 from trainer.models import build_model
 
@@ -215,3 +215,73 @@ def test_hf_model_in_fsdp_x_tp_gives_transformers_logits(results):
             styles = per_rank[kind]["report"]
             assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
             assert styles["model.layers.3.mlp.down_proj"] == "rowwise"
+
+
+# ---------------------------------------------------------------------- pipeline timeline
+
+TIMELINE_CHECKS = ["pp_GPipe", "pp_1F1B", "pp_Interleaved1F1B", "pp_InterleavedZeroBubble", "pp_ZBV",
+                   "pp_1F1B_grad_accum", "3d"]
+COMPUTE, COMM = ("F", "B", "I", "W"), ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+@pytest.mark.parametrize("check", TIMELINE_CHECKS)
+def test_timeline_holds_every_ranks_actions_in_the_schedules_order(check, results):
+    """The recorded last step (``dist_checks.train``): on every rank the compute actions are its
+    row of the schedule's ``pipeline_order``, in order (once per accumulation batch), one after
+    the other; each activation and gradient that crosses ranks is sent and received once per
+    micro-batch; the optimizer comes last. Across processes (one host's clock) a stage's forward
+    starts after the previous stage's forward of that micro-batch ended on the rank it received
+    from, and a backward after the next stage's backward."""
+    per_rank = results(check)
+    repeats = 2 if "grad_accum" in check else 1
+    num_stages = 1 + max(e["stage"] for r in per_rank for e in r["timeline"] if e["kind"] in COMPUTE)
+    ends: dict[tuple[int, str, int], float] = {}  # (rank, action, its n-th run) -> end
+    ordered: list[list[dict]] = []  # per rank, events by start, each with its n-th run of the action
+    for rank, r in enumerate(per_rank):
+        events = sorted(r["timeline"], key=lambda e: e["start_us"])
+        assert {e["step"] for e in events} == {STEPS} and all(e["rank"] == rank for e in events)
+        assert all(e["start_us"] <= e["end_us"] for e in events)
+        compute = [e for e in events if e["kind"] in COMPUTE]
+        assert [e["name"] for e in compute] == r["pipeline_order"][str(r["pp_rank"])] * repeats
+        serial = [e for e in events if e["kind"] in COMPUTE + ("LOSS", "OPT")]
+        assert all(a["end_us"] <= b["start_us"] for a, b in zip(serial, serial[1:]))
+        assert serial[-1]["name"] == "optimizer"
+        stages = {e["stage"] for e in compute}
+        microbatches = len({e["microbatch"] for e in compute})
+        expected = []
+        for s in stages:
+            if s > 0 and s - 1 not in stages:  # the previous stage is on another rank
+                expected += [f"{s}RECV_F{mb}" for mb in range(microbatches)] + [f"{s}SEND_B{mb}" for mb in range(microbatches)]
+            if s < num_stages - 1 and s + 1 not in stages:
+                expected += [f"{s}SEND_F{mb}" for mb in range(microbatches)] + [f"{s}RECV_B{mb}" for mb in range(microbatches)]
+        assert sorted(e["name"] for e in events if e["kind"] in COMM) == sorted(expected * repeats)
+        ordered.append([{**e, "occurrence": n} for e, n in zip(events, _occurrences(events))])
+        ends.update({(rank, e["name"], e["occurrence"]): e["end_us"] for e in ordered[-1]})
+    for rank, events in enumerate(ordered):
+        peer_of = {(e["kind"], e["stage"], e["microbatch"], e["occurrence"]): e["peer"] for e in events if e["kind"] in COMM}
+        for e in events:
+            s, mb, n = e["stage"], e["microbatch"], e["occurrence"]
+            if e["kind"] == "F" and ("RECV_F", s, mb, n) in peer_of:
+                assert e["start_us"] >= ends[(peer_of[("RECV_F", s, mb, n)], f"{s - 1}F{mb}", n)], (rank, e)
+            if e["kind"] in ("B", "I") and ("RECV_B", s, mb, n) in peer_of:
+                peer = peer_of[("RECV_B", s, mb, n)]
+                before = ends.get((peer, f"{s + 1}B{mb}", n), ends.get((peer, f"{s + 1}I{mb}", n)))
+                assert e["start_us"] >= before, (rank, e)
+
+
+def _occurrences(events: list[dict]) -> list[int]:
+    """For each event, how many times its action has run so far (1 for the first)."""
+    seen: dict[str, int] = {}
+    out = []
+    for e in events:
+        seen[e["name"]] = seen.get(e["name"], 0) + 1
+        out.append(seen[e["name"]])
+    return out
+
+
+def test_timeline_without_a_pipeline_has_forward_backward_and_optimizer(results):
+    for check in ("dp", "tp"):
+        for rank, r in enumerate(results(check)):
+            assert r["pipeline_order"] is None
+            assert [(e["name"], e["kind"]) for e in sorted(r["timeline"], key=lambda e: e["start_us"])] == [
+                ("forward_backward", "FB"), ("optimizer", "OPT")], (check, rank)

@@ -47,6 +47,10 @@ def test_readme_main_command_trains_3d_and_logs_one_run(tmp_path):
     assert losses[-1] < losses[0] - 1.0, losses
     assert run.data.params["parallel.pipeline.schedule"] == "1F1B"
     assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    # The pipeline timeline of the last steps (tracking.pictures), its bubble beside (p-1)/(m+p-1).
+    _assert_pictures(client, run, out.stdout)
+    assert run.data.metrics["pipeline_bubble_theory"] == pytest.approx(1 / 5)
+    assert 0 < run.data.metrics["pipeline_bubble"] < 1
 
 
 def test_plain_trainer_command_runs_one_device(tmp_path):
@@ -56,3 +60,11 @@ def test_plain_trainer_command_runs_one_device(tmp_path):
     client, run = _finished_run(tmp_path)
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
     assert len(losses) == 10 and losses[-1] < 3.5, losses
+    _assert_pictures(client, run, out.stdout)  # one device: forward + backward and optimizer, no bubble
+    assert "pipeline_bubble" not in run.data.metrics
+
+
+def _assert_pictures(client, run, stdout: str) -> None:
+    assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "pictures")) == [
+        "pictures/timeline.json", "pictures/timeline.png"]
+    assert "pictures: timeline " in stdout and "timeline.png" in stdout
