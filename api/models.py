@@ -133,6 +133,19 @@ class PlanRank(BaseModel):
                               "larger of (activations + backward) and the optimizer step's temporaries + process.")
 
 
+class PlanPictures(BaseModel):
+    """The plan drawn: what a run logs under ``pictures/``, predicted instead of measured."""
+
+    placement_png: str = Field(description="The placement picture, PNG, base64: each stage's mesh as a grid of ranks "
+                               "and each parameter group cut into the slices its ranks hold.")
+    placement: dict[str, Any] = Field(description="The slice table behind it: per group and stage, shape, placements "
+                                      "and each rank's [start, stop) per tensor dim.")
+    timeline_png: str | None = Field(None, description="With a pipeline: the schedule's predicted timeline (unit costs: "
+                                     "a forward 1, a backward 2), PNG, base64.")
+    timeline: dict[str, Any] | None = Field(None, description="The same timeline as a Chrome trace (Perfetto opens it).")
+    bubble_theory: float | None = Field(None, description="The schedule's theoretical bubble, e.g. (p-1)/(m+p-1).")
+
+
 class PlanPublic(BaseModel):
     """The plan of a valid config: what would run where; nothing is launched."""
 
@@ -149,4 +162,5 @@ class PlanPublic(BaseModel):
                                        "(launch.memory_budget_gb, the GPU's memory, or a share of the host's).")
     memory_note: str | None = Field(None, description="Why activations were not predicted (then each rank's peak "
                                     "is weights + grads + AdamW only, a lower bound); null when they were.")
+    pictures: PlanPictures | None = Field(None, description="The plan drawn (null with tracking.pictures=false).")
     config: dict[str, Any] = Field(description="The resolved, validated config.")

@@ -90,10 +90,12 @@ class ControlPlane:
 
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
         """The validated config and :func:`trainer.plan.plan_report` of it; nothing is launched."""
-        from trainer.plan import plan_report  # the trainer's public planning function
+        from trainer.plan import plan_pictures, plan_report  # the trainer's public planning functions
 
         cfg, plan = self.resolve(overrides=overrides, document=document)
-        return cfg, plan_report(cfg, plan)
+        numbers = plan_report(cfg, plan)
+        numbers["pictures"] = plan_pictures(cfg, plan) if cfg.tracking.pictures else None
+        return cfg, numbers
 
     def submit_job(self, session: Session, *, owner: str, name: str, overrides: list[str] | None = None,
                    document: dict[str, Any] | None = None, priority: int = 0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from parallel.pipeline_order import expected_bubble
 from parallel.plan import ParallelPlan
@@ -210,3 +211,32 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
             lines.append(f"pictures: predicted timeline {paths['timeline_png']} (Chrome trace {paths['timeline_trace']}); "
                          f"{bubble_text(summary, what='predicted')}")
     return "\n".join(lines)
+
+
+def plan_pictures(cfg: RunConfig, plan: ParallelPlan) -> dict[str, Any]:
+    """The dry run's pictures in memory, as REST's plan endpoint returns them: the placement
+    picture (PNG, base64) and its slice table, and with a pipeline the predicted timeline (PNG,
+    base64) and its Chrome trace. Drawn into a temporary folder, which is removed."""
+    import base64
+    import json
+    import tempfile
+
+    from trainer.placement_picture import write_placement
+    from trainer.timeline import write_predicted_timeline
+
+    def png(path: Path) -> str:
+        return base64.b64encode(path.read_bytes()).decode()
+
+    with tempfile.TemporaryDirectory(prefix="meshflow-plan-") as tmp:
+        placement = write_placement(cfg, plan, tmp)
+        out: dict[str, Any] = {"placement_png": png(placement["png"]),
+                               "placement": json.loads(placement["json"].read_text())}
+        try:
+            timeline = write_predicted_timeline(plan, Path(tmp))
+        except ValueError:  # torch's schedule refuses the shape: the plan says so elsewhere
+            timeline = None
+        if timeline is not None:
+            paths, summary = timeline
+            out.update(timeline_png=png(paths["timeline_png"]), timeline=json.loads(paths["timeline_trace"].read_text()),
+                       bubble_theory=summary.get("theory"))
+    return out

@@ -13,7 +13,7 @@ router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=ERROR_RESPONSES
 
 @router.post("", response_model=PlanPublic, responses=BODY_RESPONSES)
 def create_plan(body: JobCreate, plane: PlaneDep, user: CurrentUser) -> PlanPublic:
-    """Validate a config and describe its plan: world size, mesh, stages, memory and communication per rank."""
+    """Validate a config and describe its plan: world size, mesh, stages, memory and communication per rank, pictures."""
     cfg, numbers = plane.plan(overrides=body.overrides, document=body.config)
     return PlanPublic(
         world_size=cfg.world_size, mesh_shape=list(cfg.mesh_shape), dims=list(cfg.parallel.dims) if cfg.parallel else [],
@@ -22,5 +22,5 @@ def create_plan(body: JobCreate, plane: PlaneDep, user: CurrentUser) -> PlanPubl
                      for rank, memory in zip(numbers["per_pp_rank"], numbers["memory"], strict=True)],
         bubble=float(numbers["bubble"]), comm_bytes_per_step={axis: float(n) for axis, n in numbers["comm"].items()},
         memory_budget_bytes=float(numbers["memory_budget"]["bytes"]), memory_note=numbers["memory_note"],
-        config=cfg.model_dump(mode="json"),
+        pictures=numbers["pictures"], config=cfg.model_dump(mode="json"),
     )

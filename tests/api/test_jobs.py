@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import base64
 import json
-
 from pathlib import Path
 
 import pytest
@@ -106,6 +106,17 @@ def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
         by_overrides = bob.post("/v1/plans", json={"overrides": ["+parallel=3d", "mesh=[2,2,2]"]}).json()
         assert by_overrides["per_pp_rank"] == body["per_pp_rank"]
         assert bob.get("/v1/jobs").json()["total"] == before
+        # the plan drawn: placement and predicted 1F1B timeline (p=2, m=4), as a run logs them
+        pictures = body["pictures"]
+        for key in ("placement_png", "timeline_png"):
+            assert base64.b64decode(pictures[key]).startswith(b"\x89PNG\r\n\x1a\n"), key
+        assert pictures["bubble_theory"] == pytest.approx(1 / 5)
+        ranks = {e["pid"] for e in pictures["timeline"]["traceEvents"] if e.get("ph") == "X"}
+        assert ranks == {0, 1}  # one track per pipeline rank
+        wq = pictures["placement"]["groups"]["layers.*.attn.wq.weight"]
+        assert sorted(entry["stage"] for entry in wq) == [0, 1]
+        none = bob.post("/v1/plans", json={"overrides": ["+parallel=3d", "mesh=[2,2,2]", "tracking.pictures=false"]})
+        assert none.json()["pictures"] is None
 
 
 def test_plan_of_per_stage_layouts_gives_each_stage_its_own_numbers(queue_server):
