@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, unprefixed
 
 pytestmark = pytest.mark.slow
 
 # What the control plane forces into every job (its MLflow store, the job's own directory).
-SERVICE_OWNED = [("tracking", "tracking_uri"), ("tracking", "run_id"), ("train", "checkpoint")]
+SERVICE_OWNED = [("tracking", "tracking_uri"), ("tracking", "run_id"), ("train", "checkpoint"), ("launch", "log_dir"),
+                 # and the tag naming the preset a config was composed from (a document has none)
+                 ("tracking", "tags")]
 # Modules that compose or validate a config: none of them may run after the server resolved it.
 # (Workers do resolve the parallel plan of the model they build: that is the engine's input.)
 COMPOSE_OR_VALIDATE = ("hydra", "omegaconf", "trainer.compose", "trainer.validate", "trainer.model_checks")
@@ -74,7 +76,8 @@ def test_a_submitted_job_is_neither_recomposed_nor_revalidated(tmp_path):
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "done: steps 1..2" in proc.stdout
-    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    lines = [unprefixed(line) for line in proc.stderr.splitlines()]  # a worker's lines come as "[rank1]: ..."
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
     assert "trainer.loop" in imported and "parallel.engine" in imported, sorted(m for m in imported if m.startswith(("trainer", "parallel")))  # reached the workers
     offenders = sorted(m for m in imported if m.split(".")[0] in ("hydra", "omegaconf") or m in COMPOSE_OR_VALIDATE)
     assert offenders == [], offenders
