@@ -215,8 +215,8 @@ def write_predicted_timeline(plan: Any, out_dir: Path) -> tuple[dict[str, Path],
 def timeline_pictures(recorder: Any, cfg: Any, *, tracker: Any, progress: Any,
                       out_dir: str | Path | None = None) -> dict[str, str]:
     """After the loop, on every rank (a collective): gather the recorded steps; rank 0 draws them
-    into ``out_dir`` (the launcher's folder beside the run's logs; else a new temporary directory,
-    kept: the paths are printed and returned), logs both files as MLflow artifacts under
+    into ``out_dir`` (the launcher's folder beside the run's logs; None: a temporary directory,
+    removed after the upload, and no paths are returned), logs both files as MLflow artifacts under
     ``pictures/`` and, with a pipeline, the bubble as metrics. Returns ``{"timeline picture": path,
     "timeline trace": path}`` on rank 0, ``{}`` elsewhere or when nothing was recorded."""
     events = gather_events(recorder)
@@ -236,10 +236,15 @@ def timeline_pictures(recorder: Any, cfg: Any, *, tracker: Any, progress: Any,
         tracker.log_metrics(metrics, step=last_step)
     else:
         summary, title = None, f"no pipeline, steps {steps[0]}-{steps[-1]}: forward + backward and optimizer per rank"
-    out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"meshflow-pictures-{tracker.run_id or 'run'}-"))
-    paths = write_timeline(events, out_dir, title=title)
+    bubble = f"; {bubble_text(summary)}" if summary else ""
+    if out_dir is None:  # train() called directly (no launcher): the files go to MLflow only
+        with tempfile.TemporaryDirectory(prefix="meshflow-pictures-") as tmp:
+            for path in write_timeline(events, Path(tmp), title=title).values():
+                tracker.log_artifact(path, "pictures")
+        progress.log(f"pictures: timeline drawn{bubble}")
+        return {}
+    paths = write_timeline(events, Path(out_dir), title=title)
     for path in paths.values():
         tracker.log_artifact(path, "pictures")
-    bubble = f"; {bubble_text(summary)}" if summary else ""
     progress.log(f"pictures: timeline {paths['timeline_png']} (Chrome trace {paths['timeline_trace'].name}){bubble}")
     return {"timeline picture": str(paths["timeline_png"]), "timeline trace": str(paths["timeline_trace"])}

@@ -201,25 +201,29 @@ def test_recorder_on_one_device_times_forward_backward_and_optimizer_and_wraps_o
 def test_run_pictures_log_artifacts_metrics_and_print_paths(compose, tmp_path, monkeypatch):
     """What the loop calls after its last step: files, MLflow artifacts under pictures/, the
     bubble metrics with a pipeline (a stand-in recorder holding a two-rank 1F1B timeline)."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the run's picture directories go here
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a direct train() call draws (then removes)
     cfg = compose("+parallel=pp", "mesh=[2]", "tracking=none")
     recorder = type("Recorded", (), {"events": _predicted("1F1B", 2, 1, 4), "clock": lambda self: {}})()
     tracker, progress = _Tracker(), _Progress()
-    paths = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress)
-    assert set(paths) == {"timeline_trace", "timeline_png"}
+    paths = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress, out_dir=tmp_path / "pictures")
+    assert set(paths) == {"timeline trace", "timeline picture"}
     assert sorted(tracker.artifacts) == [("timeline.json", "pictures"), ("timeline.png", "pictures")]
     assert tracker.metrics == {"pipeline_bubble": pytest.approx(0.2), "pipeline_bubble_theory": pytest.approx(0.2),
                                "pipeline_bubble_predicted": pytest.approx(0.2)}
-    assert progress.lines[0].startswith(f"pictures: timeline {paths['timeline_png']} ")
-    assert open(paths["timeline_png"], "rb").read(8) == PNG_SIGNATURE
-    assert paths["timeline_png"].startswith(str(tmp_path / "meshflow-pictures-4f2a-"))
+    assert progress.lines[0].startswith(f"pictures: timeline {paths['timeline picture']} ")
+    assert open(paths["timeline picture"], "rb").read(8) == PNG_SIGNATURE
+    assert paths["timeline picture"] == str(tmp_path / "pictures" / "timeline.png")
+    # Called without a folder (train() outside the launcher): uploaded, then nothing left on disk.
+    tracker = _Tracker()
+    assert timeline_pictures(recorder, cfg, tracker=tracker, progress=_Progress()) == {}
+    assert len(tracker.artifacts) == 2 and not list(tmp_path.glob("meshflow-pictures-*"))
     # Without a pipeline there is a picture but no bubble.
     pm, loss_fn = _one_device()
     recorder, tracker = TimelineRecorder(pm), _Tracker()
     with recorder.step(1):
         pm.forward_backward(torch.randn(2, 8), torch.randn(2, 4), loss_fn)
-    assert set(timeline_pictures(recorder, compose("tracking=none"), tracker=tracker, progress=_Progress())) == {
-        "timeline_trace", "timeline_png"}
+    assert set(timeline_pictures(recorder, compose("tracking=none"), tracker=tracker, progress=_Progress(),
+                                 out_dir=tmp_path / "one")) == {"timeline trace", "timeline picture"}
     assert tracker.metrics == {} and len(tracker.artifacts) == 2
 
 
