@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import shlex
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import REPO, run_cli
@@ -66,5 +68,9 @@ def test_plain_trainer_command_runs_one_device(tmp_path):
 
 def _assert_pictures(client, run, stdout: str) -> None:
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "pictures")) == [
-        "pictures/timeline.json", "pictures/timeline.png"]
+        "pictures/placement.json", "pictures/placement.png", "pictures/timeline.json", "pictures/timeline.png"]
     assert "pictures: timeline " in stdout and "timeline.png" in stdout
+    # the summary names where each picture is kept on disk
+    for name, file in (("placement picture", "placement.png"), ("timeline picture", "timeline.png")):
+        line = next(x for x in stdout.splitlines() if x.startswith(f"  {name}: "))
+        assert line.endswith(file) and Path(line.split(": ", 1)[1]).is_file(), line
