@@ -15,6 +15,10 @@ separate them:
 * The process groups are not: a script that only builds a mesh of [2], [4], [8], [2, 2] or
   [2, 2, 2] ranks and runs one collective on every axis grows 2-3 MiB per rank above the floor
   (the default group exists before the floor is read; a sub-group adds three threads).
+* A pipeline's runtime is larger by an import: torch builds the schedule on the first step, after
+  the floor, and ``torch.distributed.pipelining`` pulls in ``torch._dynamo``, ``torch._inductor``
+  and ``torch.onnx`` (224 modules). 3d (dp x pp x tp [2, 2, 2], 25M) measured 263-294 MiB in four
+  runs as the bench runs it, 241-243 in two with that package imported before the floor.
 * ``malloc_stats()`` at the end of an fsdp [8] run: the main arena holds 490-605 MB (25M) and
   1.1-1.8 GB (100M) for 162 MB / 0.4 GB in use; each of gloo's two worker threads' arenas holds
   14-64 MB (25M) and about 56 MB (100M) with nothing in use.
@@ -36,6 +40,9 @@ MMAP_FROM = 32 * MIB
 # (file-backed resident +12 MiB on fsdp [8]), 39-51 MiB on fsdp [2], [8] and dp x tp [2, 2] (25M).
 RUNTIME_SINGLE = 10 * MIB
 RUNTIME_DISTRIBUTED = 46 * MIB
+# Resident growth of importing torch.distributed.pipelining after trainer.loop (27 MiB anonymous:
+# the modules' objects; 3 MiB file-backed: their code), which a pipelined worker does on its first step.
+RUNTIME_PIPELINE_IMPORT = 30 * MIB
 
 # Heap holes around the memory a step allocates and frees (activations, gradients, temporaries): the
 # freed chunks stay resident and are reused only by requests that fit, so from the second step on the
@@ -64,8 +71,12 @@ FSDP_PER_PARAM = 0.2
 # with nothing in use between steps: 14-64 MB per arena (25M, 12 MiB blocks) and 56 MB (100M, 27 MiB
 # blocks) in malloc_stats() at the end of fsdp [8] runs.
 GLOO_THREADS, GLOO_BUFFERS_PER_ARENA = 2, 2
+
+
 def runtime(plan: ParallelPlan) -> float:
-    return RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
+    """The process's own resident bytes above its floor: the constants above."""
+    base = RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
+    return base + (RUNTIME_PIPELINE_IMPORT if plan.pipeline is not None else 0.0)
 
 
 def fsdp_heap_buffers(cfg: RunConfig, plan: ParallelPlan, blocks: list[list[float]]) -> tuple[list[float], float]:

@@ -20,31 +20,35 @@ is a row that says so: the last column of the table is what the largest model pe
 Recorded on a shared 2-core, 24 GB machine (other agents' tests running for most rows; s/step is
 noise), shown with ``--replay tests/bench/memory_rows.jsonl``; 400M fsdp8 and 25M 3d were rerun
 alone (in the shared run a worker of 400M fsdp8 died after logging 2,236 MiB, likely the host's
-memory beside the other jobs). 1B rows not run: one process is predicted at 17 GB (about 25
+memory beside the other jobs); 25M single, fsdp8, 2d, 3d and 100M 3d were re-measured after
+the pipelined-FSDP terms (every block's unsharded gradients held to the stage's final
+reduce-scatter; torch.distributed.pipelining's import after the floor), 400M 3d was not (its
+measurement is the older run's). The 3d measurement spreads: 259-294 MiB over five runs of 25M.
+1B rows not run: one process is predicted at 17 GB (about 25
 minutes for 3 steps here) and fsdp [8] at 3.7 GiB per rank, which this host's budget (2.7 GiB per
 rank for 8 workers) refuses before any worker starts::
 
      model  params  layout  predicted MiB measured MiB pred/meas  s/step  status
-       25M     26M  single            774          802      0.97    41.9  ok
+       25M     26M  single            774          816      0.95    10.6  ok
        25M     26M   fsdp2            742          714      1.04     4.6  ok
        25M     26M   fsdp4            582          642      0.91    16.5  ok
-       25M     26M   fsdp8            503          545      0.92    17.6  ok
-       25M     26M      2d            422          411      1.03     7.4  ok
-       25M     26M      3d            232          272      0.85     3.0  ok
+       25M     26M   fsdp8            503          543      0.93     4.8  ok
+       25M     26M      2d            422          433      0.97     3.2  ok
+       25M     26M      3d            269          259      1.04     3.8  ok
       100M    100M  single          2,358        2,329      1.01     6.2  ok
       100M    100M   fsdp2          2,388        2,241      1.07    13.5  ok
       100M    100M   fsdp4          1,882        1,915      0.98    13.3  ok
       100M    100M   fsdp8          1,629        1,567      1.04    13.0  ok
       100M    100M      2d          1,285        1,213      1.06     7.2  ok
-      100M    100M      3d            675          766      0.88    15.0  ok
+      100M    100M      3d            739          792      0.93     9.6  ok
       400M    397M  single          7,434        7,692      0.97   152.4  ok
       400M    397M   fsdp2          4,978        5,326      0.93    22.5  ok
       400M    397M   fsdp4          3,132        3,153      0.99    41.3  ok
       400M    397M   fsdp8          2,209        2,430      0.91    52.4  ok
       400M    397M      2d          2,722        2,919      0.93    30.6  ok
-      400M    397M      3d          1,874        1,932      0.97    32.9  ok
+      400M    397M      3d          1,830        1,932      0.95    32.9  ok
 
-    16/18 rows within 10%; worst 15% off, mean 6%
+    18/18 rows within 10%; worst 9% off, mean 5%
     largest that trained 3 steps on single: 400M
     largest that trained 3 steps on fsdp2: 400M
     largest that trained 3 steps on fsdp4: 400M

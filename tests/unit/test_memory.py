@@ -83,3 +83,22 @@ def test_meter_counts_what_the_process_allocated_after_it_was_made():
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
     assert 60 <= meter.peak_mb() <= 120
     del block
+
+
+def test_a_pipelined_fsdp_stage_holds_every_blocks_unsharded_gradients():
+    # torch's PipelineStage runs each micro-batch's backward with FSDP's gradient sync and resharding
+    # off and reduce-scatters the whole stage after the last one: the stage's unsharded parameters
+    # and gradients (fp32 here) are all there, with one block's fp32 reduce-scatter input, while the
+    # sharded gradients appear only as those are freed. gpt_small (dim 512, SwiGLU 1376, byte vocab)
+    # on dp x pp x tp [2, 2, 2]: 4 blocks a stage, Megatron-split over tp, the embedding whole.
+    dim, ffn, vocab = 512, 1376, 256
+    block = 4 * (4 * dim * dim // 2 + 3 * dim * ffn // 2 + 2 * dim)  # tp-local fp32 bytes of one block
+    first, last = _predict("model=gpt_small", "+parallel=3d", "mesh=[2,2,2]")
+    local = 4 * block + 4 * vocab * dim  # pp rank 0: 4 blocks and the embedding
+    assert block == 6_328_320
+    assert first.gathered == 2 * local + block == 58_003_456
+    assert not first.parts["accumulates"]  # no sharded gradients beside the activations
+    assert first.live == first.params + first.optimizer + first.gathered + first.activations + first.parts["transient"]
+    # and a pipelined worker imports torch.distributed.pipelining (torch._dynamo, _inductor) after its floor
+    (flat,) = _predict("model=gpt_small", "+parallel=2d", "mesh=[2,2]")
+    assert first.parts["runtime"] - flat.parts["runtime"] == 30 * 2**20
