@@ -288,17 +288,39 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     pp, t = plan.pipeline, cfg.train
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
     checkpointed = set(plan.blocks) if plan.activation_checkpointing == "full" else set()
-    shard = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
-    ranks = [[u for s in pp.stages_of(r) for u in pp.stage_units[s]] for r in range(plan.pp_size)] if pp \
-        else [list(plan.units)]
-    busy, waits = [], []
-    for held in ranks:
+    busy = []
+    for held in _rank_units(plan):
         per_pass = 0.0
         for unit in held:
             cost = costs.get(unit, UnitCost())
             forward = cost.forward.seconds(calibration, t.precision)
             per_pass += forward * (2 if unit in checkpointed else 1) + cost.backward.seconds(calibration, t.precision)
         busy.append(per_pass * passes)
+    bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
+                             microbatches=pp.num_microbatches) if pp else 0.0
+    compute = max(busy)
+    span = compute / (1.0 - bubble) if bubble < 1 else math.inf
+    _, comm, optimizer, traffic = worst_wait(cfg, plan, calibration, params, micro)
+    return StepTime(total_s=span + sum(comm.values()) + optimizer, compute_s=compute, bubble_s=span - compute,
+                    comm_s=comm, optimizer_s=optimizer, traffic=traffic,
+                    tokens_per_step=t.global_batch_size * t.seq_len)
+
+
+def _rank_units(plan: ParallelPlan) -> list[list[str]]:
+    """The units each pp rank holds (one list without a pipeline)."""
+    pp = plan.pipeline
+    if pp is None:
+        return [list(plan.units)]
+    return [[u for s in pp.stages_of(r) for u in pp.stage_units[s]] for r in range(plan.pp_size)]
+
+
+def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: dict[str, tuple[float, int]],
+               micro: int) -> tuple[float, dict[str, float], float, dict[str, float]]:
+    """``(seconds, comm seconds per axis, optimizer seconds, bytes sent per axis)`` of the pp rank
+    that spends the longest outside compute: communicating (no overlap) and in its optimizer step."""
+    shard = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
+    waits = []
+    for held in _rank_units(plan):
         comm: dict[str, float] = defaultdict(float)
         traffic: dict[str, float] = defaultdict(float)
         for op in comm_ops(cfg, plan, held, params, micro):
@@ -308,11 +330,18 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
         optimizer = (tensors * ADAMW_OPS_PER_TENSOR * calibration.elementwise.latency_s
                      + numel / shard * ADAMW_BYTES_PER_PARAM / calibration.elementwise.rate)
         waits.append((sum(comm.values()) + optimizer, dict(comm), optimizer, dict(traffic)))
+    return max(waits, key=lambda w: w[0])
+
+
+def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: dict[str, tuple[float, int]],
+                  flops_per_sequence: float) -> float:
+    """A step time :func:`predict_step_time` can never undercut, without a meta pass: the whole
+    model's matmul FLOPs for the global batch (``flops_per_sequence``: forward and backward of one
+    unsplit sequence) shared perfectly by every rank at the full matmul rate, stretched by the
+    bubble, plus the communication and optimizer step, which need no pass."""
+    pp, t = plan.pipeline, cfg.train
+    rate = (calibration.matmul.get(t.precision) or calibration.matmul["fp32"]).rate
+    compute = flops_per_sequence * t.global_batch_size / plan.mesh.world_size / rate
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
-    compute = max(busy)
-    span = compute / (1.0 - bubble) if bubble < 1 else math.inf
-    _, comm, optimizer, traffic = max(waits, key=lambda w: w[0])
-    return StepTime(total_s=span + sum(comm.values()) + optimizer, compute_s=compute, bubble_s=span - compute,
-                    comm_s=comm, optimizer_s=optimizer, traffic=traffic,
-                    tokens_per_step=t.global_batch_size * t.seq_len)
+    return compute / (1.0 - bubble) + worst_wait(cfg, plan, calibration, params, micro_batch_size(cfg))[0]
