@@ -146,6 +146,24 @@ class PlanPictures(BaseModel):
     bubble_theory: float | None = Field(None, description="The schedule's theoretical bubble, e.g. (p-1)/(m+p-1).")
 
 
+class AutoPlanRowPublic(BaseModel):
+    """One layout the auto-planner considered (``+parallel=auto``), in ranking order."""
+
+    label: str = Field(description="The layout in short: dp x pp x tp with modes, schedule, micro-batches, AC, precision.")
+    status: str = Field(description="chosen, slower, does not fit, pruned or invalid.")
+    reason: str = Field(description="Why it was chosen or why it lost.")
+    mesh: list[int] = Field(description="Its mesh shape.")
+    parallel: dict[str, Any] = Field(description="Its parallel section, as a config would write it.")
+    precision: str = Field(description="Its compute precision.")
+    step_s: float | None = Field(None, description="Predicted seconds per optimizer step (null: not predicted).")
+    tokens_per_s: float | None = Field(None, description="Predicted tokens per second.")
+    peak_bytes: float | None = Field(None, description="Predicted per-rank peak memory in bytes.")
+    lower_bound_s: float | None = Field(None, description="The lower bound on its step time the search pruned by.")
+    parts_s: dict[str, float] = Field(default_factory=dict, description="Predicted seconds by part: compute, bubble, "
+                                      "comm per axis, optimizer.")
+    traffic: dict[str, float] = Field(default_factory=dict, description="Bytes a rank sends per step, per mesh axis.")
+
+
 class PlanPublic(BaseModel):
     """The plan of a valid config: what would run where; nothing is launched."""
 
@@ -163,4 +181,6 @@ class PlanPublic(BaseModel):
     memory_note: str | None = Field(None, description="Why activations were not predicted (then each rank's peak "
                                     "is weights + grads + AdamW only, a lower bound); null when they were.")
     pictures: PlanPictures | None = Field(None, description="The plan drawn (null with tracking.pictures=false).")
+    auto_plan: list[AutoPlanRowPublic] | None = Field(
+        None, description="With parallel.auto: every layout the planner considered, the chosen one first; null otherwise.")
     config: dict[str, Any] = Field(description="The resolved, validated config.")

@@ -127,7 +127,36 @@ class PipelineConfig(Section):
     )
 
 
+class AutoPlanConfig(Section):
+    """``+parallel=auto``: which layouts the auto-planner (``trainer.auto_plan``) may choose from.
+    Every list narrows the search; the defaults search everything the engine runs."""
+
+    data_parallel_modes: list[DataParallelMode] = Field(
+        ["ddp", "fsdp", "zero2", "hsdp"], min_length=1, description="Data-parallel modes to consider (hsdp on every "
+        "split of the dp ranks into replicate x shard groups).")
+    schedules: list[ScheduleName] = Field(
+        ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"], min_length=1,
+        description="Pipeline schedules to consider.")
+    microbatches: list[int] | None = Field(
+        None, description="Micro-batch counts to consider; null = every count that divides a data-parallel rank's "
+        "batch, up to max_microbatches.")
+    max_microbatches: int = Field(16, ge=1, description="The most micro-batches considered when microbatches is null.")
+    stages_per_rank: list[int] = Field([2], min_length=1, description="Stages per rank for the interleaved schedules "
+                                       "(ZBV always places 2).")
+    activation_checkpointing: list[ActivationCheckpointing] = Field(
+        ["none", "full"], min_length=1, description="Activation-checkpointing modes to consider.")
+    precisions: list[Precision] | None = Field(
+        None, description="Compute precisions to consider (bf16 only where the device has native bf16 matmuls); "
+        "null = the run's train.precision only, since precision changes the losses, not just the speed.")
+    tensor_parallel: bool = Field(True, description="Consider the model family's Megatron tensor-parallel plan.")
+    pipeline: bool = Field(True, description="Consider pipeline parallelism (boundaries: auto).")
+    show: int = Field(20, ge=1, description="Rows of the ranking the dry run prints (all are in auto_plan.json).")
+
+
 class ParallelConfig(LayoutSection):
+    auto: AutoPlanConfig | None = Field(
+        None, description="Let the planner choose the layout: `+parallel=auto mesh=[N]` gives only this section; "
+        "the fastest layout predicted to fit replaces it before validation, and keeps it as a record of the search.")
     pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism; null = none.")
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="Recompute activations in backward: none, every block (full), or every n-th (selective)."

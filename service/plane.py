@@ -90,11 +90,16 @@ class ControlPlane:
 
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
         """The validated config and :func:`trainer.plan.plan_report` of it; nothing is launched."""
+        from dataclasses import asdict
+
+        from trainer.auto_plan import ranking_for
         from trainer.plan import plan_pictures, plan_report  # the trainer's public planning functions
 
         cfg, plan = self.resolve(overrides=overrides, document=document)
         numbers = plan_report(cfg, plan)
         numbers["pictures"] = plan_pictures(cfg, plan) if cfg.tracking.pictures else None
+        ranking = ranking_for(cfg)  # +parallel=auto: the table the dry run prints
+        numbers["auto_plan"] = [asdict(c) for c in ranking.candidates] if ranking is not None else None
         return cfg, numbers
 
     def submit_job(self, session: Session, *, owner: str, name: str, overrides: list[str] | None = None,

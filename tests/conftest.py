@@ -56,3 +56,18 @@ WORKER_PREFIX = re.compile(r"^\[rank\d+\]: ")
 def unprefixed(line: str) -> str:
     """A worker's console line without the ``[rank3]: `` the launcher puts before it."""
     return WORKER_PREFIX.sub("", line)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def calibration_cache(tmp_path_factory):
+    """The auto-planner's host calibration (trainer.calibrate) goes to a folder of this session, never
+    the user's ~/.cache: probed at most once per worker count, shared by the session's tests (and the
+    trainer processes they start, through the environment)."""
+    path = tmp_path_factory.mktemp("meshflow-cache")
+    old = os.environ.get("MESHFLOW_CACHE_DIR")
+    os.environ["MESHFLOW_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("MESHFLOW_CACHE_DIR", None)
+    else:
+        os.environ["MESHFLOW_CACHE_DIR"] = old

@@ -17,6 +17,7 @@ from trainer.compose import CONF_DIR, register_defaults, to_plain, with_preset
 from trainer import launch as launcher
 from trainer.launch import EXIT_CONFIG, EXIT_OK, launch
 from trainer.run_info import SWEEP_JOB_TAG
+from trainer.auto_plan import is_auto, resolve_auto
 from trainer.validate import validate_with_plan
 
 
@@ -38,7 +39,10 @@ def main(composed: DictConfig) -> float | None:
         raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
     if sweeping:
         launcher.LAST_OUTCOME = None  # the previous job's is not this one's
+    ranking = None
     try:
+        if is_auto(raw):  # the planner chooses; the rest of the road sees an ordinary config
+            raw, ranking = resolve_auto(raw)
         cfg, plan = validate_with_plan(raw)
     except ConfigError as err:
         if raw.get("dry_run") is True and all(i.path in _BATCH_PATHS for i in err.issues):
@@ -55,6 +59,8 @@ def main(composed: DictConfig) -> float | None:
     if cfg.dry_run:
         from trainer.plan import describe_plan
 
+        if ranking is not None:
+            print(ranking.table() + "\n")
         print(describe_plan(cfg, plan))
         _write_pictures(cfg, plan)
         return

@@ -25,6 +25,7 @@ kernel's own autograd formula.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import math
 import weakref
@@ -148,14 +149,15 @@ class _Census(TorchDispatchMode):
         return out
 
 
-def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int) -> dict:
+def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None) -> dict:
     """One forward and backward of ``micro_batch`` sequences on the meta device: ``{"units": {unit:
     bytes saved for backward}, "block_inputs": {block: bytes}, "timeline": [(activations and
     temporaries, gradients) after each op], "forward_ops": n, "unit_params": {unit: [fp32 bytes of
     each tp-local parameter]}}`` (the last unit also holds the loss's)."""
     from trainer.models import build_model, loss_fn_for
 
-    model = build_model(cfg.model, device="meta")
+    # A given model is copied: the pass gives its parameters their tp-local shapes.
+    model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
     _local_shapes(model, plan)
     unit_params: dict[str, list[float]] = defaultdict(list)
     for fqn, p in model.named_parameters():
@@ -229,17 +231,27 @@ def _in_flight(plan: ParallelPlan, pp_rank: int) -> int:
     return m
 
 
-def predict_memory(cfg: RunConfig, plan: ParallelPlan) -> list[MemoryEstimate]:
-    """One :class:`MemoryEstimate` per pp rank (one without a pipeline)."""
+def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | None = None,
+                   cache: dict | None = None) -> list[MemoryEstimate]:
+    """One :class:`MemoryEstimate` per pp rank (one without a pipeline). A planner comparing many
+    layouts passes the meta ``model`` it built once and a ``cache`` dict: the meta pass (the costly
+    part) depends only on the tp size, the micro-batch and the precision, and is reused."""
     from trainer.plan import plan_numbers, stage_views
 
     if plan.pipeline is not None and plan.pipeline.stages:  # each stage by its own layout
         return [predict_memory(view_cfg, view)[i] for i, (view_cfg, view) in enumerate(stage_views(cfg, plan))]
 
-    numbers = plan_numbers(cfg, plan)
+    numbers = plan_numbers(cfg, plan, model=model)
     t = cfg.train
     micro = max(1, t.global_batch_size // t.grad_accum // max(1, plan.dp_size) // cfg.num_microbatches)
-    saved = saved_activations(cfg, plan, micro)
+    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    key = (tp, micro, t.precision, bool(plan.layouts))
+    if cache is None or key not in cache:
+        saved = saved_activations(cfg, plan, micro, model=model)
+        if cache is not None:
+            cache[key] = saved
+    else:
+        saved = cache[key]
     pp, dp = plan.pipeline, plan.data_parallel
     stage_units = pp.stage_units if pp else (tuple(plan.units),)
     wrapped = _checkpointed(plan)

@@ -55,14 +55,15 @@ def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, Par
     return views
 
 
-def plan_numbers(cfg: RunConfig, plan: ParallelPlan) -> dict:
-    """The per-rank numbers a dry run prints; also used by tests."""
+def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> dict:
+    """The per-rank numbers a dry run prints; also used by tests. ``model``: the config's model on
+    the meta device when the caller has it (a planner builds it once), else built here."""
     from trainer.models import build_model
 
     if plan.pipeline is not None and plan.pipeline.stages:
         return _stage_numbers(cfg, plan)
 
-    model = build_model(cfg.model, device="meta")
+    model = model if model is not None else build_model(cfg.model, device="meta")
     units = list(plan.units)
     pp = plan.pipeline
     num_stages = pp.num_stages if pp else 1

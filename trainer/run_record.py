@@ -56,8 +56,24 @@ def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path) -> dict[s
         from trainer.plan import describe_plan
 
         tracker.log_artifact_text(describe_plan(cfg, plan, pictures_dir=None), "plan.txt")
+    _log_ranking(tracker, cfg)
     tracker.log_dataset(*dataset_identity(cfg))
     return pictures
+
+
+def _log_ranking(tracker: Tracker, cfg: RunConfig) -> None:
+    """``+parallel=auto``: the planner's ranking as ``auto_plan.json`` and ``auto_plan.txt``
+    (computed again from the cached calibration; see :func:`trainer.auto_plan.ranking_for`)."""
+    from trainer.auto_plan import ranking_for
+
+    try:
+        ranking = ranking_for(cfg)
+    except Exception as err:  # noqa: BLE001 - the ranking only describes the run
+        log.warning("no auto_plan.json for this run: %s: %s", type(err).__name__, err)
+        return
+    if ranking is not None:
+        tracker.log_artifact_text(ranking.to_json(), "auto_plan.json")
+        tracker.log_artifact_text(ranking.table(len(ranking.candidates)), "auto_plan.txt")
 
 
 def _plan(cfg: RunConfig):

@@ -36,6 +36,12 @@ def validate_with_plan(raw: dict[str, Any], *, check_model: bool = True) -> tupl
     """:func:`validate_config` and the parallel plan it resolved on the way (None without ``check_model``)."""
     if not isinstance(raw, dict):
         raise ConfigError([ConfigIssue("<root>", f"expected a mapping, got {type(raw).__name__}", "pass a YAML mapping")])
+    from trainer.auto_plan import is_auto
+
+    if is_auto(raw) and check_model:  # `+parallel=auto`: the planner's winner is validated like any config
+        from trainer.auto_plan import resolve_auto
+
+        raw, _ = resolve_auto(raw)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as err:

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from api.deps import CurrentUser, PlaneDep
 from api.errors import BODY_RESPONSES, ERROR_RESPONSES
-from api.models import JobCreate, PlanPublic, PlanRank
+from api.models import AutoPlanRowPublic, JobCreate, PlanPublic, PlanRank
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], responses=ERROR_RESPONSES)
 
@@ -23,4 +23,5 @@ def create_plan(body: JobCreate, plane: PlaneDep, user: CurrentUser) -> PlanPubl
         bubble=float(numbers["bubble"]), comm_bytes_per_step={axis: float(n) for axis, n in numbers["comm"].items()},
         memory_budget_bytes=float(numbers["memory_budget"]["bytes"]), memory_note=numbers["memory_note"],
         pictures=numbers["pictures"], config=cfg.model_dump(mode="json"),
+        auto_plan=[AutoPlanRowPublic(**row) for row in numbers["auto_plan"]] if numbers.get("auto_plan") else None,
     )

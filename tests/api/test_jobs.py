@@ -117,6 +117,13 @@ def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
         assert sorted(entry["stage"] for entry in wq) == [0, 1]
         none = bob.post("/v1/plans", json={"overrides": ["+parallel=3d", "mesh=[2,2,2]", "tracking.pictures=false"]})
         assert none.json()["pictures"] is None
+        assert body["auto_plan"] is None  # a hand-written layout has no ranking
+        auto = bob.post("/v1/plans", json={"overrides": [
+            "+parallel=auto", "mesh=[2]", "tracking.pictures=false", "+parallel.auto.schedules=[1F1B]",
+            "+parallel.auto.microbatches=[2]", "+parallel.auto.activation_checkpointing=[none]"]}).json()
+        rows = auto["auto_plan"]
+        assert rows[0]["status"] == "chosen" and rows[0]["parallel"]["dims"] == auto["dims"]
+        assert {r["label"] for r in rows} >= {"tp2", "pp2(1F1B, m2)", "dp2(ddp)", "dp2(fsdp)", "dp2(zero2)"}
 
 
 def test_plan_of_per_stage_layouts_gives_each_stage_its_own_numbers(queue_server):

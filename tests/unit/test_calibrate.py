@@ -1,0 +1,55 @@
+"""trainer.calibrate: the fits, the schema's JSON round trip, extrapolation to unmeasured groups, the cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.calibrate import Calibration, Fit, fit_line, load_or_probe, probe
+
+
+def _calibration(workers: int = 8) -> Calibration:
+    line = Fit(latency_s=1e-4, rate=1e9)
+    return Calibration(host="h", device="cpu:test", workers=workers, matmul={"fp32": Fit(1e-5, 1e10)},
+                       elementwise=Fit(2e-6, 5e9),
+                       collectives={op: {2: line, 4: Fit(3e-4, 5e8)} for op in
+                                    ("all_reduce", "all_gather", "reduce_scatter", "send_recv")})
+
+
+def test_fit_line_recovers_latency_and_rate():
+    sizes = [1e3, 1e5, 1e7]
+    fit = fit_line(sizes, [2e-4 + s / 3e8 for s in sizes])
+    assert fit.latency_s == pytest.approx(2e-4, rel=1e-6)
+    assert fit.rate == pytest.approx(3e8, rel=1e-6)
+    assert fit.time(1e6) == pytest.approx(2e-4 + 1e6 / 3e8)
+
+
+def test_json_round_trip_keeps_every_field():
+    cal = _calibration()
+    back = Calibration.from_json(cal.to_json())
+    assert back == cal
+    assert back.collectives["all_gather"][4].rate == 5e8  # group sizes come back as ints
+
+
+def test_collective_time_measured_and_extrapolated():
+    cal = _calibration()
+    assert cal.collective_time("all_reduce", 1, 1e6) == 0.0  # a group of one moves nothing
+    assert cal.collective_time("all_reduce", 2, 1e6) == pytest.approx(1e-4 + 1e6 / 1e9)
+    # 8 ranks from the fit at 4: latency x (8-1)/(4-1) ring steps, bandwidth x (7/8)/(3/4) share sent
+    assert cal.collective_time("all_gather", 8, 1e6) == pytest.approx(3e-4 * 7 / 3 + 1e6 * (7 / 8) / (3 / 4) / 5e8)
+
+
+def test_one_worker_probe_is_cached(tmp_path):
+    first = load_or_probe(1, [], root=tmp_path)
+    assert first.workers == 1 and first.matmul["fp32"].rate > 1e8  # any CPU does 0.1 GFLOP/s
+    assert first.collectives["all_reduce"] == {}
+    assert len(list(tmp_path.iterdir())) == 1
+    again = load_or_probe(1, [], root=tmp_path)
+    assert again.created == first.created  # read from the cache, not probed again
+
+
+@pytest.mark.slow
+def test_two_workers_measure_collectives():
+    cal = probe(2, [2])
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
+        fit = cal.collectives[op][2]
+        assert fit.rate > 1e6 and fit.latency_s < 0.1  # loopback gloo: > 1 MB/s, a call under 100 ms

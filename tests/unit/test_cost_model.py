@@ -1,0 +1,88 @@
+"""trainer.cost_model: work per unit, communication per axis, bubble and checkpointing, on a hand-made calibration."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.calibrate import Calibration, Fit
+from trainer.compose import compose_dict
+from trainer.cost_model import comm_ops, micro_batch_size, predict_step_time, unit_costs, unit_params
+from trainer.models import build_model
+from trainer.validate import validate_with_plan
+
+CAL = Calibration(host="h", device="cpu:test", workers=4, matmul={"fp32": Fit(1e-5, 1e10), "bf16": Fit(1e-5, 2e10)},
+                  elementwise=Fit(2e-6, 5e9),
+                  collectives={op: {2: Fit(1e-4, 1e9), 4: Fit(2e-4, 1e9)}
+                               for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")})
+
+
+def _plan(*overrides):
+    return validate_with_plan(compose_dict(["dry_run=true", "train.global_batch_size=8", *overrides]))
+
+
+def test_doubling_tp_halves_a_blocks_matmul_flops():
+    cfg1, plan1 = _plan("+parallel=tp", "mesh=[1]")
+    cfg2, plan2 = _plan("+parallel=tp", "mesh=[2]")
+    one = unit_costs(cfg1, plan1, 2)["layers.0"]
+    two = unit_costs(cfg2, plan2, 2)["layers.0"]
+    assert two.forward.matmul_flops == pytest.approx(one.forward.matmul_flops / 2)
+    assert two.backward.matmul_flops == pytest.approx(one.backward.matmul_flops / 2)
+    # 7 projections and attention's two matmuls forward; backward twice each (input and weight gradients)
+    assert (one.forward.matmul_calls, one.backward.matmul_calls) == (9, 16)
+    # the embedding and the head are not split by the Megatron plan
+    assert unit_costs(cfg2, plan2, 2)["output"].forward.matmul_flops == unit_costs(cfg1, plan1, 2)["output"].forward.matmul_flops
+
+
+def test_a_linear_layers_flops_are_2mkn():
+    cfg, plan = _plan()
+    out = unit_costs(cfg, plan, 2)["output"]
+    tokens = 2 * cfg.train.seq_len
+    assert out.forward.matmul_flops == 2 * tokens * cfg.model.dim * cfg.model.vocab_size
+    assert out.backward.matmul_flops == 2 * out.forward.matmul_flops
+
+
+def test_pipeline_adds_the_bubble():
+    cfg, plan = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=2")
+    t = predict_step_time(cfg, plan, CAL)
+    bubble = 1 / 3  # (p-1)/(m+p-1) for p = m = 2
+    assert t.bubble_s == pytest.approx(t.compute_s * bubble / (1 - bubble))
+    assert t.total_s == pytest.approx(t.compute_s + t.bubble_s + sum(t.comm_s.values()) + t.optimizer_s)
+    assert set(t.comm_s) == {"pp"}
+
+
+def test_full_checkpointing_adds_one_forward_per_block():
+    cfg, plan = _plan("+parallel=fsdp", "mesh=[2]")
+    cfg_ac, plan_ac = _plan("+parallel=fsdp", "mesh=[2]", "+parallel.activation_checkpointing=full")
+    costs = unit_costs(cfg, plan, micro_batch_size(cfg))
+    extra = sum(costs[b].forward.seconds(CAL, "fp32") for b in plan.blocks)
+    assert predict_step_time(cfg_ac, plan_ac, CAL).compute_s == pytest.approx(
+        predict_step_time(cfg, plan, CAL).compute_s + extra)
+
+
+def test_fsdp_sends_one_and_a_half_times_ddps_gradient_bytes_per_block():
+    cfg_ddp, plan_ddp = _plan("+parallel=dp", "mesh=[2]")
+    cfg_fsdp, plan_fsdp = _plan("+parallel=fsdp", "mesh=[2]")
+    params = unit_params(plan_fsdp, build_model(cfg_fsdp.model, device="meta"))
+    units = list(plan_fsdp.units)
+    ddp = comm_ops(cfg_ddp, plan_ddp, units, params, 8)
+    fsdp = comm_ops(cfg_fsdp, plan_fsdp, units, params, 8)
+    total = sum(n for n, _ in params.values())
+    assert [(op.op, op.nbytes, op.count) for op in ddp] == [("all_reduce", 4 * total, 1)]
+    assert sum(op.sent_bytes for op in ddp) == pytest.approx(4 * total)  # 2 (g-1)/g = 1 for g = 2
+    block = params["layers.0"][0] * 4
+    gathers = [op for op in fsdp if op.op == "all_gather" and op.nbytes == block]
+    assert len(gathers) == len(plan_fsdp.blocks) and all(op.count == 2 for op in gathers)  # forward and backward
+    # per block: two all-gathers and a reduce-scatter, each sending half: 1.5x ddp's all-reduce of it
+    block_sent = sum(op.sent_bytes for op in fsdp if op.nbytes == block)
+    assert block_sent == pytest.approx(1.5 * block * len(plan_fsdp.blocks))
+
+
+def test_tp_all_reduces_activations_four_times_per_block_and_microbatch():
+    cfg, plan = _plan("+parallel=tp", "mesh=[2]")
+    params = unit_params(plan, build_model(cfg.model, device="meta"))
+    (op,) = comm_ops(cfg, plan, list(plan.units), params, micro_batch_size(cfg))
+    assert (op.axis, op.op, op.group_size) == ("tp", "all_reduce", 2)
+    assert op.nbytes == 8 * cfg.train.seq_len * cfg.model.dim * 4
+    assert op.count == 4 * cfg.model.n_layers
+    t = predict_step_time(cfg, plan, CAL)
+    assert t.comm_s["tp"] == pytest.approx(op.count * (1e-4 + op.nbytes / 1e9))

@@ -1,0 +1,347 @@
+"""Predict a layout's optimizer-step time from the model's work and a calibration of the host.
+
+    costs = unit_costs(cfg, plan, micro_batch=2)           # per pipeline unit: FLOPs, bytes, calls
+    t = predict_step_time(cfg, plan, calibration, costs=costs)
+    t.total_s, t.compute_s, t.bubble_s, t.comm_s["tp"]
+
+* Work per pipeline unit (``tok_embeddings``, ``layers.0``, ..., ``output``) comes from one forward
+  and backward of one micro-batch on the meta device, tensor-parallel parameters at their local
+  shapes: every matmul's FLOPs (torch's own flop formulas; CPU flash attention by its two matmuls,
+  halved when causal) and every other op's bytes read and written. Each call costs the
+  calibration's per-call latency plus its size over the calibrated rate (:mod:`trainer.calibrate`).
+  Activation checkpointing adds a checkpointed block's forward again to its backward.
+* Communication per rank and step (:func:`comm_ops`): Megatron tp all-reduces of activations,
+  dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP unit, pp sends;
+  each priced by the calibrated fit of its op and group size.
+* The pipeline bubble stretches the busiest rank's compute by ``1 / (1 - bubble)``
+  (:func:`parallel.pipeline_order.expected_bubble`).
+* Overlap: none. On CPU, gloo's collectives and the compute share the same cores and FSDP2's
+  prefetch buys little, so the prediction adds compute, bubble, communication and the optimizer
+  step. (On GPUs with nccl this over-predicts FSDP and dp: a later calibration may fit an overlap.)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from parallel.pipeline_order import expected_bubble
+from parallel.plan import ParallelPlan
+from trainer.calibrate import Calibration
+from trainer.config import RunConfig
+from trainer.models import decoder_config
+
+_FLASH_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
+ADAMW_OPS_PER_TENSOR = 12  # torch's single-tensor AdamW (CPU's default): lerp, mul, addcmul, sqrt, div, ...
+ADAMW_BYTES_PER_PARAM = 4 * 9  # fp32 param, grad, two moments: read, and write three of them, plus clipping
+
+
+@dataclass
+class Work:
+    """What one pass of one unit asks of a worker: matmul calls and FLOPs, other calls and bytes."""
+
+    matmul_calls: int = 0
+    matmul_flops: float = 0.0
+    other_calls: int = 0
+    other_bytes: float = 0.0
+
+    def seconds(self, cal: Calibration, dtype: str) -> float:
+        mm = cal.matmul.get(dtype) or cal.matmul["fp32"]
+        ew = cal.elementwise
+        return (self.matmul_calls * mm.latency_s + self.matmul_flops / mm.rate
+                + self.other_calls * ew.latency_s + self.other_bytes / ew.rate)
+
+
+@dataclass
+class UnitCost:
+    forward: Work = field(default_factory=Work)
+    backward: Work = field(default_factory=Work)
+
+
+class _Counter(TorchDispatchMode):
+    """Adds every op to ``costs[unit()][phase()]``; views cost nothing."""
+
+    def __init__(self, costs: dict[str, UnitCost], where) -> None:
+        super().__init__()
+        self.costs, self.where = costs, where
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        unit, phase = self.where()
+        work = getattr(self.costs[unit], phase)
+        if func in _FLASH_CPU:
+            q, k = args[0] if func.name().endswith("cpu") else args[1], args[1] if func.name().endswith("cpu") else args[2]
+            causal = bool(kwargs.get("is_causal")) if kwargs else False
+            causal = causal or any(a is True for a in args[3:6])
+            b, h, s, d = q.shape
+            flops = 4.0 * b * h * s * k.shape[-2] * d * _FLASH_CPU[func] * (0.5 if causal else 1.0)
+            work.matmul_calls += 2
+            work.matmul_flops += flops
+        elif func.overloadpacket in flop_registry:
+            work.matmul_calls += 1
+            work.matmul_flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
+        elif not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+            work.other_calls += 1
+            work.other_bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                    if isinstance(t, torch.Tensor))
+        return out
+
+
+class _Enter(torch.autograd.Function):
+    """Identity at a unit's output; its backward marks where that unit's backward begins."""
+
+    @staticmethod
+    def forward(ctx, x, mark):
+        ctx.mark = mark
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.mark()
+        return grad, None
+
+
+def unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None
+               ) -> dict[str, UnitCost]:
+    """Forward and backward work of every pipeline unit for one micro-batch of ``micro_batch``
+    sequences at tp-local shapes. ``model``: the meta model to copy (built once by a planner)."""
+    from trainer.memory import _fused_attention, _local_shapes  # the memory model's meta-pass helpers
+    from trainer.models import build_model, loss_fn_for
+
+    model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
+    _local_shapes(model, plan)
+    if cfg.train.precision == "bf16":
+        model.to(torch.bfloat16)
+    costs: dict[str, UnitCost] = defaultdict(UnitCost)
+    state = {"unit": plan.units[-1], "phase": "forward"}  # the loss belongs to the last unit
+    modules = dict(model.named_modules())
+    hooks = []
+    for unit in plan.units:
+        if unit in modules:
+            hooks.append(modules[unit].register_forward_pre_hook(lambda *_, u=unit: state.update(unit=u) and None))
+            hooks.append(modules[unit].register_forward_hook(
+                lambda _m, _a, out, u=unit: _Enter.apply(out, lambda: state.update(unit=u))
+                if isinstance(out, torch.Tensor) and out.requires_grad else None))
+    if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
+        x = torch.empty(micro_batch, cfg.model.in_features, device="meta")
+        y = torch.empty(micro_batch, cfg.model.out_features, device="meta")
+    else:
+        x = torch.zeros(micro_batch, cfg.train.seq_len, dtype=torch.long, device="meta")
+        y = torch.zeros(micro_batch, cfg.train.seq_len, dtype=torch.long, device="meta")
+    with _fused_attention(), _Counter(costs, lambda: (state["unit"], state["phase"])):
+        out = model(x)
+        state["unit"] = plan.units[-1]
+        loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+        state["phase"] = "backward"
+        loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return _spread_unhooked(dict(costs), plan, model)
+
+
+def _spread_unhooked(costs: dict[str, UnitCost], plan: ParallelPlan, model: nn.Module) -> dict[str, UnitCost]:
+    """Units that are raw parameters (the mlp arch's ``w0``, ``w1``) have no hooks: their work, all
+    counted on the last unit, is shared out by parameter count."""
+    modules = dict(model.named_modules())
+    raw = [u for u in plan.units if u not in modules]
+    if not raw:
+        return costs
+    sizes = {u: model.get_parameter(u).numel() if u in raw else 0 for u in plan.units}
+    pool, total = costs.pop(plan.units[-1], UnitCost()), sum(sizes[u] for u in raw)
+    for unit in raw:
+        share = sizes[unit] / total
+        costs[unit] = UnitCost(*(Work(round(w.matmul_calls * share), w.matmul_flops * share,
+                                      round(w.other_calls * share), w.other_bytes * share)
+                                 for w in (pool.forward, pool.backward)))
+    return costs
+
+
+# --------------------------------------------------------------------- communication
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One kind of collective a rank runs in a step: ``count`` calls of ``op`` over ``group_size``
+    ranks of mesh axis ``axis`` (dp's axes joined by commas), each on a buffer of ``nbytes``."""
+
+    axis: str
+    op: str
+    group_size: int
+    nbytes: float
+    count: float
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sends in the step (ring algorithms), as the dry run's traffic counts them."""
+        g = self.group_size
+        share = {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g}
+        return share.get(self.op, 1.0) * self.nbytes * self.count
+
+    def seconds(self, cal: Calibration) -> float:
+        return self.count * cal.collective_time(self.op, self.group_size, self.nbytes)
+
+
+def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, int]]:
+    """Per pipeline unit: ``(tp-local parameter count, parameter tensors)`` of one rank."""
+    out: dict[str, list] = {u: [0.0, 0] for u in plan.units}
+    for fqn, p in model.named_parameters():
+        unit = next(u for u in plan.units if fqn == u or fqn.startswith(u + "."))
+        div = math.prod(plan.mesh.size(a) for a, pl in plan.placements.get(fqn, {}).items() if pl.is_shard)
+        out[unit][0] += p.numel() / div
+        out[unit][1] += 1
+    return {u: (v[0], v[1]) for u, v in out.items()}
+
+
+def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[str, tuple[float, int]],
+             micro_batch: int) -> list[CommOp]:
+    """The collectives of the pp rank holding units ``held`` in one optimizer step (see the module
+    docstring); ``params``: :func:`unit_params`."""
+    ops: list[CommOp] = []
+    t, pp = cfg.train, plan.pipeline
+    m = pp.num_microbatches if pp else 1
+    cdt = 2 if t.precision == "bf16" else 4  # activations and gathered parameters in the compute dtype
+    if (dp := plan.data_parallel) is not None:
+        ops += _dp_ops(dp, plan, held, params, cdt, passes=t.grad_accum)
+    decoder = decoder_config(cfg.model)
+    act = micro_batch * t.seq_len * (decoder.dim if decoder else 0) * cdt
+    tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
+    blocks = [u for u in held if u in plan.blocks]
+    for axis in tp_axes:
+        if (g := plan.mesh.size(axis)) > 1 and decoder is not None:
+            # Megatron: attention's and the MLP's row-parallel outputs in forward, their column-parallel
+            # inputs' gradients in backward; a checkpointed block's forward runs twice.
+            per_block = 4 + 2 * (plan.activation_checkpointing == "full")
+            ops.append(CommOp(axis, "all_reduce", g, act, per_block * len(blocks) * m * t.grad_accum))
+    if pp is not None and plan.pp_size > 1:
+        ops.append(CommOp(pp.dim, "send_recv", 2, act, 2 * pp.stages_per_rank * m * t.grad_accum))
+    return [op for op in ops if op.count > 0 and op.group_size > 1]
+
+
+def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, passes: int) -> list[CommOp]:
+    """FSDP2's collectives per FSDP unit (every block, then the root with the rest), per
+    accumulation pass; a pipeline stage gathers once per pass and reduces after its last
+    micro-batch (torch's PipelineStage), as does ddp (FSDP2's replicate: one all-reduce)."""
+    axis = ",".join(dp.dim_names)
+    numel = [params[u][0] for u in held]
+    if dp.mode == "ddp":
+        return [CommOp(axis, "all_reduce", plan.mesh.size(dp.dim_names), 4.0 * sum(numel), passes)]
+    shard_axis = dp.dim_names[-1] if dp.mode == "hsdp" else axis
+    g = plan.mesh.size(dp.shard_dim_names)
+    fsdp_units = [params[u][0] for u in held if u in plan.blocks]
+    fsdp_units.append(sum(params[u][0] for u in held if u not in plan.blocks))  # the root
+    gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2
+    ops = []
+    for index, n in enumerate(fsdp_units):
+        root = index == len(fsdp_units) - 1  # stays gathered from forward to backward
+        ops.append(CommOp(shard_axis, "all_gather", g, n * cdt, (1 if root else gathers) * passes))
+        ops.append(CommOp(shard_axis, "reduce_scatter", g, n * 4.0, passes))
+    if dp.mode == "hsdp":
+        ops.append(CommOp(dp.dim_names[0], "all_reduce", plan.mesh.size(dp.dim_names[0]), 4.0 * sum(numel) / g, passes))
+    return [op for op in ops if op.nbytes > 0]
+
+
+# --------------------------------------------------------------------- step time
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step: the busiest pp rank's compute, the pipeline's
+    bubble, each mesh axis's communication and the optimizer step of the rank that waits most."""
+
+    total_s: float
+    compute_s: float
+    bubble_s: float
+    comm_s: dict[str, float]
+    optimizer_s: float
+    traffic: dict[str, float]  # bytes a rank sends per step, per mesh axis
+    tokens_per_step: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.total_s if self.total_s > 0 else 0.0
+
+
+def micro_batch_size(cfg: RunConfig) -> int:
+    t = cfg.train
+    return max(1, t.global_batch_size // t.grad_accum // max(1, cfg.dp_size) // cfg.num_microbatches)
+
+
+def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, *,
+                      costs: dict[str, UnitCost] | None = None, model: nn.Module | None = None) -> StepTime:
+    """The step time of ``cfg`` laid out as ``plan`` on the calibrated host. ``costs``: this
+    layout's :func:`unit_costs` when a planner has them cached; ``model``: the meta model."""
+    from trainer.models import build_model
+
+    model = model if model is not None else build_model(cfg.model, device="meta")
+    micro = micro_batch_size(cfg)
+    costs = costs if costs is not None else unit_costs(cfg, plan, micro, model=model)
+    params = unit_params(plan, model)
+    pp, t = plan.pipeline, cfg.train
+    passes = t.grad_accum * (pp.num_microbatches if pp else 1)
+    checkpointed = set(plan.blocks) if plan.activation_checkpointing == "full" else set()
+    busy = []
+    for held in _rank_units(plan):
+        per_pass = 0.0
+        for unit in held:
+            cost = costs.get(unit, UnitCost())
+            forward = cost.forward.seconds(calibration, t.precision)
+            per_pass += forward * (2 if unit in checkpointed else 1) + cost.backward.seconds(calibration, t.precision)
+        busy.append(per_pass * passes)
+    bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
+                             microbatches=pp.num_microbatches) if pp else 0.0
+    compute = max(busy)
+    span = compute / (1.0 - bubble) if bubble < 1 else math.inf
+    _, comm, optimizer, traffic = worst_wait(cfg, plan, calibration, params, micro)
+    return StepTime(total_s=span + sum(comm.values()) + optimizer, compute_s=compute, bubble_s=span - compute,
+                    comm_s=comm, optimizer_s=optimizer, traffic=traffic,
+                    tokens_per_step=t.global_batch_size * t.seq_len)
+
+
+def _rank_units(plan: ParallelPlan) -> list[list[str]]:
+    """The units each pp rank holds (one list without a pipeline)."""
+    pp = plan.pipeline
+    if pp is None:
+        return [list(plan.units)]
+    return [[u for s in pp.stages_of(r) for u in pp.stage_units[s]] for r in range(plan.pp_size)]
+
+
+def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: dict[str, tuple[float, int]],
+               micro: int) -> tuple[float, dict[str, float], float, dict[str, float]]:
+    """``(seconds, comm seconds per axis, optimizer seconds, bytes sent per axis)`` of the pp rank
+    that spends the longest outside compute: communicating (no overlap) and in its optimizer step."""
+    shard = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
+    waits = []
+    for held in _rank_units(plan):
+        comm: dict[str, float] = defaultdict(float)
+        traffic: dict[str, float] = defaultdict(float)
+        for op in comm_ops(cfg, plan, held, params, micro):
+            comm[op.axis] += op.seconds(calibration)
+            traffic[op.axis] += op.sent_bytes
+        numel, tensors = sum(params[u][0] for u in held), sum(params[u][1] for u in held)
+        optimizer = (tensors * ADAMW_OPS_PER_TENSOR * calibration.elementwise.latency_s
+                     + numel / shard * ADAMW_BYTES_PER_PARAM / calibration.elementwise.rate)
+        waits.append((sum(comm.values()) + optimizer, dict(comm), optimizer, dict(traffic)))
+    return max(waits, key=lambda w: w[0])
+
+
+def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: dict[str, tuple[float, int]],
+                  flops_per_sequence: float) -> float:
+    """A step time :func:`predict_step_time` can never undercut, without a meta pass: the whole
+    model's matmul FLOPs for the global batch (``flops_per_sequence``: forward and backward of one
+    unsplit sequence) shared perfectly by every rank at the full matmul rate, stretched by the
+    bubble, plus the communication and optimizer step, which need no pass."""
+    pp, t = plan.pipeline, cfg.train
+    rate = (calibration.matmul.get(t.precision) or calibration.matmul["fp32"]).rate
+    compute = flops_per_sequence * t.global_batch_size / plan.mesh.world_size / rate
+    bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
+                             microbatches=pp.num_microbatches) if pp else 0.0
+    return compute / (1.0 - bubble) + worst_wait(cfg, plan, calibration, params, micro_batch_size(cfg))[0]
