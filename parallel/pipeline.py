@@ -80,7 +80,8 @@ def stage_boundaries(model: nn.Module, *, boundaries: Sequence[str] | str, num_s
     if num_stages > len(units):
         raise ValueError(f"{num_stages} stages but the model has only {len(units)} units: {units}")
     if boundaries == "auto":
-        boundaries = auto_boundaries(units, [_unit_numel(model, u) for u in units], num_stages)
+        modules = dict(model.named_modules())
+        boundaries = auto_boundaries(units, [_unit_numel(model, modules, u) for u in units], num_stages)
     missing = [b for b in boundaries if b not in units]
     if missing:
         raise ValueError(f"boundaries {missing} are not units of the model; units are {units}")
@@ -91,10 +92,9 @@ def stage_boundaries(model: nn.Module, *, boundaries: Sequence[str] | str, num_s
     return [units[a:b] for a, b in zip(starts, ends)]
 
 
-def _unit_numel(model: nn.Module, unit: str) -> int:
-    owner = model.get_submodule(unit) if unit in dict(model.named_modules()) else None
-    if owner is not None:
-        return sum(p.numel() for p in owner.parameters())
+def _unit_numel(model: nn.Module, modules: dict[str, nn.Module], unit: str) -> int:
+    if unit in modules:
+        return sum(p.numel() for p in modules[unit].parameters())
     return model.get_parameter(unit).numel()
 
 

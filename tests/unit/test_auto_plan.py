@@ -71,6 +71,23 @@ def test_pruning_keeps_the_brute_force_optimum():
             assert c.lower_bound_s > result.winner.step_s
 
 
+def test_a_section_failure_rejects_its_twins_with_the_validators_own_reason():
+    """The search validates one candidate per failing tp degree / pipeline section and copies the
+    reason to the rest: the verdicts equal validating every candidate afresh."""
+    raw = _raw("mesh=[8]", "+parallel.auto.schedules=[1F1B,GPipe]")
+    knobs = AutoPlanConfig(schedules=["1F1B", "GPipe"])
+    base = RunConfig.model_validate({**raw, "mesh": None, "parallel": None})
+    memo, fresh = Search(raw, base, knobs, 8, CAL), Search(raw, base, knobs, 8, CAL)
+    verdicts = {"memo": [], "fresh": []}
+    for c in memo.layouts():
+        verdicts["memo"].append((c.label, memo.validate(c) is None, c.reason))
+    for c in fresh.layouts():
+        fresh._failed.clear()
+        verdicts["fresh"].append((c.label, fresh.validate(c) is None, c.reason))
+    assert verdicts["memo"] == verdicts["fresh"]
+    assert sum(invalid for _, invalid, _ in verdicts["memo"]) > 2 * len(memo._failed) > 0
+
+
 def test_memory_budget_drops_layouts_that_do_not_fit():
     result = plan_layouts(_raw("mesh=[2]", *NARROW, "launch.memory_budget_gb=0.01"), calibration=CAL)
     assert result.winner.status != "chosen"
