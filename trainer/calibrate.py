@@ -36,13 +36,17 @@ from pathlib import Path
 
 import torch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 # (m, k, n) of the probe's matmuls: a decoder's projections from tiny (dim 64) to small (dim 512, ffn 1376),
 # m being the tokens of a micro-batch; small ones measure the per-call overhead, large ones the throughput.
 MATMUL_SHAPES = ((256, 64, 64), (512, 64, 172), (512, 256, 256), (1024, 512, 512), (1024, 512, 1376))
 ELEMENTWISE_NUMEL = (2**12, 2**16, 2**20)
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
+# The framework probe: a stack of tiny blocks whose arithmetic is negligible, so its time per op is
+# what every op of a training step pays beyond the op itself (nn.Module calls, autograd's graph and
+# engine, the optimizer's per-tensor Python loop), which the raw ops above do not see.
+FRAMEWORK_WIDTH, FRAMEWORK_DEPTH = 8, 16
 MIN_SECONDS = 0.15  # per measured point: enough repetitions to average out the scheduler's noise
 
 
@@ -73,6 +77,8 @@ class Calibration:
     matmul: dict[str, Fit]
     elementwise: Fit
     collectives: dict[str, dict[int, Fit]]
+    op_latency_s: float = 0.0  # seconds per op of a module's forward and backward under autograd, at tiny sizes
+    optimizer_tensor_s: float = 0.0  # seconds per parameter tensor of clip, AdamW step and zero_grad, tiny tensors
     probe_s: float = 0.0
     torch_version: str = torch.__version__
     created: float = 0.0
@@ -177,7 +183,39 @@ def _probe_compute(device: torch.device, dtypes: list[str]) -> dict:
         nbytes.append(3.0 * 4 * numel)  # two reads, one write
         secs.append(_timed(lambda: torch.add(x, y)))
     out["elementwise"] = (nbytes, secs)
+    out["framework"] = _probe_framework(device)
     return out
+
+
+def _probe_framework(device: torch.device) -> tuple[float, float]:
+    """``(seconds per op of forward + backward, seconds per parameter tensor of the optimizer step)``
+    of a stack of tiny Linear, SiLU, LayerNorm blocks trained as the trainer does (clip, AdamW with
+    torch's default implementation for the device, zero_grad)."""
+    from torch import nn
+
+    from trainer.cost_model import count_calls  # the cost model counts ops the same way (it imports this module)
+
+    w = FRAMEWORK_WIDTH
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.SiLU(), nn.LayerNorm(w))
+                            for _ in range(FRAMEWORK_DEPTH)]).to(device)
+    x = torch.randn(4, w, device=device)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+    def passes():
+        model(x).sum().backward()
+
+    def step():
+        passes()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    calls = count_calls(passes)
+    optimizer.zero_grad(set_to_none=True)
+    passes_s = _timed(passes)
+    step_s = _timed(step)
+    return passes_s / calls, max(0.0, step_s - passes_s) / len(params)
 
 
 def _probe_collectives(rank: int, workers: int, group_sizes: list[int], device: torch.device) -> dict:
@@ -267,6 +305,8 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
         host=socket.gethostname(), device=_device_name(device), workers=workers,
         matmul={d: _median_fit([c["matmul"][d] for c in compute]) for d in dtypes},
         elementwise=_median_fit([c["elementwise"] for c in compute]), collectives=collectives,
+        op_latency_s=statistics.median(c["framework"][0] for c in compute),
+        optimizer_tensor_s=statistics.median(c["framework"][1] for c in compute),
         probe_s=time.monotonic() - began, created=time.time())
 
 
@@ -313,6 +353,8 @@ def describe(cal: Calibration) -> str:
     for dtype, fit in cal.matmul.items():
         lines.append(f"  matmul {dtype}: {fit.rate / 1e9:.2f} GFLOP/s per worker, {fit.latency_s * 1e6:.1f} us per call")
     lines.append(f"  elementwise: {cal.elementwise.rate / 1e9:.2f} GB/s per worker, {cal.elementwise.latency_s * 1e6:.1f} us per op")
+    lines.append(f"  framework: {cal.op_latency_s * 1e6:.1f} us per op in a module's forward + backward, "
+                 f"{cal.optimizer_tensor_s * 1e6:.0f} us per parameter tensor in the optimizer step")
     for op, by_size in cal.collectives.items():
         for g, fit in sorted(by_size.items()):
             lines.append(f"  {op} over {g}: {fit.latency_s * 1e6:.0f} us + bytes / {fit.rate / 1e6:.0f} MB/s")

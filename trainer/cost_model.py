@@ -57,8 +57,10 @@ class Work:
     def seconds(self, cal: Calibration, dtype: str) -> float:
         mm = cal.matmul.get(dtype) or cal.matmul["fp32"]
         ew = cal.elementwise
-        return (self.matmul_calls * mm.latency_s + self.matmul_flops / mm.rate
-                + self.other_calls * ew.latency_s + self.other_bytes / ew.rate)
+        # A call costs at least what an op pays inside a training step (modules, autograd), beyond
+        # the raw op the compute probe times.
+        return (self.matmul_calls * max(mm.latency_s, cal.op_latency_s) + self.matmul_flops / mm.rate
+                + self.other_calls * max(ew.latency_s, cal.op_latency_s) + self.other_bytes / ew.rate)
 
 
 @dataclass
@@ -94,6 +96,15 @@ class _Counter(TorchDispatchMode):
             work.other_bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                                     if isinstance(t, torch.Tensor))
         return out
+
+
+def count_calls(fn) -> int:
+    """The ops :class:`Work` counts (matmuls and non-view others) that running ``fn`` dispatches."""
+    costs: dict[str, UnitCost] = defaultdict(UnitCost)
+    with _Counter(costs, lambda: ("all", "forward")):
+        fn()
+    work = costs["all"].forward
+    return work.matmul_calls + work.other_calls
 
 
 class _Enter(torch.autograd.Function):
@@ -327,8 +338,8 @@ def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, par
             comm[op.axis] += op.seconds(calibration)
             traffic[op.axis] += op.sent_bytes
         numel, tensors = sum(params[u][0] for u in held), sum(params[u][1] for u in held)
-        optimizer = (tensors * ADAMW_OPS_PER_TENSOR * calibration.elementwise.latency_s
-                     + numel / shard * ADAMW_BYTES_PER_PARAM / calibration.elementwise.rate)
+        per_tensor = max(ADAMW_OPS_PER_TENSOR * calibration.elementwise.latency_s, calibration.optimizer_tensor_s)
+        optimizer = tensors * per_tensor + numel / shard * ADAMW_BYTES_PER_PARAM / calibration.elementwise.rate
         waits.append((sum(comm.values()) + optimizer, dict(comm), optimizer, dict(traffic)))
     return max(waits, key=lambda w: w[0])
 

@@ -2,7 +2,7 @@
 
     python tests/bench/bench_planner.py                          # 3 sizes on 8 CPU workers, ~30-40 minutes
     python tests/bench/bench_planner.py --sizes 3M --record rows.jsonl
-    python tests/bench/bench_planner.py --replay tests/bench/planner_rows.jsonl   # the tables of recorded rows
+    python tests/bench/bench_planner.py --replay tests/bench/planner_rows.jsonl   # recorded rows, predicted now
     python tests/bench/bench_planner.py --plan-only              # only the 4096-rank planning time
 
 For each model size (Llama-shaped built-in decoders), every layout of 8 ranks the planner
@@ -185,9 +185,14 @@ def main() -> None:
     parser.add_argument("--plan-only", action="store_true", help="only time the 4096-rank plan")
     args = parser.parse_args()
     tokens = 16 * 128
-    if args.replay:
+    if args.replay:  # the recorded measurements beside this checkout's predictions and pick
         rows = [json.loads(line) for line in args.replay.read_text().splitlines() if line.strip()]
-        picks = {r["size"]: r["layout"] for r in rows if r.get("pick")}
+        picks = {}
+        for size in dict.fromkeys(r["size"] for r in rows):
+            candidates, picks[size] = predicted_layouts(size, args.steps)
+            now = {c.label: c for c in candidates}
+            for r in (r for r in rows if r["size"] == size and r["layout"] in now):
+                r["predicted_ms"], r["predicted_mib"] = now[r["layout"]].step_s * 1e3, now[r["layout"]].peak_bytes / 2**20
         print(tables(rows, picks, tokens))
         return
     if not args.plan_only:

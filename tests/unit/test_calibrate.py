@@ -45,6 +45,26 @@ def test_one_worker_probe_is_cached(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1
     again = load_or_probe(1, [], root=tmp_path)
     assert again.created == first.created  # read from the cache, not probed again
+    # the framework terms: an op inside a module's forward + backward pays more than a raw call
+    assert first.op_latency_s > first.elementwise.latency_s and first.op_latency_s > 0
+    assert first.optimizer_tensor_s > 0
+
+
+def test_framework_terms_floor_every_call_and_the_optimizer():
+    from dataclasses import replace
+
+    from trainer.cost_model import Work, count_calls
+
+    cal = _calibration()
+    work = Work(matmul_calls=10, other_calls=30)
+    assert work.seconds(cal, "fp32") == pytest.approx(10 * 1e-5 + 30 * 2e-6)
+    slow = replace(cal, op_latency_s=5e-5)
+    assert work.seconds(slow, "fp32") == pytest.approx(40 * 5e-5)  # every call at least the framework's latency
+    import torch
+
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    assert count_calls(lambda: lin(x).sum().backward()) >= 4  # addmm, sum; backward: mm, sum, ...
 
 
 @pytest.mark.slow
