@@ -79,6 +79,7 @@ class Calibration:
     collectives: dict[str, dict[int, Fit]]
     op_latency_s: float = 0.0  # seconds per op of a module's forward and backward under autograd, at tiny sizes
     optimizer_tensor_s: float = 0.0  # seconds per parameter tensor of clip, AdamW step and zero_grad, tiny tensors
+    cores: int = 0  # CPU cores the workers share (0: a device each, nothing shared)
     probe_s: float = 0.0
     torch_version: str = torch.__version__
     created: float = 0.0
@@ -307,6 +308,7 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
         elementwise=_median_fit([c["elementwise"] for c in compute]), collectives=collectives,
         op_latency_s=statistics.median(c["framework"][0] for c in compute),
         optimizer_tensor_s=statistics.median(c["framework"][1] for c in compute),
+        cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
         probe_s=time.monotonic() - began, created=time.time())
 
 

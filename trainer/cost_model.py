@@ -14,7 +14,10 @@
   dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP unit, pp sends;
   each priced by the calibrated fit of its op and group size.
 * The pipeline bubble stretches the busiest rank's compute by ``1 / (1 - bubble)``
-  (:func:`parallel.pipeline_order.expected_bubble`).
+  (:func:`parallel.pipeline_order.expected_bubble`), less when workers share fewer CPU cores
+  (:func:`bubble_span`).
+* Every call costs at least the calibrated framework latency (an op inside a module's forward
+  and backward under autograd), and the optimizer step at least the calibrated time per tensor.
 * Overlap: none. On CPU, gloo's collectives and the compute share the same cores and FSDP2's
   prefetch buys little, so the prediction adds compute, bubble, communication and the optimizer
   step. (On GPUs with nccl this over-predicts FSDP and dp: a later calibration may fit an overlap.)
@@ -310,11 +313,30 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
     compute = max(busy)
-    span = compute / (1.0 - bubble) if bubble < 1 else math.inf
+    span = bubble_span(compute, bubble, calibration)
     _, comm, optimizer, traffic = worst_wait(cfg, plan, calibration, params, micro)
     return StepTime(total_s=span + sum(comm.values()) + optimizer, compute_s=compute, bubble_s=span - compute,
                     comm_s=comm, optimizer_s=optimizer, traffic=traffic,
                     tokens_per_step=t.global_batch_size * t.seq_len)
+
+
+def bubble_span(compute: float, bubble: float, calibration: Calibration) -> float:
+    """The pipeline's span for a rank busy ``compute`` seconds with ``bubble`` of the span idle.
+
+    On workers that each own a device, the idle share is lost: ``compute / (1 - bubble)``. Workers
+    sharing fewer CPU cores (the calibration measured each one's speed with all of them busy) lose
+    less: a rank waiting in the bubble gives its share of the cores to the others, so the span
+    shrinks by the ratio of the cores' busy share, ``max(cores, runnable) / workers`` with
+    ``runnable = workers * (1 - bubble)``; down to ``compute`` when the runnable ranks still
+    outnumber the cores (measured here: pp4 over 8 workers on 2 cores ran at +10..+68% of the
+    unshared bubble's prediction)."""
+    if bubble >= 1:
+        return math.inf
+    span = compute / (1.0 - bubble)
+    workers, cores = calibration.workers, calibration.cores
+    if bubble > 0 and 0 < cores < workers:
+        span *= max(cores, workers * (1.0 - bubble)) / workers
+    return span
 
 
 def _rank_units(plan: ParallelPlan) -> list[list[str]]:
@@ -355,4 +377,4 @@ def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, 
     compute = flops_per_sequence * t.global_batch_size / plan.mesh.world_size / rate
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
-    return compute / (1.0 - bubble) + worst_wait(cfg, plan, calibration, params, micro_batch_size(cfg))[0]
+    return bubble_span(compute, bubble, calibration) + worst_wait(cfg, plan, calibration, params, micro_batch_size(cfg))[0]

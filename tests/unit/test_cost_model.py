@@ -50,6 +50,19 @@ def test_pipeline_adds_the_bubble():
     assert set(t.comm_s) == {"pp"}
 
 
+def test_shared_cores_fill_the_bubble():
+    from dataclasses import replace
+
+    cfg, plan = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=2")
+    own = predict_step_time(cfg, plan, replace(CAL, workers=2, cores=0))
+    # 2 workers on 1 core: 4/3 runnable on average, more than the core: the bubble costs nothing
+    one_core = predict_step_time(cfg, plan, replace(CAL, workers=2, cores=1))
+    assert one_core.bubble_s == pytest.approx(0.0, abs=1e-12) and one_core.compute_s == pytest.approx(own.compute_s)
+    # 8 workers on 6 cores: 16/3 runnable; the span is compute / (1 - 1/3) * 6 / 8
+    six = predict_step_time(cfg, plan, replace(CAL, workers=8, cores=6))
+    assert six.compute_s + six.bubble_s == pytest.approx(own.compute_s * 1.5 * 6 / 8)
+
+
 def test_full_checkpointing_adds_one_forward_per_block():
     cfg, plan = _plan("+parallel=fsdp", "mesh=[2]")
     cfg_ac, plan_ac = _plan("+parallel=fsdp", "mesh=[2]", "+parallel.activation_checkpointing=full")
