@@ -25,11 +25,11 @@ from parallel.plan import ParallelPlan
 from service.confine import check_relative_glob, confine_glob, confine_path
 from trainer.compose import CONF_DIR, compose_dict
 from trainer.config import RunConfig
+from trainer.rendezvous import LOOPBACK_HOSTS
 from trainer.validate import validate_with_plan
 
 # Hydra's compose API keeps global state: one composition at a time per process.
 _COMPOSE_LOCK = threading.Lock()
-_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
 def config_groups() -> dict[str, set[str]]:
@@ -188,7 +188,7 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
         if launch.get("nnodes", 1) != 1 or launch.get("node_rank", 0) != 0:
             issues.append(ConfigIssue("launch.nnodes", "the service runs single-host jobs only", "set launch.nnodes=1"))
         host = str(launch.get("rdzv_endpoint", "127.0.0.1:0")).rsplit(":", 1)[0]
-        if host not in _LOOPBACK_HOSTS:
+        if host not in LOOPBACK_HOSTS:
             issues.append(ConfigIssue("launch.rdzv_endpoint", f"{host!r} is not a loopback address",
                                       "use 127.0.0.1:0"))
     return out, issues
