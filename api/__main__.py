@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
+    os.umask(0o077)  # everything the server writes in the workspace is its own: files 600, dirs 700
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.exception_handlers import http_exception_handler
@@ -11,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from api.models import Message, ProblemList
+from service.limits import QuotaExceeded
 from service.mlflow_runs import TrackingUnavailable
 from service.plane import Forbidden, JobConflict, JobNotFound
 from service.store import IllegalTransition
@@ -22,6 +25,8 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     422: {"model": ProblemList, "description": "The request or the config is invalid: every problem's path, reason and fix."},
 }
 JOB_RESPONSES: dict[int | str, dict] = {404: {"model": Message, "description": "No such job, or not yours."}}
+QUOTA_RESPONSES: dict[int | str, dict] = {
+    429: {"model": ProblemList, "description": "A per-user quota is full: which one, its limit and what to do."}}
 BODY_RESPONSES: dict[int | str, dict] = {
     400: {"model": Message, "description": "The body could not be parsed."},
     413: {"model": Message, "description": "Request body too large."},
@@ -47,6 +52,10 @@ async def request_validation_handler(_: Request, err: RequestValidationError) ->
     return JSONResponse({"detail": problems}, status_code=422)
 
 
+async def quota_handler(_: Request, err: QuotaExceeded) -> JSONResponse:
+    return JSONResponse({"detail": [issue.as_dict() for issue in err.issues]}, status_code=429)
+
+
 async def not_found_handler(_: Request, err: JobNotFound) -> JSONResponse:
     return JSONResponse({"detail": str(err)}, status_code=404)
 
@@ -59,6 +68,16 @@ async def forbidden_handler(_: Request, err: Forbidden) -> JSONResponse:
     return JSONResponse({"detail": str(err)}, status_code=403)
 
 
+def _api_routes(routes) -> Iterator[APIRoute]:
+    """Every APIRoute, also those of included routers (FastAPI keeps an included router whole, as
+    one entry holding ``original_router``, rather than copying its routes into the app's list)."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        elif (inner := getattr(route, "original_router", None)) is not None:
+            yield from _api_routes(inner.routes)
+
+
 async def http_error_handler(request: Request, err: StarletteHTTPException) -> Response:
     """FastAPI's own handler, except that a 405 lists every method of the path in ``Allow``.
 
@@ -67,9 +86,9 @@ async def http_error_handler(request: Request, err: StarletteHTTPException) -> R
     """
     if err.status_code == 405:
         methods = set()
-        for route in request.app.router.routes:
+        for route in _api_routes(request.app.router.routes):
             match, _ = route.matches(request.scope)
-            if match != Match.NONE and isinstance(route, APIRoute):
+            if match != Match.NONE:
                 methods |= route.methods
         err = StarletteHTTPException(405, err.detail, headers={"Allow": ", ".join(sorted(methods))})
     return await http_exception_handler(request, err)
@@ -83,6 +102,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(TrackingUnavailable, unavailable_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(ConfigError, config_error_handler)
+    app.add_exception_handler(QuotaExceeded, quota_handler)
     app.add_exception_handler(RequestValidationError, request_validation_handler)
     app.add_exception_handler(JobNotFound, not_found_handler)
     app.add_exception_handler(JobConflict, conflict_handler)

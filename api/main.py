@@ -12,8 +12,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
-from api.middleware import BodySizeLimit
-from api.routes import health, jobs, plans
+from api.middleware import BodySizeLimit, JsonDepthLimit
+from api.routes import health, jobs, logs, plans
 from service.plane import ControlPlane
 from service.settings import Settings
 
@@ -34,9 +34,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Meshflow control plane", version="0.1.0", lifespan=lifespan,
                   description="Submit, queue, run, watch and cancel config-driven PyTorch training jobs.")
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(JsonDepthLimit, max_depth=settings.max_json_depth)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)  # added last: runs first
     install_error_handlers(app)
     app.include_router(jobs.router)
+    app.include_router(logs.router)
     app.include_router(plans.router)
     app.include_router(health.router)
     return app

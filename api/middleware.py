@@ -1,8 +1,10 @@
-"""Pure-ASGI request-body size limit: a body over the limit gets 413 before any handler reads it."""
+"""Pure-ASGI request-body limits, before any handler (or JSON parser) reads the body: a body over
+the size limit gets 413, a JSON body nested deeper than the depth limit gets 422."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,3 +55,57 @@ class BodySizeLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(body: bytes, stop_above: int) -> int:
+    """How deeply ``body``'s arrays and objects nest (strings skipped); counting stops past ``stop_above``."""
+    depth = deepest = 0
+    for byte in _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS):
+        depth += 1 if byte in b"[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > stop_above:
+                break
+    return deepest
+
+
+class JsonDepthLimit:
+    """Refuse JSON bodies nested deeper than ``max_depth`` with a 422 naming the limit: Python's JSON
+    parser and everything after it recurse, and a thousand levels end in a RecursionError (a 500)."""
+
+    def __init__(self, app: ASGIApp, *, max_depth: int) -> None:
+        self.app = app
+        self.max_depth = max_depth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope.get("headers") or []) if scope["type"] == "http" else {}
+        if b"json" not in headers.get(b"content-type", b""):
+            await self.app(scope, receive, send)
+            return
+        messages: list[Message] = []
+        body, more = b"", True
+        while more:  # the size limit (outside this middleware) bounds what is buffered here
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if (depth := json_depth(body, self.max_depth)) > self.max_depth:
+            problem = {"path": "<body>", "reason": f"JSON nested more than {self.max_depth} levels deep (at least "
+                       f"{depth}); the limit is {self.max_depth} (max_json_depth)",
+                       "fix": "send a flatter document: a config is a few levels deep"}
+            payload = json.dumps({"detail": [problem]}).encode()
+            await send({"type": "http.response.start", "status": 422,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)

@@ -26,6 +26,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service import runner
+from service.limits import StreamSlots, cap_memory_budget, check_ceilings, check_queue_quota
 from service.mlflow_runs import MlflowRuns
 from service.scheduler import Scheduler
 from service.settings import Settings
@@ -49,14 +50,28 @@ class Forbidden(PermissionError):
     """The caller may not ask for this (e.g. another owner's job list)."""
 
 
+def _make_private_store(url: str) -> None:
+    """A SQLite job store (and its -wal / -shm files) readable by its owner only."""
+    if not url.startswith("sqlite:///"):
+        return
+    path = Path(url.removeprefix("sqlite:///"))
+    for store_file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if store_file.is_file():
+            store_file.chmod(runner.FILE_MODE)
+
+
 class ControlPlane:
     """Store + MLflow + scheduler, wired from one :class:`Settings`."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        settings.workspace.mkdir(parents=True, exist_ok=True)
-        settings.jobs_dir.mkdir(parents=True, exist_ok=True)
-        self.engine = make_engine(settings.database_url)
+        for directory in (settings.workspace, settings.jobs_dir):  # private: jobs' files, tokens' users, the store
+            directory.mkdir(mode=runner.DIR_MODE, parents=True, exist_ok=True)
+            directory.chmod(runner.DIR_MODE)
+        self.engine = make_engine(settings.database_url, pool_size=settings.db_pool_size,
+                                  max_overflow=settings.db_max_overflow, pool_timeout=settings.db_pool_timeout_s)
+        _make_private_store(settings.database_url)
+        self.log_streams = StreamSlots(settings.max_log_streams_per_user)
         self.sessions = make_sessionmaker(self.engine)
         self.mlflow = MlflowRuns(settings.mlflow_tracking_uri, settings.mlflow_ui_url)
         self.scheduler = Scheduler(settings, self.sessions, self.mlflow)
@@ -86,7 +101,8 @@ class ControlPlane:
         """The validated, confined config of a submission and its plan (the same checks as a job gets)."""
         workdir = workdir or self.settings.jobs_dir / "plan"
         return resolve_config(overrides=overrides, document=document, workspace=self.settings.workspace,
-                              workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None)
+                              workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None,
+                              limit_raw=lambda raw: cap_memory_budget(raw, self.settings))
 
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
         """The validated config and :func:`trainer.plan.plan_report` of it; nothing is launched."""
@@ -111,13 +127,17 @@ class ControlPlane:
                                                  default=str).encode()).hexdigest()
         if idempotency_key and (existing := self._by_key(session, owner, idempotency_key)):
             return self._replay(existing, request_hash), False
+        check_queue_quota(session, owner=owner, settings=self.settings)
         job_id = str(uuid.uuid4())
         workdir = self.settings.jobs_dir / job_id
         cfg, _ = self.resolve(overrides=overrides, document=document, workdir=workdir)
+        issues = check_ceilings(cfg, self.settings, priority=priority, is_admin=self.settings.is_admin(owner))
         if 0 < self.settings.capacity < cfg.world_size:  # it would wait forever
-            raise ConfigError([ConfigIssue("mesh", f"needs {cfg.world_size} worker slots; this service has "
-                                                   f"{self.settings.capacity}",
-                                           f"use a mesh of at most {self.settings.capacity} devices")])
+            issues.append(ConfigIssue("mesh", f"needs {cfg.world_size} worker slots; this service has "
+                                              f"{self.settings.capacity}",
+                                      f"use a mesh of at most {self.settings.capacity} devices"))
+        if issues:
+            raise ConfigError(issues)
         config = cfg.model_dump(mode="json")
         experiment_id = run_id = None
         if cfg.tracking.backend == "mlflow":

@@ -32,10 +32,36 @@ class Started:
     process: subprocess.Popen
 
 
+# The environment a job starts with: these names and prefixes of the server's own, nothing else.
+# Never MESHFLOW_* (users' tokens, the database URL) or any other secret the server was given.
+ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP",
+                       "PYTHONPATH", "VIRTUAL_ENV", "PYTHONHASHSEED", "CXX", "CC", "LD_LIBRARY_PATH",
+                       "MESHFLOW_CACHE_DIR"})  # MESHFLOW_CACHE_DIR: where the trainer keeps its calibration
+ENV_PREFIXES = ("LC_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "NCCL_", "GLOO_",
+                "NVIDIA_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+FILE_MODE, DIR_MODE = 0o600, 0o700
+
+
+def job_environment(extra: dict[str, str] | None = None, source: dict[str, str] | None = None) -> dict[str, str]:
+    """The allow-listed part of ``source`` (default: this process's environment) and ``extra``
+    (the service's ``job_env`` setting), with unbuffered Python output."""
+    source = os.environ if source is None else source
+    env = {k: v for k, v in source.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+    return {**env, **(extra or {}), "PYTHONUNBUFFERED": "1"}
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner reads (mode 600, whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def write_job_config(workdir: Path, config: dict[str, Any]) -> Path:
     """``<workdir>/job.json``: the resolved, validated config (``RunConfig.model_dump(mode="json")``)."""
     path = workdir / JOB_CONFIG_NAME
-    path.write_text(json.dumps(config, indent=2))
+    write_private(path, json.dumps(config, indent=2))
     return path
 
 
@@ -43,16 +69,19 @@ def trainer_command(workdir: Path) -> list[str]:
     return [sys.executable, "-m", "trainer.launch", str(workdir / JOB_CONFIG_NAME)]
 
 
-def start_job_process(workdir: Path, config: dict[str, Any]) -> Started:
-    """Write the config and start the job detached; return its pid and start time."""
-    workdir.mkdir(parents=True, exist_ok=True)
+def start_job_process(workdir: Path, config: dict[str, Any], extra_env: dict[str, str] | None = None) -> Started:
+    """Write the config and start the job detached, with the allow-listed environment and a umask
+    that keeps everything it writes private (files 600, dirs 700); return its pid and start time."""
+    workdir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    workdir.chmod(DIR_MODE)
     write_job_config(workdir, config)
     (workdir / EXIT_CODE_NAME).unlink(missing_ok=True)
     command = [sys.executable, "-m", "service.supervise", str(workdir / EXIT_CODE_NAME), "--", *trainer_command(workdir)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(workdir / LOG_NAME, "ab") as log_file:
+    fd = os.open(workdir / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
+    with os.fdopen(fd, "ab") as log_file:
         process = subprocess.Popen(command, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log_file,
-                                   stderr=subprocess.STDOUT, start_new_session=True, env=env, close_fds=True)
+                                   stderr=subprocess.STDOUT, start_new_session=True, env=job_environment(extra_env),
+                                   close_fds=True, umask=0o077)
     return Started(process.pid, process_start_time(process.pid) or 0, process)
 
 

@@ -8,7 +8,8 @@ One thread, woken every ``poll_interval_s`` or when a job is submitted or cancel
    SUCCEEDED (0), CANCELLED (after a cancel) or FAILED (with the log's tail as the summary);
    a cancel not obeyed within ``cancel_grace_s`` escalates to SIGKILL of the process group;
 2. QUEUED jobs start in priority order, FIFO within a priority, while their ``world_size``
-   fits into the free slots (the head of the queue is never overtaken, so it cannot starve).
+   fits into the free slots (the head of the queue is never overtaken, so it cannot starve);
+   a job whose owner already runs ``max_running_per_user`` jobs is passed over and blocks nobody.
 
 :meth:`Scheduler.reconcile` runs once before the thread: jobs whose process is still alive
 are tracked again, jobs whose process vanished are finished from their exit-code file or FAILED.
@@ -20,6 +21,7 @@ import logging
 import signal
 import subprocess
 import threading
+from collections import Counter
 from datetime import timedelta, timezone
 from pathlib import Path
 
@@ -155,25 +157,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------- start
 
-    def slots_in_use(self, session: Session) -> int:
-        return sum(job.world_size for job in jobs_in(session, ACTIVE_STATES))
-
     def _start_queued(self, session: Session) -> None:
-        used = self.slots_in_use(session)
+        active = jobs_in(session, ACTIVE_STATES)
+        used = sum(job.world_size for job in active)
+        running = Counter(job.owner for job in active)
         for job in queued_in_order(session):
             if job.world_size > self.settings.capacity:
                 continue  # can never fit (capacity was lowered since): it waits, but blocks nobody
+            if running[job.owner] >= self.settings.max_running_per_user:
+                continue  # its owner runs their quota: it waits for them, not for the others
             if job.world_size > self.settings.capacity - used:
                 break  # strict order: the head waits for its slots, nobody overtakes it
             if not transition(session, job.id, JobState.STARTING):
                 continue  # cancelled (or started elsewhere) meanwhile
             used += job.world_size
+            running[job.owner] += 1
             self.max_slots_in_use = max(self.max_slots_in_use, used)
             self._launch(session, job)
 
     def _launch(self, session: Session, job: Job) -> None:
         try:
-            started = runner.start_job_process(Path(job.workdir), job.config)
+            started = runner.start_job_process(Path(job.workdir), job.config, self.settings.job_env)
         except OSError as err:
             transition(session, job.id, JobState.FAILED, error=f"could not start the job: {err}")
             self.failures_total += 1

@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 HASH_SCHEME = "sha256"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 
 def hash_token(token: str, salt: str | None = None) -> str:
@@ -64,11 +65,34 @@ class Settings(BaseSettings):
     cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when cancelling a job.")
     poll_interval_s: float = Field(0.25, gt=0, description="How often the scheduler looks at the queue and at running jobs.")
     log_tail_lines: int = Field(20, ge=1, description="Lines of a failed job's log kept as its error summary.")
+    db_pool_size: int = Field(20, ge=1, description="Connections the job store's pool keeps open.")
+    db_max_overflow: int = Field(10, ge=0, description="Extra connections the pool may open under a burst.")
+    db_pool_timeout_s: float = Field(10.0, gt=0, description="Seconds a request waits for a free connection.")
+    # Limits on what one user may ask for; each refusal names the field, the limit and the fix.
+    max_steps: int = Field(1_000_000, ge=1, description="Ceiling on train.steps of a submitted job.")
+    max_restarts: int = Field(3, ge=0, description="Ceiling on launch.max_restarts of a submitted job.")
+    max_rank_memory_gb: float | None = Field(
+        None, gt=0, description="Ceiling on a job's predicted peak memory per rank (GiB, by the plan's prediction); "
+        "null = 90% of this host's memory shared by `capacity` workers.")
+    max_json_depth: int = Field(32, ge=4, le=200, description="Deepest nesting of a request's JSON body; deeper gets 422.")
+    max_queued_per_user: int = Field(20, ge=1, description="Jobs one user may have QUEUED at once; more get 429.")
+    max_running_per_user: int = Field(4, ge=1, description="Jobs of one user the scheduler runs at once; "
+                                      "the rest wait without blocking other users' jobs.")
+    max_log_streams_per_user: int = Field(4, ge=1, description="Live `logs?follow=true` streams one user may hold; more get 429.")
+    job_env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables every job gets "
+                                    "(on top of the allow-listed ones: PATH, HOME, locale, torch / OMP / CUDA / NCCL ...).")
 
     @field_validator("tokens")
     @classmethod
     def _hash_tokens(cls, tokens: dict[str, str]) -> dict[str, str]:
         return {user: value if _is_hashed(value) else hash_token(value) for user, value in tokens.items()}
+
+    @model_validator(mode="after")
+    def _refuse_open_bind_without_auth(self) -> "Settings":
+        if self.auth_disabled and self.host not in LOOPBACK_HOSTS:
+            raise ValueError(f"MESHFLOW_AUTH_DISABLED=true with MESHFLOW_HOST={self.host}: anyone who reaches "
+                             "this address could run jobs as an admin; bind to 127.0.0.1, or set MESHFLOW_TOKENS")
+        return self
 
     @model_validator(mode="after")
     def _resolve_paths(self) -> "Settings":
@@ -93,3 +117,11 @@ class Settings(BaseSettings):
 
     def is_admin(self, user: str) -> bool:
         return self.auth_disabled or user in self.admin_users
+
+    def rank_memory_limit(self) -> tuple[float, str]:
+        """``(bytes per rank a job may be predicted to need, where the number comes from)``."""
+        if self.max_rank_memory_gb is not None:
+            return self.max_rank_memory_gb * 2**30, "max_rank_memory_gb"
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        workers = max(1, self.capacity)
+        return 0.9 * host / workers, f"90% of this host's {host / 2**30:.1f} GiB over capacity {workers}"

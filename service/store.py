@@ -88,10 +88,13 @@ class Job(Base):
         return JobState(self.state)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for ``url``; SQLite gets WAL and a busy timeout so the scheduler and handlers share it."""
+def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 10, pool_timeout: float = 10.0) -> Engine:
+    """An engine for ``url`` with an explicit pool; SQLite gets WAL and a busy timeout so the scheduler
+    and handlers share it."""
+    pool = {"pool_size": pool_size, "max_overflow": max_overflow, "pool_timeout": pool_timeout}
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        in_memory = url in ("sqlite://", "sqlite:///:memory:")  # one shared connection, no pool to size
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **({} if in_memory else pool))
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -100,7 +103,7 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA busy_timeout=30000")
             cursor.close()
     else:
-        engine = create_engine(url, pool_pre_ping=True)
+        engine = create_engine(url, pool_pre_ping=True, **pool)
     Base.metadata.create_all(engine)
     return engine
 

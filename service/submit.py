@@ -7,29 +7,29 @@ process exists:
 - overrides: no ``hydra*`` keys, no ``_target_``, no ``~`` / ``++`` / ``@package`` forms, no
   sweeps, no ``${...}`` interpolation, and a group may only be set to one of its presets in
   ``conf/``;
-- the resolved config: no ``_target_`` key and no ``${`` anywhere; paths confined (checkpoints
-  inside the job's workdir, data and Hugging Face model directories inside the workspace), tracking forced to the service's MLflow
-  store and pre-created run, launches single-host on loopback;
+- the resolved config: no ``_target_`` key and no ``${`` anywhere; every path confined by the
+  rule of :mod:`service.confine`; tracking forced to the service's MLflow store and pre-created
+  run, launches single-host on loopback;
 - then :func:`trainer.validate.validate_config`, the same checks and messages as the CLI.
 """
 
 from __future__ import annotations
 
-import glob as globlib
-import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan import ParallelPlan
+from service.confine import check_relative_glob, confine_glob, confine_path
 from trainer.compose import CONF_DIR, compose_dict
 from trainer.config import RunConfig
+from trainer.rendezvous import LOOPBACK_HOSTS
 from trainer.validate import validate_with_plan
 
 # Hydra's compose API keeps global state: one composition at a time per process.
 _COMPOSE_LOCK = threading.Lock()
-_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
 def config_groups() -> dict[str, set[str]]:
@@ -113,71 +113,41 @@ def check_document(doc: Any, path: str = "") -> list[ConfigIssue]:
     return issues
 
 
-def _inside(path: Path, root: Path) -> bool:
-    path, root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
-    return path == root or root in path.parents
-
-
-def _confine_in_workdir(value: str, key: str, workdir: Path) -> tuple[str | None, ConfigIssue | None]:
-    if Path(value).is_absolute():
-        return None, ConfigIssue(key, f"absolute path {value!r} is outside the job's workdir",
-                                 "give a path relative to the job's workdir, e.g. `checkpoints`")
-    resolved = workdir / value
-    if not _inside(resolved, workdir):
-        return None, ConfigIssue(key, f"{value!r} escapes the job's workdir",
-                                 "give a relative path without `..`, e.g. `checkpoints`")
-    return str(Path(os.path.realpath(resolved))), None
-
-
-def _confine_in_workspace(section: dict, key: str, path: str, workspace: Path, workdir: Path, fix: str) -> list[ConfigIssue]:
-    """``section[key]`` (relative to the job's workdir, or absolute) made real and kept when it is
-    inside the workspace; otherwise the issue."""
-    value = section[key]
-    resolved = Path(value) if Path(value).is_absolute() else workdir / value
-    if not _inside(resolved, workspace):
-        return [ConfigIssue(path, f"{value!r} is outside the service's workspace", fix)]
-    section[key] = str(Path(os.path.realpath(resolved)))
-    return []
+def _confine_key(section: dict, key: str, path: str, workspace: Path, workdir: Path, *, read_only_ok: bool,
+                 keep_refused: bool = True) -> list[ConfigIssue]:
+    """``section[key]`` replaced by its confined real path; when refused, kept as sent (or set to
+    null) and the issue returned."""
+    value = section.get(key)
+    if not isinstance(value, str):
+        return []
+    resolved, issue = confine_path(value, path, workspace=workspace, workdir=workdir, read_only_ok=read_only_ok)
+    section[key] = resolved if issue is None else value if keep_refused else None
+    return [issue] if issue else []
 
 
 def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIssue]:
-    """data=files over REST: every path and glob, the tokenizer and the token cache inside the
-    workspace (relative ones are relative to the job's workdir); the cache is shared by the jobs."""
+    """data=files over REST: every path and glob and the tokenizer by the rule; a data.cache_dir the
+    user names is in the job's workdir, none given is the service's token cache shared by the jobs."""
     issues: list[ConfigIssue] = []
     for key in ("paths", "val_paths"):
         patterns = data.get(key)
-        if not isinstance(patterns, list):
-            continue
-        for index, pattern in enumerate(patterns):
-            if not isinstance(pattern, str):
-                continue
-            absolute = Path(pattern) if Path(pattern).is_absolute() else workdir / pattern
-            literal = Path(*[part for part in absolute.parts[: _first_glob_part(absolute.parts)]])
-            escapes = ".." in absolute.parts or not _inside(literal, workspace)
-            # A symlink below the literal prefix may still lead out: the matches themselves must stay in.
-            escapes = escapes or any(not _inside(Path(m), workspace) for m in globlib.glob(str(absolute), recursive=True))
-            if escapes:
-                issues.append(ConfigIssue(f"data.{key}[{index}]", f"{pattern!r} reaches outside the service's workspace",
-                                          f"put the files inside {workspace} and give their path there, without `..`"))
-            else:
-                patterns[index] = str(absolute)
-    if isinstance(data.get("tokenizer"), str):
-        issues += _confine_in_workspace(data, "tokenizer", "data.tokenizer", workspace, workdir,
-                                        f"put the tokenizer inside {workspace} and give its path there")
-    data.setdefault("cache_dir", str(workspace / ".cache" / "meshflow-tokens"))
-    if isinstance(data.get("cache_dir"), str):
-        issues += _confine_in_workspace(data, "cache_dir", "data.cache_dir", workspace, workdir,
-                                        f"use a directory inside {workspace}, or leave data.cache_dir out")
+        for index, pattern in enumerate(patterns if isinstance(patterns, list) else []):
+            if isinstance(pattern, str):
+                resolved, issue = confine_glob(pattern, f"data.{key}[{index}]", workspace=workspace, workdir=workdir)
+                patterns[index] = resolved if resolved is not None else pattern
+                issues += [issue] if issue else []
+    issues += _confine_key(data, "tokenizer", "data.tokenizer", workspace, workdir, read_only_ok=True)
+    if "cache_dir" not in data:
+        data["cache_dir"] = str(workspace / ".cache" / "meshflow-tokens")
+    else:
+        issues += _confine_key(data, "cache_dir", "data.cache_dir", workspace, workdir, read_only_ok=False)
     return issues
-
-
-def _first_glob_part(parts: tuple[str, ...]) -> int:
-    return next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
 
 
 def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri: str,
             run_id: str | None) -> tuple[dict[str, Any], list[ConfigIssue]]:
-    """A copy of ``raw`` with the service's values forced into the confined fields, and what was refused."""
+    """A copy of ``raw`` with every path confined (:mod:`service.confine`) and the service's values
+    forced into tracking and launch, and what was refused."""
     import copy
 
     out = copy.deepcopy(raw)
@@ -186,52 +156,51 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
     if isinstance(tracking, dict):
         tracking["tracking_uri"] = tracking_uri
         tracking["run_id"] = run_id
-    checkpoint = out.get("train", {}).get("checkpoint") if isinstance(out.get("train"), dict) else None
+    train = out.get("train") if isinstance(out.get("train"), dict) else {}
+    # A refused init_from becomes null: the validator would otherwise ask the filesystem about it.
+    issues += _confine_key(train, "init_from", "train.init_from", workspace, workdir, read_only_ok=True,
+                           keep_refused=False)
+    checkpoint = train.get("checkpoint")
     if isinstance(checkpoint, dict):
-        for field in ("dir", "resume"):
-            value = checkpoint.get(field)
-            if isinstance(value, str) and value and not (field == "resume" and value in ("none", "auto")):
-                checkpoint[field], issue = _confine_in_workdir(value, f"train.checkpoint.{field}", workdir)
-                issues += [issue] if issue else []
+        issues += _confine_key(checkpoint, "dir", "train.checkpoint.dir", workspace, workdir, read_only_ok=False)
+        if checkpoint.get("resume") not in ("none", "auto", None, ""):
+            issues += _confine_key(checkpoint, "resume", "train.checkpoint.resume", workspace, workdir, read_only_ok=False)
         if "dir" not in checkpoint:
             checkpoint["dir"] = str(workdir / "checkpoints")
     data = out.get("data")
     if isinstance(data, dict):
-        root = data.get("root")
-        if isinstance(root, str) and root != "stdlib":
-            issues += _confine_in_workspace(data, "root", "data.root", workspace, workdir,
-                                            f"use `stdlib` or a directory inside {workspace}")
-        glob = data.get("glob")
-        if isinstance(glob, str) and (".." in Path(glob).parts or glob.startswith("/")):
-            issues.append(ConfigIssue("data.glob", f"{glob!r} reaches outside data.root", "use a relative glob without `..`"))
+        if data.get("root") != "stdlib":  # the Python standard library: a named source, not a path
+            issues += _confine_key(data, "root", "data.root", workspace, workdir, read_only_ok=True)
+        if isinstance(data.get("glob"), str) and (issue := check_relative_glob(data["glob"], "data.glob")):
+            issues.append(issue)
         if data.get("kind") == "files":
             issues += _confine_files(data, workspace, workdir)
     model = out.get("model")
     if isinstance(model, dict) and model.get("arch") == "custom" and model.get("builder") is not None:
         issues.append(ConfigIssue("model.builder", "an import path over REST would run code the service was sent",
                                   "use model.name=<a model the operator installed under the meshflow.models entry points>"))
-    if isinstance(model, dict) and model.get("arch") == "hf" and isinstance(model.get("path"), str):
-        issues += _confine_in_workspace(model, "path", "model.path", workspace, workdir,
-                                        f"put the model directory inside {workspace} and give its path there")
+    if isinstance(model, dict) and model.get("arch") == "hf":
+        issues += _confine_key(model, "path", "model.path", workspace, workdir, read_only_ok=True)
     launch = out.setdefault("launch", {})
     if isinstance(launch, dict):
-        log_dir = launch.get("log_dir", "logs")
-        if isinstance(log_dir, str) and log_dir:  # the per-rank logs stay in the job's workdir
-            launch["log_dir"], issue = _confine_in_workdir(log_dir, "launch.log_dir", workdir)
-            issues += [issue] if issue else []
+        launch.setdefault("log_dir", "logs")  # the per-rank logs stay in the job's workdir
+        issues += _confine_key(launch, "log_dir", "launch.log_dir", workspace, workdir, read_only_ok=False)
         if launch.get("nnodes", 1) != 1 or launch.get("node_rank", 0) != 0:
             issues.append(ConfigIssue("launch.nnodes", "the service runs single-host jobs only", "set launch.nnodes=1"))
         host = str(launch.get("rdzv_endpoint", "127.0.0.1:0")).rsplit(":", 1)[0]
-        if host not in _LOOPBACK_HOSTS:
+        if host not in LOOPBACK_HOSTS:
             issues.append(ConfigIssue("launch.rdzv_endpoint", f"{host!r} is not a loopback address",
                                       "use 127.0.0.1:0"))
     return out, issues
 
 
 def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | None, workspace: Path,
-                   workdir: Path, tracking_uri: str, run_id: str | None) -> tuple[RunConfig, ParallelPlan]:
+                   workdir: Path, tracking_uri: str, run_id: str | None,
+                   limit_raw: Callable[[dict[str, Any]], list[ConfigIssue]] | None = None,
+                   ) -> tuple[RunConfig, ParallelPlan]:
     """The validated, confined config of a submission and its parallel plan, or :class:`ConfigError`
-    naming every problem. The only composition and validation a job's config ever gets."""
+    naming every problem. The only composition and validation a job's config ever gets.
+    ``limit_raw`` may change the confined document (the service's memory limit) and refuse it."""
     if document is not None:
         raw = document
     else:
@@ -239,6 +208,8 @@ def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | No
     if issues := check_document(raw):
         raise ConfigError(issues)
     confined, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri=tracking_uri, run_id=run_id)
+    if limit_raw is not None:
+        issues += limit_raw(confined)
     try:
         # Nothing confinement refused is touched: the model checks would read the files a path
         # names, or import and call the builder a REST user sent.

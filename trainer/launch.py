@@ -27,6 +27,8 @@ from pathlib import Path
 from parallel.config import mesh_rank_ids
 from trainer.config import RunConfig
 from trainer.metrics import NullProgress, Progress
+from trainer.rendezvous import BACKEND as RDZV_BACKEND
+from trainer.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous, worker_store
 from trainer.run_info import run_name
 from trainer.run_record import log_final_model, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking import NullTracker, Terminated, install_signal_handlers, make_tracker, run_lifecycle
@@ -121,6 +123,9 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
     main_node = ln.node_rank == 0
     logs = DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL,
                             tee={r: Std.ALL if main_node and r == 0 else Std.ERR for r in range(nproc)})
+    loopback = is_loopback_run(cfg)
+    if loopback:  # every store and gloo listen on 127.0.0.1 only (trainer.rendezvous)
+        register_loopback_rendezvous()
     launch_config = LaunchConfig(
         min_nodes=ln.nnodes,
         max_nodes=ln.nnodes,
@@ -128,8 +133,9 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
         logs_specs=logs,
         log_line_prefix_template=WORKER_LINE_PREFIX,
         run_id=rdzv_id,
-        rdzv_backend="c10d",
+        rdzv_backend=RDZV_BACKEND if loopback else "c10d",
         rdzv_endpoint=ln.rdzv_endpoint,
+        local_addr=LOOPBACK if loopback else None,
         rdzv_configs={"is_host": main_node} if ln.nnodes > 1 else {},
         max_restarts=ln.max_restarts,
         start_method="spawn",
@@ -194,7 +200,10 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
     rank_id, device_index = bind_worker(cfg, rank, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     device = resolve_device(cfg.device, device_index)
     torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    timeout = timedelta(minutes=10)
+    store = worker_store(rank, timeout) if is_loopback_run(cfg) else None
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
+                            rank=rank if store else -1, world_size=int(os.environ["WORLD_SIZE"]) if store else -1)
     try:
         is_main = rank == 0
         workers = [None] * dist.get_world_size()

@@ -1,19 +1,14 @@
-"""/v1/jobs: submit, list, read, cancel, delete jobs; their logs and metrics."""
+"""/v1/jobs: submit, list, read, cancel, delete jobs; their metrics (logs: :mod:`api.routes.logs`)."""
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Annotated
 
-import anyio
 from fastapi import APIRouter, Header, Query, Response, status
-from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api.deps import CurrentUser, PlaneDep, SessionDep
-from api.errors import BODY_RESPONSES, ERROR_RESPONSES, JOB_RESPONSES
+from api.errors import BODY_RESPONSES, ERROR_RESPONSES, JOB_RESPONSES, QUOTA_RESPONSES
 from api.models import JobCreate, JobList, JobPublic, Message, MetricPoint, MetricsPublic
 from service.plane import ControlPlane
 from service.store import JobState
@@ -21,7 +16,6 @@ from service.store import JobState
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
 CONFLICT = {409: {"model": Message, "description": "The job's state forbids this."}}
-LOG_CONTENT = {"text/plain": {"schema": {"type": "string"}}, "text/event-stream": {}}
 
 
 def _public(plane: ControlPlane, job) -> JobPublic:
@@ -31,7 +25,7 @@ def _public(plane: ControlPlane, job) -> JobPublic:
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic,
              responses={200: {"model": JobPublic, "description": "Replay: this Idempotency-Key already made this job."},
                         503: {"model": Message, "description": "The MLflow store is unreachable."},
-                        **CONFLICT, **BODY_RESPONSES})
+                        **CONFLICT, **BODY_RESPONSES, **QUOTA_RESPONSES})
 def create_job(body: JobCreate, plane: PlaneDep, session: SessionDep, user: CurrentUser, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200, description="Same key, same owner: same job.")] = None,
                ) -> JobPublic:
@@ -72,71 +66,6 @@ def delete_job(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentU
     """Delete an ended job and its files (its MLflow run stays)."""
     plane.delete_job(session, job_id, user=user)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
-
-
-@router.get("/{job_id}/logs",
-            responses={200: {"content": LOG_CONTENT, "description": "The log; with follow=true, SSE until the job ends."},
-                       **JOB_RESPONSES})
-def read_job_logs(job_id: str, plane: PlaneDep, session: SessionDep, user: CurrentUser,
-                  follow: Annotated[bool, Query(description="Stream new lines as Server-Sent Events until the job ends.")] = False,
-                  ) -> Response:
-    """The job's combined stdout and stderr, whole or followed as Server-Sent Events."""
-    job = plane.get_job(session, job_id, user=user)
-    path = plane.log_path(job)
-    if follow:
-        return StreamingResponse(_follow_log(plane, job.id, path), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return PlainTextResponse(text)
-
-
-def _read_from(path: Path, offset: int) -> tuple[str, int]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read(1 << 16)
-    except FileNotFoundError:
-        return "", offset
-    return data.decode(errors="replace"), offset + len(data)
-
-
-def _state_of(plane: ControlPlane, job_id: str) -> JobState | None:
-    with plane.sessions() as session:
-        from service.store import Job
-
-        job = session.get(Job, job_id)
-        return JobState(job.state) if job else None
-
-
-KEEPALIVE_S = 15.0  # an SSE comment this often keeps idle proxies from closing the stream
-
-
-async def _follow_log(plane: ControlPlane, job_id: str, path: Path) -> AsyncIterator[str]:
-    offset, partial, finished = 0, "", False
-    last_sent = time.monotonic()
-    while True:
-        chunk, offset = await anyio.to_thread.run_sync(_read_from, path, offset)
-        if chunk:
-            lines = (partial + chunk).replace("\r", "\n").split("\n")
-            partial = lines.pop()
-            for line in lines:
-                yield f"data: {line}\n\n"
-            last_sent = time.monotonic()
-            continue
-        if time.monotonic() - last_sent > KEEPALIVE_S:
-            yield ": keep-alive\n\n"
-            last_sent = time.monotonic()
-        if finished:
-            if partial:
-                yield f"data: {partial}\n\n"
-            state = await anyio.to_thread.run_sync(_state_of, plane, job_id)
-            yield f"event: end\ndata: {state.value if state else 'DELETED'}\n\n"
-            return
-        state = await anyio.to_thread.run_sync(_state_of, plane, job_id)
-        if state is None or state.is_terminal:
-            finished = True  # one more read catches the last bytes written before the end
-            continue
-        await anyio.sleep(0.25)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=JOB_RESPONSES)

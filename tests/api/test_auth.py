@@ -71,3 +71,15 @@ def test_auth_is_off_only_when_the_settings_say_so():
     assert refused.value.status_code == 401
     open_settings = Settings(workspace="/tmp/x", auth_disabled=True)
     assert get_current_user(open_settings, None) == LOCAL_USER and open_settings.is_admin(LOCAL_USER)
+
+
+def test_auth_off_on_a_non_loopback_bind_is_refused_loudly():
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    for host in ("0.0.0.0", "::", "10.1.2.3"):
+        with pytest.raises(ValidationError, match="MESHFLOW_AUTH_DISABLED=true with MESHFLOW_HOST="):
+            Settings(workspace="/tmp/x", auth_disabled=True, host=host)
+    assert Settings(workspace="/tmp/x", auth_disabled=True, host="127.0.0.1").auth_disabled
+    assert Settings(workspace="/tmp/x", tokens={"a": "t"}, host="0.0.0.0").host == "0.0.0.0"

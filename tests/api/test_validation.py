@@ -20,10 +20,16 @@ BAD_OVERRIDES = [
     (["launch.log_dir=/tmp/logs"], "launch.log_dir", "absolute"),
     (["launch.log_dir=../../logs"], "launch.log_dir", "escapes"),
     (["data.root=/etc"], "data.root", "outside"),
-    (["data.root=../../.."], "data.root", "outside"),
+    (["data.root=../../.."], "data.root", "escapes"),
+    (["data.root=../00000000-0000-0000-0000-000000000000"], "data.root", "escapes"),  # another job's files
+    (["data.root=../..", "data.glob=meshflow.db*"], "data.root", "escapes"),          # the job store
+    (["data.root=datasets/../../meshflow.db"], "data.root", "escapes"),
     (["data.glob=../../**/*.py"], "data.glob", "outside"),
+    (["train.init_from=/etc/shadow"], "train.init_from", "absolute"),
+    (["train.init_from=../00000000-0000-0000-0000-000000000000/model.safetensors"], "train.init_from", "escapes"),
+    (["train.init_from=models/missing.safetensors"], "train.init_from", "not a file"),  # confined first, then checked
     (["model=hf", "model.path=/etc"], "model.path", "outside"),
-    (["model=hf", "model.path=../../.."], "model.path", "outside"),
+    (["model=hf", "model.path=../../.."], "model.path", "escapes"),
     (["model=custom", "model.builder=os:system"], "model.builder", "import path"),
     (["train.seed=${oc.env:HOME}"], "overrides[0]", "interpolation"),
     (["~train.seed"], "train.seed", "~key"),
@@ -51,6 +57,14 @@ def test_bad_overrides_are_refused_with_the_path(queue_server, overrides, path, 
         assert any(word in p["reason"] for p in match), match
         assert bob.post("/v1/plans", json={"overrides": overrides}).status_code == 422
         assert bob.get("/v1/jobs").json()["total"] == before
+
+
+def test_the_api_does_not_say_whether_an_outside_file_exists(queue_server):
+    """Refused before any filesystem call: an existing and a missing outside file get the same answer."""
+    with queue_server.client("bob") as bob:
+        reasons = [bob.post("/v1/jobs", json={"overrides": [f"train.init_from={path}"]}).json()["detail"][0]["reason"]
+                   for path in ("/etc/passwd", "/etc/no-such-file")]
+    assert reasons[0].replace("passwd", "X") == reasons[1].replace("no-such-file", "X")
 
 
 def test_bad_documents_are_refused(queue_server):

@@ -151,18 +151,21 @@ def test_bad_files_configs_name_the_path_reason_and_fix(corpus, tmp_path):
         load_tokenizer(str(corpus / "tok"), eos_token="<|nope|>")
 
 
-def test_rest_confines_files_paths_tokenizer_and_cache_to_the_workspace(corpus, tmp_path):
+def test_rest_confines_files_paths_tokenizer_and_cache(corpus, tmp_path):
+    """data=files over REST: paths, globs and the tokenizer under the workspace's datasets/ or models/
+    areas (or the job's workdir); absolute paths, `..` and a symlink leading out are refused."""
     from service.submit import confine
 
     workspace, workdir = tmp_path / "ws", tmp_path / "ws" / "jobs" / "j1"
-    (workspace / "data").mkdir(parents=True)
+    (workspace / "datasets").mkdir(parents=True)
     workdir.mkdir(parents=True)
-    (workspace / "data" / "leak.jsonl").symlink_to(corpus / "a.jsonl")
-    write_jsonl(workspace / "data" / "ok.jsonl", DOCS[:5])
-    raw = {"data": {"kind": "files", "paths": ["../../data/ok.jsonl", str(corpus / "*.jsonl"), str(workspace / "data" / "*.jsonl")],
+    (workspace / "datasets" / "leak.jsonl").symlink_to(corpus / "a.jsonl")
+    write_jsonl(workspace / "datasets" / "ok.jsonl", DOCS[:5])
+    raw = {"data": {"kind": "files", "paths": ["../../datasets/ok.jsonl", str(corpus / "*.jsonl"), "datasets/*.jsonl"],
                     "tokenizer": str(corpus / "tok")}}
     out, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri="sqlite://", run_id=None)
     assert {i.path for i in issues} == {"data.paths[0]", "data.paths[1]", "data.paths[2]", "data.tokenizer"}
-    raw = {"data": {"kind": "files", "paths": [str(workspace / "data" / "ok.jsonl")]}}
+    raw = {"data": {"kind": "files", "paths": ["datasets/ok.jsonl"]}}
     out, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri="sqlite://", run_id=None)
-    assert not issues and out["data"]["cache_dir"] == str(workspace / ".cache" / "meshflow-tokens")
+    assert not issues and out["data"]["paths"] == [str(workspace / "datasets" / "ok.jsonl")]
+    assert out["data"]["cache_dir"] == str(workspace / ".cache" / "meshflow-tokens")

@@ -1,0 +1,184 @@
+"""Limits of one user, and the service under load: ceilings, quotas, nested JSON, log streams and big logs.
+
+One server with capacity 0 (jobs are validated and queued, never run) and small limits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from api_testkit import TINY, auth
+
+pytestmark = pytest.mark.slow
+
+BIG_MODEL = ["model.dim=1024", "model.ffn_hidden_dim=4096", "model.n_layers=16"]  # ~4 GiB of weights + AdamW
+
+
+@pytest.fixture(scope="module")
+def limited(start_server):
+    return start_server(capacity=0, max_steps="1000", max_restarts="2", max_rank_memory_gb="1", max_queued_per_user="3",
+                        max_log_streams_per_user="16", max_json_depth="32")
+
+
+def problem(response: httpx.Response, status: int = 422) -> dict:
+    assert response.status_code == status, response.text
+    [found] = response.json()["detail"]
+    assert set(found) == {"path", "reason", "fix"} and found["fix"]
+    return found
+
+
+def test_ceilings_and_priority_are_refused_with_the_limit(limited):
+    with limited.client("alice") as alice, limited.client("admin") as admin:
+        steps = problem(alice.post("/v1/jobs", json={"overrides": ["train.steps=1000000000000"]}))
+        assert steps["path"] == "train.steps" and "1000 (max_steps)" in steps["reason"]
+        restarts = problem(alice.post("/v1/jobs", json={"overrides": ["launch.max_restarts=1000000000"]}))
+        assert restarts["path"] == "launch.max_restarts" and "2 (max_restarts)" in restarts["reason"]
+        budget = problem(alice.post("/v1/jobs", json={"overrides": ["launch.memory_budget_gb=1000"]}))
+        assert budget["path"] == "launch.memory_budget_gb" and "1.00 GiB (max_rank_memory_gb)" in budget["reason"]
+        big = problem(alice.post("/v1/jobs", json={"overrides": BIG_MODEL}))
+        assert big["path"] == "launch.memory_budget_gb" and "budget of 1.00 GiB" in big["reason"]
+        assert "exceeds" in problem(alice.post("/v1/plans", json={"overrides": BIG_MODEL}))["reason"]
+        priority = problem(alice.post("/v1/jobs", json={"overrides": TINY, "priority": 100}))
+        assert priority["path"] == "priority" and "only admins" in priority["reason"]
+        created = admin.post("/v1/jobs", json={"overrides": TINY, "priority": 100})
+        assert created.status_code == 201 and created.json()["priority"] == 100
+        assert created.json()["config"]["launch"]["memory_budget_gb"] == 1.0  # the service's limit, applied
+        assert admin.post(f"/v1/jobs/{created.json()['id']}/cancel").status_code == 200
+
+
+def test_queued_jobs_per_user_are_capped(limited):
+    with limited.client("bob") as bob, limited.client("alice") as alice:
+        ids = [bob.post("/v1/jobs", json={"overrides": TINY}).json()["id"] for _ in range(3)]
+        full = problem(bob.post("/v1/jobs", json={"overrides": TINY}), status=429)
+        assert full["path"] == "<queue>" and "3 (max_queued_per_user)" in full["reason"]
+        assert bob.post("/v1/jobs/" + ids[0] + "/cancel").status_code == 200
+        again = bob.post("/v1/jobs", json={"overrides": TINY})
+        assert again.status_code == 201
+        for job_id in [*ids[1:], again.json()["id"]]:
+            assert bob.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+        assert alice.post("/v1/jobs", json={"overrides": TINY}).status_code == 201  # another user's quota
+
+
+def test_deeply_nested_json_is_a_422_not_a_500(limited):
+    with limited.client("alice") as alice:
+        for depth in (40, 900, 5000):
+            nested = "[" * depth + "]" * depth
+            body = '{"name": "deep", "config": {"train": {"steps": 1, "x": ' + nested + "}}}"
+            response = alice.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+            found = problem(response)
+            assert found["path"] == "<body>" and "32 (max_json_depth)" in found["reason"]
+        flat = alice.post("/v1/plans", json={"overrides": TINY, "name": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["})
+        assert flat.status_code != 500  # brackets inside strings do not count
+    assert "RecursionError" not in limited.log_text()
+
+
+def test_405_lists_the_allowed_methods(limited):
+    with limited.client("alice") as alice:
+        response = alice.put("/v1/jobs")
+        assert response.status_code == 405 and response.headers["allow"] == "GET, POST"
+        assert alice.delete("/healthz").headers["allow"] == "GET"
+
+
+def test_workspace_and_store_are_private(limited):
+    workspace = limited.workspace
+    assert workspace.stat().st_mode & 0o777 == 0o700
+    assert (workspace / "jobs").stat().st_mode & 0o777 == 0o700
+    store = Path(limited.env["MESHFLOW_DATABASE_URL"].removeprefix("sqlite:///"))
+    for path in (store, store.with_name(store.name + "-wal")):
+        if path.exists():
+            assert path.stat().st_mode & 0o077 == 0, path
+
+
+def test_a_huge_log_is_served_in_constant_memory(limited):
+    """300 MB of log (sparse: written in a blink) whole, as a tail and as a Range: RSS grows < 50 MB."""
+    with limited.client("alice") as alice:
+        job = alice.post("/v1/jobs", json={"overrides": TINY}).json()
+        workdir = limited.workspace / "jobs" / job["id"]
+        workdir.mkdir()
+        size = 300 << 20
+        with open(workdir / "job.log", "wb") as f:
+            f.truncate(size)
+            f.seek(size)
+            f.write(b"".join(b"line %d\n" % i for i in range(100)))
+        server = psutil.Process(limited.process.pid)
+        before, peak, done = server.memory_info().rss, [0], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], server.memory_info().rss)
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            received = 0
+            with alice.stream("GET", f"/v1/jobs/{job['id']}/logs", timeout=300) as response:
+                assert response.status_code == 200
+                for chunk in response.iter_bytes():
+                    received += len(chunk)
+            tail = alice.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 3})
+            ranged = alice.get(f"/v1/jobs/{job['id']}/logs", headers={"Range": f"bytes={size}-{size + 6}"})
+        finally:
+            done.set()
+            sampler.join()
+        assert received == size + len(b"".join(b"line %d\n" % i for i in range(100)))
+        assert tail.text == "line 97\nline 98\nline 99\n"
+        assert ranged.status_code == 206 and ranged.text == "line 0\n"
+        assert peak[0] - before < 50 << 20, f"server RSS grew {(peak[0] - before) >> 20} MB"
+        assert alice.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+
+
+def test_many_follow_streams_leave_the_service_answering(limited):
+    """16 live streams of alice's (her limit): a 17th gets 429, bob's requests answer quickly, no 5xx."""
+    with limited.client("alice") as alice:
+        job_id = alice.post("/v1/jobs", json={"overrides": TINY}).json()["id"]
+    stop, opened, statuses = threading.Event(), threading.Semaphore(0), []
+
+    def follow() -> None:
+        with httpx.Client(base_url=limited.url, headers=auth("alice"), timeout=60) as client:
+            with client.stream("GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true"}) as response:
+                statuses.append(response.status_code)
+                opened.release()
+                stop.wait(120)
+
+    threads = [threading.Thread(target=follow) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for _ in threads:
+        assert opened.acquire(timeout=60)
+    try:
+        assert statuses == [200] * 16
+        with limited.client("alice") as alice:
+            extra = problem(alice.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"}), status=429)
+            assert extra["path"] == "follow" and "16 (max_log_streams_per_user)" in extra["reason"]
+
+        def bob_reads(_: int) -> tuple[int, float]:
+            with limited.client("bob") as bob:
+                started = time.monotonic()
+                status = bob.get("/v1/jobs").status_code
+                return status, time.monotonic() - started
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            answers = list(pool.map(bob_reads, range(20)))
+        assert all(status == 200 for status, _ in answers), answers
+        assert max(seconds for _, seconds in answers) < 5.0, answers
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    with limited.client("alice") as alice:  # the closed streams gave their slots back
+        deadline, status = time.monotonic() + 30, 429
+        while status == 429 and time.monotonic() < deadline:
+            with alice.stream("GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true"}) as response:
+                status = response.status_code
+            time.sleep(0.5)
+        assert status == 200
+        assert alice.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+    assert "Traceback" not in limited.log_text()
