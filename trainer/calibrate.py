@@ -79,6 +79,8 @@ class Calibration:
     collectives: dict[str, dict[int, Fit]]
     op_latency_s: float = 0.0  # seconds per op of a module's forward and backward under autograd, at tiny sizes
     optimizer_tensor_s: float = 0.0  # seconds per parameter tensor of clip, AdamW step and zero_grad, tiny tensors
+    dtensor_linear_s: float = 0.0  # extra seconds of a Linear's forward + backward when its weight is a DTensor
+    optimizer_dtensor_tensor_s: float = 0.0  # optimizer_tensor_s for DTensor parameters (FSDP, tp)
     cores: int = 0  # CPU cores the workers share (0: a device each, nothing shared)
     probe_s: float = 0.0
     torch_version: str = torch.__version__
@@ -219,6 +221,37 @@ def _probe_framework(device: torch.device) -> tuple[float, float]:
     return passes_s / calls, max(0.0, step_s - passes_s) / len(params)
 
 
+def _probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
+    """``(extra seconds of a tiny Linear's forward + backward with a DTensor weight, seconds per
+    DTensor parameter of the optimizer step)``: DTensor's dispatch, which every tensor-parallel
+    matmul and every optimizer op on FSDP's or tp's sharded parameters pays (no communication:
+    the weight is sharded by rows over all workers, the input replicated)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (workers,))
+    w = FRAMEWORK_WIDTH
+    x = torch.randn(4, w, device=device)
+    plain = nn.Parameter(torch.randn(w * workers, w, device=device))
+    sharded = [nn.Parameter(distribute_tensor(torch.randn(w * workers, w, device=device), mesh, [Shard(0)]))
+               for _ in range(FRAMEWORK_DEPTH)]
+    plain_s = _timed(lambda: torch.nn.functional.linear(x, plain).sum().backward())
+    dtensor_s = _timed(lambda: torch.nn.functional.linear(
+        DTensor.from_local(x, mesh, [Replicate()]), sharded[0]).to_local().sum().backward())
+    for p in sharded:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(sharded, lr=1e-3)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(sharded, 1.0)
+        optimizer.step()
+        for p in sharded:  # zero_grad(set_to_none=False): the gradients must be there for the next call
+            p.grad.zero_()
+
+    return max(0.0, dtensor_s - plain_s), _timed(step) / len(sharded)
+
+
 def _probe_collectives(rank: int, workers: int, group_sizes: list[int], device: torch.device) -> dict:
     """Every group of a size runs at once (blocks of consecutive ranks), as a mesh axis's groups do."""
     import torch.distributed as dist
@@ -269,6 +302,7 @@ def _worker(rank: int, workers: int, store_path: str, group_sizes: list[int], dt
     try:
         dist.barrier()  # every worker computes at the same time: that is what they share
         compute = _probe_compute(device, dtypes)
+        compute["dtensor"] = _probe_dtensor(device, workers)
         comm = _probe_collectives(rank, workers, group_sizes, device) if workers > 1 else {}
         gathered: list = [None] * workers
         dist.all_gather_object(gathered, (compute, comm))
@@ -308,6 +342,8 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
         elementwise=_median_fit([c["elementwise"] for c in compute]), collectives=collectives,
         op_latency_s=statistics.median(c["framework"][0] for c in compute),
         optimizer_tensor_s=statistics.median(c["framework"][1] for c in compute),
+        dtensor_linear_s=statistics.median(c["dtensor"][0] for c in compute) if workers > 1 else 0.0,
+        optimizer_dtensor_tensor_s=statistics.median(c["dtensor"][1] for c in compute) if workers > 1 else 0.0,
         cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
         probe_s=time.monotonic() - began, created=time.time())
 
@@ -357,6 +393,8 @@ def describe(cal: Calibration) -> str:
     lines.append(f"  elementwise: {cal.elementwise.rate / 1e9:.2f} GB/s per worker, {cal.elementwise.latency_s * 1e6:.1f} us per op")
     lines.append(f"  framework: {cal.op_latency_s * 1e6:.1f} us per op in a module's forward + backward, "
                  f"{cal.optimizer_tensor_s * 1e6:.0f} us per parameter tensor in the optimizer step")
+    lines.append(f"  DTensor: +{cal.dtensor_linear_s * 1e6:.0f} us per Linear forward + backward, "
+                 f"{cal.optimizer_dtensor_tensor_s * 1e6:.0f} us per parameter in the optimizer step; {cal.cores} cores")
     for op, by_size in cal.collectives.items():
         for g, fit in sorted(by_size.items()):
             lines.append(f"  {op} over {g}: {fit.latency_s * 1e6:.0f} us + bytes / {fit.rate / 1e6:.0f} MB/s")

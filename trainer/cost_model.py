@@ -17,7 +17,9 @@
   (:func:`parallel.pipeline_order.expected_bubble`), less when workers share fewer CPU cores
   (:func:`bubble_span`).
 * Every call costs at least the calibrated framework latency (an op inside a module's forward
-  and backward under autograd), and the optimizer step at least the calibrated time per tensor.
+  and backward under autograd), and the optimizer step at least the calibrated time per tensor;
+  DTensors (tp-placed parameters in every pass, FSDP's or tp's parameters in the optimizer) add
+  their calibrated dispatch.
 * Overlap: none. On CPU, gloo's collectives and the compute share the same cores and FSDP2's
   prefetch buys little, so the prediction adds compute, bubble, communication and the optimizer
   step. (On GPUs with nccl this over-predicts FSDP and dp: a later calibration may fit an overlap.)
@@ -303,8 +305,9 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
     checkpointed = set(plan.blocks) if plan.activation_checkpointing == "full" else set()
     busy = []
+    placed = placed_params(plan)
     for held in _rank_units(plan):
-        per_pass = 0.0
+        per_pass = calibration.dtensor_linear_s * sum(placed.get(u, 0) for u in held)
         for unit in held:
             cost = costs.get(unit, UnitCost())
             forward = cost.forward.seconds(calibration, t.precision)
@@ -318,6 +321,23 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     return StepTime(total_s=span + sum(comm.values()) + optimizer, compute_s=compute, bubble_s=span - compute,
                     comm_s=comm, optimizer_s=optimizer, traffic=traffic,
                     tokens_per_step=t.global_batch_size * t.seq_len)
+
+
+def placed_params(plan: ParallelPlan) -> dict[str, int]:
+    """Per pipeline unit: its parameters the plan places (tp): DTensors in forward and backward,
+    each costing about one Linear's DTensor dispatch per pass (``Calibration.dtensor_linear_s``)."""
+    out: dict[str, int] = defaultdict(int)
+    for fqn, axes in plan.placements.items():
+        if any(plan.mesh.size(a) > 1 for a in axes):
+            unit = next((u for u in plan.units if fqn == u or fqn.startswith(u + ".")), None)
+            if unit is not None:
+                out[unit] += 1
+    return dict(out)
+
+
+def _dtensor_params(plan: ParallelPlan) -> bool:
+    """The optimizer steps DTensors: FSDP2 (any dp mode) or tp placed the parameters."""
+    return plan.mesh.world_size > 1 and (plan.data_parallel is not None or bool(placed_params(plan)))
 
 
 def bubble_span(compute: float, bubble: float, calibration: Calibration) -> float:
@@ -360,7 +380,8 @@ def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, par
             comm[op.axis] += op.seconds(calibration)
             traffic[op.axis] += op.sent_bytes
         numel, tensors = sum(params[u][0] for u in held), sum(params[u][1] for u in held)
-        per_tensor = max(ADAMW_OPS_PER_TENSOR * calibration.elementwise.latency_s, calibration.optimizer_tensor_s)
+        framework = calibration.optimizer_dtensor_tensor_s if _dtensor_params(plan) else calibration.optimizer_tensor_s
+        per_tensor = max(ADAMW_OPS_PER_TENSOR * calibration.elementwise.latency_s, framework)
         optimizer = tensors * per_tensor + numel / shard * ADAMW_BYTES_PER_PARAM / calibration.elementwise.rate
         waits.append((sum(comm.values()) + optimizer, dict(comm), optimizer, dict(traffic)))
     return max(waits, key=lambda w: w[0])

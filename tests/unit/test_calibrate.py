@@ -73,3 +73,4 @@ def test_two_workers_measure_collectives():
     for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
         fit = cal.collectives[op][2]
         assert fit.rate > 1e6 and fit.latency_s < 0.1  # loopback gloo: > 1 MB/s, a call under 100 ms
+    assert cal.cores >= 1 and cal.dtensor_linear_s > 0 and cal.optimizer_dtensor_tensor_s > 0

@@ -99,3 +99,19 @@ def test_tp_all_reduces_activations_four_times_per_block_and_microbatch():
     assert op.count == 4 * cfg.model.n_layers
     t = predict_step_time(cfg, plan, CAL)
     assert t.comm_s["tp"] == pytest.approx(op.count * (1e-4 + op.nbytes / 1e9))
+
+
+def test_dtensor_dispatch_is_paid_per_placed_parameter_and_pass():
+    from dataclasses import replace
+
+    from trainer.cost_model import placed_params
+
+    cfg, plan = _plan("+parallel=tp", "mesh=[2]")
+    placed = placed_params(plan)
+    assert sum(placed.values()) > 0 and all(u in plan.units for u in placed)
+    base = predict_step_time(cfg, plan, CAL)
+    slow = predict_step_time(cfg, plan, replace(CAL, dtensor_linear_s=1e-3, optimizer_dtensor_tensor_s=0.0))
+    assert slow.compute_s - base.compute_s == pytest.approx(1e-3 * sum(placed.values()))
+    # one device: no DTensors, no dispatch
+    cfg1, plan1 = _plan()
+    assert placed_params(plan1) == {}
