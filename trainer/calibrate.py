@@ -31,7 +31,7 @@ import socket
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,10 +43,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 MATMUL_SHAPES = ((256, 64, 64), (512, 64, 172), (512, 256, 256), (1024, 512, 512), (1024, 512, 1376))
 ELEMENTWISE_NUMEL = (2**12, 2**16, 2**20)
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
-# The framework probe: a stack of tiny blocks whose arithmetic is negligible, so its time per op is
-# what every op of a training step pays beyond the op itself (nn.Module calls, autograd's graph and
-# engine, the optimizer's per-tensor Python loop), which the raw ops above do not see.
-FRAMEWORK_WIDTH, FRAMEWORK_DEPTH = 8, 16
 MIN_SECONDS = 0.15  # per measured point: enough repetitions to average out the scheduler's noise
 
 
@@ -82,6 +78,7 @@ class Calibration:
     dtensor_linear_s: float = 0.0  # extra seconds of a Linear's forward + backward when its weight is a DTensor
     optimizer_dtensor_tensor_s: float = 0.0  # optimizer_tensor_s for DTensor parameters (FSDP, tp)
     cores: int = 0  # CPU cores the workers share (0: a device each, nothing shared)
+    compute_efficiency: float = 1.0  # a real decoder pass's measured time over what the fits above predict for it
     probe_s: float = 0.0
     torch_version: str = torch.__version__
     created: float = 0.0
@@ -186,70 +183,11 @@ def _probe_compute(device: torch.device, dtypes: list[str]) -> dict:
         nbytes.append(3.0 * 4 * numel)  # two reads, one write
         secs.append(_timed(lambda: torch.add(x, y)))
     out["elementwise"] = (nbytes, secs)
-    out["framework"] = _probe_framework(device)
+    from trainer.calibrate_work import probe_framework, probe_reference
+
+    out["framework"] = probe_framework(device)
+    out["reference_s"] = probe_reference(device)
     return out
-
-
-def _probe_framework(device: torch.device) -> tuple[float, float]:
-    """``(seconds per op of forward + backward, seconds per parameter tensor of the optimizer step)``
-    of a stack of tiny Linear, SiLU, LayerNorm blocks trained as the trainer does (clip, AdamW with
-    torch's default implementation for the device, zero_grad)."""
-    from torch import nn
-
-    from trainer.cost_model import count_calls  # the cost model counts ops the same way (it imports this module)
-
-    w = FRAMEWORK_WIDTH
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.SiLU(), nn.LayerNorm(w))
-                            for _ in range(FRAMEWORK_DEPTH)]).to(device)
-    x = torch.randn(4, w, device=device)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-
-    def passes():
-        model(x).sum().backward()
-
-    def step():
-        passes()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    calls = count_calls(passes)
-    optimizer.zero_grad(set_to_none=True)
-    passes_s = _timed(passes)
-    step_s = _timed(step)
-    return passes_s / calls, max(0.0, step_s - passes_s) / len(params)
-
-
-def _probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
-    """``(extra seconds of a tiny Linear's forward + backward with a DTensor weight, seconds per
-    DTensor parameter of the optimizer step)``: DTensor's dispatch, which every tensor-parallel
-    matmul and every optimizer op on FSDP's or tp's sharded parameters pays (no communication:
-    the weight is sharded by rows over all workers, the input replicated)."""
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh(device.type, (workers,))
-    w = FRAMEWORK_WIDTH
-    x = torch.randn(4, w, device=device)
-    plain = nn.Parameter(torch.randn(w * workers, w, device=device))
-    sharded = [nn.Parameter(distribute_tensor(torch.randn(w * workers, w, device=device), mesh, [Shard(0)]))
-               for _ in range(FRAMEWORK_DEPTH)]
-    plain_s = _timed(lambda: torch.nn.functional.linear(x, plain).sum().backward())
-    dtensor_s = _timed(lambda: torch.nn.functional.linear(
-        DTensor.from_local(x, mesh, [Replicate()]), sharded[0]).to_local().sum().backward())
-    for p in sharded:
-        p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.AdamW(sharded, lr=1e-3)
-
-    def step():
-        torch.nn.utils.clip_grad_norm_(sharded, 1.0)
-        optimizer.step()
-        for p in sharded:  # zero_grad(set_to_none=False): the gradients must be there for the next call
-            p.grad.zero_()
-
-    return max(0.0, dtensor_s - plain_s), _timed(step) / len(sharded)
 
 
 def _probe_collectives(rank: int, workers: int, group_sizes: list[int], device: torch.device) -> dict:
@@ -302,7 +240,9 @@ def _worker(rank: int, workers: int, store_path: str, group_sizes: list[int], dt
     try:
         dist.barrier()  # every worker computes at the same time: that is what they share
         compute = _probe_compute(device, dtypes)
-        compute["dtensor"] = _probe_dtensor(device, workers)
+        from trainer.calibrate_work import probe_dtensor
+
+        compute["dtensor"] = probe_dtensor(device, workers)
         comm = _probe_collectives(rank, workers, group_sizes, device) if workers > 1 else {}
         gathered: list = [None] * workers
         dist.all_gather_object(gathered, (compute, comm))
@@ -336,7 +276,7 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
     compute = [r[0] for r in rows]
     collectives = {op: {int(g): _median_fit([r[1][op][g] for r in rows]) for g in rows[0][1][op]}
                    for op in COLLECTIVES} if workers > 1 else {op: {} for op in COLLECTIVES}
-    return Calibration(
+    cal = Calibration(
         host=socket.gethostname(), device=_device_name(device), workers=workers,
         matmul={d: _median_fit([c["matmul"][d] for c in compute]) for d in dtypes},
         elementwise=_median_fit([c["elementwise"] for c in compute]), collectives=collectives,
@@ -346,6 +286,10 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
         optimizer_dtensor_tensor_s=statistics.median(c["dtensor"][1] for c in compute) if workers > 1 else 0.0,
         cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
         probe_s=time.monotonic() - began, created=time.time())
+    from trainer.calibrate_work import reference_prediction
+
+    measured = statistics.median(c["reference_s"] for c in compute)
+    return replace(cal, compute_efficiency=measured / reference_prediction(cal))
 
 
 def _device_name(device: torch.device) -> str:
@@ -395,6 +339,8 @@ def describe(cal: Calibration) -> str:
                  f"{cal.optimizer_tensor_s * 1e6:.0f} us per parameter tensor in the optimizer step")
     lines.append(f"  DTensor: +{cal.dtensor_linear_s * 1e6:.0f} us per Linear forward + backward, "
                  f"{cal.optimizer_dtensor_tensor_s * 1e6:.0f} us per parameter in the optimizer step; {cal.cores} cores")
+    lines.append(f"  a small decoder's forward + backward takes {cal.compute_efficiency:.2f}x what the fits above "
+                 "predict: every prediction is scaled by it")
     for op, by_size in cal.collectives.items():
         for g, fit in sorted(by_size.items()):
             lines.append(f"  {op} over {g}: {fit.latency_s * 1e6:.0f} us + bytes / {fit.rate / 1e6:.0f} MB/s")

@@ -19,7 +19,8 @@
 * Every call costs at least the calibrated framework latency (an op inside a module's forward
   and backward under autograd), and the optimizer step at least the calibrated time per tensor;
   DTensors (tp-placed parameters in every pass, FSDP's or tp's parameters in the optimizer) add
-  their calibrated dispatch.
+  their calibrated dispatch. All compute is scaled by the calibration's ``compute_efficiency``: a small
+  decoder's measured forward + backward over what the fits predict for it.
 * Overlap: none. On CPU, gloo's collectives and the compute share the same cores and FSDP2's
   prefetch buys little, so the prediction adds compute, bubble, communication and the optimizer
   step. (On GPUs with nccl this over-predicts FSDP and dp: a later calibration may fit an overlap.)
@@ -64,8 +65,9 @@ class Work:
         ew = cal.elementwise
         # A call costs at least what an op pays inside a training step (modules, autograd), beyond
         # the raw op the compute probe times.
-        return (self.matmul_calls * max(mm.latency_s, cal.op_latency_s) + self.matmul_flops / mm.rate
-                + self.other_calls * max(ew.latency_s, cal.op_latency_s) + self.other_bytes / ew.rate)
+        return cal.compute_efficiency * (
+            self.matmul_calls * max(mm.latency_s, cal.op_latency_s) + self.matmul_flops / mm.rate
+            + self.other_calls * max(ew.latency_s, cal.op_latency_s) + self.other_bytes / ew.rate)
 
 
 @dataclass
@@ -395,7 +397,7 @@ def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, 
     bubble, plus the communication and optimizer step, which need no pass."""
     pp, t = plan.pipeline, cfg.train
     rate = (calibration.matmul.get(t.precision) or calibration.matmul["fp32"]).rate
-    compute = flops_per_sequence * t.global_batch_size / plan.mesh.world_size / rate
+    compute = calibration.compute_efficiency * flops_per_sequence * t.global_batch_size / plan.mesh.world_size / rate
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
     return bubble_span(compute, bubble, calibration) + worst_wait(cfg, plan, calibration, params, micro_batch_size(cfg))[0]

@@ -1,0 +1,124 @@
+"""The calibration's probes of the framework around the ops (:mod:`trainer.calibrate` runs them in
+every probe worker, all at once): what an op costs inside a module's forward and backward under
+autograd, what a parameter tensor costs in the optimizer step, DTensor's dispatch, and a small
+decoder's real forward and backward, against which the raw fits are checked.
+
+    op_s, optimizer_s = probe_framework(device)
+    linear_s, optimizer_dtensor_s = probe_dtensor(device, workers)     # inside a process group
+    efficiency = probe_reference(device) / reference_prediction(cal)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from trainer.calibrate import MIN_SECONDS, Calibration, _timed, _timed_together
+
+# The framework probe: a stack of tiny blocks whose arithmetic is negligible, so its time per op is
+# what every op of a training step pays beyond the op itself (nn.Module calls, autograd's graph and
+# engine, the optimizer's per-tensor Python loop), which the raw ops of the compute probe do not see.
+FRAMEWORK_WIDTH, FRAMEWORK_DEPTH = 8, 16
+
+
+def probe_framework(device: torch.device) -> tuple[float, float]:
+    """``(seconds per op of forward + backward, seconds per parameter tensor of the optimizer step)``
+    of a stack of tiny Linear, SiLU, LayerNorm blocks trained as the trainer does (clip, AdamW with
+    torch's default implementation for the device, zero_grad)."""
+    from torch import nn
+
+    from trainer.cost_model import count_calls  # the cost model counts ops the same way (it imports this module)
+
+    w = FRAMEWORK_WIDTH
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.SiLU(), nn.LayerNorm(w))
+                            for _ in range(FRAMEWORK_DEPTH)]).to(device)
+    x = torch.randn(4, w, device=device)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+
+    def passes():
+        model(x).sum().backward()
+
+    def step():
+        passes()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    calls = count_calls(passes)
+    optimizer.zero_grad(set_to_none=True)
+    passes_s = _timed(passes)
+    step_s = _timed(step)
+    return passes_s / calls, max(0.0, step_s - passes_s) / len(params)
+
+
+# The reference pass: a small decoder's forward and backward as training runs it. The raw fits
+# time each kind of op alone, hot in cache and back to back; a model interleaves them over more
+# memory. The ratio of this pass's measured time to the fits' prediction for it scales every
+# prediction (Calibration.compute_efficiency).
+REFERENCE_MODEL = dict(arch="llama", dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden_dim=688, max_seq_len=128)
+REFERENCE_BATCH = 2
+
+
+def _reference():
+    from trainer.config import RunConfig
+
+    return RunConfig.model_validate({"model": REFERENCE_MODEL, "train": {"global_batch_size": REFERENCE_BATCH,
+                                                                          "seq_len": REFERENCE_MODEL["max_seq_len"]}})
+
+
+def probe_reference(device: torch.device) -> float:
+    """Seconds of one forward + backward (with the loss) of the reference decoder, fp32."""
+    from trainer.models import build_model, loss_fn_for
+
+    cfg = _reference()
+    model = build_model(cfg.model, device=device)
+    loss_fn = loss_fn_for(cfg.model)
+    x = torch.randint(0, cfg.model.vocab_size, (REFERENCE_BATCH, cfg.train.seq_len), device=device)
+    return _timed(lambda: loss_fn(model(x), x).backward())
+
+
+def reference_prediction(cal: Calibration) -> float:
+    """What ``cal``'s fits (before any efficiency) predict for :func:`_probe_reference`'s pass."""
+    from parallel.plan import resolve_plan
+    from trainer.cost_model import unit_costs
+    from trainer.models import build_model
+
+    cfg = _reference()
+    model = build_model(cfg.model, device="meta")
+    costs = unit_costs(cfg, resolve_plan(None, None, model), REFERENCE_BATCH, model=model)
+    raw = replace(cal, compute_efficiency=1.0)
+    return sum(c.forward.seconds(raw, "fp32") + c.backward.seconds(raw, "fp32") for c in costs.values())
+
+
+def probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
+    """``(extra seconds of a tiny Linear's forward + backward with a DTensor weight, seconds per
+    DTensor parameter of the optimizer step)``: DTensor's dispatch, which every tensor-parallel
+    matmul and every optimizer op on FSDP's or tp's sharded parameters pays (no communication:
+    the weight is sharded by rows over all workers, the input replicated)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (workers,))
+    w = FRAMEWORK_WIDTH
+    x = torch.randn(4, w, device=device)
+    plain = nn.Parameter(torch.randn(w * workers, w, device=device))
+    sharded = [nn.Parameter(distribute_tensor(torch.randn(w * workers, w, device=device), mesh, [Shard(0)]))
+               for _ in range(FRAMEWORK_DEPTH)]
+    plain_s = _timed(lambda: torch.nn.functional.linear(x, plain).sum().backward())
+    dtensor_s = _timed_together(lambda: torch.nn.functional.linear(
+        DTensor.from_local(x, mesh, [Replicate()]), sharded[0]).to_local().sum().backward(), MIN_SECONDS)
+    for p in sharded:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(sharded, lr=1e-3)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(sharded, 1.0)
+        optimizer.step()
+        for p in sharded:  # zero_grad(set_to_none=False): the gradients must be there for the next call
+            p.grad.zero_()
+
+    # clipping all-reduces the norm over the mesh: every rank must run the same number of steps
+    return max(0.0, dtensor_s - plain_s), _timed_together(step, MIN_SECONDS) / len(sharded)
