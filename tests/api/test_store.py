@@ -110,7 +110,7 @@ def test_scheduler_starts_fifo_within_priority_and_respects_slots(store, monkeyp
         def poll(self):
             return None
 
-    def fake_start(workdir, config):
+    def fake_start(workdir, config, extra_env=None):
         started.append(Path(workdir).name)
         return runner.Started(pid=1, start_time=runner.process_start_time(1), process=FakeProcess())
 
