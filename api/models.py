@@ -77,7 +77,10 @@ class JobPublic(BaseModel):
     @classmethod
     def from_job(cls, job: Job, ui_url: str | None) -> "JobPublic":
         def utc(moment: datetime | None) -> datetime | None:
-            return moment.replace(tzinfo=timezone.utc) if moment and moment.tzinfo is None else moment
+            # SQLite gives naive UTC values, PostgreSQL aware ones in its session's TimeZone.
+            if moment is None:
+                return None
+            return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
 
         return cls(id=job.id, name=job.name, owner=job.owner, state=JobState(job.state), priority=job.priority,
                    overrides=job.overrides, config=job.config, world_size=job.world_size,

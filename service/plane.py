@@ -30,8 +30,8 @@ from service.limits import StreamSlots, cap_memory_budget, check_ceilings, check
 from service.mlflow_runs import MlflowRuns
 from service.scheduler import Scheduler
 from service.settings import Settings
-from service.store import (ACTIVE_STATES, Job, JobState, make_engine, make_sessionmaker, require_transition,
-                           transition, utcnow)
+from service.store import (ACTIVE_STATES, Job, JobState, lock_owner_queue, make_engine, make_sessionmaker,
+                           require_transition, transition, utcnow)
 from service.submit import resolve_config
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
@@ -150,8 +150,12 @@ class ControlPlane:
                   world_size=cfg.world_size, created_at=utcnow(), mlflow_run_id=run_id,
                   mlflow_experiment_id=experiment_id, idempotency_key=idempotency_key,
                   request_hash=request_hash, workdir=str(workdir))
-        session.add(job)
         try:
+            # The quota again, now counted and filled in one step: concurrent submissions of one
+            # owner passed the early check above together (it only spares them the validation).
+            lock_owner_queue(session, owner)
+            check_queue_quota(session, owner=owner, settings=self.settings)
+            session.add(job)
             session.commit()
         except IntegrityError:  # the same key, submitted concurrently: the first one wins
             session.rollback()
@@ -161,7 +165,7 @@ class ControlPlane:
             if existing is None:
                 raise
             return self._replay(existing, request_hash), False
-        except Exception:  # the store failed: leave no orphan RUNNING run behind
+        except Exception:  # the store failed or the queue filled meanwhile: leave no orphan RUNNING run behind
             session.rollback()
             if run_id:
                 self.mlflow.delete_run(run_id)

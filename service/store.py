@@ -12,7 +12,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, String, Text, UniqueConstraint, create_engine, event, select, update
+from sqlalchemy import JSON, DateTime, Integer, String, Text, UniqueConstraint, create_engine, event, select, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -104,8 +104,52 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 10, pool_t
             cursor.close()
     else:
         engine = create_engine(url, pool_pre_ping=True, **pool)
-    Base.metadata.create_all(engine)
+    create_tables(engine)
     return engine
+
+
+# pg_advisory_xact_lock key held while the tables are created: "mesh" in ASCII.
+SCHEMA_LOCK_KEY = 0x6D657368
+
+
+def create_tables(engine: Engine) -> None:
+    """Create the missing tables, one server at a time.
+
+    Servers starting together on a new database (replicas, or a restart while another server
+    starts) would otherwise all see no table and all create it; the losers fail ("table jobs
+    already exists" on SQLite, a unique violation in pg_type on PostgreSQL). So the check and the
+    creation run in one transaction under a lock: PostgreSQL's transaction-scoped advisory lock,
+    SQLite's write lock (``BEGIN IMMEDIATE``; others wait up to the busy timeout). Both databases
+    have transactional DDL, so the waiting servers then find the tables.
+    """
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+        elif engine.dialect.name == "sqlite":
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+        Base.metadata.create_all(connection)
+
+
+# pg_advisory_xact_lock(namespace, hashtext(owner)) serialises one owner's submissions: "queu".
+QUEUE_LOCK_NAMESPACE = 0x71756575
+
+
+def lock_owner_queue(session: Session, owner: str) -> None:
+    """Hold ``owner``'s submission lock until the session's transaction ends (commit or rollback).
+
+    A quota is a count followed by an insert; two submissions of one owner counting at once would
+    both see room. Under this lock the count and the insert are one step: on PostgreSQL an advisory
+    lock per owner (other owners are not held up), on SQLite the database's write lock
+    (``BEGIN IMMEDIATE``, unless the transaction already wrote and so holds it).
+    """
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:namespace, hashtext(:owner))"),
+                        {"namespace": QUEUE_LOCK_NAMESPACE, "owner": owner})
+    elif dialect == "sqlite":
+        connection = session.connection()
+        if not connection.connection.dbapi_connection.in_transaction:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

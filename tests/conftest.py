@@ -71,3 +71,26 @@ def calibration_cache(tmp_path_factory):
         os.environ.pop("MESHFLOW_CACHE_DIR", None)
     else:
         os.environ["MESHFLOW_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory):
+    """A real PostgreSQL server for the whole session (tests/pg.py: initdb + pg_ctl on 127.0.0.1, run as
+    an unprivileged user when we are root), stopped with ``pg_ctl stop -m fast`` at the end. Skips
+    without the binaries, fails under CI=true."""
+    from tests.pg import require_postgres, start_postgres
+
+    require_postgres()
+    server = start_postgres(tmp_path_factory.mktemp("postgres"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres, request) -> str:
+    """A fresh database on the session's server for this test: its ``postgresql+psycopg://`` URL."""
+    import uuid
+
+    return postgres.create_database(f"t_{uuid.uuid4().hex[:12]}")

@@ -1,15 +1,24 @@
 """The job store and the scheduler's bookkeeping, in-process (no server, no MLflow): legal transitions
-only, one winner per start, reconciliation of the processes an earlier server left behind."""
+only, one winner per start, reconciliation of the processes an earlier server left behind.
+
+Every test that uses the store runs twice: on SQLite (the default) and on a real PostgreSQL
+server the session starts (``postgres_url`` in tests/conftest.py; skipped without the binaries,
+failed under CI=true).
+"""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from sqlalchemy import func, select
 
 from service import runner
 from service.scheduler import VANISHED, Scheduler
@@ -17,12 +26,22 @@ from service.settings import Settings
 from service.store import IllegalTransition, Job, JobState, make_engine, make_sessionmaker, require_transition, transition
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(tmp_path, request) -> str:
+    """An empty job store: a SQLite file in tmp_path, or a new database on the session's PostgreSQL."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("postgres_url")
+    return f"sqlite:///{tmp_path / 'jobs.db'}"
+
+
 @pytest.fixture
-def store(tmp_path):
-    settings = Settings(workspace=tmp_path / "ws", capacity=2, poll_interval_s=0.05)
+def store(tmp_path, database_url):
+    settings = Settings(workspace=tmp_path / "ws", capacity=2, poll_interval_s=0.05, database_url=database_url)
     settings.jobs_dir.mkdir(parents=True)
-    sessions = make_sessionmaker(make_engine(settings.database_url))
-    return settings, sessions
+    engine = make_engine(settings.database_url)
+    assert engine.dialect.name == database_url.split(":")[0].split("+")[0]  # the store is the one asked for
+    yield settings, make_sessionmaker(engine)
+    engine.dispose()
 
 
 def add_job(sessions, settings, state: JobState, **fields) -> Job:
@@ -127,3 +146,94 @@ def test_scheduler_starts_fifo_within_priority_and_respects_slots(store, monkeyp
     scheduler.tick()
     assert started == [high.id, low.id]  # priority first, then FIFO; the 2-slot job waits
     assert state_of(sessions, wide.id).state == "QUEUED" and scheduler.max_slots_in_use == 2
+
+
+def _at_once(count: int, work) -> list:
+    """``work(i)`` on ``count`` threads released together by a barrier; the results (or exceptions) in order."""
+    barrier = threading.Barrier(count)
+
+    def run(i: int):
+        barrier.wait()
+        try:
+            return work(i)
+        except Exception as err:  # returned, so the test shows every thread's failure
+            return err
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        return list(pool.map(run, range(count)))
+
+
+def test_racing_schedulers_start_a_job_once(store):
+    settings, sessions = store
+    jobs = [add_job(sessions, settings, JobState.QUEUED) for _ in range(3)]
+
+    def start_all(_):
+        with sessions() as session:
+            return [transition(session, job.id, JobState.STARTING) for job in jobs]
+
+    outcomes = _at_once(8, start_all)
+    assert not [o for o in outcomes if isinstance(o, Exception)], outcomes
+    assert [sum(o[i] for o in outcomes) for i in range(len(jobs))] == [1, 1, 1]  # one winner per job
+    assert {state_of(sessions, job.id).state for job in jobs} == {"STARTING"}
+
+
+def test_servers_starting_together_on_a_new_store_create_it_once(database_url):
+    """Replicas of the control plane (or a restart racing a migration) create the tables at once."""
+    engines = _at_once(4, lambda _: make_engine(database_url))
+    try:
+        assert not [e for e in engines if isinstance(e, Exception)], engines
+        with make_sessionmaker(engines[0])() as session:
+            session.add(Job(name="t", owner="alice", config={"a": [1, 2]}, world_size=1, workdir="w"))
+            session.commit()
+        with make_sessionmaker(engines[-1])() as session:
+            assert [(j.owner, j.config) for j in session.scalars(select(Job))] == [("alice", {"a": [1, 2]})]
+    finally:
+        for engine in engines:
+            if not isinstance(engine, Exception):
+                engine.dispose()
+
+
+def test_times_read_back_as_the_same_instant_and_are_served_in_utc(store):
+    """PostgreSQL returns timestamptz in the server's zone (the tests' server is not on UTC), SQLite
+    naive values: the same instant either way, and the API shows it in UTC."""
+    from api.models import JobPublic
+
+    settings, sessions = store
+    moment = datetime(2026, 3, 8, 6, 59, 58, 123456, tzinfo=timezone.utc)  # around a DST change in New York
+    job = add_job(sessions, settings, JobState.QUEUED, created_at=moment)
+    read = state_of(sessions, job.id).created_at
+    assert (read if read.tzinfo else read.replace(tzinfo=timezone.utc)) == moment
+    shown = JobPublic.from_job(state_of(sessions, job.id), None)
+    assert shown.created_at == moment and shown.created_at.utcoffset() == timedelta(0)
+    assert shown.model_dump(mode="json")["created_at"] in ("2026-03-08T06:59:58.123456Z", "2026-03-08T06:59:58.123456+00:00")
+
+
+def test_concurrent_submissions_keep_one_job_per_key_and_the_queue_quota(database_url, tmp_path):
+    """Six submissions at once with one Idempotency-Key make one job; six with their own keys fill the
+    owner's queue (max_queued_per_user=3) and no further: the count and the insert are one step."""
+    from service.limits import QuotaExceeded
+    from service.plane import ControlPlane
+
+    settings = Settings(workspace=tmp_path / "ws", database_url=database_url, capacity=0, max_queued_per_user=3,
+                        mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    plane = ControlPlane(settings)  # not started: no scheduler, jobs stay QUEUED
+    overrides = ["tracking=none", "train.steps=1"]
+
+    def submit(key: str):
+        with plane.sessions() as session:
+            job, created = plane.submit_job(session, owner="alice", name="race", overrides=overrides, idempotency_key=key)
+            return job.id, created
+
+    try:
+        same = _at_once(6, lambda _: submit("same-key"))
+        assert not [o for o in same if isinstance(o, Exception)], same
+        assert len({job_id for job_id, _ in same}) == 1 and sorted(c for _, c in same) == [False] * 5 + [True]
+        own = _at_once(6, lambda i: submit(f"key-{i}"))
+        accepted = [o for o in own if not isinstance(o, Exception)]
+        refused = [o for o in own if isinstance(o, Exception)]
+        assert len(accepted) == 2 and all(created for _, created in accepted), own
+        assert len(refused) == 4 and all(isinstance(e, QuotaExceeded) and "the limit is 3" in str(e) for e in refused)
+        with plane.sessions() as session:
+            assert session.scalar(select(func.count()).select_from(Job).where(Job.owner == "alice")) == 3
+    finally:
+        plane.stop()
