@@ -92,6 +92,18 @@ class Server:
                 pass
 
 
+def stored_jobs(server: Server) -> dict[str, str]:
+    """``{job id: state}`` read straight from the server's job store (SQLite or PostgreSQL), not over HTTP."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(server.env["MESHFLOW_DATABASE_URL"])
+    try:
+        with engine.connect() as connection:
+            return dict(connection.execute(text("SELECT id, state FROM jobs")).all())
+    finally:
+        engine.dispose()
+
+
 def job_pids_in(workspace: Path) -> list[int]:
     """Process-group leaders of jobs whose cwd is inside ``workspace`` (found through /proc)."""
     found = []

@@ -2,7 +2,9 @@
 
 One server per test session (capacity 2 worker slots) serves most tests; tests that kill or
 reconfigure a server start their own through ``start_server``. All servers of a session share
-one MLflow SQLite store: creating one costs ~20 s on a small machine.
+one MLflow SQLite store: creating one costs ~20 s on a small machine. ``job_store_url`` gives a
+test its job store on either database (``"sqlite"``: the server's default file; ``"postgresql"``:
+a new database on the session's PostgreSQL server, see tests/pg.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,21 @@ def start_server(tmp_path_factory, mlflow_uri):
 def server(start_server) -> Server:
     """The shared server: capacity for 2 single-worker jobs."""
     return start_server(capacity=2)
+
+
+@pytest.fixture(scope="session")
+def job_store_url(request):
+    """``job_store_url("sqlite" | "postgresql")``: settings for ``start_server`` that put its job store
+    there (``{}`` for SQLite, the default; a fresh PostgreSQL database otherwise)."""
+    import uuid
+
+    def _url(kind: str) -> dict[str, str]:
+        if kind == "sqlite":
+            return {}
+        postgres = request.getfixturevalue("postgres")
+        return {"database_url": postgres.create_database(f"api_{uuid.uuid4().hex[:12]}")}
+
+    return _url
 
 
 @pytest.fixture(scope="session")

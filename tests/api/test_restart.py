@@ -1,5 +1,6 @@
 """The control plane killed (SIGKILL) mid-job and restarted: jobs keep running and are tracked again,
-vanished ones become FAILED, queued ones start; every record survives and nothing runs twice."""
+vanished ones become FAILED, queued ones start; every record survives and nothing runs twice.
+On both job stores: SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from api_testkit import TINY, wait_for
+from api_testkit import TINY, stored_jobs, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +24,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_server_killed_and_restarted_mid_job(start_server):
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_server_killed_and_restarted_mid_job(store, start_server, job_store_url):
     from mlflow.tracking import MlflowClient
 
-    server = start_server(capacity=2)
+    server = start_server(capacity=2, **job_store_url(store))
     with server.client("alice") as alice:
         survivor = alice.post("/v1/jobs", json={"name": "survivor", "overrides": [*TINY, "train.steps=25"]}).json()
         victim = alice.post("/v1/jobs", json={"name": "victim", "overrides": [*TINY, "train.steps=5000"]}).json()
@@ -52,6 +54,8 @@ def test_server_killed_and_restarted_mid_job(start_server):
         assert late["state"] == "SUCCEEDED", late["error"]
         assert {j["id"] for j in alice.get("/v1/jobs").json()["items"]} >= {survivor["id"], victim["id"], queued["id"]}
 
+    assert {j: stored_jobs(server)[j] for j in (survivor["id"], victim["id"], queued["id"])} == {
+        survivor["id"]: "SUCCEEDED", victim["id"]: "FAILED", queued["id"]: "SUCCEEDED"}  # in the store asked for
     runs = MlflowClient(server.env["MESHFLOW_MLFLOW_TRACKING_URI"])
     assert runs.get_run(survivor["mlflow_run_id"]).info.status == "FINISHED"
     assert runs.get_run(victim["mlflow_run_id"]).info.status == "FAILED"

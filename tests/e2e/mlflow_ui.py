@@ -82,8 +82,10 @@ class MlflowServer:
 
 
 @contextmanager
-def mlflow_server(root: Path, *, startup_timeout: float = 120) -> Iterator[MlflowServer]:
-    """``mlflow server`` on a free loopback port, with its SQLite store and artifacts under ``root``.
+def mlflow_server(root: Path, *, backend_store_uri: str | None = None,
+                  startup_timeout: float = 120) -> Iterator[MlflowServer]:
+    """``mlflow server`` on a free loopback port, with its store (SQLite under ``root`` unless
+    ``backend_store_uri`` names another, e.g. ``postgresql+psycopg://...``) and artifacts under ``root``.
 
     Artifacts are served through the server (``--serve-artifacts``: clients upload and the UI
     downloads over HTTP, new experiments get ``mlflow-artifacts:/`` roots stored in
@@ -94,7 +96,7 @@ def mlflow_server(root: Path, *, startup_timeout: float = 120) -> Iterator[Mlflo
     url = f"http://127.0.0.1:{port}"
     log = root / "mlflow-server.log"
     command = [sys.executable, "-m", "mlflow", "server",
-               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+               "--backend-store-uri", backend_store_uri or f"sqlite:///{root / 'mlflow.db'}",
                "--serve-artifacts", "--artifacts-destination", str(root / "artifacts"),
                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     env = {**os.environ,
