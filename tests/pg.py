@@ -13,7 +13,7 @@ them a test skips, except under ``CI=true``, where it fails and says PostgreSQL 
 
 Running as root: ``initdb`` and ``postgres`` refuse to run as root, so the server then runs as
 an unprivileged user (``postgres`` where that account exists, else ``nobody``) through
-``runuser -u``, and its directory is owned by that user. pytest's own temporary directories sit
+``runuser -u`` (or ``setpriv``), and its directory is owned by that user. pytest's own temporary directories sit
 under ``/tmp/pytest-of-root`` (mode 700), which that user cannot enter, so as root the server's
 directory is a fresh private one under the system temp dir instead of ``tmp_path``, removed at
 the end. The server listens on 127.0.0.1 only (its unix socket in that private directory), and
@@ -118,8 +118,10 @@ class PostgresServer:
 
     def _run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         command = [str(self.bin_dir / args[0]), *args[1:]]
-        if self.user is not None:
-            command = ["runuser", "-u", self.user, "--", *command]
+        if self.user is not None:  # runuser (util-linux), else setpriv from the same package
+            account = pwd.getpwnam(self.user)
+            command = (["runuser", "-u", self.user, "--", *command] if shutil.which("runuser") else
+                       ["setpriv", f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}", "--init-groups", *command])
         env = {**os.environ, "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8", "TZ": "UTC"}
         proc = subprocess.run(command, cwd=self.root, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
