@@ -10,6 +10,7 @@ test sees.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import re
 import uuid
@@ -50,7 +51,7 @@ class FakeApiServer:
         status, answer = self._route(method, parts.path, query, payload)
         data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
         content_type = "text/plain" if isinstance(answer, str) else "application/json"
-        return urllib3.HTTPResponse(body=data, status=status, headers={"Content-Type": content_type},
+        return urllib3.HTTPResponse(body=io.BytesIO(data), status=status, headers={"Content-Type": content_type},
                                     reason={200: "OK", 201: "Created", 404: "Not Found", 409: "Conflict"}.get(status, ""),
                                     preload_content=True)
 

@@ -12,6 +12,7 @@ becomes.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import kubernetes_validate
@@ -245,3 +246,33 @@ def test_failures_to_submit_say_what_is_missing(tmp_path, monkeypatch):
     no_ns = Settings(workspace=tmp_path / "ws")
     assert KubernetesExecutor(no_ns).namespace == "ml-jobs"
     assert KubernetesExecutor(settings).namespace == "team-a"
+
+
+def test_the_api_role_allows_every_call_the_executor_makes(tmp_path):
+    """deploy/k8s/api-rbac.yaml's Role against the requests of a whole job's life (start, poll a
+    failure with its pods and logs, adopt, stop): each maps to (API group, resource, verb)."""
+    import yaml
+
+    settings = _settings(tmp_path)
+    server = FakeApiServer()
+    executor = KubernetesExecutor(settings, api_client=api_client(server))
+    launch = _launch(settings)
+    ref = executor.start(launch)
+    server.add_pod("team-a", f"{NAME}-node-0-0", jobset=NAME, index=0, exit_code=1, message="boom")
+    server.objects[("JobSet", "team-a", NAME)]["status"] = {"terminalState": "Failed"}
+    assert executor.poll(ref, launch).exit_code == 1 and executor.adopt(launch) == ref
+    executor.stop(ref)
+    path = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)/namespaces/[^/]+/(?P<resource>[^/]+)(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?$")
+    needed = set()
+    for call in server.calls:
+        m = path.match(call.path)
+        resource = m["resource"] + (f"/{m['sub']}" if m["sub"] else "")
+        verb = {"POST": "create", "DELETE": "delete"}.get(call.method) or ("get" if m["name"] else "list")
+        needed.add((m["group"] or "", resource, verb))
+    assert needed == {("jobset.x-k8s.io", "jobsets", "create"), ("jobset.x-k8s.io", "jobsets", "get"),
+                      ("jobset.x-k8s.io", "jobsets", "delete"), ("", "configmaps", "create"), ("", "configmaps", "delete"),
+                      ("", "pods", "list"), ("", "pods/log", "get")}
+    rbac = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "api-rbac.yaml"
+    (role,) = [d for d in yaml.safe_load_all(rbac.read_text()) if d and d["kind"] == "Role"]
+    allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    assert needed <= allowed, f"the Role lacks {needed - allowed}"
