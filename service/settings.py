@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     max_running_per_user: int = Field(4, ge=1, description="Jobs of one user the scheduler runs at once; "
                                       "the rest wait without blocking other users' jobs.")
     max_log_streams_per_user: int = Field(4, ge=1, description="Live `logs?follow=true` streams one user may hold; more get 429.")
+    validation_workers: int = Field(
+        default_factory=lambda: min(2, os.cpu_count() or 1), ge=0, le=64,
+        description="Worker processes validating submissions in parallel (Hydra composition + model checks); "
+        "0 validates in the request's thread, one composition at a time.")
+    validation_cache_size: int = Field(256, ge=0, description="Validated submissions remembered, so an identical "
+                                       "one is answered without composing again (only configs whose checks read no file).")
     job_env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables every job gets "
                                     "(on top of the allow-listed ones: PATH, HOME, locale, torch / OMP / CUDA / NCCL ...).")
     # -- where jobs run (service/executors) -------------------------------------------------
