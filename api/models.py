@@ -3,34 +3,44 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.store import Job, JobState
 
 
+def _absent_not_null(schema: dict[str, Any]) -> None:
+    """No `default: null` in the schema: the key is left out, never sent as null."""
+    schema.pop("default", None)
+
+
 class JobCreate(BaseModel):
-    """A job to run: Hydra overrides as typed after `python -m trainer`, or a whole config document."""
+    """A job to run: Hydra overrides as typed after `python -m trainer`, or a whole config document,
+    exactly one of the two (`"overrides": []` is the default config)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        # What _one_source enforces, stated in the schema: exactly one of the two keys.
+        "oneOf": [{"required": ["overrides"], "title": "By overrides"},
+                  {"required": ["config"], "title": "By document"}],
         "examples": [{"name": "dp-demo", "overrides": ["+parallel=dp", "mesh=[2]", "train.steps=20"]}]})
 
     name: str = Field("job", min_length=1, max_length=200, description="A label for people; need not be unique.")
-    overrides: list[str] | None = Field(
-        None, max_length=200,
+    # Absent, never null: the schema's oneOf tells the two sources apart by which key is present.
+    overrides: list[Annotated[str, Field(max_length=1000)]] = Field(
+        None, max_length=200, json_schema_extra=_absent_not_null,  # type: ignore[arg-type]
         description="Hydra overrides against conf/ (`+parallel=3d`, `mesh=[2,2,2]`, `train.steps=50`); "
-                    "no `hydra.*`, `_target_`, `~`/`++` forms or `${...}`.")
-    config: dict[str, Any] | None = Field(
-        None, description="A whole config document (the shape `python -m trainer --cfg job` prints) instead of overrides.")
+                    "no `hydra.*`, `_target_`, `~`/`++` forms or `${...}`. Give this or `config`.")
+    config: dict[str, Any] = Field(
+        None, json_schema_extra=_absent_not_null,  # type: ignore[arg-type]
+        description="A whole config document (the shape `python -m trainer --cfg job` prints) instead of overrides.")
     priority: int = Field(0, ge=-100, le=100, description="Higher starts first; FIFO among equal priorities.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "JobCreate":
-        if self.overrides is not None and self.config is not None:
-            raise ValueError("give either overrides or config, not both")
-        if any(len(item) > 1000 for item in self.overrides or []):
-            raise ValueError("an override is longer than 1000 characters")
+        if (self.overrides is None) == (self.config is None):
+            raise ValueError("give exactly one of overrides (a list of Hydra overrides; [] for the defaults) "
+                             "and config (a whole document), not " + ("both" if self.overrides is not None else "neither"))
         return self
 
 
@@ -54,8 +64,16 @@ class Message(BaseModel):
     detail: str = Field(description="What went wrong.")
 
 
-class JobPublic(BaseModel):
-    """A job as the service knows it."""
+def _utc(moment: datetime | None) -> datetime | None:
+    """The instant in UTC: SQLite returns naive datetimes (the store writes UTC), PostgreSQL aware
+    ones in its session's TimeZone."""
+    if moment is None:
+        return None
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+
+
+class JobSummary(BaseModel):
+    """A job as the list shows it: everything but the config document (read one job for that)."""
 
     id: str = Field(description="Job id (UUID).")
     name: str = Field(description="The label given at submission.")
@@ -63,7 +81,6 @@ class JobPublic(BaseModel):
     state: JobState = Field(description="QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED (CANCELLING between).")
     priority: int = Field(description="Higher starts first.")
     overrides: list[str] | None = Field(description="The overrides submitted, if the job was submitted as overrides.")
-    config: dict[str, Any] = Field(description="The resolved, validated config the job runs with.")
     world_size: int = Field(description="Worker processes (= worker slots) the job needs: prod(mesh).")
     created_at: datetime = Field(description="When the job was accepted (UTC).")
     started_at: datetime | None = Field(description="When its process started (UTC).")
@@ -75,24 +92,34 @@ class JobPublic(BaseModel):
     mlflow_ui_url: str | None = Field(description="Link to the run in the MLflow UI, when the service knows the UI's address.")
 
     @classmethod
-    def from_job(cls, job: Job, ui_url: str | None) -> "JobPublic":
-        def utc(moment: datetime | None) -> datetime | None:
-            # SQLite gives naive UTC values, PostgreSQL aware ones in its session's TimeZone.
-            if moment is None:
-                return None
-            return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+    def fields_of(cls, job: Any, ui_url: str | None) -> dict[str, Any]:
+        """The summary's fields of a :class:`Job` or of a row of its summary columns."""
+        return dict(id=job.id, name=job.name, owner=job.owner, state=JobState(job.state), priority=job.priority,
+                    overrides=job.overrides, world_size=job.world_size, created_at=_utc(job.created_at),
+                    started_at=_utc(job.started_at), finished_at=_utc(job.finished_at), exit_code=job.exit_code,
+                    error=job.error, pid=job.pid, mlflow_run_id=job.mlflow_run_id, mlflow_ui_url=ui_url)
 
-        return cls(id=job.id, name=job.name, owner=job.owner, state=JobState(job.state), priority=job.priority,
-                   overrides=job.overrides, config=job.config, world_size=job.world_size,
-                   created_at=utc(job.created_at), started_at=utc(job.started_at), finished_at=utc(job.finished_at),
-                   exit_code=job.exit_code, error=job.error, pid=job.pid, mlflow_run_id=job.mlflow_run_id,
-                   mlflow_ui_url=ui_url)
+    @classmethod
+    def from_row(cls, job: Any, ui_url: str | None) -> "JobSummary":
+        return cls(**cls.fields_of(job, ui_url))
+
+
+class JobPublic(JobSummary):
+    """A job as the service knows it."""
+
+    config: dict[str, Any] = Field(description="The resolved, validated config the job runs with.")
+
+    @classmethod
+    def from_job(cls, job: Job, ui_url: str | None) -> "JobPublic":
+        return cls(**cls.fields_of(job, ui_url), config=job.config)
 
 
 class JobList(BaseModel):
-    """One page of jobs, newest first."""
+    """One page of jobs, newest first. Page with ``limit`` and ``offset``: the next page starts at
+    ``offset + limit`` while that is below ``total``."""
 
-    items: list[JobPublic] = Field(description="The jobs on this page.")
+    items: list[JobSummary] = Field(description="The jobs on this page, without their config documents "
+                                    "(GET /v1/jobs/{job_id} has it).")
     total: int = Field(description="Jobs matching the filters, over all pages.")
     limit: int = Field(description="Page size asked for.")
     offset: int = Field(description="Jobs skipped before this page.")

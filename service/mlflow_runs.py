@@ -29,6 +29,8 @@ class MlflowRuns:
         self._client = MlflowClient(tracking_uri=tracking_uri)
         # SQLite stores take one writer at a time; serialising our own writes avoids lock storms.
         self._lock = threading.Lock()
+        # experiment name -> id, looked up (and tagged) once: each look-up is several queries per submit
+        self._experiments: dict[str, str] = {}
 
     def warm_up(self) -> None:
         """Create the store's tables now (seconds on a new SQLite file) instead of in the first request."""
@@ -42,8 +44,15 @@ class MlflowRuns:
 
         try:
             with self._lock:
-                experiment_id = get_or_create_experiment(self._client, experiment)
-                run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
+                experiment_id = self._experiments.get(experiment)
+                try:
+                    run = self._client.create_run(experiment_id, run_name=run_name, tags=tags) if experiment_id else None
+                except Exception:  # deleted (or renamed) since it was looked up: look again
+                    run = None
+                if run is None:
+                    experiment_id = get_or_create_experiment(self._client, experiment)
+                    run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
+                    self._experiments[experiment] = experiment_id
         except TrackingError:
             raise ConfigError([ConfigIssue("tracking.experiment", f"MLflow experiment {experiment!r} is deleted",
                                            "restore it (`mlflow experiments restore`) or choose another name")]) from None

@@ -12,7 +12,8 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, String, Text, UniqueConstraint, create_engine, event, select, text, update
+from sqlalchemy import (JSON, DateTime, Index, Integer, String, Text, UniqueConstraint, create_engine, event, func,
+                        select, text, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -59,7 +60,16 @@ class Base(DeclarativeBase):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),)
+    __table_args__ = (
+        UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        # The list's pages, newest first: everyone's (admins), one owner's, one state's, one owner's in one
+        # state (also the queue quota's count); the scheduler's queue order.
+        Index("ix_jobs_created_id", "created_at", "id"),
+        Index("ix_jobs_owner_created_id", "owner", "created_at", "id"),
+        Index("ix_jobs_state_created_id", "state", "created_at", "id"),
+        Index("ix_jobs_owner_state_created_id", "owner", "state", "created_at", "id"),
+        Index("ix_jobs_state_priority_created", "state", "priority", "created_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=lambda: str(uuid.uuid4()))
     name: Mapped[str] = mapped_column(String(200))
@@ -128,6 +138,8 @@ def create_tables(engine: Engine) -> None:
         elif engine.dialect.name == "sqlite":
             connection.exec_driver_sql("BEGIN IMMEDIATE")
         Base.metadata.create_all(connection)
+        for index in Job.__table__.indexes:  # a store made by an older version has the table but not every index
+            index.create(connection, checkfirst=True)
 
 
 # pg_advisory_xact_lock(namespace, hashtext(owner)) serialises one owner's submissions: "queu".
@@ -193,3 +205,22 @@ def queued_in_order(session: Session) -> list[Job]:
     """QUEUED jobs in the order they may start: higher priority first, FIFO within a priority."""
     query = select(Job).where(Job.state == JobState.QUEUED.value).order_by(Job.priority.desc(), Job.created_at, Job.id)
     return list(session.scalars(query))
+
+
+# What a page of the job list shows: every column but the config document (kilobytes per job).
+SUMMARY_COLUMNS = tuple(column for column in Job.__table__.columns if column.name != "config")
+
+
+def list_page(session: Session, *, owner: str | None, state: JobState | None, limit: int,
+              offset: int) -> tuple[list[Any], int]:
+    """One page of jobs, newest first, as rows of :data:`SUMMARY_COLUMNS`, and how many match.
+
+    Two indexed queries whatever the page (``ix_jobs_*_created_id`` serve the filter and the
+    order, so SQLite walks only the page's rows); the config column is never read.
+    """
+    where = [clause for clause in (Job.owner == owner if owner is not None else None,
+                                   Job.state == state.value if state is not None else None) if clause is not None]
+    total = session.scalar(select(func.count()).select_from(Job).where(*where)) or 0
+    query = (select(*SUMMARY_COLUMNS).where(*where).order_by(Job.created_at.desc(), Job.id.desc())
+             .limit(limit).offset(offset))
+    return list(session.execute(query)), total

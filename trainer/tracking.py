@@ -14,6 +14,7 @@ FINISHED, FAILED or KILLED, never stuck RUNNING, even when the job is stopped wi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -195,6 +196,34 @@ def get_or_create_experiment(client: Any, name: str) -> str:
     return experiment.experiment_id
 
 
+class _SignalState(threading.local):
+    depth = 0                # how many uninterrupted MLflow writes the main thread is inside
+    pending: int | None = None
+
+
+_SIGNALS = _SignalState()
+
+
+def uninterrupted(method):
+    """Run an MLflow write whole: a SIGTERM that arrives meanwhile is raised when it returns.
+
+    :class:`Terminated` is raised wherever the main thread happens to be; raised inside a write to
+    the store (SQLAlchemy holding a pooled connection, SQLite a write lock) it can leave that held,
+    and the KILLED update that follows, or the system-metrics thread's next write, then waits on
+    it for good."""
+    @functools.wraps(method)
+    def whole(*args, **kwargs):
+        _SIGNALS.depth += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _SIGNALS.depth -= 1
+            if _SIGNALS.depth == 0 and _SIGNALS.pending is not None:
+                signum, _SIGNALS.pending = _SIGNALS.pending, None
+                raise Terminated(signum)
+    return whole
+
+
 class MLflowTracker:
     """One MLflow run, written through ``MlflowClient`` (no global fluent state).
 
@@ -203,6 +232,7 @@ class MLflowTracker:
     that is how worker rank 0 logs into the run the launcher or control plane created.
     """
 
+    @uninterrupted
     def __init__(self, cfg: TrackingConfig, *, run_id: str | None = None, run_name: str | None = None) -> None:
         from mlflow.exceptions import MlflowException  # lazy: `tracking=none` needs no MLflow
         from mlflow.tracking import MlflowClient
@@ -231,6 +261,7 @@ class MLflowTracker:
     def run_id(self) -> str:
         return self._run_id
 
+    @uninterrupted
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log a nested dict (the resolved config) as :func:`readable_params`, 100 per request.
 
@@ -253,6 +284,7 @@ class MLflowTracker:
         for start in range(0, len(batch), MAX_PARAMS_PER_BATCH):
             self._client.log_batch(self._run_id, params=batch[start : start + MAX_PARAMS_PER_BATCH])
 
+    @uninterrupted
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log all metrics of one step in one request (one timestamp, so they line up)."""
         from mlflow.entities import Metric
@@ -262,22 +294,27 @@ class MLflowTracker:
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
             self._client.log_batch(self._run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH])
 
+    @uninterrupted
     def log_artifact_text(self, text: str, name: str) -> None:
         self._client.log_text(self._run_id, text, name)
 
+    @uninterrupted
     def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None:
         """Upload the file ``path`` into the run's artifacts, under ``artifact_dir`` if given."""
         self._client.log_artifact(self._run_id, str(path), artifact_dir)
 
+    @uninterrupted
     def set_tag(self, key: str, value: Any) -> None:
         self._client.set_tag(self._run_id, _mlflow_key(key), str(value))
 
+    @uninterrupted
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Set all ``tags`` in one request."""
         from mlflow.entities import RunTag
 
         self._client.log_batch(self._run_id, tags=[RunTag(_mlflow_key(k), str(v)) for k, v in tags.items()])
 
+    @uninterrupted
     def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None:
         """Record the run's data as an MLflow dataset input (the run page's "Datasets used"):
         ``source`` a local path or URL it was read from, None for data generated in code."""
@@ -360,6 +397,9 @@ def install_signal_handlers() -> Iterator[None]:
             log.warning("signal %d again while shutting down; ignored", signum)
             return
         raised = True
+        if _SIGNALS.depth:  # inside an MLflow write: raised when it is done
+            _SIGNALS.pending = signum
+            return
         raise Terminated(signum)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)

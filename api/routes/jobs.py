@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 
 from api.deps import CurrentUser, PlaneDep, SessionDep
 from api.errors import BODY_RESPONSES, ERROR_RESPONSES, JOB_RESPONSES, QUOTA_RESPONSES
-from api.models import JobCreate, JobList, JobPublic, Message, MetricPoint, MetricsPublic
+from api.models import JobCreate, JobList, JobPublic, JobSummary, Message, MetricPoint, MetricsPublic
 from service.plane import ControlPlane
 from service.store import JobState
 
@@ -41,11 +41,15 @@ def create_job(body: JobCreate, plane: PlaneDep, session: SessionDep, user: Curr
 def list_jobs(plane: PlaneDep, session: SessionDep, user: CurrentUser,
               state: Annotated[JobState | None, Query(description="Only jobs in this state.")] = None,
               owner: Annotated[str | None, Query(max_length=200, description="Only this user's jobs (admins).")] = None,
-              limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
-              offset: Annotated[int, Query(ge=0, le=10**9, description="Jobs to skip.")] = 0) -> JobList:
-    """List jobs, newest first: your own, or everyone's for an admin."""
-    jobs, total = plane.list_jobs(session, user=user, state=state, owner=owner, limit=limit, offset=offset)
-    return JobList(items=[_public(plane, job) for job in jobs], total=total, limit=limit, offset=offset)
+              limit: Annotated[int, Query(ge=1, le=500, description="Page size: at most 500.")] = 50,
+              offset: Annotated[int, Query(ge=0, le=10**9, description="Jobs to skip: the next page is at "
+                                           "`offset + limit`, the last one below `total`.")] = 0) -> Response:
+    """List jobs, newest first, a page at a time: your own, or everyone's for an admin."""
+    rows, total = plane.list_jobs(session, user=user, state=state, owner=owner, limit=limit, offset=offset)
+    page = JobList(items=[JobSummary.from_row(row, plane.mlflow.ui_link(row.mlflow_experiment_id, row.mlflow_run_id))
+                          for row in rows], total=total, limit=limit, offset=offset)
+    # Serialized here, once: a returned model would be validated against response_model again.
+    return Response(page.model_dump_json(), media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=JOB_RESPONSES)

@@ -85,6 +85,11 @@ def test_list_filters_and_pagination(queue_server):
         page = alice.get("/v1/jobs", params={"limit": 2, "offset": 0}).json()
         assert page["limit"] == 2 and len(page["items"]) == 2 and page["total"] >= 3
         assert [j["id"] for j in page["items"]] == ids[::-1][:2]  # newest first
+        assert "config" not in page["items"][0] and page["items"][0]["overrides"] == [*TINY, "train.steps=3"]
+        following = alice.get("/v1/jobs", params={"limit": 2, "offset": 2}).json()
+        assert following["items"][0]["id"] == ids[0] and following["total"] == page["total"]
+        assert alice.get(f"/v1/jobs/{ids[0]}").json()["config"]["train"]["steps"] == 3  # one job: the whole config
+        assert alice.get("/v1/jobs", params={"limit": 501}).status_code == 422
         cancelled = alice.get("/v1/jobs", params={"state": "CANCELLED", "limit": 500}).json()["items"]
         assert all(j["state"] == "CANCELLED" for j in cancelled)
         assert alice.get("/v1/jobs", params={"state": "NOPE"}).status_code == 422

@@ -94,7 +94,8 @@ def test_bad_documents_are_refused(queue_server):
 def test_malformed_requests_use_the_same_problem_shape(queue_server):
     server = queue_server
     with server.client("bob") as bob:
-        for body in ({"overrides": "train.steps=3"}, {"overrides": [], "config": {}}, {"name": ""}, {"surprise": 1}):
+        for body in ({"overrides": "train.steps=3"}, {"overrides": [], "config": {}}, {"name": ""}, {"surprise": 1},
+                     {"name": "neither"}, {"overrides": None, "config": {}}):
             response = bob.post("/v1/jobs", json=body)
             assert response.status_code == 422, body
             assert all(set(p) == {"path", "reason", "fix"} for p in response.json()["detail"])

@@ -23,6 +23,7 @@ def workspace(tmp_path) -> Path:
     (ws / "meshflow.db").write_text("the job store")
     (ws / "datasets" / "to-store").symlink_to(ws)             # an operator's careless link
     (ws / "jobs" / "mine" / "escape").symlink_to(ws / "jobs" / "other")
+    (ws / "models" / "init.safetensors").symlink_to(ws / "meshflow.db")  # a file link out of models/
     return ws
 
 
@@ -39,6 +40,7 @@ CASES = [  # (value, read_only_ok, "=" + where it resolves in the workspace, or 
     ("datasets/../meshflow.db", True, "`..`"),
     ("datasets/to-store/meshflow.db", True, "symbolic link"),
     ("escape/job.log", True, "symbolic link"),
+    ("models/init.safetensors", True, "symbolic link"),
 ]
 
 
@@ -70,6 +72,11 @@ def test_confine_refuses_every_path_field_and_never_keeps_a_refused_init_from(wo
     assert {i.path for i in issues} == {"train.init_from", "train.checkpoint.dir", "train.checkpoint.resume",
                                         "data.root", "model.path", "launch.log_dir"}
     assert out["train"]["init_from"] is None  # the validator would ask the filesystem about it
+    linked = {"train": {"init_from": "models/init.safetensors"}}  # a link in the models/ area to the job store
+    out, issues = confine(linked, workspace=workspace, workdir=workspace / "jobs" / "mine", tracking_uri="sqlite://",
+                          run_id=None)
+    assert [i.path for i in issues] == ["train.init_from"] and "symbolic link" in issues[0].reason
+    assert out["train"]["init_from"] is None
     glob_only = {"data": {"kind": "text", "root": "datasets/corpus", "glob": "../../meshflow.db*"}}
     _, issues = confine(glob_only, workspace=workspace, workdir=workspace / "jobs" / "mine", tracking_uri="sqlite://",
                         run_id=None)

@@ -118,6 +118,22 @@ def test_text_source_empty_glob_names_data_glob(text_dir: Path) -> None:
         TextSource(TextDataConfig(root=str(text_dir), glob="**/*.rst"), seq_len=8)
 
 
+def test_text_source_skips_links_that_lead_out_of_data_root(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    _write(root / "a.txt", b"A" * 300)
+    _write(tmp_path / "meshflow.db", b"the job store")
+    _write(root / "inner" / "b.txt", b"B" * 300)
+    (root / "store.txt").symlink_to(tmp_path / "meshflow.db")          # a file link out: skipped
+    (root / "alias.txt").symlink_to(root / "inner" / "b.txt")          # a link that stays inside: kept
+    (root / "outdir").symlink_to(tmp_path, target_is_directory=True)   # a directory link: never walked
+    src = TextSource(TextDataConfig(root=str(root), glob="**/*.txt", max_bytes=4096), seq_len=16)
+    assert [p.relative_to(root).as_posix() for p in src.files] == ["a.txt", "alias.txt", "inner/b.txt"]
+    assert b"job store" not in bytes(src.tokens.tolist())
+    assert src.skipped_links == [root / "store.txt"] and "skipped 1 files" in src.notes()[0]
+    with pytest.raises(ValueError, match=r"matches no files.*1 matching symbolic links lead outside it"):
+        TextSource(TextDataConfig(root=str(root), glob="store.txt"), seq_len=8)
+
+
 # ---------------------------------------------------------------------------- synthetic
 
 

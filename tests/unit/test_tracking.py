@@ -223,3 +223,29 @@ def test_sigterm_ends_run_killed(store: tuple[str, Path], client: MlflowClient, 
             proc.kill()
             proc.wait()
     assert client.get_run(run_id).info.status == "KILLED"
+
+
+def test_a_sigterm_during_an_mlflow_write_is_raised_once_the_write_is_whole(
+    cfg: TrackingConfig, client: MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from trainer.tracking import install_signal_handlers
+
+    tracker = MLflowTracker(cfg)
+    real_log_batch, written = tracker._client.log_batch, []
+
+    def signalled_mid_write(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs in here, between two bytecodes of the write
+        real_log_batch(*args, **kwargs)
+        written.append(True)
+
+    monkeypatch.setattr(tracker._client, "log_batch", signalled_mid_write)
+    with install_signal_handlers(), pytest.raises(Terminated):
+        tracker.log_metrics({"loss": 2.5}, step=1)
+    assert written == [True]
+    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss")] == [(1, 2.5)]
+    with install_signal_handlers(), pytest.raises(Terminated):  # outside a write it still stops at once
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)

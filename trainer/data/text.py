@@ -58,27 +58,41 @@ def _match_parts(path: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
     return match(0, 0)
 
 
-def find_files(root: Path, glob: str) -> list[Path]:
+def find_files(root: Path, glob: str, *, outside: list[Path] | None = None) -> list[Path]:
     """Files under ``root`` matching ``glob``, skipping :data:`SKIPPED_DIRS`, sorted by relative path.
 
     Same matching as ``Path(root).glob(glob)`` for the usual patterns, but the walk prunes the
     skipped directories instead of descending into them: on a machine with torch installed,
     the stdlib's site-packages alone holds ~20k ``.py`` files (a 1.4 s detour).
+
+    With ``outside`` (a list), a matching file that is a symbolic link resolving outside ``root``
+    is not returned but appended there: the folder is the dataset, and a link must not carry a
+    job to files beside it (the job store, another job's files). Directory links are never
+    followed (``os.walk``'s default), so only file links can lead out.
     """
     pattern = PurePosixPath(glob)
     if pattern.is_absolute() or not glob.strip():
         raise ValueError(f"data.glob: {glob!r} must be a non-empty pattern relative to data.root, e.g. '**/*.py'")
     pattern_parts = tuple(p for p in pattern.parts if p != ".")
     found: list[tuple[str, Path]] = []
+    real_root = os.path.realpath(root)
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIPPED_DIRS]
         rel_dir = Path(dirpath).relative_to(root)
         for name in filenames:
             rel = rel_dir / name
             if _match_parts(rel.parts, pattern_parts):
-                found.append((rel.as_posix(), Path(dirpath) / name))
+                path = Path(dirpath) / name
+                if outside is not None and path.is_symlink() and not _inside(os.path.realpath(path), real_root):
+                    outside.append(path)
+                    continue
+                found.append((rel.as_posix(), path))
     found.sort(key=lambda item: item[0])
     return [path for _, path in found]
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def read_concatenated(files: list[Path], max_bytes: int) -> bytes:
@@ -114,11 +128,16 @@ class TextSource(TokenWindows):
     def __init__(self, cfg: TextDataConfig, seq_len: int) -> None:
         self.cfg = cfg
         self.root = resolve_root(cfg.root)
-        self.files = find_files(self.root, cfg.glob)
+        # A folder someone named keeps its files to itself; the standard library is the interpreter's
+        # own (some distributions link a file of it to /etc) and nothing a user can place links in.
+        self.skipped_links: list[Path] | None = None if cfg.root == STDLIB else []
+        self.files = find_files(self.root, cfg.glob, outside=self.skipped_links)
         if not self.files:
+            links = (f"; {len(self.skipped_links)} matching symbolic links lead outside it and are skipped"
+                     if self.skipped_links else "")
             raise ValueError(
                 f"data.glob: {cfg.glob!r} matches no files under data.root {str(self.root)!r} "
-                f"(directories named {', '.join(sorted(SKIPPED_DIRS))} are skipped); "
+                f"(directories named {', '.join(sorted(SKIPPED_DIRS))} are skipped{links}); "
                 "use a glob that selects text files, e.g. '**/*.py' or '**/*.txt'"
             )
         data = read_concatenated(self.files, cfg.max_bytes)
@@ -134,7 +153,9 @@ class TextSource(TokenWindows):
 
     def notes(self) -> list[str]:
         """What a user should know about the data actually used (printed and tagged at start)."""
+        notes = [f"data: skipped {len(self.skipped_links)} files under data.root that are symbolic links to "
+                 f"places outside it (e.g. {str(self.skipped_links[0])!r})"] if self.skipped_links else []
         if self.available_bytes <= self.num_bytes:
-            return []
-        return [f"data: using the first {self.num_bytes / 1e6:.1f} MB of {self.available_bytes / 1e6:.1f} MB of text "
-                f"({len(self.files)} files): data.max_bytes={self.cfg.max_bytes} cuts the rest; raise it to use more"]
+            return notes
+        return notes + [f"data: using the first {self.num_bytes / 1e6:.1f} MB of {self.available_bytes / 1e6:.1f} MB "
+                        f"of text ({len(self.files)} files): data.max_bytes={self.cfg.max_bytes} cuts the rest; raise it to use more"]

@@ -1,0 +1,102 @@
+"""The submit path's validator (service.validation): identical submissions composed once, each job's
+answer pointing at its own workdir, nothing cached that read a file.
+
+    python -m pytest tests/unit/test_validation.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from functools import partial
+
+import pytest
+
+from parallel.errors import ConfigError
+from service.limits import cap_memory_budget
+from service.settings import Settings
+from service.submit import resolve_config
+from service.validation import Validator, cacheable
+
+TINY = ["+parallel=dp", "mesh=[2]", "train.steps=3", "train.seq_len=32", "train.global_batch_size=4"]
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    settings = Settings(workspace=tmp_path / "ws", capacity=2, max_rank_memory_gb=4.0)
+    (settings.workspace / "datasets" / "corpus").mkdir(parents=True)
+    (settings.workspace / "datasets" / "corpus" / "a.txt").write_text("some text " * 200)
+    return settings
+
+
+def test_identical_submissions_share_one_validation_each_in_its_own_workdir(settings):
+    validator = Validator(settings, workers=0)
+    first = validator.resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "job-1")
+    second = validator.resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "job-2")
+    assert (validator.misses, validator.hits) == (1, 1)
+    assert second.train.checkpoint.dir == str(settings.jobs_dir / "job-2" / "checkpoints")
+    assert first.train.checkpoint.dir == str(settings.jobs_dir / "job-1" / "checkpoints")
+    # The cached answer is exactly what validating for job-2 gives.
+    fresh, _ = resolve_config(overrides=TINY, document=None, workspace=settings.workspace,
+                              workdir=settings.jobs_dir / "job-2", tracking_uri=settings.mlflow_tracking_uri,
+                              run_id=None, limit_raw=partial(cap_memory_budget, settings=settings))
+    assert second.model_dump(mode="json") == fresh.model_dump(mode="json")
+    assert second.launch.memory_budget_gb == 4.0
+    other = validator.resolve_job(overrides=[*TINY[:-1], "train.global_batch_size=8"], document=None,
+                                  workdir=settings.jobs_dir / "job-3")
+    assert other.train.global_batch_size == 8 and validator.misses == 2
+
+
+def test_concurrent_identical_submissions_wait_for_the_first(settings):
+    validator = Validator(settings, workers=0)
+    results: dict[int, object] = {}
+    gate = threading.Barrier(6)
+
+    def submit(index: int) -> None:
+        gate.wait()
+        results[index] = validator.resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / f"j{index}")
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert validator.misses == 1 and validator.coalesced + validator.hits == 5
+    assert {results[i].launch.log_dir for i in range(6)} == {str(settings.jobs_dir / f"j{i}" / "logs") for i in range(6)}
+
+
+def test_refusals_and_configs_that_read_files_are_never_cached(settings):
+    validator = Validator(settings, workers=0)
+    for _ in range(2):
+        with pytest.raises(ConfigError) as err:
+            validator.resolve_job(overrides=[*TINY, "train.steps=0"], document=None, workdir=settings.jobs_dir / "x")
+        assert [i.path for i in err.value.issues] == ["train.steps"]
+    on_files = [*TINY, "data=text", "data.root=datasets/corpus", "data.glob=*.txt"]
+    for name in ("a", "b"):
+        cfg = validator.resolve_job(overrides=on_files, document=None, workdir=settings.jobs_dir / name)
+        assert cfg.data.root == str(settings.workspace / "datasets" / "corpus")
+    assert validator.hits == 0 and validator.misses == 4
+    assert not cacheable(cfg.model_dump(mode="json"))
+    assert not cacheable({"model": {"arch": "llama"}, "data": {"kind": "synthetic"}, "train": {"init_from": "/m"}})
+    assert cacheable({"model": {"arch": "mlp"}, "data": {"kind": "regression"}, "train": {}})
+
+
+@pytest.mark.slow
+def test_a_worker_process_validates_and_a_dead_one_is_replaced(settings):
+    validator = Validator(settings, workers=1)
+    validator.start()
+    try:
+        in_pool = validator.resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "p1")
+        local = Validator(settings, workers=0).resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "p1")
+        assert in_pool.model_dump(mode="json") == local.model_dump(mode="json")
+        with pytest.raises(ConfigError) as err:  # a refusal crosses the process boundary with its path and fix
+            validator.resolve_job(overrides=["mesh=[3]", "+parallel=dp"], document=None, workdir=settings.jobs_dir / "p2")
+        assert err.value.issues and all(i.fix for i in err.value.issues)
+        (pid,) = validator.worker_pids()
+        os.kill(pid, signal.SIGKILL)  # out of memory, say: the next submission gets a fresh pool
+        again = validator.resolve_job(overrides=[*TINY[:-1], "train.global_batch_size=8"], document=None,
+                                      workdir=settings.jobs_dir / "p3")
+        assert again.train.global_batch_size == 8
+    finally:
+        validator.stop()
