@@ -15,6 +15,7 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -79,6 +80,11 @@ class Settings(BaseSettings):
     max_running_per_user: int = Field(4, ge=1, description="Jobs of one user the scheduler runs at once; "
                                       "the rest wait without blocking other users' jobs.")
     max_log_streams_per_user: int = Field(4, ge=1, description="Live `logs?follow=true` streams one user may hold; more get 429.")
+    executor: Literal["local", "ray", "kubernetes"] = Field(
+        "local", description="Where jobs run: `local` processes on this host, a Ray cluster (`ray`, see ray_address) "
+        "or Kubernetes (`kubernetes`). Users' configs are the same for all three.")
+    ray_address: str = Field("http://127.0.0.1:8265", description="The Ray cluster's job-submission (dashboard) "
+                             "address, as `ray start --head` prints it; used when executor is `ray`.")
     job_env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables every job gets "
                                     "(on top of the allow-listed ones: PATH, HOME, locale, torch / OMP / CUDA / NCCL ...).")
 

@@ -12,7 +12,8 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Integer, String, Text, UniqueConstraint, create_engine, event, select, update
+from sqlalchemy import (JSON, DateTime, Integer, String, Text, UniqueConstraint, create_engine, event, inspect, select,
+                        text, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -77,7 +78,9 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     mlflow_experiment_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    executor: Mapped[str | None] = mapped_column(String(32), nullable=True)  # null: a row from before executors (local)
+    executor_ref: Mapped[str | None] = mapped_column(String(200), nullable=True)  # the executor's handle on the job
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)  # local jobs: the process-group leader
     pid_start_time: Mapped[int | None] = mapped_column(Integer, nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -105,7 +108,24 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 10, pool_t
     else:
         engine = create_engine(url, pool_pre_ping=True, **pool)
     Base.metadata.create_all(engine)
+    add_missing_columns(engine)
     return engine
+
+
+def add_missing_columns(engine: Engine) -> list[str]:
+    """``ALTER TABLE jobs ADD COLUMN`` for every (nullable) column a store made by an older version
+    lacks: ``create_all`` creates missing tables, never missing columns. Returns the names added."""
+    table = Job.__table__
+    present = {column["name"] for column in inspect(engine).get_columns(table.name)}
+    missing = [column for column in table.columns if column.name not in present]
+    with engine.begin() as connection:
+        for column in missing:
+            if not column.nullable:
+                raise RuntimeError(f"job store {engine.url!r}: table {table.name} lacks the required column "
+                                   f"{column.name}; migrate it by hand or start with a new database")
+            kind = column.type.compile(dialect=engine.dialect)
+            connection.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+    return [column.name for column in missing]
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
