@@ -237,6 +237,8 @@ class LaunchConfig(_Section):
     nnodes: int = Field(1, ge=1, description="Number of hosts; workers per host = world size / nnodes.")
     node_rank: int = Field(0, ge=0, description="This host's rank among nnodes.")
     rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one.")
+    rdzv_id: str | None = Field(None, description="The rendezvous id every node of one run shares (several nodes "
+                                "meet only under the same id); null = a fresh id per launch (one node).")
     max_restarts: int = Field(0, ge=0, description="Times torch's elastic agent restarts failed workers.")
     log_dir: str | None = Field(
         "logs", description="Where the workers' per-rank log files go (torch elastic's log options): "

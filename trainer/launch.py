@@ -47,7 +47,7 @@ def launch(cfg: RunConfig) -> int:
                            run_name=run_name(cfg))
     try:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
-            rdzv_id = f"{run_name(cfg)}-{uuid.uuid4().hex[:8]}"
+            rdzv_id = cfg.launch.rdzv_id or f"{run_name(cfg)}-{uuid.uuid4().hex[:8]}"
             with _worker_logs(cfg) as log_base:
                 pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)))
                 try:
@@ -269,18 +269,35 @@ def _placement(rank: int, rank_id: int, device) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer.launch CONFIG.json``: launch a resolved config that was validated
-    elsewhere (the control plane's ``job.json``); the exit code is :func:`launch`'s."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m trainer.launch CONFIG.json  (a resolved config, as the control plane writes it)",
-              file=sys.stderr)
-        return EXIT_CONFIG
+    """``python -m trainer.launch CONFIG.json [--node-rank N] [--node-rank-env VAR] [--rdzv-endpoint
+    HOST:PORT] [--rdzv-id ID]``: launch a resolved config that was validated elsewhere (the control
+    plane's ``job.json``), each option overriding that ``launch.*`` field for this node (a cluster
+    engine starts the same file on every node); the exit code is :func:`launch`'s."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.launch",
+                                     description="Launch a resolved config (as the control plane writes it).")
+    parser.add_argument("config", metavar="CONFIG.json")
+    parser.add_argument("--node-rank", type=int, help="launch.node_rank of this node")
+    parser.add_argument("--node-rank-env", metavar="VAR", help="read launch.node_rank from this environment variable")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="launch.rdzv_endpoint, shared by every node")
+    parser.add_argument("--rdzv-id", metavar="ID", help="launch.rdzv_id, shared by every node")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    node_rank = args.node_rank
+    if args.node_rank_env is not None:
+        if not os.environ.get(args.node_rank_env, "").isdigit():
+            print(f"--node-rank-env {args.node_rank_env}: the variable is unset or not a number; set it to this "
+                  "node's rank (0 .. launch.nnodes-1)", file=sys.stderr)
+            return EXIT_CONFIG
+        node_rank = int(os.environ[args.node_rank_env])
+    overrides = {"node_rank": node_rank, "rdzv_endpoint": args.rdzv_endpoint, "rdzv_id": args.rdzv_id}
     try:
-        cfg = RunConfig.model_validate_json(Path(args[0]).read_text())
-    except (OSError, ValueError) as err:  # pydantic's ValidationError is a ValueError
+        raw = json.loads(Path(args.config).read_text())
+        raw.setdefault("launch", {}).update({k: v for k, v in overrides.items() if v is not None})
+        cfg = RunConfig.model_validate(raw)
+    except (OSError, ValueError, AttributeError) as err:  # pydantic's ValidationError is a ValueError
         first = str(err).splitlines()[0]
-        print(f"{args[0]}: not a resolved config ({first}); write it with RunConfig.model_dump_json(), "
+        print(f"{args.config}: not a resolved config ({first}); write it with RunConfig.model_dump_json(), "
               "or run python -m trainer with overrides instead", file=sys.stderr)
         return EXIT_CONFIG
     return launch(cfg)
