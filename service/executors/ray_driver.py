@@ -164,12 +164,14 @@ def _describe(k: int, nnodes: int, node: tuple[str, str]) -> str:
 
 
 def _watch(agents: list, nodes: list[tuple[str, str]], stopping: threading.Event, stop_grace_s: float) -> int:
-    """Forward the nodes' output until all have ended; stop them all when one fails or we are stopped."""
+    """Forward the nodes' output until all have ended; stop them all when one fails or we are stopped.
+    A node that died is blamed before one that exited with an error (its peers' collectives break
+    when it goes, so they often exit first)."""
     import ray
 
     codes: dict[int, int | None] = {}  # node rank -> exit code (None: the node died)
-    failure: str | None = None
-    failure_code = 1  # a node that died has no exit code of its own
+    deaths: list[str] = []
+    exits: list[tuple[str, int]] = []
     stop_sent_at: float | None = None
     while len(codes) < len(agents):
         for k, agent in enumerate(agents):
@@ -179,8 +181,8 @@ def _watch(agents: list, nodes: list[tuple[str, str]], stopping: threading.Event
                 lines, code = ray.get(agent.drain.remote(), timeout=60)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
                 codes[k] = None
-                failure = failure or f"{_describe(k, len(agents), nodes[k])} died: {type(err).__name__}: " \
-                                     f"{str(err).splitlines()[0] if str(err) else ''}"
+                first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                deaths.append(f"{_describe(k, len(agents), nodes[k])} died ({type(err).__name__}: {first_line})")
                 continue
             prefix = "" if k == 0 else f"[node {k}] "
             if lines:
@@ -188,9 +190,9 @@ def _watch(agents: list, nodes: list[tuple[str, str]], stopping: threading.Event
                 sys.stdout.flush()
             if code is not None:
                 codes[k] = code
-                if code != 0 and not stopping.is_set() and failure is None:
-                    failure, failure_code = f"{_describe(k, len(agents), nodes[k])} exited with code {code}", code
-        if (failure or stopping.is_set()) and stop_sent_at is None:
+                if code != 0 and not (stopping.is_set() or deaths or exits):
+                    exits.append((f"{_describe(k, len(agents), nodes[k])} exited with code {code}", code))
+        if (deaths or exits or stopping.is_set()) and stop_sent_at is None:
             stop_sent_at = time.monotonic()
             for k, agent in enumerate(agents):
                 if k not in codes:
@@ -201,12 +203,13 @@ def _watch(agents: list, nodes: list[tuple[str, str]], stopping: threading.Event
                     agent.stop.remote(force=True)
             stop_sent_at = float("inf")  # killed once
         time.sleep(0.2)
-    if stopping.is_set() and failure is None:
-        return EXIT_STOPPED
-    if failure is not None:
-        print(REASON_PREFIX + failure, flush=True)
-        return failure_code
-    return 0
+    if deaths:
+        print(REASON_PREFIX + deaths[0], flush=True)
+        return 1
+    if exits:
+        print(REASON_PREFIX + exits[0][0], flush=True)
+        return exits[0][1]
+    return EXIT_STOPPED if stopping.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:
