@@ -83,7 +83,11 @@ class Scheduler:
     def tick(self) -> None:
         with self.sessions() as session:
             for job in jobs_in(session, ACTIVE_STATES):
-                self._poll(session, job)
+                try:
+                    self._poll(session, job)
+                except Exception:  # e.g. a cluster that does not answer: this job waits, the others go on
+                    session.rollback()
+                    log.exception("job %s: could not poll it; trying again next tick", job.id)
             self._start_queued(session)
 
     # ---------------------------------------------------------------- executors
@@ -93,8 +97,9 @@ class Scheduler:
                          env=runner.job_environment(self.settings.job_env))
 
     def executor_of(self, job: Job) -> Executor:
-        """The executor that started ``job`` (rows from before executors existed ran locally)."""
-        name = job.executor or LocalExecutor.name
+        """The executor that started ``job``: rows from before executors existed ran locally, and a job
+        whose start was never recorded is looked for by this server's executor."""
+        name = job.executor or (LocalExecutor.name if job.pid is not None else self.executor.name)
         if name not in self._executors:
             self._executors[name] = make_executor(self.settings, name)
         return self._executors[name]
@@ -118,17 +123,24 @@ class Scheduler:
         """Adopt what an earlier server left: live jobs are tracked, vanished ones finished."""
         with self.sessions() as session:
             for job in jobs_in(session, ACTIVE_STATES):
-                executor, launch, ref = self.executor_of(job), self.launch_of(job), self.ref_of(job)
-                if ref is None and (ref := executor.adopt(launch)) is not None:
-                    # Started, but the server died before recording the ref: adopt the job.
-                    self._record_ref(session, job, executor, ref, started_at=utcnow())
-                    transition(session, job.id, JobState.RUNNING)
-                elif ref is None:
-                    self._finish(session, job, None, "control plane stopped while starting the job")
-                elif (status := executor.poll(ref, launch)).alive:
-                    log.info("job %s: still running (%s %s); tracking it again", job.id, executor.name, ref)
-                else:
-                    self._finish(session, job, status.exit_code, status.reason)
+                try:
+                    self._reconcile_one(session, job)
+                except Exception:  # the thread's ticks poll it again; the server starts regardless
+                    session.rollback()
+                    log.exception("job %s: could not reconcile it now; the scheduler retries", job.id)
+
+    def _reconcile_one(self, session: Session, job: Job) -> None:
+        executor, launch, ref = self.executor_of(job), self.launch_of(job), self.ref_of(job)
+        if ref is None and (ref := executor.adopt(launch)) is not None:
+            # Started, but the server died before recording the ref: adopt the job.
+            self._record_ref(session, job, executor, ref, started_at=utcnow())
+            transition(session, job.id, JobState.RUNNING)
+        elif ref is None:
+            self._finish(session, job, None, "control plane stopped while starting the job")
+        elif (status := executor.poll(ref, launch)).alive:
+            log.info("job %s: still running (%s %s); tracking it again", job.id, executor.name, ref)
+        else:
+            self._finish(session, job, status.exit_code, status.reason)
 
     # -------------------------------------------------------------------- poll
 

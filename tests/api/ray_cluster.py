@@ -53,6 +53,39 @@ def processes_matching(text: str) -> list[int]:
     return found
 
 
+def _parents() -> dict[int, int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    return parents
+
+
+def with_descendants(roots: list[int]) -> list[int]:
+    parents = _parents()
+    found, frontier = set(roots), set(roots)
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return sorted(found)
+
+
+def job_processes(job_id: str) -> list[int]:
+    """A job's processes on every node: those naming it (the Ray driver's ``--job-id``, each launcher's
+    ``--rdzv-id``) and all they started (torch's workers set their variables only after they start)."""
+    return [pid for pid in with_descendants(processes_matching(job_id)) if is_alive(pid)]
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @dataclass
 class RayNode:
     process: subprocess.Popen
@@ -60,18 +93,7 @@ class RayNode:
 
     def descendants(self) -> list[int]:
         """The node's processes: its ``ray start`` and everything below it (raylet, agents, workers)."""
-        parents: dict[int, int] = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    continue
-        found, frontier = {self.process.pid}, {self.process.pid}
-        while frontier:
-            frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
-            found |= frontier
-        return sorted(found)
+        return with_descendants([self.process.pid])
 
     def raylet_pids(self) -> list[int]:
         return [pid for pid in self.descendants() if "/raylet" in _cmdline(pid).split(" ")[0]]

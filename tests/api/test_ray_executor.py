@@ -14,7 +14,7 @@ import time
 import pytest
 
 from api_testkit import TINY, wait_for
-from ray_cluster import RayCluster, processes_matching
+from ray_cluster import RayCluster, is_alive, job_processes
 
 pytest.importorskip("ray", reason="the ray extra (pip install 'meshflow[ray]') is part of the dev install")
 pytestmark = pytest.mark.slow
@@ -48,22 +48,14 @@ def wait_for_log(client, job_id: str, text: str, timeout: float = 300.0) -> str:
     raise TimeoutError(f"job {job_id} has not logged {text!r} after {timeout} s")
 
 
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still alive (not zombies) after up to ``timeout`` seconds."""
+def wait_gone(job_id: str, pids: list[int], timeout: float) -> list[int]:
+    """The job's processes (those seen before, and any it has now) still alive after up to ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [pid for pid in pids if _alive(pid)]
+        alive = sorted({pid for pid in pids if is_alive(pid)} | set(job_processes(job_id)))
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_two_node_job_on_ray_matches_one_device(ray_server):
@@ -96,34 +88,33 @@ def test_restarted_control_plane_reattaches_to_a_running_ray_job(ray_server, clu
         wait_for_log(alice, job["id"], "step 1/300")
     ray_server.kill()
     ray_jobs = JobSubmissionClient(cluster.address)
-    assert str(ray_jobs.get_job_status(f"meshflow-{job['id']}")) .endswith("RUNNING"), "the job must outlive the control plane"
+    assert str(ray_jobs.get_job_status(f"meshflow-{job['id']}")).endswith("RUNNING"), "the job must outlive the control plane"
     ray_server.restart()
     with ray_server.client("alice") as alice:
         done = wait_for(alice, job["id"], {"SUCCEEDED", "FAILED"}, timeout=600)
         log = alice.get(f"/v1/jobs/{job['id']}/logs").text
     assert done["state"] == "SUCCEEDED" and done["exit_code"] == 0, done["error"]
     assert log.count("done: steps 1..300") == 1 and log.count("step 1/300 ") == 1  # ran once, logged once
-    assert len(ray_jobs.list_jobs()) == len({j.submission_id for j in ray_jobs.list_jobs()})  # nothing resubmitted
+    assert done["executor"] == "ray" and ray_jobs.get_job_info(f"meshflow-{job['id']}").driver_exit_code == 0
 
 
 def test_cancel_leaves_no_process_on_any_node(ray_server):
     with ray_server.client("alice") as alice:
         job = alice.post("/v1/jobs", json={"name": "long", "overrides": [*TWO_NODES, "train.steps=5000"]}).json()
         wait_for_log(alice, job["id"], "[rank0]: step 1/5000")
-        processes = processes_matching(job["id"])  # driver, 2 launchers (--rdzv-id), 4 workers (TORCHELASTIC_RUN_ID)
+        processes = job_processes(job["id"])  # driver, 2 launchers, 4 workers
         assert len(processes) >= 7, processes
         assert alice.post(f"/v1/jobs/{job['id']}/cancel").json()["state"] == "CANCELLING"
         done = wait_for(alice, job["id"], {"CANCELLED"}, timeout=120)
     assert done["finished_at"] is not None
-    assert wait_gone(processes, timeout=30) == []
-    assert processes_matching(job["id"]) == []
+    assert wait_gone(job["id"], processes, timeout=30) == []
 
 
 def test_killed_node_fails_the_job_naming_it(ray_server, cluster):
     with ray_server.client("alice") as alice:
         job = alice.post("/v1/jobs", json={"name": "doomed", "overrides": [*TWO_NODES, "train.steps=5000"]}).json()
         wait_for_log(alice, job["id"], "[rank0]: step 1/5000")
-        processes = processes_matching(job["id"])
+        processes = job_processes(job["id"])
         victim = cluster.node_id("node1")
         raylets = cluster.nodes[1].raylet_pids()
         assert raylets
@@ -131,4 +122,4 @@ def test_killed_node_fails_the_job_naming_it(ray_server, cluster):
             os.kill(pid, 9)
         done = wait_for(alice, job["id"], {"FAILED"}, timeout=240)
     assert f"(Ray node {victim} at " in done["error"] and " died " in done["error"], done["error"]
-    assert wait_gone(processes, timeout=60) == [], "no process of the job may outlive it, on either node"
+    assert wait_gone(job["id"], processes, timeout=60) == [], "no process of the job may outlive it, on either node"
