@@ -80,13 +80,38 @@ class Settings(BaseSettings):
     max_running_per_user: int = Field(4, ge=1, description="Jobs of one user the scheduler runs at once; "
                                       "the rest wait without blocking other users' jobs.")
     max_log_streams_per_user: int = Field(4, ge=1, description="Live `logs?follow=true` streams one user may hold; more get 429.")
-    executor: Literal["local", "ray", "kubernetes"] = Field(
-        "local", description="Where jobs run: `local` processes on this host, a Ray cluster (`ray`, see ray_address) "
-        "or Kubernetes (`kubernetes`). Users' configs are the same for all three.")
-    ray_address: str = Field("http://127.0.0.1:8265", description="The Ray cluster's job-submission (dashboard) "
-                             "address, as `ray start --head` prints it; used when executor is `ray`.")
     job_env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables every job gets "
                                     "(on top of the allow-listed ones: PATH, HOME, locale, torch / OMP / CUDA / NCCL ...).")
+    # -- where jobs run (service/executors) -------------------------------------------------
+    executor: Literal["local", "ray", "kubernetes"] = Field(
+        "local", description="Which engine runs the jobs: `local` processes on this host, a `ray` cluster, or "
+        "`kubernetes` (one JobSet per job). Users' configs are the same for every engine.")
+    # The Ray executor's settings (MESHFLOW_EXECUTOR=ray; service/executors/ray.py).
+    ray_address: str = Field("http://127.0.0.1:8265", description="The Ray cluster's job-submission (dashboard) "
+                             "address, as `ray start --head` prints it; used when executor is `ray`.")
+    # The Kubernetes executor's settings (MESHFLOW_EXECUTOR=kubernetes; service/executors/kubernetes.py).
+    kubernetes_namespace: str | None = Field(
+        None, description="Namespace the jobs' JobSets and ConfigMaps are created in; null = the api pod's own "
+        "namespace in a cluster, else the kubeconfig context's namespace, else `default`.")
+    kubernetes_image: str = Field("meshflow:0.1.0", description="Image of the job pods (deploy/Dockerfile; "
+                                  "the same image as the api). Push it to a registry the cluster pulls from.")
+    kubernetes_image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="imagePullPolicy of the job pods.")
+    kubernetes_cpu_per_worker: float = Field(1.0, gt=0, description="CPUs requested per worker process; a pod "
+                                             "requests this times its workers (world size / launch.nnodes).")
+    kubernetes_memory_gb_per_worker: float = Field(2.0, gt=0, description="Memory (GiB) requested per worker "
+                                                   "process; the pod's request and limit are this times its workers.")
+    kubernetes_gpus_per_node: int = Field(0, ge=0, description="`nvidia.com/gpu` each job pod asks for; 0 = CPU "
+                                          "pods. A job with more workers per node than this is refused.")
+    kubernetes_service_account: str | None = Field(
+        None, description="ServiceAccount of the job pods (they need no API access: its token is not mounted); "
+        "null = the namespace's default.")
+    kubernetes_workspace_pvc: str | None = Field(
+        None, description="PersistentVolumeClaim (ReadWriteMany) holding this workspace, mounted in every job pod "
+        "at the same path, so a job's directory, datasets and checkpoints are shared by all its nodes and the api; "
+        "null = an emptyDir per pod (nothing a job writes outlives it).")
+    kubernetes_rdzv_port: int = Field(29400, ge=1, le=65535, description="Port of the c10d rendezvous on the "
+                                      "first node's pod.")
 
     @field_validator("tokens")
     @classmethod

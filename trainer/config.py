@@ -236,9 +236,17 @@ class TrainConfig(_Section):
 class LaunchConfig(_Section):
     nnodes: int = Field(1, ge=1, description="Number of hosts; workers per host = world size / nnodes.")
     node_rank: int = Field(0, ge=0, description="This host's rank among nnodes.")
-    rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one.")
-    rdzv_id: str | None = Field(None, description="The rendezvous id every node of one run shares (several nodes "
-                                "meet only under the same id); null = a fresh id per launch (one node).")
+    rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one "
+                               "(one host only: with several, node 0 serves it on this port, which the others dial).")
+    rdzv_id: str | None = Field(
+        None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="The rendezvous id every node of a run shares (the control plane sets the job id). null = a fresh "
+        "one per run on one host; with several hosts, a digest of the config all nodes have in common.")
+    rdzv_timeout_s: float = Field(300, gt=0, description="Seconds a node waits for the others to join the rendezvous "
+                                  "before it gives up and says which nodes are missing.")
+    local_addr: str | None = Field(
+        None, description="The address the other hosts reach this one at (its workers' store and gloo listen there). "
+        "null = this host's name, as torch's launcher resolves it.")
     max_restarts: int = Field(0, ge=0, description="Times torch's elastic agent restarts failed workers.")
     log_dir: str | None = Field(
         "logs", description="Where the workers' per-rank log files go (torch elastic's log options): "

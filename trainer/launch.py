@@ -12,6 +12,8 @@ A config that was validated elsewhere (the control plane writes ``job.json``) is
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import socket
@@ -47,7 +49,7 @@ def launch(cfg: RunConfig) -> int:
                            run_name=run_name(cfg))
     try:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
-            rdzv_id = cfg.launch.rdzv_id or f"{run_name(cfg)}-{uuid.uuid4().hex[:8]}"
+            rdzv_id = rendezvous_id(cfg)
             with _worker_logs(cfg) as log_base:
                 pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)))
                 try:
@@ -55,11 +57,12 @@ def launch(cfg: RunConfig) -> int:
                     outcome["pictures"] = {**pictures, **(outcome.get("pictures") or {})}
                 finally:
                     # torch elastic puts this run's logs in <log_base>/<rdzv id>_<random>/
-                    log_dir = next(log_base.glob(f"{rdzv_id}_*"), None)
+                    log_dir = _newest_log_dir(log_base, rdzv_id)
                     upload_logs(tracker, log_dir)
                 log_final_model(tracker, cfg, outcome)
-                print(summary(cfg, outcome, tracker, wall_s=time.monotonic() - began,
-                              log_dir=log_dir if cfg.launch.log_dir else None), flush=True)
+                if cfg.launch.node_rank == 0:  # node 0 owns the run's summary, as it owns its MLflow run
+                    print(summary(cfg, outcome, tracker, wall_s=time.monotonic() - began,
+                                  log_dir=log_dir if cfg.launch.log_dir else None), flush=True)
         LAST_OUTCOME = {**outcome, "run_id": tracker.run_id}
         return EXIT_OK
     except KeyboardInterrupt:
@@ -71,13 +74,45 @@ def launch(cfg: RunConfig) -> int:
     except WorkerFailure as err:
         print(f"training failed: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except RendezvousFailure as err:
+        print(f"training did not start: {err}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 LAST_OUTCOME: dict | None = None
 
 
 class WorkerFailure(RuntimeError):
-    """A worker process failed; the message names its rank and how it ended."""
+    """A worker process failed; the message names its rank (and node) and how it ended."""
+
+
+class RendezvousFailure(RuntimeError):
+    """The nodes of a run did not all meet at the rendezvous in time."""
+
+
+def rendezvous_id(cfg: RunConfig) -> str:
+    """The id under which this run's nodes meet: ``launch.rdzv_id``; else, on one host, a fresh
+    one; on several, a digest of what every node's config has in common (all but this node's
+    rank and address), so launchers started with the same overrides meet without an agreed id."""
+    if cfg.launch.rdzv_id:
+        return cfg.launch.rdzv_id
+    if cfg.launch.nnodes == 1:
+        return f"{run_name(cfg)}-{uuid.uuid4().hex[:8]}"
+    common = cfg.model_dump(mode="json")
+    for per_node in ("node_rank", "local_addr", "log_dir"):
+        common["launch"].pop(per_node)
+    common["tracking"].pop("run_id")  # node 0's own run; the others have none
+    return f"{run_name(cfg)}-{hashlib.sha256(json.dumps(common, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+def node_ordered_rank(cfg: RunConfig, local_rank: int, local_world_size: int) -> int:
+    """A worker's rank in the process group: node 0's workers are ranks 0..n-1, node 1's n..2n-1 and so on.
+
+    torch's rendezvous numbers the nodes in the order of their descriptors (host name, pid), not
+    by ``launch.node_rank``; the trainer renumbers them so that the node the user calls 0 holds
+    rank 0 (and with it the MLflow logging, the progress bar and the summary) and the innermost
+    mesh axes (tp) stay inside a node."""
+    return cfg.launch.node_rank * local_world_size + local_rank
 
 
 def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str) -> dict:
@@ -89,6 +124,13 @@ def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str) -> dict
         with tee_output(log_base / f"{rdzv_id}_local" / "attempt_0" / "0" / "stdout.log"):
             return train(cfg, tracker=tracker, progress=Progress(), pictures_dir=_pictures_dir(log_base, rdzv_id)).summary()
     return _launch_workers(cfg, tracker.run_id, log_base, rdzv_id)
+
+
+def _newest_log_dir(log_base: Path, rdzv_id: str) -> Path | None:
+    """This run's ``<rdzv id>_<random>`` log folder: the newest one (a rendezvous id given by the
+    user or derived from the config is the same for every run of that config), not the pictures."""
+    found = [d for d in log_base.glob(f"{rdzv_id}_*") if d.is_dir() and d.name != f"{rdzv_id}_pictures"]
+    return max(found, key=lambda d: d.stat().st_mtime_ns, default=None)
 
 
 def _pictures_dir(log_base: Path, rdzv_id: str) -> str:
@@ -131,34 +173,45 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
         max_nodes=ln.nnodes,
         nproc_per_node=nproc,
         logs_specs=logs,
-        log_line_prefix_template=WORKER_LINE_PREFIX,
+        log_line_prefix_template=WORKER_LINE_PREFIX if ln.nnodes == 1 else f"[node{ln.node_rank}.${{local_rank}}]: ",
         run_id=rdzv_id,
         rdzv_backend=RDZV_BACKEND if loopback else "c10d",
         rdzv_endpoint=ln.rdzv_endpoint,
-        local_addr=LOOPBACK if loopback else None,
-        rdzv_configs={"is_host": main_node} if ln.nnodes > 1 else {},
+        local_addr=LOOPBACK if loopback else ln.local_addr,
+        # node 0 serves the rendezvous store on rdzv_endpoint; the others dial it
+        # (read_timeout: how long a node dials node 0's store before giving up, as long as the join)
+        rdzv_configs={"join_timeout": ln.rdzv_timeout_s, "read_timeout": ln.rdzv_timeout_s,
+                      **({"is_host": main_node} if ln.nnodes > 1 else {})},
         max_restarts=ln.max_restarts,
         start_method="spawn",
         monitor_interval=0.2,
     )
     if ln.nnodes > 1:  # a node other than 0 shows nothing else of the run: say what it does
-        print(f"node {ln.node_rank} of {ln.nnodes}: {nproc} workers join the rendezvous at {ln.rdzv_endpoint} "
-              f"(logs: {log_dir})", flush=True)
+        first = ln.node_rank * nproc
+        print(f"node {ln.node_rank} of {ln.nnodes}: workers rank {first}..{first + nproc - 1} join the rendezvous "
+              f"{rdzv_id} at {ln.rdzv_endpoint} (logs: {log_dir})", flush=True)
+        if cfg.train.checkpoint.every and main_node:
+            print(f"node 0 of {ln.nnodes}: checkpoints go to {cfg.train.checkpoint.dir}, which every node must share "
+                  "(each rank writes its own shards there)", flush=True)
     with tempfile.TemporaryDirectory(prefix="meshflow-") as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(cfg.model_dump_json())
-        results = _run_elastic(launch_config, config_path, run_id, _pictures_dir(log_dir, rdzv_id))
+        results = _run_elastic(launch_config, config_path, run_id, _pictures_dir(log_dir, rdzv_id), cfg)
     if ln.nnodes > 1:
         print(f"node {ln.node_rank} of {ln.nnodes}: its {nproc} workers finished", flush=True)
-    return results.get(0) or {} if results else {}
+    # keyed by torch's global rank; this node's local rank 0 is its lowest (rank 0 itself on node 0)
+    return results[min(results)] or {} if results else {}
 
 
+# torch's rank; on several hosts the trainer numbers ranks by node (node_ordered_rank), and the
+# prefix names the node and the local rank instead
 WORKER_LINE_PREFIX = "[rank${rank}]: "
 
 
-def _run_elastic(launch_config, config_path: Path, run_id: str | None, pictures_dir: str) -> dict:
+def _run_elastic(launch_config, config_path: Path, run_id: str | None, pictures_dir: str, cfg: RunConfig) -> dict:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     try:
@@ -167,16 +220,35 @@ def _run_elastic(launch_config, config_path: Path, run_id: str | None, pictures_
         # The elastic agent already stopped every worker; report it as the signal it was.
         raise (KeyboardInterrupt() if err.sigval.name == "SIGINT" else Terminated()) from None
     except ChildFailedError as err:
-        raise WorkerFailure(_describe_failures(err)) from None
+        raise WorkerFailure(_describe_failures(err, cfg)) from None
+    except RendezvousTimeoutError:
+        ln = cfg.launch
+        raise RendezvousFailure(
+            f"node {ln.node_rank} of {ln.nnodes}: the rendezvous {launch_config.run_id} at {ln.rdzv_endpoint} did "
+            f"not gather all {ln.nnodes} nodes within launch.rdzv_timeout_s={ln.rdzv_timeout_s:g} s; start every node "
+            f"with launch.nnodes={ln.nnodes}, its own launch.node_rank (0..{ln.nnodes - 1}), the same "
+            f"launch.rdzv_endpoint and launch.rdzv_id={launch_config.run_id}, or raise launch.rdzv_timeout_s") from None
+    except RendezvousConnectionError:
+        ln = cfg.launch
+        raise RendezvousFailure(
+            f"node {ln.node_rank} of {ln.nnodes}: no rendezvous store answered at {ln.rdzv_endpoint} within "
+            f"launch.rdzv_timeout_s={ln.rdzv_timeout_s:g} s; start node 0 (launch.node_rank=0) on the host that "
+            "address names, with the same launch.rdzv_endpoint, or raise launch.rdzv_timeout_s") from None
 
 
-def _describe_failures(err) -> str:
+def _describe_failures(err, cfg: RunConfig) -> str:
+    """Each failed worker by its rank in the run (and its node, when there are several), with how it ended."""
+    ln = cfg.launch
+    nproc = cfg.world_size // ln.nnodes
+    where = f" on node {ln.node_rank} ({socket.gethostname()})" if ln.nnodes > 1 else ""
     parts = []
-    for rank, failure in sorted(err.failures.items()):
+    for torch_rank, failure in sorted(err.failures.items()):
+        rank = node_ordered_rank(cfg, failure.local_rank, nproc) if ln.nnodes > 1 else torch_rank
         how = (f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0
                else f"exited with code {failure.exitcode}")
         message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)[:500]
-        parts.append(f"worker rank {rank} (pid {failure.pid}) {how}" + (f": {message}" if message and failure.exitcode > 0 else ""))
+        parts.append(f"worker rank {rank}{where} (pid {failure.pid}) {how}"
+                     + (f": {message}" if message and failure.exitcode > 0 else ""))
     return "; ".join(parts)
 
 
@@ -196,12 +268,15 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
     cfg = RunConfig.model_validate_json(Path(config_path).read_text())
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg = _resume_latest(cfg)  # the elastic agent restarted us after a failure
-    rank = int(os.environ["RANK"])
+    torch_rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    rank = node_ordered_rank(cfg, local_rank, int(os.environ["LOCAL_WORLD_SIZE"])) if cfg.launch.nnodes > 1 else torch_rank
     rank_id, device_index = bind_worker(cfg, rank, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     device = resolve_device(cfg.device, device_index)
     torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend
     timeout = timedelta(minutes=10)
-    store = worker_store(rank, timeout) if is_loopback_run(cfg) else None
+    # torch rank 0 serves the store on MASTER_ADDR:MASTER_PORT; the group's ranks are node-ordered
+    store = worker_store(torch_rank == 0, timeout, loopback=is_loopback_run(cfg)) \
+        if is_loopback_run(cfg) or cfg.launch.nnodes > 1 else None
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
                             rank=rank if store else -1, world_size=int(os.environ["WORLD_SIZE"]) if store else -1)
     try:
@@ -220,7 +295,8 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
         except Exception as err:
             # The agent reports whichever worker it saw die first, often a peer whose collective
             # broke; every worker names its own error so the root cause is in the output.
-            print(f"worker rank {rank} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            where = f" on node {cfg.launch.node_rank} ({socket.gethostname()})" if cfg.launch.nnodes > 1 else ""
+            print(f"worker rank {rank}{where} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
             raise
         return result.summary()
     finally:
@@ -269,38 +345,52 @@ def _placement(rank: int, rank_id: int, device) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer.launch CONFIG.json [--node-rank N] [--node-rank-env VAR] [--rdzv-endpoint
-    HOST:PORT] [--rdzv-id ID]``: launch a resolved config that was validated elsewhere (the control
-    plane's ``job.json``), each option overriding that ``launch.*`` field for this node (a cluster
-    engine starts the same file on every node); the exit code is :func:`launch`'s."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m trainer.launch",
-                                     description="Launch a resolved config (as the control plane writes it).")
-    parser.add_argument("config", metavar="CONFIG.json")
-    parser.add_argument("--node-rank", type=int, help="launch.node_rank of this node")
-    parser.add_argument("--node-rank-env", metavar="VAR", help="read launch.node_rank from this environment variable")
-    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="launch.rdzv_endpoint, shared by every node")
-    parser.add_argument("--rdzv-id", metavar="ID", help="launch.rdzv_id, shared by every node")
+    """``python -m trainer.launch CONFIG.json [--node-rank N | --node-rank-env VAR] [--rdzv-endpoint
+    HOST:PORT] [--rdzv-id ID] [--local-addr ADDR]``: launch a resolved config that was validated
+    elsewhere (the control plane's ``job.json``) on this node. The options set the ``launch.*``
+    fields that differ between the nodes of one job, so an engine (Ray, a Kubernetes JobSet) runs
+    the same file on every node; ``--node-rank-env JOB_COMPLETION_INDEX`` reads the rank from the
+    environment. The exit code is :func:`launch`'s."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.launch", description=main.__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="a resolved config, as RunConfig.model_dump_json() writes it")
+    rank = parser.add_mutually_exclusive_group()
+    rank.add_argument("--node-rank", type=int, help="launch.node_rank of this node")
+    rank.add_argument("--node-rank-env", metavar="VAR", help="read launch.node_rank from this environment variable")
+    parser.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint (host:port of node 0's rendezvous)")
+    parser.add_argument("--rdzv-id", help="launch.rdzv_id (the same on every node)")
+    parser.add_argument("--local-addr", help="launch.local_addr (this node's address as the others reach it)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    node_rank = args.node_rank
-    if args.node_rank_env is not None:
-        if not os.environ.get(args.node_rank_env, "").isdigit():
-            print(f"--node-rank-env {args.node_rank_env}: the variable is unset or not a number; set it to this "
-                  "node's rank (0 .. launch.nnodes-1)", file=sys.stderr)
-            return EXIT_CONFIG
-        node_rank = int(os.environ[args.node_rank_env])
-    overrides = {"node_rank": node_rank, "rdzv_endpoint": args.rdzv_endpoint, "rdzv_id": args.rdzv_id}
     try:
-        raw = json.loads(Path(args.config).read_text())
-        raw.setdefault("launch", {}).update({k: v for k, v in overrides.items() if v is not None})
-        cfg = RunConfig.model_validate(raw)
-    except (OSError, ValueError, AttributeError) as err:  # pydantic's ValidationError is a ValueError
+        cfg = RunConfig.model_validate_json(Path(args.config).read_text())
+        cfg = _with_node_options(cfg, args)
+    except (OSError, ValueError) as err:  # pydantic's ValidationError is a ValueError
         first = str(err).splitlines()[0]
-        print(f"{args.config}: not a resolved config ({first}); write it with RunConfig.model_dump_json(), "
-              "or run python -m trainer with overrides instead", file=sys.stderr)
+        print(f"{args.config}: not a resolved config for this node ({first}); write it with "
+              "RunConfig.model_dump_json(), or run python -m trainer with overrides instead", file=sys.stderr)
         return EXIT_CONFIG
     return launch(cfg)
+
+
+def _with_node_options(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """The config with the node options applied, validated again (a node rank past nnodes is refused)."""
+    node_rank = args.node_rank
+    if args.node_rank_env is not None:
+        raw = os.environ.get(args.node_rank_env, "")
+        if not raw.isdigit():
+            raise ValueError(f"--node-rank-env {args.node_rank_env}: the variable is {raw!r}, not a node rank")
+        node_rank = int(raw)
+    updates = {k: v for k, v in (("node_rank", node_rank), ("rdzv_endpoint", args.rdzv_endpoint),
+                                 ("rdzv_id", args.rdzv_id), ("local_addr", args.local_addr)) if v is not None}
+    if not updates:
+        return cfg  # the config as the service validated it: nothing is checked again
+    from trainer.validate import check_launch
+
+    launch_section = cfg.launch.model_validate({**cfg.launch.model_dump(), **updates})
+    cfg = cfg.model_copy(update={"launch": launch_section})
+    issues = check_launch(cfg)
+    if issues:
+        raise ValueError("; ".join(map(str, issues)))
+    return cfg
 
 
 if __name__ == "__main__":

@@ -71,13 +71,15 @@ def register_loopback_rendezvous() -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the spawned workers inherit it
 
 
-def worker_store(rank: int, timeout: timedelta):
-    """The process-group store of a worker of a loopback run: rank 0 serves it on loopback, the
-    others connect; address and port are the ones the elastic agent gave (``MASTER_ADDR/PORT``)."""
+def worker_store(serves: bool, timeout: timedelta, *, loopback: bool):
+    """A worker's process-group store, at the address and port the elastic agent gave
+    (``MASTER_ADDR/PORT``): the worker that ``serves`` (torch's rank 0) listens there, on loopback
+    only for a loopback run, the others connect. The launcher builds the store itself (rather
+    than ``env://``) to listen on loopback, and to number the ranks in node order on several hosts."""
     import torch.distributed as dist
 
     port = int(os.environ["MASTER_PORT"])
-    if rank == 0:
+    if serves and loopback:
         return loopback_store(port, timeout=timeout)
-    return dist.TCPStore(os.environ.get("MASTER_ADDR", LOOPBACK), port, is_master=False, timeout=timeout,
-                         multi_tenant=True)
+    return dist.TCPStore(os.environ.get("MASTER_ADDR", LOOPBACK), port, is_master=serves, wait_for_workers=False,
+                         timeout=timeout, multi_tenant=True)

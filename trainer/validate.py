@@ -354,7 +354,8 @@ def _check_batch(cfg: RunConfig) -> list[ConfigIssue]:
     return []
 
 
-def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
+def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
+    """The ``launch`` section against the mesh: node rank, node count, the rendezvous endpoint."""
     issues = []
     ln = cfg.launch
     if ln.node_rank >= ln.nnodes:
@@ -370,6 +371,19 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("mesh", "explicit rank ids are supported on one host only: a rank id names a "
                                   "device of the worker's own host, and several hosts each run a fixed block of ranks",
                                   "use a mesh shape with several hosts"))
+    host, _, port = ln.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        issues.append(ConfigIssue("launch.rdzv_endpoint", f"{ln.rdzv_endpoint!r} is not host:port",
+                                  "write it as host:port, e.g. 127.0.0.1:29500"))
+    elif ln.nnodes > 1 and int(port) == 0:
+        issues.append(ConfigIssue("launch.rdzv_endpoint", f"port 0 with launch.nnodes={ln.nnodes}: the other nodes "
+                                  "cannot know which free port node 0 picked", "give node 0's address and a fixed port, "
+                                  "e.g. launch.rdzv_endpoint=10.0.0.1:29500, the same on every node"))
+    return issues
+
+
+def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
+    issues = check_launch(cfg)
     for path, seed in (("train.seed", cfg.train.seed), ("data.seed", getattr(cfg.data, "seed", 0))):
         if not -(2**63) <= seed < 2**64:  # torch's manual_seed range: training seeds torch with it
             issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits", "use a seed from 0 to 2**63 - 1"))

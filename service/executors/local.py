@@ -37,6 +37,10 @@ class LocalExecutor(Executor):
     def __init__(self) -> None:
         self._children: dict[str, subprocess.Popen] = {}  # ref -> the Popen of a job this server started
 
+    @classmethod
+    def from_settings(cls, settings) -> "LocalExecutor":
+        return cls()  # the job environment comes with each JobLaunch; nothing else to configure
+
     def start(self, launch: JobLaunch) -> str:
         started = runner.start_job_process(launch.workdir, launch.config, launch.env)
         ref = make_ref(started.pid, started.start_time)

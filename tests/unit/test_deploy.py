@@ -107,7 +107,8 @@ def _dockerfile_instructions() -> list[tuple[str, str]]:
 
 def test_deploy_has_the_expected_files():
     for name in ["Dockerfile", "Dockerfile.dockerignore", "docker-compose.yml", ".env.example", "README.md",
-                 "k8s/postgres.yaml", "k8s/mlflow.yaml", "k8s/api.yaml", "k8s/secret.example.yaml"]:
+                 "k8s/postgres.yaml", "k8s/mlflow.yaml", "k8s/api.yaml", "k8s/api-rbac.yaml", "k8s/secret.example.yaml",
+                 "k8s/ingress.example.yaml"]:
         assert (DEPLOY / name).is_file(), name
 
 
@@ -135,7 +136,12 @@ def test_compose_services_and_depends_on():
             assert cond["condition"] == "service_healthy" and "healthcheck" in services[dep], (name, dep)
     api = services["api"]
     assert set(api["depends_on"]) == {"postgres", "mlflow"}
-    assert "8000:8000" in api["ports"]
+    assert "127.0.0.1:8000:8000" in api["ports"]
+    # plain HTTP never leaves the host: every published port is bound to the loopback address
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    assert services["ray-head"]["profiles"] == ["ray"] and all("profiles" not in services[n] for n in ("api", "mlflow", "postgres"))
 
 
 def test_compose_api_env_names_are_settings():
@@ -167,7 +173,9 @@ def test_compose_api_env_builds_settings(monkeypatch):
     command = services["mlflow"]["command"]
     backend = make_url(_interpolate(command[command.index("--backend-store-uri") + 1], _env_example()))
     assert (backend.drivername, backend.host, backend.database) == ("postgresql+psycopg", "postgres", "mlflow")
-    assert "mlflow:5000" in command[command.index("--allowed-hosts") + 1].split(",")
+    allowed = _interpolate(services["mlflow"]["environment"]["MLFLOW_SERVER_ALLOWED_HOSTS"], _env_example())
+    assert "mlflow:5000" in allowed.split(",")
+    assert settings.executor == "local"
 
 
 # ---------------------------------------------------------------------------- kubernetes
@@ -226,17 +234,41 @@ def test_k8s_services_select_their_workloads():
     assert {"postgres", "mlflow", "meshflow-api"} <= names
 
 
-def test_k8s_api_is_one_replica_with_requests_covering_capacity():
+def test_k8s_api_is_one_replica_and_runs_jobs_as_jobsets(monkeypatch):
+    """Jobs run as their own JobSets: the api pod is small, has the RBAC to create them, and its
+    settings name a shared (ReadWriteMany) workspace claim and a job ServiceAccount that exist."""
     deployment = _api_deployment()
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    env = {v["name"]: v.get("value") for v in container["env"]}
-    capacity = int(env["MESHFLOW_CAPACITY"])
-    cpu = container["resources"]["requests"]["cpu"]
-    cpus = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
-    assert cpus >= capacity, f"{capacity} worker slots need >= {capacity} CPUs requested, got {cpu}"
-    assert "memory" in container["resources"]["requests"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
     assert container["args"][:3] == ["python", "-m", "api"] and "command" not in container  # keeps tini
+    env = {v["name"]: v["value"] for v in container["env"] if "value" in v}
+    import os
+    for name in [n for n in os.environ if n.startswith(PREFIX)]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if "$(" not in value:
+            monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert settings.executor == "kubernetes" and settings.kubernetes_image == container["image"]
+    cpu = container["resources"]["requests"]["cpu"]
+    assert (float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)) <= 1, "the api pod runs no workers"
+    docs = _k8s_docs()
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == settings.kubernetes_workspace_pvc]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    mounted = {v["persistentVolumeClaim"]["claimName"]: v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == mounted[settings.kubernetes_workspace_pvc]]
+    assert mount["mountPath"] == str(settings.workspace)   # the job pods mount it at the same path
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert pod["serviceAccountName"] in accounts
+    assert accounts[settings.kubernetes_service_account]["automountServiceAccountToken"] is False
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"]}]
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == binding["roleRef"]["name"]]
+    allowed = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert {("jobset.x-k8s.io", "jobsets", v) for v in ("create", "get", "delete")} <= allowed
+    assert ("", "pods/log", "get") in allowed and not any(r == "secrets" for _, r, _ in allowed)
 
 
 def test_k8s_api_probes_hit_real_routes(tmp_path):
@@ -272,7 +304,9 @@ def test_dockerfile_installs_torch_before_the_project_and_runs_the_api():
     runs = [(i, args) for i, (op, args) in enumerate(instructions) if op == "RUN"]
     (torch_at,) = [i for i, args in runs if "torch==2.13.0" in args]
     assert "download.pytorch.org/whl/cpu" in instructions[torch_at][1]
-    (project_at,) = [i for i, args in runs if re.search(r"pip install \.(\s|$)", args)]
+    (project_at,) = [i for i, args in runs if re.search(r'pip install "?\./?(\[\$\{EXTRAS\}\])?"?(\s|$)', args)]
+    (extras,) = [args for op, args in instructions if op == "ARG" and args.startswith("EXTRAS=")]
+    assert "kubernetes" in extras.split("=", 1)[1].split(",")   # the api submits JobSets with the client
     assert not any("pip install -e" in args for _, args in runs)  # the wheel, not the source tree
     copies = [i for i, (op, _) in enumerate(instructions) if op == "COPY"]
     assert torch_at < min(copies) < project_at
@@ -281,7 +315,7 @@ def test_dockerfile_installs_torch_before_the_project_and_runs_the_api():
         assert re.search(rf"(^|\s){re.escape(needed)}(\s|$)", copied), f"{needed} is not copied"
     ops = [op for op, _ in instructions]
     user_at = ops.index("USER")
-    assert instructions[user_at][1] not in {"root", "0"} and user_at > project_at
+    assert instructions[user_at][1] == "10001:10001" and user_at > project_at   # the k8s runAsUser
     workdirs = [args for op, args in instructions if op == "WORKDIR"]
     assert workdirs[-1] == "/workspace"  # `python -m api` must not find a source tree in its cwd
     assert ("EXPOSE", "8000") in instructions

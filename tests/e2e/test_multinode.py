@@ -1,0 +1,171 @@
+"""Two hosts, one run: two launchers (``launch.nnodes=2``, 2 workers each) meet at node 0's
+rendezvous and train as one mesh, with the same losses as one device.
+
+The two "hosts" are two network namespaces joined by a veth pair (10.77.<n>.1 and .2), each with
+its own address, when this machine lets the test make them (root and ``ip``); otherwise both run
+on loopback, and the test says so. Node 0 owns the MLflow run; node 1 logs nothing of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.ports import free_port
+
+COMMON = ["train.steps=4", "train.global_batch_size=8", "train.seq_len=32", "data.max_bytes=100000",
+          "train.log_every=1", "tracking.pictures=false"]
+TWO_NODES = ["+parallel=fsdp", "mesh=[4]", "launch.nnodes=2", "launch.rdzv_timeout_s=120"]
+
+
+class Hosts:
+    """Where each node runs: a command prefix, its address and the environment gloo needs there."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.addresses = ["127.0.0.1", "127.0.0.1"]
+        self.prefixes: list[list[str]] = [[], []]
+        self.envs: list[dict[str, str]] = [{}, {}]
+
+    def make_namespaces(self) -> bool:
+        """Two namespaces with a veth pair between them; False (and nothing left) if not allowed."""
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            return False
+        tag = uuid.uuid4().hex[:6]
+        names, links = [f"mf{tag}a", f"mf{tag}b"], [f"v{tag}a", f"v{tag}b"]
+        subnet = int(tag, 16) % 250 + 1
+        addresses = [f"10.77.{subnet}.1", f"10.77.{subnet}.2"]
+        steps = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
+                 ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]]]
+        for name, link, address in zip(names, links, addresses):
+            steps += [["ip", "link", "set", link, "netns", name],
+                      ["ip", "-n", name, "addr", "add", f"{address}/24", "dev", link],
+                      ["ip", "-n", name, "link", "set", link, "up"], ["ip", "-n", name, "link", "set", "lo", "up"]]
+        self.names = names
+        for step in steps:
+            if subprocess.run(step, capture_output=True).returncode != 0:
+                self.remove()
+                return False
+        self.addresses = addresses
+        self.prefixes = [["ip", "netns", "exec", name] for name in names]
+        self.envs = [{"GLOO_SOCKET_IFNAME": link} for link in links]
+        return True
+
+    def remove(self) -> None:
+        for name in self.names:  # deleting a namespace deletes its end of the veth pair, and so both
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.names = []
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    made = Hosts()
+    if not made.make_namespaces():
+        print("two network namespaces could not be made here: both nodes run on loopback")
+    yield made
+    made.remove()
+
+
+def _start_nodes(hosts: Hosts, cwd: Path, args: list[str]) -> list[subprocess.Popen]:
+    endpoint = f"{hosts.addresses[0]}:{free_port()}"
+    procs = []
+    for node in (1, 0):  # node 1 first: it waits for node 0's store, as on a real cluster
+        command = [*hosts.prefixes[node], sys.executable, "-m", "trainer", *args, f"launch.node_rank={node}",
+                   f"launch.rdzv_endpoint={endpoint}", f"launch.local_addr={hosts.addresses[node]}"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **hosts.envs[node]}
+        procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+    return procs[::-1]  # [node 0, node 1]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            raise
+    return outputs
+
+
+def _runs(uri: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    return client.search_runs([client.get_experiment_by_name("meshflow").experiment_id])
+
+
+def _losses(uri: str) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    (run,) = _runs(uri)
+    return {m.step: m.value for m in MlflowClient(tracking_uri=uri).get_metric_history(run.info.run_id, "loss")}
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_mesh_with_one_devices_losses(hosts, tmp_path):
+    single_dir, nodes_dir = tmp_path / "single", tmp_path / "nodes"
+    single_dir.mkdir(), nodes_dir.mkdir()
+    single_uri, nodes_uri = f"sqlite:///{single_dir}/mlflow.db", f"sqlite:///{nodes_dir}/mlflow.db"
+    single = subprocess.run([sys.executable, "-m", "trainer", *COMMON, f"tracking.tracking_uri={single_uri}"],
+                            cwd=single_dir, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stdout[-2000:] + single.stderr[-2000:]
+
+    node0, node1 = _finish(_start_nodes(hosts, nodes_dir, [*TWO_NODES, *COMMON, f"tracking.tracking_uri={nodes_uri}"]),
+                           timeout=400)
+    assert "done: steps 1..4" in node0, node0[-3000:]
+    assert "node 0 of 2: workers rank 0..1" in node0 and "node 1 of 2: workers rank 2..3" in node1, node1[-3000:]
+    assert "node 1 of 2: its 2 workers finished" in node1 and "done:" not in node1 and "step 1/4" not in node1
+    assert "[node0.0]: step 4/4" in node0  # rank 0 (node 0's local rank 0) shows the progress
+    want, got = _losses(single_uri), _losses(nodes_uri)  # one MLflow run: node 1 made none
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert max(abs(got[s] - want[s]) / abs(want[s]) for s in want) <= 1e-5, (got, want)
+    if hosts.names:  # each node's workers listened on its own address: rank 0's line says where it ran
+        assert hosts.addresses[0] != hosts.addresses[1]
+
+
+@pytest.mark.slow
+def test_a_dead_worker_on_node_1_fails_both_nodes_and_is_named(hosts, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [*TWO_NODES, *[a for a in COMMON if not a.startswith("train.steps")], "train.steps=100000",
+            f"tracking.tracking_uri={uri}"]
+    procs = _start_nodes(hosts, tmp_path, args)
+    pids, seen, deadline = None, [], time.monotonic() + 300
+    while pids is None and time.monotonic() < deadline:  # node 0 prints every worker's pid, then steps
+        line = procs[0].stdout.readline()
+        seen.append(line)
+        if line.startswith("[node0.0]: workers:"):
+            pids = dict(item.split("=") for item in line.split(":", 2)[2].split())
+    assert pids, "".join(seen[-50:])
+    while "step 2/" not in seen[-1] and time.monotonic() < deadline:
+        seen.append(procs[0].stdout.readline())
+    os.kill(int(pids["rank3"]), signal.SIGKILL)  # rank 3 = node 1's local rank 1
+    began = time.monotonic()
+    node0, node1 = _finish(procs, timeout=180)
+    assert procs[0].returncode == 1 and procs[1].returncode == 1, (node0[-2000:], node1[-2000:])
+    assert time.monotonic() - began < 120
+    assert f"worker rank 3 on node 1 ({os.uname().nodename}) (pid {pids['rank3']}) was killed by signal SIGKILL" in node1
+    assert "training failed: worker rank" in node0 and "on node 0" in node0, node0[-2000:]
+    (run,) = _runs(uri)
+    assert run.info.status == "FAILED"
+
+
+@pytest.mark.slow
+def test_a_node_left_alone_says_which_rendezvous_it_waited_for(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    alone = subprocess.run([sys.executable, "-m", "trainer", *TWO_NODES, *COMMON, "tracking=none",
+                            "launch.rdzv_timeout_s=3", "launch.rdzv_id=team-run-7", f"launch.rdzv_endpoint={endpoint}"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 1
+    assert (f"node 0 of 2: the rendezvous team-run-7 at {endpoint} did not gather all 2 nodes within "
+            "launch.rdzv_timeout_s=3 s") in alone.stderr, alone.stderr[-2000:]
