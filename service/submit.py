@@ -144,6 +144,9 @@ def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIss
     return issues
 
 
+MULTI_NODE_ENDPOINT = "127.0.0.1:29400"  # replaced per job by the executor (first node's address, a free port)
+
+
 def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri: str,
             run_id: str | None, multi_node: bool = False) -> tuple[dict[str, Any], list[ConfigIssue]]:
     """A copy of ``raw`` with every path confined (:mod:`service.confine`) and the service's values
@@ -196,6 +199,10 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
         if host not in LOOPBACK_HOSTS:
             issues.append(ConfigIssue("launch.rdzv_endpoint", f"{host!r} is not a loopback address",
                                       "use 127.0.0.1:0"))
+        elif multi_node and launch.get("nnodes", 1) != 1:
+            # The executor gives every node the first node's address and a port it picked there; this
+            # stands in for it in the stored config (port 0 is refused for several nodes).
+            launch["rdzv_endpoint"] = MULTI_NODE_ENDPOINT
     return out, issues
 
 

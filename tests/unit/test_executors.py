@@ -116,8 +116,9 @@ def test_several_nodes_only_where_an_executor_places_them(tmp_path):
     _, issues = confine(raw, **kwargs)
     assert [(i.path, i.fix) for i in issues if i.path == "launch.nnodes"] == [
         ("launch.nnodes", "set launch.nnodes=1, or ask the operator for MESHFLOW_EXECUTOR=ray or kubernetes")]
-    _, issues = confine(raw, **kwargs, multi_node=True)
+    confined, issues = confine(raw, **kwargs, multi_node=True)
     assert not [i for i in issues if i.path.startswith("launch.")]
+    assert confined["launch"]["rdzv_endpoint"] == "127.0.0.1:29400"  # a stand-in: the executor picks the real one
     _, issues = confine({"launch": {"nnodes": 2, "node_rank": 1}}, **kwargs, multi_node=True)
     assert [i.path for i in issues if i.path.startswith("launch.")] == ["launch.node_rank"]
 
