@@ -73,7 +73,7 @@ def test_two_node_job_on_ray_matches_one_device(ray_server):
         log = alice.get(f"/v1/jobs/{job['id']}/logs").text
     assert done["state"] == "SUCCEEDED" and done["exit_code"] == 0, (done["error"], log[-3000:])
     assert done["executor"] == "ray" and done["pid"] is None
-    assert "2 node(s) on Ray" in log and "[node 1] node 1 of 2: 2 workers join the rendezvous" in log
+    assert "2 node(s) on Ray" in log and "[node 1] node 1 of 2: workers rank 2..3 join the rendezvous" in log
     assert log.count("done: steps 1..3") == 1  # node 0's summary, once
     history = MlflowClient(ray_server.env["MESHFLOW_MLFLOW_TRACKING_URI"]).get_metric_history(done["mlflow_run_id"], "loss")
     losses = [m.value for m in sorted(history, key=lambda m: m.step)]
