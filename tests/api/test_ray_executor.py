@@ -101,7 +101,7 @@ def test_restarted_control_plane_reattaches_to_a_running_ray_job(ray_server, clu
 def test_cancel_leaves_no_process_on_any_node(ray_server):
     with ray_server.client("alice") as alice:
         job = alice.post("/v1/jobs", json={"name": "long", "overrides": [*TWO_NODES, "train.steps=5000"]}).json()
-        wait_for_log(alice, job["id"], "[rank0]: step 1/5000")
+        wait_for_log(alice, job["id"], "step 1/5000 |")
         processes = job_processes(job["id"])  # driver, 2 launchers, 4 workers
         assert len(processes) >= 7, processes
         assert alice.post(f"/v1/jobs/{job['id']}/cancel").json()["state"] == "CANCELLING"
@@ -113,7 +113,7 @@ def test_cancel_leaves_no_process_on_any_node(ray_server):
 def test_killed_node_fails_the_job_naming_it(ray_server, cluster):
     with ray_server.client("alice") as alice:
         job = alice.post("/v1/jobs", json={"name": "doomed", "overrides": [*TWO_NODES, "train.steps=5000"]}).json()
-        wait_for_log(alice, job["id"], "[rank0]: step 1/5000")
+        wait_for_log(alice, job["id"], "step 1/5000 |")
         processes = job_processes(job["id"])
         victim = cluster.node_id("node1")
         raylets = cluster.nodes[1].raylet_pids()
