@@ -87,7 +87,8 @@ class JobSummary(BaseModel):
     finished_at: datetime | None = Field(description="When it ended (UTC).")
     exit_code: int | None = Field(description="The trainer's exit code: 0 ok, 1 worker failure, 2 bad config, 143 SIGTERM.")
     error: str | None = Field(description="Why it failed: the reason and the last lines of its log.")
-    pid: int | None = Field(description="Process id of the job's process group leader, while known.")
+    executor: str | None = Field(None, description="What runs the job: local (processes on the service's host), ray or kubernetes.")
+    pid: int | None = Field(description="Process id of the job's process group leader, while known (local jobs).")
     mlflow_run_id: str | None = Field(description="The MLflow run the job logs to (created at submission).")
     mlflow_ui_url: str | None = Field(description="Link to the run in the MLflow UI, when the service knows the UI's address.")
 
@@ -97,7 +98,7 @@ class JobSummary(BaseModel):
         return dict(id=job.id, name=job.name, owner=job.owner, state=JobState(job.state), priority=job.priority,
                     overrides=job.overrides, world_size=job.world_size, created_at=_utc(job.created_at),
                     started_at=_utc(job.started_at), finished_at=_utc(job.finished_at), exit_code=job.exit_code,
-                    error=job.error, pid=job.pid, mlflow_run_id=job.mlflow_run_id, mlflow_ui_url=ui_url)
+                    error=job.error, executor=job.executor, pid=job.pid, mlflow_run_id=job.mlflow_run_id, mlflow_ui_url=ui_url)
 
     @classmethod
     def from_row(cls, job: Any, ui_url: str | None) -> "JobSummary":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import signal
 import threading
 import shutil
 import uuid
@@ -106,7 +105,8 @@ class ControlPlane:
         workdir = workdir or self.settings.jobs_dir / "plan"
         return resolve_config(overrides=overrides, document=document, workspace=self.settings.workspace,
                               workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None,
-                              limit_raw=lambda raw: cap_memory_budget(raw, self.settings))
+                              limit_raw=lambda raw: cap_memory_budget(raw, self.settings),
+                              multi_node=self.settings.executor != "local")
 
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
         """The validated config and :func:`trainer.plan.plan_report` of it; nothing is launched."""
@@ -223,7 +223,7 @@ class ControlPlane:
     # ------------------------------------------------------------------ change
 
     def cancel_job(self, session: Session, job_id: str, *, user: str) -> Job:
-        """Stop a job: a queued one is CANCELLED at once, a running one gets SIGTERM (SIGKILL later)."""
+        """Stop a job: a queued one is CANCELLED at once, a running one gets SIGTERM (SIGKILL later) from the scheduler."""
         job = self.get_job(session, job_id, user=user)
         state = job.job_state
         if state is JobState.QUEUED:
@@ -232,10 +232,8 @@ class ControlPlane:
             if job.mlflow_run_id:
                 self.mlflow.end_run_if_open(job.mlflow_run_id, "KILLED")
         elif state in (JobState.STARTING, JobState.RUNNING):
+            # The scheduler's thread asks the job's executor to stop it (SIGTERM on every node) at once.
             require_transition(session, job.id, JobState.CANCELLING, cancel_requested_at=utcnow())
-            session.refresh(job)
-            if job.pid:
-                runner.signal_group(job.pid, signal.SIGTERM)
         elif state.is_terminal:
             raise JobConflict(f"job {job.id} already ended {state.value}")
         self.scheduler.wake.set()

@@ -2,53 +2,57 @@
 
 One thread, woken every ``poll_interval_s`` or when a job is submitted or cancelled:
 
-1. every STARTING / RUNNING / CANCELLING job is polled: ``Popen.poll`` for our own children,
-   ``/proc`` liveness + start time for jobs started by an earlier server; a dead job's exit code
-   comes from its ``exit_code`` file (written by :mod:`service.supervise`) and decides
-   SUCCEEDED (0), CANCELLED (after a cancel) or FAILED (with the log's tail as the summary);
-   a cancel not obeyed within ``cancel_grace_s`` escalates to SIGKILL of the process group;
+1. every STARTING / RUNNING / CANCELLING job is polled through its executor (local processes,
+   a Ray cluster, Kubernetes: :mod:`service.executors`); a job that has ended becomes SUCCEEDED
+   (exit code 0), CANCELLED (after a cancel) or FAILED (with the executor's reason and the log's
+   tail as the summary); a cancelled job is asked to stop once, and killed when it has not
+   obeyed within ``cancel_grace_s``;
 2. QUEUED jobs start in priority order, FIFO within a priority, while their ``world_size``
    fits into the free slots (the head of the queue is never overtaken, so it cannot starve);
    a job whose owner already runs ``max_running_per_user`` jobs is passed over and blocks nobody.
 
-:meth:`Scheduler.reconcile` runs once before the thread: jobs whose process is still alive
-are tracked again, jobs whose process vanished are finished from their exit-code file or FAILED.
+:meth:`Scheduler.reconcile` runs once before the thread: jobs that still run are tracked again,
+jobs started just before a crash (no ref recorded) are adopted, the others are finished.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import subprocess
 import threading
 from collections import Counter
 from datetime import timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import runner
+from service.executors import Executor, JobLaunch, make_executor
+from service.executors.local import VANISHED, LocalExecutor, make_ref, parse_ref
 from service.mlflow_runs import MlflowRuns
 from service.settings import Settings
 from service.store import ACTIVE_STATES, Job, JobState, jobs_in, queued_in_order, transition, utcnow
 
 log = logging.getLogger(__name__)
 
-VANISHED = "process vanished while the control plane was down"
+__all__ = ["Scheduler", "VANISHED"]
 
 
 class Scheduler:
-    """Owns the job processes of this server; all its methods run on its own thread (or before it starts)."""
+    """Decides when jobs run; its executor runs them. All its methods run on its own thread (or before it starts)."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], mlflow: MlflowRuns | None) -> None:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], mlflow: MlflowRuns | None,
+                 executor: Executor | None = None) -> None:
         self.settings = settings
         self.sessions = sessions
         self.mlflow = mlflow
+        self.executor = executor or make_executor(settings)
+        self._executors: dict[str, Executor] = {self.executor.name: self.executor}
         self.wake = threading.Event()
         self.max_slots_in_use = 0
         self.failures_total = 0
-        self._children: dict[str, subprocess.Popen] = {}
+        self._stop_sent: set[str] = set()
         self._killed: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,8 +83,39 @@ class Scheduler:
     def tick(self) -> None:
         with self.sessions() as session:
             for job in jobs_in(session, ACTIVE_STATES):
-                self._poll(session, job)
+                try:
+                    self._poll(session, job)
+                except Exception:  # e.g. a cluster that does not answer: this job waits, the others go on
+                    session.rollback()
+                    log.exception("job %s: could not poll it; trying again next tick", job.id)
             self._start_queued(session)
+
+    # ---------------------------------------------------------------- executors
+
+    def launch_of(self, job: Job) -> JobLaunch:
+        return JobLaunch(job_id=job.id, workdir=Path(job.workdir), config=job.config, world_size=job.world_size,
+                         env=runner.job_environment(self.settings.job_env))
+
+    def executor_of(self, job: Job) -> Executor:
+        """The executor that started ``job``: rows from before executors existed ran locally, and a job
+        whose start was never recorded is looked for by this server's executor."""
+        name = job.executor or (LocalExecutor.name if job.pid is not None else self.executor.name)
+        if name not in self._executors:
+            self._executors[name] = make_executor(self.settings, name)
+        return self._executors[name]
+
+    @staticmethod
+    def ref_of(job: Job) -> str | None:
+        if job.executor_ref:
+            return job.executor_ref
+        return make_ref(job.pid, job.pid_start_time) if job.pid is not None else None  # an older row
+
+    def _record_ref(self, session: Session, job: Job, executor: Executor, ref: str, **fields: Any) -> None:
+        values: dict[str, Any] = {"executor": executor.name, "executor_ref": ref, **fields}
+        if isinstance(executor, LocalExecutor):  # the pid columns stay filled for local jobs (the API shows it)
+            values["pid"], values["pid_start_time"] = parse_ref(ref)
+        session.execute(update(Job).where(Job.id == job.id).values(**values))
+        session.commit()
 
     # --------------------------------------------------------------- reconcile
 
@@ -88,51 +123,53 @@ class Scheduler:
         """Adopt what an earlier server left: live jobs are tracked, vanished ones finished."""
         with self.sessions() as session:
             for job in jobs_in(session, ACTIVE_STATES):
-                if job.pid is None and (pid := runner.find_job_process(Path(job.workdir))) is not None:
-                    # Started, but the server died before recording the pid: adopt the process.
-                    session.execute(update(Job).where(Job.id == job.id).values(
-                        pid=pid, pid_start_time=runner.process_start_time(pid), started_at=utcnow()))
-                    session.commit()
-                    transition(session, job.id, JobState.RUNNING)
-                elif job.pid is None:
-                    self._finish(session, job, None, "control plane stopped while starting the job")
-                elif runner.is_same_process_alive(job.pid, job.pid_start_time):
-                    log.info("job %s: process %d still running; tracking it again", job.id, job.pid)
-                else:
-                    code = runner.read_exit_code(Path(job.workdir))
-                    self._finish(session, job, code, None if code is not None else VANISHED)
+                try:
+                    self._reconcile_one(session, job)
+                except Exception:  # the thread's ticks poll it again; the server starts regardless
+                    session.rollback()
+                    log.exception("job %s: could not reconcile it now; the scheduler retries", job.id)
+
+    def _reconcile_one(self, session: Session, job: Job) -> None:
+        executor, launch, ref = self.executor_of(job), self.launch_of(job), self.ref_of(job)
+        if ref is None and (ref := executor.adopt(launch)) is not None:
+            # Started, but the server died before recording the ref: adopt the job.
+            self._record_ref(session, job, executor, ref, started_at=utcnow())
+            transition(session, job.id, JobState.RUNNING)
+        elif ref is None:
+            self._finish(session, job, None, "control plane stopped while starting the job")
+        elif (status := executor.poll(ref, launch)).alive:
+            log.info("job %s: still running (%s %s); tracking it again", job.id, executor.name, ref)
+        else:
+            self._finish(session, job, status.exit_code, status.reason)
 
     # -------------------------------------------------------------------- poll
 
     def _poll(self, session: Session, job: Job) -> None:
-        if job.pid is None:
+        ref = self.ref_of(job)
+        if ref is None:
             return
-        child = self._children.get(job.id)
-        if child is not None:
-            code = child.poll()
-            alive = code is None
-            if code is not None and code < 0:
-                code = 128 - code
-        else:
-            alive, code = runner.is_same_process_alive(job.pid, job.pid_start_time), None
-        if alive:
-            self._escalate_cancel(job)
+        executor = self.executor_of(job)
+        status = executor.poll(ref, self.launch_of(job))
+        if status.alive:
+            self._stop_if_cancelled(job, executor, ref)
             return
-        recorded = runner.read_exit_code(Path(job.workdir))
-        code = recorded if recorded is not None else code
-        # Workers the supervisor left behind (it was SIGKILLed) go with their group.
-        runner.signal_group(job.pid, signal.SIGKILL)
-        self._finish(session, job, code, None if code is not None else VANISHED)
+        self._finish(session, job, status.exit_code, status.reason)
 
-    def _escalate_cancel(self, job: Job) -> None:
-        if job.state != JobState.CANCELLING.value or job.id in self._killed or job.cancel_requested_at is None:
+    def _stop_if_cancelled(self, job: Job, executor: Executor, ref: str) -> None:
+        """A cancelled job is asked to stop once (SIGTERM), and killed when it ignored that for
+        ``cancel_grace_s``."""
+        if job.state != JobState.CANCELLING.value or job.id in self._killed:
             return
-        requested = job.cancel_requested_at
+        if job.id not in self._stop_sent:
+            executor.stop(ref)
+            self._stop_sent.add(job.id)
+            return
+        requested = job.cancel_requested_at or utcnow()
         if requested.tzinfo is None:  # SQLite returns naive datetimes
             requested = requested.replace(tzinfo=timezone.utc)
         if utcnow() - requested >= timedelta(seconds=self.settings.cancel_grace_s):
-            log.warning("job %s ignored SIGTERM for %.0f s; sending SIGKILL", job.id, self.settings.cancel_grace_s)
-            runner.signal_group(job.pid, signal.SIGKILL)
+            log.warning("job %s ignored its stop for %.0f s; killing it", job.id, self.settings.cancel_grace_s)
+            executor.stop(ref, force=True)
             self._killed.add(job.id)
 
     def _finish(self, session: Session, job: Job, code: int | None, reason: str | None) -> None:
@@ -152,7 +189,7 @@ class Scheduler:
                 self.failures_total += 1
             if job.mlflow_run_id and self.mlflow:
                 self.mlflow.end_run_if_open(job.mlflow_run_id, run_status)
-        self._children.pop(job.id, None)
+        self._stop_sent.discard(job.id)
         self._killed.discard(job.id)
 
     # ------------------------------------------------------------------- start
@@ -177,20 +214,17 @@ class Scheduler:
 
     def _launch(self, session: Session, job: Job) -> None:
         try:
-            started = runner.start_job_process(Path(job.workdir), job.config, self.settings.job_env)
-        except OSError as err:
-            transition(session, job.id, JobState.FAILED, error=f"could not start the job: {err}")
+            ref = self.executor.start(self.launch_of(job))
+        except Exception as err:  # OSError locally; a cluster that refuses the job elsewhere
+            log.warning("job %s: could not start: %s", job.id, err)
+            transition(session, job.id, JobState.FAILED, error=f"could not start the job ({self.executor.name}): {err}")
             self.failures_total += 1
             if job.mlflow_run_id and self.mlflow:
                 self.mlflow.end_run_if_open(job.mlflow_run_id, "FAILED")
             return
-        self._children[job.id] = started.process
-        now = utcnow()
-        # Recorded whatever the state now is: a cancel that came in meanwhile needs the pid.
-        session.execute(update(Job).where(Job.id == job.id)
-                        .values(pid=started.pid, pid_start_time=started.start_time, started_at=now))
-        session.commit()
+        # Recorded whatever the state now is: a cancel that came in meanwhile needs the ref.
+        self._record_ref(session, job, self.executor, ref, started_at=utcnow())
         if not transition(session, job.id, JobState.RUNNING):
-            runner.signal_group(started.pid, signal.SIGTERM)  # cancelled while starting
-        log.info("job %s: started pid %d (%d slots)", job.id, started.pid, job.world_size)
-
+            self.executor.stop(ref)  # cancelled while starting
+            self._stop_sent.add(job.id)
+        log.info("job %s: started on %s as %s (%d slots)", job.id, self.executor.name, ref, job.world_size)

@@ -92,6 +92,9 @@ class Settings(BaseSettings):
     executor: Literal["local", "ray", "kubernetes"] = Field(
         "local", description="Which engine runs the jobs: `local` processes on this host, a `ray` cluster, or "
         "`kubernetes` (one JobSet per job). Users' configs are the same for every engine.")
+    # The Ray executor's settings (MESHFLOW_EXECUTOR=ray; service/executors/ray.py).
+    ray_address: str = Field("http://127.0.0.1:8265", description="The Ray cluster's job-submission (dashboard) "
+                             "address, as `ray start --head` prints it; used when executor is `ray`.")
     # The Kubernetes executor's settings (MESHFLOW_EXECUTOR=kubernetes; service/executors/kubernetes.py).
     kubernetes_namespace: str | None = Field(
         None, description="Namespace the jobs' JobSets and ConfigMaps are created in; null = the api pod's own "

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import (JSON, DateTime, Index, Integer, String, Text, UniqueConstraint, create_engine, event, func,
-                        select, text, update)
+                        inspect, select, text, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -87,7 +87,9 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     mlflow_experiment_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    executor: Mapped[str | None] = mapped_column(String(32), nullable=True)  # null: a row from before executors (local)
+    executor_ref: Mapped[str | None] = mapped_column(String(200), nullable=True)  # the executor's handle on the job
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)  # local jobs: the process-group leader
     pid_start_time: Mapped[int | None] = mapped_column(Integer, nullable=True)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -138,6 +140,7 @@ def create_tables(engine: Engine) -> None:
         elif engine.dialect.name == "sqlite":
             connection.exec_driver_sql("BEGIN IMMEDIATE")
         Base.metadata.create_all(connection)
+        add_missing_columns(connection)  # under the same lock: one server adds them
         for index in Job.__table__.indexes:  # a store made by an older version has the table but not every index
             index.create(connection, checkfirst=True)
 
@@ -162,6 +165,21 @@ def lock_owner_queue(session: Session, owner: str) -> None:
         connection = session.connection()
         if not connection.connection.dbapi_connection.in_transaction:
             connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def add_missing_columns(connection) -> list[str]:
+    """``ALTER TABLE jobs ADD COLUMN`` for every (nullable) column a store made by an older version
+    lacks: ``create_all`` creates missing tables, never missing columns. Returns the names added."""
+    table = Job.__table__
+    present = {column["name"] for column in inspect(connection).get_columns(table.name)}
+    missing = [column for column in table.columns if column.name not in present]
+    for column in missing:
+        if not column.nullable:
+            raise RuntimeError(f"job store {connection.engine.url!r}: table {table.name} lacks the required column "
+                               f"{column.name}; migrate it by hand or start with a new database")
+        kind = column.type.compile(dialect=connection.dialect)
+        connection.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+    return [column.name for column in missing]
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -144,10 +144,14 @@ def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIss
     return issues
 
 
+MULTI_NODE_ENDPOINT = "127.0.0.1:29400"  # replaced per job by the executor (first node's address, a free port)
+
+
 def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri: str,
-            run_id: str | None) -> tuple[dict[str, Any], list[ConfigIssue]]:
+            run_id: str | None, multi_node: bool = False) -> tuple[dict[str, Any], list[ConfigIssue]]:
     """A copy of ``raw`` with every path confined (:mod:`service.confine`) and the service's values
-    forced into tracking and launch, and what was refused."""
+    forced into tracking and launch, and what was refused. ``multi_node``: the executor places
+    ``launch.nnodes`` > 1 nodes itself (each node's rank and rendezvous endpoint are its business)."""
     import copy
 
     out = copy.deepcopy(raw)
@@ -185,19 +189,27 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
     if isinstance(launch, dict):
         launch.setdefault("log_dir", "logs")  # the per-rank logs stay in the job's workdir
         issues += _confine_key(launch, "log_dir", "launch.log_dir", workspace, workdir, read_only_ok=False)
-        if launch.get("nnodes", 1) != 1 or launch.get("node_rank", 0) != 0:
-            issues.append(ConfigIssue("launch.nnodes", "the service runs single-host jobs only", "set launch.nnodes=1"))
+        if launch.get("nnodes", 1) != 1 and not multi_node:
+            issues.append(ConfigIssue("launch.nnodes", "this service runs jobs on its own host only (executor: local)",
+                                      "set launch.nnodes=1, or ask the operator for MESHFLOW_EXECUTOR=ray or kubernetes"))
+        if launch.get("node_rank", 0) != 0:
+            issues.append(ConfigIssue("launch.node_rank", "the service gives every node its rank",
+                                      "leave launch.node_rank out"))
         host = str(launch.get("rdzv_endpoint", "127.0.0.1:0")).rsplit(":", 1)[0]
         if host not in LOOPBACK_HOSTS:
             issues.append(ConfigIssue("launch.rdzv_endpoint", f"{host!r} is not a loopback address",
                                       "use 127.0.0.1:0"))
+        elif multi_node and launch.get("nnodes", 1) != 1:
+            # The executor gives every node the first node's address and a port it picked there; this
+            # stands in for it in the stored config (port 0 is refused for several nodes).
+            launch["rdzv_endpoint"] = MULTI_NODE_ENDPOINT
     return out, issues
 
 
 def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | None, workspace: Path,
                    workdir: Path, tracking_uri: str, run_id: str | None,
                    limit_raw: Callable[[dict[str, Any]], list[ConfigIssue]] | None = None,
-                   ) -> tuple[RunConfig, ParallelPlan]:
+                   multi_node: bool = False) -> tuple[RunConfig, ParallelPlan]:
     """The validated, confined config of a submission and its parallel plan, or :class:`ConfigError`
     naming every problem. The only composition and validation a job's config ever gets.
     ``limit_raw`` may change the confined document (the service's memory limit) and refuse it."""
@@ -207,7 +219,8 @@ def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | No
         raw = compose_overrides(list(overrides or []))
     if issues := check_document(raw):
         raise ConfigError(issues)
-    confined, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri=tracking_uri, run_id=run_id)
+    confined, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri=tracking_uri, run_id=run_id,
+                               multi_node=multi_node)
     if limit_raw is not None:
         issues += limit_raw(confined)
     try:

@@ -1,1 +1,19 @@
-"""Meshflow trainer: compose -> validate -> launch workers -> train. Run: ``python -m trainer``."""
+"""Meshflow trainer: compose -> validate -> launch workers -> train. Run: ``python -m trainer``.
+
+Engines that run the trainer themselves call ``trainer.train(config)`` (:mod:`trainer.api`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["train", "TrainingFailed"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: `python -m trainer` and the workers should not pay for it.
+    if name in __all__:
+        from trainer import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
