@@ -66,11 +66,13 @@ def test_auth_is_off_only_when_the_settings_say_so():
     from api.deps import LOCAL_USER, get_current_user
     from service.settings import Settings
 
+    import asyncio
+
     with pytest.raises(HTTPException) as refused:
-        get_current_user(Settings(workspace="/tmp/x"), None)
+        asyncio.run(get_current_user(Settings(workspace="/tmp/x"), None))
     assert refused.value.status_code == 401
     open_settings = Settings(workspace="/tmp/x", auth_disabled=True)
-    assert get_current_user(open_settings, None) == LOCAL_USER and open_settings.is_admin(LOCAL_USER)
+    assert asyncio.run(get_current_user(open_settings, None)) == LOCAL_USER and open_settings.is_admin(LOCAL_USER)
 
 
 def test_auth_off_on_a_non_loopback_bind_is_refused_loudly():
