@@ -56,7 +56,8 @@ def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, wo
     try:
         cfg, _ = resolve_config(overrides=overrides, document=document, workspace=workspace, workdir=workdir,
                                 tracking_uri=tracking_uri, run_id=None,
-                                limit_raw=partial(cap_memory_budget, settings=settings))
+                                limit_raw=partial(cap_memory_budget, settings=settings),
+                                multi_node=settings.executor != "local")
     except ConfigError as err:
         return "invalid", [(i.path, i.reason, i.fix) for i in err.issues]
     return "ok", cfg.model_dump(mode="json")

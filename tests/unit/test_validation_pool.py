@@ -100,3 +100,17 @@ def test_a_worker_process_validates_and_a_dead_one_is_replaced(settings):
         assert again.train.global_batch_size == 8
     finally:
         validator.stop()
+
+
+def test_a_cluster_executor_lets_the_validator_accept_several_nodes(tmp_path):
+    from service.settings import Settings
+    from service.submit import MULTI_NODE_ENDPOINT
+    from service.validation import _resolve
+
+    overrides = ["+parallel=fsdp", "mesh=[4]", "launch.nnodes=2", "data=synthetic"]
+    for executor, verdict in (("local", "invalid"), ("ray", "ok")):
+        settings = Settings(workspace=tmp_path, executor=executor)
+        answer = _resolve(overrides, None, workspace=settings.workspace, workdir=settings.jobs_dir / "j",
+                          tracking_uri=settings.mlflow_tracking_uri, settings=settings)
+        assert answer[0] == verdict, answer
+    assert answer[1]["launch"]["nnodes"] == 2 and answer[1]["launch"]["rdzv_endpoint"] == MULTI_NODE_ENDPOINT
