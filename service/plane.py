@@ -25,14 +25,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service import runner
-from service.limits import StreamSlots, cap_memory_budget, check_ceilings, check_queue_quota
+from service.limits import StreamSlots, check_ceilings, check_queue_quota
 from service.mlflow_runs import MlflowRuns
 from service.scheduler import Scheduler
 from service.settings import Settings
 from service.store import (ACTIVE_STATES, Job, JobState, list_page, lock_owner_queue, make_engine,
                            make_sessionmaker, require_transition, transition, utcnow)
-from service.submit import resolve_config
-from service.validation import Validator
+from service.validation import Validator, resolve_as_service
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
 from parallel.errors import ConfigError, ConfigIssue
@@ -102,11 +101,8 @@ class ControlPlane:
     def resolve(self, *, overrides: list[str] | None, document: dict[str, Any] | None,
                 workdir: Path | None = None) -> tuple[RunConfig, ParallelPlan]:
         """The validated, confined config of a submission and its plan (the same checks as a job gets)."""
-        workdir = workdir or self.settings.jobs_dir / "plan"
-        return resolve_config(overrides=overrides, document=document, workspace=self.settings.workspace,
-                              workdir=workdir, tracking_uri=self.settings.mlflow_tracking_uri, run_id=None,
-                              limit_raw=lambda raw: cap_memory_budget(raw, self.settings),
-                              multi_node=self.settings.executor != "local")
+        return resolve_as_service(self.settings, overrides=overrides, document=document,
+                                  workdir=workdir or self.settings.jobs_dir / "plan")
 
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
         """The validated config and :func:`trainer.plan.plan_report` of it; nothing is launched."""

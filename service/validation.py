@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
+from parallel.plan import ParallelPlan
 from service.limits import cap_memory_budget
 from service.settings import Settings
 from service.submit import resolve_config
@@ -49,15 +50,22 @@ CACHEABLE_MODELS = ("llama", "mlp")          # built in: the checks read no file
 CACHEABLE_DATA = ("synthetic", "regression")  # generated; and text from `stdlib`: nothing under datasets/ is listed
 
 
-def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, workspace: Path, workdir: Path,
-             tracking_uri: str, settings: Settings) -> tuple[str, Any]:
+def resolve_as_service(settings: Settings, *, overrides: list[str] | None, document: dict[str, Any] | None,
+                       workdir: Path) -> tuple[RunConfig, ParallelPlan]:
+    """:func:`resolve_config` with this service's workspace, tracking store, memory limit and
+    executor (a cluster executor takes several nodes): what a job and a plan request both get."""
+    return resolve_config(overrides=overrides, document=document, workspace=settings.workspace, workdir=workdir,
+                          tracking_uri=settings.mlflow_tracking_uri, run_id=None,
+                          limit_raw=partial(cap_memory_budget, settings=settings),
+                          multi_node=settings.executor != "local")
+
+
+def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, workdir: Path,
+             settings: Settings) -> tuple[str, Any]:
     """One submission's validation, in a pool worker or in the caller: ``("ok", config as JSON)`` or
     ``("invalid", [(path, reason, fix), ...])``. Plain values, so a worker's answer pickles."""
     try:
-        cfg, _ = resolve_config(overrides=overrides, document=document, workspace=workspace, workdir=workdir,
-                                tracking_uri=tracking_uri, run_id=None,
-                                limit_raw=partial(cap_memory_budget, settings=settings),
-                                multi_node=settings.executor != "local")
+        cfg, _ = resolve_as_service(settings, overrides=overrides, document=document, workdir=workdir)
     except ConfigError as err:
         return "invalid", [(i.path, i.reason, i.fix) for i in err.issues]
     return "ok", cfg.model_dump(mode="json")
@@ -167,8 +175,7 @@ class Validator:
         return self._answer(answer, real_workdir, real_workdir)
 
     def _compute(self, overrides: list[str] | None, document: dict[str, Any] | None, workdir: Path) -> tuple[str, Any]:
-        args = dict(workspace=self.settings.workspace, workdir=workdir,
-                    tracking_uri=self.settings.mlflow_tracking_uri, settings=self.settings)
+        args = dict(workdir=workdir, settings=self.settings)
         pool = self._pool
         if pool is None:
             return _resolve(overrides, document, **args)

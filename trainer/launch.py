@@ -275,8 +275,8 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
     torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend
     timeout = timedelta(minutes=10)
     # torch rank 0 serves the store on MASTER_ADDR:MASTER_PORT; the group's ranks are node-ordered
-    store = worker_store(torch_rank == 0, timeout, loopback=is_loopback_run(cfg)) \
-        if is_loopback_run(cfg) or cfg.launch.nnodes > 1 else None
+    loopback = is_loopback_run(cfg)
+    store = worker_store(torch_rank == 0, timeout, loopback=loopback) if loopback or cfg.launch.nnodes > 1 else None
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
                             rank=rank if store else -1, world_size=int(os.environ["WORLD_SIZE"]) if store else -1)
     try:

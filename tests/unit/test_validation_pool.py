@@ -110,7 +110,6 @@ def test_a_cluster_executor_lets_the_validator_accept_several_nodes(tmp_path):
     overrides = ["+parallel=fsdp", "mesh=[4]", "launch.nnodes=2", "data=synthetic"]
     for executor, verdict in (("local", "invalid"), ("ray", "ok")):
         settings = Settings(workspace=tmp_path, executor=executor)
-        answer = _resolve(overrides, None, workspace=settings.workspace, workdir=settings.jobs_dir / "j",
-                          tracking_uri=settings.mlflow_tracking_uri, settings=settings)
+        answer = _resolve(overrides, None, workdir=settings.jobs_dir / "j", settings=settings)
         assert answer[0] == verdict, answer
     assert answer[1]["launch"]["nnodes"] == 2 and answer[1]["launch"]["rdzv_endpoint"] == MULTI_NODE_ENDPOINT
