@@ -84,6 +84,9 @@ LAYOUTS = {  # name -> overrides
     "fsdp8": ["+parallel=fsdp", "mesh=[8]"],
     "2d": ["+parallel=2d", "mesh=[2,2]"],
     "3d": ["+parallel=3d", "mesh=[2,2,2]"],
+    "ddp2": ["+parallel=dp", "mesh=[2]"],
+    "ddp8": ["+parallel=dp", "mesh=[8]"],
+    "2d_ddp": ["+parallel=2d", "mesh=[2,2]", "parallel.data_parallel.mode=ddp"],
 }
 PREDICTED = re.compile(r"memory: predicted peak ([\d,.]+) MiB")
 MEASURED = re.compile(r"step (\d+)/\d+ .*\| (\d+) ms/step \| peak (\d+) MiB")
@@ -109,7 +112,8 @@ def predict(size: str, layout: str, steps: int) -> float:
     from trainer.memory import predict_memory
     from trainer.validate import validate_with_plan
 
-    cfg, plan = validate_with_plan(compose_dict(overrides_for(size, layout, steps)))
+    # no budget here: a row the budget refused still has its prediction
+    cfg, plan = validate_with_plan(compose_dict([*overrides_for(size, layout, steps), "launch.memory_budget_gb=1e6"]))
     return max(e.total for e in predict_memory(cfg, plan)) / 2**20
 
 

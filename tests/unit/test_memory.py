@@ -107,3 +107,28 @@ def test_a_pipelined_fsdp_stage_holds_every_blocks_unsharded_gradients():
     # and a pipelined worker imports torch.distributed.pipelining (torch._dynamo, _inductor) after its floor
     (flat,) = _predict("model=gpt_small", "+parallel=2d", "mesh=[2,2]")
     assert first.parts["runtime"] - flat.parts["runtime"] == 30 * 2**20
+
+
+def test_ddp_holds_an_unsharded_copy_and_reduces_through_two_flat_buffers():
+    # ddp is FSDP2's replicate with the whole model one parameter group: an unsharded copy of every
+    # parameter from forward to the end of backward, then the gradients copied into one flat fp32
+    # buffer and all-reduced into a second. On CPU both sit on top of backward's peak (its freed
+    # tensors stay resident as heap holes); with the model's bytes from 32 MiB up glibc maps them
+    # on their own, so they leave no holes behind.
+    (single,) = _predict("model=gpt_small")
+    (ddp,) = _predict("model=gpt_small", "+parallel=dp", "mesh=[2]")
+    local = single.params  # every rank holds the whole model: gpt_small, 26M fp32 parameters
+    assert local > 32 * 2**20
+    assert ddp.params == local and ddp.gathered == local
+    backward = ddp.gathered + ddp.activations + ddp.parts["transient"]
+    assert ddp.parts["reduce"] == pytest.approx(backward + 2 * local)
+    assert ddp.live == pytest.approx(ddp.params + ddp.optimizer + ddp.parts["reduce"])  # the reduce is the peak
+    (fsdp,) = _predict("model=gpt_small", "+parallel=fsdp", "mesh=[2]")
+    assert fsdp.parts["reduce"] == 0.0  # FSDP reduces block by block, inside backward
+    (half,) = _predict("model=gpt_small", "+parallel=dp", "mesh=[2]", "train.precision=bf16")
+    assert half.gathered == local / 2  # a bf16 copy; the flat buffers stay fp32
+    assert half.parts["reduce"] == pytest.approx(half.gathered + half.activations + half.parts["transient"] + 2 * local)
+    # a pipelined ddp stage accumulates its unsharded gradients and reduces once, after its last micro-batch
+    stages = _predict("model=gpt_small", "+parallel=pp", "+parallel.data_parallel={dim: dp, mode: ddp}",
+                      "parallel.dims=[dp,pp]", "mesh=[2,2]")
+    assert all(e.gathered == 3 * e.params and e.parts["reduce"] == 0.0 for e in stages)
