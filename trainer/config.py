@@ -256,6 +256,11 @@ class LaunchConfig(_Section):
     memory_budget_gb: float | None = Field(
         None, gt=0, description="Memory per worker a run may use (GiB); a config predicted to need more is refused "
         "before any worker starts. null = the GPU's memory, or 90% of the host's memory shared by its workers.")
+    unmap_freed_memory: bool = Field(
+        False, description="CPU workers (glibc): give every allocation from 128 KiB up pages of its own, returned to the "
+        "system when freed, so freed tensors leave no heap holes resident. The peak drops toward the live tensors "
+        "(a third less per rank on fsdp [8] of a 1B model), for more CPU time in page faults. false = glibc's "
+        "dynamic threshold.")
 
 
 # ------------------------------------------------------------------------------- run

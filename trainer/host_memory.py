@@ -26,6 +26,9 @@ separate them:
 
 from __future__ import annotations
 
+import ctypes
+import platform
+
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
 
@@ -73,6 +76,25 @@ FSDP_PER_PARAM = 0.2
 GLOO_THREADS, GLOO_BUFFERS_PER_ARENA = 2, 2
 
 
+# launch.unmap_freed_memory: mallopt(M_MMAP_THRESHOLD, 128 KiB), which also stops glibc raising the
+# threshold as blocks are freed. Measured with this threshold, a rank's peak is its live tensors plus
+# the runtime above: no heap-hole term.
+M_MMAP_THRESHOLD, UNMAP_FROM = -3, 128 * 1024
+
+
+def has_mallopt() -> bool:
+    return platform.libc_ver()[0] == "glibc"
+
+
+def unmap_freed_memory() -> None:
+    """From now on this process serves every allocation from ``UNMAP_FROM`` up with its own
+    mapping, unmapped when freed (glibc's ``mallopt``; the validator refuses the option elsewhere).
+    Set from Python, not with ``MALLOC_MMAP_THRESHOLD_`` in the environment, so that a one-device
+    run, which trains in the launching process, gets it too."""
+    if not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, UNMAP_FROM):
+        raise OSError("mallopt(M_MMAP_THRESHOLD) was refused")
+
+
 def runtime(plan: ParallelPlan) -> float:
     """The process's own resident bytes above its floor: the constants above."""
     base = RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
@@ -99,7 +121,10 @@ def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: lis
     """Resident bytes of glibc's heap holes at the peak (``cycled``: the live bytes a step
     allocates and frees at its peak, i.e. all but the weights and AdamW's moments). Where FSDP's
     flat buffers come from the heap their holes hold everything else's; else the step's cycled
-    tensors and FSDP's per-parameter ones, of like sizes, leave holes of their own."""
+    tensors and FSDP's per-parameter ones, of like sizes, leave holes of their own. With
+    ``launch.unmap_freed_memory`` nothing stays resident once freed: no holes."""
+    if cfg.launch.unmap_freed_memory:
+        return 0.0
     flat, per_param = fsdp_heap_buffers(cfg, plan, blocks)
     main_arena = max(FSDP_FLAT * sum(flat), FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param)
     gloo_arenas = GLOO_THREADS * GLOO_BUFFERS_PER_ARENA * max(flat, default=0.0)

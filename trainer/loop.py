@@ -32,6 +32,7 @@ from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
 from trainer.metrics import MemoryMeter, Progress
 from trainer.export import check_weights_fit, load_weights
+from trainer.host_memory import unmap_freed_memory
 from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
 from trainer.models.hf import load_hf_sharded, weight_files
 from trainer.timeline import timeline_pictures
@@ -134,6 +135,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     torch.manual_seed(t.seed)
     splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
     source, val_source = splits.train, splits.val
+    if cfg.launch.unmap_freed_memory and device.type == "cpu":
+        unmap_freed_memory()
     meter = MemoryMeter(device)  # from here on: the model's memory, beside the plan's prediction
     if rank == 0:
         try:

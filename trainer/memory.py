@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 from parallel.config import INTERLEAVED_SCHEDULES, V_SCHEDULES
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
-from trainer.host_memory import MMAP_FROM, host_overhead, runtime
+from trainer.host_memory import MMAP_FROM, has_mallopt, host_overhead, runtime
 
 MIB = 2**20
 
@@ -342,7 +342,7 @@ def _replicate_reduce(cfg: RunConfig, plan: ParallelPlan, local: float, heap: fl
     if not _replicated(plan) or plan.pipeline is not None:
         return 0.0, 0.0
     pdt = 0.5 if cfg.train.precision == "bf16" else 1.0
-    if _on_cuda(cfg):
+    if _on_cuda(cfg) or cfg.launch.unmap_freed_memory:  # what backward freed is reused or returned
         return max(local * pdt + local, 2 * local), 0.0
     return heap + 2 * local, 2 * local if local >= MMAP_FROM else 0.0
 
@@ -460,5 +460,8 @@ def _remedies(cfg: RunConfig):
         if (t.global_batch_size // max(1, cfg.dp_size)) % (t.grad_accum * factor * cfg.num_microbatches) == 0:
             yield f"train.grad_accum={t.grad_accum * factor}", cfg.model_copy(update={"train": t.model_copy(
                 update={"grad_accum": t.grad_accum * factor})})
+    if not _on_cuda(cfg) and not cfg.launch.unmap_freed_memory and has_mallopt():
+        yield "launch.unmap_freed_memory=true", cfg.model_copy(update={"launch": cfg.launch.model_copy(
+            update={"unmap_freed_memory": True})})
     if t.precision == "fp32":
         yield "train.precision=bf16", cfg.model_copy(update={"train": t.model_copy(update={"precision": "bf16"})})

@@ -13,6 +13,7 @@ Every issue names the config path, the reason and a fix; all issues are reported
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from parallel.config import INTERLEAVED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, mes
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
+from trainer.host_memory import has_mallopt
 
 _UNION_TAGS = {"model": "arch", "data": "kind"}
 
@@ -379,6 +381,9 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"port 0 with launch.nnodes={ln.nnodes}: the other nodes "
                                   "cannot know which free port node 0 picked", "give node 0's address and a fixed port, "
                                   "e.g. launch.rdzv_endpoint=10.0.0.1:29500, the same on every node"))
+    if ln.unmap_freed_memory and not has_mallopt():
+        issues.append(ConfigIssue("launch.unmap_freed_memory", "needs glibc's mallopt; this host's C library is "
+                                  f"{platform.libc_ver()[0] or 'unknown'}", "set launch.unmap_freed_memory=false"))
     return issues
 
 

@@ -132,3 +132,47 @@ def test_ddp_holds_an_unsharded_copy_and_reduces_through_two_flat_buffers():
     stages = _predict("model=gpt_small", "+parallel=pp", "+parallel.data_parallel={dim: dp, mode: ddp}",
                       "parallel.dims=[dp,pp]", "mesh=[2,2]")
     assert all(e.gathered == 3 * e.params and e.parts["reduce"] == 0.0 for e in stages)
+
+
+_HOLES = """
+import sys, torch
+from trainer.host_memory import unmap_freed_memory
+if sys.argv[1] == "unmap":
+    unmap_freed_memory()
+rss = lambda: next(float(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+torch.ones(512 * 1024)  # a freed 2 MiB mapping: glibc's dynamic threshold rises to it
+before = rss()
+keep, scratch = [], []
+for _ in range(200):  # 1 MiB activations freed between small survivors: heap holes unless unmapped
+    scratch.append(torch.ones(256 * 1024))
+    keep.append(torch.ones(16 * 1024))  # 64 KiB: from the heap in either mode
+del scratch
+print(rss() - before)
+"""
+
+
+@pytest.mark.parametrize("mode, most", [("unmap", 20), ("default", None)])
+def test_unmapped_memory_leaves_no_heap_holes(mode, most):
+    out = subprocess.run([sys.executable, "-c", _HOLES, mode], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    resident = float(out.stdout.split()[-1])
+    if most is not None:
+        assert resident < most  # the 200 MiB came back to the system
+    else:
+        assert resident > 150  # glibc's dynamic threshold kept them in the heap, resident
+
+
+def test_unmapping_drops_the_heap_terms_from_the_plan(monkeypatch):
+    base = ("model=gpt_small", "+parallel=fsdp", "mesh=[8]")
+    (heap,) = _predict(*base)
+    (unmapped,) = _predict(*base, "launch.unmap_freed_memory=true")
+    assert heap.parts["allocator"] > 0 and unmapped.parts["allocator"] == 0.0
+    assert unmapped.total == unmapped.live + unmapped.parts["runtime"]
+    (ddp,) = _predict("model=gpt_small", "+parallel=dp", "mesh=[2]", "launch.unmap_freed_memory=true")
+    assert ddp.parts["reduce"] == 2 * ddp.params  # backward's freed memory is returned: two flat buffers
+    import trainer.validate as validate
+
+    monkeypatch.setattr(validate, "has_mallopt", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_dict(["launch.unmap_freed_memory=true", "tracking=none"]))
+    assert "launch.unmap_freed_memory" in str(err.value) and "set launch.unmap_freed_memory=false" in str(err.value)
