@@ -191,7 +191,8 @@ class AutoPlanRowPublic(BaseModel):
     peak_bytes: float | None = Field(None, description="Predicted per-rank peak memory in bytes.")
     lower_bound_s: float | None = Field(None, description="The lower bound on its step time the search pruned by.")
     parts_s: dict[str, float] = Field(default_factory=dict, description="Predicted seconds by part: compute, bubble, "
-                                      "comm per axis, optimizer.")
+                                      "comm per axis, optimizer, unitemized (what the calibration's reference "
+                                      "training steps take beyond the itemized parts).")
     traffic: dict[str, float] = Field(default_factory=dict, description="Bytes a rank sends per step, per mesh axis.")
 
 

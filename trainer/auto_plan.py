@@ -53,7 +53,7 @@ class Candidate:
     step_s: float | None = None
     tokens_per_s: float | None = None
     peak_bytes: float | None = None
-    parts_s: dict[str, float] = field(default_factory=dict)  # compute, bubble, comm <axis>, optimizer
+    parts_s: dict[str, float] = field(default_factory=dict)  # compute, bubble, comm <axis>, optimizer, unitemized
     traffic: dict[str, float] = field(default_factory=dict)  # bytes a rank sends per step, per axis
 
 

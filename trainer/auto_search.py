@@ -181,6 +181,7 @@ class Search:
         step = predict_step_time(cfg, plan, self.calibration, costs=self._costs[key], model=self.model)
         c.step_s, c.tokens_per_s, c.traffic = step.total_s, step.tokens_per_s, step.traffic
         c.parts_s = {"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
+                     "unitemized": step.overhead_s,
                      **{f"comm {axis}": s for axis, s in step.comm_s.items()}}
         c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=self._memory))
         if c.peak_bytes > self.budget:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 # (m, k, n) of the probe's matmuls: a decoder's projections from tiny (dim 64) to small (dim 512, ffn 1376),
 # m being the tokens of a micro-batch; small ones measure the per-call overhead, large ones the throughput.
@@ -79,6 +79,9 @@ class Calibration:
     optimizer_dtensor_tensor_s: float = 0.0  # optimizer_tensor_s for DTensor parameters (FSDP, tp)
     cores: int = 0  # CPU cores the workers share (0: a device each, nothing shared)
     compute_efficiency: float = 1.0  # a real decoder pass's measured time over what the fits above predict for it
+    # layout family (ddp, fsdp, tp) -> a real training step of a small decoder laid out so over all the
+    # workers, measured over what the cost model predicts for it (trainer.calibrate_work.probe_steps)
+    step_efficiency: dict[str, float] = field(default_factory=dict)
     probe_s: float = 0.0
     torch_version: str = torch.__version__
     created: float = 0.0
@@ -240,9 +243,10 @@ def _worker(rank: int, workers: int, store_path: str, group_sizes: list[int], dt
     try:
         dist.barrier()  # every worker computes at the same time: that is what they share
         compute = _probe_compute(device, dtypes)
-        from trainer.calibrate_work import probe_dtensor
+        from trainer.calibrate_work import probe_dtensor, probe_steps
 
         compute["dtensor"] = probe_dtensor(device, workers)
+        compute["steps"] = probe_steps(device, workers)
         comm = _probe_collectives(rank, workers, group_sizes, device) if workers > 1 else {}
         gathered: list = [None] * workers
         dist.all_gather_object(gathered, (compute, comm))
@@ -286,10 +290,12 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
         optimizer_dtensor_tensor_s=statistics.median(c["dtensor"][1] for c in compute) if workers > 1 else 0.0,
         cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
         probe_s=time.monotonic() - began, created=time.time())
-    from trainer.calibrate_work import reference_prediction
+    from trainer.calibrate_work import reference_prediction, step_efficiency
 
     measured = statistics.median(c["reference_s"] for c in compute)
-    return replace(cal, compute_efficiency=measured / reference_prediction(cal))
+    cal = replace(cal, compute_efficiency=measured / reference_prediction(cal))
+    steps = {f: statistics.median(c["steps"][f] for c in compute) for f in compute[0].get("steps", {})}
+    return replace(cal, step_efficiency=step_efficiency(cal, steps), probe_s=time.monotonic() - began)
 
 
 def _device_name(device: torch.device) -> str:
@@ -341,6 +347,10 @@ def describe(cal: Calibration) -> str:
                  f"{cal.optimizer_dtensor_tensor_s * 1e6:.0f} us per parameter in the optimizer step; {cal.cores} cores")
     lines.append(f"  a small decoder's forward + backward takes {cal.compute_efficiency:.2f}x what the fits above "
                  "predict: every prediction is scaled by it")
+    if cal.step_efficiency:
+        lines.append("  its whole training step, over all workers, takes " + ", ".join(
+            f"{r:.2f}x (dp {f})" if f != "tp" else f"{r:.2f}x (tp)" for f, r in cal.step_efficiency.items())
+            + " the predicted step: a layout pays each to the share of its degree it uses")
     for op, by_size in cal.collectives.items():
         for g, fit in sorted(by_size.items()):
             lines.append(f"  {op} over {g}: {fit.latency_s * 1e6:.0f} us + bytes / {fit.rate / 1e6:.0f} MB/s")

@@ -122,3 +122,73 @@ def probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
 
     # clipping all-reduces the norm over the mesh: every rank must run the same number of steps
     return max(0.0, dtensor_s - plain_s), _timed_together(step, MIN_SECONDS) / len(sharded)
+
+
+# The reference steps: a small decoder trained for real by the engine on every probe worker, laid
+# out as each family of layouts the planner weighs (dp over all workers as ddp, as fsdp; tp over
+# all workers). Measured whole (forward + backward with the family's hooks, redistributions and
+# gradient buffers, clipping, AdamW, zero_grad, the loss all-reduce), as the training loop runs a
+# step, and divided by what the cost model predicts for the same step: the per-step work the
+# model does not itemize (FSDP2's and replicate's copies into and out of their buffers, DTensor's
+# redistributions beyond the counted all-reduces, the loop's collectives). A layout pays each
+# family's ratio to the share of the reference's degree it uses (:func:`trainer.cost_model.layout_efficiency`).
+STEP_MODEL = dict(REFERENCE_MODEL, n_layers=4, n_heads=8, n_kv_heads=8)
+STEP_SEQUENCES_PER_RANK = 2  # the global batch is 2 sequences per worker, as the bench's 16 over 8
+STEP_FAMILIES = ("ddp", "fsdp", "tp")
+
+
+def reference_step(family: str, workers: int):
+    """``(config, plan)`` of the reference step of ``family`` on ``workers`` ranks, or ``None``
+    when the family cannot lay the step model out over them (tp must divide the heads)."""
+    from trainer.validate import validate_with_plan
+
+    if workers < 2 or (family == "tp" and STEP_MODEL["n_heads"] % workers):
+        return None
+    parallel = ({"dims": ["tp"], "tensor_parallel": {"dim": "tp", "plan": "megatron"}} if family == "tp"
+                else {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": family}})
+    raw = {"model": dict(STEP_MODEL), "mesh": [workers], "parallel": parallel,
+           "train": {"global_batch_size": STEP_SEQUENCES_PER_RANK * workers, "seq_len": STEP_MODEL["max_seq_len"]}}
+    return validate_with_plan(raw)
+
+
+def probe_steps(device: torch.device, workers: int) -> dict[str, float]:
+    """Seconds of one reference step per family (inside the probe's process group; every rank
+    runs the same steps). Each step is the training loop's: forward and backward over this rank's
+    share of the batch, clipping, AdamW, zero_grad, the global loss."""
+    from trainer.loop import build_parallel_model
+    from trainer.models import loss_fn_for
+
+    out = {}
+    for family in STEP_FAMILIES:
+        ref = reference_step(family, workers)
+        if ref is None:
+            continue
+        cfg, _ = ref
+        pm = build_parallel_model(cfg, device)
+        optimizer = torch.optim.AdamW(list(pm.parameters()), lr=1e-4)
+        loss_fn = loss_fn_for(cfg.model)
+        x = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size // pm.dp_size, cfg.train.seq_len),
+                          device=device)
+
+        def step():
+            loss = pm.forward_backward(x, x, loss_fn)
+            pm.clip_grad_norm_(cfg.train.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            pm.reduce_loss(loss)
+
+        out[family] = _timed_together(step, MIN_SECONDS)
+    return out
+
+
+def step_efficiency(cal: Calibration, measured: dict[str, float]) -> dict[str, float]:
+    """Per family: the reference step's measured seconds over what ``cal`` (without any step
+    efficiency) predicts for it."""
+    from trainer.cost_model import predict_step_time
+
+    raw = replace(cal, step_efficiency={})
+    out = {}
+    for family, seconds in measured.items():
+        cfg, plan = reference_step(family, cal.workers)
+        out[family] = seconds / predict_step_time(cfg, plan, raw).total_s
+    return out

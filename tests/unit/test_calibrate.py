@@ -74,3 +74,25 @@ def test_two_workers_measure_collectives():
         fit = cal.collectives[op][2]
         assert fit.rate > 1e6 and fit.latency_s < 0.1  # loopback gloo: > 1 MB/s, a call under 100 ms
     assert cal.cores >= 1 and cal.dtensor_linear_s > 0 and cal.optimizer_dtensor_tensor_s > 0
+    # real steps of the reference decoder over both workers, each slower than nothing and finite
+    assert set(cal.step_efficiency) == {"ddp", "fsdp", "tp"} and all(0.1 < r < 20 for r in cal.step_efficiency.values())
+
+
+def test_reference_steps_are_the_engines_layouts_and_round_trip():
+    from dataclasses import replace
+
+    from trainer.calibrate_work import STEP_MODEL, reference_step, step_efficiency
+    from trainer.cost_model import layout_degrees, predict_step_time
+
+    cal = replace(_calibration(), step_efficiency={"ddp": 1.25, "tp": 1.5})
+    assert Calibration.from_json(cal.to_json()).step_efficiency == {"ddp": 1.25, "tp": 1.5}
+    for family in ("ddp", "fsdp", "tp"):
+        cfg, plan = reference_step(family, 8)
+        assert layout_degrees(plan) == {family: 8}  # each reference uses one family over all workers
+        assert cfg.train.global_batch_size == 16 and cfg.model.n_layers == STEP_MODEL["n_layers"]
+    assert reference_step("tp", 16) is None  # tp16 cannot split 8 heads: no tp reference there
+    assert reference_step("ddp", 1) is None
+    # the ratio is measured over the prediction made without any ratio
+    cfg, plan = reference_step("fsdp", 8)
+    predicted = predict_step_time(cfg, plan, _calibration()).total_s
+    assert step_efficiency(cal, {"fsdp": 2 * predicted}) == pytest.approx({"fsdp": 2.0})

@@ -115,3 +115,47 @@ def test_dtensor_dispatch_is_paid_per_placed_parameter_and_pass():
     # one device: no DTensors, no dispatch
     cfg1, plan1 = _plan()
     assert placed_params(plan1) == {}
+
+
+def test_reference_step_ratios_scale_each_family_to_the_share_of_its_degree():
+    import math
+    from dataclasses import replace
+
+    from trainer.cost_model import layout_degrees, layout_efficiency
+
+    cal = replace(CAL, workers=8, step_efficiency={"ddp": 1.5, "fsdp": 1.4, "tp": 2.0})
+    cfg, plan = _plan("+parallel=3d", "mesh=[2,2,2]")  # dp2(fsdp) x pp2 x tp2
+    assert layout_degrees(plan) == {"fsdp": 2, "tp": 2}
+    # each family pays its ratio to the share log(degree) / log(8) of the reference's degree; pp none
+    assert layout_efficiency(plan, cal) == pytest.approx(1.4 ** (1 / 3) * 2.0 ** (1 / 3))
+    raw = predict_step_time(cfg, plan, CAL)  # no reference steps: nothing unitemized
+    scaled = predict_step_time(cfg, plan, cal)
+    assert raw.overhead_s == 0.0 and scaled.compute_s == pytest.approx(raw.compute_s)
+    assert scaled.total_s == pytest.approx(raw.total_s * 1.4 ** (1 / 3) * 2.0 ** (1 / 3))
+    assert scaled.overhead_s == pytest.approx(scaled.total_s - raw.total_s)
+    # a layout using a family over all the reference's workers pays its whole ratio, no more beyond them
+    _, dp8 = _plan("+parallel=dp", "mesh=[8]")
+    assert layout_degrees(dp8) == {"ddp": 8} and layout_efficiency(dp8, cal) == pytest.approx(1.5)
+    _, dp16 = _plan("+parallel=dp", "mesh=[16]", "train.global_batch_size=16")
+    assert layout_efficiency(dp16, cal) == pytest.approx(1.5)
+    _, pp2 = _plan("+parallel=pp", "mesh=[2]")
+    assert layout_degrees(pp2) == {} and layout_efficiency(pp2, cal) == 1.0
+    # a family the probe could not lay out (no ratio) costs nothing extra
+    assert layout_efficiency(plan, replace(cal, step_efficiency={"tp": 2.0})) == pytest.approx(2.0 ** (1 / 3))
+    assert math.isclose(layout_efficiency(plan, replace(cal, workers=1)), 1.0)
+
+
+def test_the_lower_bound_stays_below_the_scaled_prediction():
+    from dataclasses import replace
+
+    from trainer.cost_model import lower_bound_s
+
+    cal = replace(CAL, workers=4, step_efficiency={"ddp": 1.5, "fsdp": 1.4, "tp": 2.0})
+    for overrides in (["+parallel=dp", "mesh=[4]"], ["+parallel=tp", "mesh=[2]"], ["+parallel=3d", "mesh=[2,2,2]"]):
+        cfg, plan = _plan(*overrides)
+        model = build_model(cfg.model, device="meta")
+        params = unit_params(plan, model)
+        costs = unit_costs(cfg, plan, micro_batch_size(cfg), model=model)
+        flops = sum(c.forward.matmul_flops + c.backward.matmul_flops for c in costs.values()) / micro_batch_size(cfg)
+        predicted = predict_step_time(cfg, plan, cal, costs=costs, model=model).total_s
+        assert 0 < lower_bound_s(cfg, plan, cal, params, flops) <= predicted
