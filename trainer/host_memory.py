@@ -19,6 +19,9 @@ separate them:
   the floor, and ``torch.distributed.pipelining`` pulls in ``torch._dynamo``, ``torch._inductor``
   and ``torch.onnx`` (224 modules). 3d (dp x pp x tp [2, 2, 2], 25M) measured 263-294 MiB in four
   runs as the bench runs it, 241-243 in two with that package imported before the floor.
+* ``launch.unmap_freed_memory`` sets that threshold for a run (``mallopt``, from 128 KiB): fsdp [8]
+  then measured 166 / 408 MiB per rank (25M / 100M) for 165 / 387 predicted as live tensors plus
+  the runtime, against 543 / 1,567 MiB with the default heap.
 * ``malloc_stats()`` at the end of an fsdp [8] run: the main arena holds 490-605 MB (25M) and
   1.1-1.8 GB (100M) for 162 MB / 0.4 GB in use; each of gloo's two worker threads' arenas holds
   14-64 MB (25M) and about 56 MB (100M) with nothing in use.
@@ -33,6 +36,11 @@ from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
 
 MIB = 2**20
+# A CPU worker's own memory before training, below the floor the plan counts from: the interpreter,
+# torch and the trainer's modules, anonymous pages (RssAnon 198 MiB after importing trainer.loop; the
+# 80 MiB of file-backed code pages are shared by all workers of a host). Without it, 8 workers of a
+# 1B model, each predicted within 90% of the host's memory / 8, were OOM-killed together.
+WORKER_FLOOR = 200 * MIB
 # glibc serves requests from 32 MiB up with their own mmap, unmapped on free; smaller ones come from
 # the heap (its dynamic mmap threshold rises to the largest freed block, at most 32 MiB).
 MMAP_FROM = 32 * MIB

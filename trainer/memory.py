@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 from parallel.config import INTERLEAVED_SCHEDULES, V_SCHEDULES
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
-from trainer.host_memory import MMAP_FROM, has_mallopt, host_overhead, runtime
+from trainer.host_memory import MMAP_FROM, WORKER_FLOOR, has_mallopt, host_overhead, runtime
 
 MIB = 2**20
 
@@ -392,7 +392,8 @@ GIB = 2**30
 
 def memory_budget(cfg: RunConfig) -> tuple[float, str]:
     """``(bytes per rank, where the number comes from)``: ``launch.memory_budget_gb``, else the
-    GPU's memory when the run will use CUDA, else 90% of this host's memory shared by its workers."""
+    GPU's memory when the run will use CUDA, else 90% of this host's memory shared by its workers,
+    less what each worker holds before training (:data:`trainer.host_memory.WORKER_FLOOR`)."""
     if cfg.launch.memory_budget_gb is not None:
         return cfg.launch.memory_budget_gb * GIB, "launch.memory_budget_gb"
     if _on_cuda(cfg):
@@ -401,7 +402,9 @@ def memory_budget(cfg: RunConfig) -> tuple[float, str]:
 
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     workers = max(1, cfg.world_size // cfg.launch.nnodes)
-    return 0.9 * host / workers, f"90% of this host's {host / GIB:.1f} GiB over {workers} worker(s)"
+    # The plan counts from each worker's floor up; the floors themselves come out of the host's memory first.
+    return 0.9 * host / workers - WORKER_FLOOR, (f"90% of this host's {host / GIB:.1f} GiB over {workers} worker(s), "
+                                                f"less each one's own {WORKER_FLOOR / GIB:.2f} GiB")
 
 
 def describe_estimate(e: MemoryEstimate) -> str:

@@ -89,6 +89,7 @@ LAYOUTS = {  # name -> overrides
     "2d_ddp": ["+parallel=2d", "mesh=[2,2]", "parallel.data_parallel.mode=ddp"],
     # freed tensors unmapped: no heap holes (launch.unmap_freed_memory); with full recomputation, the leanest fsdp [8]
     "fsdp8_unmap": ["+parallel=fsdp", "mesh=[8]", "launch.unmap_freed_memory=true"],
+    "3d_unmap": ["+parallel=3d", "mesh=[2,2,2]", "launch.unmap_freed_memory=true"],
     "fsdp8_lean": ["+parallel=fsdp", "mesh=[8]", "launch.unmap_freed_memory=true", "+parallel.activation_checkpointing=full"],
 }
 PREDICTED = re.compile(r"memory: predicted peak ([\d,.]+) MiB")
