@@ -1,6 +1,7 @@
 """Per-rank peak memory, predicted by the plan beside measured in real runs, for Llama-shaped
 models of about 25M, 100M, 400M and 1B parameters on one process and on fsdp [2], [4], [8], 2d
-(dp x tp [2, 2]) and 3d (dp x pp x tp [2, 2, 2]).
+(dp x tp [2, 2]), 3d (dp x pp x tp [2, 2, 2]), ddp [2], [8], dp x tp with ddp, and fsdp [8] / 3d
+with freed memory unmapped.
 
     python tests/bench/bench_memory.py                       # every size and layout (an hour or more on 2 cores)
     python tests/bench/bench_memory.py --sizes 25M 100M      # some sizes
@@ -21,12 +22,19 @@ Recorded on a shared 2-core, 24 GB machine (other agents' tests running for most
 noise), shown with ``--replay tests/bench/memory_rows.jsonl``; 400M fsdp8 and 25M 3d were rerun
 alone (in the shared run a worker of 400M fsdp8 died after logging 2,236 MiB, likely the host's
 memory beside the other jobs); 25M single, fsdp8, 2d, 3d and 100M 3d were re-measured after
-the pipelined-FSDP terms (every block's unsharded gradients held to the stage's final
-reduce-scatter; torch.distributed.pipelining's import after the floor), 400M 3d was not (its
-measurement is the older run's). The 3d measurement spreads: 259-294 MiB over five runs of 25M.
-1B rows not run: one process is predicted at 17 GB (about 25
-minutes for 3 steps here) and fsdp [8] at 3.7 GiB per rank, which this host's budget (2.7 GiB per
-rank for 8 workers) refuses before any worker starts::
+the pipelined-FSDP terms, 400M 3d was not (its measurement is the older run's). The 3d
+measurement spreads: 259-294 MiB over five runs of 25M.
+
+ddp rows (FSDP2's replicate: an unsharded copy, then two whole-model flat buffers at the reduce)
+and rows with ``launch.unmap_freed_memory`` (``_unmap``; ``fsdp8_lean`` adds full activation
+checkpointing) were added later. 1B: one process trained 2 steps (``--steps 2``, 8 minutes) at
+0.91 of the prediction. On this host the budget (90% of 23.5 GiB over the workers, less each
+worker's own 0.20 GiB) refuses most 1B layouts before any worker starts; fsdp2 and fsdp8_lean fit
+it, started, logged step 1 and were OOM-killed in step 2, fsdp2 beside another engineer's jobs,
+fsdp8_lean with 8 x 2.7 GiB resident (its prediction, 2.2 GiB above each floor, is short at this
+size). The "measured" column of a failed row is its step 1. One host's processes share one
+memory, and each pays its own gathered blocks, activations and floor: sharding over processes of
+one host does not train a larger model than one process does::
 
      model  params  layout  predicted MiB measured MiB pred/meas  s/step  status
        25M     26M  single            774          816      0.95    10.6  ok
@@ -35,26 +43,54 @@ rank for 8 workers) refuses before any worker starts::
        25M     26M   fsdp8            503          543      0.93     4.8  ok
        25M     26M      2d            422          433      0.97     3.2  ok
        25M     26M      3d            269          259      1.04     3.8  ok
+       25M     26M    ddp2            903          954      0.95     3.2  ok
+       25M     26M    ddp8            799          792      1.01     4.6  ok
+       25M     26M  2d_ddp            513          538      0.95     2.8  ok
+       25M     26M fsdp8_unmap            165          166      0.99     9.1  ok
+       25M     26M 3d_unmap            196          169      1.16     3.5  ok
       100M    100M  single          2,358        2,329      1.01     6.2  ok
       100M    100M   fsdp2          2,388        2,241      1.07    13.5  ok
       100M    100M   fsdp4          1,882        1,915      0.98    13.3  ok
       100M    100M   fsdp8          1,629        1,567      1.04    13.0  ok
       100M    100M      2d          1,285        1,213      1.06     7.2  ok
       100M    100M      3d            739          792      0.93     9.6  ok
+      100M    100M    ddp2          3,065        3,218      0.95    25.6  ok
+      100M    100M    ddp8          2,972          nan         -     nan  failed (2): - launch.memory_budget_gb: predicted peak 2.90 GiB on pp rank 0 (wei
+      100M    100M  2d_ddp          1,648        1,607      1.03     6.4  ok
+      100M    100M fsdp8_unmap            387          408      0.95    20.6  ok
+      100M    100M 3d_unmap            496          472      1.05    17.6  ok
       400M    397M  single          7,434        7,692      0.97   152.4  ok
       400M    397M   fsdp2          4,978        5,326      0.93    22.5  ok
       400M    397M   fsdp4          3,132        3,153      0.99    41.3  ok
       400M    397M   fsdp8          2,209        2,430      0.91    52.4  ok
       400M    397M      2d          2,722        2,919      0.93    30.6  ok
       400M    397M      3d          1,830        1,932      0.95    32.9  ok
+        1B   1013M  single         17,052       18,779      0.91   144.7  ok
+        1B   1013M   fsdp2         10,076        8,373      1.20    96.3  failed: OOM-killed in step 2 (rank 0 at 10.0 GiB resident; 2 x 10 GiB of 23.5 be
+        1B   1013M   fsdp4          5,868          nan         -     nan  refused by the budget before any worker started
+        1B   1013M   fsdp8          3,764          nan         -     nan  refused by the budget before any worker started
+        1B   1013M      2d          6,002          nan         -     nan  refused by the budget before any worker started
+        1B   1013M      3d          4,333          nan         -     nan  refused by the budget before any worker started
+        1B   1013M    ddp2         29,837          nan         -     nan  refused by the budget before any worker started
+        1B   1013M    ddp8         29,808          nan         -     nan  refused by the budget before any worker started
+        1B   1013M  2d_ddp         14,973          nan         -     nan  refused by the budget before any worker started
+        1B   1013M fsdp8_unmap          2,606          nan         -     nan  refused by the budget before any worker started
+        1B   1013M 3d_unmap          3,846          nan         -     nan  refused by the budget before any worker started
+        1B   1013M fsdp8_lean          2,227        2,010      1.11   221.2  failed: OOM-killed in step 2 (8 x 2.7 GiB resident on the 23.5 GiB host), ste
 
-    18/18 rows within 10%; worst 9% off, mean 5%
-    largest that trained 3 steps on single: 400M
+    27/28 rows within 10%; worst 16% off, mean 5%
+    largest that trained 3 steps on single: 1B
     largest that trained 3 steps on fsdp2: 400M
     largest that trained 3 steps on fsdp4: 400M
     largest that trained 3 steps on fsdp8: 400M
     largest that trained 3 steps on 2d: 400M
     largest that trained 3 steps on 3d: 400M
+    largest that trained 3 steps on ddp2: 100M
+    largest that trained 3 steps on ddp8: 25M
+    largest that trained 3 steps on 2d_ddp: 100M
+    largest that trained 3 steps on fsdp8_unmap: 100M
+    largest that trained 3 steps on 3d_unmap: 100M
+    largest that trained 3 steps on fsdp8_lean: none
 """
 
 from __future__ import annotations
