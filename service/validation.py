@@ -71,11 +71,14 @@ def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, wo
     return "ok", cfg.model_dump(mode="json")
 
 
-def _warm_worker() -> int:
-    """Import torch, Hydra and the trainer's models in a fresh worker, and compose once."""
-    from trainer.compose import compose_dict
+def _warm_worker(settings: Settings) -> int:
+    """Validate the default config once in a fresh worker, as a submission would be validated.
 
-    compose_dict([])
+    Composing alone is not enough: the first model check imports torch.distributed's checkpoint
+    and tensor packages and builds a first model (~1.3 s of CPU here, ten times a later
+    validation), and that would otherwise be the first submission's wait (and that of every
+    identical submission coalesced behind it)."""
+    _resolve([], None, workdir=settings.jobs_dir / "plan", settings=settings)
     return os.getpid()
 
 
@@ -123,7 +126,7 @@ class Validator:
                 if self._pool is None:
                     self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
                     for _ in range(self.workers):
-                        self._pool.submit(_warm_worker)
+                        self._pool.submit(_warm_worker, self.settings)
 
     def stop(self) -> None:
         with self._lock:
