@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
         return 2
     exit_file, command = Path(argv[0]), argv[2:]
     if niceness:
-        os.nice(niceness)  # before the job's first process: every process of the job inherits it
+        lower_priority(niceness)  # before the job's first process: every process of the job inherits it
     # The whole process group receives the service's SIGTERM; the child handles it, we wait.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -54,6 +54,23 @@ def main(argv: list[str]) -> int:
     code = 128 - code if code < 0 else code  # death by signal N -> 128 + N, as a shell reports it
     write_exit_code(exit_file, code)
     return code
+
+
+def lower_priority(niceness: int) -> None:
+    """Run this process, and the children it starts, ``niceness`` steps below its CPU priority.
+
+    With autogroups (Linux's default for desktops and many servers: ``/proc/sys/kernel/
+    sched_autogroup_enabled``), a nice value weighs only against processes of the same session,
+    and the job has a session of its own: so when this process leads its session, the session's
+    autogroup gets the same nice value, which is what weighs against the server's session.
+    """
+    os.nice(niceness)
+    if os.getsid(0) != os.getpid():  # not our own session: its autogroup is not only the job's
+        return
+    try:
+        Path("/proc/self/autogroup").write_text(f"{niceness}\n")
+    except OSError:  # no autogroups (kernel option off, or not Linux): the nice value alone counts
+        pass
 
 
 def _default_signals() -> None:
