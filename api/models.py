@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -100,7 +100,6 @@ class JobSummary(BaseModel):
                     overrides=job.overrides, world_size=job.world_size, created_at=_utc(job.created_at),
                     started_at=_utc(job.started_at), finished_at=_utc(job.finished_at), exit_code=job.exit_code,
                     error=job.error, executor=job.executor, pid=job.pid, mlflow_run_id=job.mlflow_run_id, mlflow_ui_url=ui_url)
-
 
 
 class JobPublic(JobSummary):
