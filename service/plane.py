@@ -79,12 +79,14 @@ class ControlPlane:
         self.validator = Validator(settings)
         self.submissions_total = 0
         self._counter_lock = threading.Lock()
+        self.warm = threading.Event()  # set once the first validations (here and in the pool) have run
 
     def start(self) -> None:
         self.mlflow.warm_up()
         self.scheduler.start()
         self.validator.start()
-        # The first composition imports torch and Hydra (seconds): pay it now, not in a request.
+        # The first validation imports torch.distributed and Hydra and builds a first model (seconds,
+        # here and in every pool worker): pay it now, not in the first requests. /readyz waits for it.
         threading.Thread(target=self._warm_up, name="meshflow-warm-up", daemon=True).start()
 
     def _warm_up(self) -> None:
@@ -92,6 +94,8 @@ class ControlPlane:
             self.resolve(overrides=[], document=None)
         except Exception:  # only a warm-up: a real request reports any problem properly
             pass
+        self.validator.wait_warm()
+        self.warm.set()
 
     def stop(self) -> None:
         self.scheduler.stop()
