@@ -170,8 +170,11 @@ def test_scheduler_starts_fifo_within_priority_and_respects_slots(store, monkeyp
         def poll(self):
             return None
 
-    def fake_start(workdir, config, extra_env=None):
+    priorities: list[int] = []
+
+    def fake_start(workdir, config, extra_env=None, *, niceness=0):
         started.append(Path(workdir).name)
+        priorities.append(niceness)
         return runner.Started(pid=1, start_time=runner.process_start_time(1), process=FakeProcess())
 
     monkeypatch.setattr(runner, "start_job_process", fake_start)
@@ -186,6 +189,7 @@ def test_scheduler_starts_fifo_within_priority_and_respects_slots(store, monkeyp
     scheduler = Scheduler(settings, sessions, mlflow=None)
     scheduler.tick()
     assert started == [high.id, low.id]  # priority first, then FIFO; the 2-slot job waits
+    assert priorities == [settings.job_nice] * 2 == [10, 10]  # below the server's CPU priority (MESHFLOW_JOB_NICE)
     assert state_of(sessions, wide.id).state == "QUEUED" and scheduler.max_slots_in_use == 2
 
 
