@@ -21,10 +21,11 @@ class TrackingUnavailable(RuntimeError):
 class MlflowRuns:
     """Thin, thread-safe wrapper over one ``MlflowClient``."""
 
-    def __init__(self, tracking_uri: str, ui_url: str | None = None) -> None:
+    def __init__(self, tracking_uri: str, ui_url: str | None = None, *, sqlite_wal: bool = False) -> None:
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
+        self.sqlite_wal = sqlite_wal
         self.ui_url = ui_url.rstrip("/") if ui_url else None
         self._client = MlflowClient(tracking_uri=tracking_uri)
         # SQLite stores take one writer at a time; serialising our own writes avoids lock storms.
@@ -33,9 +34,12 @@ class MlflowRuns:
         self._experiments: dict[str, str] = {}
 
     def warm_up(self) -> None:
-        """Create the store's tables now (seconds on a new SQLite file) instead of in the first request."""
+        """Create the store's tables now (seconds on a new SQLite file) instead of in the first request;
+        with ``sqlite_wal``, switch a SQLite store to write-ahead logging."""
         with self._lock:
             self._client.search_experiments(max_results=1)
+            if self.sqlite_wal:
+                use_wal(self.tracking_uri)
 
     def create_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> tuple[str, str]:
         """A new RUNNING run in ``experiment`` (created when missing): ``(experiment_id, run_id)``."""
@@ -105,3 +109,28 @@ class MlflowRuns:
         from trainer.run_info import run_url
 
         return run_url(self.ui_url, experiment_id, run_id)
+
+
+def use_wal(tracking_uri: str) -> bool:
+    """Put a SQLite MLflow store into WAL mode (it stays so: the mode is kept in the file); other URIs
+    are left alone. Returns whether the store is in WAL mode now.
+
+    MLflow opens SQLite in its default rollback-journal mode: every commit syncs the journal and
+    the database (~18 ms here, 4 ms in WAL), and a writer blocks the readers. A job's run is created
+    at submit, so that time was paid by every submission, one after another. WAL needs every process
+    that opens the file on one host (a shared-memory index), which holds for local jobs only: the
+    control plane asks for it with the local executor.
+    """
+    import sqlite3
+
+    from sqlalchemy.engine import make_url
+
+    if not tracking_uri.startswith("sqlite:///"):
+        return False
+    path = make_url(tracking_uri).database
+    if not path or path == ":memory:":
+        return False
+    with sqlite3.connect(path, timeout=30) as connection:
+        mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    connection.close()
+    return str(mode).lower() == "wal"

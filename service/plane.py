@@ -72,17 +72,21 @@ class ControlPlane:
         _make_private_store(settings.database_url)
         self.log_streams = StreamSlots(settings.max_log_streams_per_user)
         self.sessions = make_sessionmaker(self.engine)
-        self.mlflow = MlflowRuns(settings.mlflow_tracking_uri, settings.mlflow_ui_url)
+        # WAL on a SQLite MLflow store when every process that writes it (the jobs) is on this host.
+        self.mlflow = MlflowRuns(settings.mlflow_tracking_uri, settings.mlflow_ui_url,
+                                 sqlite_wal=settings.executor == "local")
         self.scheduler = Scheduler(settings, self.sessions, self.mlflow)
         self.validator = Validator(settings)
         self.submissions_total = 0
         self._counter_lock = threading.Lock()
+        self.warm = threading.Event()  # set once the first validations (here and in the pool) have run
 
     def start(self) -> None:
         self.mlflow.warm_up()
         self.scheduler.start()
         self.validator.start()
-        # The first composition imports torch and Hydra (seconds): pay it now, not in a request.
+        # The first validation imports torch.distributed and Hydra and builds a first model (seconds,
+        # here and in every pool worker): pay it now, not in the first requests. /readyz waits for it.
         threading.Thread(target=self._warm_up, name="meshflow-warm-up", daemon=True).start()
 
     def _warm_up(self) -> None:
@@ -90,6 +94,8 @@ class ControlPlane:
             self.resolve(overrides=[], document=None)
         except Exception:  # only a warm-up: a real request reports any problem properly
             pass
+        self.validator.wait_warm()
+        self.warm.set()
 
     def stop(self) -> None:
         self.scheduler.stop()
@@ -198,15 +204,16 @@ class ControlPlane:
         session.refresh(job)
         return job
 
-    def list_jobs(self, session: Session, *, user: str, state: JobState | None = None, owner: str | None = None,
+    def list_jobs(self, *, user: str, state: JobState | None = None, owner: str | None = None,
                   limit: int = 50, offset: int = 0) -> tuple[list[Any], int]:
         """A page of jobs, newest first (rows of :data:`service.store.SUMMARY_COLUMNS`: no config), and
-        the total that match."""
+        the total that match; read on a plain connection (a read needs no ORM session)."""
         if not self.settings.is_admin(user):
             if owner is not None and owner != user:
                 raise Forbidden(f"user {user!r} may list only their own jobs")
             owner = user
-        return list_page(session, owner=owner, state=state, limit=limit, offset=offset)
+        with self.engine.connect() as connection:
+            return list_page(connection, owner=owner, state=state, limit=limit, offset=offset)
 
     def log_path(self, job: Job) -> Path:
         return Path(job.workdir) / runner.LOG_NAME

@@ -1,6 +1,6 @@
 """Start, watch and stop one job's processes: detached from the server, found again after a restart.
 
-A job runs as ``python -m service.supervise <workdir>/exit_code -- python -m trainer.launch
+A job runs as ``python -m service.supervise [--nice N] <workdir>/exit_code -- python -m trainer.launch
 <workdir>/job.json`` in a new session (its own process group, pgid = pid), cwd = its workdir,
 stdout and stderr to ``<workdir>/job.log``. ``job.json`` is the config the server resolved and
 validated at submit, exactly as stored: the job reads it back into the same pydantic model and
@@ -69,14 +69,17 @@ def trainer_command(workdir: Path) -> list[str]:
     return [sys.executable, "-m", "trainer.launch", str(workdir / JOB_CONFIG_NAME)]
 
 
-def start_job_process(workdir: Path, config: dict[str, Any], extra_env: dict[str, str] | None = None) -> Started:
+def start_job_process(workdir: Path, config: dict[str, Any], extra_env: dict[str, str] | None = None,
+                      *, niceness: int = 0) -> Started:
     """Write the config and start the job detached, with the allow-listed environment and a umask
-    that keeps everything it writes private (files 600, dirs 700); return its pid and start time."""
+    that keeps everything it writes private (files 600, dirs 700), ``niceness`` below the server's
+    CPU priority; return its pid and start time."""
     workdir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     workdir.chmod(DIR_MODE)
     write_job_config(workdir, config)
     (workdir / EXIT_CODE_NAME).unlink(missing_ok=True)
-    command = [sys.executable, "-m", "service.supervise", str(workdir / EXIT_CODE_NAME), "--", *trainer_command(workdir)]
+    command = [sys.executable, "-m", "service.supervise", *(["--nice", str(niceness)] if niceness else []),
+               str(workdir / EXIT_CODE_NAME), "--", *trainer_command(workdir)]
     fd = os.open(workdir / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
     with os.fdopen(fd, "ab") as log_file:
         process = subprocess.Popen(command, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log_file,

@@ -86,6 +86,10 @@ class Settings(BaseSettings):
         "0 validates in the request's thread, one composition at a time.")
     validation_cache_size: int = Field(256, ge=0, description="Validated submissions remembered, so an identical "
                                        "one is answered without composing again (only configs whose checks read no file).")
+    # The control plane shares the host with its local jobs: while a job's processes import torch and
+    # train on every core, requests would otherwise wait for CPU time (README: "Under load").
+    job_nice: int = Field(10, ge=0, le=19, description="How far below the server's CPU priority local jobs run "
+                          "(`nice`); 0 = the same priority. Only matters when jobs and requests compete for cores.")
     job_env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables every job gets "
                                     "(on top of the allow-listed ones: PATH, HOME, locale, torch / OMP / CUDA / NCCL ...).")
     # -- where jobs run (service/executors) -------------------------------------------------

@@ -8,13 +8,14 @@ QUEUED job cannot both win, so no job runs twice.
 from __future__ import annotations
 
 import enum
+import functools
 import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import (JSON, DateTime, Index, Integer, String, Text, UniqueConstraint, create_engine, event, func,
-                        inspect, select, text, update)
-from sqlalchemy.engine import Engine
+from sqlalchemy import (JSON, DateTime, Index, Integer, Select, String, Text, UniqueConstraint, bindparam, create_engine,
+                        event, func, inspect, select, text, update)
+from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
@@ -227,18 +228,34 @@ def queued_in_order(session: Session) -> list[Job]:
 
 # What a page of the job list shows: every column but the config document (kilobytes per job).
 SUMMARY_COLUMNS = tuple(column for column in Job.__table__.columns if column.name != "config")
+SUMMARY_KEYS = tuple(column.name for column in SUMMARY_COLUMNS)
 
 
-def list_page(session: Session, *, owner: str | None, state: JobState | None, limit: int,
-              offset: int) -> tuple[list[Any], int]:
+@functools.cache
+def _page_statements(by_owner: bool, by_state: bool) -> tuple[Select, Select]:
+    """The count and the page query of a job list filtered by owner and / or state, built once:
+    the values come as bound parameters (``owner``, ``state``, ``limit``, ``offset``), so the busiest
+    endpoint neither rebuilds the statements nor misses SQLAlchemy's compiled-statement cache."""
+    where = ([Job.owner == bindparam("owner")] if by_owner else []) + ([Job.state == bindparam("state")] if by_state else [])
+    count = select(func.count()).select_from(Job).where(*where)
+    page = (select(*SUMMARY_COLUMNS).where(*where).order_by(Job.created_at.desc(), Job.id.desc())
+            .limit(bindparam("limit", type_=Integer)).offset(bindparam("offset", type_=Integer)))
+    return count, page
+
+
+def list_page(db: Session | Connection, *, owner: str | None, state: JobState | None, limit: int,
+              offset: int) -> tuple[list[Row], int]:
     """One page of jobs, newest first, as rows of :data:`SUMMARY_COLUMNS`, and how many match.
 
     Two indexed queries whatever the page (``ix_jobs_*_created_id`` serve the filter and the
-    order, so SQLite walks only the page's rows); the config column is never read.
+    order, so SQLite walks only the page's rows); the config column is never read. ``db`` is a
+    session or a plain connection (the list endpoint's: no ORM unit of work for a read).
     """
-    where = [clause for clause in (Job.owner == owner if owner is not None else None,
-                                   Job.state == state.value if state is not None else None) if clause is not None]
-    total = session.scalar(select(func.count()).select_from(Job).where(*where)) or 0
-    query = (select(*SUMMARY_COLUMNS).where(*where).order_by(Job.created_at.desc(), Job.id.desc())
-             .limit(limit).offset(offset))
-    return list(session.execute(query)), total
+    count, page = _page_statements(owner is not None, state is not None)
+    params: dict[str, Any] = {"limit": limit, "offset": offset}
+    if owner is not None:
+        params["owner"] = owner
+    if state is not None:
+        params["state"] = state.value
+    total = db.execute(count, params).scalar() or 0
+    return list(db.execute(page, params)), total

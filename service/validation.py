@@ -31,6 +31,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from pathlib import Path
@@ -71,11 +72,14 @@ def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, wo
     return "ok", cfg.model_dump(mode="json")
 
 
-def _warm_worker() -> int:
-    """Import torch, Hydra and the trainer's models in a fresh worker, and compose once."""
-    from trainer.compose import compose_dict
+def _warm_worker(settings: Settings) -> int:
+    """Validate the default config once in a fresh worker, as a submission would be validated.
 
-    compose_dict([])
+    Composing alone is not enough: the first model check imports torch.distributed's checkpoint
+    and tensor packages and builds a first model (~1.3 s of CPU here, ten times a later
+    validation), and that would otherwise be the first submission's wait (and that of every
+    identical submission coalesced behind it)."""
+    _resolve([], None, workdir=settings.jobs_dir / "plan", settings=settings)
     return os.getpid()
 
 
@@ -114,6 +118,7 @@ class Validator:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, tuple[str, Any]] = OrderedDict()
         self._inflight: dict[str, Future] = {}
+        self._warming: list[Future] = []
         self.hits = self.misses = self.coalesced = 0
 
     def start(self) -> None:
@@ -122,8 +127,14 @@ class Validator:
             with self._lock:
                 if self._pool is None:
                     self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-                    for _ in range(self.workers):
-                        self._pool.submit(_warm_worker)
+                    self._warming = [self._pool.submit(_warm_worker, self.settings) for _ in range(self.workers)]
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait until every worker's warm-up has ended (well or not: a worker that failed it still
+        validates, only slower); whether they all had, within ``timeout``."""
+        with self._lock:
+            warming = list(self._warming)
+        return not futures_wait(warming, timeout=timeout).not_done
 
     def stop(self) -> None:
         with self._lock:

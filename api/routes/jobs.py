@@ -9,9 +9,9 @@ from fastapi import APIRouter, Header, Query, Response, status
 
 from api.deps import CurrentUser, PlaneDep, SessionDep
 from api.errors import BODY_RESPONSES, ERROR_RESPONSES, JOB_RESPONSES, QUOTA_RESPONSES
-from api.models import JobCreate, JobList, JobPublic, JobSummary, Message, MetricPoint, MetricsPublic
+from api.models import JobCreate, JobList, JobPublic, Message, MetricPoint, MetricsPublic
 from service.plane import ControlPlane
-from service.store import JobState
+from service.store import SUMMARY_KEYS, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
@@ -45,14 +45,10 @@ def list_jobs(plane: PlaneDep, user: CurrentUser,
               offset: Annotated[int, Query(ge=0, le=10**9, description="Jobs to skip: the next page is at "
                                            "`offset + limit`, the last one below `total`.")] = 0) -> Response:
     """List jobs, newest first, a page at a time: your own, or everyone's for an admin."""
-    # The session is opened here, in the endpoint's thread: as a dependency its opening and its
-    # closing would each take another hop through the thread pool (the busiest endpoint pays most).
-    with plane.sessions() as session:
-        rows, total = plane.list_jobs(session, user=user, state=state, owner=owner, limit=limit, offset=offset)
-    page = JobList(items=[JobSummary.from_row(row, plane.mlflow.ui_link(row.mlflow_experiment_id, row.mlflow_run_id))
-                          for row in rows], total=total, limit=limit, offset=offset)
+    rows, total = plane.list_jobs(user=user, state=state, owner=owner, limit=limit, offset=offset)
     # Serialized here, once: a returned model would be validated against response_model again.
-    return Response(page.model_dump_json(), media_type="application/json")
+    return Response(JobList.page_json(rows, keys=SUMMARY_KEYS, total=total, limit=limit, offset=offset,
+                                      ui_link=plane.mlflow.ui_link), media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=JOB_RESPONSES)

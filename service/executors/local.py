@@ -34,15 +34,16 @@ class LocalExecutor(Executor):
 
     name: ClassVar[str] = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, *, niceness: int = 0) -> None:
+        self.niceness = niceness  # how far below the server's CPU priority jobs run
         self._children: dict[str, subprocess.Popen] = {}  # ref -> the Popen of a job this server started
 
     @classmethod
     def from_settings(cls, settings) -> "LocalExecutor":
-        return cls()  # the job environment comes with each JobLaunch; nothing else to configure
+        return cls(niceness=settings.job_nice)  # the job environment comes with each JobLaunch
 
     def start(self, launch: JobLaunch) -> str:
-        started = runner.start_job_process(launch.workdir, launch.config, launch.env)
+        started = runner.start_job_process(launch.workdir, launch.config, launch.env, niceness=self.niceness)
         ref = make_ref(started.pid, started.start_time)
         self._children[ref] = started.process
         return ref

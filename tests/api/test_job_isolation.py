@@ -1,4 +1,5 @@
-"""What a running job can see and expose: its environment, its listening sockets, its files' modes.
+"""What a running job can see and expose: its environment, its listening sockets, its files' modes;
+and the CPU priority it runs at (below the server's, so the control plane stays responsive).
 
 One real job (2 workers, dp) is looked at from outside through /proc while it trains, then cancelled.
 """
@@ -35,6 +36,12 @@ def group_pids(pgid: int) -> list[int]:
 def environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def niceness(pid: int) -> int:
+    """Field 19 of /proc/<pid>/stat (the fields after the command name start at field 3)."""
+    stat_line = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat_line[stat_line.rindex(")") + 2:].split()[16])
 
 
 def listening_addresses(pids: list[int]) -> list[str]:
@@ -74,6 +81,9 @@ def test_a_job_runs_without_secrets_on_loopback_with_private_files(server):
         try:
             listening = listening_addresses(pids)
             envs = [environ(pid) for pid in pids]
+            nice_values = {niceness(pid) for pid in pids}
+            autogroup = Path(f"/proc/{job['pid']}/autogroup")
+            group_nice = autogroup.read_text().split()[-1] if autogroup.exists() else None
         finally:
             alice.post(f"/v1/jobs/{job['id']}/cancel")
         wait_for(alice, job["id"], {"CANCELLED"}, timeout=120)
@@ -88,6 +98,10 @@ def test_a_job_runs_without_secrets_on_loopback_with_private_files(server):
         assert not any("DATABASE" in k or "jobs.db" in v for k, v in env.items())
         assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # the job imports this checkout's code
         assert "PATH" in env and "HOME" in env
+
+    # MESHFLOW_JOB_NICE (10): every process of the job, and its session's autogroup where the kernel has them
+    assert nice_values == {min(19, os.nice(0) + 10)}, nice_values
+    assert group_nice in ("10", None)
 
     workdir = log.parent
     assert stat.S_IMODE(workdir.stat().st_mode) == 0o700

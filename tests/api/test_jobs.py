@@ -163,6 +163,27 @@ def test_job_json_is_the_resolved_config(preset, tmp_path):
     assert trainer_command(tmp_path)[1:] == ["-m", "trainer.launch", str(path)]
 
 
+def test_readiness_waits_for_the_first_validations(tmp_path):
+    """A fresh server says 503 on /readyz until its warm-up validation ran (in-process: no server)."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from service.plane import ControlPlane
+    from service.settings import Settings
+
+    settings = Settings(workspace=tmp_path / "ws", auth_disabled=True, validation_workers=0, capacity=0)
+    app = create_app(settings)
+    plane = app.state.plane = ControlPlane(settings)  # not started: no warm-up has run
+    try:
+        client = TestClient(app)  # outside a `with`: no lifespan, this very plane
+        cold = client.get("/readyz")
+        assert cold.status_code == 503 and cold.json() == {"detail": "warming up: the first validations are running"}
+        plane._warm_up()  # what start() runs in its warm-up thread
+        assert client.get("/readyz").json() == {"status": "ok"}
+    finally:
+        plane.stop()
+
+
 def test_health_readiness_and_prometheus_metrics(server):
     with server.client() as client:
         assert client.get("/healthz").json() == {"status": "ok"}

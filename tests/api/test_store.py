@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, text
 
+from api.models import JobList, JobSummary
 from service import runner
 from service.scheduler import VANISHED, Scheduler
 from service.settings import Settings
-from service.store import (IllegalTransition, Job, JobState, list_page, make_engine, make_sessionmaker,
+from service.store import (SUMMARY_KEYS, IllegalTransition, Job, JobState, list_page, make_engine, make_sessionmaker,
                            require_transition, transition)
 
 
@@ -92,6 +93,15 @@ def test_the_job_list_is_paged_by_indexes_without_reading_configs(store):
         assert [row.id for row in rows] == alices[2:4] and not hasattr(rows[0], "config")
         queued, total = list_page(session, owner=None, state=JobState.QUEUED, limit=50, offset=0)
         assert total == 3 and all(row.state == "QUEUED" for row in queued)
+        with session.get_bind().connect() as connection:  # the list endpoint's way: a plain connection
+            alices_queued, total = list_page(connection, owner="alice", state=JobState.QUEUED, limit=50, offset=0)
+        assert total == 2 and [row.id for row in alices_queued] == [row.id for row in queued if row.owner == "alice"]
+        # The endpoint's one-pass page is exactly the page of JobSummary models built one by one.
+        link = lambda experiment_id, run_id: f"http://mlflow.example/{experiment_id}/{run_id}"  # noqa: E731
+        by_model = JobList(items=[JobSummary(**JobSummary.fields_of(row, link(row.mlflow_experiment_id, row.mlflow_run_id)))
+                                  for row in queued], total=3, limit=50, offset=0).model_dump_json()
+        assert JobList.page_json(queued, keys=SUMMARY_KEYS, total=3, limit=50, offset=0, ui_link=link) == by_model
+        assert '"state":"QUEUED"' in by_model and 'Z","started_at":null' in by_model  # UTC times, as documented
         # An index serves the filter and the order: no scan of the table, no sort of the matches.
         # PostgreSQL's planner prefers a scan of 7 rows, so it is told scans and sorts cost the earth:
         # a Sort left in the plan is one no index could avoid.
@@ -160,8 +170,11 @@ def test_scheduler_starts_fifo_within_priority_and_respects_slots(store, monkeyp
         def poll(self):
             return None
 
-    def fake_start(workdir, config, extra_env=None):
+    priorities: list[int] = []
+
+    def fake_start(workdir, config, extra_env=None, *, niceness=0):
         started.append(Path(workdir).name)
+        priorities.append(niceness)
         return runner.Started(pid=1, start_time=runner.process_start_time(1), process=FakeProcess())
 
     monkeypatch.setattr(runner, "start_job_process", fake_start)
@@ -176,6 +189,7 @@ def test_scheduler_starts_fifo_within_priority_and_respects_slots(store, monkeyp
     scheduler = Scheduler(settings, sessions, mlflow=None)
     scheduler.tick()
     assert started == [high.id, low.id]  # priority first, then FIFO; the 2-slot job waits
+    assert priorities == [settings.job_nice] * 2 == [10, 10]  # below the server's CPU priority (MESHFLOW_JOB_NICE)
     assert state_of(sessions, wide.id).state == "QUEUED" and scheduler.max_slots_in_use == 2
 
 

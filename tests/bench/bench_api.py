@@ -14,6 +14,18 @@ answered) and prints:
   (``train.steps`` differs), so no answer can be reused;
 - ``GET /v1/jobs``: requests per second of one page of 50 jobs, ``--concurrency`` client threads,
   after the burst's jobs were cancelled (training would otherwise hold both cores).
+
+The server is used once ``/readyz`` answers, i.e. after its warm-up validations. Measured on the
+2-core development machine, otherwise quiet, two runs (README, "Under load", has the why):
+
+    endpoint                          n   p50 ms   p99 ms  mean ms    req/s
+    POST /v1/jobs x50 at once        50    443.3    646.7    454.3     77.3    (before: 1654 / 1993 ms)
+    POST /v1/plans (distinct)        20    401.2    878.0    427.2      2.3
+    POST /v1/jobs (distinct)         20    179.9    202.7    179.8      5.6    (before: 271 / 1364 ms)
+    GET /v1/jobs (50/page)         3372      2.2      9.0      3.0    674.2    (before: 450 req/s)
+
+    POST /v1/jobs x50 at once        50    485.3    685.1    491.8     73.0
+    GET /v1/jobs (50/page)         3268      2.3     10.0      3.1    653.4
 """
 
 from __future__ import annotations

@@ -131,3 +131,25 @@ def test_train_entry_point_refuses_what_it_cannot_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="cannot read the config"):
         train(tmp_path / "missing.json")
     assert str(TrainingFailed(143)) == "training failed with exit code 143: terminated (SIGTERM)"
+
+
+def test_the_supervisor_lowers_the_job_priority_and_records_its_exit_code(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from service.runner import read_exit_code
+
+    report = ("import os, pathlib, sys; group = pathlib.Path('/proc/self/autogroup'); "
+              "print(os.nice(0), group.read_text().split()[-1] if group.exists() else 'none'); sys.exit(5)")
+    (tmp_path / "job").mkdir()
+    done = subprocess.run([sys.executable, "-m", "service.supervise", "--nice", "3", str(tmp_path / "job" / "exit_code"),
+                           "--", sys.executable, "-c", report], capture_output=True, text=True, start_new_session=True,
+                          timeout=60)
+    nice, autogroup = done.stdout.split()
+    assert done.returncode == 5 and read_exit_code(tmp_path / "job") == 5
+    assert int(nice) == min(19, os.nice(0) + 3)  # relative to the server's, inherited by the job's processes
+    assert autogroup in ("3", "none")  # the job's session weighs 3 steps less against the server's session
+    bad = subprocess.run([sys.executable, "-m", "service.supervise", "--nice", "x", "f", "--", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage: python -m service.supervise [--nice N]" in bad.stderr

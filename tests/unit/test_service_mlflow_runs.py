@@ -26,3 +26,25 @@ def test_runs_reuse_the_experiment_looked_up_once_and_notice_its_deletion(tmp_pa
     client.delete_experiment(first[0])
     with pytest.raises(ConfigError, match="tracking.experiment: MLflow experiment 'team' is deleted"):
         runs.create_run("team", "job-3", {})
+
+
+def test_a_local_sqlite_store_is_switched_to_wal_and_others_are_left_alone(tmp_path):
+    import sqlite3
+
+    from service.mlflow_runs import use_wal
+
+    def journal_mode(path) -> str:
+        with sqlite3.connect(path) as connection:
+            mode = connection.execute("PRAGMA journal_mode").fetchone()[0]
+        connection.close()
+        return mode
+
+    MlflowRuns(f"sqlite:///{tmp_path}/plain.db").warm_up()
+    assert journal_mode(tmp_path / "plain.db") == "delete"  # MLflow's own default, unless asked
+    runs = MlflowRuns(f"sqlite:///{tmp_path}/wal.db", sqlite_wal=True)
+    runs.warm_up()
+    assert journal_mode(tmp_path / "wal.db") == "wal"  # kept in the file: every later opener gets it
+    experiment_id, run_id = runs.create_run("team", "job-1", {"meshflow.job_id": "1"})
+    assert MlflowClient(tracking_uri=runs.tracking_uri).get_run(run_id).info.experiment_id == experiment_id
+    assert not use_wal("http://127.0.0.1:5000") and not use_wal("postgresql://u@h/db")
+    assert not use_wal("sqlite:///:memory:")

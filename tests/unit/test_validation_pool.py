@@ -87,6 +87,9 @@ def test_a_worker_process_validates_and_a_dead_one_is_replaced(settings):
     validator = Validator(settings, workers=1)
     validator.start()
     try:
+        # The warm-up is a whole validation in the worker (readiness waits for it), and it ends.
+        assert validator.wait_warm(timeout=300)
+        assert [future.result() for future in validator._warming] == validator.worker_pids()
         in_pool = validator.resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "p1")
         local = Validator(settings, workers=0).resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "p1")
         assert in_pool.model_dump(mode="json") == local.model_dump(mode="json")
