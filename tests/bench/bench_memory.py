@@ -27,8 +27,8 @@ measurement spreads: 259-294 MiB over five runs of 25M.
 
 ddp rows (FSDP2's replicate: an unsharded copy, then two whole-model flat buffers at the reduce)
 and rows with ``launch.unmap_freed_memory`` (``_unmap``; ``fsdp8_lean`` adds full activation
-checkpointing) were added later. 1B: one process trained 2 steps (``--steps 2``, 8 minutes) at
-0.91 of the prediction. On this host the budget (90% of 23.5 GiB over the workers, less each
+checkpointing) were added later. 1B: one process trained 3 steps (17.7 GiB) at 0.94 of the
+prediction. On this host the budget (90% of 23.5 GiB over the workers, less each
 worker's own 0.20 GiB) refuses most 1B layouts before any worker starts; fsdp2 and fsdp8_lean fit
 it, started, logged step 1 and were OOM-killed in step 2, fsdp2 beside another engineer's jobs,
 fsdp8_lean with 8 x 2.7 GiB resident (its prediction, 2.2 GiB above each floor, is short at this
@@ -65,7 +65,7 @@ one host does not train a larger model than one process does::
       400M    397M   fsdp8          2,209        2,430      0.91    52.4  ok
       400M    397M      2d          2,722        2,919      0.93    30.6  ok
       400M    397M      3d          1,830        1,932      0.95    32.9  ok
-        1B   1013M  single         17,052       18,779      0.91   144.7  ok
+        1B   1013M  single         17,052       18,159      0.94    42.0  ok
         1B   1013M   fsdp2         10,076        8,373      1.20    96.3  failed: OOM-killed in step 2 (rank 0 at 10.0 GiB resident; 2 x 10 GiB of 23.5 be
         1B   1013M   fsdp4          5,868          nan         -     nan  refused by the budget before any worker started
         1B   1013M   fsdp8          3,764          nan         -     nan  refused by the budget before any worker started
