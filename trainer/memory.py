@@ -335,10 +335,11 @@ def _replicate_reduce(cfg: RunConfig, plan: ParallelPlan, local: float, heap: fl
     On GPU the caching allocator reuses what was freed: the peak is two of the three. On CPU
     everything backward freed stays resident as heap holes, too scattered for a flat buffer of the
     whole model's size (and from glibc's mmap threshold up such a buffer gets pages of its own,
-    leaving no hole when freed): the two flat buffers sit on top of backward's peak. (Measured, 25M Llama, ddp [2] / [8], batch 4 / 1 per rank: 954 / 792 MiB, 77% / 93% of it
-    predicted without this term's heap; 2 ranks of 24 Linear(2048): 2,015 MiB above the weights at
-    the reduce, 1,920 predicted.) A pipelined stage reduces once, after its last micro-batch, what
-    it accumulated (in :func:`_gathered`)."""
+    leaving no hole when freed): the two flat buffers sit on top of backward's peak. (Measured,
+    25M Llama, ddp [2] / [8], batch 4 / 1 per rank: 954 / 792 MiB, 77% / 93% of it predicted
+    without this term's heap; 2 ranks of 24 Linear(2048): 2,015 MiB above the weights at the
+    reduce, 1,920 predicted.) A pipelined stage reduces once, after its last micro-batch, what it
+    accumulated (in :func:`_gathered`)."""
     if not _replicated(plan) or plan.pipeline is not None:
         return 0.0, 0.0
     pdt = 0.5 if cfg.train.precision == "bf16" else 1.0
