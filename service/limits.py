@@ -39,7 +39,7 @@ class QuotaExceeded(Exception):
 
 def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIssue]:
     """Set ``launch.memory_budget_gb`` to the service's per-rank limit (the trainer then refuses a
-    model predicted to need more, by :func:`trainer.memory.check_memory`); a larger one sent is refused."""
+    model predicted to need more, by :func:`trainer.memory_budget.check_memory`); a larger one sent is refused."""
     launch = raw.setdefault("launch", {})
     if not isinstance(launch, dict):
         return []

@@ -28,7 +28,7 @@ def divisors(n: int) -> list[int]:
 
 class Search:
     def __init__(self, raw: dict, base: RunConfig, knobs: AutoPlanConfig, world: int, calibration: Calibration) -> None:
-        from trainer.memory import memory_budget
+        from trainer.memory_budget import memory_budget
         from trainer.models import build_model, decoder_config
 
         self.raw, self.base, self.knobs, self.world, self.calibration = raw, base, knobs, world, calibration
@@ -150,7 +150,7 @@ class Search:
     # ------------------------------------------------------------------ prediction
 
     def params(self, plan: ParallelPlan) -> dict:
-        from trainer.cost_model import unit_params
+        from trainer.cost_comm import unit_params
 
         key = plan.mesh.size([a for axes in plan.placements.values() for a in axes])
         if key not in self._params:

@@ -10,12 +10,13 @@
   halved when causal) and every other op's bytes read and written. Each call costs the
   calibration's per-call latency plus its size over the calibrated rate (:mod:`trainer.calibrate`).
   Activation checkpointing adds a checkpointed block's forward again to its backward.
-* Communication per rank and step (:func:`comm_ops`): Megatron tp all-reduces of activations,
+* Communication per rank and step (:func:`trainer.cost_comm.comm_ops`): Megatron tp all-reduces of activations,
   dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP unit, pp sends;
   each priced by the calibrated fit of its op and group size.
-* The pipeline bubble stretches the busiest rank's compute by ``1 / (1 - bubble)``
-  (:func:`parallel.pipeline_order.expected_bubble`), less when workers share fewer CPU cores
-  (:func:`bubble_span`).
+* The busiest pp rank's compute sets the pace; on workers sharing fewer CPU cores, the ranks'
+  mean (a lighter stage gives its cores to the others, :func:`stage_span`). The pipeline bubble
+  stretches it by ``1 / (1 - bubble)`` (:func:`parallel.pipeline_order.expected_bubble`), less
+  when workers share fewer CPU cores (:func:`bubble_span`).
 * Every call costs at least the calibrated framework latency (an op inside a module's forward
   and backward under autograd), and the optimizer step at least the calibrated time per tensor;
   DTensors (tp-placed parameters in every pass, FSDP's or tp's parameters in the optimizer) add
@@ -47,8 +48,8 @@ from torch.utils.flop_counter import flop_registry
 from parallel.pipeline_order import expected_bubble
 from parallel.plan import ParallelPlan
 from trainer.calibrate import Calibration
+from trainer.cost_comm import comm_ops, unit_params
 from trainer.config import RunConfig
-from trainer.models import decoder_config
 
 _FLASH_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
@@ -188,90 +189,6 @@ def _spread_unhooked(costs: dict[str, UnitCost], plan: ParallelPlan, model: nn.M
     return costs
 
 
-# --------------------------------------------------------------------- communication
-
-
-@dataclass(frozen=True)
-class CommOp:
-    """One kind of collective a rank runs in a step: ``count`` calls of ``op`` over ``group_size``
-    ranks of mesh axis ``axis`` (dp's axes joined by commas), each on a buffer of ``nbytes``."""
-
-    axis: str
-    op: str
-    group_size: int
-    nbytes: float
-    count: float
-
-    @property
-    def sent_bytes(self) -> float:
-        """Bytes this rank sends in the step (ring algorithms), as the dry run's traffic counts them."""
-        g = self.group_size
-        share = {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g}
-        return share.get(self.op, 1.0) * self.nbytes * self.count
-
-    def seconds(self, cal: Calibration) -> float:
-        return self.count * cal.collective_time(self.op, self.group_size, self.nbytes)
-
-
-def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, int]]:
-    """Per pipeline unit: ``(tp-local parameter count, parameter tensors)`` of one rank."""
-    out: dict[str, list] = {u: [0.0, 0] for u in plan.units}
-    for fqn, p in model.named_parameters():
-        unit = next(u for u in plan.units if fqn == u or fqn.startswith(u + "."))
-        div = math.prod(plan.mesh.size(a) for a, pl in plan.placements.get(fqn, {}).items() if pl.is_shard)
-        out[unit][0] += p.numel() / div
-        out[unit][1] += 1
-    return {u: (v[0], v[1]) for u, v in out.items()}
-
-
-def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[str, tuple[float, int]],
-             micro_batch: int) -> list[CommOp]:
-    """The collectives of the pp rank holding units ``held`` in one optimizer step (see the module
-    docstring); ``params``: :func:`unit_params`."""
-    ops: list[CommOp] = []
-    t, pp = cfg.train, plan.pipeline
-    m = pp.num_microbatches if pp else 1
-    cdt = 2 if t.precision == "bf16" else 4  # activations and gathered parameters in the compute dtype
-    if (dp := plan.data_parallel) is not None:
-        ops += _dp_ops(dp, plan, held, params, cdt, passes=t.grad_accum)
-    decoder = decoder_config(cfg.model)
-    act = micro_batch * t.seq_len * (decoder.dim if decoder else 0) * cdt
-    tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
-    blocks = [u for u in held if u in plan.blocks]
-    for axis in tp_axes:
-        if (g := plan.mesh.size(axis)) > 1 and decoder is not None:
-            # Megatron: attention's and the MLP's row-parallel outputs in forward, their column-parallel
-            # inputs' gradients in backward; a checkpointed block's forward runs twice.
-            per_block = 4 + 2 * (plan.activation_checkpointing == "full")
-            ops.append(CommOp(axis, "all_reduce", g, act, per_block * len(blocks) * m * t.grad_accum))
-    if pp is not None and plan.pp_size > 1:
-        ops.append(CommOp(pp.dim, "send_recv", 2, act, 2 * pp.stages_per_rank * m * t.grad_accum))
-    return [op for op in ops if op.count > 0 and op.group_size > 1]
-
-
-def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, passes: int) -> list[CommOp]:
-    """FSDP2's collectives per FSDP unit (every block, then the root with the rest), per
-    accumulation pass; a pipeline stage gathers once per pass and reduces after its last
-    micro-batch (torch's PipelineStage), as does ddp (FSDP2's replicate: one all-reduce)."""
-    axis = ",".join(dp.dim_names)
-    numel = [params[u][0] for u in held]
-    if dp.mode == "ddp":
-        return [CommOp(axis, "all_reduce", plan.mesh.size(dp.dim_names), 4.0 * sum(numel), passes)]
-    shard_axis = dp.dim_names[-1] if dp.mode == "hsdp" else axis
-    g = plan.mesh.size(dp.shard_dim_names)
-    fsdp_units = [params[u][0] for u in held if u in plan.blocks]
-    fsdp_units.append(sum(params[u][0] for u in held if u not in plan.blocks))  # the root
-    gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2
-    ops = []
-    for index, n in enumerate(fsdp_units):
-        root = index == len(fsdp_units) - 1  # stays gathered from forward to backward
-        ops.append(CommOp(shard_axis, "all_gather", g, n * cdt, (1 if root else gathers) * passes))
-        ops.append(CommOp(shard_axis, "reduce_scatter", g, n * 4.0, passes))
-    if dp.mode == "hsdp":
-        ops.append(CommOp(dp.dim_names[0], "all_reduce", plan.mesh.size(dp.dim_names[0]), 4.0 * sum(numel) / g, passes))
-    return [op for op in ops if op.nbytes > 0]
-
-
 # --------------------------------------------------------------------- step time
 
 
@@ -323,7 +240,7 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
         busy.append(per_pass * passes)
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
-    compute = max(busy)
+    compute = stage_span(busy, calibration)
     span = bubble_span(compute, bubble, calibration)
     _, comm, optimizer, traffic = worst_wait(cfg, plan, calibration, params, micro)
     itemized = span + sum(comm.values()) + optimizer
@@ -376,6 +293,25 @@ def placed_params(plan: ParallelPlan) -> dict[str, int]:
 def _dtensor_params(plan: ParallelPlan) -> bool:
     """The optimizer steps DTensors: FSDP2 (any dp mode) or tp placed the parameters."""
     return plan.mesh.world_size > 1 and (plan.data_parallel is not None or bool(placed_params(plan)))
+
+
+def stage_span(busy: list[float], calibration: Calibration) -> float:
+    """The compute span of a step whose pp ranks are each busy ``busy[r]`` seconds (at the speed
+    the calibration measured with all its workers running).
+
+    On workers that each own a device, the busiest stage sets the pace: ``max(busy)``. Workers
+    sharing fewer CPU cores: a lighter stage's ranks finish early and give their share of the cores
+    to the busier ones, so the span is the ranks' mean work, unless the busiest stage's ranks
+    (``workers / pp`` of them) cannot use all the cores they are then given (at most one each).
+    Measured here (10M and 25M Llama, 8 workers on 2 cores): dp2 x pp4, whose busiest stage holds
+    2 of 6 blocks and the embeddings, ran as fast as or faster than dp4 x pp2 and dp8, which the
+    busiest stage's pace put 10-30% behind them."""
+    workers, cores = calibration.workers, calibration.cores
+    if len(busy) < 2 or not 0 < cores < workers:
+        return max(busy)
+    per_stage = max(1, workers // len(busy))  # the ranks of one stage: dp x tp replicas
+    own_cores = cores * per_stage / workers  # the busiest stage's cores while every rank runs
+    return max(sum(busy) / len(busy), max(busy) * own_cores / min(cores, per_stage))
 
 
 def bubble_span(compute: float, bubble: float, calibration: Calibration) -> float:

@@ -54,7 +54,7 @@ def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[Confi
 
 def _check_memory(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
     """Refuse a config predicted not to fit its per-rank memory budget (never starting a worker)."""
-    from trainer.memory import check_memory
+    from trainer.memory_budget import check_memory
 
     try:
         return check_memory(cfg, plan)

@@ -141,7 +141,8 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
     """:func:`plan_numbers` plus the predicted per-rank peak memory, activations included
     (:mod:`trainer.memory`), and the budget it is checked against: what the dry run prints and
     REST's plan endpoint returns."""
-    from trainer.memory import memory_budget, predict_memory
+    from trainer.memory import predict_memory
+    from trainer.memory_budget import memory_budget
 
     numbers = plan_numbers(cfg, plan)
     budget, source = memory_budget(cfg)

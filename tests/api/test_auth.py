@@ -7,7 +7,6 @@ import pytest
 
 from api_testkit import TINY, auth, wait_for
 
-pytestmark = pytest.mark.slow
 
 
 def test_auth_matrix(queue_server):

@@ -11,7 +11,6 @@ import pytest
 from api.client import MeshflowClient, MeshflowError
 from api_testkit import TINY, TOKENS
 
-pytestmark = pytest.mark.slow
 
 
 def test_sdk_submit_get_list_cancel_wait(queue_server):

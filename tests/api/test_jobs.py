@@ -10,7 +10,6 @@ import pytest
 
 from api_testkit import TINY, wait_for
 
-pytestmark = pytest.mark.slow
 
 
 def test_submit_runs_to_success_with_mlflow_run_and_metrics(server):
@@ -148,7 +147,10 @@ def test_plan_of_per_stage_layouts_gives_each_stage_its_own_numbers(queue_server
         assert [r["peak_bytes"] for r in paddle["per_pp_rank"]] == [r["param_bytes"] * 4 for r in paddle["per_pp_rank"]]
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "parallel").glob("*.yaml")))
+PRESETS = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "parallel").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p == "auto" else p for p in PRESETS])
 def test_job_json_is_the_resolved_config(preset, tmp_path):
     """What the runner writes reads back (``python -m trainer.launch job.json``) into the same config."""
     from service.runner import trainer_command, write_job_config

@@ -16,7 +16,6 @@ import pytest
 
 from api_testkit import TINY, auth
 
-pytestmark = pytest.mark.slow
 
 BIG_MODEL = ["model.dim=1024", "model.ffn_hidden_dim=4096", "model.n_layers=16"]  # ~4 GiB of weights + AdamW
 

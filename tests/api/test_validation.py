@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 PLACEMENT = 'parallel.tensor_parallel.plan[megatron]["layers.*.mlp.w[13].weight"].tp'
 

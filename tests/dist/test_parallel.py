@@ -16,7 +16,6 @@ from dist_checks import MLP_CFG, STEPS, SUITES, llama_cfg, reference_run
 from dist_harness import launch
 from trainer.models import build_model
 
-pytestmark = pytest.mark.slow
 
 WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}

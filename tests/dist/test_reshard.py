@@ -14,7 +14,6 @@ import pytest
 from dist_harness import launch
 from reshard_checks import NUM_RANDOM_CASES
 
-pytestmark = pytest.mark.slow
 
 WORLD_SIZE = 8
 

@@ -24,6 +24,7 @@ def test_readme_opens_with_install_and_run_commands():
     assert tests == 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q'
     ci = (REPO / ".ci" / "run").read_text()
     assert tests in ci
+    assert "python -m pytest -q -m slow" in ci.split(tests, 1)[1]  # CI's second pass, after the default run
 
 
 def _finished_run(cwd):

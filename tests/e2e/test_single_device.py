@@ -53,6 +53,7 @@ def test_synthetic_learns_toward_entropy_floor(compose):
     assert final > floor - 0.05  # a model cannot beat the source's entropy rate (up to sampling noise)
 
 
+@pytest.mark.slow
 def test_sigterm_kills_run_keeps_checkpoint_and_resume_matches(tmp_path, compose):
     """SIGTERM mid-run: exit 143, MLflow run KILLED, last checkpoint intact; resume=auto then
     continues with exactly the losses of an uninterrupted run."""

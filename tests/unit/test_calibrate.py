@@ -67,7 +67,6 @@ def test_framework_terms_floor_every_call_and_the_optimizer():
     assert count_calls(lambda: lin(x).sum().backward()) >= 4  # addmm, sum; backward: mm, sum, ...
 
 
-@pytest.mark.slow
 def test_two_workers_measure_collectives():
     cal = probe(2, [2])
     for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):

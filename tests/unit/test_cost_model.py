@@ -6,7 +6,8 @@ import pytest
 
 from trainer.calibrate import Calibration, Fit
 from trainer.compose import compose_dict
-from trainer.cost_model import comm_ops, micro_batch_size, predict_step_time, unit_costs, unit_params
+from trainer.cost_comm import comm_ops, unit_params
+from trainer.cost_model import micro_batch_size, predict_step_time, unit_costs
 from trainer.models import build_model
 from trainer.validate import validate_with_plan
 
@@ -50,17 +51,28 @@ def test_pipeline_adds_the_bubble():
     assert set(t.comm_s) == {"pp"}
 
 
-def test_shared_cores_fill_the_bubble():
+def test_shared_cores_fill_the_bubble_and_even_out_the_stages():
     from dataclasses import replace
+
+    from trainer.cost_model import stage_span
 
     cfg, plan = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=2")
     own = predict_step_time(cfg, plan, replace(CAL, workers=2, cores=0))
-    # 2 workers on 1 core: 4/3 runnable on average, more than the core: the bubble costs nothing
+    # 2 workers on 1 core: 4/3 runnable on average, more than the core: the bubble costs nothing, and
+    # the lighter stage's rank gives the core to the busier one: the span is the two ranks' mean work
     one_core = predict_step_time(cfg, plan, replace(CAL, workers=2, cores=1))
-    assert one_core.bubble_s == pytest.approx(0.0, abs=1e-12) and one_core.compute_s == pytest.approx(own.compute_s)
+    assert one_core.bubble_s == pytest.approx(0.0, abs=1e-12)
+    assert own.compute_s / 2 < one_core.compute_s < own.compute_s
     # 8 workers on 6 cores: 16/3 runnable; the span is compute / (1 - 1/3) * 6 / 8
     six = predict_step_time(cfg, plan, replace(CAL, workers=8, cores=6))
-    assert six.compute_s + six.bubble_s == pytest.approx(own.compute_s * 1.5 * 6 / 8)
+    assert six.compute_s + six.bubble_s == pytest.approx(six.compute_s * 1.5 * 6 / 8)
+    # a device per worker: the busiest stage; shared cores: the mean, while its ranks can use them
+    shared = replace(CAL, workers=8, cores=2)
+    assert stage_span([3.0, 1.0], replace(CAL, workers=8, cores=0)) == 3.0
+    assert stage_span([3.0, 1.0], shared) == pytest.approx(2.0)  # 4 ranks a stage, 2 cores
+    assert stage_span([3.0], shared) == 3.0  # no pipeline
+    # pp8: one rank a stage uses at most one core of the two, a quarter of it while all 8 run
+    assert stage_span([8.0] + [0.0] * 7, shared) == pytest.approx(8.0 * 2 / 8)
 
 
 def test_full_checkpointing_adds_one_forward_per_block():

@@ -82,7 +82,6 @@ def test_refusals_and_configs_that_read_files_are_never_cached(settings):
     assert cacheable({"model": {"arch": "mlp"}, "data": {"kind": "regression"}, "train": {}})
 
 
-@pytest.mark.slow
 def test_a_worker_process_validates_and_a_dead_one_is_replaced(settings):
     validator = Validator(settings, workers=1)
     validator.start()
