@@ -5,7 +5,8 @@
 
 The peak is :func:`trainer.memory.predict_memory`'s; the fix tries the usual ways to need less memory
 per rank (activation checkpointing, more micro-batches, fsdp, accumulation, unmapped memory, bf16)
-and names those predicted to fit.
+and names those predicted to fit. On CPU the budget is the host's memory shared by the workers it
+starts, less what each worker holds before its first step, since the prediction counts from there.
 """
 
 from __future__ import annotations
