@@ -10,9 +10,9 @@
   halved when causal) and every other op's bytes read and written. Each call costs the
   calibration's per-call latency plus its size over the calibrated rate (:mod:`trainer.calibrate`).
   Activation checkpointing adds a checkpointed block's forward again to its backward.
-* Communication per rank and step (:func:`trainer.cost_comm.comm_ops`): Megatron tp all-reduces of activations,
-  dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP unit, pp sends;
-  each priced by the calibrated fit of its op and group size.
+* Communication per rank and step (:func:`trainer.cost_comm.comm_ops`): Megatron tp all-reduces
+  of activations, dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP
+  unit, pp sends; each priced by the calibrated fit of its op and group size.
 * The busiest pp rank's compute sets the pace; on workers sharing fewer CPU cores, the ranks'
   mean (a lighter stage gives its cores to the others, :func:`stage_span`). The pipeline bubble
   stretches it by ``1 / (1 - bubble)`` (:func:`parallel.pipeline_order.expected_bubble`), less
