@@ -52,7 +52,10 @@ MMAP_FROM = 32 * MIB
 RUNTIME_SINGLE = 10 * MIB
 RUNTIME_DISTRIBUTED = 46 * MIB
 # Resident growth of importing torch.distributed.pipelining after trainer.loop (27 MiB anonymous:
-# the modules' objects; 3 MiB file-backed: their code), which a pipelined worker does on its first step.
+# the modules' objects; 3 MiB file-backed: their code), which a pipelined worker does on its first
+# step. Most of it is torch._dynamo, which an FSDP2 or DTensor step imports too: after one FSDP2
+# step the same import adds 1 MiB, and pipelined dp / tp layouts measure the distributed runtime
+# alone (43-46 MiB above their live peak, 25M, dp2 x pp4 ddp / fsdp and pp4 x tp2, unmapped).
 RUNTIME_PIPELINE_IMPORT = 30 * MIB
 
 # Heap holes around the memory a step allocates and frees (activations, gradients, temporaries): the
@@ -60,6 +63,18 @@ RUNTIME_PIPELINE_IMPORT = 30 * MIB
 # high-water mark settles this far above that cycled memory's live peak: 29-39% on one process and
 # pipeline / tensor-parallel ranks (25M and 100M, batch 8-64, seq 128-256).
 FRAGMENTATION = 0.35
+
+# Heap holes per byte of the activations a step allocates over all its passes (every micro-batch a
+# pipeline rank runs, not only those in flight at once): each pass allocates afresh between the
+# survivors of the others and of backward's gradients. Fitted on issue 16's planner sweep (65
+# layouts of 3M-25M Llamas on 8 ranks, tests/bench/planner_rows.jsonl): the holes measured
+# (default heap minus live tensors and runtime) came to 0.35-0.8x these bytes on pipelined ranks
+# (median about 0.6) and 0.6-0.9x on tp8, against 0.3-1.3x the cycled peak FRAGMENTATION scales.
+# One process is the exception: its rows (tests/bench/memory_rows.jsonl, 25M-1B) fit FRAGMENTATION
+# alone, and this term would put 100M 10% over.
+# A pipeline's are measured in heap extent too (mallinfo2 at each action, 25M dp2 x pp4, rank 0):
+# the heap grows as the four micro-batches' activations come and go, then by ddp's flat buffers.
+STEP_FRAGMENTATION = 0.6
 
 # Heap holes FSDP leaves, per byte of its block-sized flat buffers that pass through the heap in a
 # step (each block's all-gather outputs, one per gather, and its reduce-scatter input). Between a
@@ -104,9 +119,12 @@ def unmap_freed_memory() -> None:
 
 
 def runtime(plan: ParallelPlan) -> float:
-    """The process's own resident bytes above its floor: the constants above."""
+    """The process's own resident bytes above its floor: the constants above. A pipeline pays its
+    import only where nothing else brought ``torch._dynamo`` in first: FSDP2 and DTensor import it
+    on their first step, and the distributed runtime above was measured with them."""
     base = RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
-    return base + (RUNTIME_PIPELINE_IMPORT if plan.pipeline is not None else 0.0)
+    first_import = plan.pipeline is not None and plan.data_parallel is None and not plan.placements
+    return base + (RUNTIME_PIPELINE_IMPORT if first_import else 0.0)
 
 
 def fsdp_heap_buffers(cfg: RunConfig, plan: ParallelPlan, blocks: list[list[float]]) -> tuple[list[float], float]:
@@ -125,15 +143,24 @@ def fsdp_heap_buffers(cfg: RunConfig, plan: ParallelPlan, blocks: list[list[floa
     return [b for b in flat if b < MMAP_FROM], per_param
 
 
-def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: list[list[float]]) -> float:
+def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: list[list[float]],
+                  step_activations: float = 0.0) -> float:
     """Resident bytes of glibc's heap holes at the peak (``cycled``: the live bytes a step
-    allocates and frees at its peak, i.e. all but the weights and AdamW's moments). Where FSDP's
-    flat buffers come from the heap their holes hold everything else's; else the step's cycled
-    tensors and FSDP's per-parameter ones, of like sizes, leave holes of their own. With
-    ``launch.unmap_freed_memory`` nothing stays resident once freed: no holes."""
+    allocates and frees at its peak, i.e. all but the weights and AdamW's moments;
+    ``step_activations``: the activations it allocates over all its passes). Where FSDP's flat
+    buffers come from the heap their holes hold everything else's; else the step's cycled tensors
+    and FSDP's per-parameter ones, of like sizes, leave holes of their own; at least
+    :data:`STEP_FRAGMENTATION` of the step's activations. A pipelined FSDP stage gathers its blocks
+    before the first micro-batch and reduce-scatters them after the last, so its flat buffers' holes
+    and its activations' add up (the planner sweep's 17 pipelined FSDP layouts: 0.9-1.3x the
+    holes measured with the sum, 0.5-0.8x with the larger). With ``launch.unmap_freed_memory`` nothing stays resident once freed: no holes."""
     if cfg.launch.unmap_freed_memory:
         return 0.0
     flat, per_param = fsdp_heap_buffers(cfg, plan, blocks)
-    main_arena = max(FSDP_FLAT * sum(flat), FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param)
+    steps = STEP_FRAGMENTATION * step_activations if plan.mesh.world_size > 1 else 0.0
+    if plan.pipeline is not None:  # the flat buffers and the micro-batches' activations cycle at other times
+        main_arena = max(FSDP_FLAT * sum(flat) + steps, FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param)
+    else:
+        main_arena = max(FSDP_FLAT * sum(flat), FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param, steps)
     gloo_arenas = GLOO_THREADS * GLOO_BUFFERS_PER_ARENA * max(flat, default=0.0)
     return main_arena + gloo_arenas

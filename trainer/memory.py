@@ -71,7 +71,8 @@ class MemoryEstimate:
         nothing gathered is left then); with ``ddp`` also the gradient reduce's, after backward
         (``parts["reduce"]``, see :func:`_replicate_reduce`)."""
         p = self.parts
-        backward = self.activations + p.get("transient", 0.0) + (self.grads if p.get("accumulates") else 0.0)
+        backward = (self.activations + p.get("transient", 0.0) + p.get("stage_grads", 0.0)
+                    + (self.grads if p.get("accumulates") else 0.0))
         step = self.grads + p.get("step_temporaries", 0.0)
         return self.params + self.optimizer + max(self.gathered + backward, p.get("reduce", 0.0), step)
 
@@ -234,6 +235,32 @@ def _in_flight(plan: ParallelPlan, pp_rank: int) -> int:
     return m
 
 
+def _in_flight_peak(plan: ParallelPlan, in_flight: int, per_pass: float, stage_grads: float, chunks: int,
+                    accumulated: bool) -> tuple[float, float]:
+    """``(activations, accumulated gradients)`` a pp rank holds at its backward's worst moment
+    (``per_pass``: one micro-batch x stage pass's saved activations; ``stage_grads``: the gradients
+    the rank's stages accumulate over the micro-batches, ``chunks`` stages on the rank).
+
+    A stage's gradients appear during its first backward, as that pass's activations are freed:
+    the peak is either all passes in flight before any gradient, or one pass freed and the first
+    stage's gradients made. Where forwards follow a backward (more passes than are in flight at
+    once, e.g. 1F1B's steady state), the rank holds as many passes again beside those gradients.
+    (Measured: in-use bytes at each pipeline action, 25M Llama, dp2 x pp4, 1F1B, 4 micro-batches:
+    pp rank 0 peaks in its first backward at 4 passes' activations (21.5 MiB each) and its
+    gradients; rank 3 in the steady state at one pass and all gradients; interleaved, rank 0 at
+    8 passes, rank 3 at 5 beside its last stage's gradients.) ``accumulated``: gradients kept from
+    an earlier accumulation step, all there from the start."""
+    pp = plan.pipeline
+    first = stage_grads / chunks  # the stage that runs backward first
+    if accumulated or pp.schedule not in ("GPipe", "1F1B") + INTERLEAVED_SCHEDULES + V_SCHEDULES:
+        return per_pass * in_flight, stage_grads  # an unmodelled order: the bound
+    passes = pp.num_microbatches * chunks
+    options = [(per_pass * in_flight, 0.0), (per_pass * (in_flight - 1), first)]
+    if passes > in_flight:
+        options.append((per_pass * in_flight, first))
+    return max(options, key=sum)
+
+
 def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | None = None,
                    cache: dict | None = None) -> list[MemoryEstimate]:
     """One :class:`MemoryEstimate` per pp rank (one without a pipeline). A planner comparing many
@@ -264,11 +291,11 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
     # activations and the census gives both at its worst moment, FSDP keeping 1/shard once reduce-scattered.
     accumulates = pp is not None or t.grad_accum > 1
     keep = 0.0 if accumulates else 1.0 / shard if dp is not None and dp.mode != "ddp" else 1.0
-    # A pipelined FSDP stage accumulates its micro-batches' gradients unsharded (counted in _gathered);
-    # the sharded ones appear only as the stage's final reduce-scatter frees those, so beside the
+    # A pipelined stage accumulates its micro-batches' gradients (FSDP2's unsharded: _in_flight_peak);
+    # FSDP2's sharded ones appear only as the stage's final reduce frees those, so beside the
     # activations they are there only from an earlier accumulation step.
     pipelined_fsdp = pp is not None and _fsdp2(plan)
-    sharded_grads_in_backward = t.grad_accum > 1 if pipelined_fsdp else accumulates
+    sharded_grads_in_backward = t.grad_accum > 1 if pipelined_fsdp else accumulates and pp is None
     backward = saved["timeline"][saved["forward_ops"]:] or [(0.0, 0.0)]
     transient = max(0.0, max(a + keep * g for a, g in backward) - sum(saved["units"].values()))
     cpu = not _on_cuda(cfg)
@@ -287,21 +314,33 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
         in_flight = _in_flight(plan, r)
         blocks = [saved["unit_params"].get(u, []) for u in held if u in plan.blocks]
         root = sum(sum(saved["unit_params"].get(u, [])) for u in held if u not in plan.blocks)
+        local = rank_numbers["params"] * 4.0
+        chunks = max(1, len(rank_numbers["stages"]))
+        # FSDP2's pipelined stage accumulates unsharded gradients in the compute dtype; else param.grad
+        stage_grads = local * (0.5 if t.precision == "bf16" else 1.0) if pipelined_fsdp else rank_numbers["grad_bytes"]
+        held_acts, held_grads = _in_flight_peak(plan, in_flight, acts / chunks, stage_grads, chunks,
+                                                accumulated=t.grad_accum > 1 and not pipelined_fsdp) if pp else (acts, 0.0)
         estimate = MemoryEstimate(
             pp_rank=r, params=rank_numbers["param_bytes"], grads=rank_numbers["grad_bytes"],
-            optimizer=rank_numbers["optim_bytes"], gathered=_gathered(cfg, plan, rank_numbers["params"] * 4.0, blocks, root),
-            activations=acts / max(1, len(rank_numbers["stages"])) * in_flight + recompute, in_flight=in_flight,
-            parts={"accumulates": sharded_grads_in_backward, "micro_batch": micro, "transient": transient,
+            optimizer=rank_numbers["optim_bytes"], gathered=_gathered(cfg, plan, local, blocks, root),
+            activations=held_acts + recompute, in_flight=in_flight,
+            parts={"accumulates": sharded_grads_in_backward, "stage_grads": held_grads, "micro_batch": micro,
+                   "step_activations": (acts + recompute) * (pp.num_microbatches if pp else 1),
+                   "transient": transient,
                    "step_temporaries": 4.0 * max(max(v) for v in saved["unit_params"].values()) / shard})
-        reduce, mapped = _replicate_reduce(cfg, plan, rank_numbers["params"] * 4.0,
-                                           estimate.gathered + estimate.activations + transient)
+        backward = estimate.gathered + estimate.activations + transient + held_grads
+        if pipelined_fsdp:
+            reduce, mapped = _stage_reduce(cfg, plan, local, blocks, backward)
+        else:
+            reduce, mapped = _replicate_reduce(cfg, plan, local, backward)
         estimate = replace(estimate, parts={**estimate.parts, "reduce": reduce})
         # A pipelined stage's unsharded parameters and gradients are allocated once a step and live
         # through all its micro-batches: their heap holes are FSDP's per-parameter term, not cycled memory's.
         cycled = estimate.live - estimate.params - estimate.optimizer - (estimate.gathered if pipelined_fsdp else 0.0)
         if estimate.live - estimate.params - estimate.optimizer == reduce:  # mmapped buffers leave no heap holes
             cycled -= mapped
-        host = {"runtime": runtime(plan), "allocator": host_overhead(cfg, plan, max(0.0, cycled), blocks)}
+        host = {"runtime": runtime(plan), "allocator": host_overhead(cfg, plan, max(0.0, cycled), blocks,
+                                                                 estimate.parts["step_activations"])}
         out.append(replace(estimate, parts={**estimate.parts, **(host if cpu else {})}))
     return out
 
@@ -349,6 +388,26 @@ def _replicate_reduce(cfg: RunConfig, plan: ParallelPlan, local: float, heap: fl
     return heap + 2 * local, 2 * local if local >= MMAP_FROM else 0.0
 
 
+def _stage_reduce(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list[float]],
+                  heap: float) -> tuple[float, float]:
+    """``(bytes beyond weights and AdamW while a pipelined FSDP2 stage reduces what its micro-batches
+    accumulated, after its last backward; of those, the ones that leave no heap holes)``. ``heap``:
+    what backward's peak held beyond weights and AdamW.
+
+    In tensors: the unsharded gradients and, ddp, one fp32 flat buffer of the stage (the unsharded
+    copy is freed first), FSDP, the unsharded parameters and one block's fp32 reduce-scatter input.
+    (Measured in use, 25M, dp2 x pp4, pp rank 0: 1.8 MiB above ddp's gradients and copy during the
+    reduce, 9.6 above FSDP's.) On CPU ddp's two flat buffers do not fit the holes the activations
+    left: glibc extends the heap by both, above backward's peak and its holes, and trims them off
+    again before the next step (heap extent, same run: +46.6 MiB at the reduce for 2 x 24.6)."""
+    pdt = 0.5 if cfg.train.precision == "bf16" else 1.0
+    if not _replicated(plan):
+        return 2 * local * pdt + max((sum(b) for b in blocks), default=0.0), 0.0
+    if _on_cuda(cfg) or cfg.launch.unmap_freed_memory:
+        return local * pdt + local, 0.0
+    return heap + 2 * local, 2 * local
+
+
 def _gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list[float]], root: float) -> float:
     """Unsharded parameter bytes at the backward's peak (``local``: this rank's tp-local fp32
     parameter bytes; ``blocks``: each held block's parameter sizes; ``root``: the others' bytes).
@@ -356,23 +415,18 @@ def _gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[lis
     backward and, early in backward while the activations are all there, one block's unsharded
     parameters and the next one's (prefetched) with the all-gather output they are copied from.
     zero2 keeps every parameter unsharded, plus one block's unsharded gradients and fp32
-    reduce-scatter input. A pipelined stage keeps every parameter unsharded and every block's
-    unsharded gradients too: torch's ``PipelineStage`` runs each micro-batch's backward with
-    gradient sync and resharding off and reduce-scatters the whole stage once, after the last
-    (``perform_reduce_grad``), one block's fp32 reduce-scatter input at a time. (Measured, 100M 3d:
-    412 / 378 MiB in use above the floor on pp ranks 0 / 1, for 420 / 385 predicted this way and
-    386 / 351 with one block's gradients.) Unsharded, bf16 autocast keeps a bf16 copy of every weight."""
+    reduce-scatter input. A pipelined stage keeps every parameter unsharded: torch's
+    ``PipelineStage`` runs each micro-batch's backward with gradient sync and resharding off and
+    reduces the whole stage once, after the last (``perform_reduce_grad``); the unsharded
+    gradients it accumulates until then: :func:`_in_flight_peak`, the reduce: :func:`_stage_reduce`.
+    Unsharded, bf16 autocast keeps a bf16 copy of every weight."""
     half = cfg.train.precision == "bf16"
     pdt = 0.5 if half else 1.0  # gathered parameters and unsharded gradients are in the compute dtype
-    if _replicated(plan):  # one unit: its unsharded copy from forward to the end of backward
-        # A pipelined stage also holds its unsharded gradients over the micro-batches and reduces
-        # them at once, the whole stage's fp32 flat buffer (see _replicate_reduce).
-        return local * pdt + (local * pdt + local if plan.pipeline is not None else 0.0)
+    if _replicated(plan) or (_fsdp(plan) and plan.pipeline is not None):
+        return local * pdt  # ddp: one unit's unsharded copy; a pipelined FSDP stage keeps it all unsharded
     if not _fsdp(plan):
         return local * 0.5 if half else 0.0
     block = max((sum(b) for b in blocks), default=0.0)
-    if plan.pipeline is not None:
-        return 2 * local * pdt + block
     if plan.data_parallel.mode == "zero2":
         return local * pdt + block * (pdt + 1.0)
     return root * pdt + 3 * block * pdt

@@ -93,20 +93,47 @@ def test_meter_counts_what_the_process_allocated_after_it_was_made():
 def test_a_pipelined_fsdp_stage_holds_every_blocks_unsharded_gradients():
     # torch's PipelineStage runs each micro-batch's backward with FSDP's gradient sync and resharding
     # off and reduce-scatters the whole stage after the last one: the stage's unsharded parameters
-    # and gradients (fp32 here) are all there, with one block's fp32 reduce-scatter input, while the
-    # sharded gradients appear only as those are freed. gpt_small (dim 512, SwiGLU 1376, byte vocab)
+    # and gradients (fp32 here) are there with the activations in flight; the reduce adds one block's
+    # fp32 reduce-scatter input once those are freed. gpt_small (dim 512, SwiGLU 1376, byte vocab)
     # on dp x pp x tp [2, 2, 2]: 4 blocks a stage, Megatron-split over tp, the embedding whole.
     dim, ffn, vocab = 512, 1376, 256
     block = 4 * (4 * dim * dim // 2 + 3 * dim * ffn // 2 + 2 * dim)  # tp-local fp32 bytes of one block
     first, last = _predict("model=gpt_small", "+parallel=3d", "mesh=[2,2,2]")
     local = 4 * block + 4 * vocab * dim  # pp rank 0: 4 blocks and the embedding
     assert block == 6_328_320
-    assert first.gathered == 2 * local + block == 58_003_456
+    assert first.gathered == local == 25_837_568
+    # 4 micro-batches, 2 in flight on pp rank 0: 1F1B's steady state holds 2 passes beside all the gradients
+    assert first.in_flight == 2 and first.parts["stage_grads"] == local
+    assert first.parts["reduce"] == 2 * local + block
     assert not first.parts["accumulates"]  # no sharded gradients beside the activations
-    assert first.live == first.params + first.optimizer + first.gathered + first.activations + first.parts["transient"]
-    # and a pipelined worker imports torch.distributed.pipelining (torch._dynamo, _inductor) after its floor
+    backward = first.gathered + first.activations + first.parts["transient"] + first.parts["stage_grads"]
+    assert first.live == first.params + first.optimizer + backward
+    # FSDP2 and DTensor import torch._dynamo on their first step: the pipeline's import costs only
+    # a pipeline alone (torch.distributed.pipelining brings _dynamo and _inductor after the floor)
     (flat,) = _predict("model=gpt_small", "+parallel=2d", "mesh=[2,2]")
-    assert first.parts["runtime"] - flat.parts["runtime"] == 30 * 2**20
+    alone = _predict("model=gpt_small", "+parallel=pp", "mesh=[2]")
+    assert first.parts["runtime"] == flat.parts["runtime"]
+    assert alone[0].parts["runtime"] - flat.parts["runtime"] == 30 * 2**20
+
+
+def test_a_stage_peaks_with_its_passes_in_flight_or_its_first_gradients():
+    # pp rank 0 of 1F1B with as many micro-batches as stages runs every forward before its first
+    # backward: the peak is all passes or one pass fewer beside the gradients that backward made,
+    # whichever is more; with more micro-batches the steady state holds all passes and gradients.
+    def rank0(*overrides):
+        return _predict("model=gpt_small", "+parallel=pp", "mesh=[2]", "train.global_batch_size=16", *overrides)[0]
+    m2 = rank0("parallel.pipeline.microbatches=2")
+    m4 = rank0("parallel.pipeline.microbatches=4")
+    assert m2.in_flight == m4.in_flight == 2
+    per_pass = m2.parts["step_activations"] / 2  # the step's 2 passes on this rank
+    grads = m2.grads  # no data parallelism: param.grad accumulates in place
+    assert m2.activations + m2.parts["stage_grads"] == pytest.approx(max(2 * per_pass, per_pass + grads))
+    per_pass4 = m4.parts["step_activations"] / 4
+    assert m4.activations == pytest.approx(2 * per_pass4) and m4.parts["stage_grads"] == m4.grads
+    # heap holes: at least STEP_FRAGMENTATION of all the activations the step allocates (CPU, default heap)
+    assert m4.parts["allocator"] >= 0.6 * m4.parts["step_activations"]
+    unmapped = rank0("parallel.pipeline.microbatches=4", "launch.unmap_freed_memory=true")
+    assert unmapped.parts["allocator"] == 0.0
 
 
 def test_ddp_holds_an_unsharded_copy_and_reduces_through_two_flat_buffers():
@@ -128,10 +155,16 @@ def test_ddp_holds_an_unsharded_copy_and_reduces_through_two_flat_buffers():
     (half,) = _predict("model=gpt_small", "+parallel=dp", "mesh=[2]", "train.precision=bf16")
     assert half.gathered == local / 2  # a bf16 copy; the flat buffers stay fp32
     assert half.parts["reduce"] == pytest.approx(half.gathered + half.activations + half.parts["transient"] + 2 * local)
-    # a pipelined ddp stage accumulates its unsharded gradients and reduces once, after its last micro-batch
-    stages = _predict("model=gpt_small", "+parallel=pp", "+parallel.data_parallel={dim: dp, mode: ddp}",
-                      "parallel.dims=[dp,pp]", "mesh=[2,2]")
-    assert all(e.gathered == 3 * e.params and e.parts["reduce"] == 0.0 for e in stages)
+    # a pipelined ddp stage accumulates its unsharded gradients over the micro-batches and reduces once,
+    # after its last: on CPU the two flat buffers extend the heap above backward's peak
+    pp_ddp = ["model=gpt_small", "+parallel=pp", "+parallel.data_parallel={dim: dp, mode: ddp}",
+              "parallel.dims=[dp,pp]", "mesh=[2,2]"]
+    for e in _predict(*pp_ddp):
+        assert e.gathered == e.params and e.parts["stage_grads"] == e.params
+        backward = e.gathered + e.activations + e.parts["transient"] + e.parts["stage_grads"]
+        assert e.parts["reduce"] == pytest.approx(backward + 2 * e.params)
+    for e in _predict(*pp_ddp, "launch.unmap_freed_memory=true"):  # the unsharded gradients and one flat buffer
+        assert e.parts["reduce"] == 2 * e.params
 
 
 _HOLES = """
