@@ -161,8 +161,8 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None) -> AutoPl
 def host_calibration(base: RunConfig, world: int) -> Calibration:
     """This host's calibration for the workers a run of ``world`` ranks starts here (cached)."""
     from trainer.calibrate import load_or_probe
-    from trainer.memory import _on_cuda
+    from trainer.memory_layout import on_cuda
 
     workers = max(1, min(world // base.launch.nnodes, MAX_PROBE_WORKERS))
     sizes = [g for g in range(2, world + 1) if world % g == 0 and g <= workers]
-    return load_or_probe(workers, sizes, device_type="cuda" if _on_cuda(base) else "cpu")
+    return load_or_probe(workers, sizes, device_type="cuda" if on_cuda(base) else "cpu")

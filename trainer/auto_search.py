@@ -257,6 +257,6 @@ def _hsdp_sizes(label: str) -> list[int]:
 def _device(cfg: RunConfig):
     import torch
 
-    from trainer.memory import _on_cuda
+    from trainer.memory_layout import on_cuda
 
-    return torch.device("cuda" if _on_cuda(cfg) else "cpu")
+    return torch.device("cuda" if on_cuda(cfg) else "cpu")

@@ -19,7 +19,8 @@ import torch
 from parallel.plan import ParallelPlan
 from trainer.config import RunConfig
 from trainer.host_memory import WORKER_FLOOR, has_mallopt
-from trainer.memory import GIB, MemoryEstimate, _on_cuda, predict_memory
+from trainer.memory import GIB, MemoryEstimate, predict_memory
+from trainer.memory_layout import on_cuda
 
 
 def memory_budget(cfg: RunConfig) -> tuple[float, str]:
@@ -28,7 +29,7 @@ def memory_budget(cfg: RunConfig) -> tuple[float, str]:
     less what each worker holds before training (:data:`trainer.host_memory.WORKER_FLOOR`)."""
     if cfg.launch.memory_budget_gb is not None:
         return cfg.launch.memory_budget_gb * GIB, "launch.memory_budget_gb"
-    if _on_cuda(cfg):
+    if on_cuda(cfg):
         return float(torch.cuda.get_device_properties(0).total_memory), "the GPU's memory"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     workers = max(1, cfg.world_size // cfg.launch.nnodes)
@@ -93,7 +94,7 @@ def _remedies(cfg: RunConfig):
         if (t.global_batch_size // max(1, cfg.dp_size)) % (t.grad_accum * factor * cfg.num_microbatches) == 0:
             yield f"train.grad_accum={t.grad_accum * factor}", cfg.model_copy(update={"train": t.model_copy(
                 update={"grad_accum": t.grad_accum * factor})})
-    if not _on_cuda(cfg) and not cfg.launch.unmap_freed_memory and has_mallopt():
+    if not on_cuda(cfg) and not cfg.launch.unmap_freed_memory and has_mallopt():
         yield "launch.unmap_freed_memory=true", cfg.model_copy(update={"launch": cfg.launch.model_copy(
             update={"unmap_freed_memory": True})})
     if t.precision == "fp32":
