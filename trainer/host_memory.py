@@ -81,8 +81,9 @@ STEP_FRAGMENTATION = 0.6
 # block's all-gather and its free, that block's unsharded parameters and activations are carved
 # out of the holes, so the next block's flat buffer seldom fits one and extends the heap. The
 # step's other cycled memory is placed in these same holes, so the larger of the two counts, not
-# their sum. Summed over a step the holes come to about the flat bytes, whatever the number of
-# ranks (the buffers are a whole block's, not a shard's): main-arena holes 0.75-1.06x the flat
+# their sum (except on a pipelined stage: host_overhead). Summed over a step the holes come to
+# about the flat bytes, whatever the number of ranks (the buffers are a whole block's, not a
+# shard's): main-arena holes 0.75-1.06x the flat
 # bytes on fsdp [2], [8] and dp x tp [2, 2] (25M), 0.95x on fsdp [8] (100M). This is why the gap to
 # the live tensors grew with the ranks: the live bytes shrink as 1 / ranks, the holes do not.
 FSDP_FLAT = 1.0
@@ -153,7 +154,8 @@ def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: lis
     :data:`STEP_FRAGMENTATION` of the step's activations. A pipelined FSDP stage gathers its blocks
     before the first micro-batch and reduce-scatters them after the last, so its flat buffers' holes
     and its activations' add up (the planner sweep's 17 pipelined FSDP layouts: 0.9-1.3x the
-    holes measured with the sum, 0.5-0.8x with the larger). With ``launch.unmap_freed_memory`` nothing stays resident once freed: no holes."""
+    holes measured with the sum, 0.5-0.8x with the larger). With ``launch.unmap_freed_memory``
+    nothing stays resident once freed: no holes."""
     if cfg.launch.unmap_freed_memory:
         return 0.0
     flat, per_param = fsdp_heap_buffers(cfg, plan, blocks)

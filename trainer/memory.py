@@ -278,8 +278,8 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
         chunks = max(1, len(rank_numbers["stages"]))
         # FSDP2's pipelined stage accumulates unsharded gradients in the compute dtype; else param.grad
         stage_grads = local * (0.5 if t.precision == "bf16" else 1.0) if pipelined_fsdp else rank_numbers["grad_bytes"]
-        held_acts, held_grads = in_flight_peak(plan, in_flight, acts / chunks, stage_grads, chunks,
-                                                accumulated=t.grad_accum > 1 and not pipelined_fsdp) if pp else (acts, 0.0)
+        held_acts, held_grads = (acts, 0.0) if pp is None else in_flight_peak(
+            plan, in_flight, acts / chunks, stage_grads, chunks, accumulated=t.grad_accum > 1 and not pipelined_fsdp)
         estimate = MemoryEstimate(
             pp_rank=r, params=rank_numbers["param_bytes"], grads=rank_numbers["grad_bytes"],
             optimizer=rank_numbers["optim_bytes"], gathered=gathered(cfg, plan, local, blocks, root),
