@@ -145,7 +145,7 @@ def fsdp_heap_buffers(cfg: RunConfig, plan: ParallelPlan, blocks: list[list[floa
 
 
 def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: list[list[float]],
-                  step_activations: float = 0.0) -> float:
+                  step_activations: float) -> float:
     """Resident bytes of glibc's heap holes at the peak (``cycled``: the live bytes a step
     allocates and frees at its peak, i.e. all but the weights and AdamW's moments;
     ``step_activations``: the activations it allocates over all its passes). Where FSDP's flat

@@ -255,7 +255,7 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
     # FSDP2's sharded ones appear only as the stage's final reduce frees those, so beside the
     # activations they are there only from an earlier accumulation step.
     pipelined_fsdp = pp is not None and fsdp2(plan)
-    sharded_grads_in_backward = t.grad_accum > 1 if pipelined_fsdp else accumulates and pp is None
+    sharded_grads_in_backward = t.grad_accum > 1 and (pipelined_fsdp or pp is None)
     backward = saved["timeline"][saved["forward_ops"]:] or [(0.0, 0.0)]
     transient = max(0.0, max(a + keep * g for a, g in backward) - sum(saved["units"].values()))
     cpu = not on_cuda(cfg)
@@ -275,11 +275,15 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
         blocks = [saved["unit_params"].get(u, []) for u in held if u in plan.blocks]
         root = sum(sum(saved["unit_params"].get(u, [])) for u in held if u not in plan.blocks)
         local = rank_numbers["params"] * 4.0
-        chunks = max(1, len(rank_numbers["stages"]))
-        # FSDP2's pipelined stage accumulates unsharded gradients in the compute dtype; else param.grad
-        stage_grads = local * (0.5 if t.precision == "bf16" else 1.0) if pipelined_fsdp else rank_numbers["grad_bytes"]
-        held_acts, held_grads = (acts, 0.0) if pp is None else in_flight_peak(
-            plan, in_flight, acts / chunks, stage_grads, chunks, accumulated=t.grad_accum > 1 and not pipelined_fsdp)
+        held_acts, held_grads = acts, 0.0
+        if pp is not None:
+            chunks = max(1, len(rank_numbers["stages"]))
+            # FSDP2's pipelined stage accumulates unsharded gradients in the compute dtype; else param.grad
+            stage_grads = rank_numbers["grad_bytes"]
+            if pipelined_fsdp:
+                stage_grads = local * (0.5 if t.precision == "bf16" else 1.0)
+            held_acts, held_grads = in_flight_peak(plan, in_flight, acts / chunks, stage_grads, chunks,
+                                                   accumulated=t.grad_accum > 1 and not pipelined_fsdp)
         estimate = MemoryEstimate(
             pp_rank=r, params=rank_numbers["param_bytes"], grads=rank_numbers["grad_bytes"],
             optimizer=rank_numbers["optim_bytes"], gathered=gathered(cfg, plan, local, blocks, root),
@@ -294,8 +298,8 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
         else:
             reduce, mapped = replicate_reduce(cfg, plan, local, at_peak)
         estimate = replace(estimate, parts={**estimate.parts, "reduce": reduce})
-        # A pipelined stage's unsharded parameters and gradients are allocated once a step and live
-        # through all its micro-batches: their heap holes are FSDP's per-parameter term, not cycled memory's.
+        # A pipelined stage's unsharded parameters are allocated once a step and live through all its
+        # micro-batches: their heap holes are FSDP's per-parameter term, not cycled memory's.
         cycled = estimate.live - estimate.params - estimate.optimizer - (estimate.gathered if pipelined_fsdp else 0.0)
         if estimate.live - estimate.params - estimate.optimizer == reduce:  # mmapped buffers leave no heap holes
             cycled -= mapped
