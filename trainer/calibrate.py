@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 # (m, k, n) of the probe's matmuls: a decoder's projections from tiny (dim 64) to small (dim 512, ffn 1376),
 # m being the tokens of a micro-batch; small ones measure the per-call overhead, large ones the throughput.
@@ -82,6 +82,9 @@ class Calibration:
     # layout family (ddp, fsdp, tp) -> a real training step of a small decoder laid out so over all the
     # workers, measured over what the cost model predicts for it (trainer.calibrate_work.probe_steps)
     step_efficiency: dict[str, float] = field(default_factory=dict)
+    # pipeline reference (pp: dp x pp2; pp_tp: dp x pp2 x tp2) -> seconds each schedule action of a real
+    # step of that layout takes beyond the prediction (trainer.cost_reference.action_seconds)
+    schedule_action_s: dict[str, float] = field(default_factory=dict)
     probe_s: float = 0.0
     torch_version: str = torch.__version__
     created: float = 0.0
@@ -290,12 +293,13 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
         optimizer_dtensor_tensor_s=statistics.median(c["dtensor"][1] for c in compute) if workers > 1 else 0.0,
         cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
         probe_s=time.monotonic() - began, created=time.time())
-    from trainer.calibrate_work import reference_prediction, step_efficiency
+    from trainer.calibrate_work import reference_prediction, schedule_action_seconds, step_efficiency
 
     measured = statistics.median(c["reference_s"] for c in compute)
     cal = replace(cal, compute_efficiency=measured / reference_prediction(cal))
     steps = {f: statistics.median(c["steps"][f] for c in compute) for f in compute[0].get("steps", {})}
-    return replace(cal, step_efficiency=step_efficiency(cal, steps), probe_s=time.monotonic() - began)
+    cal = replace(cal, step_efficiency=step_efficiency(cal, steps))  # the pipelines' residue is taken after it
+    return replace(cal, schedule_action_s=schedule_action_seconds(cal, steps), probe_s=time.monotonic() - began)
 
 
 def _device_name(device: torch.device) -> str:
@@ -351,6 +355,10 @@ def describe(cal: Calibration) -> str:
         lines.append("  its whole training step, over all workers, takes " + ", ".join(
             f"{r:.2f}x (dp {f})" if f != "tp" else f"{r:.2f}x (tp)" for f, r in cal.step_efficiency.items())
             + " the predicted step: a layout pays each to the share of its degree it uses")
+    if cal.schedule_action_s:
+        lines.append("  a pipeline's step takes " + ", ".join(
+            f"{s * 1e3:.1f} ms ({'with tp' if f == 'pp_tp' else 'without tp'})" for f, s in cal.schedule_action_s.items())
+            + " more per schedule action than predicted")
     for op, by_size in cal.collectives.items():
         for g, fit in sorted(by_size.items()):
             lines.append(f"  {op} over {g}: {fit.latency_s * 1e6:.0f} us + bytes / {fit.rate / 1e6:.0f} MB/s")

@@ -6,6 +6,8 @@ decoder's real forward and backward, against which the raw fits are checked.
     op_s, optimizer_s = probe_framework(device)
     linear_s, optimizer_dtensor_s = probe_dtensor(device, workers)     # inside a process group
     efficiency = probe_reference(device) / reference_prediction(cal)
+    seconds = probe_steps(device, workers)          # reference steps: ddp, fsdp, tp, pp, pp_tp
+    ratios, per_action = step_efficiency(cal, seconds), schedule_action_seconds(cal, seconds)
 """
 
 from __future__ import annotations
@@ -126,27 +128,56 @@ def probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
 
 # The reference steps: a small decoder trained for real by the engine on every probe worker, laid
 # out as each family of layouts the planner weighs (dp over all workers as ddp, as fsdp; tp over
-# all workers). Measured whole (forward + backward with the family's hooks, redistributions and
-# gradient buffers, clipping, AdamW, zero_grad, the loss all-reduce), as the training loop runs a
-# step, and divided by what the cost model predicts for the same step: the per-step work the
-# model does not itemize (FSDP2's and replicate's copies into and out of their buffers, DTensor's
-# redistributions beyond the counted all-reduces, the loop's collectives). A layout pays each
-# family's ratio to the share of the reference's degree it uses (:func:`trainer.cost_model.layout_efficiency`).
+# all workers; a pipeline of two stages, without and with tp2, dp over the rest). Measured whole
+# (forward + backward with the family's hooks, redistributions and gradient buffers, clipping,
+# AdamW, zero_grad, the loss all-reduce), as the training loop runs a step, and compared with what
+# the cost model predicts for the same step: the per-step work the model does not itemize
+# (FSDP2's and replicate's copies into and out of their buffers, DTensor's redistributions beyond
+# the counted all-reduces, the loop's collectives, a schedule's per-action cost). A dp or tp layout
+# pays each family's ratio to the share of the reference's degree it uses, a pipeline the per-action
+# residue of its reference per action (:mod:`trainer.cost_reference`).
 STEP_MODEL = dict(REFERENCE_MODEL, n_layers=4, n_heads=8, n_kv_heads=8)
 STEP_SEQUENCES_PER_RANK = 2  # the global batch is 2 sequences per worker, as the bench's 16 over 8
-STEP_FAMILIES = ("ddp", "fsdp", "tp")
+RATIO_FAMILIES = ("ddp", "fsdp", "tp")
+PIPELINE_FAMILIES = ("pp", "pp_tp")
+STEP_FAMILIES = RATIO_FAMILIES + PIPELINE_FAMILIES
+# The pipelined references: two stages (the shortest pipeline, every pp degree's per-action cost
+# measured alike), 1F1B, four micro-batches; ddp over the ranks left (pp_tp: the 3-D layout).
+STEP_PIPELINE = {"dim": "pp", "schedule": "1F1B", "microbatches": 4}
+
+
+def _reference_parallel(family: str, workers: int) -> tuple[list[int], dict] | None:
+    """``(mesh, parallel)`` of ``family``'s reference step over ``workers``, or ``None``."""
+    tp = {"dim": "tp", "plan": "megatron"}
+    if family in RATIO_FAMILIES:
+        if family == "tp":
+            return ([workers], {"dims": ["tp"], "tensor_parallel": tp}) if STEP_MODEL["n_heads"] % workers == 0 else None
+        return [workers], {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": family}}
+    tp_size = 2 if family == "pp_tp" else 1
+    dp_size, rest = divmod(workers, 2 * tp_size)
+    if rest or dp_size < 1:
+        return None
+    sizes = {"dp": dp_size, "pp": 2, "tp": tp_size}
+    dims = [d for d in ("dp", "pp", "tp") if sizes[d] > 1]
+    parallel = {"dims": dims, "pipeline": dict(STEP_PIPELINE)}
+    if dp_size > 1:
+        parallel["data_parallel"] = {"dim": "dp", "mode": "ddp"}
+    if tp_size > 1:
+        parallel["tensor_parallel"] = tp
+    return [sizes[d] for d in dims], parallel
 
 
 def reference_step(family: str, workers: int):
     """``(config, plan)`` of the reference step of ``family`` on ``workers`` ranks, or ``None``
-    when the family cannot lay the step model out over them (tp must divide the heads)."""
+    when the family cannot lay the step model out over them (tp must divide the heads, a
+    pipeline's two stages (and tp2) the workers)."""
     from trainer.validate import validate_with_plan
 
-    if workers < 2 or (family == "tp" and STEP_MODEL["n_heads"] % workers):
+    layout = _reference_parallel(family, workers) if workers >= 2 else None
+    if layout is None:
         return None
-    parallel = ({"dims": ["tp"], "tensor_parallel": {"dim": "tp", "plan": "megatron"}} if family == "tp"
-                else {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": family}})
-    raw = {"model": dict(STEP_MODEL), "mesh": [workers], "parallel": parallel,
+    mesh, parallel = layout
+    raw = {"model": dict(STEP_MODEL), "mesh": mesh, "parallel": parallel,
            "train": {"global_batch_size": STEP_SEQUENCES_PER_RANK * workers, "seq_len": STEP_MODEL["max_seq_len"]}}
     return validate_with_plan(raw)
 
@@ -182,13 +213,30 @@ def probe_steps(device: torch.device, workers: int) -> dict[str, float]:
 
 
 def step_efficiency(cal: Calibration, measured: dict[str, float]) -> dict[str, float]:
-    """Per family: the reference step's measured seconds over what ``cal`` (without any step
-    efficiency) predicts for it."""
+    """Per dp or tp family: the reference step's measured seconds over what ``cal`` (without any
+    step efficiency) predicts for it."""
     from trainer.cost_model import predict_step_time
 
-    raw = replace(cal, step_efficiency={})
+    raw = replace(cal, step_efficiency={}, schedule_action_s={})
     out = {}
     for family, seconds in measured.items():
-        cfg, plan = reference_step(family, cal.workers)
-        out[family] = seconds / predict_step_time(cfg, plan, raw).total_s
+        if family in RATIO_FAMILIES:
+            cfg, plan = reference_step(family, cal.workers)
+            out[family] = seconds / predict_step_time(cfg, plan, raw).total_s
+    return out
+
+
+def schedule_action_seconds(cal: Calibration, measured: dict[str, float]) -> dict[str, float]:
+    """Per pipelined family: the seconds its reference step took beyond what ``cal`` (with the dp
+    and tp ratios, without any action cost) predicts, per schedule action of a rank (at least 0)."""
+    from trainer.cost_model import predict_step_time
+    from trainer.cost_reference import schedule_actions
+
+    raw = replace(cal, schedule_action_s={})
+    out = {}
+    for family, seconds in measured.items():
+        if family in PIPELINE_FAMILIES:
+            cfg, plan = reference_step(family, cal.workers)
+            residue = seconds - predict_step_time(cfg, plan, raw).total_s
+            out[family] = max(0.0, residue) / schedule_actions(plan, cfg.train.grad_accum)
     return out

@@ -26,7 +26,9 @@
   DTensor's redistributions, the loop's collectives and clipping): the calibration trains the same
   small decoder for real laid out as pure ddp, fsdp and tp over all the probe's workers and keeps
   each step's measured time over its prediction; a layout's prediction is scaled by those ratios,
-  each to the share of the layout's degree in that family (:func:`layout_efficiency`).
+  each to the share of the layout's degree in that family. Pipelined references (dp x pp2, and
+  with tp2) measure a fixed cost per schedule action, which a pipeline adds
+  (:mod:`trainer.cost_reference`).
 * Overlap: none. On CPU, gloo's collectives and the compute share the same cores and FSDP2's
   prefetch buys little, so the prediction adds compute, bubble, communication and the optimizer
   step. (On GPUs with nccl this over-predicts FSDP and dp: a later calibration may fit an overlap.)
@@ -49,6 +51,7 @@ from parallel.pipeline_order import expected_bubble
 from parallel.plan import ParallelPlan
 from trainer.calibrate import Calibration
 from trainer.cost_comm import comm_ops, unit_params
+from trainer.cost_reference import unitemized
 from trainer.config import RunConfig
 
 _FLASH_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
@@ -204,7 +207,7 @@ class StepTime:
     optimizer_s: float
     traffic: dict[str, float]  # bytes a rank sends per step, per mesh axis
     tokens_per_step: int
-    overhead_s: float = 0.0  # the step's work the parts above do not itemize (:func:`layout_efficiency`)
+    overhead_s: float = 0.0  # the step's work the parts above do not itemize (trainer.cost_reference)
 
     @property
     def tokens_per_s(self) -> float:
@@ -244,38 +247,9 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     span = bubble_span(compute, bubble, calibration)
     _, comm, optimizer, traffic = worst_wait(cfg, plan, calibration, params, micro)
     itemized = span + sum(comm.values()) + optimizer
-    total = itemized * layout_efficiency(plan, calibration)
+    total = unitemized(itemized, plan, calibration, t.grad_accum)
     return StepTime(total_s=total, compute_s=compute, bubble_s=span - compute, comm_s=comm, optimizer_s=optimizer,
                     traffic=traffic, tokens_per_step=t.global_batch_size * t.seq_len, overhead_s=total - itemized)
-
-
-def layout_degrees(plan: ParallelPlan) -> dict[str, int]:
-    """The layout's degree in each family the calibration measures a reference step of: its dp
-    size under its dp mode's family (``ddp``; ``fsdp`` for fsdp, zero2 and hsdp: FSDP2's
-    sharded parameters) and its tp size (the product of the axes its placements shard)."""
-    out: dict[str, int] = {}
-    if (dp := plan.data_parallel) is not None and (size := plan.mesh.size(dp.dim_names)) > 1:
-        out["ddp" if dp.mode == "ddp" else "fsdp"] = size
-    tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
-    if (tp := math.prod(plan.mesh.size(a) for a in tp_axes)) > 1:
-        out["tp"] = tp
-    return out
-
-
-def layout_efficiency(plan: ParallelPlan, calibration: Calibration) -> float:
-    """What a real step of this layout takes over the itemized prediction: the product, over the
-    families it uses, of the calibration's measured reference-step ratio (taken over all the probe's
-    workers) raised to the share of that degree the layout uses, ``log(degree) / log(workers)``
-    (at most 1): dp4 x tp2 on 8 workers pays 2/3 of ddp's ratio in the log and 1/3 of tp's, a
-    pipeline axis none (its schedule's work is itemized: bubble, sends)."""
-    reference = calibration.workers
-    if reference < 2 or not calibration.step_efficiency:
-        return 1.0
-    eff = 1.0
-    for family, degree in layout_degrees(plan).items():
-        if (ratio := calibration.step_efficiency.get(family)) is not None:
-            eff *= ratio ** min(1.0, math.log(degree) / math.log(reference))
-    return eff
 
 
 def placed_params(plan: ParallelPlan) -> dict[str, int]:
@@ -373,4 +347,4 @@ def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, 
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
     itemized = bubble_span(compute, bubble, calibration) + worst_wait(cfg, plan, calibration, params, micro_batch_size(cfg))[0]
-    return itemized * layout_efficiency(plan, calibration)
+    return unitemized(itemized, plan, calibration, t.grad_accum)

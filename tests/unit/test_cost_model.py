@@ -133,7 +133,7 @@ def test_reference_step_ratios_scale_each_family_to_the_share_of_its_degree():
     import math
     from dataclasses import replace
 
-    from trainer.cost_model import layout_degrees, layout_efficiency
+    from trainer.cost_reference import layout_degrees, layout_efficiency
 
     cal = replace(CAL, workers=8, step_efficiency={"ddp": 1.5, "fsdp": 1.4, "tp": 2.0})
     cfg, plan = _plan("+parallel=3d", "mesh=[2,2,2]")  # dp2(fsdp) x pp2 x tp2
@@ -157,12 +157,39 @@ def test_reference_step_ratios_scale_each_family_to_the_share_of_its_degree():
     assert math.isclose(layout_efficiency(plan, replace(cal, workers=1)), 1.0)
 
 
+def test_a_pipeline_pays_its_references_cost_per_schedule_action():
+    from dataclasses import replace
+
+    from trainer.cost_reference import action_seconds, schedule_actions
+
+    cal = replace(CAL, workers=8, schedule_action_s={"pp": 0.01, "pp_tp": 0.03})
+    cfg, plan = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=4")
+    assert schedule_actions(plan) == 8 and action_seconds(plan, cal) == 0.01  # 4 forwards, 4 backwards
+    raw = predict_step_time(cfg, plan, CAL)
+    paid = predict_step_time(cfg, plan, cal)
+    assert paid.total_s == pytest.approx(raw.total_s + 0.08) and paid.overhead_s == pytest.approx(0.08)
+    assert paid.compute_s == raw.compute_s and paid.bubble_s == raw.bubble_s
+    # with tp in the stages: the pp x tp reference's cost; two accumulation steps run the schedule twice
+    _, plan3 = _plan("+parallel=3d", "mesh=[2,2,2]")
+    assert action_seconds(plan3, cal) == 0.03
+    assert schedule_actions(plan3, grad_accum=2) == 2 * schedule_actions(plan3)
+    assert action_seconds(plan3, replace(cal, schedule_action_s={"pp": 0.01})) == 0.01  # no pp_tp measured
+    # a split backward (input and weight gradients) is three actions per micro-batch and stage
+    _, zbv = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2",
+                   "parallel.pipeline.microbatches=4")
+    assert schedule_actions(zbv) == 3 * 4 * 2
+    # no pipeline: no actions, nothing to pay
+    _, dp = _plan("+parallel=dp", "mesh=[2]")
+    assert schedule_actions(dp) == 0 and action_seconds(dp, cal) == 0.0
+
+
 def test_the_lower_bound_stays_below_the_scaled_prediction():
     from dataclasses import replace
 
     from trainer.cost_model import lower_bound_s
 
-    cal = replace(CAL, workers=4, step_efficiency={"ddp": 1.5, "fsdp": 1.4, "tp": 2.0})
+    cal = replace(CAL, workers=4, step_efficiency={"ddp": 1.5, "fsdp": 1.4, "tp": 2.0},
+                  schedule_action_s={"pp": 0.01, "pp_tp": 0.03})
     for overrides in (["+parallel=dp", "mesh=[4]"], ["+parallel=tp", "mesh=[2]"], ["+parallel=3d", "mesh=[2,2,2]"]):
         cfg, plan = _plan(*overrides)
         model = build_model(cfg.model, device="meta")
