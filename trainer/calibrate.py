@@ -82,9 +82,10 @@ class Calibration:
     # layout family (ddp, fsdp, tp) -> a real training step of a small decoder laid out so over all the
     # workers, measured over what the cost model predicts for it (trainer.calibrate_work.probe_steps)
     step_efficiency: dict[str, float] = field(default_factory=dict)
-    # pipeline reference (pp: dp x pp2; pp_tp: dp x pp2 x tp2) -> seconds each schedule action of a real
-    # step of that layout takes beyond the prediction (trainer.cost_reference.action_seconds)
-    schedule_action_s: dict[str, float] = field(default_factory=dict)
+    # a pipelined step's fixed costs beyond the prediction (trainer.cost_reference.pipeline_overhead_s),
+    # from real steps of dp x pp2 and dp x pp2 x tp2: per schedule action, and per tp all-reduce of a stage
+    schedule_action_s: float = 0.0
+    pipelined_tp_collective_s: float = 0.0
     probe_s: float = 0.0
     torch_version: str = torch.__version__
     created: float = 0.0
@@ -293,13 +294,15 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
         optimizer_dtensor_tensor_s=statistics.median(c["dtensor"][1] for c in compute) if workers > 1 else 0.0,
         cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
         probe_s=time.monotonic() - began, created=time.time())
-    from trainer.calibrate_work import reference_prediction, schedule_action_seconds, step_efficiency
+    from trainer.calibrate_work import pipeline_costs, reference_prediction, step_efficiency
 
     measured = statistics.median(c["reference_s"] for c in compute)
     cal = replace(cal, compute_efficiency=measured / reference_prediction(cal))
     steps = {f: statistics.median(c["steps"][f] for c in compute) for f in compute[0].get("steps", {})}
     cal = replace(cal, step_efficiency=step_efficiency(cal, steps))  # the pipelines' residue is taken after it
-    return replace(cal, schedule_action_s=schedule_action_seconds(cal, steps), probe_s=time.monotonic() - began)
+    action_s, tp_collective_s = pipeline_costs(cal, steps)
+    return replace(cal, schedule_action_s=action_s, pipelined_tp_collective_s=tp_collective_s,
+                   probe_s=time.monotonic() - began)
 
 
 def _device_name(device: torch.device) -> str:
@@ -355,10 +358,9 @@ def describe(cal: Calibration) -> str:
         lines.append("  its whole training step, over all workers, takes " + ", ".join(
             f"{r:.2f}x (dp {f})" if f != "tp" else f"{r:.2f}x (tp)" for f, r in cal.step_efficiency.items())
             + " the predicted step: a layout pays each to the share of its degree it uses")
-    if cal.schedule_action_s:
-        lines.append("  a pipeline's step takes " + ", ".join(
-            f"{s * 1e3:.1f} ms ({'with tp' if f == 'pp_tp' else 'without tp'})" for f, s in cal.schedule_action_s.items())
-            + " more per schedule action than predicted")
+    if cal.schedule_action_s or cal.pipelined_tp_collective_s:
+        lines.append(f"  a pipeline's step takes {cal.schedule_action_s * 1e3:.1f} ms more than predicted per "
+                     f"schedule action, and {cal.pipelined_tp_collective_s * 1e3:.1f} ms per tp all-reduce of a stage")
     for op, by_size in cal.collectives.items():
         for g, fit in sorted(by_size.items()):
             lines.append(f"  {op} over {g}: {fit.latency_s * 1e6:.0f} us + bytes / {fit.rate / 1e6:.0f} MB/s")

@@ -7,7 +7,7 @@ decoder's real forward and backward, against which the raw fits are checked.
     linear_s, optimizer_dtensor_s = probe_dtensor(device, workers)     # inside a process group
     efficiency = probe_reference(device) / reference_prediction(cal)
     seconds = probe_steps(device, workers)          # reference steps: ddp, fsdp, tp, pp, pp_tp
-    ratios, per_action = step_efficiency(cal, seconds), schedule_action_seconds(cal, seconds)
+    ratios, (per_action, per_tp_collective) = step_efficiency(cal, seconds), pipeline_costs(cal, seconds)
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
 # the cost model predicts for the same step: the per-step work the model does not itemize
 # (FSDP2's and replicate's copies into and out of their buffers, DTensor's redistributions beyond
 # the counted all-reduces, the loop's collectives, a schedule's per-action cost). A dp or tp layout
-# pays each family's ratio to the share of the reference's degree it uses, a pipeline the per-action
-# residue of its reference per action (:mod:`trainer.cost_reference`).
+# pays each family's ratio to the share of the reference's degree it uses, a pipeline the fixed costs
+# its references leave per schedule action and per tp all-reduce of a stage (:mod:`trainer.cost_reference`).
 STEP_MODEL = dict(REFERENCE_MODEL, n_layers=4, n_heads=8, n_kv_heads=8)
 STEP_SEQUENCES_PER_RANK = 2  # the global batch is 2 sequences per worker, as the bench's 16 over 8
 RATIO_FAMILIES = ("ddp", "fsdp", "tp")
@@ -151,7 +151,8 @@ def _reference_parallel(family: str, workers: int) -> tuple[list[int], dict] | N
     tp = {"dim": "tp", "plan": "megatron"}
     if family in RATIO_FAMILIES:
         if family == "tp":
-            return ([workers], {"dims": ["tp"], "tensor_parallel": tp}) if STEP_MODEL["n_heads"] % workers == 0 else None
+            fits = STEP_MODEL["n_heads"] % workers == 0
+            return ([workers], {"dims": ["tp"], "tensor_parallel": tp}) if fits else None
         return [workers], {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": family}}
     tp_size = 2 if family == "pp_tp" else 1
     dp_size, rest = divmod(workers, 2 * tp_size)
@@ -217,7 +218,7 @@ def step_efficiency(cal: Calibration, measured: dict[str, float]) -> dict[str, f
     step efficiency) predicts for it."""
     from trainer.cost_model import predict_step_time
 
-    raw = replace(cal, step_efficiency={}, schedule_action_s={})
+    raw = replace(cal, step_efficiency={}, schedule_action_s=0.0, pipelined_tp_collective_s=0.0)
     out = {}
     for family, seconds in measured.items():
         if family in RATIO_FAMILIES:
@@ -226,17 +227,24 @@ def step_efficiency(cal: Calibration, measured: dict[str, float]) -> dict[str, f
     return out
 
 
-def schedule_action_seconds(cal: Calibration, measured: dict[str, float]) -> dict[str, float]:
-    """Per pipelined family: the seconds its reference step took beyond what ``cal`` (with the dp
-    and tp ratios, without any action cost) predicts, per schedule action of a rank (at least 0)."""
+def pipeline_costs(cal: Calibration, measured: dict[str, float]) -> tuple[float, float]:
+    """``(seconds per schedule action, seconds per tp all-reduce of a pipelined stage)`` beyond what
+    ``cal`` (with the dp and tp ratios, without these costs) predicts: the ``pp`` reference's residue
+    over its actions, then the ``pp_tp`` reference's residue beyond its actions' cost over its tp
+    all-reduces (each at least 0; 0 where the probe had no such reference)."""
     from trainer.cost_model import predict_step_time
-    from trainer.cost_reference import schedule_actions
+    from trainer.cost_reference import pipelined_tp_collectives, schedule_actions
 
-    raw = replace(cal, schedule_action_s={})
-    out = {}
-    for family, seconds in measured.items():
-        if family in PIPELINE_FAMILIES:
-            cfg, plan = reference_step(family, cal.workers)
-            residue = seconds - predict_step_time(cfg, plan, raw).total_s
-            out[family] = max(0.0, residue) / schedule_actions(plan, cfg.train.grad_accum)
-    return out
+    raw = replace(cal, schedule_action_s=0.0, pipelined_tp_collective_s=0.0)
+    action_s = tp_s = 0.0
+    for family in ("pp", "pp_tp"):
+        if family not in measured:
+            continue
+        cfg, plan = reference_step(family, cal.workers)
+        actions = schedule_actions(plan, cfg.train.grad_accum)
+        residue = measured[family] - predict_step_time(cfg, plan, raw).total_s
+        if family == "pp":
+            action_s = max(0.0, residue) / actions
+        else:
+            tp_s = max(0.0, residue - actions * action_s) / pipelined_tp_collectives(plan, cfg.train.grad_accum)
+    return action_s, tp_s

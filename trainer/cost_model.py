@@ -27,8 +27,8 @@
   small decoder for real laid out as pure ddp, fsdp and tp over all the probe's workers and keeps
   each step's measured time over its prediction; a layout's prediction is scaled by those ratios,
   each to the share of the layout's degree in that family. Pipelined references (dp x pp2, and
-  with tp2) measure a fixed cost per schedule action, which a pipeline adds
-  (:mod:`trainer.cost_reference`).
+  with tp2) measure a fixed cost per schedule action and per tp all-reduce of a pipelined stage,
+  which a pipeline adds (:mod:`trainer.cost_reference`).
 * Overlap: none. On CPU, gloo's collectives and the compute share the same cores and FSDP2's
   prefetch buys little, so the prediction adds compute, bubble, communication and the optimizer
   step. (On GPUs with nccl this over-predicts FSDP and dp: a later calibration may fit an overlap.)
@@ -51,7 +51,7 @@ from parallel.pipeline_order import expected_bubble
 from parallel.plan import ParallelPlan
 from trainer.calibrate import Calibration
 from trainer.cost_comm import comm_ops, unit_params
-from trainer.cost_reference import unitemized
+from trainer.cost_reference import rank_units, with_reference_costs
 from trainer.config import RunConfig
 
 _FLASH_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
@@ -234,7 +234,7 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     checkpointed = set(plan.blocks) if plan.activation_checkpointing == "full" else set()
     busy = []
     placed = placed_params(plan)
-    for held in _rank_units(plan):
+    for held in rank_units(plan):
         per_pass = calibration.dtensor_linear_s * sum(placed.get(u, 0) for u in held)
         for unit in held:
             cost = costs.get(unit, UnitCost())
@@ -247,7 +247,7 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     span = bubble_span(compute, bubble, calibration)
     _, comm, optimizer, traffic = worst_wait(cfg, plan, calibration, params, micro)
     itemized = span + sum(comm.values()) + optimizer
-    total = unitemized(itemized, plan, calibration, t.grad_accum)
+    total = with_reference_costs(itemized, plan, calibration, t.grad_accum)
     return StepTime(total_s=total, compute_s=compute, bubble_s=span - compute, comm_s=comm, optimizer_s=optimizer,
                     traffic=traffic, tokens_per_step=t.global_batch_size * t.seq_len, overhead_s=total - itemized)
 
@@ -307,21 +307,13 @@ def bubble_span(compute: float, bubble: float, calibration: Calibration) -> floa
     return span
 
 
-def _rank_units(plan: ParallelPlan) -> list[list[str]]:
-    """The units each pp rank holds (one list without a pipeline)."""
-    pp = plan.pipeline
-    if pp is None:
-        return [list(plan.units)]
-    return [[u for s in pp.stages_of(r) for u in pp.stage_units[s]] for r in range(plan.pp_size)]
-
-
 def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: dict[str, tuple[float, int]],
                micro: int) -> tuple[float, dict[str, float], float, dict[str, float]]:
     """``(seconds, comm seconds per axis, optimizer seconds, bytes sent per axis)`` of the pp rank
     that spends the longest outside compute: communicating (no overlap) and in its optimizer step."""
     shard = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
     waits = []
-    for held in _rank_units(plan):
+    for held in rank_units(plan):
         comm: dict[str, float] = defaultdict(float)
         traffic: dict[str, float] = defaultdict(float)
         for op in comm_ops(cfg, plan, held, params, micro):
@@ -347,4 +339,4 @@ def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, 
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
     itemized = bubble_span(compute, bubble, calibration) + worst_wait(cfg, plan, calibration, params, micro_batch_size(cfg))[0]
-    return unitemized(itemized, plan, calibration, t.grad_accum)
+    return with_reference_costs(itemized, plan, calibration, t.grad_accum)

@@ -76,7 +76,7 @@ def test_two_workers_measure_collectives():
     # real steps of the reference decoder over both workers, each slower than nothing and finite
     assert set(cal.step_efficiency) == {"ddp", "fsdp", "tp"} and all(0.1 < r < 20 for r in cal.step_efficiency.values())
     # a two-stage pipeline's step, per schedule action: two workers have no pp x tp2 reference
-    assert set(cal.schedule_action_s) == {"pp"} and 0.0 <= cal.schedule_action_s["pp"] < 1.0
+    assert 0.0 <= cal.schedule_action_s < 1.0 and cal.pipelined_tp_collective_s == 0.0
 
 
 def test_reference_steps_are_the_engines_layouts_and_round_trip():
@@ -100,27 +100,33 @@ def test_reference_steps_are_the_engines_layouts_and_round_trip():
     assert step_efficiency(cal, {"fsdp": 2 * predicted}) == pytest.approx({"fsdp": 2.0})
 
 
-def test_pipelined_references_measure_a_cost_per_schedule_action():
+def test_pipelined_references_measure_a_cost_per_schedule_action_and_tp_all_reduce():
     from dataclasses import replace
 
-    from trainer.calibrate_work import reference_step, schedule_action_seconds, step_efficiency
+    from trainer.calibrate_work import pipeline_costs, reference_step, step_efficiency
     from trainer.cost_model import predict_step_time
-    from trainer.cost_reference import layout_degrees, schedule_actions
+    from trainer.cost_reference import layout_degrees, pipelined_tp_collectives, schedule_actions
 
     cfg, plan = reference_step("pp", 8)  # dp4(ddp) x pp2, 1F1B over 4 micro-batches
     assert plan.mesh.shape == (4, 2) and plan.pp_size == 2 and layout_degrees(plan) == {"ddp": 4}
     assert plan.pipeline.schedule == "1F1B" and schedule_actions(plan) == 8  # 4 forwards, 4 backwards
+    assert pipelined_tp_collectives(plan) == 0
     cfg3, plan3 = reference_step("pp_tp", 8)  # the 3-D layout: dp2 x pp2 x tp2
     assert plan3.mesh.shape == (2, 2, 2) and layout_degrees(plan3) == {"ddp": 2, "tp": 2}
+    assert pipelined_tp_collectives(plan3) == 4 * 2 * 4  # per block and micro-batch, two blocks a stage
     assert reference_step("pp", 2)[1].mesh.shape == (2,)  # a pipeline alone
     assert reference_step("pp_tp", 2) is None and reference_step("pp", 3) is None
-    # the residue over the prediction with the dp and tp ratios, per action of a rank; never below 0
+    # the residues over the prediction with the dp and tp ratios: pp's per action; pp_tp's beyond
+    # its actions' cost, per tp all-reduce; never below 0
     cal = replace(_calibration(), step_efficiency={"ddp": 1.5, "tp": 2.0})
     predicted = predict_step_time(cfg, plan, cal).total_s
     predicted3 = predict_step_time(cfg3, plan3, cal).total_s
-    measured = {"ddp": 1.0, "pp": predicted + 8 * 0.01, "pp_tp": predicted3 - 0.5}
-    assert schedule_action_seconds(cal, measured) == pytest.approx({"pp": 0.01, "pp_tp": 0.0})
+    measured = {"ddp": 1.0, "pp": predicted + 8 * 0.01, "pp_tp": predicted3 + 8 * 0.01 + 32 * 0.005}
+    assert pipeline_costs(cal, measured) == pytest.approx((0.01, 0.005))
+    assert pipeline_costs(cal, {**measured, "pp_tp": predicted3}) == pytest.approx((0.01, 0.0))
+    assert pipeline_costs(cal, {"ddp": 1.0}) == (0.0, 0.0)  # no pipelined reference: nothing to pay
     assert set(step_efficiency(cal, measured)) == {"ddp"}  # the pipelines are no ratio
-    with_actions = replace(cal, schedule_action_s={"pp": 0.01})
-    assert Calibration.from_json(with_actions.to_json()).schedule_action_s == {"pp": 0.01}
-    assert predict_step_time(cfg, plan, with_actions).total_s == pytest.approx(predicted + 0.08)
+    paid = replace(cal, schedule_action_s=0.01, pipelined_tp_collective_s=0.005)
+    assert Calibration.from_json(paid.to_json()) == paid
+    assert predict_step_time(cfg, plan, paid).total_s == pytest.approx(predicted + 0.08)
+    assert predict_step_time(cfg3, plan3, paid).total_s == pytest.approx(predicted3 + 0.08 + 0.16)

@@ -157,30 +157,38 @@ def test_reference_step_ratios_scale_each_family_to_the_share_of_its_degree():
     assert math.isclose(layout_efficiency(plan, replace(cal, workers=1)), 1.0)
 
 
-def test_a_pipeline_pays_its_references_cost_per_schedule_action():
+def test_a_pipeline_pays_a_cost_per_schedule_action_and_per_tp_all_reduce_of_its_stages():
     from dataclasses import replace
 
-    from trainer.cost_reference import action_seconds, schedule_actions
+    from trainer.cost_reference import pipeline_overhead_s, pipelined_tp_collectives, schedule_actions
 
-    cal = replace(CAL, workers=8, schedule_action_s={"pp": 0.01, "pp_tp": 0.03})
+    cal = replace(CAL, workers=8, schedule_action_s=0.01, pipelined_tp_collective_s=0.002)
     cfg, plan = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=4")
-    assert schedule_actions(plan) == 8 and action_seconds(plan, cal) == 0.01  # 4 forwards, 4 backwards
+    assert schedule_actions(plan) == 8 and pipelined_tp_collectives(plan) == 0  # 4 forwards, 4 backwards
     raw = predict_step_time(cfg, plan, CAL)
     paid = predict_step_time(cfg, plan, cal)
     assert paid.total_s == pytest.approx(raw.total_s + 0.08) and paid.overhead_s == pytest.approx(0.08)
     assert paid.compute_s == raw.compute_s and paid.bubble_s == raw.bubble_s
-    # with tp in the stages: the pp x tp reference's cost; two accumulation steps run the schedule twice
-    _, plan3 = _plan("+parallel=3d", "mesh=[2,2,2]")
-    assert action_seconds(plan3, cal) == 0.03
-    assert schedule_actions(plan3, grad_accum=2) == 2 * schedule_actions(plan3)
-    assert action_seconds(plan3, replace(cal, schedule_action_s={"pp": 0.01})) == 0.01  # no pp_tp measured
+    # with tp in the stages, each of the busiest stage's all-reduces too (4 per block and micro-batch;
+    # 3d's pp2 holds 2 of the 4 blocks on a stage); accumulation runs the schedule again
+    cfg3, plan3 = _plan("+parallel=3d", "mesh=[2,2,2]")
+    blocks = max(sum(u in plan3.blocks for u in plan3.pipeline.stage_units[s]) for s in range(2))
+    m = plan3.pipeline.num_microbatches
+    assert pipelined_tp_collectives(plan3) == 4 * blocks * m
+    assert pipeline_overhead_s(plan3, cal) == pytest.approx(2 * m * 0.01 + 4 * blocks * m * 0.002)
+    assert pipeline_overhead_s(plan3, cal, grad_accum=2) == pytest.approx(2 * pipeline_overhead_s(plan3, cal))
+    # interleaving doubles the actions and halves the blocks each one runs
+    _, v2 = _plan("+parallel=3d", "mesh=[2,2,2]", "parallel.pipeline.schedule=Interleaved1F1B",
+                  "parallel.pipeline.stages_per_rank=2")
+    assert schedule_actions(v2) == 2 * schedule_actions(plan3)
+    assert pipelined_tp_collectives(v2) == pipelined_tp_collectives(plan3)
     # a split backward (input and weight gradients) is three actions per micro-batch and stage
     _, zbv = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2",
                    "parallel.pipeline.microbatches=4")
     assert schedule_actions(zbv) == 3 * 4 * 2
-    # no pipeline: no actions, nothing to pay
-    _, dp = _plan("+parallel=dp", "mesh=[2]")
-    assert schedule_actions(dp) == 0 and action_seconds(dp, cal) == 0.0
+    # no pipeline: no actions, and tp's all-reduces pay only tp's ratio
+    _, tp = _plan("+parallel=tp", "mesh=[2]")
+    assert schedule_actions(tp) == 0 and pipeline_overhead_s(tp, cal) == 0.0
 
 
 def test_the_lower_bound_stays_below_the_scaled_prediction():
@@ -189,7 +197,7 @@ def test_the_lower_bound_stays_below_the_scaled_prediction():
     from trainer.cost_model import lower_bound_s
 
     cal = replace(CAL, workers=4, step_efficiency={"ddp": 1.5, "fsdp": 1.4, "tp": 2.0},
-                  schedule_action_s={"pp": 0.01, "pp_tp": 0.03})
+                  schedule_action_s=0.01, pipelined_tp_collective_s=0.002)
     for overrides in (["+parallel=dp", "mesh=[4]"], ["+parallel=tp", "mesh=[2]"], ["+parallel=3d", "mesh=[2,2,2]"]):
         cfg, plan = _plan(*overrides)
         model = build_model(cfg.model, device="meta")

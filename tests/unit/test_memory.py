@@ -54,7 +54,15 @@ def test_fsdp_heap_holes_do_not_shrink_with_the_ranks():
     (two,) = _predict("model=gpt_small", "+parallel=fsdp", "mesh=[2]")
     (eight,) = _predict("model=gpt_small", "+parallel=fsdp", "mesh=[8]")
     assert eight.live < two.live / 2
-    assert eight.parts["allocator"] == pytest.approx(two.parts["allocator"], rel=0.01)
+    # beside them, the holes of the step's activations (larger flat buffers fit in none of those):
+    # these shrink with the batch each rank runs
+    from trainer.host_memory import STEP_FRAGMENTATION
+
+    def flat_holes(e):
+        return e.parts["allocator"] - STEP_FRAGMENTATION * e.parts["step_activations"]
+
+    assert flat_holes(eight) == pytest.approx(flat_holes(two), rel=0.01)
+    assert eight.parts["step_activations"] == pytest.approx(two.parts["step_activations"] / 4, rel=0.05)
     (single,) = _predict("model=gpt_small")
     assert single.parts["allocator"] < two.parts["allocator"]  # one process: only the step's own holes
 
