@@ -218,7 +218,7 @@ def step_efficiency(cal: Calibration, measured: dict[str, float]) -> dict[str, f
     step efficiency) predicts for it."""
     from trainer.cost_model import predict_step_time
 
-    raw = replace(cal, step_efficiency={}, schedule_action_s=0.0, pipelined_tp_collective_s=0.0)
+    raw = replace(cal, step_efficiency={})  # (a ratio family's reference has no pipeline to pay for)
     out = {}
     for family, seconds in measured.items():
         if family in RATIO_FAMILIES:
@@ -237,7 +237,7 @@ def pipeline_costs(cal: Calibration, measured: dict[str, float]) -> tuple[float,
 
     raw = replace(cal, schedule_action_s=0.0, pipelined_tp_collective_s=0.0)
     action_s = tp_s = 0.0
-    for family in ("pp", "pp_tp"):
+    for family in PIPELINE_FAMILIES:  # pp first: pp_tp's residue is taken beyond pp's per-action cost
         if family not in measured:
             continue
         cfg, plan = reference_step(family, cal.workers)

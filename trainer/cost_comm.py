@@ -72,13 +72,18 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
     blocks = [u for u in held if u in plan.blocks]
     for axis in tp_axes:
         if (g := plan.mesh.size(axis)) > 1 and decoder is not None:
-            # Megatron: attention's and the MLP's row-parallel outputs in forward, their column-parallel
-            # inputs' gradients in backward; a checkpointed block's forward runs twice.
-            per_block = 4 + 2 * (plan.activation_checkpointing == "full")
-            ops.append(CommOp(axis, "all_reduce", g, act, per_block * len(blocks) * m * t.grad_accum))
+            count = tp_all_reduces_per_block(plan) * len(blocks) * m * t.grad_accum
+            ops.append(CommOp(axis, "all_reduce", g, act, count))
     if pp is not None and plan.pp_size > 1:
         ops.append(CommOp(pp.dim, "send_recv", 2, act, 2 * pp.stages_per_rank * m * t.grad_accum))
     return [op for op in ops if op.count > 0 and op.group_size > 1]
+
+
+def tp_all_reduces_per_block(plan: ParallelPlan) -> int:
+    """Megatron's activation all-reduces per block and micro-batch: attention's and the MLP's
+    row-parallel outputs in forward, their column-parallel inputs' gradients in backward; a
+    checkpointed block's forward runs twice."""
+    return 4 + 2 * (plan.activation_checkpointing == "full")
 
 
 def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, passes: int) -> list[CommOp]:

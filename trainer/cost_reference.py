@@ -27,6 +27,7 @@ import math
 
 from parallel.plan import ParallelPlan
 from trainer.calibrate import Calibration
+from trainer.cost_comm import tp_all_reduces_per_block
 
 # Schedules whose backward is split in two actions per micro-batch: input (I) and weight (W) gradients.
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBV")
@@ -86,14 +87,13 @@ def rank_units(plan: ParallelPlan) -> list[list[str]]:
 
 def pipelined_tp_collectives(plan: ParallelPlan, grad_accum: int = 1) -> int:
     """The tp all-reduces of activations the pp rank holding the most blocks runs per step (Megatron:
-    four per block and micro-batch, six when checkpointed: :func:`trainer.cost_comm.comm_ops`);
+    four per block and micro-batch, six when checkpointed: :func:`trainer.cost_comm.tp_all_reduces_per_block`);
     0 without a pipeline or without tp."""
     pp = plan.pipeline
     if pp is None or tp_degree(plan) < 2:
         return 0
     blocks = max(sum(u in plan.blocks for u in held) for held in rank_units(plan))
-    per_block = 4 + 2 * (plan.activation_checkpointing == "full")
-    return per_block * blocks * pp.num_microbatches * grad_accum
+    return tp_all_reduces_per_block(plan) * blocks * pp.num_microbatches * grad_accum
 
 
 def pipeline_overhead_s(plan: ParallelPlan, calibration: Calibration, grad_accum: int = 1) -> float:

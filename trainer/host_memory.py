@@ -149,8 +149,8 @@ def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: lis
     """Resident bytes of glibc's heap holes at the peak (``cycled``: the live bytes a step
     allocates and frees at its peak, i.e. all but the weights and AdamW's moments;
     ``step_activations``: the activations it allocates over all its passes). Where FSDP's flat
-    buffers come from the heap their holes hold everything else's; else the step's cycled tensors
-    and FSDP's per-parameter ones, of like sizes, leave holes of their own; at least
+    buffers come from the heap their holes hold the step's other cycled tensors; else those and
+    FSDP's per-parameter ones, of like sizes, leave holes of their own; at least
     :data:`STEP_FRAGMENTATION` of the step's activations. Where FSDP's flat buffers outweigh the
     step's activations their holes and the activations' add up: the larger flat buffers fit in none of
     the activations' holes (issue 16's two planner sweeps: dp8 and dp4 x tp2 FSDP rows 8-13% under
@@ -166,11 +166,10 @@ def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: lis
         return 0.0
     flat, per_param = fsdp_heap_buffers(cfg, plan, blocks)
     steps = STEP_FRAGMENTATION * step_activations if plan.mesh.world_size > 1 else 0.0
-    if plan.pipeline is not None:  # the flat buffers and the micro-batches' activations cycle at other times
-        main_arena = max(FSDP_FLAT * sum(flat) + steps, FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param)
-    elif FSDP_FLAT * sum(flat) >= steps:
-        main_arena = max(FSDP_FLAT * sum(flat) + steps, FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param)
-    else:
-        main_arena = max(steps, FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param)
+    flat_holes = FSDP_FLAT * sum(flat)
+    # a pipelined stage's flat buffers and activations cycle at other times; larger flat buffers fit in
+    # none of the activations' holes; else the activations' holes hold the flat buffers
+    stacked = flat_holes + steps if plan.pipeline is not None or flat_holes >= steps else steps
+    main_arena = max(stacked, FRAGMENTATION * cycled + FSDP_PER_PARAM * per_param)
     gloo_arenas = GLOO_THREADS * GLOO_BUFFERS_PER_ARENA * max(flat, default=0.0)
     return main_arena + gloo_arenas
