@@ -2,9 +2,9 @@
 
 The engine owns the words it understands: the data-parallel modes, the pipeline schedules, the
 activation-checkpointing modes and the placement grammar are declared here once, and the
-trainer's :class:`~trainer.config.RunConfig` embeds these sections. What the user wrote (globs,
-``boundaries: auto``) is turned into a :class:`~parallel.plan.ParallelPlan` by
-:func:`~parallel.plan.resolve_plan`; nothing in ``parallel/`` reads these sections any other way.
+trainer's :class:`~trainer.config.schema.RunConfig` embeds these sections. What the user wrote (globs,
+``boundaries: auto``) is turned into a :class:`~parallel.plan.resolve.ParallelPlan` by
+:func:`~parallel.plan.resolve.resolve_plan`; nothing in ``parallel/`` reads these sections any other way.
 
     ParallelConfig.model_validate({"dims": ["dp", "tp"], "data_parallel": {"dim": "dp", "mode": "fsdp"},
                                    "placements": {"layers.*.mlp.w1.weight": {"tp": "Shard(0)"}}})
@@ -38,7 +38,7 @@ INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBV",)  # two stages per rank, placed as a V
 MULTI_STAGE_SCHEDULES = INTERLEAVED_SCHEDULES + V_SCHEDULES
 # Zero-bubble schedules: input and weight gradients in separate backward passes (the first retains the graph);
-# torch.compile does not compose with them (see parallel/compile.py).
+# torch.compile does not compose with them (see parallel/sharding/compile.py).
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBV")
 
 
@@ -128,7 +128,7 @@ class PipelineConfig(Section):
 
 
 class AutoPlanConfig(Section):
-    """``+parallel=auto``: which layouts the auto-planner (``trainer.auto_plan``) may choose from.
+    """``+parallel=auto``: which layouts the auto-planner (``trainer.planner.auto.plan``) may choose from.
     Every list narrows the search; the defaults search everything the engine runs."""
 
     data_parallel_modes: list[DataParallelMode] = Field(

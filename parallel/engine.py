@@ -33,15 +33,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from parallel.activation_checkpointing import apply_ac
-from parallel.compile import apply_compile
+from parallel.sharding.activation_checkpointing import apply_ac
+from parallel.sharding.compile import apply_compile
 from parallel.config import SPLIT_BACKWARD_SCHEDULES, Precision
-from parallel.data_parallel import apply_data_parallel
+from parallel.sharding.data_parallel import apply_data_parallel
 from parallel.mesh import axis_rank, build_mesh, submesh
-from parallel.pipeline import build_schedule, split_stages
-from parallel.plan import ParallelPlan, PipelineSpec
-from parallel.stage_io import attach_boundaries, lane_groups, stage_to_group_rank
-from parallel.tensor_parallel import apply_placements
+from parallel.pipeline.schedule import build_schedule, split_stages
+from parallel.plan.resolve import ParallelPlan, PipelineSpec
+from parallel.pipeline.stage_io import attach_boundaries, lane_groups, stage_to_group_rank
+from parallel.sharding.tensor_parallel import apply_placements
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -152,7 +152,7 @@ class ParallelModel:
         microbatches = self._pipeline.num_microbatches
         # Each micro-batch's loss is divided by their number here (not by the schedule's
         # scale_grads, which would also rescale gradients accumulated by earlier calls), and by the
-        # lanes it is split over between stages of their own layouts (parallel.stage_io).
+        # lanes it is split over between stages of their own layouts (parallel.pipeline.stage_io).
         self._loss_fn, self._loss_factor = loss_fn, loss_scale / microbatches / self._lanes
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first_stage else ()
@@ -270,7 +270,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
             on the ``meta`` device (names and shapes only). A meta model is split and sharded
             as it is, then each part is allocated on ``device`` (``to_empty``) and ``init(part)``
             fills this rank's shards: no rank ever allocates a parameter it does not hold.
-        plan: from :func:`parallel.plan.resolve_plan` for this model and config.
+        plan: from :func:`parallel.plan.resolve.resolve_plan` for this model and config.
         device: where this rank computes (``cpu``, or its own ``cuda`` device).
         init: with a meta model, fills a materialised part's parameters and buffers (the
             trainer passes the model's ``init_weights(seed)``, which computes each shard's
@@ -278,7 +278,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         precision: ``bf16``: bf16 compute over fp32 master weights, optimizer state and
             gradient reduction; FSDP2's mixed-precision policy where data parallelism applies
             (every mode is FSDP2-based), ``torch.autocast`` otherwise.
-        compile: ``torch.compile`` each block (:func:`parallel.compile.apply_compile`), or the
+        compile: ``torch.compile`` each block (:func:`parallel.sharding.compile.apply_compile`), or the
             whole module when the model has no blocks; parameter names do not change.
     """
     on_meta = any(p.is_meta for p in model.parameters())
@@ -349,7 +349,7 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
 def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
                         init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool) -> ParallelModel:
     """Per-stage layouts (``parallel.pipeline.stages``): every stage on its own sub-mesh with its
-    own layout, the schedule along lanes of one rank per stage (:mod:`parallel.stage_io`)."""
+    own layout, the schedule along lanes of one rank per stage (:mod:`parallel.pipeline.stage_io`)."""
     pp = plan.pipeline
     if dist.get_world_size() != plan.mesh.world_size:
         raise ValueError(f"the mesh has {plan.mesh.world_size} ranks but the world has {dist.get_world_size()}")

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from parallel.errors import ConfigIssue
 from service.settings import Settings
 from service.store import Job, JobState
-from trainer.config import RunConfig
+from trainer.config.schema import RunConfig
 
 GIB = 2**30
 
@@ -39,7 +39,7 @@ class QuotaExceeded(Exception):
 
 def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIssue]:
     """Set ``launch.memory_budget_gb`` to the service's per-rank limit (the trainer then refuses a
-    model predicted to need more, by :func:`trainer.memory_budget.check_memory`); a larger one sent is refused."""
+    model predicted to need more, by :func:`trainer.planner.memory.budget.check_memory`); a larger one sent is refused."""
     launch = raw.setdefault("launch", {})
     if not isinstance(launch, dict):
         return []

@@ -44,7 +44,7 @@ class MlflowRuns:
     def create_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> tuple[str, str]:
         """A new RUNNING run in ``experiment`` (created when missing): ``(experiment_id, run_id)``."""
         from parallel.errors import ConfigError, ConfigIssue
-        from trainer.tracking import TrackingError, get_or_create_experiment
+        from trainer.tracking.mlflow_tracker import TrackingError, get_or_create_experiment
 
         try:
             with self._lock:
@@ -106,7 +106,7 @@ class MlflowRuns:
     def ui_link(self, experiment_id: str | None, run_id: str | None) -> str | None:
         if not (self.ui_url and experiment_id and run_id):
             return None
-        from trainer.run_info import run_url
+        from trainer.tracking.run_info import run_url
 
         return run_url(self.ui_url, experiment_id, run_id)
 

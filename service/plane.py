@@ -32,8 +32,8 @@ from service.settings import Settings
 from service.store import (ACTIVE_STATES, Job, JobState, list_page, lock_owner_queue, make_engine,
                            make_sessionmaker, require_transition, transition, utcnow)
 from service.validation import Validator, resolve_as_service
-from parallel.plan import ParallelPlan
-from trainer.config import RunConfig
+from parallel.plan.resolve import ParallelPlan
+from trainer.config.schema import RunConfig
 from parallel.errors import ConfigError, ConfigIssue
 
 
@@ -111,11 +111,11 @@ class ControlPlane:
                                   workdir=workdir or self.settings.jobs_dir / "plan")
 
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
-        """The validated config and :func:`trainer.plan.plan_report` of it; nothing is launched."""
+        """The validated config and :func:`trainer.planner.report.plan_report` of it; nothing is launched."""
         from dataclasses import asdict
 
-        from trainer.auto_plan import ranking_for
-        from trainer.plan import plan_pictures, plan_report  # the trainer's public planning functions
+        from trainer.planner.auto.plan import ranking_for
+        from trainer.planner.report import plan_pictures, plan_report  # the trainer's public planning functions
 
         cfg, plan = self.resolve(overrides=overrides, document=document)
         numbers = plan_report(cfg, plan)

@@ -10,7 +10,7 @@ process exists:
 - the resolved config: no ``_target_`` key and no ``${`` anywhere; every path confined by the
   rule of :mod:`service.confine`; tracking forced to the service's MLflow store and pre-created
   run, launches single-host on loopback;
-- then :func:`trainer.validate.validate_config`, the same checks and messages as the CLI.
+- then :func:`trainer.validate.checks.validate_config`, the same checks and messages as the CLI.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
-from parallel.plan import ParallelPlan
+from parallel.plan.resolve import ParallelPlan
 from service.confine import check_relative_glob, confine_glob, confine_path
-from trainer.compose import CONF_DIR, compose_dict
-from trainer.config import RunConfig
-from trainer.rendezvous import LOOPBACK_HOSTS
-from trainer.validate import validate_with_plan
+from trainer.config.compose import CONF_DIR, compose_dict
+from trainer.config.schema import RunConfig
+from trainer.launch.rendezvous import LOOPBACK_HOSTS
+from trainer.validate.checks import validate_with_plan
 
 # Hydra's compose API keeps global state: one composition at a time per process.
 _COMPOSE_LOCK = threading.Lock()

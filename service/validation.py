@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
-from parallel.plan import ParallelPlan
+from parallel.plan.resolve import ParallelPlan
 from service.limits import cap_memory_budget
 from service.settings import Settings
 from service.submit import resolve_config
-from trainer.compose import CONF_DIR
-from trainer.config import RunConfig
+from trainer.config.compose import CONF_DIR
+from trainer.config.schema import RunConfig
 from trainer.data.text import STDLIB
 
 WORKDIR_MARK = "\x00workdir\x00"  # stands for the job's workdir in cached results; no path contains NUL

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def compose():
-    from trainer.compose import compose_dict
-    from trainer.validate import validate_config
+    from trainer.config.compose import compose_dict
+    from trainer.validate.checks import validate_config
 
     def _compose(*overrides: str):
         return validate_config(compose_dict(list(overrides)))

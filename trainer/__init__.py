@@ -1,6 +1,6 @@
 """Meshflow trainer: compose -> validate -> launch workers -> train. Run: ``python -m trainer``.
 
-Engines that run the trainer themselves call ``trainer.train(config)`` (:mod:`trainer.api`).
+Engines that run the trainer themselves call ``trainer.train(config)`` (:mod:`trainer.launch.entry`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ __all__ = ["train", "TrainingFailed"]
 def __getattr__(name: str) -> Any:
     # Imported on first use: `python -m trainer` and the workers should not pay for it.
     if name in __all__:
-        from trainer import api
-
+        from trainer.launch import entry as api
         return getattr(api, name)
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

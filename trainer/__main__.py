@@ -12,11 +12,11 @@ import sys
 
 if __name__ == "__main__":
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
-        from trainer.cli_help import print_help
+        from trainer.cli.help import print_help
 
         print_help()
         sys.exit(0)
-    from trainer.main import exit_code, main
+    from trainer.cli.main import exit_code, main
 
     main()
     sys.exit(exit_code())  # a sweep whose job failed; a single run has already exited

@@ -96,7 +96,7 @@ def test_list_filters_and_pagination(queue_server):
 
 def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
     server = queue_server
-    from trainer.compose import compose_dict
+    from trainer.config.compose import compose_dict
 
     document = compose_dict(["+parallel=3d", "mesh=[2,2,2]"])
     with server.client("bob") as bob:
@@ -155,7 +155,7 @@ def test_job_json_is_the_resolved_config(preset, tmp_path):
     """What the runner writes reads back (``python -m trainer.launch job.json``) into the same config."""
     from service.runner import trainer_command, write_job_config
     from service.submit import resolve_config
-    from trainer.config import RunConfig
+    from trainer.config.schema import RunConfig
 
     cfg, plan = resolve_config(overrides=[f"+parallel={preset}"], document=None, workspace=tmp_path,
                                workdir=tmp_path / "job", tracking_uri="sqlite:///x.db", run_id=None)

@@ -62,7 +62,7 @@ def test_two_node_job_on_ray_matches_one_device(ray_server):
     from mlflow.tracking import MlflowClient
 
     from trainer import train
-    from trainer.compose import compose_dict
+    from trainer.config.compose import compose_dict
 
     with ray_server.client("alice") as alice:
         job = alice.post("/v1/jobs", json={"name": "two nodes", "overrides": [*TWO_NODES, "train.steps=3"]}).json()

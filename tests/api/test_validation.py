@@ -68,7 +68,7 @@ def test_the_api_does_not_say_whether_an_outside_file_exists(queue_server):
 
 def test_bad_documents_are_refused(queue_server):
     server = queue_server
-    from trainer.compose import compose_dict
+    from trainer.config.compose import compose_dict
 
     good = compose_dict(["train.steps=3"])
     cases = [

@@ -5,8 +5,8 @@
 
 One launch of ``--pp`` gloo processes on CPU runs every row: a stack of ``pp`` identical blocks cut
 into one block per stage (equal stage costs, the theory's premise), ``--warmup`` steps, then
-``--steps`` steps recorded by :class:`parallel.timeline.TimelineRecorder`, gathered to rank 0 and
-measured with :func:`parallel.pipeline_order.bubble_fractions` (1 - busy / pipeline span, mean over
+``--steps`` steps recorded by :class:`parallel.pipeline.timeline.TimelineRecorder`, gathered to rank 0 and
+measured with :func:`parallel.pipeline.order.bubble_fractions` (1 - busy / pipeline span, mean over
 ranks; waiting on a send or receive counts as bubble). The goal is the measured bubble within 10%
 (relative) of the theory.
 
@@ -106,9 +106,9 @@ def _worker(rank: int, world_size: int, port: int, out: str, args: argparse.Name
 
     from parallel.config import ParallelConfig
     from parallel.engine import parallelize
-    from parallel.plan import resolve_plan
-    from parallel.timeline import TimelineRecorder
-    from trainer.timeline import bubble_summary, gather_events, schedule_text, write_timeline
+    from parallel.plan.resolve import resolve_plan
+    from parallel.pipeline.timeline import TimelineRecorder
+    from trainer.tracking.pictures.timeline_chart import bubble_summary, gather_events, schedule_text, write_timeline
 
     torch.set_num_threads(1)  # several processes share few cores; more threads only contend
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,

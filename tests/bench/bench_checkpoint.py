@@ -3,7 +3,7 @@
     python tests/bench/bench_checkpoint.py [--model gpt_debug] [--repeats 3]
 
 Each preset runs as real workers (the trainer's own launcher): it trains one step, then
-saves `repeats` times and loads `repeats` times through trainer.checkpoint, timing each on
+saves `repeats` times and loads `repeats` times through trainer.run.checkpoint, timing each on
 every rank. Prints one table; numbers are medians over the repeats, max over ranks.
 """
 
@@ -26,9 +26,9 @@ def _worker(cfg_json: str, out_dir: str, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.checkpoint import checkpoint_bytes, load_checkpoint, merged_module, save_checkpoint
-    from trainer.config import RunConfig
-    from trainer.loop import build_parallel_model
+    from trainer.run.checkpoint import checkpoint_bytes, load_checkpoint, merged_module, save_checkpoint
+    from trainer.config.schema import RunConfig
+    from trainer.run.loop import build_parallel_model
 
     cfg = RunConfig.model_validate_json(cfg_json)
     distributed = "RANK" in os.environ
@@ -61,8 +61,8 @@ def _worker(cfg_json: str, out_dir: str, repeats: int) -> None:
 
 
 def run_preset(overrides: list[str], model: str, repeats: int) -> dict:
-    from trainer.compose import compose_dict
-    from trainer.validate import validate_config
+    from trainer.config.compose import compose_dict
+    from trainer.validate.checks import validate_config
 
     cfg = validate_config(compose_dict([*overrides, f"model={model}", "tracking=none"]))
     with tempfile.TemporaryDirectory() as out:

@@ -47,8 +47,8 @@ def _worker(cfg_json: str, out_dir: str, steps: int, threads: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.config import RunConfig
-    from trainer.loop import build_parallel_model
+    from trainer.config.schema import RunConfig
+    from trainer.run.loop import build_parallel_model
     from trainer.models import loss_fn_for
 
     cfg = RunConfig.model_validate_json(cfg_json)
@@ -101,8 +101,8 @@ def _worker(cfg_json: str, out_dir: str, steps: int, threads: int) -> None:
 
 
 def run_preset(overrides: list[str], steps: int, warm_cache: bool, threads: int) -> dict:
-    from trainer.compose import compose_dict
-    from trainer.validate import validate_config
+    from trainer.config.compose import compose_dict
+    from trainer.validate.checks import validate_config
 
     cfg = validate_config(compose_dict([*overrides, "tracking=none", "train.compile=true"]))
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as cache:

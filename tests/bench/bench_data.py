@@ -37,7 +37,7 @@ VOCAB = 1024
 
 
 def main() -> None:
-    from trainer.config import FilesDataConfig
+    from trainer.config.schema import FilesDataConfig
     from trainer.data import GlobalBatchLoader
     from trainer.data.files import FilesSource, build_token_file, expand_paths
     from trainer.data.tokenizer import load_tokenizer

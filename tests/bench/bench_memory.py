@@ -148,9 +148,9 @@ def overrides_for(size: str, layout: str, steps: int) -> list[str]:
 def predict(size: str, layout: str, steps: int) -> float:
     """The plan's per-rank peak (MiB) by this checkout's code, without running anything."""
     sys.path.insert(0, str(REPO))
-    from trainer.compose import compose_dict
-    from trainer.memory import predict_memory
-    from trainer.validate import validate_with_plan
+    from trainer.config.compose import compose_dict
+    from trainer.planner.memory.predict import predict_memory
+    from trainer.validate.checks import validate_with_plan
 
     # no budget here: a row the budget refused still has its prediction
     cfg, plan = validate_with_plan(compose_dict([*overrides_for(size, layout, steps), "launch.memory_budget_gb=1e6"]))

@@ -193,9 +193,9 @@ def _axis_names(mesh) -> dict[tuple, str]:
 
 def run_preset(raw: dict, *, count: bool) -> dict:
     """``WARMUP + MEASURED`` steps of the preset ``raw`` on this process group (or one device)."""
-    from trainer.loop import build_parallel_model
+    from trainer.run.loop import build_parallel_model
     from trainer.models import loss_fn_for
-    from trainer.validate import validate_config
+    from trainer.validate.checks import validate_config
 
     cfg = validate_config(raw)
     t = cfg.train
@@ -272,7 +272,7 @@ def launch(world: int, presets: dict[str, dict]) -> list[dict]:
 
 def expectation(cfg) -> dict[str, dict[str, tuple[float, float]]]:
     """Analytic ``{axis: {op: (count, bytes)}}`` per optimizer step on rank 0 (stage 0)."""
-    from parallel.plan import resolve_plan
+    from parallel.plan.resolve import resolve_plan
     from trainer.models import build_model
 
     par, m, t = cfg.parallel, cfg.model, cfg.train
@@ -341,8 +341,8 @@ def _fmt_bytes(b: float) -> str:
 
 
 def main(presets: list[str]) -> None:
-    from trainer.compose import compose_dict
-    from trainer.validate import validate_config
+    from trainer.config.compose import compose_dict
+    from trainer.validate.checks import validate_config
 
     base = ["tracking=none"]
     raws = {p: compose_dict([f"+parallel={p}", *base]) for p in presets}

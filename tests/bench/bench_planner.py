@@ -113,13 +113,13 @@ pick was the sweep's best for every size, so nothing was run again. The previous
 Where it misses: step time, none beyond 20%; the largest errors are 25M's tp rows (12-14% over:
 tp's reference ratio, taken on a 3M-sized decoder, is too large for bigger blocks) and 3M dp8(ddp)
 (14% over). Memory, 3M pp2(Interleaved v2) x tp4 (12% under). The pipelines' fixed costs (per
-schedule action, and per tp all-reduce of a stage: :mod:`trainer.cost_reference`) took the previous
+schedule action, and per tp all-reduce of a stage: :mod:`trainer.planner.cost.reference`) took the previous
 sweep from 57 to 63 of 65 within 20% (median 8%, max 24%) with this probe's values; without them
 this sweep has 57 of 65 (median 9%, max 32%), its 3M pipelines 5-32% slow. The non-pipelined FSDP rows'
 heap holes, summed with the activations' where the flat buffers outweigh them, took both sweeps'
 memory from 61 to 64 of 65.
 
-What moved the memory (43 -> 61 of 65 within 10%; :mod:`trainer.memory`, :mod:`trainer.host_memory`):
+What moved the memory (43 -> 61 of 65 within 10%; :mod:`trainer.planner.memory.predict`, :mod:`trainer.planner.memory.host`):
 the pipeline's in-use bytes were traced at every pipeline action (``mallinfo2``, 25M). A stage
 peaks at its passes in flight or one fewer beside its first gradients, not at every pass beside all
 gradients and ddp's flat buffer; those buffers extend the heap above that peak at the reduce; a
@@ -139,7 +139,7 @@ re-run (``planner_rows_10m_rerun.jsonl``) measured some layouts far from the fir
 that sweep's best: one 5-step measurement on this VM can be 25% off, hence ``--confirm``. Its
 memory: 23/23 within 10%.
 
-What moved the step time: the shared cores' stage span (:func:`trainer.cost_model.stage_span`: on
+What moved the step time: the shared cores' stage span (:func:`trainer.planner.cost.model.stage_span`: on
 8 workers over 2 cores a lighter stage's ranks give their cores to the busier ones, so the step
 takes the ranks' mean work, not the busiest's) took the pp4 rows from 24-35% over to within 4%
 and the 10M pick from 0.80 to 0.96 of the best (54 -> 57 of 65 within 20%). The reference steps'
@@ -192,16 +192,16 @@ def predicted_layouts(size: str, steps: int, calibration_file: Path | None = Non
     """Every valid candidate, each predicted (none pruned), and the planner's pick's label; with
     this host's calibration, or the one in ``calibration_file``."""
     from parallel.config import AutoPlanConfig
-    from trainer.auto_plan import host_calibration, plan_layouts
-    from trainer.auto_search import Search
-    from trainer.compose import compose_dict
-    from trainer.config import RunConfig
+    from trainer.planner.auto.plan import host_calibration, plan_layouts
+    from trainer.planner.auto.search import Search
+    from trainer.config.compose import compose_dict
+    from trainer.config.schema import RunConfig
 
     raw = compose_dict(["+parallel=auto", f"mesh=[{WORKERS}]", *overrides(size, steps)])
     raw["parallel"]["auto"] = dict(KNOBS)
     base = RunConfig.model_validate({**raw, "mesh": None, "parallel": None})
     if calibration_file is not None:
-        from trainer.calibrate import Calibration
+        from trainer.planner.calibration.probe import Calibration
 
         calibration = Calibration.from_json(calibration_file.read_text())
     else:
@@ -320,8 +320,8 @@ def tables(rows: list[dict], picks: dict[str, str], tokens_per_step: int) -> str
 
 def plan_time(ranks: int = 4096) -> str:
     """Seconds to auto-plan ``ranks`` ranks of gpt_small (8 per node; the 8-worker calibration)."""
-    from trainer.auto_plan import plan_layouts
-    from trainer.compose import compose_dict
+    from trainer.planner.auto.plan import plan_layouts
+    from trainer.config.compose import compose_dict
 
     raw = compose_dict(["+parallel=auto", f"mesh=[{ranks}]", "model=gpt_small", "train.global_batch_size=8192",
                         f"launch.nnodes={ranks // WORKERS}", "launch.rdzv_endpoint=node0:29400"])  # several nodes name node 0

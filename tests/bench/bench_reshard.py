@@ -5,7 +5,7 @@ seconds too where both layouts share one mesh, the only case DTensor can do).
     PYTHONPATH=. python tests/bench/bench_reshard.py          # ~1 minute on 2 cores
 
 Bytes are counted on the wire (every ``batch_isend_irecv`` send, summed over ranks), not read from
-the plan; the minimum is :func:`parallel.reshard_plan.minimum_bytes`. Seconds: the median of
+the plan; the minimum is :func:`parallel.reshard.transfer_plan.minimum_bytes`. Seconds: the median of
 ``REPEATS`` reshards after one warm-up, each timed from a barrier to the slowest rank's return,
 float32 tensors, 8 processes on 2 shared cores over loopback (so time tracks bytes and message
 count, not a network). Measured (2 cores shared with other jobs):
@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
-from parallel.reshard import MeshLayout, minimum_bytes, plan_reshard, reshard  # noqa: E402
+from parallel.reshard.transfer import MeshLayout, minimum_bytes, plan_reshard, reshard  # noqa: E402
 from ports import free_port  # noqa: E402  (tests/ is on sys.path now)
 
 WORLD_SIZE = 8

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from trainer.compose import compose_dict
+from trainer.config.compose import compose_dict
 from parallel.errors import ConfigError, ConfigIssue
-from trainer.validate import validate_config
+from trainer.validate.checks import validate_config
 
 Edit = Callable[[dict[str, Any]], None]
 

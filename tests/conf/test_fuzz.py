@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer.compose import compose_dict
-from trainer.config import RunConfig
+from trainer.config.compose import compose_dict
+from trainer.config.schema import RunConfig
 from parallel.errors import ConfigError
-from trainer.validate import validate_config
+from trainer.validate.checks import validate_config
 
 FUZZ = settings(
     max_examples=150,

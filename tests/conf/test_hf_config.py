@@ -8,10 +8,10 @@ import json
 import pytest
 
 from parallel.errors import ConfigError
-from trainer.compose import compose_dict
-from trainer.config import LlamaConfig
-from trainer.hf_export import llama_hf_config
-from trainer.validate import validate_with_plan
+from trainer.config.compose import compose_dict
+from trainer.config.schema import LlamaConfig
+from trainer.export.hf import llama_hf_config
+from trainer.validate.checks import validate_with_plan
 
 
 def _hf_dir(tmp_path, **changes):

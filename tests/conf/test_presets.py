@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.compose import CONF_DIR, compose_dict
-from trainer.config import RunConfig, TrainConfig
+from trainer.config.compose import CONF_DIR, compose_dict
+from trainer.config.schema import RunConfig, TrainConfig
 from trainer.models import build_model
-from trainer.validate import validate_config
+from trainer.validate.checks import validate_config
 
 REPO = CONF_DIR.parent
 GROUPS = ("model", "data", "optim", "tracking")
@@ -94,8 +94,8 @@ def test_default_config():
 @pytest.mark.parametrize("overrides", GROUP_CASES)
 def test_group_option_validates(overrides, tmp_path):
     if overrides[0] == "model=hf":  # a directory is the model: give it one (config.json of the default shape)
-        from trainer.config import LlamaConfig
-        from trainer.hf_export import llama_hf_config
+        from trainer.config.schema import LlamaConfig
+        from trainer.export.hf import llama_hf_config
 
         (tmp_path / "config.json").write_text(json.dumps(llama_hf_config(LlamaConfig())))
         overrides = [*overrides, f"model.path={tmp_path}"]
@@ -114,7 +114,7 @@ def test_group_option_validates(overrides, tmp_path):
     # everything it does not write is the pydantic default of its kind: one source of defaults
     default = type(getattr(cfg, group))().model_dump(mode="json")
     given = set(written) | {o.split("=")[0].split(".", 1)[1] for o in overrides[1:] if o.startswith(f"{group}.")}
-    if group == "tracking":  # composition names the preset a run came from (trainer.compose.with_preset)
+    if group == "tracking":  # composition names the preset a run came from (trainer.config.compose.with_preset)
         assert section["tags"] == {"preset": "single"}
         given.add("tags")
     assert {k: v for k, v in section.items() if k not in given} == {k: v for k, v in default.items() if k not in given}
@@ -146,7 +146,7 @@ def test_example_validates(name):
 
 
 def _plan(cfg: RunConfig):
-    from parallel.plan import resolve_plan
+    from parallel.plan.resolve import resolve_plan
 
     return resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
 

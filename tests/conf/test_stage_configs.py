@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.validate import validate_with_plan
+from trainer.validate.checks import validate_with_plan
 from test_bad_configs import Bad, assert_bad, bad, both, compose, put
 
 STAGES = ("parallel", "pipeline", "stages")

@@ -1,8 +1,8 @@
 """Checks of ``train.compile: true`` that run inside the worker processes of one launch (see
 ``dist_harness``; the parent test is ``test_compile.py``).
 
-Every model is built the trainer's way, :func:`trainer.loop.build_parallel_model` from a validated
-:class:`~trainer.config.RunConfig` with ``train.compile=true``, and trained by ``dist_checks.train``
+Every model is built the trainer's way, :func:`trainer.run.loop.build_parallel_model` from a validated
+:class:`~trainer.config.schema.RunConfig` with ``train.compile=true``, and trained by ``dist_checks.train``
 (5 AdamW steps on fixed batches); the parent compares the losses with the eager single-device
 reference. Each check starts from a fresh Dynamo (``torch._dynamo.reset()``): one process runs
 several models, whose blocks share one code object, and Dynamo's recompile limit would otherwise
@@ -19,10 +19,10 @@ import torch
 import yaml
 
 from dist_checks import CPU, MLP_CFG, REPO, batches, make_optimizer, train
-from trainer.config import RunConfig
-from trainer.loop import build_parallel_model
+from trainer.config.schema import RunConfig
+from trainer.run.loop import build_parallel_model
 from trainer.models import loss_fn_for
-from trainer.validate import validate_config
+from trainer.validate.checks import validate_config
 
 CKPT_DIR_ENV = "MESHFLOW_TEST_COMPILE_CKPT_DIR"  # set by the parent test: where checkpoints go
 
@@ -96,7 +96,7 @@ def checkpoint_cross_check(*, rank: int, world_size: int) -> dict:
     same either way, free of ``_orig_mod``."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from trainer.checkpoint import load_checkpoint, merged_module, save_checkpoint
+    from trainer.run.checkpoint import load_checkpoint, merged_module, save_checkpoint
 
     root = Path(os.environ[CKPT_DIR_ENV])
     out: dict = {}

@@ -19,14 +19,14 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from parallel.engine import ParallelModel, parallelize
-from parallel.pipeline_order import compute_order
-from parallel.timeline import TimelineRecorder
+from parallel.pipeline.order import compute_order
+from parallel.pipeline.timeline import TimelineRecorder
 from parallel.mesh import build_mesh
-from parallel.plan import LayoutSpec, resolve_plan
+from parallel.plan.resolve import LayoutSpec, resolve_plan
 from parallel.placements import parse_placement
-from parallel.tensor_parallel import apply_placements
+from parallel.sharding.tensor_parallel import apply_placements
 from parallel.config import ParallelConfig, mesh_shape_of
-from trainer.config import LlamaConfig, MLPConfig
+from trainer.config.schema import LlamaConfig, MLPConfig
 from trainer.models import build_model, loss_fn_for, meta_initializer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ MLP_CFG = MLPConfig(in_features=16, hidden_features=32, out_features=8, activati
 
 
 def llama_cfg() -> LlamaConfig:
-    from trainer.compose import compose_dict
+    from trainer.config.compose import compose_dict
 
     return LlamaConfig(**compose_dict(["model=gpt_debug"])["model"])
 
@@ -142,7 +142,7 @@ def pipeline_rank(pm: ParallelModel) -> int | None:
     """This rank's position in its pipeline (the key of its row in ``pipeline_order``)."""
     if pm.schedule is None:
         return None
-    from parallel.timeline import pipeline_stages
+    from parallel.pipeline.timeline import pipeline_stages
 
     return pipeline_stages(pm.schedule)[0].group_rank
 
@@ -349,7 +349,7 @@ def hf_logits_check(*, rank: int, world_size: int) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from trainer.config import HFModelConfig
+    from trainer.config.schema import HFModelConfig
     from trainer.models.hf import build_hf_model, load_hf_sharded
 
     out = {}
@@ -367,7 +367,7 @@ def hf_logits_check(*, rank: int, world_size: int) -> dict:
             theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
         out[kind] = {"max_abs_diff": float((ours - theirs).abs().max()), "report": pm.placement_report}
         if kind == "llama":  # train.init_from's road: each rank reads its blocks of one safetensors file
-            from trainer.export import load_weights
+            from trainer.export.weights import load_weights
 
             pp_tp = ParallelConfig.model_validate({"dims": ["pp", "tp"], "tensor_parallel": {"dim": "tp"},
                                                    "pipeline": {"dim": "pp", "microbatches": 2}})

@@ -2,7 +2,7 @@
 
 The parent composes each example with Hydra (``+examples=<name>``) and hands the plain dict to
 every rank of one launch; a rank validates it with the trainer's own ``validate_config``, builds
-the model exactly as the trainer does (``trainer.loop.build_parallel_model``) and reports, as
+the model exactly as the trainer does (``trainer.run.loop.build_parallel_model``) and reports, as
 JSON, per example:
 
 * ``params``: each parameter's DTensor placements per mesh axis (``{}`` for a plain tensor),
@@ -17,7 +17,7 @@ JSON, per example:
 * ``partial``: for tensor-parallel examples, the model placed with ``apply_placements`` and a
   ``layouts`` entry ``{"": {output: {mp: Partial}}}``: the output stays a ``Partial`` DTensor
   whose sum over ranks equals the one-device output;
-* ``losses``: 3 steps of ``trainer.loop.train`` (null tracker and progress), as rank 0 logs them.
+* ``losses``: 3 steps of ``trainer.run.loop.train`` (null tracker and progress), as rank 0 logs them.
 
 Configs passed as ``builds`` (not seeds: FSDP's uneven and strided shards, which no seed has)
 are only built in the same launch and report ``params``.
@@ -115,8 +115,8 @@ def _partial_output(cfg) -> dict | None:
     """Tensor-parallel examples without pipeline/dp: keep the output Partial via ``layouts``."""
     from parallel.mesh import build_mesh
     from parallel.placements import parse_placement
-    from parallel.plan import LayoutSpec, resolve_plan
-    from parallel.tensor_parallel import apply_placements
+    from parallel.plan.resolve import LayoutSpec, resolve_plan
+    from parallel.sharding.tensor_parallel import apply_placements
     from trainer.models import build_model
 
     par = cfg.parallel
@@ -138,16 +138,16 @@ def _partial_output(cfg) -> dict | None:
 def check_example(raw: dict) -> dict:
     """Everything one rank reports about one example (see the module docstring).
 
-    ``trainer.loop.train`` builds its model with ``build_parallel_model``; it is wrapped here so
+    ``trainer.run.loop.train`` builds its model with ``build_parallel_model``; it is wrapped here so
     the very model that trains is inspected (at initialisation) and probed (its first forward),
     and the example is built once.
     """
-    import trainer.loop as loop
+    import trainer.run.loop as loop
     from parallel.config import mesh_rank_ids
     from parallel.mesh import rank_id_of
-    from trainer.metrics import NullProgress
-    from trainer.tracking import NullTracker
-    from trainer.validate import validate_config
+    from trainer.run.metrics import NullProgress
+    from trainer.tracking.mlflow_tracker import NullTracker
+    from trainer.validate.checks import validate_config
 
     cfg = validate_config(raw)
     report: dict[str, Any] = {}
@@ -170,8 +170,8 @@ def check_example(raw: dict) -> dict:
 def check_build(raw: dict) -> dict:
     """A config that is only built, not trained (the data-parallel sharding the seeds lack:
     FSDP's uneven and strided shards): ``params`` as :func:`check_example` reports them."""
-    from trainer.loop import build_parallel_model
-    from trainer.validate import validate_config
+    from trainer.run.loop import build_parallel_model
+    from trainer.validate.checks import validate_config
 
     cfg = validate_config(raw)
     return {"params": _param_report(build_parallel_model(cfg, torch.device("cpu")), cfg)}

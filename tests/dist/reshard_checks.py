@@ -1,4 +1,4 @@
-"""Checks of :func:`parallel.reshard.reshard` that run inside the 8 worker processes of one launch
+"""Checks of :func:`parallel.reshard.transfer.reshard` that run inside the 8 worker processes of one launch
 (see ``dist_harness``; the parent test is ``test_reshard.py``).
 
 Every rank draws the same cases from one seeded RNG: random meshes (1-D, 2-D, 3-D, 1 to 8 ranks,
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from parallel.reshard import MeshLayout, plan_reshard, reshard
+from parallel.reshard.transfer import MeshLayout, plan_reshard, reshard
 
 SEED = 20240611
 NUM_RANDOM_CASES = 1200

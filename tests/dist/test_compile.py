@@ -4,7 +4,7 @@ checkpoints load into eager runs and back, and the validator refuses what cannot
     python -m pytest tests/dist/test_compile.py -q     # ~2-4 min on 2 cores (Inductor's cache warm / cold)
 
 Two launches (2 and 8 processes; see ``compile_checks.SUITES``) each build their models the
-trainer's way (``trainer.loop.build_parallel_model`` with ``train.compile=true``) and train 5
+trainer's way (``trainer.run.loop.build_parallel_model`` with ``train.compile=true``) and train 5
 steps; the eager single-device reference runs in this (parent) process. Compilation dominates:
 the first step of each model compiles its block (~30 s of one core with a cold Inductor cache,
 ~3 s warm; the cache lives in /tmp/torchinductor_$USER). The 3d launch compiles on 8 processes
@@ -21,9 +21,9 @@ from compile_checks import CKPT_DIR_ENV, SUITES
 from dist_checks import MLP_CFG, llama_cfg, reference_run
 from dist_harness import launch
 from parallel.errors import ConfigError
-from trainer.config import LlamaConfig
+from trainer.config.schema import LlamaConfig
 from trainer.models import build_model
-from trainer.validate import validate_config
+from trainer.validate.checks import validate_config
 
 WORLD_SIZE = {"two_rank": 2, "eight_rank": 8}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
@@ -178,8 +178,8 @@ def test_compile_check_imports_nothing():
     module is imported by it (torch's compiler stack least of all)."""
     import sys
 
-    from trainer.config import RunConfig
-    from trainer.validate import _check_compile
+    from trainer.config.schema import RunConfig
+    from trainer.validate.checks import _check_compile
 
     cfg = RunConfig.model_validate({"train": {"compile": True}})
     before = set(sys.modules)

@@ -1,7 +1,7 @@
 """The seed examples in ``conf/examples/`` (OneFlow's and PaddlePaddle's), run as real gloo workers.
 
 Each example is composed as ``python -m trainer +examples=<name>`` composes it, validated by the
-trainer's validator, and built by ``trainer.loop.build_parallel_model`` inside the workers (see
+trainer's validator, and built by ``trainer.run.loop.build_parallel_model`` inside the workers (see
 ``example_checks``). The tests hold, on every rank: each parameter's placements per mesh axis and
 local shard shape, the input/output shapes of every stage, the ``Partial`` output where the seed
 says the output is a pending sum, the gathered values against one device, and 3 training steps
@@ -16,7 +16,7 @@ Four launches, one per world size the examples need (2, 4, 6 and 8 processes; th
 its mesh over the whole world, so a 2-rank example cannot run inside a 4-rank process group),
 started together with the CLI runs so that their start-ups overlap. The same launches also build
 (without training) a few non-seed configs, ``BUILDS``: FSDP, zero2 and HSDP shards, which no seed
-has. For every seed and build, the placement picture's slices (``parallel.placement_map``,
+has. For every seed and build, the placement picture's slices (``parallel.plan.placement_map``,
 computed from the plan alone) must equal each rank's real local shards.
 """
 
@@ -33,14 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from example_checks import launch
-from parallel.placement_map import param_slices
+from parallel.plan.placement_map import param_slices
 from tests.conftest import unprefixed
-from trainer.compose import CONF_DIR, compose_dict
-from trainer.loop import train
-from trainer.metrics import NullProgress
+from trainer.config.compose import CONF_DIR, compose_dict
+from trainer.run.loop import train
+from trainer.run.metrics import NullProgress
 from trainer.models import build_model
-from trainer.tracking import NullTracker
-from trainer.validate import validate_config, validate_with_plan
+from trainer.tracking.mlflow_tracker import NullTracker
+from trainer.validate.checks import validate_config, validate_with_plan
 
 pytestmark = pytest.mark.slow
 
@@ -288,7 +288,7 @@ def test_cli_binds_each_rank_id_to_its_cpu(launched, reference):
 
 
 def _computed_slices(raw: dict) -> dict:
-    """:func:`parallel.placement_map.param_slices` of a config, from its plan and the meta model only."""
+    """:func:`parallel.plan.placement_map.param_slices` of a config, from its plan and the meta model only."""
     cfg, plan = validate_with_plan(raw)
     model = build_model(cfg.model, device="meta")
     return param_slices(plan, {name: tuple(p.shape) for name, p in model.named_parameters()})

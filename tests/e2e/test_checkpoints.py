@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.conftest import run_cli, worker_pids
-from trainer.metrics import NullProgress
-from trainer.tracking import NullTracker
+from trainer.run.metrics import NullProgress
+from trainer.tracking.mlflow_tracker import NullTracker
 
 BASE = ["train.steps=6", "train.global_batch_size=16", "train.seq_len=32", "train.log_every=1",
         "data.max_bytes=100000", "optim.warmup_steps=2"]
@@ -46,9 +46,9 @@ def _cli(tmp_path: Path, uri: str, name: str, *args: str, timeout: float = 600) 
 @pytest.fixture(scope="module")
 def reference():
     """Losses of the uninterrupted one-device run, steps 1..6."""
-    from trainer.compose import compose_dict
-    from trainer.loop import train
-    from trainer.validate import validate_config
+    from trainer.config.compose import compose_dict
+    from trainer.run.loop import train
+    from trainer.validate.checks import validate_config
 
     cfg = validate_config(compose_dict([*BASE, "tracking=none"]))
     return train(cfg, tracker=NullTracker(), progress=NullProgress()).losses
@@ -63,9 +63,9 @@ def _assert_continues(got: dict[int, float], reference: list[float], steps: rang
 @pytest.mark.slow
 def test_resume_reshards_across_meshes(tmp_path, reference):
     """[2,2,2] -> [4,1,2] -> [1] in a chain; and a pp schedule change and fsdp -> ddp from the first save."""
-    from trainer.compose import compose_dict
-    from trainer.loop import train
-    from trainer.validate import validate_config
+    from trainer.config.compose import compose_dict
+    from trainer.run.loop import train
+    from trainer.validate.checks import validate_config
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     a, b = tmp_path / "a", tmp_path / "b"
@@ -86,7 +86,7 @@ def test_resume_reshards_across_meshes(tmp_path, reference):
     # Exported full weights of the 3d run and of the chain that ended on one device agree.
     from safetensors.torch import load_file
 
-    from trainer.export import export_checkpoint
+    from trainer.export.weights import export_checkpoint
 
     export_checkpoint(a / "step_00000006", tmp_path / "a.safetensors")
     export_checkpoint(c / "step_00000006", tmp_path / "c.safetensors")
@@ -127,9 +127,9 @@ def test_per_stage_layouts_train_and_move_to_a_uniform_layout_and_back(tmp_path,
 def test_killed_worker_is_restarted_and_the_run_continues_exactly(tmp_path):
     """max_restarts=1: SIGKILL a worker mid-run; the elastic agent restarts the workers, they resume
     from the newest checkpoint, and every step's loss equals the uninterrupted run's."""
-    from trainer.compose import compose_dict
-    from trainer.loop import train
-    from trainer.validate import validate_config
+    from trainer.config.compose import compose_dict
+    from trainer.run.loop import train
+    from trainer.validate.checks import validate_config
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = ["train.steps=16", "train.global_batch_size=8", "train.seq_len=32", "train.log_every=1",
@@ -153,8 +153,8 @@ def test_killed_worker_is_restarted_and_the_run_continues_exactly(tmp_path):
 def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     """SIGKILL a rank while a save is being written: the unfinished save is never a checkpoint,
     and the previous one still loads (here: exported to a full-weights file)."""
-    from trainer.checkpoint import latest_checkpoint
-    from trainer.export import export_checkpoint
+    from trainer.run.checkpoint import latest_checkpoint
+    from trainer.export.weights import export_checkpoint
 
     ckpt = tmp_path / "ck"
     proc = subprocess.Popen([sys.executable, "-m", "trainer", "+parallel=fsdp", "mesh=[2]", "model=gpt_small",

@@ -82,9 +82,9 @@ def _logits_of_checkpoint(checkpoint, tokens: torch.Tensor, tmp_path) -> torch.T
     """The trainer's own model, loaded from the checkpoint through its safetensors export."""
     from pydantic import TypeAdapter
 
-    from trainer.checkpoint import read_extra
-    from trainer.config import ModelConfig
-    from trainer.export import export_checkpoint, load_weights
+    from trainer.run.checkpoint import read_extra
+    from trainer.config.schema import ModelConfig
+    from trainer.export.weights import export_checkpoint, load_weights
     from trainer.models import build_model
 
     export_checkpoint(checkpoint, tmp_path / "weights.safetensors")
@@ -98,7 +98,7 @@ def _logits_of_checkpoint(checkpoint, tokens: torch.Tensor, tmp_path) -> torch.T
 def test_step0_logits_equal_transformers(model_type, hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer.config import HFModelConfig
+    from trainer.config.schema import HFModelConfig
     from trainer.models import build_model
 
     if model_type != "llama":

@@ -111,7 +111,7 @@ def test_no_param_tag_or_config_artifact_holds_a_secret(tmp_path):
     # with a checkpoint, the final weights are in the run: the same tensors as the checkpoint's model
     from safetensors.torch import load_file
 
-    from trainer.export import load_checkpoint_model
+    from trainer.export.weights import load_checkpoint_model
 
     weights = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
     model, _, _ = load_checkpoint_model(tmp_path / "checkpoints" / "step_00000002")

@@ -25,7 +25,7 @@ SERVICE_OWNED = [("tracking", "tracking_uri"), ("tracking", "run_id"), ("train",
                  ("tracking", "tags")]
 # Modules that compose or validate a config: none of them may run after the server resolved it.
 # (Workers do resolve the parallel plan of the model they build: that is the engine's input.)
-COMPOSE_OR_VALIDATE = ("hydra", "omegaconf", "trainer.compose", "trainer.validate", "trainer.model_checks")
+COMPOSE_OR_VALIDATE = ("hydra", "omegaconf", "trainer.config.compose", "trainer.validate", "trainer.validate.model_checks")
 
 
 def _without_service_fields(config: dict) -> dict:
@@ -41,7 +41,7 @@ def test_rest_resolves_the_config_the_cli_prints(overrides, tmp_path):
     the config `python -m trainer --cfg job` prints for the same input; with no input, exactly
     what it prints (a parallel preset states only its own keys, the rest are the section's defaults)."""
     from service.submit import resolve_config
-    from trainer.validate import validate_config
+    from trainer.validate.checks import validate_config
 
     proc = run_cli(["--cfg", "job", *overrides], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -77,7 +77,7 @@ def test_a_submitted_job_is_neither_recomposed_nor_revalidated(tmp_path):
     assert "done: steps 1..2" in proc.stdout
     lines = [unprefixed(line) for line in proc.stderr.splitlines()]  # a worker's lines come as "[rank1]: ..."
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
-    assert "trainer.loop" in imported and "parallel.engine" in imported, sorted(m for m in imported if m.startswith(("trainer", "parallel")))  # reached the workers
+    assert "trainer.run.loop" in imported and "parallel.engine" in imported, sorted(m for m in imported if m.startswith(("trainer", "parallel")))  # reached the workers
     offenders = sorted(m for m in imported if m.split(".")[0] in ("hydra", "omegaconf") or m in COMPOSE_OR_VALIDATE)
     assert offenders == [], offenders
     # Hugging Face packages are an optional extra, imported only by model=hf and friends.
@@ -102,7 +102,7 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     assert install.returncode == 0, install.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = subprocess.run([python, "-c", "import trainer.compose as c; print(c.CONF_DIR)"], cwd=elsewhere,
+    where = subprocess.run([python, "-c", "import trainer.config.compose as c; print(c.CONF_DIR)"], cwd=elsewhere,
                            capture_output=True, text=True, timeout=120, env=env)
     conf_dir = Path(where.stdout.strip())
     assert env_dir in conf_dir.parents and (conf_dir / "parallel" / "3d.yaml").is_file(), where.stdout + where.stderr

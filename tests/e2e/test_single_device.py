@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from trainer.metrics import NullProgress
-from trainer.tracking import NullTracker
+from trainer.run.metrics import NullProgress
+from trainer.tracking.mlflow_tracker import NullTracker
 
 TINY = ("tracking=none", "train.steps=6", "train.global_batch_size=4", "train.seq_len=32",
         "train.log_every=1", "data.max_bytes=200000")
@@ -23,7 +23,7 @@ RECORDED = [5.626276016235352, 5.491858959197998, 5.36549711227417, 5.1240215301
 
 
 def _train(cfg):
-    from trainer.loop import train
+    from trainer.run.loop import train
 
     return train(cfg, tracker=NullTracker(), progress=NullProgress())
 
@@ -59,7 +59,7 @@ def test_sigterm_kills_run_keeps_checkpoint_and_resume_matches(tmp_path, compose
     continues with exactly the losses of an uninterrupted run."""
     from mlflow.tracking import MlflowClient
 
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.run.checkpoint import latest_checkpoint
 
     ckpt_dir = tmp_path / "ckpt"
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -1,16 +1,16 @@
-"""trainer.auto_plan: enumeration, validation reasons, pruning against brute force, integration into validation."""
+"""trainer.planner.auto.plan: enumeration, validation reasons, pruning against brute force, integration into validation."""
 
 from __future__ import annotations
 
 import pytest
 
 from parallel.config import AutoPlanConfig
-from trainer.auto_plan import plan_layouts, resolve_auto
-from trainer.auto_search import Search
-from trainer.calibrate import Calibration, Fit
-from trainer.compose import compose_dict
-from trainer.config import RunConfig
-from trainer.validate import validate_config
+from trainer.planner.auto.plan import plan_layouts, resolve_auto
+from trainer.planner.auto.search import Search
+from trainer.planner.calibration.probe import Calibration, Fit
+from trainer.config.compose import compose_dict
+from trainer.config.schema import RunConfig
+from trainer.validate.checks import validate_config
 
 CAL = Calibration(host="h", device="cpu:test", workers=8, matmul={"fp32": Fit(1e-5, 1e10)},
                   elementwise=Fit(2e-6, 5e9),
@@ -98,7 +98,7 @@ def test_memory_budget_drops_layouts_that_do_not_fit():
 
 
 def test_the_winner_is_an_ordinary_config(monkeypatch):
-    import trainer.auto_plan as auto_plan
+    import trainer.planner.auto.plan as auto_plan
 
     monkeypatch.setattr(auto_plan, "host_calibration", lambda base, world: CAL)
     cfg = validate_config(_raw("mesh=[4]", *NARROW))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.calibrate import Calibration, Fit, fit_line, load_or_probe, probe
+from trainer.planner.calibration.probe import Calibration, Fit, fit_line, load_or_probe, probe
 
 
 def _calibration(workers: int = 8) -> Calibration:
@@ -53,7 +53,7 @@ def test_one_worker_probe_is_cached(tmp_path):
 def test_framework_terms_floor_every_call_and_the_optimizer():
     from dataclasses import replace
 
-    from trainer.cost_model import Work, count_calls
+    from trainer.planner.cost.model import Work, count_calls
 
     cal = _calibration()
     work = Work(matmul_calls=10, other_calls=30)
@@ -82,9 +82,9 @@ def test_two_workers_measure_collectives():
 def test_reference_steps_are_the_engines_layouts_and_round_trip():
     from dataclasses import replace
 
-    from trainer.calibrate_work import STEP_MODEL, reference_step, step_efficiency
-    from trainer.cost_model import predict_step_time
-    from trainer.cost_reference import layout_degrees
+    from trainer.planner.calibration.framework import STEP_MODEL, reference_step, step_efficiency
+    from trainer.planner.cost.model import predict_step_time
+    from trainer.planner.cost.reference import layout_degrees
 
     cal = replace(_calibration(), step_efficiency={"ddp": 1.25, "tp": 1.5})
     assert Calibration.from_json(cal.to_json()).step_efficiency == {"ddp": 1.25, "tp": 1.5}
@@ -103,9 +103,9 @@ def test_reference_steps_are_the_engines_layouts_and_round_trip():
 def test_pipelined_references_measure_a_cost_per_schedule_action_and_tp_all_reduce():
     from dataclasses import replace
 
-    from trainer.calibrate_work import pipeline_costs, reference_step, step_efficiency
-    from trainer.cost_model import predict_step_time
-    from trainer.cost_reference import layout_degrees, pipelined_tp_collectives, schedule_actions
+    from trainer.planner.calibration.framework import pipeline_costs, reference_step, step_efficiency
+    from trainer.planner.cost.model import predict_step_time
+    from trainer.planner.cost.reference import layout_degrees, pipelined_tp_collectives, schedule_actions
 
     cfg, plan = reference_step("pp", 8)  # dp4(ddp) x pp2, 1F1B over 4 micro-batches
     assert plan.mesh.shape == (4, 2) and plan.pp_size == 2 and layout_degrees(plan) == {"ddp": 4}

@@ -1,15 +1,15 @@
-"""trainer.cost_model: work per unit, communication per axis, bubble and checkpointing, on a hand-made calibration."""
+"""trainer.planner.cost.model: work per unit, communication per axis, bubble and checkpointing, on a hand-made calibration."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.calibrate import Calibration, Fit
-from trainer.compose import compose_dict
-from trainer.cost_comm import comm_ops, unit_params
-from trainer.cost_model import micro_batch_size, predict_step_time, unit_costs
+from trainer.planner.calibration.probe import Calibration, Fit
+from trainer.config.compose import compose_dict
+from trainer.planner.cost.comm import comm_ops, unit_params
+from trainer.planner.cost.model import micro_batch_size, predict_step_time, unit_costs
 from trainer.models import build_model
-from trainer.validate import validate_with_plan
+from trainer.validate.checks import validate_with_plan
 
 CAL = Calibration(host="h", device="cpu:test", workers=4, matmul={"fp32": Fit(1e-5, 1e10), "bf16": Fit(1e-5, 2e10)},
                   elementwise=Fit(2e-6, 5e9),
@@ -54,7 +54,7 @@ def test_pipeline_adds_the_bubble():
 def test_shared_cores_fill_the_bubble_and_even_out_the_stages():
     from dataclasses import replace
 
-    from trainer.cost_model import stage_span
+    from trainer.planner.cost.model import stage_span
 
     cfg, plan = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=2")
     own = predict_step_time(cfg, plan, replace(CAL, workers=2, cores=0))
@@ -116,7 +116,7 @@ def test_tp_all_reduces_activations_four_times_per_block_and_microbatch():
 def test_dtensor_dispatch_is_paid_per_placed_parameter_and_pass():
     from dataclasses import replace
 
-    from trainer.cost_model import placed_params
+    from trainer.planner.cost.model import placed_params
 
     cfg, plan = _plan("+parallel=tp", "mesh=[2]")
     placed = placed_params(plan)
@@ -133,7 +133,7 @@ def test_reference_step_ratios_scale_each_family_to_the_share_of_its_degree():
     import math
     from dataclasses import replace
 
-    from trainer.cost_reference import layout_degrees, layout_efficiency
+    from trainer.planner.cost.reference import layout_degrees, layout_efficiency
 
     cal = replace(CAL, workers=8, step_efficiency={"ddp": 1.5, "fsdp": 1.4, "tp": 2.0})
     cfg, plan = _plan("+parallel=3d", "mesh=[2,2,2]")  # dp2(fsdp) x pp2 x tp2
@@ -160,7 +160,7 @@ def test_reference_step_ratios_scale_each_family_to_the_share_of_its_degree():
 def test_a_pipeline_pays_a_cost_per_schedule_action_and_per_tp_all_reduce_of_its_stages():
     from dataclasses import replace
 
-    from trainer.cost_reference import pipeline_overhead_s, pipelined_tp_collectives, schedule_actions
+    from trainer.planner.cost.reference import pipeline_overhead_s, pipelined_tp_collectives, schedule_actions
 
     cal = replace(CAL, workers=8, schedule_action_s=0.01, pipelined_tp_collective_s=0.002)
     cfg, plan = _plan("+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=4")
@@ -194,7 +194,7 @@ def test_a_pipeline_pays_a_cost_per_schedule_action_and_per_tp_all_reduce_of_its
 def test_the_lower_bound_stays_below_the_scaled_prediction():
     from dataclasses import replace
 
-    from trainer.cost_model import lower_bound_s
+    from trainer.planner.cost.model import lower_bound_s
 
     cal = replace(CAL, workers=4, step_efficiency={"ddp": 1.5, "fsdp": 1.4, "tp": 2.0},
                   schedule_action_s=0.01, pipelined_tp_collective_s=0.002)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.config import (
+from trainer.config.schema import (
     FilesDataConfig,
     LlamaConfig,
     MLPConfig,

@@ -325,7 +325,7 @@ def test_dockerfile_installs_torch_before_the_project_and_runs_the_api():
 
 def test_conf_dir_ships_inside_the_trainer_package():
     """The image installs a wheel: CONF_DIR is package data, and the top-level conf links to it."""
-    from trainer.compose import CONF_DIR
+    from trainer.config.compose import CONF_DIR
 
     assert CONF_DIR == ROOT / "trainer" / "conf" and (CONF_DIR / "config.yaml").is_file()
     assert (ROOT / "conf").resolve() == CONF_DIR

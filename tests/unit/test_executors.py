@@ -125,7 +125,6 @@ def test_several_nodes_only_where_an_executor_places_them(tmp_path):
 
 def test_train_entry_point_refuses_what_it_cannot_run(tmp_path):
     from trainer import TrainingFailed, train
-
     with pytest.raises(TypeError, match="expected a RunConfig, a dict or the path"):
         train(42)
     with pytest.raises(FileNotFoundError, match="cannot read the config"):

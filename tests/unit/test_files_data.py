@@ -15,7 +15,7 @@ import torch
 
 from parallel.errors import ConfigError
 from tests.hf_assets import documents, write_jsonl, write_parquet, write_tokenizer
-from trainer.config import FilesDataConfig, LlamaConfig
+from trainer.config.schema import FilesDataConfig, LlamaConfig
 from trainer.data import GlobalBatchLoader, build_splits
 from trainer.data.files import FilesSource
 from trainer.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -128,8 +128,8 @@ def test_validation_split_by_fraction_or_by_files(corpus, tmp_path):
 
 
 def test_bad_files_configs_name_the_path_reason_and_fix(corpus, tmp_path):
-    from trainer.compose import compose_dict
-    from trainer.validate import validate_config
+    from trainer.config.compose import compose_dict
+    from trainer.validate.checks import validate_config
 
     def issues(*overrides: str) -> dict[str, str]:
         with pytest.raises(ConfigError) as err:

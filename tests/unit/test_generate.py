@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.generate import main, sample
+from trainer.export.generate import main, sample
 
 
 class NextIsPlusOne(nn.Module):

@@ -25,7 +25,7 @@ from service.executors.jobset import jobset_name, render
 from service.executors.kubernetes import ClusterUnavailable, KubernetesExecutor, connect
 from service.runner import job_environment
 from service.settings import Settings
-from trainer.config import RunConfig
+from trainer.config.schema import RunConfig
 
 JOB_ID = "0b9c6f0e-3c0d-4a43-9d55-2f1f6c1f8a11"
 NAME = f"mf-{JOB_ID}"

@@ -14,7 +14,7 @@ def test_import_contracts_hold():
 
 
 def test_parallel_does_not_import_trainer_or_mlflow():
-    code = "import sys, parallel.engine, parallel.placements, parallel.pipeline_plan; " \
+    code = "import sys, parallel.engine, parallel.placements, parallel.plan.boundaries; " \
            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trainer', 'mlflow', 'fastapi', 'service', 'api')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -11,9 +11,9 @@ import pytest
 
 from parallel.errors import ConfigError
 from tests.conftest import run_cli
-from trainer.compose import compose_dict
-from trainer.memory import GIB, predict_memory
-from trainer.validate import validate_config, validate_with_plan
+from trainer.config.compose import compose_dict
+from trainer.planner.memory.predict import GIB, predict_memory
+from trainer.validate.checks import validate_config, validate_with_plan
 
 
 def _predict(*overrides: str):
@@ -56,7 +56,7 @@ def test_fsdp_heap_holes_do_not_shrink_with_the_ranks():
     assert eight.live < two.live / 2
     # beside them, the holes of the step's activations (larger flat buffers fit in none of those):
     # these shrink with the batch each rank runs
-    from trainer.host_memory import STEP_FRAGMENTATION
+    from trainer.planner.memory.host import STEP_FRAGMENTATION
 
     def flat_holes(e):
         return e.parts["allocator"] - STEP_FRAGMENTATION * e.parts["step_activations"]
@@ -91,7 +91,7 @@ def test_the_cli_refuses_before_any_worker_starts(tmp_path):
 def test_meter_counts_what_the_process_allocated_after_it_was_made():
     # In a fresh process, as a worker's meter runs: in this long-lived one the allocator may serve the
     # block from memory that earlier tests left resident, and the resident size would not grow.
-    code = ("import torch; from trainer.metrics import MemoryMeter; meter = MemoryMeter(torch.device('cpu')); "
+    code = ("import torch; from trainer.run.metrics import MemoryMeter; meter = MemoryMeter(torch.device('cpu')); "
             "block = torch.ones(64 * 2**20 // 4); print(meter.peak_mb())")  # 64 MiB, touched
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
@@ -177,7 +177,7 @@ def test_ddp_holds_an_unsharded_copy_and_reduces_through_two_flat_buffers():
 
 _HOLES = """
 import sys, torch
-from trainer.host_memory import unmap_freed_memory
+from trainer.planner.memory.host import unmap_freed_memory
 if sys.argv[1] == "unmap":
     unmap_freed_memory()
 rss = lambda: next(float(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
@@ -211,7 +211,7 @@ def test_unmapping_drops_the_heap_terms_from_the_plan(monkeypatch):
     assert unmapped.total == unmapped.live + unmapped.parts["runtime"]
     (ddp,) = _predict("model=gpt_small", "+parallel=dp", "mesh=[2]", "launch.unmap_freed_memory=true")
     assert ddp.parts["reduce"] == 2 * ddp.params  # backward's freed memory is returned: two flat buffers
-    import trainer.validate as validate
+    import trainer.validate.checks as validate
 
     monkeypatch.setattr(validate, "has_mallopt", lambda: False)
     with pytest.raises(ConfigError) as err:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.config import LlamaConfig, MLPConfig
+from trainer.config.schema import LlamaConfig, MLPConfig
 from trainer.models import (
     Attention,
     MatmulMLP,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import RunConfig
-from trainer.launch import _with_node_options, main, node_ordered_rank, rendezvous_id
+from trainer.config.schema import RunConfig
+from trainer.launch.launcher import _with_node_options, main, node_ordered_rank, rendezvous_id
 
 TWO_NODES = {"mesh": [4], "parallel": {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": "fsdp"}},
              "launch": {"nnodes": 2, "rdzv_endpoint": "10.0.0.1:29500"}}
@@ -52,7 +52,7 @@ def test_a_bad_node_option_is_a_config_error_that_names_the_field(tmp_path, caps
 
 
 def test_several_hosts_need_a_fixed_rendezvous_port():
-    from trainer.validate import check_launch
+    from trainer.validate.checks import check_launch
 
     (issue,) = check_launch(_cfg(rdzv_endpoint="10.0.0.1:0"))
     assert issue.path == "launch.rdzv_endpoint" and "port 0 with launch.nnodes=2" in str(issue)

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from parallel.config import ParallelConfig
-from parallel.placement_map import group_name, param_slices, placement_groups, stage_grids
-from parallel.plan import resolve_plan
+from parallel.plan.placement_map import group_name, param_slices, placement_groups, stage_grids
+from parallel.plan.resolve import resolve_plan
 
 
 class Raw(nn.Module):

@@ -12,10 +12,10 @@ import json
 import matplotlib.image
 import pytest
 
-from parallel.placement_map import placement_groups_from_table, stage_grids
-from trainer.compose import compose_dict
-from trainer.placement_picture import MAX_SEPARATE, _rows, placement_report, write_placement
-from trainer.validate import validate_with_plan
+from parallel.plan.placement_map import placement_groups_from_table, stage_grids
+from trainer.config.compose import compose_dict
+from trainer.tracking.pictures.placement import MAX_SEPARATE, _rows, placement_report, write_placement
+from trainer.validate.checks import validate_with_plan
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -64,7 +64,7 @@ def test_many_groups_merge_into_their_distinct_patterns():
 
 
 def test_dry_run_writes_the_picture_unless_switched_off(tmp_path, monkeypatch, capsys):
-    from trainer.main import _write_pictures
+    from trainer.cli.main import _write_pictures
 
     monkeypatch.chdir(tmp_path)
     cfg, plan = _plan("+examples=paddle_3d")

@@ -15,11 +15,11 @@ import os
 import pytest
 
 from parallel.mesh import device_slot, flat_rank_ids, rank_id_of
-from parallel.plan import MeshSpec
-from trainer.compose import compose_dict
-from trainer.launch import bind_worker
-from trainer.plan import describe_plan
-from trainer.validate import validate_config, validate_with_plan
+from parallel.plan.resolve import MeshSpec
+from trainer.config.compose import compose_dict
+from trainer.launch.launcher import bind_worker
+from trainer.planner.report import describe_plan
+from trainer.validate.checks import validate_config, validate_with_plan
 
 PADDLE = [[2, 4, 5], [0, 1, 3]]
 

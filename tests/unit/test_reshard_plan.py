@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from parallel.reshard_plan import Box, MeshLayout, layout_boxes, minimum_bytes, plan_reshard
+from parallel.reshard.transfer_plan import Box, MeshLayout, layout_boxes, minimum_bytes, plan_reshard
 
 F32 = 4
 

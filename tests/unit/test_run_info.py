@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from trainer.compose import compose_dict
-from trainer.config import RunConfig
-from trainer.run_info import MASK, public_config, redact, run_name, run_tags, run_url, ui_command
-from trainer.run_record import dataset_identity, summary
-from trainer.tracking import NullTracker, readable_params
+from trainer.config.compose import compose_dict
+from trainer.config.schema import RunConfig
+from trainer.tracking.run_info import MASK, public_config, redact, run_name, run_tags, run_url, ui_command
+from trainer.tracking.run_record import dataset_identity, summary
+from trainer.tracking.mlflow_tracker import NullTracker, readable_params
 
 
 def _cfg(*overrides: str) -> RunConfig:

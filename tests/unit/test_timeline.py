@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from parallel.engine import parallelize
-from parallel.pipeline_order import (
+from parallel.pipeline.order import (
     bubble_fractions,
     compute_order,
     parse_action,
@@ -24,11 +24,11 @@ from parallel.pipeline_order import (
     schedule_order,
     theory_bubble,
 )
-from parallel.plan import resolve_plan
-from parallel.timeline import TimelineRecorder
-from trainer.config import MLPConfig
+from parallel.plan.resolve import resolve_plan
+from parallel.pipeline.timeline import TimelineRecorder
+from trainer.config.schema import MLPConfig
 from trainer.models import build_model, loss_fn_for
-from trainer.timeline import chrome_trace, gather_events, timeline_pictures, write_timeline
+from trainer.tracking.pictures.timeline_chart import chrome_trace, gather_events, timeline_pictures, write_timeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SHAPES = [(2, 4), (2, 8), (4, 4), (4, 8), (3, 5)]  # (p, m)
@@ -135,7 +135,7 @@ def test_chrome_trace_has_one_process_per_rank_and_nesting_threads(tmp_path):
 
 
 def test_dry_run_writes_the_predicted_timeline_and_names_it(compose, tmp_path):
-    from trainer.plan import describe_plan
+    from trainer.planner.report import describe_plan
 
     cfg = compose("+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=GPipe", "tracking=none")
     plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
@@ -231,7 +231,7 @@ def test_run_pictures_log_artifacts_metrics_and_print_paths(compose, tmp_path, m
 def test_the_plans_bubble_is_the_schedules_own(compose, schedule, expected):
     """The dry run's and REST plan's ``bubble``: the zero-bubble schedules' theory, or (ZBV) the
     unit-cost layout of torch's order, not interleaved 1F1B's (p-1)/(v*m+p-1) = 1/9."""
-    from trainer.plan import plan_numbers
+    from trainer.planner.report import plan_numbers
 
     cfg = compose("+parallel=pp", "mesh=[2]", f"parallel.pipeline.schedule={schedule}",
                   "parallel.pipeline.stages_per_rank=2", "tracking=none")
@@ -243,10 +243,10 @@ def test_the_plans_bubble_is_the_schedules_own(compose, schedule, expected):
 def test_dry_run_names_why_torch_refuses_to_order_a_shape(tmp_path):
     """A dry run despite batch errors (1F1B with fewer micro-batches than ranks) still prints its
     plan; the picture line says why there is none."""
-    from trainer.compose import compose_dict
-    from trainer.config import RunConfig
-    from trainer.model_checks import check_against_model
-    from trainer.plan import describe_plan
+    from trainer.config.compose import compose_dict
+    from trainer.config.schema import RunConfig
+    from trainer.validate.model_checks import check_against_model
+    from trainer.planner.report import describe_plan
 
     cfg = RunConfig.model_validate(compose_dict(["+parallel=pp", "mesh=[4]", "parallel.pipeline.microbatches=2",
                                                  "tracking=none"]))

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from trainer.config import TrackingConfig
-from trainer.tracking import (
+from trainer.config.schema import TrackingConfig
+from trainer.tracking.mlflow_tracker import (
     MAX_PARAM_VALUE_LENGTH,
     MLflowTracker,
     NullTracker,
@@ -175,8 +175,8 @@ def test_null_tracker_does_not_import_mlflow(tmp_path: Path) -> None:
     code = textwrap.dedent(
         """
         import sys
-        from trainer.config import TrackingConfig
-        from trainer.tracking import make_tracker, run_lifecycle
+        from trainer.config.schema import TrackingConfig
+        from trainer.tracking.mlflow_tracker import make_tracker, run_lifecycle
         tracker = make_tracker(TrackingConfig(backend="none"), is_main=True)
         with run_lifecycle(tracker):
             tracker.log_params({"train": {"steps": 1}})
@@ -190,8 +190,8 @@ def test_null_tracker_does_not_import_mlflow(tmp_path: Path) -> None:
 
 SIGTERM_SCRIPT = """
 import sys, time
-from trainer.config import TrackingConfig
-from trainer.tracking import Terminated, install_signal_handlers, make_tracker, run_lifecycle
+from trainer.config.schema import TrackingConfig
+from trainer.tracking.mlflow_tracker import Terminated, install_signal_handlers, make_tracker, run_lifecycle
 
 cfg = TrackingConfig(tracking_uri=sys.argv[1], experiment="unit", run_name="sigterm")
 try:
@@ -230,7 +230,7 @@ def test_a_sigterm_during_an_mlflow_write_is_raised_once_the_write_is_whole(
 ) -> None:
     import time
 
-    from trainer.tracking import install_signal_handlers
+    from trainer.tracking.mlflow_tracker import install_signal_handlers
 
     tracker = MLflowTracker(cfg)
     real_log_batch, written = tracker._client.log_batch, []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from trainer.config import (
+from trainer.config.schema import (
     FilesDataConfig,
     LlamaConfig,
     MLPConfig,

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from parallel.errors import ConfigError, ConfigIssue
-from trainer.config import FilesDataConfig
+from trainer.config.schema import FilesDataConfig
 from trainer.data.base import TokenWindows
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 

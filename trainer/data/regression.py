@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from trainer.config import RegressionDataConfig
+from trainer.config.schema import RegressionDataConfig
 from trainer.data.base import derive_seed
 
 # Width of the teacher's hidden layer: narrower than the student's default (4096), so the

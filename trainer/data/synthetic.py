@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from trainer.config import SyntheticDataConfig
+from trainer.config.schema import SyntheticDataConfig
 from trainer.data.base import TokenWindows
 
 # Transition tables larger than this (float64 entries, 8 B each) are refused: 2**22 entries

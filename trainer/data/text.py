@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from trainer.config import TextDataConfig
+from trainer.config.schema import TextDataConfig
 from trainer.data.base import TokenWindows
 
 STDLIB = "stdlib"

@@ -3,7 +3,7 @@
 A name-keyed registry (not a ``_target_`` import path) because model configs also arrive
 over REST, and a remote user must never be able to name arbitrary code.
 
-    from trainer.config import LlamaConfig
+    from trainer.config.schema import LlamaConfig
     from trainer.models import build_model, loss_fn_for
     model = build_model(LlamaConfig(n_layers=2), seed=0)          # built and initialised
     skeleton = build_model(LlamaConfig(), device="meta")          # shapes only, no memory
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig
+from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig
 from trainer.models.init import canonical_fqn, init_named_parameters, init_parameter, stable_seed
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 from trainer.models.mlp import MatmulMLP

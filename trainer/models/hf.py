@@ -5,7 +5,7 @@
 
 A Llama-family ``config.json`` (``model_type`` llama, mistral, qwen2 or qwen3: one layout, give
 or take Qwen2's q/k/v biases and Qwen3's per-head q/k norms) becomes a
-:class:`~trainer.config.LlamaConfig` and a :class:`~trainer.models.llama.Transformer` with
+:class:`~trainer.config.schema.LlamaConfig` and a :class:`~trainer.models.llama.Transformer` with
 ``layout="hf"``, whose parameter names and rotary convention are ``LlamaForCausalLM``'s: the
 checkpoint loads key for key, the logits equal transformers' own, and every layout the engine
 supports (tensor, sequence, pipeline, data parallel) works unchanged. The directory is read with
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import HFModelConfig, LlamaConfig
+from trainer.config.schema import HFModelConfig, LlamaConfig
 from trainer.models.llama import Transformer
 
 # The Llama layout and its kin: Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms and a free head_dim.

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import LlamaConfig
+from trainer.config.schema import LlamaConfig
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import MLPConfig
+from trainer.config.schema import MLPConfig
 from trainer.models.init import InitKind, init_named_parameters
 
 

@@ -1,0 +1,203 @@
+"""Pipeline parallelism: FQN-preserving stage split and torch.distributed.pipelining schedules.
+
+A model is cut between its *units*, the top-level pieces in forward order (``pipeline_units``:
+``tok_embeddings, layers.0, .., layers.<n-1>, norm, output``; for the seeds' MLP the raw
+parameters ``w0, w1``). Each stage is a copy of the full model with the other units removed
+(modules set to ``None``, blocks deleted from their ``ModuleDict``), so a parameter keeps its
+FQN on every stage and checkpoints load across pipeline sizes.
+
+    stages = split_stages(model, plan.pipeline, units=plan.units, pp_rank=r)   # [(index, module)]
+    schedule = build_schedule(stages, schedule="1F1B", microbatches=4, loss_fn=loss_fn,
+                              num_stages=2, pp_group=mesh["pp"].get_group(), device="cpu")
+
+Stages go to ranks loop-style (stage ``s`` on pp rank ``s % pp_size``) for GPipe, 1F1B and
+the interleaved schedules, V-style for ZBV (rank ``r`` holds ``r`` and ``2 * pp_size - 1 - r``).
+The schedule calls ``loss_fn`` once per micro-batch. The schedules' own ``scale_grads=True``
+divides the *accumulated* ``.grad`` by the number of micro-batches after every ``step``, which
+also rescales gradients left by an earlier accumulation step; so ``build_schedule`` turns it
+off and the caller's ``loss_fn`` divides by the number of micro-batches itself (the engine
+does), which gives the gradients of the mean loss over the batch under accumulation too. Tensor shapes between stages are inferred at
+run time by ``PipelineStage`` (torch >= 2.13), so no example inputs are needed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from parallel.config import MULTI_STAGE_SCHEDULES, V_SCHEDULES, ScheduleName
+from parallel.plan.boundaries import auto_boundaries
+
+if TYPE_CHECKING:
+    from parallel.plan.resolve import PipelineSpec
+
+
+def pipeline_units(model: nn.Module) -> list[str]:
+    """Pieces a pipeline may be cut between, in forward order: the children of a
+    ``ModuleDict``/``ModuleList`` are separate units (``layers.0``), a module that holds such a
+    container is looked into (Hugging Face's ``model`` -> ``model.embed_tokens``,
+    ``model.layers.0``, ..., ``model.norm``), any other child is one unit, and so is each raw
+    parameter of the root (the seeds' ``w0``, ``w1``)."""
+    units: list[str] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+                units.extend(f"{prefix}{name}.{key}" for key, _ in child.named_children())
+            elif any(isinstance(c, (nn.ModuleDict, nn.ModuleList)) for c in child.children()):
+                visit(child, f"{prefix}{name}.")
+            else:
+                units.append(prefix + name)
+
+    visit(model, "")
+    return units + [name for name, _ in model.named_parameters(recurse=False)]
+
+
+def block_units(model: nn.Module, units: Sequence[str]) -> list[str]:
+    """The units that are entries of a ``ModuleDict``/``ModuleList`` (the repeated blocks):
+    FSDP shards and activation checkpointing wraps them one by one."""
+    containers = {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleDict, nn.ModuleList))}
+    return [u for u in units if u.rpartition(".")[0] in containers]
+
+
+def stage_ranks(num_stages: int, pp_size: int, *, schedule: str) -> list[int]:
+    """The pp rank of each stage: V-style for ZBV, loop-style otherwise."""
+    if schedule in V_SCHEDULES:
+        if num_stages != 2 * pp_size:
+            raise ValueError(f"{schedule} needs exactly 2 stages per rank, got {num_stages} stages on {pp_size} ranks")
+        return [s if s < pp_size else 2 * pp_size - 1 - s for s in range(num_stages)]
+    return [s % pp_size for s in range(num_stages)]
+
+
+def stage_boundaries(model: nn.Module, *, boundaries: Sequence[str] | str, num_stages: int, units: Sequence[str]) -> list[list[str]]:
+    """The units of each stage. ``boundaries`` lists the first unit of every stage but the
+    first; ``"auto"`` balances parameter counts over contiguous units."""
+    units = list(units)
+    if num_stages > len(units):
+        raise ValueError(f"{num_stages} stages but the model has only {len(units)} units: {units}")
+    if boundaries == "auto":
+        modules = dict(model.named_modules())
+        boundaries = auto_boundaries(units, [_unit_numel(model, modules, u) for u in units], num_stages)
+    missing = [b for b in boundaries if b not in units]
+    if missing:
+        raise ValueError(f"boundaries {missing} are not units of the model; units are {units}")
+    starts = [0] + [units.index(b) for b in boundaries]
+    if len(starts) != num_stages or starts != sorted(set(starts)):
+        raise ValueError(f"boundaries {list(boundaries)} do not cut {units} into {num_stages} stages in order")
+    ends = starts[1:] + [len(units)]
+    return [units[a:b] for a, b in zip(starts, ends)]
+
+
+def _unit_numel(model: nn.Module, modules: dict[str, nn.Module], unit: str) -> int:
+    if unit in modules:
+        return sum(p.numel() for p in modules[unit].parameters())
+    return model.get_parameter(unit).numel()
+
+
+class RawParameterStage(nn.Module):
+    """A stage made of raw top-level parameters of a matmul-chain model (the seeds' MLP,
+    ``act(x @ w0) @ w1``): holds each parameter under its original name and applies
+    ``x = x @ p``, then the model's ``activation`` after every parameter but the model's last.
+
+    The model-specific part is only that convention: a raw top-level parameter is one matmul
+    of a chain, and ``model.activation`` (identity if absent) sits between the matmuls.
+    """
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        super().__init__()
+        chain = [n for n, _ in model.named_parameters(recurse=False)]
+        self._names = list(names)
+        self._activate = [chain.index(n) < len(chain) - 1 for n in self._names]
+        self.activation = getattr(model, "activation", None)
+        for name in self._names:
+            self.register_parameter(name, nn.Parameter(model.get_parameter(name).detach().clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name, activate in zip(self._names, self._activate):
+            x = torch.matmul(x, getattr(self, name))
+            if activate and self.activation is not None:
+                x = self.activation(x)
+        return x
+
+
+def build_stage_module(model: nn.Module, units: Sequence[str], all_units: Sequence[str]) -> nn.Module:
+    """A copy of ``model`` that keeps only ``units`` (FQNs unchanged)."""
+    raw = {n for n, _ in model.named_parameters(recurse=False)}
+    if raw & set(all_units):
+        if not set(units) <= raw or any(True for _ in model.children()):
+            raise ValueError("a model mixing raw top-level parameters and submodules cannot be split into stages")
+        return RawParameterStage(model, units)
+    stage = copy.deepcopy(model)
+    keep = set(units)
+    for unit in all_units:
+        if unit in keep:
+            continue
+        parent_name, _, child = unit.rpartition(".")
+        parent = stage.get_submodule(parent_name)
+        if isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
+            del parent[child]
+        else:
+            # None, not delattr: the model's forward skips a missing piece (`getattr(..., None)`).
+            setattr(parent, child, None)
+    return stage
+
+
+def split_stages(model: nn.Module, pipeline: PipelineSpec, *, units: Sequence[str], pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """``[(stage_index, stage_module), ...]`` for the stages pp rank ``pp_rank`` holds (as the
+    plan's resolved split says), in increasing stage order."""
+    return [(s, build_stage_module(model, pipeline.stage_units[s], units)) for s in pipeline.stages_of(pp_rank)]
+
+
+def build_schedule(
+    stages: Sequence[tuple[int, nn.Module]],
+    *,
+    schedule: ScheduleName,
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    num_stages: int,
+    pp_group: torch.distributed.ProcessGroup,
+    device: torch.device | str,
+    stage_to_group_rank: dict[int, int] | None = None,
+):
+    """A torch pipelining schedule over this rank's ``stages``; ``step(inputs, target=...,
+    losses=[])`` then runs forward and backward of all micro-batches.
+
+    ``scale_grads=False``: ``loss_fn`` must already be divided by ``microbatches`` for the
+    gradients to be those of the batch mean (see the module docstring for why).
+    ``stage_to_group_rank``: stage index -> ``pp_group`` rank of its holder, when that is not
+    the stage's position (per-stage layouts: a lane's ranks need not increase with the stage).
+    """
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    classes = {
+        "GPipe": ScheduleGPipe,
+        "1F1B": Schedule1F1B,
+        "Interleaved1F1B": ScheduleInterleaved1F1B,
+        "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+        "ZBV": ScheduleZBVZeroBubble,
+    }
+    if schedule not in classes:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {sorted(classes)}")
+    device = torch.device(device)
+    pipeline_stages = [
+        PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stages
+    ]
+    if schedule in MULTI_STAGE_SCHEDULES:
+        return classes[schedule](pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    if len(pipeline_stages) != 1:
+        raise ValueError(f"{schedule} runs one stage per rank, got {len(pipeline_stages)}; use an interleaved schedule")
+    built = classes[schedule](pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    if stage_to_group_rank is not None:  # after the schedule: a one-stage schedule keeps the stage's own mapping
+        pipeline_stages[0].stage_index_to_group_rank = dict(stage_to_group_rank)
+    return built

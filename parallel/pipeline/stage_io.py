@@ -1,0 +1,105 @@
+"""How an activation crosses the boundary between two stages with layouts of their own.
+
+Each stage's ranks are numbered row-major; the ``i``-th rank of every stage forms lane ``i``
+(:mod:`parallel.plan.stages`). Between stages an activation travels along the lanes as its
+*transfer layout*: lane ``i`` holds the ``i``-th of ``k`` row blocks of the micro-batch
+(``Shard(0)`` over the stage's ranks in lane order). Inside a stage the activation has the
+stage's own layout: split over the batch on its data-parallel axes, whole on the others
+(tensor-parallel ranks all see the same rows).
+
+A stage converts on the way in and out with one DTensor redistribution on its own mesh
+(:func:`attach_boundaries`): ``Shard(0)`` on every axis, which is the transfer layout, to
+``Shard(0)`` on the data-parallel axes and ``Replicate`` elsewhere (an all-gather over the
+other axes), and back (a local slice). So OneFlow's data-parallel stage 0 -> model-parallel stage 1
+moves each row block once to its lane's stage-1 rank, and stage 1's all-gather gives every
+tensor-parallel rank the whole micro-batch: the minimum traffic (every stage-1 rank receives the
+micro-batch once). Autograd runs the same steps backwards (a slice, and an all-gather of the
+gradients), so gradients are split back the same way.
+
+Gradients: lane ``i``'s loss is the mean over its rows; the engine divides it by ``k`` so that every
+activation gradient that crosses a boundary is that of the micro-batch's mean loss. Inside a
+stage each data-parallel rank's parameter gradients cover its rows only and must be summed, but
+FSDP2 and replicate average over the ``d`` data-parallel ranks (and gloo has no pre-scaled sum to
+make them sum): so the gradient entering a stage's output is multiplied by ``d`` and the one
+leaving its input divided by ``d`` again (:class:`_ScaleGrad`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def lane_groups(stage_ranks: Sequence[Sequence[int]]) -> list[tuple[list[int], dist.ProcessGroup]]:
+    """``[(the lane's ranks in stage order, its process group)]`` for every lane. A collective:
+    every rank of the world calls it (``new_group`` is)."""
+    lanes = []
+    for lane in zip(*stage_ranks):
+        lanes.append((list(lane), dist.new_group(sorted(lane))))
+    return lanes
+
+
+def stage_to_group_rank(lane: Sequence[int]) -> dict[int, int]:
+    """Stage index -> the lane group's rank of its holder (a group numbers its members in
+    increasing global rank, which need not be stage order)."""
+    order = sorted(lane)
+    return {stage: order.index(rank) for stage, rank in enumerate(lane)}
+
+
+def stage_placements(mesh: DeviceMesh, dp_axes: Sequence[str]) -> list:
+    """The layout of an activation inside a stage: split by rows over its data-parallel axes,
+    whole over the others."""
+    return [Shard(0) if name in dp_axes else Replicate() for name in mesh.mesh_dim_names]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``factor`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def attach_boundaries(part: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[str]) -> None:
+    """Hooks on a stage module: its input arrives in the transfer layout (on the first stage: the
+    lane's rows of the batch, as the data loader gives them) and becomes the stage's own; its
+    output goes back to the transfer layout, for the next stage or for the loss on the lane's
+    rows of the targets."""
+    transfer = [Shard(0)] * mesh.ndim
+    inside = stage_placements(mesh, dp_axes)
+    dp_size = math.prod(mesh.size(mesh.mesh_dim_names.index(name)) for name in dp_axes)
+
+    def to_stage(_mod: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        if not isinstance(x, torch.Tensor):
+            return args
+        if transfer != inside:
+            x = DTensor.from_local(x, mesh, transfer, run_check=False).redistribute(mesh, inside).to_local()
+        if dp_size > 1 and x.requires_grad:
+            x = _ScaleGrad.apply(x, 1.0 / dp_size)
+        return (x, *rest)
+
+    def to_transfer(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if isinstance(out, DTensor):  # a stage output left as a DTensor (on its own, e.g. tp, mesh): made whole
+            out = out.redistribute(out.device_mesh, [Replicate()] * out.device_mesh.ndim).to_local()
+        if dp_size > 1 and out.requires_grad:
+            out = _ScaleGrad.apply(out, float(dp_size))
+        if transfer == inside:
+            return out
+        return DTensor.from_local(out, mesh, inside, run_check=False).redistribute(mesh, transfer).to_local()
+
+    # First in, last out: tensor parallelism's own hooks on the stage module (a raw-parameter stage's
+    # input made a Replicate DTensor, its output made whole) must see the stage's layout.
+    part.register_forward_pre_hook(to_stage, prepend=True)
+    part.register_forward_hook(to_transfer)

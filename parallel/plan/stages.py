@@ -1,0 +1,133 @@
+"""Per-stage layouts: ``parallel.pipeline.stages`` resolved into one plan per stage.
+
+A pipeline stage may name its own ranks, axes and layout, as OneFlow's and PaddlePaddle's
+examples do (stage 0 data parallel on ranks 0-1, stage 1 tensor parallel on ranks 2-3)::
+
+    parallel:
+      dims: [pp]                      # mesh: [4] -- the world; the stages place its ranks
+      pipeline:
+        dim: pp
+        boundaries: [w1]
+        stages:
+          - {ranks: [0, 1], dims: [dp], data_parallel: {dim: dp, mode: ddp}}
+          - {ranks: [2, 3], dims: [tp], placements: {w1: {tp: Shard(1)}}}
+
+Every stage has the same number of ranks ``k``. The ``i``-th rank of every stage (row-major)
+forms *lane* ``i``: torch's pipeline schedule runs along each lane, one rank per stage, and an
+activation crosses a boundary as lane ``i``'s share of the micro-batch (its ``i``-th row block,
+:mod:`parallel.pipeline.stage_io`). So the data loader sees ``k`` data-parallel ranks, one per lane.
+
+:func:`resolve_stages` matches each stage's globs against that stage's parameters and modules
+only (a glob naming another stage's parameter is an issue), checks the ranks, and returns the
+top-level :class:`~parallel.plan.resolve.ParallelPlan` whose ``pipeline.stages`` hold a
+:class:`~parallel.plan.resolve.StagePlan` each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from parallel.config import ParallelConfig, StageConfig
+from parallel.errors import ConfigError, ConfigIssue, format_path
+from parallel.pipeline.schedule import stage_boundaries
+from parallel.plan.resolve import (
+    DataParallelSpec,
+    GlobCheck,
+    MeshSpec,
+    ParallelPlan,
+    PipelineSpec,
+    StagePlan,
+    _check_boundaries,
+    resolve_layout,
+)
+
+
+def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *, units: Sequence[str],
+                   blocks: Sequence[str], check_glob: GlobCheck | None = None) -> ParallelPlan:
+    """The plan of a config whose ``parallel.pipeline.stages`` give each stage its ranks and
+    layout; raises :class:`ConfigError` with every issue found."""
+    pp = parallel.pipeline
+    issues = check_stage_ranks(pp.stages, mesh.world_size)
+    issues += _check_boundaries(parallel, mesh, units, num_stages=len(pp.stages))
+    if issues:
+        raise ConfigError(issues)
+    groups = stage_boundaries(model, boundaries=pp.boundaries, num_stages=len(pp.stages), units=units)
+    stage_plans = []
+    for index, (stage, group) in enumerate(zip(pp.stages, groups)):
+        prefix = ("parallel", "pipeline", "stages", index)
+        names = {name for name, _ in [*model.named_parameters(), *model.named_modules()]
+                 if any(name == u or name.startswith(u + ".") for u in group)}
+        stage_mesh = MeshSpec(stage.shape, tuple(stage.dims))
+        found: list[ConfigIssue] = []
+        placements, layouts = resolve_layout(stage, prefix, stage_mesh, model, found, check_glob=check_glob, only=names)
+        issues += found
+        dp = stage.data_parallel
+        layout = ParallelPlan(
+            mesh=stage_mesh, units=tuple(units), blocks=tuple(blocks),
+            data_parallel=DataParallelSpec(dp.mode, tuple(dp.dim_names)) if dp else None,
+            placements=MappingProxyType(placements), layouts=MappingProxyType(layouts),
+            activation_checkpointing=parallel.activation_checkpointing,
+            activation_checkpointing_every=parallel.activation_checkpointing_every,
+        )
+        stage_plans.append(StagePlan(rank_ids=stage.ranks, layout=layout))
+    if issues:
+        raise ConfigError(issues)
+    return ParallelPlan(
+        mesh=mesh, units=tuple(units), blocks=tuple(blocks),
+        pipeline=PipelineSpec(dim=pp.dim, schedule=pp.schedule, num_microbatches=pp.microbatches, stages_per_rank=1,
+                              stage_units=tuple(tuple(g) for g in groups), stage_ranks=tuple(range(len(groups))),
+                              stages=tuple(stage_plans)),
+        activation_checkpointing=parallel.activation_checkpointing,
+        activation_checkpointing_every=parallel.activation_checkpointing_every,
+    )
+
+
+def check_stage_ranks(stages: Sequence[StageConfig], world_size: int) -> list[ConfigIssue]:
+    """The stages' ranks: a rectangular list per stage with one axis name each, every rank of
+    the world in exactly one stage, the same number of ranks per stage (one per lane), and each
+    sub-mesh's ranks increasing along every axis (torch orders a process group's ranks so)."""
+    issues: list[ConfigIssue] = []
+    owner: dict[int, int] = {}
+    sizes = []
+    for index, stage in enumerate(stages):
+        path = format_path("parallel", "pipeline", "stages", index, "ranks")
+        rows = stage.ranks if stage.ranks and isinstance(stage.ranks[0], list) else None
+        if not stage.ranks or (rows is not None and (len({len(r) for r in rows}) != 1 or not rows[0])):
+            issues.append(ConfigIssue(path, f"{stage.ranks} is not a non-empty list, or a rectangular nested list, of ranks",
+                                      "give the stage's ranks as [0, 1] or, for a 2-D sub-mesh, [[0, 1], [2, 3]]"))
+            continue
+        if len(stage.dims) != len(stage.shape):
+            issues.append(ConfigIssue(format_path("parallel", "pipeline", "stages", index, "dims"),
+                                      f"names {len(stage.dims)} axes {stage.dims} but ranks {stage.ranks} have "
+                                      f"{len(stage.shape)}", "give one axis name per axis of the stage's ranks"))
+        sizes.append(len(stage.rank_list))
+        for rank in stage.rank_list:
+            if not 0 <= rank < world_size:
+                issues.append(ConfigIssue(path, f"rank {rank} does not exist: the mesh has ranks 0..{world_size - 1}",
+                                          f"use ranks below {world_size}, or a larger mesh (mesh=[N])"))
+            elif rank in owner:
+                issues.append(ConfigIssue(path, f"rank {rank} is also in stage {owner[rank]}" if owner[rank] != index
+                                          else f"rank {rank} is listed twice", "give every rank to exactly one stage"))
+            else:
+                owner[rank] = index
+        if rows is not None and len(stage.dims) == len(stage.shape):
+            ids = torch.tensor(stage.ranks)
+            for axis, name in enumerate(stage.dims):
+                lines = ids.movedim(axis, -1).reshape(-1, ids.shape[axis])
+                if bool((lines[:, 1:] <= lines[:, :-1]).any()):
+                    issues.append(ConfigIssue(path, f"the ranks decrease along the stage's axis {name!r}; torch orders "
+                                              "every process group's ranks ascending, so shards along it would be "
+                                              "gathered out of order", "list the ranks increasing along every axis"))
+    if len(set(sizes)) > 1:
+        issues.append(ConfigIssue("parallel.pipeline.stages", f"the stages hold {sizes} ranks; every stage needs the same "
+                                  "number, since activations travel along lanes of one rank per stage",
+                                  f"give every stage {max(sizes)} ranks (or {min(sizes)})"))
+    missing = sorted(set(range(world_size)) - set(owner))
+    if missing and not issues:
+        issues.append(ConfigIssue("parallel.pipeline.stages", f"ranks {missing} of the mesh's {world_size} are in no stage",
+                                  f"give them to a stage, or use mesh=[{len(owner)}]"))
+    return issues

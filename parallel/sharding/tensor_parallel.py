@@ -1,0 +1,401 @@
+"""Tensor (and sequence) parallelism from per-parameter placements.
+
+The config names a placement per parameter and mesh axis (``{"layers.*.attn.wq.weight":
+{"tp": Shard(0)}}``); :func:`apply_placements` turns those into torch's machinery, choosing
+the efficient form where it recognises one:
+
+* **Megatron pairs.** Inside one parent module, ``nn.Linear`` weights that are ``Shard(0)``
+  (column parallel: ``[out, in]`` split by rows) and ``Shard(1)`` (row parallel) on the same
+  single axis get ``ColwiseParallel`` / ``RowwiseParallel`` on that axis's 1-D mesh: no
+  communication between them, one all-reduce at the row-parallel output.
+* **Sequence parallel.** A ``layouts`` entry giving a module (a norm) the input ``Shard(d)``
+  on that axis makes it ``SequenceParallel``: the residual stream of its parent block is kept
+  as sequence shards, the row-parallel outputs reduce-scatter into them, and the norm's
+  output is all-gathered once before the column-parallel projections. The first block of a
+  run of consecutive such blocks scatters its input, the last gathers its output, so whatever
+  follows (the final norm, the output head, the next pipeline stage) sees ordinary
+  replicated tensors.
+* **Everything else** (the seeds' raw ``w0: Shard(1)`` / ``w1: Shard(0)``, a lone shard,
+  placements over two axes = 2-D TP) becomes DTensor parameters on the sub-mesh of the axes
+  named, via ``distribute_module``: inputs enter as ``Replicate`` DTensors (or per
+  ``layouts``), DTensor's sharding propagation inserts the redistributions, and outputs
+  leave as plain replicated tensors (or stay DTensors if ``layouts`` asks, e.g. ``Partial``).
+
+    report = apply_placements(model, mesh, placements={"w0": {"tp": Shard(1)}, "w1": {"tp": Shard(0)}})
+    # {"": "dtensor"}
+
+The placements and layouts arrive resolved by :func:`parallel.plan.resolve.resolve_plan` (one entry per
+parameter / module FQN, globs already matched and checked), so this module matches nothing
+itself. :func:`classify` is the pure part (which module gets which style); the plan uses it
+to refuse layouts that would be ignored, before any worker starts. Parameter values are taken
+from the (already initialised, identical on every rank) full tensors: each rank keeps its
+slice, nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from parallel.mesh import submesh
+from parallel.placements import PlacementSpec
+
+AxisSpecs = Mapping[str, PlacementSpec]
+
+
+@dataclass
+class Classification:
+    """Which module gets which treatment; keys are module FQNs.
+
+    Attributes:
+        col, row: ``nn.Linear`` modules of Megatron pairs -> their axis.
+        sp_norms: sequence-parallel modules -> ``(axis, sequence dim)``.
+        owners: modules whose own parameters become DTensors -> ``{param name: placements}``.
+        unsupported: modules with a non-Replicate layout that none of the above honours.
+    """
+
+    col: dict[str, str] = field(default_factory=dict)
+    row: dict[str, str] = field(default_factory=dict)
+    sp_norms: dict[str, tuple[str, int]] = field(default_factory=dict)
+    owners: dict[str, dict[str, AxisSpecs]] = field(default_factory=dict)
+    unsupported: list[str] = field(default_factory=list)
+
+
+def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Mapping[str, Any]) -> Classification:
+    """The style of every module of ``module`` that ``placements`` (param FQN -> ``{axis:
+    placement}``) and ``layouts`` (module FQN -> :class:`~parallel.plan.resolve.LayoutSpec`) touch.
+    Entries for names ``module`` lacks (another pipeline stage's) are ignored."""
+    modules = dict(module.named_modules())
+    params = {name for name, _ in module.named_parameters()}
+    specs = {fqn: axes for fqn, axes in placements.items() if fqn in params}
+    layouts = {name: layout for name, layout in layouts.items() if name in modules}
+    out = Classification()
+    out.col, out.row = _megatron_pairs(modules, specs)
+    out.sp_norms = _sequence_parallel_norms(modules, specs, layouts)
+    claimed = set(out.col) | set(out.row) | set(out.sp_norms)
+    for fqn, axis_specs in specs.items():
+        owner, _, pname = fqn.rpartition(".")
+        if owner not in claimed and _sharded_axes(axis_specs):
+            out.owners.setdefault(owner, {})[pname] = axis_specs
+    handled = set(out.sp_norms) | set(out.owners)
+    out.unsupported = [name for name, layout in layouts.items()
+                       if name not in handled and _non_replicate(layout.input) | _non_replicate(layout.output)]
+    return out
+
+
+def apply_placements(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    placements: Mapping[str, AxisSpecs],
+    layouts: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """Shard ``module``'s parameters over ``mesh`` as ``placements`` says; returns
+    ``{module FQN: style}`` (``colwise``, ``rowwise``, ``sequence_parallel``, ``dtensor``).
+
+    Args:
+        module: the model (or a pipeline stage of it), parameters plain and initialised.
+        mesh: the full device mesh; axes are referred to by name.
+        placements: parameter FQN -> ``{axis: PlacementSpec}``; axes not named are ``Replicate``
+            (a plan's ``placements``; FQNs of other stages are ignored).
+        layouts: module FQN -> :class:`~parallel.plan.resolve.LayoutSpec` (sequence parallel, a
+            ``Partial`` output).
+    """
+    layouts = dict(layouts or {})
+    axes = list(mesh.mesh_dim_names or ())
+    modules = dict(module.named_modules())
+    plan = classify(module, placements, layouts)
+    if plan.unsupported:  # the plan refuses these before launch; a direct caller gets told too
+        raise ValueError(f"layouts on {plan.unsupported}: only a Shard input of a norm-like module (sequence "
+                         "parallel) or the input/output of a module with DTensor-placed parameters is supported")
+    report: dict[str, str] = {}
+    col, row, sp_norms = plan.col, plan.row, plan.sp_norms
+
+    # Rows inside a sequence-parallel block reduce-scatter into the sharded residual stream.
+    sp_blocks = {_block_of(name): (axis, dim) for name, (axis, dim) in sp_norms.items()}
+    for name, axis in col.items():
+        parallelize_module(modules[name], submesh(mesh, axis), ColwiseParallel())
+        report[name] = "colwise"
+    _share_pair_inputs(modules, col, sp_blocks, mesh)
+    for name, axis in row.items():
+        seq = _enclosing(sp_blocks, name)
+        out = Shard(seq[1]) if seq is not None and seq[0] == axis else Replicate()
+        parallelize_module(modules[name], submesh(mesh, axis), RowwiseParallel(output_layouts=out))
+        report[name] = "rowwise"
+    for name, (axis, dim) in sp_norms.items():
+        keep_dtensor = any(col.get(c) == axis for c in col if _is_within(c, _block_of(name)))
+        _sequence_parallel(modules[name], submesh(mesh, axis), dim=dim, keep_dtensor=keep_dtensor)
+        report[name] = "sequence_parallel"
+    _scatter_gather_runs(modules, sp_blocks, mesh)
+
+    # The rest: DTensor parameters on the sub-mesh of the axes they name.
+    for owner, param_specs in plan.owners.items():
+        owner_axes = [a for a in axes if any(a in _sharded_axes(s) for s in param_specs.values())]
+        _distribute_owner(modules[owner], mesh, owner_axes, param_specs, layouts.get(owner))
+        report[owner] = "dtensor"
+    return report
+
+
+def _share_pair_inputs(modules: Mapping[str, nn.Module], col: Mapping[str, str],
+                       sp_blocks: Mapping[str, tuple[str, int]], mesh: DeviceMesh) -> None:
+    """Column-parallel Linears that read the same input tensor (attention's wq/wk/wv, the MLP's
+    w1/w3) get it as one shared Replicate DTensor, so their Partial input-gradients are summed
+    first and all-reduced once in backward (Megatron's count), instead of once per layer.
+
+    The conversion happens at the Linears' inputs, not at their parent's: the parent may do other
+    things with its input (a residual add, a norm with plain parameters) or be called with keyword
+    arguments (Hugging Face's ``hidden_states=``), and all of that keeps seeing plain tensors.
+    Sequence-parallel blocks already gather their input as a DTensor and are left alone."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, axis in col.items():
+        parent = name.rpartition(".")[0]
+        if _enclosing(sp_blocks, parent) is None:
+            groups.setdefault((parent, axis), []).append(name)
+    for (parent, axis), names in groups.items():
+        shared = _SharedReplicate(submesh(mesh, axis))
+        for name in names:
+            # prepend: before ColwiseParallel's own input hook, which then finds a DTensor.
+            modules[name].register_forward_pre_hook(shared.hook, prepend=True, with_kwargs=True)
+        modules[parent].register_forward_hook(shared.forget)
+
+
+class _SharedReplicate:
+    """Turns a tensor into a Replicate DTensor once: every module that reads the same tensor
+    object (until the parent's forward ends) gets the same DTensor, so autograd sums their gradients.
+
+    The parent's forward hook (:meth:`forget`) drops the pair: nothing outlives one forward, so
+    a block compiled by ``torch.compile`` neither returns the cached DTensor as an extra output
+    (a graph output that needs a gradient but gets none fails in backward) nor guards on it."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.last_input: torch.Tensor | None = None
+        self.last_output: DTensor | None = None
+
+    def convert(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        if x is not self.last_input:
+            self.last_input, self.last_output = x, DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return self.last_output
+
+    def hook(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (self.convert(args[0]), *args[1:]), kwargs
+        return args, {key: self.convert(value) if key == "input" else value for key, value in kwargs.items()}
+
+    def forget(self, _mod: nn.Module, _args: tuple, _output: Any) -> None:
+        self.last_input = self.last_output = None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _sharded_axes(axis_specs: Mapping[str, PlacementSpec]) -> dict[str, PlacementSpec]:
+    return {a: p for a, p in axis_specs.items() if p.kind != "replicate"}
+
+
+def _non_replicate(axis_specs: Mapping[str, PlacementSpec]) -> set[str]:
+    return {a for a, p in axis_specs.items() if p.kind != "replicate"}
+
+
+def _block_of(name: str) -> str:
+    """The block a sequence-parallel norm belongs to: its parent, or itself at top level."""
+    parent = name.rpartition(".")[0]
+    return parent if parent else name
+
+
+def _is_within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _enclosing(blocks: Mapping[str, Any], name: str) -> Any:
+    for block, value in blocks.items():
+        if _is_within(name, block):
+            return value
+    return None
+
+
+# ------------------------------------------------------------------------ classification
+
+
+def _megatron_pairs(
+    modules: Mapping[str, nn.Module], specs: Mapping[str, Mapping[str, PlacementSpec]]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Column- and row-parallel ``nn.Linear`` modules ``{name: axis}``: a parent module holding
+    at least one of each on the same single axis. Lone shards fall through to DTensor."""
+    candidates: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for name, mod in modules.items():
+        if not isinstance(mod, nn.Linear) or f"{name}.weight" not in specs:
+            continue
+        sharded = _sharded_axes(specs[f"{name}.weight"])
+        bias = specs.get(f"{name}.bias", {})
+        if len(sharded) != 1:
+            continue
+        (axis, p), = sharded.items()
+        dim = p.dim % 2  # a Linear weight is 2-D: Shard(-1) is Shard(1)
+        # The styles shard the bias themselves (column: Shard(0), row: Replicate); a config
+        # asking for something else is honoured by the DTensor path instead.
+        if mod.bias is not None:
+            bias = {a: repr(q) for a, q in _sharded_axes(specs.get(f"{name}.bias", {})).items()}
+            if bias != ({axis: "Shard(0)"} if dim == 0 else {}):
+                continue
+        kind = "col" if dim == 0 else "row"
+        candidates.setdefault((name.rpartition(".")[0], axis), {"col": [], "row": []})[kind].append(name)
+    col: dict[str, str] = {}
+    row: dict[str, str] = {}
+    for (_, axis), kinds in candidates.items():
+        if kinds["col"] and kinds["row"]:
+            col.update({n: axis for n in kinds["col"]})
+            row.update({n: axis for n in kinds["row"]})
+    return col, row
+
+
+def _sequence_parallel_norms(
+    modules: Mapping[str, nn.Module], specs: Mapping[str, AxisSpecs], layouts: Mapping[str, Any]
+) -> dict[str, tuple[str, int]]:
+    """Modules whose layout input is ``Shard(d)`` on one axis and whose own parameters are not
+    sharded (norms): ``{name: (axis, sequence dim)}``."""
+    found: dict[str, tuple[str, int]] = {}
+    for name, layout in layouts.items():
+        inputs = _sharded_axes(layout.input)
+        if len(inputs) != 1 or _non_replicate(layout.output):
+            continue
+        (axis, p), = inputs.items()
+        if p.kind != "shard":
+            continue
+        own = [f for f in specs if f.startswith(name + ".") and _sharded_axes(specs[f])]
+        if not own:
+            found[name] = (axis, p.dim)
+    return found
+
+
+# --------------------------------------------------------------------------- application
+
+
+def _sequence_parallel(norm: nn.Module, mesh: DeviceMesh, *, dim: int, keep_dtensor: bool) -> None:
+    """``SequenceParallel`` on ``norm``, then one all-gather of its output along the sequence.
+
+    Gathering here (not in each column-parallel projection) costs one all-gather per norm in
+    forward and one reduce-scatter in backward. The output stays a ``Replicate`` DTensor when
+    column-parallel projections consume it, so their input gradients (``Partial``) add up as
+    DTensors and are reduce-scattered once.
+    """
+    parallelize_module(norm, mesh, SequenceParallel(sequence_dim=dim))
+
+    def gather(_mod: nn.Module, _inputs: Any, output: DTensor) -> torch.Tensor:
+        full = output.redistribute(mesh, [Replicate()])
+        return full if keep_dtensor else full.to_local()
+
+    norm.register_forward_hook(gather)
+
+
+def _scatter_gather_runs(modules: Mapping[str, nn.Module], sp_blocks: Mapping[str, tuple[str, int]],
+                         mesh: DeviceMesh) -> None:
+    """Keep the residual stream sequence-sharded across runs of consecutive sequence-parallel
+    blocks: the first block of a run slices its input (no communication), the last one
+    all-gathers its output."""
+    by_parent: dict[str, list[str]] = {}
+    for block in sp_blocks:
+        by_parent.setdefault(block.rpartition(".")[0], []).append(block)
+    for parent, blocks in by_parent.items():
+        prefix = f"{parent}." if parent else ""
+        position = {f"{prefix}{child}": i for i, (child, _) in enumerate(modules[parent].named_children())}
+        blocks.sort(key=position.__getitem__)
+        runs: list[list[str]] = []
+        for block in blocks:
+            last = runs[-1][-1] if runs else None
+            if last is not None and position[block] == position[last] + 1 and sp_blocks[block] == sp_blocks[last]:
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+        for run in runs:
+            axis, dim = sp_blocks[run[0]]
+            _scatter_input(modules[run[0]], submesh(mesh, axis), dim)
+            _gather_output(modules[run[-1]], submesh(mesh, axis), dim)
+
+
+def _scatter_input(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
+    def scatter(_mod: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, DTensor):
+            shard = x.redistribute(mesh, [Shard(dim)]).to_local()
+        else:
+            shard = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
+        return (shard, *args[1:])
+
+    # prepend: runs before SequenceParallel's own input hook when the block is the norm itself.
+    module.register_forward_pre_hook(scatter, prepend=True)
+
+
+def _gather_output(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
+    def gather(_mod: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, DTensor):
+            return output.redistribute(mesh, [Replicate()]).to_local()
+        return DTensor.from_local(output, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    module.register_forward_hook(gather)
+
+
+def _distribute_owner(
+    owner: nn.Module,
+    mesh: DeviceMesh,
+    owner_axes: list[str],
+    param_specs: Mapping[str, Mapping[str, PlacementSpec]],
+    layout: Any,
+) -> None:
+    """Make every parameter under ``owner`` a DTensor on the sub-mesh of ``owner_axes`` (the
+    unnamed ones ``Replicate``, so no plain tensor meets a DTensor in ``forward``)."""
+    sub = mesh if list(mesh.mesh_dim_names) == owner_axes else mesh[tuple(owner_axes)]
+
+    def placements_over(axis_specs: Mapping[str, PlacementSpec]) -> list:
+        return [axis_specs.get(a, PlacementSpec("replicate")).to_torch() for a in owner_axes]
+
+    def partition(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, param in list(mod.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            spec = param_specs.get(pname, {}) if mod is owner else {}
+            dt = distribute_tensor(param.detach(), device_mesh, placements_over(spec), src_data_rank=None)
+            mod.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    in_placements = placements_over(layout.input) if layout is not None else [Replicate()] * len(owner_axes)
+    out_spec = layout.output if layout is not None else {}
+    out_placements = placements_over(out_spec)
+    keep_dtensor = bool(_non_replicate(out_spec))
+
+    def to_dtensor(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, sub, in_placements, run_check=False)
+        return x
+
+    def input_fn(_mod: nn.Module, inputs: tuple, _mesh: DeviceMesh) -> tuple:
+        return tuple(to_dtensor(x) for x in inputs)
+
+    def from_dtensor(y: Any) -> Any:
+        if not isinstance(y, DTensor):
+            return y
+        y = y.redistribute(sub, out_placements)
+        return y if keep_dtensor else y.to_local()
+
+    def output_fn(_mod: nn.Module, outputs: Any, _mesh: DeviceMesh) -> Any:
+        if isinstance(outputs, tuple):
+            return tuple(from_dtensor(y) for y in outputs)
+        return from_dtensor(outputs)
+
+    distribute_module(owner, sub, partition, input_fn, output_fn)
+
+
+__all__ = ["apply_placements"]

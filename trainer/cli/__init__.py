@@ -1,0 +1,1 @@
+"""The command line: ``python -m trainer`` (compose -> validate -> launch), its ``--help`` and Hydra sweeps."""

@@ -1,0 +1,118 @@
+"""The entry point behind ``python -m trainer``: compose (Hydra) -> validate -> launch.
+
+Hydra stays here at the edge: the composed config becomes a plain dict, then a frozen
+pydantic :class:`~trainer.config.schema.RunConfig`. A bad config exits with code 2 before any
+worker starts, printing each problem as ``path: reason (fix)``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from parallel.errors import ConfigError
+from trainer.config.compose import CONF_DIR, register_defaults, to_plain, with_preset
+from trainer.launch import launcher
+from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch
+from trainer.tracking.run_info import SWEEP_JOB_TAG
+from trainer.planner.auto.plan import is_auto, resolve_auto
+from trainer.validate.checks import validate_with_plan
+
+
+_BATCH_PATHS = {"train.global_batch_size", "parallel.pipeline.microbatches"}
+register_defaults()  # the base config Hydra composes from: the pydantic models' defaults
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def main(composed: DictConfig) -> float | None:
+    """One job. In a single run the process exits with the launch's code; in a sweep (``--multirun``)
+    a job returns its final loss (what a sweeper such as Optuna minimises) or raises, so that Hydra
+    goes on with the next job and the sweep ends failed (:func:`exit_code`)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
+    raw = with_preset(to_plain(composed), HydraConfig.get().runtime.choices)
+    if sweeping and isinstance(raw.get("tracking"), dict):  # tells the sweep's runs apart (trainer.tracking.run_info)
+        raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
+    if sweeping:
+        launcher.LAST_OUTCOME = None  # the previous job's is not this one's
+    ranking = None
+    try:
+        if is_auto(raw):  # the planner chooses; the rest of the road sees an ordinary config
+            raw, ranking = resolve_auto(raw)
+        cfg, plan = validate_with_plan(raw)
+    except ConfigError as err:
+        if raw.get("dry_run") is True and all(i.path in _BATCH_PATHS for i in err.issues):
+            _plan_despite_batch(raw, err)
+            return
+        print(err, file=sys.stderr)
+        if sweeping:
+            return _job_failed(EXIT_CONFIG)
+        sys.exit(EXIT_CONFIG)
+    if cfg.validate_only:
+        print(f"config OK: {cfg.model.arch} model, mesh {list(cfg.mesh_shape)} "
+              f"({cfg.world_size} worker{'s' if cfg.world_size > 1 else ''}), {cfg.train.steps} steps")
+        return
+    if cfg.dry_run:
+        from trainer.planner.report import describe_plan
+
+        if ranking is not None:
+            print(ranking.table() + "\n")
+        print(describe_plan(cfg, plan))
+        _write_pictures(cfg, plan)
+        return
+    code = launch(cfg)
+    if not sweeping:
+        sys.exit(code)
+    if code != EXIT_OK:
+        return _job_failed(code)
+    return _final_loss()
+
+
+FAILED_JOBS: list[int] = []  # exit codes of a sweep's failed jobs, for the process's own exit code
+
+
+def _job_failed(code: int) -> float:
+    """A sweep goes on after a failed job (Hydra would stop at an exception) and ends failed; the
+    job's value is NaN, which a sweeper such as Optuna records as a failed trial."""
+    launcher.LAST_OUTCOME = None  # what trainer.cli.sweep reads: this job has no outcome
+    FAILED_JOBS.append(code)
+    print(f"sweep: job failed (exit code {code}); going on with the next", file=sys.stderr, flush=True)
+    return float("nan")
+
+
+def _final_loss() -> float:
+    return ((launcher.LAST_OUTCOME or {}).get("losses") or [float("nan")])[-1]
+
+
+def exit_code() -> int:
+    """After :func:`main` returned: non-zero when a sweep's job failed (a single run exits itself)."""
+    return FAILED_JOBS[0] if FAILED_JOBS else 0
+
+
+def _write_pictures(cfg, plan) -> None:
+    """The dry run's placement picture and table, under ./meshflow-plan (``tracking.pictures``)."""
+    if cfg.tracking.pictures:
+        from trainer.tracking.pictures.placement import DRY_RUN_DIR, write_placement
+
+        paths = write_placement(cfg, plan, DRY_RUN_DIR)
+        print(f"placement picture: {paths['png'].resolve()}\nplacement table: {paths['json'].resolve()}")
+
+
+def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
+    """A plan for a big mesh is useful before the batch arithmetic is settled; all else must hold."""
+    from trainer.config.schema import RunConfig
+    from trainer.validate.model_checks import check_against_model
+    from trainer.planner.report import describe_plan
+
+    cfg = RunConfig.model_validate(raw)
+    plan, issues = check_against_model(cfg)
+    if issues:
+        print(ConfigError(err.issues + issues), file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    print(describe_plan(cfg, plan))
+    _write_pictures(cfg, plan)
+    print(f"\nthis config would be refused at launch:\n{err}")

@@ -1,0 +1,71 @@
+"""Compose a run config from ``conf/`` with Hydra overrides: the CLI's and the control plane's one way in.
+
+Hydra lives at the edge: the composed ``DictConfig`` becomes a plain dict here, and nothing
+below sees a ``DictConfig``. The values Hydra starts from are not written in YAML: they are
+the pydantic models' own defaults (:mod:`trainer.config.schema`), registered in Hydra's ConfigStore
+by :func:`register_defaults`, so ``python -m trainer --cfg job`` prints exactly what a REST
+document without that section gets. ``conf/`` ships inside the package (``trainer/conf``;
+the top-level ``conf`` is a link to it), so an installed wheel finds it too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # trainer/conf, shipped inside the package
+BASE_CONFIG = "meshflow_defaults"
+
+
+def register_defaults() -> None:
+    """Store the models' defaults as Hydra configs: ``meshflow_defaults`` (every section except
+    the tagged unions) and one ``<kind>_defaults`` per member of ``model`` and ``data``, which the
+    presets in ``conf/model`` and ``conf/data`` extend. Idempotent."""
+    from hydra.core.config_store import ConfigStore
+
+    from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
+
+    store = ConfigStore.instance()
+    base = RunConfig().model_dump(mode="json")
+    for union in ("model", "data"):  # a preset names its member; merging two members would mix their keys
+        base.pop(union)
+    store.store(name=BASE_CONFIG, node=base)
+    for model in MODEL_SECTIONS:
+        store.store(group="model", name=f"{model().arch}_defaults", node=model().model_dump(mode="json"))
+    for data in DATA_SECTIONS:
+        store.store(group="data", name=f"{data().kind}_defaults", node=data().model_dump(mode="json"))
+
+
+def compose_dict(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The resolved config for ``overrides`` (as typed after ``python -m trainer``), as a plain dict,
+    with the preset it came from in ``tracking.tags.preset`` as the CLI has it."""
+    from hydra import compose, initialize_config_dir
+
+    register_defaults()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="meshflow"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    return with_preset(to_plain(cfg), choices)
+
+
+def with_preset(raw: dict[str, Any], choices: Any) -> dict[str, Any]:
+    """``raw`` with ``tracking.tags.preset`` set (unless given) to the config group it was composed
+    from: the seed example, else the parallel preset, else ``single`` (one device)."""
+    preset = next((str(choices[g]) for g in ("examples", "parallel") if choices.get(g)), "single")
+    tracking = raw.setdefault("tracking", {})
+    if isinstance(tracking, dict):
+        tags = tracking.get("tags")
+        if tags is None or isinstance(tags, dict):
+            tracking["tags"] = {"preset": preset, **(tags or {})}
+    return raw
+
+
+def to_plain(cfg: Any) -> dict[str, Any]:
+    """A composed DictConfig as a plain dict without Hydra's own `hydra` node."""
+    from omegaconf import OmegaConf, open_dict
+
+    if "hydra" in cfg:  # Hydra's own node resolves only inside a running Hydra app: drop it first
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return OmegaConf.to_container(cfg, resolve=True)

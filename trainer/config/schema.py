@@ -1,0 +1,327 @@
+"""The whole run configuration as frozen pydantic models: the single source of truth.
+
+Every default lives here, once: Hydra's base config is generated from these models
+(:func:`trainer.config.compose.register_defaults`), and the YAML under ``conf/`` states only choices
+and what a preset changes, so the CLI and a REST document get the same values. Hydra composes
+YAML from ``conf/`` into a plain dict; :func:`trainer.validate.checks.validate_config`
+turns that dict into a :class:`RunConfig` (or a :class:`parallel.errors.ConfigError` naming
+every bad path). Every field carries a description: that is the user's documentation
+(``python -m trainer --help`` prints it, the REST API's OpenAPI page shows it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field
+
+from parallel.config import MeshValue, ParallelConfig, Precision, Section as _Section, mesh_shape_of
+
+# ----------------------------------------------------------------------------- model
+
+
+class LlamaConfig(_Section):
+    """A Llama-style decoder; the defaults are the tiny `gpt_debug` preset (trains in minutes on a CPU)."""
+
+    arch: Literal["llama"] = Field("llama", description="Decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU).")
+    dim: int = Field(64, ge=1, description="Model (embedding) width.")
+    n_layers: int = Field(4, ge=1, description="Number of transformer blocks, `layers.0` .. `layers.<n-1>`.")
+    n_heads: int = Field(4, ge=1, description="Attention heads; `dim` must divide by it.")
+    n_kv_heads: int | None = Field(2, ge=1, description="Key/value heads (grouped-query attention); null = n_heads.")
+    vocab_size: int = Field(256, ge=2, description="Vocabulary size; 256 for the byte-level tokenizer.")
+    ffn_hidden_dim: int = Field(172, ge=1, description="Hidden width of the SwiGLU MLP (w1, w3: dim -> hidden; w2: back).")
+    max_seq_len: int = Field(256, ge=1, description="Longest sequence the rotary table covers.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal initialisation of linear and embedding weights.")
+    head_dim: int | None = Field(None, ge=2, description="Width of one attention head; null = dim / n_heads.")
+    qkv_bias: bool = Field(False, description="Biases on the q/k/v projections (Qwen2).")
+    qk_norm: bool = Field(False, description="RMSNorm of each query and key head before RoPE (Qwen3).")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_width(self) -> int:
+        """One attention head's width: ``head_dim``, or ``dim // n_heads`` when that is null."""
+        return self.head_dim or self.dim // self.n_heads
+
+
+class MLPConfig(_Section):
+    arch: Literal["mlp"] = Field("mlp", description="Two raw matmuls, y = (x @ w0) @ w1, weights stored [in, out].")
+    in_features: int = Field(1024, ge=1, description="Rows of w0 (input width).")
+    hidden_features: int = Field(4096, ge=1, description="Columns of w0 and rows of w1.")
+    out_features: int = Field(1024, ge=1, description="Columns of w1 (output width).")
+    activation: Literal["none", "relu", "gelu"] = Field(
+        "relu", description="Applied between the two matmuls; `none` gives the seeds' plain matmul chain."
+    )
+    init_std: float = Field(0.02, gt=0, description="Std of the normal initialisation of w0 and w1.")
+
+
+class HFModelConfig(_Section):
+    arch: Literal["hf"] = Field("hf", description="A Hugging Face causal LM from a local directory (Llama family: "
+                                "Llama, Mistral, Qwen2, Qwen3).")
+    path: str | None = Field(
+        None,
+        description="Directory with the model's config.json (model_type llama, mistral, qwen2 or qwen3), plus *.safetensors weights "
+        "when present (random init from the config when absent). Nothing is downloaded.",
+    )
+
+
+class CustomModelConfig(_Section):
+    arch: Literal["custom"] = Field("custom", description="Your own nn.Module, from a builder function.")
+    builder: str | None = Field(
+        None, description="module:function returning the nn.Module (CLI only: REST refuses import paths).")
+    name: str | None = Field(
+        None, description="A model an installed package registers under the `meshflow.models` entry points "
+        "(usable from the CLI and REST).")
+    # None, not {}: Hydra replaces a null node by `model.kwargs={...}`, but will not add keys to an empty one.
+    kwargs: dict[str, Any] | None = Field(None, description="Keyword arguments of the builder (null = none).")
+    loss: Literal["lm", "mse"] = Field(
+        "lm", description="lm: cross-entropy of logits [B, T, vocab] (text, synthetic data); mse: regression.")
+
+
+# The members of each tagged union, once: Hydra's `<tag>_defaults` and `--help` list them from here.
+MODEL_SECTIONS = (LlamaConfig, MLPConfig, HFModelConfig, CustomModelConfig)
+ModelConfig = Annotated[Union[MODEL_SECTIONS], Field(discriminator="arch")]
+
+# ------------------------------------------------------------------------------ data
+
+
+class TextDataConfig(_Section):
+    kind: Literal["text"] = Field("text", description="Byte-level tokens from local text files.")
+    root: str = Field(
+        "stdlib",
+        description="Directory searched for files; `stdlib` means the Python standard library's own source, "
+        "which exists offline wherever the project runs.",
+    )
+    glob: str = Field("**/*.py", description="Glob (relative to root) selecting the files, read in sorted order.")
+    max_bytes: int = Field(8_000_000, ge=1024, description="Read at most this many bytes of the sorted files "
+                           "(the run says when it cuts the text short).")
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this fraction of the token windows, from the "
+                                "end of the text, for validation.")
+
+
+class SyntheticDataConfig(_Section):
+    kind: Literal["synthetic"] = Field("synthetic", description="A seeded order-k Markov chain with a known entropy rate.")
+    order: int = Field(1, ge=1, le=3, description="Markov order k: each token depends on the previous k.")
+    num_symbols: int = Field(16, ge=2, le=256, description="Alphabet size (token ids 0 .. num_symbols-1).")
+    concentration: float = Field(0.1, gt=0, description="Dirichlet concentration of the transition rows; small = peaky.")
+    num_tokens: int = Field(2_000_000, ge=1024, description="Length of the generated token stream.")
+    seed: int = Field(1234, description="Seed of the chain and of the stream (independent of train.seed).")
+
+
+class RegressionDataConfig(_Section):
+    kind: Literal["regression"] = Field("regression", description="x ~ N(0, 1), y = teacher(x) + noise; for the mlp model.")
+    num_samples: int = Field(65536, ge=16, description="Number of (x, y) pairs.")
+    noise_std: float = Field(0.01, ge=0, description="Std of the Gaussian noise added to the teacher's output.")
+    seed: int = Field(1234, description="Seed of the teacher and the samples.")
+
+
+class FilesDataConfig(_Section):
+    kind: Literal["files"] = Field("files", description="Documents from your files (jsonl, json, parquet or text), tokenized.")
+    paths: list[str] = Field(
+        default_factory=list, description="Files or globs (`**` recurses); jsonl/json/parquet give records, any other "
+        "suffix is plain text with one document per file. Each must match at least one file.")
+    text_field: str = Field("text", min_length=1, description="The record field holding a document's text.")
+    tokenizer: str | None = Field(
+        None, description="A tokenizer.json, or a model directory holding one (Hugging Face `tokenizers`); "
+        "null = UTF-8 bytes (256 ids, NUL ends a document).")
+    eos_token: str | None = Field(
+        None, description="The token appended to each document; null = the tokenizer's own (tokenizer_config.json, "
+        "then the usual names such as </s> or <|endoftext|>).")
+    cache_dir: str = Field(
+        ".cache/meshflow-tokens", min_length=1, description="Where the tokenized corpus is kept (one memory-mapped "
+        "file per corpus and tokenizer, shared by the ranks of a host and reused by later runs).")
+    num_proc: int = Field(1, ge=1, le=256, description="Processes tokenizing the corpus the first time.")
+    val_paths: list[str] = Field(default_factory=list, description="Separate validation files or globs (see paths).")
+    val_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Hold out this fraction of the token windows, from the end of the corpus, "
+        "for validation (when val_paths is empty).")
+
+
+DATA_SECTIONS = (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig)
+DataConfig = Annotated[Union[DATA_SECTIONS], Field(discriminator="kind")]
+
+# ----------------------------------------------------------------------------- optim
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw"] = Field("adamw", description="Optimizer (torch.optim.AdamW).")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of lr (cosine, linear).")
+
+
+# -------------------------------------------------------------------------- tracking
+
+
+class TrackingConfig(_Section):
+    backend: Literal["mlflow", "none"] = Field("mlflow", description="`mlflow` logs one run per job; `none` logs nothing.")
+    tracking_uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (file, sqlite, or http server).")
+    experiment: str = Field("meshflow", min_length=1, description="MLflow experiment name.")
+    run_name: str | None = Field(None, description="MLflow run name; null names it after the preset and the mesh "
+                                 "(`3d-2x2x2`).")
+    tags: dict[str, str] = Field(
+        default_factory=dict, description="Extra MLflow run tags (`+tracking.tags.team=nlp`); the CLI and the "
+        "control plane set `preset` to the config group the run came from.")
+    run_id: str | None = Field(
+        None, description="Log into this existing MLflow run instead of creating one (set by the control plane)."
+    )
+    pictures: bool = Field(
+        True, description="Draw the pipeline timeline (Chrome trace + PNG) and the placement picture, log them as "
+        "MLflow artifacts under `pictures/` and print their paths; false skips both.")
+    timeline_steps: int = Field(
+        2, ge=1, description="Optimizer steps the measured pipeline timeline records (the run's last ones, "
+        "so start-up is not in the picture).")
+    system_metrics: bool = Field(
+        True, description="Record MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) on the "
+        "main rank every `system_metrics_interval` seconds.")
+    system_metrics_interval: float = Field(10.0, gt=0, description="Seconds between system-metric samples.")
+    log_model: bool = Field(
+        True, description="When the run saved a checkpoint: the last one's weights as `model/model.safetensors` "
+        "in the MLflow run (python -m trainer.export's file; train.init_from starts a run from it).")
+
+
+# ----------------------------------------------------------------------------- train
+
+
+class CheckpointConfig(_Section):
+    dir: str = Field("checkpoints", min_length=1, description="Directory holding `step_<n>` checkpoint folders.")
+    every: int = Field(0, ge=0, description="Save every N steps; 0 saves never (except `save_final`).")
+    keep: int = Field(3, ge=1, description="Keep the newest K checkpoints, delete older ones.")
+    resume: str = Field("none", min_length=1, description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
+    save_final: bool = Field(False, description="Also save after the last step.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1, description="Optimizer steps.")
+    global_batch_size: int = Field(16, ge=1, description="Sequences per optimizer step, summed over data-parallel ranks.")
+    seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
+    seed: int = Field(0, description="Seed of the initialisation and of the data order.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; null disables.")
+    grad_accum: int = Field(1, ge=1, description="Gradient-accumulation steps per optimizer step.")
+    log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
+    eval_every: int = Field(
+        0, ge=0, description="With a validation split (data.val_fraction or data.val_paths): evaluate every N steps "
+        "and after the last step; 0 = after the last step only.")
+    eval_batches: int = Field(
+        4, ge=1, description="Validation batches per evaluation (global_batch_size / grad_accum sequences each, "
+        "the same ones every time); fewer when the split is smaller.")
+    precision: Precision = Field(
+        "fp32", description="fp32, or bf16: bf16 compute with fp32 master weights, optimizer state and gradient "
+        "reduction (FSDP2's mixed-precision policy under data parallelism, autocast otherwise).")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    init_from: str | None = Field(
+        None, description="Initialise the weights from a safetensors file (see `python -m trainer.export`) "
+        "instead of from the seed; null = from the seed."
+    )
+    compile: bool = Field(
+        False, description="torch.compile each transformer block (the whole model when it has no blocks, as the "
+        "mlp arch), applied after tensor parallelism and activation checkpointing, before data parallelism. The "
+        "first steps are slow (compilation); losses equal eager ones within fp32 rounding, and parameter and "
+        "checkpoint names do not change, so checkpoints move between compiled and eager runs. On CPU Inductor "
+        "needs a C++ compiler ($CXX, else g++).")
+
+
+# ---------------------------------------------------------------------------- launch
+
+
+class LaunchConfig(_Section):
+    nnodes: int = Field(1, ge=1, description="Number of hosts; workers per host = world size / nnodes.")
+    node_rank: int = Field(0, ge=0, description="This host's rank among nnodes.")
+    rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one "
+                               "(one host only: with several, node 0 serves it on this port, which the others dial).")
+    rdzv_id: str | None = Field(
+        None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="The rendezvous id every node of a run shares (the control plane sets the job id). null = a fresh "
+        "one per run on one host; with several hosts, a digest of the config all nodes have in common.")
+    rdzv_timeout_s: float = Field(300, gt=0, description="Seconds a node waits for the others to join the rendezvous "
+                                  "before it gives up and says which nodes are missing.")
+    local_addr: str | None = Field(
+        None, description="The address the other hosts reach this one at (its workers' store and gloo listen there). "
+        "null = this host's name, as torch's launcher resolves it.")
+    max_restarts: int = Field(0, ge=0, description="Times torch's elastic agent restarts failed workers.")
+    log_dir: str | None = Field(
+        "logs", description="Where the workers' per-rank log files go (torch elastic's log options): "
+        "`<log_dir>/<run>/attempt_<n>/<rank>/stdout.log` and `stderr.log`, also uploaded to the MLflow run's "
+        "`logs/`; rank 0's output and every rank's errors still show on the console. null = a temporary "
+        "directory, removed after the upload.")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="Memory per worker a run may use (GiB); a config predicted to need more is refused "
+        "before any worker starts. null = the GPU's memory, or 90% of the host's memory shared by its workers.")
+    unmap_freed_memory: bool = Field(
+        False, description="CPU workers (glibc): give every allocation from 128 KiB up pages of its own, returned to the "
+        "system when freed, so freed tensors leave no heap holes resident. The peak drops toward the live tensors "
+        "(a third less per rank on fsdp [8] of a 1B model), for more CPU time in page faults. false = glibc's "
+        "dynamic threshold.")
+
+
+# ------------------------------------------------------------------------------- run
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=LlamaConfig, description="The model to train.")
+    data: DataConfig = Field(default_factory=TextDataConfig, description="The training data.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The training loop.")
+    mesh: MeshValue | None = Field(
+        None,
+        description="Device mesh: a shape, outermost first ([2,2,2]), or nested explicit rank ids in any order "
+        "([[2,4,5],[0,1,3]], PaddlePaddle's ProcessMesh; one host only). A rank id names the device a worker runs on "
+        "(cuda:<id>; on CPU the id-th allowed core, modulo their number); torch's rank is the position in the "
+        "row-major flattened mesh, so the worker with id 2 above is torch rank 0 at mesh position [0,0]. "
+        "null = one device.",
+    )
+    parallel: ParallelConfig | None = Field(None, description="How the model is spread over the mesh; null = one device.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How workers are started.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    dry_run: bool = Field(False, description="Plan only: print per-rank memory, communication and bubble; train nothing.")
+    validate_only: bool = Field(False, description="Validate the config against the model, print the verdict, exit.")
+
+    # -- derived views ---------------------------------------------------------------
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return mesh_shape_of(self.mesh)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    def axis_size(self, name: str) -> int:
+        """Size of the mesh axis called ``name`` (1 when there is no such axis)."""
+        if self.parallel is None or name not in self.parallel.dims:
+            return 1
+        return self.mesh_shape[self.parallel.dims.index(name)]
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks the batch is split over (with per-stage layouts: the lanes)."""
+        if (stages := self.stages) and stages[0].ranks:
+            return len(stages[0].rank_list)
+        dp = self.parallel.data_parallel if self.parallel else None
+        return math.prod(self.axis_size(n) for n in dp.dim_names) if dp else 1
+
+    @property
+    def pp_size(self) -> int:
+        if stages := self.stages:
+            return len(stages)
+        pp = self.parallel.pipeline if self.parallel else None
+        return self.axis_size(pp.dim) if pp else 1
+
+    @property
+    def stages(self) -> list | None:
+        """``parallel.pipeline.stages`` (each stage its own ranks and layout), or None."""
+        pp = self.parallel.pipeline if self.parallel else None
+        return pp.stages if pp is not None else None
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.parallel.pipeline.microbatches if self.parallel and self.parallel.pipeline else 1

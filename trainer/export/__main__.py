@@ -1,0 +1,9 @@
+"""``python -m trainer.export CHECKPOINT [--format safetensors|hf] [--out PATH]``: full weights out.
+See :func:`trainer.export.weights.main`."""
+
+import sys
+
+from trainer.export.weights import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""``python -m trainer.generate CHECKPOINT --prompt "..."``: sample text from any checkpoint.
+
+The checkpoint (saved on any mesh) is gathered into the plain model on one device, the prompt
+is encoded with the run's tokenizer (``data.tokenizer`` of a files run, UTF-8 bytes for the
+built-in text), and tokens are drawn one at a time: logits of the last position divided by
+the temperature, cut to the ``top_k`` largest, sampled with a seeded generator (temperature 0
+is greedy). Generation stops after ``--max-new-tokens`` or at the end-of-document token.
+
+    python -m trainer.generate checkpoints/step_00000100 --prompt "def main(" --max-new-tokens 80 \\
+        --temperature 0.8 --top-k 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+
+def run_tokenizer(data_config: dict, override: str | None = None) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer the run trained with (``override``, a tokenizer.json or directory, wins)."""
+    if override:
+        return load_tokenizer(override)
+    kind = data_config.get("kind", "text")
+    if kind == "files":
+        return load_tokenizer(data_config.get("tokenizer"), data_config.get("eos_token"))
+    if kind == "text":
+        return ByteTokenizer()
+    raise ValueError(f"the run trained on data.kind: {kind}, which has no text to prompt with "
+                     "(generate from a run on data=text or data=files, or pass --tokenizer)")
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, context: int | None = None, eos_id: int | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """``prompt`` (1-D ids) followed by up to ``max_new_tokens`` sampled ids.
+
+    Each step runs the model on the last ``context`` ids (the whole sequence when None): the
+    models here keep no key/value cache, which costs time, not correctness, at these lengths.
+    """
+    if temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError("temperature must be >= 0 and top_k >= 1")
+    ids = prompt.reshape(1, -1).to(torch.int64)
+    for _ in range(max_new_tokens):
+        window = ids if context is None else ids[:, -context:]
+        logits = model(window)[0, -1].float()
+        if temperature == 0:
+            next_id = logits.argmax().reshape(1)
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, next_id.reshape(1, 1)], dim=1)
+        if eos_id is not None and int(next_id) == eos_id:
+            break
+    return ids[0]
+
+
+def generate(checkpoint: str | Path, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.8,
+             top_k: int | None = 40, seed: int = 0, tokenizer: str | None = None) -> str:
+    """The prompt and the text sampled after it, decoded with the run's tokenizer."""
+    from trainer.export.weights import load_checkpoint_model
+    from trainer.models import decoder_config
+
+    model, model_cfg, extra = load_checkpoint_model(checkpoint)
+    if getattr(model_cfg, "arch", None) == "mlp":
+        raise ValueError("model mlp maps vectors to vectors; there is nothing to generate")
+    tok = run_tokenizer(extra.get("data_config") or {}, tokenizer)
+    ids = tok.encode_tensor(prompt)
+    if ids.numel() == 0:
+        raise ValueError("--prompt: encodes to no tokens; give some text")
+    decoder = decoder_config(model_cfg)
+    out = sample(model.eval(), ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                 context=decoder.max_seq_len if decoder else None, eos_id=tok.eos_id,
+                 generator=torch.Generator().manual_seed(seed))
+    return tok.decode(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a step_<n> checkpoint directory (from any mesh)")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample at most (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0 = all (default 40)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer.json or directory instead of the run's own")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens: must be >= 1")
+    if args.temperature < 0:
+        parser.error("--temperature: must be >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        parser.error("--top-k: must be >= 0 (0 = all tokens)")
+    from parallel.errors import ConfigError
+    from trainer.run.checkpoint import CheckpointError
+
+    try:
+        text = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k or None, seed=args.seed, tokenizer=args.tokenizer)
+    except (CheckpointError, ConfigError, ValueError, KeyError) as err:
+        print(f"generate failed: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

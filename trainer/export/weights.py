@@ -1,0 +1,126 @@
+"""``python -m trainer.export CHECKPOINT [--format safetensors|hf] [--out PATH]``: full weights out.
+
+Any checkpoint — saved on any mesh, sharded by FSDP, TP or cut into pipeline stages — holds
+the full model's parameter names (DCP + FQN-preserving stages), so one process can gather it
+into the plain model. The file loads into ``build_model(cfg)`` on one device, and a run can
+start from it with ``train.init_from=FILE``.
+
+    python -m trainer.export checkpoints/step_00000100 --out model.safetensors
+    python -m trainer.export checkpoints/step_00000100 --format hf --out exported/   # transformers loads it
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from pydantic import TypeAdapter
+
+from trainer.run.checkpoint import CheckpointError, read_extra
+from trainer.config.schema import ModelConfig
+
+
+def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict]:
+    """``(the plain model with the checkpoint's weights, its config, the checkpoint's extra state)``,
+    gathered into one process from any mesh's checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.models import build_model
+
+    extra = read_extra(checkpoint)
+    model_cfg = TypeAdapter(ModelConfig).validate_python(extra["model_config"])
+    model = build_model(model_cfg, seed=0)
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # one process reading on purpose: DCP's warning says so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise
+        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: {exc}") from exc
+    model.load_state_dict(state["model"])
+    return model, model_cfg, extra
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = "safetensors") -> dict[str, int]:
+    """Write the checkpoint's model weights to ``out`` (a file; a directory for ``format="hf"``,
+    see :mod:`trainer.export.hf`, with the run's tokenizer when it had one); return
+    {"tensors": n, "bytes": size}."""
+    from safetensors.torch import save_file
+
+    model, model_cfg, extra = load_checkpoint_model(checkpoint)
+    state = model.state_dict()
+    if format == "hf":
+        from trainer.export.hf import export_hf
+
+        return export_hf(state, model_cfg, out, tokenizer=(extra.get("data_config") or {}).get("tokenizer"))
+    tensors = {k: v.detach().contiguous() for k, v in state.items()}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
+                                           "step": str(extra.get("step"))})
+    return {"tensors": len(tensors), "bytes": Path(out).stat().st_size}
+
+
+def check_weights_fit(model: torch.nn.Module, path: str | Path) -> None:
+    """Raise unless the safetensors file ``path`` holds exactly ``model``'s tensors, shape for
+    shape; reads only the file's header, so ``model`` may be on the meta device."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"train.init_from: {str(path)!r} does not exist (give a file written by python -m trainer.export)")
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, unexpected = sorted(own.keys() - shapes.keys()), sorted(shapes.keys() - own.keys())
+    wrong = sorted(k for k in own.keys() & shapes.keys() if own[k] != shapes[k])
+    if missing or unexpected or wrong:
+        raise ValueError(f"train.init_from: {str(path)!r} does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, other shapes {wrong[:5]} "
+                         "(export from a checkpoint of the same model config)")
+
+
+def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Path) -> None:
+    """Load a safetensors file from :func:`export_checkpoint` into the plain model, or into this
+    rank's sharded parts (pipeline stages, DTensor shards): each tensor reads only the block it
+    holds (safetensors slices the file), so a sharded run never loads a whole parameter it does
+    not hold. Checks the file against the model first when given the whole model."""
+    from safetensors import safe_open
+
+    from trainer.models.init import local_box
+
+    if isinstance(parts, torch.nn.Module):
+        check_weights_fit(parts, path)
+        parts = [parts]
+    with safe_open(str(path), framework="pt") as f, torch.no_grad():
+        for part in parts:
+            for name, tensor in part.state_dict().items():
+                offset, local = local_box(tensor)
+                block = f.get_slice(name)[tuple(slice(o, o + k) for o, k in zip(offset, local))] if local else f.get_tensor(name)
+                target = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                target.copy_(block)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a step_<n> checkpoint directory")
+    parser.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                        help="safetensors: one file for train.init_from; hf: a Hugging Face model directory")
+    parser.add_argument("--out", default=None, help="output file, or directory with --format hf "
+                                                    "(default model.safetensors / hf_model)")
+    args = parser.parse_args(argv)
+    args.out = args.out or ("hf_model" if args.format == "hf" else "model.safetensors")
+    try:
+        info = export_checkpoint(args.checkpoint, args.out, format=args.format)
+    except (CheckpointError, KeyError, ValueError) as err:
+        print(f"export failed: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

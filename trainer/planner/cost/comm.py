@@ -1,0 +1,109 @@
+"""What a rank sends in one optimizer step, and what it costs on the calibrated host.
+
+    params = unit_params(plan, model)                      # per pipeline unit: tp-local numel, tensors
+    for op in comm_ops(cfg, plan, held=plan.units, params=params, micro_batch=2):
+        op.axis, op.op, op.group_size, op.nbytes, op.count, op.seconds(calibration)
+
+Megatron tp all-reduces of activations, dp's gradient all-reduce or FSDP's all-gathers and
+reduce-scatters per FSDP unit, pp sends; each priced by the calibrated fit of its op and group
+size (:meth:`trainer.planner.calibration.probe.Calibration.collective_time`). :mod:`trainer.planner.cost.model` adds them
+to the step's compute (no overlap on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from parallel.plan.resolve import ParallelPlan
+from trainer.planner.calibration.probe import Calibration
+from trainer.config.schema import RunConfig
+from trainer.models import decoder_config
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One kind of collective a rank runs in a step: ``count`` calls of ``op`` over ``group_size``
+    ranks of mesh axis ``axis`` (dp's axes joined by commas), each on a buffer of ``nbytes``."""
+
+    axis: str
+    op: str
+    group_size: int
+    nbytes: float
+    count: float
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sends in the step (ring algorithms), as the dry run's traffic counts them."""
+        g = self.group_size
+        share = {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g}
+        return share.get(self.op, 1.0) * self.nbytes * self.count
+
+    def seconds(self, cal: Calibration) -> float:
+        return self.count * cal.collective_time(self.op, self.group_size, self.nbytes)
+
+
+def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, int]]:
+    """Per pipeline unit: ``(tp-local parameter count, parameter tensors)`` of one rank."""
+    out: dict[str, list] = {u: [0.0, 0] for u in plan.units}
+    for fqn, p in model.named_parameters():
+        unit = next(u for u in plan.units if fqn == u or fqn.startswith(u + "."))
+        div = math.prod(plan.mesh.size(a) for a, pl in plan.placements.get(fqn, {}).items() if pl.is_shard)
+        out[unit][0] += p.numel() / div
+        out[unit][1] += 1
+    return {u: (v[0], v[1]) for u, v in out.items()}
+
+
+def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[str, tuple[float, int]],
+             micro_batch: int) -> list[CommOp]:
+    """The collectives of the pp rank holding units ``held`` in one optimizer step (see the module
+    docstring); ``params``: :func:`unit_params`."""
+    ops: list[CommOp] = []
+    t, pp = cfg.train, plan.pipeline
+    m = pp.num_microbatches if pp else 1
+    cdt = 2 if t.precision == "bf16" else 4  # activations and gathered parameters in the compute dtype
+    if (dp := plan.data_parallel) is not None:
+        ops += _dp_ops(dp, plan, held, params, cdt, passes=t.grad_accum)
+    decoder = decoder_config(cfg.model)
+    act = micro_batch * t.seq_len * (decoder.dim if decoder else 0) * cdt
+    tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
+    blocks = [u for u in held if u in plan.blocks]
+    for axis in tp_axes:
+        if (g := plan.mesh.size(axis)) > 1 and decoder is not None:
+            count = tp_all_reduces_per_block(plan) * len(blocks) * m * t.grad_accum
+            ops.append(CommOp(axis, "all_reduce", g, act, count))
+    if pp is not None and plan.pp_size > 1:
+        ops.append(CommOp(pp.dim, "send_recv", 2, act, 2 * pp.stages_per_rank * m * t.grad_accum))
+    return [op for op in ops if op.count > 0 and op.group_size > 1]
+
+
+def tp_all_reduces_per_block(plan: ParallelPlan) -> int:
+    """Megatron's activation all-reduces per block and micro-batch: attention's and the MLP's
+    row-parallel outputs in forward, their column-parallel inputs' gradients in backward; a
+    checkpointed block's forward runs twice."""
+    return 4 + 2 * (plan.activation_checkpointing == "full")
+
+
+def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, passes: int) -> list[CommOp]:
+    """FSDP2's collectives per FSDP unit (every block, then the root with the rest), per
+    accumulation pass; a pipeline stage gathers once per pass and reduces after its last
+    micro-batch (torch's PipelineStage), as does ddp (FSDP2's replicate: one all-reduce)."""
+    axis = ",".join(dp.dim_names)
+    numel = [params[u][0] for u in held]
+    if dp.mode == "ddp":
+        return [CommOp(axis, "all_reduce", plan.mesh.size(dp.dim_names), 4.0 * sum(numel), passes)]
+    shard_axis = dp.dim_names[-1] if dp.mode == "hsdp" else axis
+    g = plan.mesh.size(dp.shard_dim_names)
+    fsdp_units = [params[u][0] for u in held if u in plan.blocks]
+    fsdp_units.append(sum(params[u][0] for u in held if u not in plan.blocks))  # the root
+    gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2
+    ops = []
+    for index, n in enumerate(fsdp_units):
+        root = index == len(fsdp_units) - 1  # stays gathered from forward to backward
+        ops.append(CommOp(shard_axis, "all_gather", g, n * cdt, (1 if root else gathers) * passes))
+        ops.append(CommOp(shard_axis, "reduce_scatter", g, n * 4.0, passes))
+    if dp.mode == "hsdp":
+        ops.append(CommOp(dp.dim_names[0], "all_reduce", plan.mesh.size(dp.dim_names[0]), 4.0 * sum(numel) / g, passes))
+    return [op for op in ops if op.nbytes > 0]

@@ -1,0 +1,309 @@
+"""Per-rank peak memory of a config, predicted before any worker starts: the steady state's
+(from the second step on, when AdamW's moments sit beside the forward's activations).
+
+    est = predict_memory(cfg, plan)          # one MemoryEstimate per pp rank
+    est[0].total / 2**30                     # GiB at the peak of a training step on pp rank 0
+
+* Weights, gradients, AdamW: from the plan (:func:`trainer.planner.report.plan_numbers`: what each rank holds
+  after pipeline split, tensor and data-parallel sharding).
+* Activations and backward: measured, not guessed. The model runs a forward and backward on the
+  meta device, tensor-parallel parameters at their local shapes, on a micro-batch of the run's
+  shape. What autograd saves is counted per pipeline unit and block (``saved_tensors_hooks``), then
+  scaled by the micro-batches the schedule keeps in flight, activation checkpointing and sequence
+  parallelism; a dispatch mode follows every tensor the pass creates until it dies, so what
+  backward adds at its worst moment (gradients of the largest activations, e.g. SwiGLU's
+  [b, s, ffn] ones, and of the logits; parameter gradients as they appear) is exact for the model.
+* What the layout adds (:mod:`trainer.planner.memory.layout`): FSDP's unsharded blocks, autocast's bf16
+  weight copies; ddp's unsharded copy and its post-backward reduce through two flat buffers of the
+  whole model; a pipeline stage's passes in flight beside the gradients it accumulates, its reduce.
+* CPU only: the runtime's own memory and glibc's heap holes (:mod:`trainer.planner.memory.host`), so the
+  total compares with the resident high-water mark :class:`trainer.run.metrics.MemoryMeter` reads.
+
+On CPU the real attention kernel keeps only its log-sum-exp (not the T x T scores); the meta
+device would take the math path and count the scores, so the counting pass uses the fused
+kernel's own autograd formula. The budget a run's peak is checked against: :mod:`trainer.planner.memory.budget`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import math
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from parallel.plan.resolve import ParallelPlan
+from trainer.config.schema import RunConfig
+from trainer.planner.memory.host import host_overhead, runtime
+from trainer.planner.memory.layout import (checkpointed, fsdp2, gathered, in_flight_peak, on_cuda, passes_in_flight,
+                                  replicate_reduce, stage_reduce)
+
+MIB = 2**20
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds at the peak of a training step, by kind. ``parts``: ``transient`` (what
+    backward adds to the saved activations at its worst moment), ``step_temporaries`` (clipping and
+    AdamW), ``runtime`` and ``allocator`` (CPU: process groups, glibc's heap holes)."""
+
+    pp_rank: int
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float  # FSDP's unsharded parameters and collective buffers, autocast's bf16 weight copies
+    activations: float  # saved for backward, over the micro-batches in flight
+    in_flight: int  # micro-batch x stage passes whose activations are held at once
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def live(self) -> float:
+        """Bytes in tensors at the peak: the larger of backward's worst moment (what FSDP and autocast
+        gathered, saved activations, what backward adds, and with accumulation all the gradients) and
+        the optimizer step's (FSDP reshards after backward and autocast's copies die with it, so
+        nothing gathered is left then); with ``ddp`` also the gradient reduce's, after backward
+        (``parts["reduce"]``, see :func:`trainer.planner.memory.layout.replicate_reduce`)."""
+        p = self.parts
+        backward = (self.activations + p.get("transient", 0.0) + p.get("stage_grads", 0.0)
+                    + (self.grads if p.get("accumulates") else 0.0))
+        step = self.grads + p.get("step_temporaries", 0.0)
+        return self.params + self.optimizer + max(self.gathered + backward, p.get("reduce", 0.0), step)
+
+    @property
+    def total(self) -> float:
+        return self.live + self.parts.get("runtime", 0.0) + self.parts.get("allocator", 0.0)
+
+
+def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # The fused CPU kernel: saves q, k, v, the output and a log-sum-exp per row, as real runs do.
+    if attn_mask is not None:
+        return _SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    F.scaled_dot_product_attention = _flash_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
+
+
+def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
+    """Give every tensor-parallel parameter of the meta ``model`` its local shape (in place)."""
+    for fqn, axes in plan.placements.items():
+        owner, _, name = fqn.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        shape = list(getattr(module, name).shape)
+        for axis, placement in axes.items():
+            if placement.is_shard:
+                dim = placement.dim % len(shape)
+                shape[dim] = math.ceil(shape[dim] / plan.mesh.size(axis))
+        setattr(module, name, nn.Parameter(torch.empty(shape, device="meta")))
+
+
+class _Census(TorchDispatchMode):
+    """``timeline``: live bytes of the tensors a meta pass creates, after every op, as (activations
+    and temporaries, parameter gradients). A storage counts from the op that makes it until its last
+    reference dies; a gradient moves to the second column when autograd accumulates it."""
+
+    def __init__(self, model: nn.Module, share) -> None:
+        super().__init__()
+        self.share = share  # () -> the share of a new tensor this rank holds (sequence parallel)
+        self.live = [0.0, 0.0]
+        self.timeline: list[tuple[float, float]] = []
+        self._bytes: dict[int, list[float]] = {}  # key -> [column, bytes]
+        self._keys = itertools.count(1)
+        for t in [*model.parameters(), *model.buffers()]:
+            t.untyped_storage()._census = 0
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._to_grads)
+
+    def _to_grads(self, p: torch.Tensor) -> None:
+        entry = self._bytes.get(getattr(p.grad.untyped_storage(), "_census", 0))
+        if entry is not None and entry[0] == 0:
+            entry[0] = 1
+            self.live[0] -= entry[1]
+            self.live[1] += entry[1]
+
+    def _free(self, key: int) -> None:
+        column, nbytes = self._bytes.pop(key)
+        self.live[int(column)] -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not hasattr(storage := t.untyped_storage(), "_census"):
+                key = storage._census = next(self._keys)
+                self._bytes[key] = [0, storage.nbytes() * self.share()]
+                self.live[0] += self._bytes[key][1]
+                weakref.finalize(storage, self._free, key)
+        self.timeline.append((self.live[0], self.live[1]))
+        return out
+
+
+def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None) -> dict:
+    """One forward and backward of ``micro_batch`` sequences on the meta device: ``{"units": {unit:
+    bytes saved for backward}, "block_inputs": {block: bytes}, "timeline": [(activations and
+    temporaries, gradients) after each op], "forward_ops": n, "unit_params": {unit: [fp32 bytes of
+    each tp-local parameter]}}`` (the last unit also holds the loss's)."""
+    from trainer.models import build_model, loss_fn_for
+
+    # A given model is copied: the pass gives its parameters their tp-local shapes.
+    model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
+    _local_shapes(model, plan)
+    unit_params: dict[str, list[float]] = defaultdict(list)
+    for fqn, p in model.named_parameters():
+        unit_params[next((u for u in plan.units if fqn == u or fqn.startswith(u + ".")), "")].append(p.numel() * 4.0)
+    if cfg.train.precision == "bf16":
+        model.to(torch.bfloat16)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    sp_norms = {name for name, layout in plan.layouts.items() if any(p.is_shard for p in layout.input.values())}
+    tp = plan.mesh.size([a for axes in plan.placements.values() for a in axes])
+    current: list[str] = []
+    units: dict[str, float] = defaultdict(float)
+    inputs: dict[str, float] = {}
+    seen: set[int] = set()
+    hooks = []
+    for name, module in model.named_modules():
+        if name in plan.units or name in sp_norms:
+            hooks.append(module.register_forward_pre_hook(lambda _m, args, name=name: _enter(name, args)))
+            hooks.append(module.register_forward_hook(lambda *_: current.pop() and None))
+
+    def _enter(name: str, args: tuple) -> None:
+        current.append(name)
+        if name in plan.blocks and args and isinstance(args[0], torch.Tensor):
+            inputs[name] = args[0].numel() * args[0].element_size()
+
+    def share() -> float:  # sequence parallel: a norm runs on this rank's sequence shard
+        return 1 / tp if any(c in sp_norms for c in current) else 1.0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            owner = next((c for c in current if c in plan.units), plan.units[-1])
+            units[owner] += storage.nbytes() * share()
+        return t
+
+    seq = cfg.train.seq_len
+    if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
+        x = torch.empty(micro_batch, cfg.model.in_features, device="meta")
+        y = torch.empty(micro_batch, cfg.model.out_features, device="meta")
+    else:
+        x = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
+        y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
+    census = _Census(model, share)
+    with _fused_attention(), census:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+            # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
+            loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+        forward_ops = len(census.timeline)
+        if loss.requires_grad:
+            loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return {"units": dict(units), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
+            "unit_params": dict(unit_params)}
+
+
+def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | None = None,
+                   cache: dict | None = None) -> list[MemoryEstimate]:
+    """One :class:`MemoryEstimate` per pp rank (one without a pipeline). A planner comparing many
+    layouts passes the meta ``model`` it built once and a ``cache`` dict: the meta pass (the costly
+    part) depends only on the tp size, the micro-batch and the precision, and is reused."""
+    from trainer.planner.report import plan_numbers, stage_views
+
+    if plan.pipeline is not None and plan.pipeline.stages:  # each stage by its own layout
+        return [predict_memory(view_cfg, view)[i] for i, (view_cfg, view) in enumerate(stage_views(cfg, plan))]
+
+    numbers = plan_numbers(cfg, plan, model=model)
+    t = cfg.train
+    micro = max(1, t.global_batch_size // t.grad_accum // max(1, plan.dp_size) // cfg.num_microbatches)
+    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    key = (tp, micro, t.precision, bool(plan.layouts))
+    if cache is None or key not in cache:
+        saved = saved_activations(cfg, plan, micro, model=model)
+        if cache is not None:
+            cache[key] = saved
+    else:
+        saved = cache[key]
+    pp, dp = plan.pipeline, plan.data_parallel
+    stage_units = pp.stage_units if pp else (tuple(plan.units),)
+    wrapped = checkpointed(plan)
+    shard = plan.mesh.size(dp.shard_dim_names) if dp is not None else 1
+    # With accumulation (grad_accum, a pipeline's micro-batches) earlier passes' gradients are all there
+    # beside later activations (MemoryEstimate.live adds them); else backward makes them as it frees
+    # activations and the census gives both at its worst moment, FSDP keeping 1/shard once reduce-scattered.
+    accumulates = pp is not None or t.grad_accum > 1
+    keep = 0.0 if accumulates else 1.0 / shard if dp is not None and dp.mode != "ddp" else 1.0
+    # A pipelined stage accumulates its micro-batches' gradients (FSDP2's unsharded: in_flight_peak);
+    # FSDP2's sharded ones appear only as the stage's final reduce frees those, so beside the
+    # activations they are there only from an earlier accumulation step.
+    pipelined_fsdp = pp is not None and fsdp2(plan)
+    sharded_grads_in_backward = t.grad_accum > 1 and (pipelined_fsdp or pp is None)
+    backward = saved["timeline"][saved["forward_ops"]:] or [(0.0, 0.0)]
+    transient = max(0.0, max(a + keep * g for a, g in backward) - sum(saved["units"].values()))
+    cpu = not on_cuda(cfg)
+    out = []
+    for rank_numbers in numbers["per_pp_rank"]:
+        r = rank_numbers["pp_rank"]
+        held = [u for s in rank_numbers["stages"] for u in stage_units[s]]
+        acts, recompute = 0.0, 0.0
+        for unit in held:
+            full = saved["units"].get(unit, 0.0)
+            if unit in wrapped:  # checkpointed: only the block's input is kept; recomputed in backward
+                acts += saved["block_inputs"].get(unit, 0.0)
+                recompute = max(recompute, full)
+            else:
+                acts += full
+        in_flight = passes_in_flight(plan, r)
+        blocks = [saved["unit_params"].get(u, []) for u in held if u in plan.blocks]
+        root = sum(sum(saved["unit_params"].get(u, [])) for u in held if u not in plan.blocks)
+        local = rank_numbers["params"] * 4.0
+        held_acts, held_grads = acts, 0.0
+        if pp is not None:
+            chunks = max(1, len(rank_numbers["stages"]))
+            # FSDP2's pipelined stage accumulates unsharded gradients in the compute dtype; else param.grad
+            stage_grads = rank_numbers["grad_bytes"]
+            if pipelined_fsdp:
+                stage_grads = local * (0.5 if t.precision == "bf16" else 1.0)
+            held_acts, held_grads = in_flight_peak(plan, in_flight, acts / chunks, stage_grads, chunks,
+                                                   accumulated=t.grad_accum > 1 and not pipelined_fsdp)
+        estimate = MemoryEstimate(
+            pp_rank=r, params=rank_numbers["param_bytes"], grads=rank_numbers["grad_bytes"],
+            optimizer=rank_numbers["optim_bytes"], gathered=gathered(cfg, plan, local, blocks, root),
+            activations=held_acts + recompute, in_flight=in_flight,
+            parts={"accumulates": sharded_grads_in_backward, "stage_grads": held_grads, "micro_batch": micro,
+                   "step_activations": (acts + recompute) * (pp.num_microbatches if pp else 1),
+                   "transient": transient,
+                   "step_temporaries": 4.0 * max(max(v) for v in saved["unit_params"].values()) / shard})
+        at_peak = estimate.gathered + estimate.activations + transient + held_grads
+        if pipelined_fsdp:
+            reduce, mapped = stage_reduce(cfg, plan, local, blocks, at_peak)
+        else:
+            reduce, mapped = replicate_reduce(cfg, plan, local, at_peak)
+        estimate = replace(estimate, parts={**estimate.parts, "reduce": reduce})
+        # A pipelined stage's unsharded parameters are allocated once a step and live through all its
+        # micro-batches: their heap holes are FSDP's per-parameter term, not cycled memory's.
+        cycled = estimate.live - estimate.params - estimate.optimizer - (estimate.gathered if pipelined_fsdp else 0.0)
+        if estimate.live - estimate.params - estimate.optimizer == reduce:  # mmapped buffers leave no heap holes
+            cycled -= mapped
+        host = {"runtime": runtime(plan), "allocator": host_overhead(cfg, plan, max(0.0, cycled), blocks,
+                                                                 estimate.parts["step_activations"])}
+        out.append(replace(estimate, parts={**estimate.parts, **(host if cpu else {})}))
+    return out

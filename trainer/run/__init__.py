@@ -1,0 +1,1 @@
+"""What every worker runs: the training loop, its checkpoints and its metrics."""

@@ -1,0 +1,343 @@
+"""Atomic, sharding-aware checkpoints on torch.distributed.checkpoint (DCP).
+
+A checkpoint is ONE directory ``<ckpt_dir>/step_<step:08d>`` holding DCP's files
+(``.metadata`` plus one ``__<rank>_<n>.distcp`` per writing rank) and a ``COMPLETE`` marker.
+It is written under a hidden ``.tmp-step_<step>-<random>`` name and renamed into place only
+after every rank has finished, so a crash mid-save never leaves something that looks like a
+checkpoint: only a ``step_*`` directory with ``COMPLETE`` counts.
+
+Model and optimizer state come from ``get_state_dict`` (plain tensors on one device, DTensor
+shards under FSDP2/TP), so the same code saves and reshards on load across mesh shapes.
+``extra`` (step, scheduler/dataloader state, RNG states, the config) is pickled into one opaque
+DCP bytes item: DCP must know every key before a load, and an opaque blob frees the caller
+from declaring its layout. Only rank 0 contributes it, so ``extra`` is rank 0's on every rank
+after a load (per-rank state must be gathered into it by the caller). Saving and loading also work without a process group (DCP's ``no_dist`` mode).
+
+    from trainer.run.checkpoint import save_checkpoint, resolve_resume, load_checkpoint
+    path = save_checkpoint("checkpoints", step, model=model, optimizer=opt, extra={"step": step}, keep=3)
+    extra = load_checkpoint(resolve_resume("auto", "checkpoints"), model=model, optimizer=opt)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+COMPLETE_MARKER = "COMPLETE"
+# Flattened optimizer state keys every entry by parameter FQN (``param_groups.<fqn>.lr``). The
+# nested form keys param groups by list index with the saving rank's FQN list, so a checkpoint
+# written by pipeline ranks (each holding other parameters) would lose the groups' lr/betas on
+# load under another pipeline split.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp-"
+_RESUME_FIX = "use `auto` (newest checkpoint in train.checkpoint.dir, if any), `none`, or the path of a step_<n> directory"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unfinished or unreadable; the message names the path.
+
+    ``reason`` and ``fix`` are kept apart so the config validator can report them as a
+    :class:`~parallel.errors.ConfigIssue`; ``str()`` joins them as ``reason (fix)``.
+    """
+
+    def __init__(self, reason: str, *, fix: str | None = None):
+        self.reason, self.fix = reason, fix
+        super().__init__(f"{reason} ({fix})" if fix else reason)
+
+
+# ------------------------------------------------------------------------------ finding
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _finished_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Finished checkpoints in ``ckpt_dir`` as (step, path), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for child in ckpt_dir.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The finished ``step_*`` directory with the highest step, or None."""
+    found = _finished_checkpoints(Path(ckpt_dir))
+    return found[-1][1] if found else None
+
+
+def _why_unfinished(path: Path) -> str | None:
+    """Why ``path`` is not a finished checkpoint, or None when it is one."""
+    if not path.exists():
+        return "it does not exist"
+    if not path.is_dir():
+        return "it is not a directory"
+    if not (path / COMPLETE_MARKER).is_file():
+        return f"it has no {COMPLETE_MARKER} marker (an interrupted save, or not a checkpoint)"
+    if not (path / ".metadata").is_file():
+        return "its DCP .metadata file is missing"
+    return None
+
+
+def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
+    """Turn ``train.checkpoint.resume`` into a checkpoint path (None: start fresh).
+
+    ``none`` -> None; ``auto`` -> the latest finished checkpoint in ``ckpt_dir`` or None;
+    anything else is a path (relative ones are tried as given, then inside ``ckpt_dir``)
+    that must be a finished checkpoint, else :class:`CheckpointError`.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(ckpt_dir)
+    path = Path(resume)
+    if not path.is_absolute() and not path.exists() and (Path(ckpt_dir) / path).exists():
+        path = Path(ckpt_dir) / path
+    reason = _why_unfinished(path)
+    if reason is not None:
+        raise CheckpointError(f"train.checkpoint.resume: {str(path)!r} is not a finished checkpoint: {reason}",
+                              fix=_RESUME_FIX)
+    return path
+
+
+# ------------------------------------------------------------------------------- saving
+
+
+def _is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _is_dist() else 0
+
+
+def _barrier() -> None:
+    if _is_dist():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes a rename durable: the directory entry, not just the file data, must reach disk.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a directory so that a crash halfway never leaves a loadable-looking checkpoint."""
+    doomed = path.parent / f"{_TMP_PREFIX}delete-{path.name}-{secrets.token_hex(4)}"
+    os.replace(path, doomed)  # atomic: the step_* name disappears first
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+@contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    # DCP warns on every call without a process group; that is the intended single-process mode.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _publish(tmp: Path, final: Path, step: int) -> None:
+    """Rank 0: mark ``tmp`` complete and rename it to ``final`` atomically."""
+    marker = tmp / COMPLETE_MARKER
+    with open(marker, "w") as f:
+        json.dump({"step": step, "time": time.time(), "world_size": dist.get_world_size() if _is_dist() else 1}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving a step after resuming from an older checkpoint
+        _remove_dir(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _prune(ckpt_dir: Path, keep: int, just_saved: Path) -> None:
+    """Rank 0: keep the newest ``keep`` finished checkpoints; drop leftovers of crashed saves."""
+    for _, path in _finished_checkpoints(ckpt_dir)[:-keep]:
+        # After resuming from an older step, newer checkpoints of the abandoned attempt may
+        # outrank the one just written; never delete what this call promised to return.
+        if path != just_saved:
+            _remove_dir(path)
+    for child in ckpt_dir.iterdir():
+        # Only this job saves here, and its current save is already renamed: any .tmp-* is stale.
+        if child.name.startswith(_TMP_PREFIX) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Save model, optimizer and ``extra`` as ``<ckpt_dir>/step_<step:08d>``; return that path.
+
+    Collective when a process group is initialised: every rank calls it with the same step.
+    Afterwards only the newest ``keep`` finished checkpoints remain.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / step_dir_name(step)
+    names = [f"{_TMP_PREFIX}{final.name}-{secrets.token_hex(4)}"]
+    if _is_dist():  # every rank must write into the same temporary directory
+        dist.broadcast_object_list(names, src=0)
+    tmp = ckpt_dir / names[0]
+    if _rank() == 0:
+        tmp.mkdir(parents=True)
+    _barrier()
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    if _rank() == 0:
+        # DCP dedups a key present on several ranks by balancing work, so it may store any
+        # rank's copy; offering ``extra`` from rank 0 alone makes the saved one rank 0's.
+        blob = io.BytesIO()
+        torch.save(extra, blob)
+        state["extra"] = blob.getvalue()
+    try:
+        with _quiet_dcp():
+            dcp.save(state, checkpoint_id=tmp)
+        _barrier()
+        if _rank() == 0:
+            _publish(tmp, final, step)
+    except BaseException:
+        if _rank() == 0:  # a half-written save is never a checkpoint; tidy it now if we still can
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _rank() == 0:
+        _prune(ckpt_dir, keep, final)
+    _barrier()  # no rank returns before the checkpoint is visible under its final name
+    return final
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def _dcp_reason(exc: BaseException) -> str:
+    # CheckpointException's str() is every rank's full traceback; the root cause reads better.
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load a finished checkpoint into ``model`` and ``optimizer`` in place; return its ``extra``.
+
+    Resharding is DCP's: the target state (from ``get_state_dict``) decides the layout read.
+    Raises :class:`CheckpointError` naming the path when it is missing, unfinished or corrupt,
+    or does not match the model (missing keys, different shapes).
+    """
+    path = Path(path)
+    reason = _why_unfinished(path)
+    if reason is not None:
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
+    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    # None is a placeholder DCP replaces with the stored bytes item.
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state, "extra": None}
+    try:
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=path)
+        extra = torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_OPTIONS)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
+    return extra
+
+
+def read_extra(path: str | Path) -> dict[str, Any]:
+    """Only the ``extra`` blob of a finished checkpoint (step, model config, ...), no tensors.
+
+    Lets a caller check that a checkpoint fits the run before loading weights into it.
+    """
+    path = Path(path)
+    if (reason := _why_unfinished(path)) is not None:
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
+    state: dict[str, Any] = {"extra": None}
+    try:
+        with _quiet_dcp():
+            dcp.load(state, checkpoint_id=path)
+        return torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
+
+
+def check_model_config(path: str | Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose model config differs from the run's, naming the keys."""
+    keys = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    if keys:
+        diffs = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs run {current.get(k)!r}" for k in keys)
+        raise CheckpointError(
+            f"train.checkpoint.resume: checkpoint {str(path)!r} was saved from another model ({diffs})",
+            fix="resume with the model config it was saved with, or start fresh with train.checkpoint.resume=none",
+        )
+
+
+def checkpoint_bytes(path: str | Path) -> dict[str, int]:
+    """Bytes on disk of a checkpoint: total and per writing rank (DCP's ``__<rank>_*.distcp`` files)."""
+    per_rank: dict[str, int] = {}
+    total = 0
+    for f in Path(path).iterdir():
+        size = f.stat().st_size
+        total += size
+        if m := re.match(r"^__(\d+)_\d+\.distcp$", f.name):
+            per_rank[m.group(1)] = per_rank.get(m.group(1), 0) + size
+    return {"total": total, **{f"rank{r}": n for r, n in sorted(per_rank.items(), key=lambda kv: int(kv[0]))}}
+
+
+def merged_module(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module over several pipeline stages of one model, keeping the full model's FQNs.
+
+    DCP's ``get_state_dict`` takes one module, and a rank with interleaved stages holds
+    several. The stages are FQN-preserving pieces of one model (``layers.0`` here,
+    ``layers.2`` there), so their children can be re-registered side by side under the same
+    names; container children (``layers``) are merged key by key. Nothing is copied.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    merged = torch.nn.Module()
+    for part in parts:
+        for name, child in part.named_children():
+            if isinstance(child, torch.nn.ModuleDict):
+                if name not in merged._modules:
+                    merged.add_module(name, torch.nn.ModuleDict())
+                for key, sub in child.items():
+                    merged._modules[name][key] = sub
+            elif child is not None:
+                merged.add_module(name, child)
+        for name, param in part.named_parameters(recurse=False):
+            merged.register_parameter(name, param)
+    return merged

@@ -1,0 +1,302 @@
+"""The training loop, run by every worker (or in-process on one device).
+
+build model -> parallelize -> optimizer, LR schedule, data -> resume -> steps -> checkpoints.
+Rank-0-only side effects (progress bar, metrics) go through a tracker and a progress
+object that are null objects on the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel.engine import ParallelModel, parallelize
+from parallel.plan.resolve import resolve_plan
+from parallel.pipeline.timeline import TimelineRecorder
+from trainer.run.checkpoint import (
+    check_model_config,
+    checkpoint_bytes,
+    load_checkpoint,
+    merged_module,
+    read_extra,
+    resolve_resume,
+    save_checkpoint,
+)
+from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig
+from trainer.data import Source, build_splits
+from trainer.data.loader import GlobalBatchLoader
+from trainer.run.metrics import MemoryMeter, Progress
+from trainer.export.weights import check_weights_fit, load_weights
+from trainer.planner.memory.host import unmap_freed_memory
+from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
+from trainer.models.hf import load_hf_sharded, weight_files
+from trainer.tracking.pictures.timeline_chart import timeline_pictures
+from trainer.tracking.mlflow_tracker import Tracker
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) loop reports back to the launcher."""
+
+    losses: list[float] = field(default_factory=list)
+    first_step: int = 0
+    val_loss: float | None = None  # the last evaluation's, when there is a validation split
+    step_times: list[float] = field(default_factory=list)  # seconds per optimizer step, this run's steps
+    tokens_per_step: int = 0
+    last_checkpoint: str | None = None
+    pictures: dict[str, str] = field(default_factory=dict)  # rank 0: timeline_trace, timeline_png -> file
+
+    @property
+    def mean_tokens_per_s(self) -> float | None:
+        """Tokens per second over the run's steps, the first (start-up, compilation) left out when there are more."""
+        times = self.step_times[1:] or self.step_times
+        return self.tokens_per_step * len(times) / sum(times) if times and sum(times) > 0 else None
+
+    def summary(self) -> dict:
+        """What the launcher's end-of-run summary needs, JSON-friendly (a worker returns it)."""
+        return {"losses": self.losses, "first_step": self.first_step, "val_loss": self.val_loss,
+                "step_times": self.step_times, "tokens_per_step": self.tokens_per_step,
+                "last_checkpoint": self.last_checkpoint, "pictures": self.pictures}
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int):
+    """Multiplier of the peak lr at a step: linear warm-up, then cosine / linear decay / constant."""
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / (optim.warmup_steps + 1)
+        if optim.schedule == "constant":
+            return 1.0
+        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+        progress = min(1.0, progress)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay
+
+    return factor
+
+
+def resolve_device(device: str, device_index: int = 0) -> torch.device:
+    """This worker's device for ``device: auto | cpu | cuda``: GPU ``device_index`` of its host
+    (selected as current), or the CPU (see :func:`trainer.launch.launcher.bind_worker` for the index)."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(device_index)
+        return torch.device("cuda", device_index)
+    return torch.device("cpu")
+
+
+def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
+    """This rank's share of the model, split and sharded as the config's plan says, with one
+    device's initial values (from the seed, ``train.init_from``, or a Hugging Face directory's
+    safetensors).
+
+    On a mesh the model is built on the meta device, split and sharded there, and only then
+    allocated: each rank holds and initialises its own shards (values computed block by block,
+    :func:`trainer.models.init.initial_block`) and reads only its slices of a weights file. A
+    custom module without ``init_weights`` cannot be initialised that way: every rank builds it
+    in full (its builder sets the values) before sharding."""
+    init = None
+    if cfg.world_size > 1:
+        model = build_model(cfg.model, device="meta")
+        init = meta_initializer(model, cfg.train.seed)
+    if init is None:
+        return _build_in_full(cfg, device)
+    hf_files = isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path))
+    if cfg.train.init_from:
+        check_weights_fit(model, cfg.train.init_from)
+    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, init=init,
+                     precision=cfg.train.precision, compile=cfg.train.compile)
+    if cfg.train.init_from:
+        load_weights(pm.model_parts, cfg.train.init_from)
+    elif hf_files:
+        load_hf_sharded(pm.model_parts, cfg.model.path)
+    return pm
+
+
+def _build_in_full(cfg: RunConfig, device: torch.device) -> ParallelModel:
+    """The whole model built and initialised on every rank, then split and sharded."""
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    if cfg.train.init_from:
+        load_weights(model, cfg.train.init_from)
+    return parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, precision=cfg.train.precision,
+                       compile=cfg.train.compile)
+
+
+def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, device_index: int = 0,
+          pictures_dir: str | None = None) -> TrainResult:
+    """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming) on GPU
+    ``device_index`` of the host, or the CPU; rank 0 draws the timeline into ``pictures_dir``."""
+    t = cfg.train
+    device = resolve_device(cfg.device, device_index)
+    torch.manual_seed(t.seed)
+    splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
+    source, val_source = splits.train, splits.val
+    if cfg.launch.unmap_freed_memory and device.type == "cpu":
+        unmap_freed_memory()
+    meter = MemoryMeter(device)  # from here on: the model's memory, beside the plan's prediction
+    if rank == 0:
+        try:
+            predicted = _predicted_peak_mb(cfg)
+        except Exception as err:  # noqa: BLE001 - a model the meta device cannot run is trained, not predicted
+            progress.log(f"memory: no prediction ({type(err).__name__}: {str(err)[:100]})")
+        else:
+            tracker.log_metrics({"predicted_peak_memory_mb": predicted}, step=0)
+            progress.log(f"memory: predicted peak {predicted:,.0f} MiB per rank")
+    pm = build_parallel_model(cfg, device)
+    optimizer = torch.optim.AdamW(
+        list(pm.parameters()), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, t.steps))
+    for note in splits.notes:
+        progress.log(note)
+    # One loader batch is one accumulation batch; the loader position is global, so a resume
+    # on another dp size continues at the same sample.
+    loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,
+                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
+    loss_fn = loss_fn_for(cfg.model)
+    result = TrainResult()
+    ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer)
+
+    start = 0
+    if path := resolve_resume(t.checkpoint.resume, t.checkpoint.dir):
+        check_model_config(path, read_extra(path)["model_config"], cfg.model.model_dump(mode="json"))
+        extra = load_checkpoint(path, **ckpt_kwargs)
+        start = int(extra["step"])
+        scheduler.load_state_dict(extra["scheduler"])
+        loader.load_state_dict(extra["loader"])
+        _set_rng_state(extra["rng"])
+        progress.log(f"resumed from {path} at step {start}")
+        tracker.set_tag("resumed_from", str(path))
+    result.first_step = start
+
+    tokens_per_step = result.tokens_per_step = t.global_batch_size * t.seq_len
+    window = LogWindow()
+    memory_rows: list[dict] = []  # per-rank peaks at each logged step: an artifact, the metric is their max
+    recorder = TimelineRecorder(pm)  # the last timeline_steps steps: start-up is not in the picture
+    record_from = t.steps - cfg.tracking.timeline_steps + 1 if cfg.tracking.pictures else t.steps + 1
+    progress.start(total=t.steps, completed=start)
+    for step in range(start + 1, t.steps + 1):
+        began = time.perf_counter()
+        with recorder.step(step, record=step >= record_from):
+            local_loss = None
+            for _ in range(t.grad_accum):
+                inputs, targets = (x.to(device) for x in loader.next_batch())
+                loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum)
+                if loss is not None:
+                    local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
+            with recorder.mark("optimizer"):
+                grad_norm = pm.clip_grad_norm_(t.grad_clip)
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        loss_value = pm.reduce_loss(local_loss)
+        step_time = time.perf_counter() - began
+        result.losses.append(loss_value)
+        result.step_times.append(step_time)
+        window.add(loss=loss_value, grad_norm=grad_norm, step_time_s=step_time)
+
+        if step % t.log_every == 0 or step == t.steps:
+            peaks = _per_rank(meter.peak_mb(), pm, device)
+            memory_rows.append({"step": step, **{f"rank{r}": round(v, 1) for r, v in enumerate(peaks)}})
+            metrics = {**window.means(tokens_per_step), "lr": lr, "peak_memory_mb": max(peaks)}
+            tracker.log_metrics(metrics, step=step)
+            progress.log_step(step, metrics)
+        progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time)
+        if val_source is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
+            result.val_loss = evaluate(pm, val_source, cfg, loss_fn, device)
+            val_metrics = {"val_loss": result.val_loss, "val_perplexity": math.exp(min(result.val_loss, 700))}
+            tracker.log_metrics(val_metrics, step=step)
+            progress.log(f"step {step}/{t.steps} | val_loss {val_metrics['val_loss']:.4f} | "
+                         f"val_perplexity {val_metrics['val_perplexity']:.2f}")
+
+        ckpt = t.checkpoint
+        if (ckpt.every and step % ckpt.every == 0) or (ckpt.save_final and step == t.steps):
+            began_save = time.perf_counter()
+            extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                     "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json"),
+                     "data_config": cfg.data.model_dump(mode="json")}
+            saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
+            seconds = time.perf_counter() - began_save
+            if rank == 0:
+                nbytes = checkpoint_bytes(saved)["total"]
+                tracker.log_metrics({"checkpoint_seconds": seconds, "checkpoint_bytes": nbytes}, step=step)
+                tracker.set_tag("latest_checkpoint", str(saved.resolve()))
+                progress.log(f"checkpoint {saved} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)")
+            result.last_checkpoint = str(saved.resolve())
+    if cfg.tracking.pictures:  # a collective: every rank gathers its actions to rank 0, which draws them
+        result.pictures = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress, out_dir=pictures_dir)
+    progress.stop()
+    if memory_rows:
+        tracker.log_artifact_text(json.dumps(memory_rows, indent=1), "metrics/peak_memory_mb_per_rank.json")
+    return result
+
+
+class LogWindow:
+    """The steps since the last logged one: metrics are logged as their means over the window (a
+    chart point stands for every step it covers, not one sample every ``log_every`` steps)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[float]] = {}
+
+    def add(self, **values: float) -> None:
+        for key, value in values.items():
+            self._values.setdefault(key, []).append(float(value))
+
+    def means(self, tokens_per_step: int) -> dict[str, float]:
+        """Means of the window's values, ``tokens_per_s`` over its total time; empties the window."""
+        out = {key: sum(v) / len(v) for key, v in self._values.items()}
+        out["tokens_per_s"] = tokens_per_step * len(self._values["step_time_s"]) / sum(self._values["step_time_s"])
+        self._values = {}
+        return out
+
+
+def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, device: torch.device) -> float:
+    """The mean loss over ``train.eval_batches`` validation batches: the same sequences every
+    time (a fresh loader at position 0), split over the dp ranks as training batches are."""
+    t = cfg.train
+    loader = GlobalBatchLoader(val_source, global_batch_size=t.global_batch_size // t.grad_accum,
+                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
+    pm.train(False)
+    try:
+        losses = []
+        for _ in range(t.eval_batches):
+            inputs, targets = (x.to(device) for x in loader.next_batch())
+            losses.append(pm.reduce_loss(pm.evaluate(inputs, targets, loss_fn)))
+    finally:
+        pm.train(True)
+    return sum(losses) / len(losses)
+
+
+def _predicted_peak_mb(cfg: RunConfig) -> float:
+    """The plan's per-rank peak (the largest over pipeline ranks), MiB."""
+    from trainer.planner.memory.predict import predict_memory
+
+    plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    return max(e.total for e in predict_memory(cfg, plan)) / 2**20
+
+
+def _per_rank(value: float, pm: ParallelModel, device: torch.device) -> list[float]:
+    """``value`` of every rank, in rank order (a collective: every rank calls it)."""
+    if pm.mesh is None:
+        return [value]
+    import torch.distributed as dist
+
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [float(v) for v in everyone]
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])

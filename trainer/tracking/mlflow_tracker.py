@@ -1,0 +1,409 @@
+"""Experiment tracking behind a small protocol: MLflow on the main rank, a null object elsewhere.
+
+The training loop calls one :class:`Tracker` unconditionally; :func:`make_tracker` hands
+non-main ranks (and ``tracking.backend=none``) a :class:`NullTracker`, which never imports
+MLflow. :func:`run_lifecycle` and :func:`install_signal_handlers` guarantee that a run ends
+FINISHED, FAILED or KILLED, never stuck RUNNING, even when the job is stopped with SIGTERM.
+
+    with install_signal_handlers():
+        tracker = make_tracker(cfg.tracking, is_main=rank == 0)
+        with run_lifecycle(tracker):
+            tracker.log_params(cfg.model_dump(mode="json"))
+            tracker.log_metrics({"loss": 2.3}, step=1)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import re
+import signal
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from trainer.config.schema import TrackingConfig
+
+log = logging.getLogger(__name__)
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+# MLflow 3's UI opens an experiment in the view its kind names; without the tag it guesses, and
+# an experiment with no runs yet (or with traces) opens in the GenAI view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+
+# MLflow's limits (mlflow.utils.validation), repeated so NullTracker users need not import mlflow.
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+MAX_KEY_LENGTH = 250
+MAX_PARAM_VALUE_LENGTH = 6000
+
+# MLflow accepts alphanumerics, _ . - space : and /; "/" is replaced too, since MLflow rejects
+# keys that are not normalised paths ("a//b", "a/../b") and a config key never needs one.
+_BAD_KEY_CHARS = re.compile(r"[^\w.\- :]")
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM; a BaseException so ``except Exception`` can't swallow it."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"terminated by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """The shell convention for death by signal: 128 + signal number (143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+class TrackingError(RuntimeError):
+    """The tracking configuration cannot be used (unknown run id, deleted experiment)."""
+
+
+class Tracker(Protocol):
+    """What the training loop may log. Implementations: :class:`MLflowTracker`, :class:`NullTracker`."""
+
+    @property
+    def run_id(self) -> str | None: ...
+
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def log_artifact_text(self, text: str, name: str) -> None: ...
+
+    def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None: ...
+
+    def set_tag(self, key: str, value: Any) -> None: ...
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+
+    def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None: ...
+
+    def finish(self, status: RunStatus) -> None: ...
+
+
+class NullTracker:
+    """Logs nothing; used on non-main ranks and with ``tracking.backend=none``."""
+
+    run_id: str | None = None
+    experiment_id: str | None = None
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_artifact_text(self, text: str, name: str) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None:
+        pass
+
+    def set_tag(self, key: str, value: Any) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        pass
+
+    def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None:
+        pass
+
+    def finish(self, status: RunStatus) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "NullTracker()"
+
+
+# --------------------------------------------------------------------------- params
+
+
+def _mlflow_key(key: str) -> str:
+    """A valid MLflow key: characters MLflow rejects (globs like ``layers.*.w[qkv]``) become ``_``."""
+    clean = _BAD_KEY_CHARS.sub("_", key)
+    return clean if len(clean) <= MAX_KEY_LENGTH else _disambiguate(key, clean)
+
+
+def _disambiguate(key: str, clean: str) -> str:
+    # A short digest of the original key keeps apart keys that clean or truncate to the same text.
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return f"{clean[: MAX_KEY_LENGTH - 9]}-{digest}"
+
+
+def _mlflow_keys(keys: list[str]) -> dict[str, str]:
+    """Valid, still distinct MLflow keys for ``keys``: valid keys keep their names, and a
+    cleaned key that collides (``w[13]`` -> ``w_13_`` next to a real ``w_13_``) gets a digest."""
+    clean = {key: _mlflow_key(key) for key in keys}
+    kept = {key for key, value in clean.items() if key == value}
+    counts = Counter(clean.values())
+    return {
+        key: _disambiguate(key, value) if key != value and (value in kept or counts[value] > 1) else value
+        for key, value in clean.items()
+    }
+
+
+def readable_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted params: ``{"train": {"seq_len": 128}}`` -> ``{"train.seq_len": "128"}``. A list, and a
+    mapping with a key MLflow cannot take (the globs of ``parallel.placements``), is one JSON value
+    (a mangled ``layers._.attn.w_qkv_.weight`` key helps nobody); None is ``null``."""
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value and not any(_BAD_KEY_CHARS.search(str(k)) for k in value):
+            flat.update(readable_params(value, prefix=f"{name}."))
+        elif isinstance(value, str):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value, default=str)
+    return flat
+
+
+# --------------------------------------------------------------------------- MLflow
+
+
+def get_or_create_experiment(client: Any, name: str) -> str:
+    """The id of MLflow experiment ``name`` in ``client``'s store, created when missing (also when
+    another process creates it at the same moment); :class:`TrackingError` if it is deleted."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        try:
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+        except MlflowException:  # another process created it first
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    if experiment.lifecycle_stage == "deleted":
+        raise TrackingError(
+            f"tracking.experiment: MLflow experiment {name!r} is deleted in {client.tracking_uri!r}; "
+            "restore it (`mlflow experiments restore`) or choose another name"
+        )
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) in (None, "", "no_inferred_type", "custom_model_development_inferred"):
+        # made before the kind was set, or only guessed by the UI: say what it is. A kind someone
+        # chose (e.g. genai_development) is theirs to keep.
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+    return experiment.experiment_id
+
+
+class _SignalState(threading.local):
+    depth = 0                # how many uninterrupted MLflow writes the main thread is inside
+    pending: int | None = None
+
+
+_SIGNALS = _SignalState()
+
+
+def uninterrupted(method):
+    """Run an MLflow write whole: a SIGTERM that arrives meanwhile is raised when it returns.
+
+    :class:`Terminated` is raised wherever the main thread happens to be; raised inside a write to
+    the store (SQLAlchemy holding a pooled connection, SQLite a write lock) it can leave that held,
+    and the KILLED update that follows, or the system-metrics thread's next write, then waits on
+    it for good."""
+    @functools.wraps(method)
+    def whole(*args, **kwargs):
+        _SIGNALS.depth += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _SIGNALS.depth -= 1
+            if _SIGNALS.depth == 0 and _SIGNALS.pending is not None:
+                signum, _SIGNALS.pending = _SIGNALS.pending, None
+                raise Terminated(signum)
+    return whole
+
+
+class MLflowTracker:
+    """One MLflow run, written through ``MlflowClient`` (no global fluent state).
+
+    Creates a run named ``cfg.run_name`` in experiment ``cfg.experiment`` (created when
+    missing), or attaches to an existing run (``run_id`` argument, else ``cfg.run_id``):
+    that is how worker rank 0 logs into the run the launcher or control plane created.
+    """
+
+    @uninterrupted
+    def __init__(self, cfg: TrackingConfig, *, run_id: str | None = None, run_name: str | None = None) -> None:
+        from mlflow.exceptions import MlflowException  # lazy: `tracking=none` needs no MLflow
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=cfg.tracking_uri)
+        self._uri = cfg.tracking_uri
+        self._finished = False
+        run_id = run_id or cfg.run_id
+        if run_id is None:
+            experiment_id = get_or_create_experiment(self._client, cfg.experiment)
+            run = self._client.create_run(experiment_id, run_name=run_name or cfg.run_name)
+            self._run_id, self.experiment_id = run.info.run_id, experiment_id
+            return
+        try:
+            run = self._client.get_run(run_id)
+        except MlflowException as exc:
+            raise TrackingError(
+                f"tracking.run_id: MLflow run {run_id!r} not found in {cfg.tracking_uri!r} ({exc.message}); "
+                "use the id of an existing run in this store, or null to create a new run"
+            ) from exc
+        if run.info.status != "RUNNING":  # e.g. a restarted worker after a failed attempt
+            self._client.update_run(run_id, status="RUNNING")
+        self._run_id, self.experiment_id = run_id, run.info.experiment_id
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    @uninterrupted
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log a nested dict (the resolved config) as :func:`readable_params`, 100 per request.
+
+        Values over MLflow's 6000 characters are cut in the param and logged whole as the
+        text artifact ``params/<key>.txt``.
+        """
+        from mlflow.entities import Param
+
+        flat = readable_params(params)
+        keys = _mlflow_keys(list(flat))
+        batch: list[Param] = []
+        for raw_key, value in flat.items():
+            key = keys[raw_key]
+            if len(value) > MAX_PARAM_VALUE_LENGTH:
+                artifact = f"params/{key}.txt"
+                self._client.log_text(self._run_id, value, artifact)
+                note = f"... [truncated; full value in artifact {artifact}]"
+                value = value[: MAX_PARAM_VALUE_LENGTH - len(note)] + note
+            batch.append(Param(key, value))
+        for start in range(0, len(batch), MAX_PARAMS_PER_BATCH):
+            self._client.log_batch(self._run_id, params=batch[start : start + MAX_PARAMS_PER_BATCH])
+
+    @uninterrupted
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log all metrics of one step in one request (one timestamp, so they line up)."""
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        batch = [Metric(_mlflow_key(k), float(v), now_ms, step) for k, v in metrics.items()]
+        for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            self._client.log_batch(self._run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH])
+
+    @uninterrupted
+    def log_artifact_text(self, text: str, name: str) -> None:
+        self._client.log_text(self._run_id, text, name)
+
+    @uninterrupted
+    def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None:
+        """Upload the file ``path`` into the run's artifacts, under ``artifact_dir`` if given."""
+        self._client.log_artifact(self._run_id, str(path), artifact_dir)
+
+    @uninterrupted
+    def set_tag(self, key: str, value: Any) -> None:
+        self._client.set_tag(self._run_id, _mlflow_key(key), str(value))
+
+    @uninterrupted
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set all ``tags`` in one request."""
+        from mlflow.entities import RunTag
+
+        self._client.log_batch(self._run_id, tags=[RunTag(_mlflow_key(k), str(v)) for k, v in tags.items()])
+
+    @uninterrupted
+    def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None:
+        """Record the run's data as an MLflow dataset input (the run page's "Datasets used"):
+        ``source`` a local path or URL it was read from, None for data generated in code."""
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        with warnings.catch_warnings():  # a local path matches two registered source kinds; either is right
+            warnings.simplefilter("ignore", UserWarning)
+            origin = resolve_dataset_source(source) if source else CodeDatasetSource(tags={"generator": name})
+        dataset = MetaDataset(origin, name=name, digest=digest)._to_mlflow_entity()
+        self._client.log_inputs(self._run_id, [DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
+
+    def finish(self, status: RunStatus) -> None:
+        """End the run with ``status``; only the first call has an effect."""
+        if self._finished:
+            return
+        self._finished = True
+        self._client.set_terminated(self._run_id, status)
+
+    def __repr__(self) -> str:
+        return f"MLflowTracker(tracking_uri={self._uri!r}, run_id={self._run_id!r})"
+
+
+def make_tracker(cfg: TrackingConfig, *, is_main: bool, run_id: str | None = None, run_name: str | None = None) -> Tracker:
+    """An :class:`MLflowTracker` on the main rank with ``backend=mlflow``, else a :class:`NullTracker`."""
+    if cfg.backend == "none" or not is_main:
+        return NullTracker()
+    return MLflowTracker(cfg, run_id=run_id, run_name=run_name)
+
+
+# ------------------------------------------------------------------------- lifecycle
+
+
+def _finish_quietly(tracker: Tracker, status: RunStatus) -> None:
+    # While an error propagates, a failure to reach the tracking store must not replace it.
+    try:
+        tracker.finish(status)
+    except Exception:
+        log.exception("could not mark tracking run %s as %s", tracker.run_id, status)
+
+
+@contextmanager
+def run_lifecycle(tracker: Tracker) -> Iterator[Tracker]:
+    """End the run FINISHED on normal exit (or ``sys.exit(0)``), KILLED on Ctrl-C or
+    :class:`Terminated`, FAILED on any other exception; exceptions are re-raised."""
+    try:
+        yield tracker
+    except (KeyboardInterrupt, Terminated):
+        _finish_quietly(tracker, "KILLED")
+        raise
+    except SystemExit as exc:
+        _finish_quietly(tracker, "FINISHED" if exc.code in (0, None) else "FAILED")
+        raise
+    except BaseException:
+        _finish_quietly(tracker, "FAILED")
+        raise
+    tracker.finish("FINISHED")
+
+
+@contextmanager
+def install_signal_handlers() -> Iterator[None]:
+    """Make SIGTERM raise :class:`Terminated` in the main thread; restore the old handler on exit.
+
+    Only the first SIGTERM raises: later ones (a launcher repeating itself while the run is
+    being closed) are ignored so they cannot interrupt the cleanup. Outside the main thread
+    Python cannot install handlers, so this does nothing there.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("install_signal_handlers: not the main thread; SIGTERM keeps its current handler")
+        yield
+        return
+    raised = False
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        nonlocal raised
+        if raised:
+            log.warning("signal %d again while shutting down; ignored", signum)
+            return
+        raised = True
+        if _SIGNALS.depth:  # inside an MLflow write: raised when it is done
+            _SIGNALS.pending = signum
+            return
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

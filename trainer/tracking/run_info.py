@@ -1,0 +1,146 @@
+"""What a run tells MLflow about itself: a name, tags, readable params and its UI link; never a secret.
+
+    name = run_name(cfg)                  # "3d-2x2x2" (preset and mesh), or tracking.run_name
+    tags = run_tags(cfg)                  # mesh, dims, preset, world_size, model, precision, git_commit, user, host
+    tracker.log_params(public_config(cfg.model_dump(mode="json")))   # never the tracking URI
+    print(run_url(cfg.tracking.tracking_uri, experiment_id, run_id))
+
+``public_config`` is the one door to MLflow for the config: it drops the tracking URI and run id
+(a database URL may carry a password), masks the password part of any URL, and blanks every
+value whose key names a secret (token, password, api key, ...).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import socket
+import subprocess
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from trainer.config.schema import RunConfig
+
+PRESET_TAG = "preset"
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+SWEEP_JOB_TAG = "sweep_job"  # the job's number in a --multirun (trainer.cli.main sets it)
+# The config keys never sent to MLflow: where it is (a URL that may hold credentials) and which run.
+NOT_LOGGED = ("tracking.tracking_uri", "tracking.run_id")
+SECRET_KEY = re.compile(r"pass(word|wd)?|secret|token|api[_-]?key|credential|auth", re.IGNORECASE)
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.\-]*://)(?P<user>[^/@\s:]*)(:[^/@\s]*)?@", re.IGNORECASE)
+MASK = "***"
+
+
+def redact(text: str) -> str:
+    """``postgresql://me:pw@db/x`` -> ``postgresql://***@db/x``: no URL's user or password survives."""
+    return _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{MASK}@", text)
+
+
+def public_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A copy of the (JSON-dumped) config that may be shown anywhere: see the module docstring."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if path in NOT_LOGGED:
+            continue
+        if SECRET_KEY.search(str(key)) and value not in (None, "", {}, []):
+            out[key] = MASK
+        elif isinstance(value, Mapping):
+            out[key] = public_config(value, prefix=f"{path}.")
+        else:
+            out[key] = _public_value(value)
+    return out
+
+
+def _public_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, list):
+        return [_public_value(v) for v in value]
+    return value
+
+
+# ------------------------------------------------------------------------------- name and tags
+
+
+def mesh_label(cfg: RunConfig) -> str:
+    return "x".join(str(n) for n in cfg.mesh_shape)
+
+
+def run_name(cfg: RunConfig) -> str:
+    """``tracking.run_name``, else the preset and the mesh: ``3d-2x2x2``, ``single-1``."""
+    if cfg.tracking.run_name:
+        return cfg.tracking.run_name
+    job = cfg.tracking.tags.get(SWEEP_JOB_TAG)  # a sweep's jobs would all have the same name
+    return f"{cfg.tracking.tags.get(PRESET_TAG, 'custom')}-{mesh_label(cfg)}" + (f"-job{job}" if job else "")
+
+
+def run_tags(cfg: RunConfig) -> dict[str, str]:
+    """The tags that tell runs apart in MLflow's list, MLflow's own ``mlflow.*`` ones among them
+    (user, git commit, source), and the user's ``tracking.tags``."""
+    model = cfg.model.arch
+    if getattr(cfg.model, "path", None):
+        model = f"{model}:{Path(cfg.model.path).name}"
+    elif getattr(cfg.model, "builder", None):
+        model = f"{model}:{cfg.model.builder}"
+    tags = {
+        "mesh": json.dumps(cfg.mesh if cfg.mesh is not None else list(cfg.mesh_shape)), "dims": json.dumps(list(cfg.parallel.dims) if cfg.parallel else []),
+        PRESET_TAG: cfg.tracking.tags.get(PRESET_TAG, "custom"), "world_size": str(cfg.world_size),
+        "model": model, "precision": cfg.train.precision, "data": cfg.data.kind,
+        "user": _user(), "host": socket.gethostname(),
+        "mlflow.user": _user(), "mlflow.source.name": "python -m trainer", "mlflow.source.type": "LOCAL",
+    }
+    if commit := git_commit():
+        tags["git_commit"] = tags["mlflow.source.git.commit"] = commit
+    if parent := os.environ.get("MESHFLOW_SWEEP_PARENT_RUN"):  # a sweep's job (trainer.cli.sweep)
+        tags["mlflow.parentRunId"] = parent
+    tags.update({key: MASK if SECRET_KEY.search(key) else redact(str(value)) for key, value in cfg.tracking.tags.items()})
+    return tags
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container user without a passwd entry
+        return str(os.getuid())
+
+
+@cache
+def git_commit() -> str | None:
+    """The commit of the code that trains (this package's checkout), with ``-dirty`` when it has
+    uncommitted changes; None outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+# ------------------------------------------------------------------------------------ UI link
+
+
+def run_url(tracking_uri: str, experiment_id: str | None, run_id: str | None, ui_url: str | None = None) -> str | None:
+    """Where the run's page is: on the tracking server itself for an http(s) URI, else on
+    ``ui_url`` (the ``mlflow ui`` a user starts on a local store; default 127.0.0.1:5000)."""
+    if not (experiment_id and run_id):
+        return None
+    base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else (ui_url or "http://127.0.0.1:5000")
+    # MLflow 3.17's UI starts in its GenAI view whatever the experiment's kind tag says; the
+    # parameter opens the run in the model-training view.
+    return f"{redact(base).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
+
+
+def ui_command(tracking_uri: str) -> str | None:
+    """The command that serves a local store's UI (None for a server, which is its own UI)."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return None
+    return f"mlflow ui --backend-store-uri {redact(tracking_uri)}"

@@ -1,0 +1,225 @@
+"""What the launcher records about a run: in MLflow when it starts, on the console when it ends.
+
+    with system_metrics(cfg.tracking, tracker):
+        record_start(tracker, cfg)                 # tags, readable params, config.yaml, plan.txt, dataset
+        outcome = ...train...
+    upload_logs(tracker, log_dir)                  # logs/<rank>/stdout.log, ...
+    print(summary(cfg, outcome, tracker, wall_s=..., log_dir=...))
+
+Everything the config says goes through :func:`trainer.tracking.run_info.public_config` first, so no
+tracking URI, URL password or token reaches a param, a tag or an artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.config.schema import RunConfig, TrackingConfig
+from trainer.tracking.run_info import public_config, redact, run_tags, run_url, ui_command
+from trainer.tracking.mlflow_tracker import NullTracker, Tracker
+
+log = logging.getLogger(__name__)
+
+
+def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path) -> dict[str, str]:
+    """Tags, params, the resolved config and dry-run plan as artifacts, the data as a dataset input,
+    and (``tracking.pictures``) the placement picture written into ``pictures_dir`` and logged
+    under ``pictures/``; returns the pictures' paths by name."""
+    if isinstance(tracker, NullTracker) and not cfg.tracking.pictures:
+        return {}
+    plan = _plan(cfg)
+    pictures: dict[str, str] = {}
+    if plan is not None and cfg.tracking.pictures:
+        from trainer.tracking.pictures.placement import write_placement
+
+        written = write_placement(cfg, plan, pictures_dir)
+        for kind, path in written.items():
+            tracker.log_artifact(path, "pictures")
+            pictures[f"placement {'picture' if kind == 'png' else 'table'}"] = str(path)
+    if isinstance(tracker, NullTracker):
+        return pictures
+    tracker.set_tags(run_tags(cfg))
+    public = public_config(cfg.model_dump(mode="json"))
+    tracker.log_params(public)
+    tracker.log_artifact_text(yaml.safe_dump(public, sort_keys=False), "config.yaml")
+    if plan is not None:
+        from trainer.planner.report import describe_plan
+
+        tracker.log_artifact_text(describe_plan(cfg, plan, pictures_dir=None), "plan.txt")
+    _log_ranking(tracker, cfg)
+    tracker.log_dataset(*dataset_identity(cfg))
+    return pictures
+
+
+def _log_ranking(tracker: Tracker, cfg: RunConfig) -> None:
+    """``+parallel=auto``: the planner's ranking as ``auto_plan.json`` and ``auto_plan.txt``
+    (computed again from the cached calibration; see :func:`trainer.planner.auto.plan.ranking_for`)."""
+    from trainer.planner.auto.plan import ranking_for
+
+    try:
+        ranking = ranking_for(cfg)
+    except Exception as err:  # noqa: BLE001 - the ranking only describes the run
+        log.warning("no auto_plan.json for this run: %s: %s", type(err).__name__, err)
+        return
+    if ranking is not None:
+        tracker.log_artifact_text(ranking.to_json(), "auto_plan.json")
+        tracker.log_artifact_text(ranking.table(len(ranking.candidates)), "auto_plan.txt")
+
+
+def _plan(cfg: RunConfig):
+    """The config's resolved plan (what ``dry_run=true`` reports), or None when the model cannot be
+    planned on the meta device (a custom module that needs real tensors): the run trains anyway."""
+    from parallel.plan.resolve import resolve_plan
+    from trainer.models import build_model
+
+    try:
+        return resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    except Exception as err:  # noqa: BLE001 - the plan only describes the run
+        log.warning("no plan.txt or placement picture for this run: %s: %s", type(err).__name__, err)
+        return None
+
+
+def dataset_identity(cfg: RunConfig) -> tuple[str, str | None, str]:
+    """``(name, source, digest)`` of the run's data: where it is read from (None when generated in
+    code) and a digest of the data config, so runs on the same data share one dataset in MLflow."""
+    data = cfg.data.model_dump(mode="json")
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    source: str | None = None
+    if cfg.data.kind == "text":
+        root = cfg.data.root
+        if root == "stdlib":
+            import sysconfig
+
+            root = sysconfig.get_paths()["stdlib"]
+        source, name = str(Path(root).resolve()), f"text:{cfg.data.root}/{cfg.data.glob}"
+    elif cfg.data.kind == "files" and cfg.data.paths:
+        parts = Path(cfg.data.paths[0]).parts  # the folder above the first glob character
+        literal = Path(*parts[: next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))])
+        source, name = str(literal.resolve()), f"files:{','.join(cfg.data.paths)}"
+    else:
+        name = f"{cfg.data.kind}:{digest}"
+    return redact(name)[:500], source, digest
+
+
+@contextmanager
+def system_metrics(cfg: TrackingConfig, tracker: Tracker) -> Iterator[None]:
+    """MLflow's own system-metrics monitor (CPU, memory, disk, network, GPU through pynvml) on this
+    run while the block runs; at least one sample even when the run is shorter than the interval."""
+    if not cfg.system_metrics or tracker.run_id is None:
+        yield
+        return
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices are noise here
+    monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=cfg.system_metrics_interval,
+                                   tracking_uri=cfg.tracking_uri)
+    monitor.start()
+    try:
+        yield
+    finally:
+        try:
+            if monitor._logging_step == 0:  # noqa: SLF001 - nothing published yet: a short run
+                monitor.collect_metrics()
+                monitor.publish_metrics(monitor.aggregate_metrics())
+        except Exception:  # noqa: BLE001 - a missing sample must not fail the run
+            log.warning("could not take a system-metrics sample", exc_info=True)
+        monitor.finish()
+
+
+def log_final_model(tracker: Tracker, cfg: RunConfig, outcome: dict[str, Any]) -> None:
+    """The last checkpoint's weights, gathered into one safetensors file, as ``model/`` artifacts."""
+    checkpoint = outcome.get("last_checkpoint")
+    if not (checkpoint and cfg.tracking.log_model) or isinstance(tracker, NullTracker):
+        return
+    import tempfile
+
+    from trainer.export.weights import export_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="meshflow-model-") as tmp:
+        out = Path(tmp) / "model.safetensors"
+        export_checkpoint(checkpoint, out)
+        tracker.log_artifact(out, "model")
+
+
+def upload_logs(tracker: Tracker, log_dir: Path | None) -> None:
+    """The workers' per-rank log files (torch elastic's layout: ``<attempt>/<rank>/stdout.log``) as
+    the run's ``logs/`` artifacts. Best effort: the logs are also on disk."""
+    if log_dir is None or not log_dir.is_dir() or isinstance(tracker, NullTracker):
+        return
+    for path in sorted(log_dir.rglob("*")):
+        if path.is_file() and path.stat().st_size > 0:
+            try:
+                tracker.log_artifact(path, str(Path("logs") / path.parent.relative_to(log_dir)))
+            except Exception:  # noqa: BLE001
+                log.warning("could not upload %s", path, exc_info=True)
+
+
+def summary(cfg: RunConfig, outcome: dict[str, Any], tracker: Tracker, *, wall_s: float,
+            log_dir: Path | None = None) -> str:
+    """The end-of-run lines: steps and loss, wall time, mean tokens/s, best loss, where the MLflow
+    run, the last checkpoint, the per-rank logs and the pictures are."""
+    losses, first = outcome.get("losses") or [], outcome.get("first_step", 0)
+    if not losses:
+        return f"done: no steps left to run (resumed at step {first})"
+    val = outcome.get("val_loss")
+    val_text = f", val loss {val:.4f} (perplexity {math.exp(min(val, 700)):.2f})" if val is not None else ""
+    lines = [f"done: steps {first + 1}..{first + len(losses)}, loss {losses[0]:.4f} -> {losses[-1]:.4f}{val_text}"]
+    best = min(range(len(losses)), key=losses.__getitem__)
+    times = outcome.get("step_times") or []
+    timed = times[1:] or times  # the first step pays for start-up and compilation
+    speed = f"{outcome['tokens_per_step'] * len(timed) / sum(timed):,.0f} tok/s" if timed and sum(timed) else "n/a"
+    lines.append(f"  wall time {wall_s:.1f} s | mean {speed} (steps after the first) | "
+                 f"final loss {losses[-1]:.4f} | best {losses[best]:.4f} at step {first + best + 1}")
+    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id)
+    if url:
+        serve = ui_command(cfg.tracking.tracking_uri)
+        lines.append(f"  mlflow run: {url}" + (f"  (serve it: {serve})" if serve else ""))
+    if outcome.get("last_checkpoint"):
+        lines.append(f"  last checkpoint: {outcome['last_checkpoint']}")
+    if log_dir is not None:
+        lines.append(f"  per-rank logs: {log_dir}/attempt_<n>/<rank>/stdout.log, stderr.log")
+    for name, path in sorted((outcome.get("pictures") or {}).items()):
+        lines.append(f"  {name}: {path}")
+    return "\n".join(lines)
+
+
+@contextmanager
+def tee_output(path: Path) -> Iterator[None]:
+    """Copy everything this process prints (stdout and stderr) into ``path`` while the block runs:
+    one device's job log, as torch elastic writes the workers'."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", buffering=1) as file:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, file), _Tee(err, file)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
+class _Tee:
+    """A text stream that writes to ``stream`` and ``file``; everything else is ``stream``'s."""
+
+    def __init__(self, stream: Any, file: Any) -> None:
+        self._stream, self._file = stream, file
+
+    def write(self, text: str) -> int:
+        self._file.write(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

@@ -1,0 +1,1 @@
+"""Validate a resolved config before any worker starts: schema, structure, and the model-aware checks."""

@@ -1,0 +1,214 @@
+"""Model-aware validation: the model is built on the meta device (no memory), the parallel
+plan is resolved against it (:func:`parallel.plan.resolve.resolve_plan`: placements, layouts, stage
+boundaries), and what only the trainer knows is checked beside it (head counts, model vs data,
+the checkpoint to resume from)."""
+
+from __future__ import annotations
+
+import math
+
+from parallel.errors import ConfigError, ConfigIssue
+from parallel.plan.resolve import MeshSpec, ParallelPlan, resolve_plan
+from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
+from trainer.models import decoder_config
+
+_DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files"), "hf": ("text", "synthetic", "files"),
+                  "mlp": ("regression",), "custom": ("text", "synthetic", "files")}
+_ATTENTION_PROJECTIONS = {"wq", "wk", "wv", "wo", "q_proj", "k_proj", "v_proj", "o_proj"}
+# Building on the meta device costs ~2 ms per block; a config (possibly sent over REST) asking
+# for millions of blocks must get an answer, not hang the validator. Real models have < 200.
+MAX_LAYERS = 1024
+
+
+def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
+    """The config's plan for its model (None when the model cannot be planned) and every issue found."""
+    from trainer.models import build_model
+    from trainer.models.custom import CustomModelError
+
+    issues = _check_model_data(cfg)
+    if issues:
+        return None, issues
+    issues += _check_resume(cfg)
+    try:
+        model = build_model(cfg.model, device="meta")
+    except CustomModelError as err:  # the user's builder raised on the meta device
+        return None, [ConfigIssue("model.kwargs", err.reason, err.fix)]
+    except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # e.g. sizes past int64
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return None, [ConfigIssue("model", f"its tensors are too large to build (torch says: {first_line[:120]})",
+                                  "use model sizes whose tensors fit in memory (each dimension well below 2**31)")]
+    try:
+        decoder = decoder_config(cfg.model)
+        plan = resolve_plan(cfg.parallel, cfg.mesh, model, check_glob=lambda *glob: _check_heads(decoder, *glob))
+    except ConfigError as err:
+        plan, issues = None, issues + err.issues
+    if cfg.parallel is not None:
+        if cfg.parallel.activation_checkpointing != "none" and cfg.model.arch == "mlp":
+            issues.append(ConfigIssue("parallel.activation_checkpointing",
+                                      f"model {cfg.model.arch} has no transformer blocks to checkpoint",
+                                      "set activation_checkpointing: none"))
+    if plan is not None and not issues and not cfg.dry_run:  # a dry run prints the prediction instead
+        issues += _check_memory(cfg, plan)
+    return (plan if not issues else None), issues
+
+
+def _check_memory(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
+    """Refuse a config predicted not to fit its per-rank memory budget (never starting a worker)."""
+    from trainer.planner.memory.budget import check_memory
+
+    try:
+        return check_memory(cfg, plan)
+    except Exception:  # noqa: BLE001 - a model the meta device cannot run forward is not predicted, not refused
+        return []
+
+
+def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
+    d, t = cfg.data, cfg.train
+    issues = []
+    if d.kind not in _DATA_FOR_ARCH[cfg.model.arch]:
+        issues.append(ConfigIssue("data.kind", f"model {cfg.model.arch} cannot train on {d.kind} data",
+                                  f"use data={' or data='.join(_DATA_FOR_ARCH[cfg.model.arch])}"))
+    has_val_split = bool(getattr(d, "val_fraction", 0) or getattr(d, "val_paths", None))
+    if t.eval_every and not has_val_split:
+        issues.append(ConfigIssue("train.eval_every", f"evaluates every {t.eval_every} steps, but data.kind: {d.kind} "
+                                  "has no validation split", "set data.val_fraction (text, files) or data.val_paths "
+                                  "(files), or train.eval_every=0"))
+    pipeline = cfg.parallel.pipeline if cfg.parallel is not None else None
+    if pipeline is not None and pipeline.schedule == "ZBV" and has_val_split:
+        # torch 2.13's ZBV schedule cannot run forward-only (its V stages steal the backward input).
+        issues.append(ConfigIssue("parallel.pipeline.schedule", "ZBV cannot evaluate the validation split "
+                                  "(torch's V schedule has no forward-only pass)",
+                                  "use InterleavedZeroBubble or Interleaved1F1B, or drop data.val_fraction / val_paths"))
+    data_vocab = None  # the tokenizer's id count, for data=files
+    if d.kind == "files":
+        file_issues, data_vocab = _check_files(d)
+        issues += file_issues
+    if isinstance(cfg.model, HFModelConfig):
+        from trainer.models.hf import HFModelError, read_hf_config
+
+        try:
+            m, tied = read_hf_config(cfg.model.path)
+        except HFModelError as err:
+            return issues + [ConfigIssue("model.path", err.reason, err.fix)]
+        if tied and cfg.parallel is not None and cfg.parallel.pipeline is not None:
+            issues.append(ConfigIssue("parallel.pipeline", "the model ties lm_head to embed_tokens (tie_word_embeddings) "
+                                      "and pipeline stages cannot share a parameter", "use a layout without a pipeline"))
+        # The decoder's own checks below speak of config.json's values, reported at model.path.
+        return issues + [ConfigIssue("model.path", f"(config.json) {i.path}: {i.reason}", i.fix) if i.path.startswith("model.")
+                         else i for i in _check_decoder(m, d, t, data_vocab)]
+    if isinstance(cfg.model, LlamaConfig):
+        issues += _check_decoder(cfg.model, d, t, data_vocab)
+    if isinstance(cfg.model, CustomModelConfig):
+        from trainer.models.custom import CustomModelError, resolve_builder
+
+        if cfg.parallel is not None and cfg.parallel.pipeline is not None:
+            issues.append(ConfigIssue("parallel.pipeline", "a custom module's forward cannot run as a pipeline stage "
+                                      "(it would need to skip the pieces other stages hold)",
+                                      "use data, tensor or sequence parallelism for a custom model"))
+        want = "mse" if d.kind == "regression" else "lm"
+        if cfg.model.loss != want:
+            issues.append(ConfigIssue("model.loss", f"{d.kind} data is trained with the {want} loss, not {cfg.model.loss}",
+                                      f"set model.loss={want}"))
+        try:
+            resolve_builder(cfg.model.builder, cfg.model.name)
+        except CustomModelError as err:
+            issues.append(ConfigIssue("model.name" if cfg.model.name else "model.builder", err.reason, err.fix))
+    return issues
+
+
+def _check_decoder(m: LlamaConfig, d, t, data_vocab: int | None = None) -> list[ConfigIssue]:
+    """Checks of a decoder config against the data (``data_vocab``: the files' tokenizer's id
+    count, when known) and the training shape."""
+    issues = []
+    if m.n_layers > MAX_LAYERS:
+        issues.append(ConfigIssue("model.n_layers",
+                                  f"{m.n_layers} blocks is more than the {MAX_LAYERS} this trainer supports",
+                                  f"use n_layers <= {MAX_LAYERS}"))
+    if m.head_dim is None and m.dim % m.n_heads:
+        issues.append(ConfigIssue("model.n_heads", f"dim {m.dim} does not split into {m.n_heads} heads",
+                                  "use an n_heads that divides model.dim, or set model.head_dim"))
+    elif m.head_width % 2:
+        issues.append(ConfigIssue("model.head_dim" if m.head_dim else "model.n_heads",
+                                  f"head_dim {m.head_width} is odd; rotary embeddings pair dimensions",
+                                  "choose an even head width (dim / n_heads, or model.head_dim)"))
+    if m.n_heads % m.num_kv_heads:
+        issues.append(ConfigIssue("model.n_kv_heads", f"{m.n_heads} query heads do not group over {m.num_kv_heads} kv heads",
+                                  "use an n_kv_heads that divides n_heads"))
+    if t.seq_len > m.max_seq_len:
+        issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} is longer than model.max_seq_len {m.max_seq_len}",
+                                  f"use seq_len <= {m.max_seq_len} or raise model.max_seq_len"))
+    if d.kind == "text" and m.vocab_size < 256:
+        issues.append(ConfigIssue("model.vocab_size", f"byte-level text needs 256 token ids, got {m.vocab_size}",
+                                  "set model.vocab_size: 256"))
+    if data_vocab and m.vocab_size < data_vocab:
+        issues.append(ConfigIssue("model.vocab_size", f"the tokenizer ({d.tokenizer or 'bytes'}) has {data_vocab} token "
+                                  f"ids, the model's embedding only {m.vocab_size}",
+                                  f"use a model with vocab_size >= {data_vocab}, or its own tokenizer"))
+    if d.kind == "synthetic" and d.num_symbols ** (d.order + 1) > 2**22:
+        issues.append(ConfigIssue("data.num_symbols", f"the order-{d.order} transition table over {d.num_symbols} "
+                                  f"symbols has {d.num_symbols ** (d.order + 1):,} entries (limit {2**22:,})",
+                                  "use fewer symbols or a lower data.order"))
+    if d.kind == "synthetic" and d.num_symbols > m.vocab_size:
+        issues.append(ConfigIssue("data.num_symbols", f"{d.num_symbols} symbols exceed model.vocab_size {m.vocab_size}",
+                                  "use num_symbols <= vocab_size"))
+    return issues
+
+
+def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh: MeshSpec) -> list[ConfigIssue]:
+    """Attention is split by heads: a sharding axis of an attention glob (of ``mesh``: the run's,
+    or a pipeline stage's own) must divide the head counts."""
+    if m is None or not any(f.split(".")[-2] in _ATTENTION_PROJECTIONS for f in fqns):
+        return []
+    for axis, p in axes.items():
+        n = mesh.size(axis)
+        if not p.is_shard or n == 1:
+            continue
+        if m.qk_norm:
+            # Each rank would hold its heads' share of the q/k norm gradients, never summed over the axis.
+            return [ConfigIssue(f"{where}.{axis}", "the model normalises each query/key head (Qwen3 q_norm/k_norm), "
+                                "which tensor-parallel attention does not support yet",
+                                "shard only the MLP (e.g. parallel.placements on *.mlp.*), or use fsdp, dp or pp "
+                                "for this model")]
+        for what, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.num_kv_heads)):
+            if heads % n:
+                return [ConfigIssue(f"{where}.{axis}",
+                                    f"attention is split by heads: model.{what}={heads} over {axis} size {n} leaves ranks with partial heads",
+                                    f"use a {axis} size dividing {math.gcd(m.n_heads, m.num_kv_heads)}, or Replicate")]
+    return []
+
+
+def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
+    """Every path and glob matches a file, and the tokenizer loads (the corpus is not read here):
+    ``(issues, the tokenizer's vocabulary size or None when it does not load)``."""
+    from trainer.data.files import expand_paths, file_format
+    from trainer.data.tokenizer import load_tokenizer
+
+    issues, vocab = [], None
+    for key, paths in [("data.paths", d.paths)] + ([("data.val_paths", d.val_paths)] if d.val_paths else []):
+        try:
+            file_format(expand_paths(paths, key), key)
+        except ConfigError as err:
+            issues += err.issues
+    if d.val_paths and d.val_fraction:
+        issues.append(ConfigIssue("data.val_fraction", "is set as well as data.val_paths",
+                                  "use one validation split: val_paths or val_fraction"))
+    try:
+        vocab = load_tokenizer(d.tokenizer, d.eos_token).vocab_size
+    except ConfigError as err:
+        issues += err.issues
+    return issues, vocab
+
+
+def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:
+    """The checkpoint to resume from exists, is finished and was saved from this model."""
+    from trainer.run.checkpoint import CheckpointError, check_model_config, read_extra, resolve_resume
+
+    ckpt = cfg.train.checkpoint
+    try:
+        path = resolve_resume(ckpt.resume, ckpt.dir)
+        if path is not None:
+            check_model_config(path, read_extra(path).get("model_config", {}), cfg.model.model_dump(mode="json"))
+    except CheckpointError as err:
+        return [ConfigIssue("train.checkpoint.resume", err.reason.removeprefix("train.checkpoint.resume: "),
+                            err.fix or "use train.checkpoint.resume=none or auto")]
+    return []
