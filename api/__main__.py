@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from api.main import create_app
+from service.settings import Settings
+
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
-
-    from api.main import create_app
-    from service.settings import Settings
 
     parser = argparse.ArgumentParser(prog="python -m api", description=__doc__)
     parser.add_argument("--host", help="bind address (default: MESHFLOW_HOST or 127.0.0.1)")

@@ -5,19 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from api.models import Message, ProblemList
+from parallel.errors import ConfigError
 from service.limits import QuotaExceeded
 from service.mlflow_runs import TrackingUnavailable
 from service.plane import Forbidden, JobConflict, JobNotFound
 from service.store import IllegalTransition
-from parallel.errors import ConfigError
 
 # Documented on every route, so clients (and schemathesis) know each status's body.
 ERROR_RESPONSES: dict[int | str, dict] = {

@@ -3,7 +3,7 @@
 The engine owns the words it understands: the data-parallel modes, the pipeline schedules, the
 activation-checkpointing modes and the placement grammar are declared here once, and the
 trainer's :class:`~trainer.config.schema.RunConfig` embeds these sections. What the user wrote (globs,
-``boundaries: auto``) is turned into a :class:`~parallel.plan.resolve.ParallelPlan` by
+``boundaries: auto``) is turned into a :class:`~parallel.plan.spec.ParallelPlan` by
 :func:`~parallel.plan.resolve.resolve_plan`; nothing in ``parallel/`` reads these sections any other way.
 
     ParallelConfig.model_validate({"dims": ["dp", "tp"], "data_parallel": {"dim": "dp", "mode": "fsdp"},

@@ -33,14 +33,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from parallel.sharding.activation_checkpointing import apply_ac
-from parallel.sharding.compile import apply_compile
 from parallel.config import SPLIT_BACKWARD_SCHEDULES, Precision
-from parallel.sharding.data_parallel import apply_data_parallel
 from parallel.mesh import axis_rank, build_mesh, submesh
 from parallel.pipeline.schedule import build_schedule, split_stages
-from parallel.plan.resolve import ParallelPlan, PipelineSpec
 from parallel.pipeline.stage_io import attach_boundaries, lane_groups, stage_to_group_rank
+from parallel.plan.spec import ParallelPlan, PipelineSpec
+from parallel.sharding.activation_checkpointing import apply_ac
+from parallel.sharding.compile import apply_compile
+from parallel.sharding.data_parallel import apply_data_parallel
 from parallel.sharding.tensor_parallel import apply_placements
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

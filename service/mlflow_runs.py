@@ -11,6 +11,11 @@ import logging
 import threading
 from typing import Any
 
+from parallel.errors import ConfigError, ConfigIssue
+from trainer.tracking.mlflow_tracker import get_or_create_experiment
+from trainer.tracking.run_info import run_url
+from trainer.tracking.tracker import TrackingError
+
 log = logging.getLogger(__name__)
 
 
@@ -43,9 +48,6 @@ class MlflowRuns:
 
     def create_run(self, experiment: str, run_name: str, tags: dict[str, str]) -> tuple[str, str]:
         """A new RUNNING run in ``experiment`` (created when missing): ``(experiment_id, run_id)``."""
-        from parallel.errors import ConfigError, ConfigIssue
-        from trainer.tracking.mlflow_tracker import TrackingError, get_or_create_experiment
-
         try:
             with self._lock:
                 experiment_id = self._experiments.get(experiment)
@@ -106,7 +108,6 @@ class MlflowRuns:
     def ui_link(self, experiment_id: str | None, run_id: str | None) -> str | None:
         if not (self.ui_url and experiment_id and run_id):
             return None
-        from trainer.tracking.run_info import run_url
 
         return run_url(self.ui_url, experiment_id, run_id)
 

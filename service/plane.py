@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,17 +24,29 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from parallel.errors import ConfigError, ConfigIssue
+from parallel.plan.spec import ParallelPlan
 from service import runner
 from service.limits import StreamSlots, check_ceilings, check_queue_quota
 from service.mlflow_runs import MlflowRuns
 from service.scheduler import Scheduler
 from service.settings import Settings
-from service.store import (ACTIVE_STATES, Job, JobState, list_page, lock_owner_queue, make_engine,
-                           make_sessionmaker, require_transition, transition, utcnow)
+from service.store import (
+    ACTIVE_STATES,
+    Job,
+    JobState,
+    list_page,
+    lock_owner_queue,
+    make_engine,
+    make_sessionmaker,
+    require_transition,
+    transition,
+    utcnow,
+)
 from service.validation import Validator, resolve_as_service
-from parallel.plan.resolve import ParallelPlan
 from trainer.config.schema import RunConfig
-from parallel.errors import ConfigError, ConfigIssue
+from trainer.planner.auto.plan import ranking_for
+from trainer.planner.report import plan_pictures, plan_report  # the trainer's public planning functions
 
 
 class JobNotFound(LookupError):
@@ -113,9 +125,6 @@ class ControlPlane:
     def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
         """The validated config and :func:`trainer.planner.report.plan_report` of it; nothing is launched."""
         from dataclasses import asdict
-
-        from trainer.planner.auto.plan import ranking_for
-        from trainer.planner.report import plan_pictures, plan_report  # the trainer's public planning functions
 
         cfg, plan = self.resolve(overrides=overrides, document=document)
         numbers = plan_report(cfg, plan)

@@ -13,8 +13,24 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import (JSON, DateTime, Index, Integer, Select, String, Text, UniqueConstraint, bindparam, create_engine,
-                        event, func, inspect, select, text, update)
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Index,
+    Integer,
+    Select,
+    String,
+    Text,
+    UniqueConstraint,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import Connection, Engine, Row
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
-from parallel.plan.resolve import ParallelPlan
+from parallel.plan.spec import ParallelPlan
 from service.confine import check_relative_glob, confine_glob, confine_path
 from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import LOOPBACK_HOSTS
-from trainer.validate.checks import validate_with_plan
+from trainer.planner.auto.plan import resolve_and_validate
 
 # Hydra's compose API keeps global state: one composition at a time per process.
 _COMPOSE_LOCK = threading.Lock()
@@ -226,7 +226,7 @@ def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | No
     try:
         # Nothing confinement refused is touched: the model checks would read the files a path
         # names, or import and call the builder a REST user sent.
-        cfg, plan = validate_with_plan(confined, check_model=not issues)
+        cfg, plan, _ = resolve_and_validate(confined, check_model=not issues)
     except ConfigError as err:
         raise ConfigError(issues + err.issues) from None
     if issues:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
-from parallel.plan.resolve import ParallelPlan
+from parallel.plan.spec import ParallelPlan
 from service.limits import cap_memory_budget
 from service.settings import Settings
 from service.submit import resolve_config

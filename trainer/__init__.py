@@ -11,8 +11,9 @@ __all__ = ["train", "TrainingFailed"]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use: `python -m trainer` and the workers should not pay for it.
     if name in __all__:
-        from trainer.launch import entry as api
-        return getattr(api, name)
+        # start-up: imported on first use; `python -m trainer` and the workers do not pay for the launcher
+        from trainer.launch import entry
+
+        return getattr(entry, name)
     raise AttributeError(f"module 'trainer' has no attribute {name!r}")

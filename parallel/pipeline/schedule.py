@@ -24,78 +24,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from parallel.config import MULTI_STAGE_SCHEDULES, V_SCHEDULES, ScheduleName
-from parallel.plan.boundaries import auto_boundaries
-
-if TYPE_CHECKING:
-    from parallel.plan.resolve import PipelineSpec
-
-
-def pipeline_units(model: nn.Module) -> list[str]:
-    """Pieces a pipeline may be cut between, in forward order: the children of a
-    ``ModuleDict``/``ModuleList`` are separate units (``layers.0``), a module that holds such a
-    container is looked into (Hugging Face's ``model`` -> ``model.embed_tokens``,
-    ``model.layers.0``, ..., ``model.norm``), any other child is one unit, and so is each raw
-    parameter of the root (the seeds' ``w0``, ``w1``)."""
-    units: list[str] = []
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
-            if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-                units.extend(f"{prefix}{name}.{key}" for key, _ in child.named_children())
-            elif any(isinstance(c, (nn.ModuleDict, nn.ModuleList)) for c in child.children()):
-                visit(child, f"{prefix}{name}.")
-            else:
-                units.append(prefix + name)
-
-    visit(model, "")
-    return units + [name for name, _ in model.named_parameters(recurse=False)]
-
-
-def block_units(model: nn.Module, units: Sequence[str]) -> list[str]:
-    """The units that are entries of a ``ModuleDict``/``ModuleList`` (the repeated blocks):
-    FSDP shards and activation checkpointing wraps them one by one."""
-    containers = {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleDict, nn.ModuleList))}
-    return [u for u in units if u.rpartition(".")[0] in containers]
-
-
-def stage_ranks(num_stages: int, pp_size: int, *, schedule: str) -> list[int]:
-    """The pp rank of each stage: V-style for ZBV, loop-style otherwise."""
-    if schedule in V_SCHEDULES:
-        if num_stages != 2 * pp_size:
-            raise ValueError(f"{schedule} needs exactly 2 stages per rank, got {num_stages} stages on {pp_size} ranks")
-        return [s if s < pp_size else 2 * pp_size - 1 - s for s in range(num_stages)]
-    return [s % pp_size for s in range(num_stages)]
-
-
-def stage_boundaries(model: nn.Module, *, boundaries: Sequence[str] | str, num_stages: int, units: Sequence[str]) -> list[list[str]]:
-    """The units of each stage. ``boundaries`` lists the first unit of every stage but the
-    first; ``"auto"`` balances parameter counts over contiguous units."""
-    units = list(units)
-    if num_stages > len(units):
-        raise ValueError(f"{num_stages} stages but the model has only {len(units)} units: {units}")
-    if boundaries == "auto":
-        modules = dict(model.named_modules())
-        boundaries = auto_boundaries(units, [_unit_numel(model, modules, u) for u in units], num_stages)
-    missing = [b for b in boundaries if b not in units]
-    if missing:
-        raise ValueError(f"boundaries {missing} are not units of the model; units are {units}")
-    starts = [0] + [units.index(b) for b in boundaries]
-    if len(starts) != num_stages or starts != sorted(set(starts)):
-        raise ValueError(f"boundaries {list(boundaries)} do not cut {units} into {num_stages} stages in order")
-    ends = starts[1:] + [len(units)]
-    return [units[a:b] for a, b in zip(starts, ends)]
-
-
-def _unit_numel(model: nn.Module, modules: dict[str, nn.Module], unit: str) -> int:
-    if unit in modules:
-        return sum(p.numel() for p in modules[unit].parameters())
-    return model.get_parameter(unit).numel()
+from parallel.config import MULTI_STAGE_SCHEDULES, ScheduleName
+from parallel.plan.spec import PipelineSpec
 
 
 class RawParameterStage(nn.Module):

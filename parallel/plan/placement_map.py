@@ -1,6 +1,6 @@
 """Which rank holds which slice of every parameter: the plan's placements as arithmetic.
 
-From a resolved :class:`~parallel.plan.resolve.ParallelPlan` and the model's parameter shapes (a meta
+From a resolved :class:`~parallel.plan.spec.ParallelPlan` and the model's parameter shapes (a meta
 model is enough), no process group: for every parameter and every rank of the world, the
 ``[start, stop)`` range per tensor dim of the global tensor that rank's local shard covers, or
 nothing where another pipeline stage holds the parameter. It includes what the engine does
@@ -13,7 +13,7 @@ and the placements the engine gives the parameter (no process group, no device m
     plan = resolve_plan(cfg.parallel, cfg.mesh, meta_model)
     shapes = {name: tuple(p.shape) for name, p in meta_model.named_parameters()}
     held = param_slices(plan, shapes)
-    held["w1"].slices          # {2: ((0, 8), (0, 3)), 3: ((0, 8), (3, 6))}: oneflow_mixed, stage 1
+    held["w1"].slices          # {2: ((0, 8), (0, 3)), 3: ((0, 8), (3, 6))}: stages_dp_then_tp, stage 1
     groups = placement_groups(plan, shapes)       # layers.0..n-1 of one role -> "layers.*.attn.wq.weight"
     table = placement_table(plan, groups)         # JSON-ready; placement_groups_from_table(table) == groups
 
@@ -32,7 +32,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from parallel.placements import PlacementSpec
-from parallel.plan.resolve import AxisSpecs, DataParallelSpec, ParallelPlan
+from parallel.plan.spec import AxisSpecs, DataParallelSpec, ParallelPlan
 
 Slices = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
 
@@ -108,7 +108,7 @@ def param_slices(plan: ParallelPlan, param_shapes: Mapping[str, Sequence[int]]) 
     """Every parameter of ``param_shapes`` (FQN -> global shape, e.g. a meta model's
     ``named_parameters``): its stage, placements and the slices of every rank holding it."""
     grids = stage_grids(plan)
-    stage_of = _stage_of_units(plan)
+    stage_of = plan.stage_of
     # Slices depend on the shape, the placements and the grid's geometry, not on the stage: the
     # blocks of every stage of a uniform pipeline share them (a [64, 8, 8] mesh: 8 times fewer).
     cache: dict[tuple, tuple[dict[str, str], list[Slices]]] = {}
@@ -223,21 +223,6 @@ def _unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:
         index, c = divmod(index, n)
         coord.append(c)
     return tuple(reversed(coord))
-
-
-def _stage_of_units(plan: ParallelPlan):
-    """FQN -> the index of the pipeline stage holding it (0 without a pipeline)."""
-    if plan.pipeline is None:
-        return lambda fqn: 0
-    owner = {unit: s for s, units in enumerate(plan.pipeline.stage_units) for unit in units}
-
-    def stage_of(fqn: str) -> int:
-        for unit, s in owner.items():
-            if fqn == unit or fqn.startswith(unit + "."):
-                return s
-        raise KeyError(f"parameter {fqn} is in no pipeline stage's units {list(owner)}")
-
-    return stage_of
 
 
 __all__ = ["ParamSlices", "PlacementGroup", "Slices", "StageGrid", "group_name", "param_slices",

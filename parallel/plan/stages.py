@@ -19,8 +19,8 @@ activation crosses a boundary as lane ``i``'s share of the micro-batch (its ``i`
 
 :func:`resolve_stages` matches each stage's globs against that stage's parameters and modules
 only (a glob naming another stage's parameter is an issue), checks the ranks, and returns the
-top-level :class:`~parallel.plan.resolve.ParallelPlan` whose ``pipeline.stages`` hold a
-:class:`~parallel.plan.resolve.StagePlan` each.
+top-level :class:`~parallel.plan.spec.ParallelPlan` whose ``pipeline.stages`` hold a
+:class:`~parallel.plan.spec.StagePlan` each.
 """
 
 from __future__ import annotations
@@ -33,17 +33,9 @@ from torch import nn
 
 from parallel.config import ParallelConfig, StageConfig
 from parallel.errors import ConfigError, ConfigIssue, format_path
-from parallel.pipeline.schedule import stage_boundaries
-from parallel.plan.resolve import (
-    DataParallelSpec,
-    GlobCheck,
-    MeshSpec,
-    ParallelPlan,
-    PipelineSpec,
-    StagePlan,
-    _check_boundaries,
-    resolve_layout,
-)
+from parallel.plan.layout import resolve_layout
+from parallel.plan.spec import DataParallelSpec, GlobCheck, MeshSpec, ParallelPlan, PipelineSpec, StagePlan, owning_unit
+from parallel.plan.units import check_boundaries, stage_boundaries
 
 
 def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *, units: Sequence[str],
@@ -52,7 +44,7 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
     layout; raises :class:`ConfigError` with every issue found."""
     pp = parallel.pipeline
     issues = check_stage_ranks(pp.stages, mesh.world_size)
-    issues += _check_boundaries(parallel, mesh, units, num_stages=len(pp.stages))
+    issues += check_boundaries(parallel, mesh, units, num_stages=len(pp.stages))
     if issues:
         raise ConfigError(issues)
     groups = stage_boundaries(model, boundaries=pp.boundaries, num_stages=len(pp.stages), units=units)
@@ -60,7 +52,7 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
     for index, (stage, group) in enumerate(zip(pp.stages, groups)):
         prefix = ("parallel", "pipeline", "stages", index)
         names = {name for name, _ in [*model.named_parameters(), *model.named_modules()]
-                 if any(name == u or name.startswith(u + ".") for u in group)}
+                 if owning_unit(name, group) is not None}
         stage_mesh = MeshSpec(stage.shape, tuple(stage.dims))
         found: list[ConfigIssue] = []
         placements, layouts = resolve_layout(stage, prefix, stage_mesh, model, found, check_glob=check_glob, only=names)

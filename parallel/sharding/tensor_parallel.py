@@ -26,8 +26,8 @@ the efficient form where it recognises one:
 
 The placements and layouts arrive resolved by :func:`parallel.plan.resolve.resolve_plan` (one entry per
 parameter / module FQN, globs already matched and checked), so this module matches nothing
-itself. :func:`classify` is the pure part (which module gets which style); the plan uses it
-to refuse layouts that would be ignored, before any worker starts. Parameter values are taken
+itself. :func:`~parallel.sharding.tp_styles.classify` is the pure part (which module gets which style);
+the plan uses it to refuse layouts that would be ignored, before any worker starts. Parameter values are taken
 from the (already initialised, identical on every rank) full tensors: each rank keeps its
 slice, nothing is communicated.
 """
@@ -35,7 +35,6 @@ slice, nothing is communicated.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,48 +50,7 @@ from torch.distributed.tensor.parallel import (
 
 from parallel.mesh import submesh
 from parallel.placements import PlacementSpec
-
-AxisSpecs = Mapping[str, PlacementSpec]
-
-
-@dataclass
-class Classification:
-    """Which module gets which treatment; keys are module FQNs.
-
-    Attributes:
-        col, row: ``nn.Linear`` modules of Megatron pairs -> their axis.
-        sp_norms: sequence-parallel modules -> ``(axis, sequence dim)``.
-        owners: modules whose own parameters become DTensors -> ``{param name: placements}``.
-        unsupported: modules with a non-Replicate layout that none of the above honours.
-    """
-
-    col: dict[str, str] = field(default_factory=dict)
-    row: dict[str, str] = field(default_factory=dict)
-    sp_norms: dict[str, tuple[str, int]] = field(default_factory=dict)
-    owners: dict[str, dict[str, AxisSpecs]] = field(default_factory=dict)
-    unsupported: list[str] = field(default_factory=list)
-
-
-def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Mapping[str, Any]) -> Classification:
-    """The style of every module of ``module`` that ``placements`` (param FQN -> ``{axis:
-    placement}``) and ``layouts`` (module FQN -> :class:`~parallel.plan.resolve.LayoutSpec`) touch.
-    Entries for names ``module`` lacks (another pipeline stage's) are ignored."""
-    modules = dict(module.named_modules())
-    params = {name for name, _ in module.named_parameters()}
-    specs = {fqn: axes for fqn, axes in placements.items() if fqn in params}
-    layouts = {name: layout for name, layout in layouts.items() if name in modules}
-    out = Classification()
-    out.col, out.row = _megatron_pairs(modules, specs)
-    out.sp_norms = _sequence_parallel_norms(modules, specs, layouts)
-    claimed = set(out.col) | set(out.row) | set(out.sp_norms)
-    for fqn, axis_specs in specs.items():
-        owner, _, pname = fqn.rpartition(".")
-        if owner not in claimed and _sharded_axes(axis_specs):
-            out.owners.setdefault(owner, {})[pname] = axis_specs
-    handled = set(out.sp_norms) | set(out.owners)
-    out.unsupported = [name for name, layout in layouts.items()
-                       if name not in handled and _non_replicate(layout.input) | _non_replicate(layout.output)]
-    return out
+from parallel.sharding.tp_styles import AxisSpecs, block_of, classify, enclosing, is_within, non_replicate, sharded_axes
 
 
 def apply_placements(
@@ -110,7 +68,7 @@ def apply_placements(
         mesh: the full device mesh; axes are referred to by name.
         placements: parameter FQN -> ``{axis: PlacementSpec}``; axes not named are ``Replicate``
             (a plan's ``placements``; FQNs of other stages are ignored).
-        layouts: module FQN -> :class:`~parallel.plan.resolve.LayoutSpec` (sequence parallel, a
+        layouts: module FQN -> :class:`~parallel.plan.spec.LayoutSpec` (sequence parallel, a
             ``Partial`` output).
     """
     layouts = dict(layouts or {})
@@ -124,25 +82,25 @@ def apply_placements(
     col, row, sp_norms = plan.col, plan.row, plan.sp_norms
 
     # Rows inside a sequence-parallel block reduce-scatter into the sharded residual stream.
-    sp_blocks = {_block_of(name): (axis, dim) for name, (axis, dim) in sp_norms.items()}
+    sp_blocks = {block_of(name): (axis, dim) for name, (axis, dim) in sp_norms.items()}
     for name, axis in col.items():
         parallelize_module(modules[name], submesh(mesh, axis), ColwiseParallel())
         report[name] = "colwise"
     _share_pair_inputs(modules, col, sp_blocks, mesh)
     for name, axis in row.items():
-        seq = _enclosing(sp_blocks, name)
+        seq = enclosing(sp_blocks, name)
         out = Shard(seq[1]) if seq is not None and seq[0] == axis else Replicate()
         parallelize_module(modules[name], submesh(mesh, axis), RowwiseParallel(output_layouts=out))
         report[name] = "rowwise"
     for name, (axis, dim) in sp_norms.items():
-        keep_dtensor = any(col.get(c) == axis for c in col if _is_within(c, _block_of(name)))
+        keep_dtensor = any(col.get(c) == axis for c in col if is_within(c, block_of(name)))
         _sequence_parallel(modules[name], submesh(mesh, axis), dim=dim, keep_dtensor=keep_dtensor)
         report[name] = "sequence_parallel"
     _scatter_gather_runs(modules, sp_blocks, mesh)
 
     # The rest: DTensor parameters on the sub-mesh of the axes they name.
     for owner, param_specs in plan.owners.items():
-        owner_axes = [a for a in axes if any(a in _sharded_axes(s) for s in param_specs.values())]
+        owner_axes = [a for a in axes if any(a in sharded_axes(s) for s in param_specs.values())]
         _distribute_owner(modules[owner], mesh, owner_axes, param_specs, layouts.get(owner))
         report[owner] = "dtensor"
     return report
@@ -161,7 +119,7 @@ def _share_pair_inputs(modules: Mapping[str, nn.Module], col: Mapping[str, str],
     groups: dict[tuple[str, str], list[str]] = {}
     for name, axis in col.items():
         parent = name.rpartition(".")[0]
-        if _enclosing(sp_blocks, parent) is None:
+        if enclosing(sp_blocks, parent) is None:
             groups.setdefault((parent, axis), []).append(name)
     for (parent, axis), names in groups.items():
         shared = _SharedReplicate(submesh(mesh, axis))
@@ -198,88 +156,6 @@ class _SharedReplicate:
 
     def forget(self, _mod: nn.Module, _args: tuple, _output: Any) -> None:
         self.last_input = self.last_output = None
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _sharded_axes(axis_specs: Mapping[str, PlacementSpec]) -> dict[str, PlacementSpec]:
-    return {a: p for a, p in axis_specs.items() if p.kind != "replicate"}
-
-
-def _non_replicate(axis_specs: Mapping[str, PlacementSpec]) -> set[str]:
-    return {a for a, p in axis_specs.items() if p.kind != "replicate"}
-
-
-def _block_of(name: str) -> str:
-    """The block a sequence-parallel norm belongs to: its parent, or itself at top level."""
-    parent = name.rpartition(".")[0]
-    return parent if parent else name
-
-
-def _is_within(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
-
-
-def _enclosing(blocks: Mapping[str, Any], name: str) -> Any:
-    for block, value in blocks.items():
-        if _is_within(name, block):
-            return value
-    return None
-
-
-# ------------------------------------------------------------------------ classification
-
-
-def _megatron_pairs(
-    modules: Mapping[str, nn.Module], specs: Mapping[str, Mapping[str, PlacementSpec]]
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Column- and row-parallel ``nn.Linear`` modules ``{name: axis}``: a parent module holding
-    at least one of each on the same single axis. Lone shards fall through to DTensor."""
-    candidates: dict[tuple[str, str], dict[str, list[str]]] = {}
-    for name, mod in modules.items():
-        if not isinstance(mod, nn.Linear) or f"{name}.weight" not in specs:
-            continue
-        sharded = _sharded_axes(specs[f"{name}.weight"])
-        bias = specs.get(f"{name}.bias", {})
-        if len(sharded) != 1:
-            continue
-        (axis, p), = sharded.items()
-        dim = p.dim % 2  # a Linear weight is 2-D: Shard(-1) is Shard(1)
-        # The styles shard the bias themselves (column: Shard(0), row: Replicate); a config
-        # asking for something else is honoured by the DTensor path instead.
-        if mod.bias is not None:
-            bias = {a: repr(q) for a, q in _sharded_axes(specs.get(f"{name}.bias", {})).items()}
-            if bias != ({axis: "Shard(0)"} if dim == 0 else {}):
-                continue
-        kind = "col" if dim == 0 else "row"
-        candidates.setdefault((name.rpartition(".")[0], axis), {"col": [], "row": []})[kind].append(name)
-    col: dict[str, str] = {}
-    row: dict[str, str] = {}
-    for (_, axis), kinds in candidates.items():
-        if kinds["col"] and kinds["row"]:
-            col.update({n: axis for n in kinds["col"]})
-            row.update({n: axis for n in kinds["row"]})
-    return col, row
-
-
-def _sequence_parallel_norms(
-    modules: Mapping[str, nn.Module], specs: Mapping[str, AxisSpecs], layouts: Mapping[str, Any]
-) -> dict[str, tuple[str, int]]:
-    """Modules whose layout input is ``Shard(d)`` on one axis and whose own parameters are not
-    sharded (norms): ``{name: (axis, sequence dim)}``."""
-    found: dict[str, tuple[str, int]] = {}
-    for name, layout in layouts.items():
-        inputs = _sharded_axes(layout.input)
-        if len(inputs) != 1 or _non_replicate(layout.output):
-            continue
-        (axis, p), = inputs.items()
-        if p.kind != "shard":
-            continue
-        own = [f for f in specs if f.startswith(name + ".") and _sharded_axes(specs[f])]
-        if not own:
-            found[name] = (axis, p.dim)
-    return found
 
 
 # --------------------------------------------------------------------------- application
@@ -374,7 +250,7 @@ def _distribute_owner(
     in_placements = placements_over(layout.input) if layout is not None else [Replicate()] * len(owner_axes)
     out_spec = layout.output if layout is not None else {}
     out_placements = placements_over(out_spec)
-    keep_dtensor = bool(_non_replicate(out_spec))
+    keep_dtensor = bool(non_replicate(out_spec))
 
     def to_dtensor(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):

@@ -26,7 +26,14 @@ from typing import Any
 
 from service.executors.base import Executor, JobLaunch, JobStatus
 from service.executors.jobset import (
-    CONTAINER, JOB_ID_LABEL, JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION, jobset_name, owned_by,
+    CONTAINER,
+    JOB_ID_LABEL,
+    JOBSET_GROUP,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    jobset_name,
+    owned_by,
     render,
 )
 from service.runner import DIR_MODE, LOG_NAME, write_job_config, write_private

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from service import runner
 from service.executors.base import Executor, JobLaunch, JobStatus

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from api_testkit import TOKENS, Server
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from api_testkit import TINY, auth, wait_for
-
 
 
 def test_auth_matrix(queue_server):
@@ -60,12 +58,12 @@ def test_tokens_are_not_kept_in_plain_text():
 
 
 def test_auth_is_off_only_when_the_settings_say_so():
+    import asyncio
+
     from fastapi import HTTPException
 
     from api.deps import LOCAL_USER, get_current_user
     from service.settings import Settings
-
-    import asyncio
 
     with pytest.raises(HTTPException) as refused:
         asyncio.run(get_current_user(Settings(workspace="/tmp/x"), None))

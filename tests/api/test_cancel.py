@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from api_testkit import TINY, wait_for
+
 from tests.conftest import unprefixed
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
-
-from api.client import MeshflowClient, MeshflowError
 from api_testkit import TINY, TOKENS
 
+from api.client import MeshflowClient, MeshflowError
 
 
 def test_sdk_submit_get_list_cancel_wait(queue_server):

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import pytest
-
 from api_testkit import TINY, stored_jobs, wait_for
 
 pytestmark = pytest.mark.slow

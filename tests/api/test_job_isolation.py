@@ -13,7 +13,6 @@ from pathlib import Path
 
 from api_testkit import TINY, TOKENS, wait_for
 
-
 LOOPBACK_TCP = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
 LOOPBACK_TCP6 = {"00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # ::1, ::ffff:127.0.0.1
 

@@ -7,9 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-
 from api_testkit import TINY, wait_for
-
 
 
 def test_submit_runs_to_success_with_mlflow_run_and_metrics(server):
@@ -142,7 +140,7 @@ def test_plan_of_per_stage_layouts_gives_each_stage_its_own_numbers(queue_server
         assert 107328 / 2 < second["params"] < 107328 and second["param_bytes"] == second["params"] * 4
         assert body["memory_note"] is None and first["activation_bytes"] > 0
         assert set(body["comm_bytes_per_step"]) == {"stage 0 dp", "stage 1 tp", "pp"}
-        paddle = bob.post("/v1/plans", json={"overrides": ["+examples=paddle_3d"]}).json()
+        paddle = bob.post("/v1/plans", json={"overrides": ["+examples=stages_dp_x_tp"]}).json()
         assert paddle["memory_note"].startswith("activations not predicted")
         assert [r["peak_bytes"] for r in paddle["per_pp_rank"]] == [r["param_bytes"] * 4 for r in paddle["per_pp_rank"]]
 

@@ -13,9 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
 from api_testkit import TINY, auth
-
 
 BIG_MODEL = ["model.dim=1024", "model.ffn_hidden_dim=4096", "model.n_layers=16"]  # ~4 GiB of weights + AdamW
 

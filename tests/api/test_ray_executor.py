@@ -12,7 +12,6 @@ import os
 import time
 
 import pytest
-
 from api_testkit import TINY, wait_for
 from ray_cluster import RayCluster, is_alive, job_processes
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from api_testkit import TINY, stored_jobs, wait_for
 
 pytestmark = pytest.mark.slow

@@ -23,9 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from api_testkit import ADMIN
-
 
 ACCEPTED = '["2xx", "401", "403", "404", "409", "429"]'  # schemathesis' own default, less 3xx and 5xx
 # By name ("METHOD path"): one include-* key per [[operations]] entry, as separate keys would match either.

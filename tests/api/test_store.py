@@ -24,8 +24,17 @@ from api.models import JobList, JobSummary
 from service import runner
 from service.scheduler import VANISHED, Scheduler
 from service.settings import Settings
-from service.store import (SUMMARY_KEYS, IllegalTransition, Job, JobState, list_page, make_engine, make_sessionmaker,
-                           require_transition, transition)
+from service.store import (
+    SUMMARY_KEYS,
+    IllegalTransition,
+    Job,
+    JobState,
+    list_page,
+    make_engine,
+    make_sessionmaker,
+    require_transition,
+    transition,
+)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

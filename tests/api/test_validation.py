@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-
 PLACEMENT = 'parallel.tensor_parallel.plan[megatron]["layers.*.mlp.w[13].weight"].tp'
 
 # (overrides, the path the 422 must name, a word its reason must contain)

@@ -106,9 +106,9 @@ def _worker(rank: int, world_size: int, port: int, out: str, args: argparse.Name
 
     from parallel.config import ParallelConfig
     from parallel.engine import parallelize
-    from parallel.plan.resolve import resolve_plan
     from parallel.pipeline.timeline import TimelineRecorder
-    from trainer.tracking.pictures.timeline_chart import bubble_summary, gather_events, schedule_text, write_timeline
+    from parallel.plan.resolve import resolve_plan
+    from trainer.pictures.timeline_chart import bubble_summary, gather_events, schedule_text, write_timeline
 
     torch.set_num_threads(1)  # several processes share few cores; more threads only contend
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,

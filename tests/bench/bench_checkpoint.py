@@ -3,7 +3,7 @@
     python tests/bench/bench_checkpoint.py [--model gpt_debug] [--repeats 3]
 
 Each preset runs as real workers (the trainer's own launcher): it trains one step, then
-saves `repeats` times and loads `repeats` times through trainer.run.checkpoint, timing each on
+saves `repeats` times and loads `repeats` times through trainer.checkpoint.dcp, timing each on
 every rank. Prints one table; numbers are medians over the repeats, max over ranks.
 """
 
@@ -26,7 +26,7 @@ def _worker(cfg_json: str, out_dir: str, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainer.run.checkpoint import checkpoint_bytes, load_checkpoint, merged_module, save_checkpoint
+    from trainer.checkpoint.dcp import checkpoint_bytes, load_checkpoint, merged_module, save_checkpoint
     from trainer.config.schema import RunConfig
     from trainer.run.loop import build_parallel_model
 

@@ -16,12 +16,12 @@ nothing but the trainer's own output. A run the budget refuses, or one the machi
 is a row that says so: the last column of the table is what the largest model per layout did.
 
     python tests/bench/bench_memory.py --record rows.jsonl        # appends each measured row
-    python tests/bench/bench_memory.py --replay tests/bench/memory_rows.jsonl   # recorded rows, predicted now
+    python tests/bench/bench_memory.py --replay tests/bench/data/memory_25m-1b.rows.jsonl  # recorded, predicted now
 
 Recorded on a shared 2-core, 24 GB machine (other agents' tests running for most rows; s/step is
-noise), shown with ``--replay tests/bench/memory_rows.jsonl``; 400M fsdp8 and 25M 3d were rerun
-alone (in the shared run a worker of 400M fsdp8 died after logging 2,236 MiB, likely the host's
-memory beside the other jobs); 25M single, fsdp8, 2d, 3d and 100M 3d were re-measured after
+noise), shown with ``--replay tests/bench/data/memory_25m-1b.rows.jsonl``; 400M fsdp8 and 25M 3d
+were rerun alone (in the shared run a worker of 400M fsdp8 died after logging 2,236 MiB, likely the
+host's memory beside the other jobs); 25M single, fsdp8, 2d, 3d and 100M 3d were re-measured after
 the pipelined-FSDP terms, 400M 3d was not (its measurement is the older run's). The 3d
 measurement spreads: 259-294 MiB over five runs of 25M.
 

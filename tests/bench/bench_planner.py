@@ -2,7 +2,7 @@
 
     python tests/bench/bench_planner.py                          # 3 sizes on 8 CPU workers, ~30-40 minutes
     python tests/bench/bench_planner.py --sizes 3M --record rows.jsonl
-    python tests/bench/bench_planner.py --replay tests/bench/planner_rows.jsonl   # recorded rows, predicted now
+    python tests/bench/bench_planner.py --replay tests/bench/data/planner_2026-11-25.rows.jsonl  # recorded, predicted now
     python tests/bench/bench_planner.py --plan-only              # only the 4096-rank planning time
 
 For each model size (Llama-shaped built-in decoders), every layout of 8 ranks the planner
@@ -25,15 +25,17 @@ and the per-rank peak memory (``peak_memory_mb``, the largest rank's). Reported:
 The measurements are of a shared 2-core host running 8 workers: the step times carry that
 host's noise, which the calibration (also measured with 8 workers at once) shares.
 
-Recorded here (``tests/bench/planner_rows.jsonl``, 65 layouts, 35 minutes on 2026-11-25 with
-nothing else on the host; ``tests/bench/planner_calibration.json``, the probe taken just before it,
-so that both saw the same host), shown with ``--replay`` (measurements as recorded; predictions and
-picks by the current cost model; ``--calibration FILE`` replays with another). The probe's two
-pipelined references were stored per schedule action then (5.1 ms for dp4 x pp2, 28.1 ms for
-dp2 x pp2 x tp2); the file holds them as the current probe splits the same residues: 5.1 ms per
-action and (28.1 - 5.1) x 8 actions / 32 tp all-reduces = 5.8 ms per tp all-reduce of a stage. The
-pick was the sweep's best for every size, so nothing was run again. The previous sweep
-(2026-11-24) is ``planner_rows_second.jsonl`` with ``planner_calibration_second.json``::
+Recorded here (``tests/bench/data/planner_2026-11-25.rows.jsonl``, 65 layouts, 35 minutes on
+2026-11-25 with nothing else on the host; ``tests/bench/data/planner_2026-11-25.calibration.json``,
+the probe taken just before it, so that both saw the same host), shown with ``--replay``
+(measurements as recorded; predictions and picks by the current cost model; ``--calibration FILE``
+replays with another). The probe's two pipelined references were stored per schedule action then
+(5.1 ms for dp4 x pp2, 28.1 ms for dp2 x pp2 x tp2); the file holds them as the current probe
+splits the same residues: 5.1 ms per action and (28.1 - 5.1) x 8 actions / 32 tp all-reduces =
+5.8 ms per tp all-reduce of a stage. The pick was the sweep's best for every size, so nothing was
+run again. The previous sweep (2026-11-24) is ``data/planner_2026-11-24_evening.rows.jsonl`` with
+its probe, ``data/planner_2026-11-24_evening.calibration.json`` (every recorded file:
+``data/README.md``)::
 
     model  layout                                        pred ms  meas ms    err  pred MiB  meas MiB    err
        3M  dp8(ddp)                                          596      523   +14%       166       166    +0%
@@ -131,13 +133,13 @@ dp2(ddp) x pp4 at global batch 32: 464 MiB predicted / 424 measured (+9%); dp2(f
 at batch 32: 444 / 401 (+11%); pp2 (Interleaved1F1B) x tp4 at batch 32: 478 / 472 (+1%); 10M tp8
 at batch 32: 569 / 637 (-11%); dp4(ddp) x pp2 at seq 256: 295 / 281 (+5%).
 
-The same model on the first recording (``planner_rows_first.jsonl``, earlier, replayed with the
-probe kept with it, ``planner_calibration_first.json``, taken hours later at load average 4.4): picks
-1.00 / 0.90 / 0.98, step time 48/65 within 20% (median 11%), memory 62/65 within 10%. Its 10M
-re-run (``planner_rows_10m_rerun.jsonl``) measured some layouts far from the first (dp8(ddp)
-2,777 ms against 1,531; dp2(ddp) x pp4 (1F1B) 1,677 against 1,351), so its pick ran at 0.72 of
-that sweep's best: one 5-step measurement on this VM can be 25% off, hence ``--confirm``. Its
-memory: 23/23 within 10%.
+The same model on the first recording (``data/planner_2026-11-24_morning.rows.jsonl``, replayed
+with the probe kept with it, ``data/planner_2026-11-24_morning.calibration.json``, taken hours later
+at load average 4.4): picks 1.00 / 0.90 / 0.98, step time 48/65 within 20% (median 11%), memory
+62/65 within 10%. Its 10M re-run (``data/planner_10m_2026-11-24.rows.jsonl``) measured some layouts
+far from the first (dp8(ddp) 2,777 ms against 1,531; dp2(ddp) x pp4 (1F1B) 1,677 against 1,351),
+so its pick ran at 0.72 of that sweep's best: one 5-step measurement on this VM can be 25% off,
+hence ``--confirm``. Its memory: 23/23 within 10%.
 
 What moved the step time: the shared cores' stage span (:func:`trainer.planner.cost.model.stage_span`: on
 8 workers over 2 cores a lighter stage's ranks give their cores to the busier ones, so the step
@@ -178,7 +180,7 @@ SIZES = {  # name -> the built-in decoder's shape (byte vocabulary)
 KNOBS = dict(data_parallel_modes=["ddp", "fsdp"], schedules=["1F1B", "Interleaved1F1B"], microbatches=[4],
              activation_checkpointing=["none"])
 WORKERS = 8
-RECORDED_CALIBRATION = REPO / "tests" / "bench" / "planner_calibration.json"  # see the docstring
+RECORDED_CALIBRATION = REPO / "tests" / "bench" / "data" / "planner_2026-11-25.calibration.json"  # see the docstring
 
 
 def overrides(size: str, steps: int) -> list[str]:
@@ -192,16 +194,16 @@ def predicted_layouts(size: str, steps: int, calibration_file: Path | None = Non
     """Every valid candidate, each predicted (none pruned), and the planner's pick's label; with
     this host's calibration, or the one in ``calibration_file``."""
     from parallel.config import AutoPlanConfig
-    from trainer.planner.auto.plan import host_calibration, plan_layouts
-    from trainer.planner.auto.search import Search
     from trainer.config.compose import compose_dict
     from trainer.config.schema import RunConfig
+    from trainer.planner.auto.plan import host_calibration, plan_layouts
+    from trainer.planner.auto.search import Search
 
     raw = compose_dict(["+parallel=auto", f"mesh=[{WORKERS}]", *overrides(size, steps)])
     raw["parallel"]["auto"] = dict(KNOBS)
     base = RunConfig.model_validate({**raw, "mesh": None, "parallel": None})
     if calibration_file is not None:
-        from trainer.planner.calibration.probe import Calibration
+        from trainer.planner.cost.calibration import Calibration
 
         calibration = Calibration.from_json(calibration_file.read_text())
     else:
@@ -320,8 +322,8 @@ def tables(rows: list[dict], picks: dict[str, str], tokens_per_step: int) -> str
 
 def plan_time(ranks: int = 4096) -> str:
     """Seconds to auto-plan ``ranks`` ranks of gpt_small (8 per node; the 8-worker calibration)."""
-    from trainer.planner.auto.plan import plan_layouts
     from trainer.config.compose import compose_dict
+    from trainer.planner.auto.plan import plan_layouts
 
     raw = compose_dict(["+parallel=auto", f"mesh=[{ranks}]", "model=gpt_small", "train.global_batch_size=8192",
                         f"launch.nnodes={ranks // WORKERS}", "launch.rdzv_endpoint=node0:29400"])  # several nodes name node 0

@@ -49,8 +49,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
-from parallel.reshard.transfer import MeshLayout, minimum_bytes, plan_reshard, reshard  # noqa: E402
 from ports import free_port  # noqa: E402  (tests/ is on sys.path now)
+
+from parallel.reshard.transfer import MeshLayout, minimum_bytes, plan_reshard, reshard  # noqa: E402
 
 WORLD_SIZE = 8
 REPEATS = 5

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from trainer.config.compose import compose_dict
 from parallel.errors import ConfigError, ConfigIssue
+from trainer.config.compose import compose_dict
 from trainer.validate.checks import validate_config
 
 Edit = Callable[[dict[str, Any]], None]

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from parallel.errors import ConfigError
 from trainer.config.compose import compose_dict
 from trainer.config.schema import RunConfig
-from parallel.errors import ConfigError
 from trainer.validate.checks import validate_config
 
 FUZZ = settings(

@@ -24,7 +24,7 @@ import yaml
 from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig, TrainConfig
 from trainer.models import build_model
-from trainer.validate.checks import validate_config
+from trainer.planner.auto.plan import resolve_and_validate
 
 REPO = CONF_DIR.parent
 GROUPS = ("model", "data", "optim", "tracking")
@@ -63,7 +63,7 @@ def group_overrides(group: str, option: str) -> list[str]:
 
 
 def validated(overrides: list[str]) -> RunConfig:
-    cfg = validate_config(compose_dict(overrides), check_model=True)
+    cfg, _, _ = resolve_and_validate(compose_dict(overrides))  # +parallel=auto: the planner's pick
     assert isinstance(cfg, RunConfig)
     return cfg
 

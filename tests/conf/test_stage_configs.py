@@ -7,9 +7,9 @@ Run: ``python -m pytest tests/conf/test_stage_configs.py -q``
 from __future__ import annotations
 
 import pytest
+from test_bad_configs import Bad, assert_bad, bad, both, compose, put
 
 from trainer.validate.checks import validate_with_plan
-from test_bad_configs import Bad, assert_bad, bad, both, compose, put
 
 STAGES = ("parallel", "pipeline", "stages")
 
@@ -46,13 +46,13 @@ CASES: dict[str, Bad] = {
         ["+parallel=pp_stages"], 'parallel.pipeline.stages[1].placements["tok_embeddings.weight"]',
         ["matches no parameter of this stage (parallel.pipeline.stages[1])"], ["fix the glob", "layers.2"],
         edit=stage_put(1, "placements", {"tok_embeddings.weight": {"tp": "Shard(0)"}})),
-    "stage-ranks-decrease": bad(["+examples=paddle_3d"], "parallel.pipeline.stages[0].ranks",
+    "stage-ranks-decrease": bad(["+examples=stages_dp_x_tp"], "parallel.pipeline.stages[0].ranks",
                                 ["decrease along the stage's axis 'dp'"], ["increasing"],
                                 edit=stage_put(0, "ranks", [[2, 3], [0, 1]])),
     "stage-dims-do-not-match-ranks": bad(["+parallel=pp_stages"], "parallel.pipeline.stages[0].dims",
                                          ["names 2 axes", "have 1"], ["one axis name per axis"],
                                          edit=stage_put(0, "dims", ["dp", "x"])),
-    "boundaries-do-not-make-the-stages": bad(["+examples=oneflow_mixed", "parallel.pipeline.boundaries=[]"],
+    "boundaries-do-not-make-the-stages": bad(["+examples=stages_dp_then_tp", "parallel.pipeline.boundaries=[]"],
                                              "parallel.pipeline.boundaries",
                                              ["0 boundaries make 1 stages", "parallel.pipeline.stages lists 2"],
                                              ["give 1 boundary"]),
@@ -93,8 +93,8 @@ def test_each_stage_resolves_its_own_layout():
 
 
 def test_examples_are_the_seeds_stage_meshes():
-    _, plan = validate_with_plan(compose("+examples=paddle_3d"))
+    _, plan = validate_with_plan(compose("+examples=stages_dp_x_tp"))
     assert [s.rank_ids for s in plan.pipeline.stages] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
     assert [str(s.layout.placements[w]["mp"]) for s, w in zip(plan.pipeline.stages, ("w0", "w1"))] == ["Shard(1)", "Shard(0)"]
-    _, plan = validate_with_plan(compose("+examples=oneflow_mixed"))
+    _, plan = validate_with_plan(compose("+examples=stages_dp_then_tp"))
     assert [s.layout.data_parallel and s.layout.data_parallel.mode for s in plan.pipeline.stages] == ["ddp", None]

@@ -96,7 +96,7 @@ def checkpoint_cross_check(*, rank: int, world_size: int) -> dict:
     same either way, free of ``_orig_mod``."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from trainer.run.checkpoint import load_checkpoint, merged_module, save_checkpoint
+    from trainer.checkpoint.dcp import load_checkpoint, merged_module, save_checkpoint
 
     root = Path(os.environ[CKPT_DIR_ENV])
     out: dict = {}

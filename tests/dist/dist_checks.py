@@ -22,7 +22,8 @@ from parallel.engine import ParallelModel, parallelize
 from parallel.pipeline.order import compute_order
 from parallel.pipeline.timeline import TimelineRecorder
 from parallel.mesh import build_mesh
-from parallel.plan.resolve import LayoutSpec, resolve_plan
+from parallel.plan.resolve import resolve_plan
+from parallel.plan.spec import LayoutSpec
 from parallel.placements import parse_placement
 from parallel.sharding.tensor_parallel import apply_placements
 from parallel.config import ParallelConfig, mesh_shape_of

@@ -22,7 +22,7 @@ JSON, per example:
 Configs passed as ``builds`` (not seeds: FSDP's uneven and strided shards, which no seed has)
 are only built in the same launch and report ``params``.
 
-    results = launch(world_size=2, configs={"oneflow_pipeline": raw_dict}, out_dir=tmp_path,
+    results = launch(world_size=2, configs={"pp_gpipe_tiny": raw_dict}, out_dir=tmp_path,
                      builds={"fsdp_uneven": other_raw_dict})
 """
 
@@ -115,7 +115,8 @@ def _partial_output(cfg) -> dict | None:
     """Tensor-parallel examples without pipeline/dp: keep the output Partial via ``layouts``."""
     from parallel.mesh import build_mesh
     from parallel.placements import parse_placement
-    from parallel.plan.resolve import LayoutSpec, resolve_plan
+    from parallel.plan.resolve import resolve_plan
+    from parallel.plan.spec import LayoutSpec
     from parallel.sharding.tensor_parallel import apply_placements
     from trainer.models import build_model
 
@@ -146,7 +147,7 @@ def check_example(raw: dict) -> dict:
     from parallel.config import mesh_rank_ids
     from parallel.mesh import rank_id_of
     from trainer.run.metrics import NullProgress
-    from trainer.tracking.mlflow_tracker import NullTracker
+    from trainer.tracking.tracker import NullTracker
     from trainer.validate.checks import validate_config
 
     cfg = validate_config(raw)

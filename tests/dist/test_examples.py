@@ -7,7 +7,7 @@ local shard shape, the input/output shapes of every stage, the ``Partial`` outpu
 says the output is a pending sum, the gathered values against one device, and 3 training steps
 against one device (rel 1e-5). Paddle's explicit-id mesh ``[[2,4,5],[0,1,3]]`` is held by rank
 id: which slices of the [4,3] weight each id holds. Two CLI runs: ``python -m trainer
-+examples=oneflow_pipeline``, and ``+examples=paddle_process_mesh``, whose launcher reports
++examples=pp_gpipe_tiny``, and ``+examples=unordered_rank_ids``, whose launcher reports
 (torch rank, rank id, host, device, CPU affinity) for every worker.
 
     python -m pytest tests/dist/test_examples.py -q      # ~2 minutes on 2 cores
@@ -39,7 +39,7 @@ from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.run.loop import train
 from trainer.run.metrics import NullProgress
 from trainer.models import build_model
-from trainer.tracking.mlflow_tracker import NullTracker
+from trainer.tracking.tracker import NullTracker
 from trainer.validate.checks import validate_config, validate_with_plan
 
 pytestmark = pytest.mark.slow
@@ -91,15 +91,15 @@ PD_3D = [rank({"w0": ({"dp": R, "mp": S1}, [1024, 2048])},
 PD_MESH = rank({"w0": ({"x": S1, "y": R}, [6, 2]), "w1": ({"x": S0, "y": S1}, [2, 1])},
                stage(0, [4, 6], {"x": P, "y": S1}, [4, 1], [4, 3], [4, 3]))
 EXPECTED = {
-    "oneflow_data_parallel": [OF_DP] * 2,
-    "oneflow_model_parallel": [OF_MP] * 2,
-    "oneflow_pipeline": OF_PP,
-    "oneflow_mixed": [OF_MIXED[0]] * 2 + [OF_MIXED[1]] * 2,   # stage 0 on ranks 0-1, stage 1 on 2-3
-    "paddle_data_parallel": [PD_DP] * 2,
-    "paddle_tensor_parallel": [PD_TP] * 2,
-    "paddle_pipeline": PD_PP,
-    "paddle_3d": [PD_3D[0]] * 4 + [PD_3D[1]] * 4,             # [[0,1],[2,3]] stage 0, [[4,5],[6,7]] stage 1
-    "paddle_process_mesh": [PD_MESH] * 6,
+    "dp_tiny": [OF_DP] * 2,
+    "tp_col_row_tiny": [OF_MP] * 2,
+    "pp_gpipe_tiny": OF_PP,
+    "stages_dp_then_tp": [OF_MIXED[0]] * 2 + [OF_MIXED[1]] * 2,  # stage 0 on ranks 0-1, stage 1 on 2-3
+    "dp_8m": [PD_DP] * 2,
+    "tp_col_row_8m": [PD_TP] * 2,
+    "pp_1f1b_8m": PD_PP,
+    "stages_dp_x_tp": [PD_3D[0]] * 4 + [PD_3D[1]] * 4,        # [[0,1],[2,3]] stage 0, [[4,5],[6,7]] stage 1
+    "unordered_rank_ids": [PD_MESH] * 6,
 }
 # Paddle's example by rank id: (rows, columns) of w1 [4,3] and (rows, columns) of w0 [6,4].
 PADDLE_SLICES = {
@@ -119,8 +119,8 @@ BUILDS = {
     "fsdp_pp_tp": (8, ["+parallel=3d"]),
     "pp_stages": (4, ["+parallel=pp_stages"]),          # stage 0 fsdp on ranks 0-1, stage 1 tp on 2-3
 }
-PARTIAL = {"oneflow_model_parallel": ({"mp": P}, [4, 3]), "paddle_tensor_parallel": ({"mp": P}, [8, 1024])}
-CLI_RUNS = ["oneflow_pipeline", "paddle_process_mesh"]  # python -m trainer +examples=<name> tracking=none
+PARTIAL = {"tp_col_row_tiny": ({"mp": P}, [4, 3]), "tp_col_row_8m": ({"mp": P}, [8, 1024])}
+CLI_RUNS = ["pp_gpipe_tiny", "unordered_rank_ids"]  # python -m trainer +examples=<name> tracking=none
 
 
 def example_files() -> list[str]:
@@ -245,11 +245,11 @@ def test_losses_match_one_device(name, results, reference):
 
 
 def test_cli_runs_the_pipeline_example(launched, reference):
-    """``python -m trainer +examples=oneflow_pipeline tracking=none``: 2 workers, exit 0, the
+    """``python -m trainer +examples=pp_gpipe_tiny tracking=none``: 2 workers, exit 0, the
     one-device losses in the summary line."""
-    returncode, stdout, stderr = launched["cli"]["oneflow_pipeline"]
+    returncode, stdout, stderr = launched["cli"]["pp_gpipe_tiny"]
     assert returncode == 0, stderr[-3000:]
-    losses = reference["oneflow_pipeline"]
+    losses = reference["pp_gpipe_tiny"]
     assert f"done: steps 1..3, loss {losses[0]:.4f} -> {losses[-1]:.4f}" in stdout.splitlines(), stdout
 
 
@@ -257,7 +257,7 @@ def test_paddle_mesh_shards_by_rank_id(results):
     """Paddle's [4,3] tensor (w1) with [Shard(0), Shard(1)] on [[2,4,5],[0,1,3]]: id 2 holds rows
     0:2 of column 0, id 4 column 1, id 5 column 2, ids 0, 1, 3 rows 2:4 of columns 0, 1, 2, each
     with those slices' one-device values; w0's columns follow the mesh row (axis x)."""
-    per_rank = results("paddle_process_mesh")
+    per_rank = results("unordered_rank_ids")
     assert [r["rank_id"] for r in per_rank] == PADDLE_IDS_BY_RANK
     for r in per_rank:
         w1_slices, w0_slices = PADDLE_SLICES[r["rank_id"]]
@@ -267,10 +267,10 @@ def test_paddle_mesh_shards_by_rank_id(results):
 
 
 def test_cli_binds_each_rank_id_to_its_cpu(launched, reference):
-    """``python -m trainer +examples=paddle_process_mesh``: the launcher numbers the workers by
+    """``python -m trainer +examples=unordered_rank_ids``: the launcher numbers the workers by
     mesh position (torch rank r has id [2,4,5,0,1,3][r]), each runs on this host, on the CPU its
     id names (the id-th of the CPUs allowed, modulo their number), and the losses are one device's."""
-    returncode, stdout, stderr = launched["cli"]["paddle_process_mesh"]
+    returncode, stdout, stderr = launched["cli"]["unordered_rank_ids"]
     assert returncode == 0, stderr[-3000:]
     line = next((x for x in map(unprefixed, stdout.splitlines()) if x.startswith("rank ids: ")), None)
     assert line is not None, stdout
@@ -280,7 +280,7 @@ def test_cli_binds_each_rank_id_to_its_cpu(launched, reference):
     allowed = sorted(os.sched_getaffinity(0))
     assert workers == [(r, i, socket.gethostname(), "cpu", [allowed[i % len(allowed)]])
                        for r, i in enumerate(PADDLE_IDS_BY_RANK)], line
-    losses = reference["paddle_process_mesh"]
+    losses = reference["unordered_rank_ids"]
     assert f"done: steps 1..3, loss {losses[0]:.4f} -> {losses[-1]:.4f}" in stdout.splitlines(), stdout
 
 

@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import run_cli, worker_pids
 from trainer.run.metrics import NullProgress
-from trainer.tracking.mlflow_tracker import NullTracker
+from trainer.tracking.tracker import NullTracker
 
 BASE = ["train.steps=6", "train.global_batch_size=16", "train.seq_len=32", "train.log_every=1",
         "data.max_bytes=100000", "optim.warmup_steps=2"]
@@ -153,7 +153,7 @@ def test_killed_worker_is_restarted_and_the_run_continues_exactly(tmp_path):
 def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     """SIGKILL a rank while a save is being written: the unfinished save is never a checkpoint,
     and the previous one still loads (here: exported to a full-weights file)."""
-    from trainer.run.checkpoint import latest_checkpoint
+    from trainer.checkpoint.dcp import latest_checkpoint
     from trainer.export.weights import export_checkpoint
 
     ckpt = tmp_path / "ck"

@@ -82,7 +82,7 @@ def _logits_of_checkpoint(checkpoint, tokens: torch.Tensor, tmp_path) -> torch.T
     """The trainer's own model, loaded from the checkpoint through its safetensors export."""
     from pydantic import TypeAdapter
 
-    from trainer.run.checkpoint import read_extra
+    from trainer.checkpoint.dcp import read_extra
     from trainer.config.schema import ModelConfig
     from trainer.export.weights import export_checkpoint, load_weights
     from trainer.models import build_model

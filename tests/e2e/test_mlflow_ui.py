@@ -18,8 +18,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
-from tests.e2e.mlflow_ui import (check_run_page, chromium, mlflow_server, png_size, require_browser, run_page_url,
-                                 ui_page)
+from tests.e2e.mlflow_ui import (
+    check_run_page,
+    chromium,
+    mlflow_server,
+    png_size,
+    require_browser,
+    run_page_url,
+    ui_page,
+)
 
 pytestmark = pytest.mark.slow
 

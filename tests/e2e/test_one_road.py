@@ -18,7 +18,6 @@ import yaml
 
 from tests.conftest import REPO, run_cli, unprefixed
 
-
 # What the control plane forces into every job (its MLflow store, the job's own directory).
 SERVICE_OWNED = [("tracking", "tracking_uri"), ("tracking", "run_id"), ("train", "checkpoint"), ("launch", "log_dir"),
                  # and the tag naming the preset a config was composed from (a document has none)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shlex
-
 from pathlib import Path
 
 import pytest

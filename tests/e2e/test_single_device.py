@@ -12,7 +12,7 @@ import time
 import pytest
 
 from trainer.run.metrics import NullProgress
-from trainer.tracking.mlflow_tracker import NullTracker
+from trainer.tracking.tracker import NullTracker
 
 TINY = ("tracking=none", "train.steps=6", "train.global_batch_size=4", "train.seq_len=32",
         "train.log_every=1", "data.max_bytes=200000")
@@ -59,7 +59,7 @@ def test_sigterm_kills_run_keeps_checkpoint_and_resume_matches(tmp_path, compose
     continues with exactly the losses of an uninterrupted run."""
     from mlflow.tracking import MlflowClient
 
-    from trainer.run.checkpoint import latest_checkpoint
+    from trainer.checkpoint.dcp import latest_checkpoint
 
     ckpt_dir = tmp_path / "ckpt"
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 from parallel.config import AutoPlanConfig
-from trainer.planner.auto.plan import plan_layouts, resolve_auto
-from trainer.planner.auto.search import Search
-from trainer.planner.calibration.probe import Calibration, Fit
 from trainer.config.compose import compose_dict
 from trainer.config.schema import RunConfig
-from trainer.validate.checks import validate_config
+from trainer.planner.auto.plan import plan_layouts, resolve_auto
+from trainer.planner.auto.search import Search
+from trainer.planner.cost.calibration import Calibration, Fit
 
 CAL = Calibration(host="h", device="cpu:test", workers=8, matmul={"fp32": Fit(1e-5, 1e10)},
                   elementwise=Fit(2e-6, 5e9),
@@ -101,7 +100,8 @@ def test_the_winner_is_an_ordinary_config(monkeypatch):
     import trainer.planner.auto.plan as auto_plan
 
     monkeypatch.setattr(auto_plan, "host_calibration", lambda base, world: CAL)
-    cfg = validate_config(_raw("mesh=[4]", *NARROW))
+    cfg, _, ranking = auto_plan.resolve_and_validate(_raw("mesh=[4]", *NARROW))
+    assert ranking is not None and ranking.winner.status == "chosen"
     assert cfg.world_size == 4 and cfg.parallel.dims and cfg.parallel.auto is not None
     ranking = auto_plan.ranking_for(cfg, calibration=CAL)
     assert ranking.winner.parallel["dims"] == list(cfg.parallel.dims)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.planner.calibration.probe import Calibration, Fit, fit_line, load_or_probe, probe
+from trainer.planner.calibration.probe import load_or_probe, probe
+from trainer.planner.cost.calibration import Calibration, Fit, fit_line
 
 
 def _calibration(workers: int = 8) -> Calibration:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.run.checkpoint import (
+from trainer.checkpoint.dcp import (
     COMPLETE_MARKER,
     CheckpointError,
     latest_checkpoint,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.planner.calibration.probe import Calibration, Fit
 from trainer.config.compose import compose_dict
-from trainer.planner.cost.comm import comm_ops, unit_params
-from trainer.planner.cost.model import micro_batch_size, predict_step_time, unit_costs
 from trainer.models import build_model
+from trainer.planner.cost.calibration import Calibration, Fit
+from trainer.planner.cost.comm import comm_ops, unit_params
+from trainer.planner.cost.model import predict_step_time, unit_costs
 from trainer.validate.checks import validate_with_plan
 
 CAL = Calibration(host="h", device="cpu:test", workers=4, matmul={"fp32": Fit(1e-5, 1e10), "bf16": Fit(1e-5, 2e10)},
@@ -78,7 +78,7 @@ def test_shared_cores_fill_the_bubble_and_even_out_the_stages():
 def test_full_checkpointing_adds_one_forward_per_block():
     cfg, plan = _plan("+parallel=fsdp", "mesh=[2]")
     cfg_ac, plan_ac = _plan("+parallel=fsdp", "mesh=[2]", "+parallel.activation_checkpointing=full")
-    costs = unit_costs(cfg, plan, micro_batch_size(cfg))
+    costs = unit_costs(cfg, plan, cfg.micro_batch_size)
     extra = sum(costs[b].forward.seconds(CAL, "fp32") for b in plan.blocks)
     assert predict_step_time(cfg_ac, plan_ac, CAL).compute_s == pytest.approx(
         predict_step_time(cfg, plan, CAL).compute_s + extra)
@@ -105,7 +105,7 @@ def test_fsdp_sends_one_and_a_half_times_ddps_gradient_bytes_per_block():
 def test_tp_all_reduces_activations_four_times_per_block_and_microbatch():
     cfg, plan = _plan("+parallel=tp", "mesh=[2]")
     params = unit_params(plan, build_model(cfg.model, device="meta"))
-    (op,) = comm_ops(cfg, plan, list(plan.units), params, micro_batch_size(cfg))
+    (op,) = comm_ops(cfg, plan, list(plan.units), params, cfg.micro_batch_size)
     assert (op.axis, op.op, op.group_size) == ("tp", "all_reduce", 2)
     assert op.nbytes == 8 * cfg.train.seq_len * cfg.model.dim * 4
     assert op.count == 4 * cfg.model.n_layers
@@ -202,7 +202,7 @@ def test_the_lower_bound_stays_below_the_scaled_prediction():
         cfg, plan = _plan(*overrides)
         model = build_model(cfg.model, device="meta")
         params = unit_params(plan, model)
-        costs = unit_costs(cfg, plan, micro_batch_size(cfg), model=model)
-        flops = sum(c.forward.matmul_flops + c.backward.matmul_flops for c in costs.values()) / micro_batch_size(cfg)
+        costs = unit_costs(cfg, plan, cfg.micro_batch_size, model=model)
+        flops = sum(c.forward.matmul_flops + c.backward.matmul_flops for c in costs.values()) / cfg.micro_batch_size
         predicted = predict_step_time(cfg, plan, cal, costs=costs, model=model).total_s
         assert 0 < lower_bound_s(cfg, plan, cal, params, flops) <= predicted

@@ -59,12 +59,12 @@ def test_fsdp_heap_holes_do_not_shrink_with_the_ranks():
     from trainer.planner.memory.host import STEP_FRAGMENTATION
 
     def flat_holes(e):
-        return e.parts["allocator"] - STEP_FRAGMENTATION * e.parts["step_activations"]
+        return e.parts.allocator - STEP_FRAGMENTATION * e.parts.step_activations
 
     assert flat_holes(eight) == pytest.approx(flat_holes(two), rel=0.01)
-    assert eight.parts["step_activations"] == pytest.approx(two.parts["step_activations"] / 4, rel=0.05)
+    assert eight.parts.step_activations == pytest.approx(two.parts.step_activations / 4, rel=0.05)
     (single,) = _predict("model=gpt_small")
-    assert single.parts["allocator"] < two.parts["allocator"]  # one process: only the step's own holes
+    assert single.parts.allocator < two.parts.allocator  # one process: only the step's own holes
 
 
 def test_a_config_over_its_budget_is_refused_with_the_fix():
@@ -111,17 +111,17 @@ def test_a_pipelined_fsdp_stage_holds_every_blocks_unsharded_gradients():
     assert block == 6_328_320
     assert first.gathered == local == 25_837_568
     # 4 micro-batches, 2 in flight on pp rank 0: 1F1B's steady state holds 2 passes beside all the gradients
-    assert first.in_flight == 2 and first.parts["stage_grads"] == local
-    assert first.parts["reduce"] == 2 * local + block
-    assert not first.parts["accumulates"]  # no sharded gradients beside the activations
-    backward = first.gathered + first.activations + first.parts["transient"] + first.parts["stage_grads"]
+    assert first.in_flight == 2 and first.parts.stage_grads == local
+    assert first.parts.reduce == 2 * local + block
+    assert not first.parts.accumulates  # no sharded gradients beside the activations
+    backward = first.gathered + first.activations + first.parts.transient + first.parts.stage_grads
     assert first.live == first.params + first.optimizer + backward
     # FSDP2 and DTensor import torch._dynamo on their first step: the pipeline's import costs only
     # a pipeline alone (torch.distributed.pipelining brings _dynamo and _inductor after the floor)
     (flat,) = _predict("model=gpt_small", "+parallel=2d", "mesh=[2,2]")
     alone = _predict("model=gpt_small", "+parallel=pp", "mesh=[2]")
-    assert first.parts["runtime"] == flat.parts["runtime"]
-    assert alone[0].parts["runtime"] - flat.parts["runtime"] == 30 * 2**20
+    assert first.parts.runtime == flat.parts.runtime
+    assert alone[0].parts.runtime - flat.parts.runtime == 30 * 2**20
 
 
 def test_a_stage_peaks_with_its_passes_in_flight_or_its_first_gradients():
@@ -133,15 +133,15 @@ def test_a_stage_peaks_with_its_passes_in_flight_or_its_first_gradients():
     m2 = rank0("parallel.pipeline.microbatches=2")
     m4 = rank0("parallel.pipeline.microbatches=4")
     assert m2.in_flight == m4.in_flight == 2
-    per_pass = m2.parts["step_activations"] / 2  # the step's 2 passes on this rank
+    per_pass = m2.parts.step_activations / 2  # the step's 2 passes on this rank
     grads = m2.grads  # no data parallelism: param.grad accumulates in place
-    assert m2.activations + m2.parts["stage_grads"] == pytest.approx(max(2 * per_pass, per_pass + grads))
-    per_pass4 = m4.parts["step_activations"] / 4
-    assert m4.activations == pytest.approx(2 * per_pass4) and m4.parts["stage_grads"] == m4.grads
+    assert m2.activations + m2.parts.stage_grads == pytest.approx(max(2 * per_pass, per_pass + grads))
+    per_pass4 = m4.parts.step_activations / 4
+    assert m4.activations == pytest.approx(2 * per_pass4) and m4.parts.stage_grads == m4.grads
     # heap holes: at least STEP_FRAGMENTATION of all the activations the step allocates (CPU, default heap)
-    assert m4.parts["allocator"] >= 0.6 * m4.parts["step_activations"]
+    assert m4.parts.allocator >= 0.6 * m4.parts.step_activations
     unmapped = rank0("parallel.pipeline.microbatches=4", "launch.unmap_freed_memory=true")
-    assert unmapped.parts["allocator"] == 0.0
+    assert unmapped.parts.allocator == 0.0
 
 
 def test_ddp_holds_an_unsharded_copy_and_reduces_through_two_flat_buffers():
@@ -155,24 +155,24 @@ def test_ddp_holds_an_unsharded_copy_and_reduces_through_two_flat_buffers():
     local = single.params  # every rank holds the whole model: gpt_small, 26M fp32 parameters
     assert local > 32 * 2**20
     assert ddp.params == local and ddp.gathered == local
-    backward = ddp.gathered + ddp.activations + ddp.parts["transient"]
-    assert ddp.parts["reduce"] == pytest.approx(backward + 2 * local)
-    assert ddp.live == pytest.approx(ddp.params + ddp.optimizer + ddp.parts["reduce"])  # the reduce is the peak
+    backward = ddp.gathered + ddp.activations + ddp.parts.transient
+    assert ddp.parts.reduce == pytest.approx(backward + 2 * local)
+    assert ddp.live == pytest.approx(ddp.params + ddp.optimizer + ddp.parts.reduce)  # the reduce is the peak
     (fsdp,) = _predict("model=gpt_small", "+parallel=fsdp", "mesh=[2]")
-    assert fsdp.parts["reduce"] == 0.0  # FSDP reduces block by block, inside backward
+    assert fsdp.parts.reduce == 0.0  # FSDP reduces block by block, inside backward
     (half,) = _predict("model=gpt_small", "+parallel=dp", "mesh=[2]", "train.precision=bf16")
     assert half.gathered == local / 2  # a bf16 copy; the flat buffers stay fp32
-    assert half.parts["reduce"] == pytest.approx(half.gathered + half.activations + half.parts["transient"] + 2 * local)
+    assert half.parts.reduce == pytest.approx(half.gathered + half.activations + half.parts.transient + 2 * local)
     # a pipelined ddp stage accumulates its unsharded gradients over the micro-batches and reduces once,
     # after its last: on CPU the two flat buffers extend the heap above backward's peak
     pp_ddp = ["model=gpt_small", "+parallel=pp", "+parallel.data_parallel={dim: dp, mode: ddp}",
               "parallel.dims=[dp,pp]", "mesh=[2,2]"]
     for e in _predict(*pp_ddp):
-        assert e.gathered == e.params and e.parts["stage_grads"] == e.params
-        backward = e.gathered + e.activations + e.parts["transient"] + e.parts["stage_grads"]
-        assert e.parts["reduce"] == pytest.approx(backward + 2 * e.params)
+        assert e.gathered == e.params and e.parts.stage_grads == e.params
+        backward = e.gathered + e.activations + e.parts.transient + e.parts.stage_grads
+        assert e.parts.reduce == pytest.approx(backward + 2 * e.params)
     for e in _predict(*pp_ddp, "launch.unmap_freed_memory=true"):  # the unsharded gradients and one flat buffer
-        assert e.parts["reduce"] == 2 * e.params
+        assert e.parts.reduce == 2 * e.params
 
 
 _HOLES = """
@@ -207,10 +207,10 @@ def test_unmapping_drops_the_heap_terms_from_the_plan(monkeypatch):
     base = ("model=gpt_small", "+parallel=fsdp", "mesh=[8]")
     (heap,) = _predict(*base)
     (unmapped,) = _predict(*base, "launch.unmap_freed_memory=true")
-    assert heap.parts["allocator"] > 0 and unmapped.parts["allocator"] == 0.0
-    assert unmapped.total == unmapped.live + unmapped.parts["runtime"]
+    assert heap.parts.allocator > 0 and unmapped.parts.allocator == 0.0
+    assert unmapped.total == unmapped.live + unmapped.parts.runtime
     (ddp,) = _predict("model=gpt_small", "+parallel=dp", "mesh=[2]", "launch.unmap_freed_memory=true")
-    assert ddp.parts["reduce"] == 2 * ddp.params  # backward's freed memory is returned: two flat buffers
+    assert ddp.parts.reduce == 2 * ddp.params  # backward's freed memory is returned: two flat buffers
     import trainer.validate.checks as validate
 
     monkeypatch.setattr(validate, "has_mallopt", lambda: False)

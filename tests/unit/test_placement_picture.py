@@ -14,7 +14,7 @@ import pytest
 
 from parallel.plan.placement_map import placement_groups_from_table, stage_grids
 from trainer.config.compose import compose_dict
-from trainer.tracking.pictures.placement import MAX_SEPARATE, _rows, placement_report, write_placement
+from trainer.pictures.placement import MAX_SEPARATE, _rows, placement_report, write_placement
 from trainer.validate.checks import validate_with_plan
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -24,7 +24,7 @@ def _plan(*overrides: str):
     return validate_with_plan(compose_dict([*overrides, "tracking=none"]))
 
 
-@pytest.mark.parametrize("example", ["oneflow_mixed", "paddle_process_mesh"])
+@pytest.mark.parametrize("example", ["stages_dp_then_tp", "unordered_rank_ids"])
 def test_writes_a_png_and_a_table_that_reads_back(example, tmp_path):
     cfg, plan = _plan(f"+examples={example}")
     paths = write_placement(cfg, plan, tmp_path / "out")
@@ -37,9 +37,9 @@ def test_writes_a_png_and_a_table_that_reads_back(example, tmp_path):
     assert placement_groups_from_table(json.loads(paths["json"].read_text())) == groups
 
 
-def test_table_of_oneflow_mixed():
+def test_table_of_stages_dp_then_tp():
     """Stage 0 (ranks 0, 1, dp) holds w0 whole on both; stage 1 (ranks 2, 3, mp) splits w1's columns."""
-    cfg, plan = _plan("+examples=oneflow_mixed")
+    cfg, plan = _plan("+examples=stages_dp_then_tp")
     _, table = placement_report(cfg, plan)
     assert table["groups"] == {
         "w0": [{"stage": 0, "params": ["w0"], "shape": [5, 8], "placements": {"dp": "Replicate()"},
@@ -67,14 +67,14 @@ def test_dry_run_writes_the_picture_unless_switched_off(tmp_path, monkeypatch, c
     from trainer.cli.main import _write_pictures
 
     monkeypatch.chdir(tmp_path)
-    cfg, plan = _plan("+examples=paddle_3d")
+    cfg, plan = _plan("+examples=stages_dp_x_tp")
     _write_pictures(cfg, plan)
     out = capsys.readouterr().out.splitlines()
     assert out == [f"placement picture: {tmp_path.resolve() / 'meshflow-plan' / 'placement.png'}",
                    f"placement table: {tmp_path.resolve() / 'meshflow-plan' / 'placement.json'}"]
     assert (tmp_path / "meshflow-plan" / "placement.png").read_bytes()[:8] == PNG_SIGNATURE
 
-    cfg, plan = _plan("+examples=paddle_3d", "tracking.pictures=false")
+    cfg, plan = _plan("+examples=stages_dp_x_tp", "tracking.pictures=false")
     (tmp_path / "meshflow-plan" / "placement.png").unlink()
     _write_pictures(cfg, plan)
     assert capsys.readouterr().out == "" and not (tmp_path / "meshflow-plan" / "placement.png").exists()

@@ -15,9 +15,9 @@ import os
 import pytest
 
 from parallel.mesh import device_slot, flat_rank_ids, rank_id_of
-from parallel.plan.resolve import MeshSpec
+from parallel.plan.spec import MeshSpec
 from trainer.config.compose import compose_dict
-from trainer.launch.launcher import bind_worker
+from trainer.launch.worker import bind_worker
 from trainer.planner.report import describe_plan
 from trainer.validate.checks import validate_config, validate_with_plan
 
@@ -44,13 +44,13 @@ def test_an_id_names_its_slot_round_robin():
 def test_any_permutation_validates(preset, mesh, shape):
     """Ids decreasing along an axis were refused while the mesh was built over them; now they
     only label devices, so every permutation of 0..n-1 is a valid mesh (the 2x3 Paddle mesh:
-    conf/examples/paddle_process_mesh.yaml, validated by tests/conf/test_presets.py)."""
+    conf/examples/unordered_rank_ids.yaml, validated by tests/conf/test_presets.py)."""
     cfg = validate_config(compose_dict([f"+parallel={preset}", f"mesh={mesh}", "tracking=none"]))
     assert cfg.mesh_shape == shape and cfg.mesh == [list(map(int, row.split(","))) for row in mesh[2:-2].split("],[")]
 
 
 def test_dry_run_shows_the_ids_as_written_and_the_torch_ranks():
-    cfg, plan = validate_with_plan(compose_dict(["+examples=paddle_process_mesh", "tracking=none"]))
+    cfg, plan = validate_with_plan(compose_dict(["+examples=unordered_rank_ids", "tracking=none"]))
     assert plan.mesh.rank_ids == PADDLE and plan.mesh.shape == (2, 3)
     line = describe_plan(cfg, plan).splitlines()[1]
     assert line.startswith("rank ids [[2, 4, 5], [0, 1, 3]]: ")
@@ -65,7 +65,7 @@ def test_worker_binds_to_the_cpu_its_id_names(monkeypatch):
     pinned: list[tuple[int, set]] = []
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pinned.append((pid, set(cpus))))
     allowed = sorted(os.sched_getaffinity(0))
-    cfg = validate_config(compose_dict(["+examples=paddle_process_mesh", "tracking=none", "device=cpu"]))
+    cfg = validate_config(compose_dict(["+examples=unordered_rank_ids", "tracking=none", "device=cpu"]))
     assert bind_worker(cfg, 3, 3, 6) == (0, 0)
     assert pinned and {pid for pid, _ in pinned} >= {0} and all(c == {allowed[0]} for _, c in pinned)
     pinned.clear()

@@ -11,9 +11,10 @@ import pytest
 
 from trainer.config.compose import compose_dict
 from trainer.config.schema import RunConfig
+from trainer.tracking.mlflow_tracker import readable_params
 from trainer.tracking.run_info import MASK, public_config, redact, run_name, run_tags, run_url, ui_command
 from trainer.tracking.run_record import dataset_identity, summary
-from trainer.tracking.mlflow_tracker import NullTracker, readable_params
+from trainer.tracking.tracker import NullTracker
 
 
 def _cfg(*overrides: str) -> RunConfig:
@@ -57,7 +58,7 @@ def test_params_are_readable_globs_stay_one_json_value():
 @pytest.mark.parametrize(("overrides", "name", "preset"), [
     ((), "single-1", "single"),
     (("+parallel=3d", "mesh=[2,2,2]"), "3d-2x2x2", "3d"),
-    (("+examples=paddle_process_mesh",), "paddle_process_mesh-2x3", "paddle_process_mesh"),
+    (("+examples=unordered_rank_ids",), "unordered_rank_ids-2x3", "unordered_rank_ids"),
     (("+parallel=fsdp", "mesh=[4]", "tracking.run_name=mine"), "mine", "fsdp"),
 ])
 def test_run_name_and_tags_come_from_preset_and_mesh(overrides, name, preset):

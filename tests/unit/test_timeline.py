@@ -24,11 +24,12 @@ from parallel.pipeline.order import (
     schedule_order,
     theory_bubble,
 )
-from parallel.plan.resolve import resolve_plan
 from parallel.pipeline.timeline import TimelineRecorder
+from parallel.plan.resolve import resolve_plan
 from trainer.config.schema import MLPConfig
 from trainer.models import build_model, loss_fn_for
-from trainer.tracking.pictures.timeline_chart import chrome_trace, gather_events, timeline_pictures, write_timeline
+from trainer.pictures.timeline_chart import gather_events, timeline_pictures, write_timeline
+from trainer.planner.numbers import plan_numbers
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SHAPES = [(2, 4), (2, 8), (4, 4), (4, 8), (3, 5)]  # (p, m)
@@ -231,13 +232,11 @@ def test_run_pictures_log_artifacts_metrics_and_print_paths(compose, tmp_path, m
 def test_the_plans_bubble_is_the_schedules_own(compose, schedule, expected):
     """The dry run's and REST plan's ``bubble``: the zero-bubble schedules' theory, or (ZBV) the
     unit-cost layout of torch's order, not interleaved 1F1B's (p-1)/(v*m+p-1) = 1/9."""
-    from trainer.planner.report import plan_numbers
-
     cfg = compose("+parallel=pp", "mesh=[2]", f"parallel.pipeline.schedule={schedule}",
                   "parallel.pipeline.stages_per_rank=2", "tracking=none")
     plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
     predicted = bubble_fractions(_predicted(schedule, 2, 2, 4))["mean"]
-    assert plan_numbers(cfg, plan)["bubble"] == pytest.approx(expected if expected is not None else predicted)
+    assert plan_numbers(cfg, plan).bubble == pytest.approx(expected if expected is not None else predicted)
 
 
 def test_dry_run_names_why_torch_refuses_to_order_a_shape(tmp_path):
@@ -245,8 +244,8 @@ def test_dry_run_names_why_torch_refuses_to_order_a_shape(tmp_path):
     plan; the picture line says why there is none."""
     from trainer.config.compose import compose_dict
     from trainer.config.schema import RunConfig
-    from trainer.validate.model_checks import check_against_model
     from trainer.planner.report import describe_plan
+    from trainer.validate.model_checks import check_against_model
 
     cfg = RunConfig.model_validate(compose_dict(["+parallel=pp", "mesh=[4]", "parallel.pipeline.microbatches=2",
                                                  "tracking=none"]))

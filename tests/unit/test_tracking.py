@@ -18,15 +18,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from trainer.config.schema import TrackingConfig
-from trainer.tracking.mlflow_tracker import (
-    MAX_PARAM_VALUE_LENGTH,
-    MLflowTracker,
-    NullTracker,
-    Terminated,
-    TrackingError,
-    make_tracker,
-    run_lifecycle,
-)
+from trainer.tracking.mlflow_tracker import MAX_PARAM_VALUE_LENGTH, MLflowTracker, make_tracker
+from trainer.tracking.tracker import NullTracker, Terminated, TrackingError, run_lifecycle
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM: what Terminated.exit_code gives and the script exits with
 
@@ -176,7 +169,8 @@ def test_null_tracker_does_not_import_mlflow(tmp_path: Path) -> None:
         """
         import sys
         from trainer.config.schema import TrackingConfig
-        from trainer.tracking.mlflow_tracker import make_tracker, run_lifecycle
+        from trainer.tracking.mlflow_tracker import make_tracker
+        from trainer.tracking.tracker import run_lifecycle
         tracker = make_tracker(TrackingConfig(backend="none"), is_main=True)
         with run_lifecycle(tracker):
             tracker.log_params({"train": {"steps": 1}})
@@ -191,7 +185,8 @@ def test_null_tracker_does_not_import_mlflow(tmp_path: Path) -> None:
 SIGTERM_SCRIPT = """
 import sys, time
 from trainer.config.schema import TrackingConfig
-from trainer.tracking.mlflow_tracker import Terminated, install_signal_handlers, make_tracker, run_lifecycle
+from trainer.tracking.mlflow_tracker import make_tracker
+from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
 
 cfg = TrackingConfig(tracking_uri=sys.argv[1], experiment="unit", run_name="sigterm")
 try:
@@ -230,7 +225,7 @@ def test_a_sigterm_during_an_mlflow_write_is_raised_once_the_write_is_whole(
 ) -> None:
     import time
 
-    from trainer.tracking.mlflow_tracker import install_signal_handlers
+    from trainer.tracking.tracker import install_signal_handlers
 
     tracker = MLflowTracker(cfg)
     real_log_batch, written = tracker._client.log_batch, []

@@ -7,7 +7,7 @@ import typing
 from pydantic import BaseModel
 
 from trainer.config.compose import CONF_DIR
-from trainer.config.schema import RunConfig
+from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
 
 USAGE = """usage: python -m trainer [key=value ...] [+parallel=PRESET] [group=option ...] [--cfg job]
 
@@ -50,8 +50,6 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def print_help() -> None:
-    from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS
-
     print(USAGE)
     print("config groups:\n" + _groups() + "\n")
     print("keys:")

@@ -14,12 +14,14 @@ from omegaconf import DictConfig
 
 from parallel.errors import ConfigError
 from trainer.config.compose import CONF_DIR, register_defaults, to_plain, with_preset
+from trainer.config.schema import RunConfig
 from trainer.launch import launcher
 from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch
+from trainer.pictures.placement import DRY_RUN_DIR, write_placement
+from trainer.planner.auto.plan import resolve_and_validate
+from trainer.planner.report import describe_plan
 from trainer.tracking.run_info import SWEEP_JOB_TAG
-from trainer.planner.auto.plan import is_auto, resolve_auto
-from trainer.validate.checks import validate_with_plan
-
+from trainer.validate.model_checks import check_against_model
 
 _BATCH_PATHS = {"train.global_batch_size", "parallel.pipeline.microbatches"}
 register_defaults()  # the base config Hydra composes from: the pydantic models' defaults
@@ -39,11 +41,8 @@ def main(composed: DictConfig) -> float | None:
         raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
     if sweeping:
         launcher.LAST_OUTCOME = None  # the previous job's is not this one's
-    ranking = None
     try:
-        if is_auto(raw):  # the planner chooses; the rest of the road sees an ordinary config
-            raw, ranking = resolve_auto(raw)
-        cfg, plan = validate_with_plan(raw)
+        cfg, plan, ranking = resolve_and_validate(raw)  # +parallel=auto: the rest of the road sees an ordinary config
     except ConfigError as err:
         if raw.get("dry_run") is True and all(i.path in _BATCH_PATHS for i in err.issues):
             _plan_despite_batch(raw, err)
@@ -57,8 +56,6 @@ def main(composed: DictConfig) -> float | None:
               f"({cfg.world_size} worker{'s' if cfg.world_size > 1 else ''}), {cfg.train.steps} steps")
         return
     if cfg.dry_run:
-        from trainer.planner.report import describe_plan
-
         if ranking is not None:
             print(ranking.table() + "\n")
         print(describe_plan(cfg, plan))
@@ -96,18 +93,12 @@ def exit_code() -> int:
 def _write_pictures(cfg, plan) -> None:
     """The dry run's placement picture and table, under ./meshflow-plan (``tracking.pictures``)."""
     if cfg.tracking.pictures:
-        from trainer.tracking.pictures.placement import DRY_RUN_DIR, write_placement
-
         paths = write_placement(cfg, plan, DRY_RUN_DIR)
         print(f"placement picture: {paths['png'].resolve()}\nplacement table: {paths['json'].resolve()}")
 
 
 def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
     """A plan for a big mesh is useful before the batch arithmetic is settled; all else must hold."""
-    from trainer.config.schema import RunConfig
-    from trainer.validate.model_checks import check_against_model
-    from trainer.planner.report import describe_plan
-
     cfg = RunConfig.model_validate(raw)
     plan, issues = check_against_model(cfg)
     if issues:

@@ -23,6 +23,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.launch import launcher as launch
+from trainer.tracking.mlflow_tracker import get_or_create_experiment
+from trainer.tracking.run_info import public_config, redact
+
 PARENT_RUN_ENV = "MESHFLOW_SWEEP_PARENT_RUN"
 
 log = logging.getLogger(__name__)
@@ -41,9 +45,6 @@ class SweepParentRun(Callback):
         if tracking.get("backend", "mlflow") != "mlflow":
             return
         from mlflow.tracking import MlflowClient
-
-        from trainer.tracking.run_info import public_config, redact
-        from trainer.tracking.mlflow_tracker import get_or_create_experiment
 
         self._client = MlflowClient(tracking_uri=tracking.get("tracking_uri"))
         experiment_id = get_or_create_experiment(self._client, tracking.get("experiment", "meshflow"))
@@ -70,7 +71,6 @@ class SweepParentRun(Callback):
             return
         from hydra.core.utils import JobStatus
 
-        from trainer.launch import launcher as launch
         # trainer.cli.main clears the outcome of a job that failed (it returns NaN so the sweep goes on)
         outcome = launch.LAST_OUTCOME if job_return.status == JobStatus.COMPLETED else None
         losses = (outcome or {}).get("losses") or [None]

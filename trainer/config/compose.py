@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
+
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # trainer/conf, shipped inside the package
 BASE_CONFIG = "meshflow_defaults"
 
@@ -22,8 +24,6 @@ def register_defaults() -> None:
     the tagged unions) and one ``<kind>_defaults`` per member of ``model`` and ``data``, which the
     presets in ``conf/model`` and ``conf/data`` extend. Idempotent."""
     from hydra.core.config_store import ConfigStore
-
-    from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
 
     store = ConfigStore.instance()
     base = RunConfig().model_dump(mode="json")

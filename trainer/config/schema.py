@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
-from parallel.config import MeshValue, ParallelConfig, Precision, Section as _Section, mesh_shape_of
+from parallel.config import MeshValue, ParallelConfig, Precision, mesh_shape_of
+from parallel.config import Section as _Section
 
 # ----------------------------------------------------------------------------- model
 
@@ -325,3 +326,10 @@ class RunConfig(_Section):
     @property
     def num_microbatches(self) -> int:
         return self.parallel.pipeline.microbatches if self.parallel and self.parallel.pipeline else 1
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences in one forward of one rank: the global batch over accumulation steps, dp ranks
+        and a pipeline's micro-batches (at least 1)."""
+        t = self.train
+        return max(1, t.global_batch_size // t.grad_accum // max(1, self.dp_size) // self.num_microbatches)

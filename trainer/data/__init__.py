@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
 from trainer.config.schema import (
     FilesDataConfig,
     LlamaConfig,
@@ -89,7 +90,7 @@ def _build_regression(cfg: RegressionDataConfig, *, seq_len: int, model_cfg: Any
 
 
 def _build_files(cfg: FilesDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
-    from trainer.data.files import FilesSource  # datasets and tokenizers load only for this source
+    from trainer.data.files import FilesSource  # optional: datasets and tokenizers, the hf extra
 
     source = FilesSource(cfg, seq_len)
     _require_language_model("files", model_cfg, source.tokenizer.vocab_size)
@@ -132,7 +133,7 @@ def build_splits(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelCo
     source = build_source(data_cfg, seq_len=seq_len, model_cfg=model_cfg)
     notes = source.notes() if hasattr(source, "notes") else []
     if isinstance(data_cfg, FilesDataConfig) and data_cfg.val_paths:
-        from trainer.data.files import FilesSource
+        from trainer.data.files import FilesSource  # optional: datasets and tokenizers, the hf extra
 
         val = FilesSource(data_cfg, seq_len, paths=data_cfg.val_paths, key="data.val_paths", tokenizer=source.tokenizer)
         return DataSplits(source, val, notes + [f"validation {note}" for note in val.notes()])

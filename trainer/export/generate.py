@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from parallel.errors import ConfigError
+from trainer.checkpoint.dcp import CheckpointError
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from trainer.export.weights import load_checkpoint_model
+from trainer.models import decoder_config
 
 
 def run_tokenizer(data_config: dict, override: str | None = None) -> ByteTokenizer | HFTokenizer:
@@ -67,9 +71,6 @@ def sample(model: nn.Module, prompt: torch.Tensor, *, max_new_tokens: int, tempe
 def generate(checkpoint: str | Path, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.8,
              top_k: int | None = 40, seed: int = 0, tokenizer: str | None = None) -> str:
     """The prompt and the text sampled after it, decoded with the run's tokenizer."""
-    from trainer.export.weights import load_checkpoint_model
-    from trainer.models import decoder_config
-
     model, model_cfg, extra = load_checkpoint_model(checkpoint)
     if getattr(model_cfg, "arch", None) == "mlp":
         raise ValueError("model mlp maps vectors to vectors; there is nothing to generate")
@@ -100,8 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--temperature: must be >= 0 (0 = greedy)")
     if args.top_k < 0:
         parser.error("--top-k: must be >= 0 (0 = all tokens)")
-    from parallel.errors import ConfigError
-    from trainer.run.checkpoint import CheckpointError
 
     try:
         text = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,

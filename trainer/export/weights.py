@@ -19,16 +19,17 @@ from pathlib import Path
 import torch
 from pydantic import TypeAdapter
 
-from trainer.run.checkpoint import CheckpointError, read_extra
+from trainer.checkpoint.dcp import CheckpointError, read_extra
 from trainer.config.schema import ModelConfig
+from trainer.export.hf import export_hf
+from trainer.models import build_model
+from trainer.models.init import local_box
 
 
 def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict]:
     """``(the plain model with the checkpoint's weights, its config, the checkpoint's extra state)``,
     gathered into one process from any mesh's checkpoint."""
     import torch.distributed.checkpoint as dcp
-
-    from trainer.models import build_model
 
     extra = read_extra(checkpoint)
     model_cfg = TypeAdapter(ModelConfig).validate_python(extra["model_config"])
@@ -55,8 +56,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
     model, model_cfg, extra = load_checkpoint_model(checkpoint)
     state = model.state_dict()
     if format == "hf":
-        from trainer.export.hf import export_hf
-
         return export_hf(state, model_cfg, out, tokenizer=(extra.get("data_config") or {}).get("tokenizer"))
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -89,8 +88,6 @@ def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Pat
     holds (safetensors slices the file), so a sharded run never loads a whole parameter it does
     not hold. Checks the file against the model first when given the whole model."""
     from safetensors import safe_open
-
-    from trainer.models.init import local_box
 
     if isinstance(parts, torch.nn.Module):
         check_weights_fit(parts, path)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.schema import RunConfig
+from trainer.launch import launcher
+from trainer.planner.auto.plan import resolve_and_validate
 
 # The launcher's exit codes, as words (trainer.launch.EXIT_*).
 EXIT_MEANINGS = {1: "a worker failed (its rank and error are printed above)", 2: "the config was refused",
@@ -45,9 +47,7 @@ def as_config(config: RunConfig | Mapping[str, Any] | str | os.PathLike[str]) ->
     if isinstance(config, RunConfig):
         return config
     if isinstance(config, Mapping):
-        from trainer.validate.checks import validate_config
-
-        return validate_config(json.loads(json.dumps(dict(config))))  # a plain copy: the validator may fill it in
+        return resolve_and_validate(json.loads(json.dumps(dict(config))))[0]  # a plain copy: the validator may fill it in
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         try:
@@ -64,7 +64,6 @@ def train(config: RunConfig | Mapping[str, Any] | str | os.PathLike[str], *, nod
     """Run this node's part of the training and return its outcome (``losses``, timings, ``run_id``;
     node 0 holds the losses); raise :class:`TrainingFailed` when the run did not finish.
     ``node_rank``, ``rdzv_endpoint`` and ``rdzv_id`` override those ``launch.*`` fields."""
-    from trainer.launch import launcher
     cfg = as_config(config)
     overrides = {"node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id}
     if any(value is not None for value in overrides.values()):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig
+from trainer.models.custom import build_custom_model
 from trainer.models.init import canonical_fqn, init_named_parameters, init_parameter, stable_seed
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 from trainer.models.mlp import MatmulMLP
@@ -55,11 +56,10 @@ def build_model(cfg: ModelCfg, *, device: str | torch.device = "cpu", seed: int 
     whose values depend only on ``(seed, FQN, shape)``.
     """
     if cfg.arch == "hf":  # a directory, not a class: config.json (+ safetensors) decide
-        from trainer.models.hf import build_hf_model
+        from trainer.models.hf import build_hf_model  # optional: transformers, the hf extra
 
         return build_hf_model(cfg, device=device, seed=seed)
     if cfg.arch == "custom":  # the user's builder function
-        from trainer.models.custom import build_custom_model
 
         return build_custom_model(cfg, device=device, seed=seed)
     model_cls = _lookup(MODEL_REGISTRY, cfg.arch)
@@ -94,7 +94,7 @@ def decoder_config(cfg: ModelCfg) -> LlamaConfig | None:
     """The decoder's shape: the built-in config, what a Hugging Face directory's config.json says,
     or None (the MLP, a custom module)."""
     if isinstance(cfg, HFModelConfig):
-        from trainer.models.hf import read_hf_config
+        from trainer.models.hf import read_hf_config  # optional: transformers, the hf extra
 
         return read_hf_config(cfg.path)[0]
     return cfg if isinstance(cfg, LlamaConfig) else None

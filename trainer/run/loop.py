@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.engine import ParallelModel, parallelize
-from parallel.plan.resolve import resolve_plan
 from parallel.pipeline.timeline import TimelineRecorder
-from trainer.run.checkpoint import (
+from parallel.plan.resolve import resolve_plan
+from trainer.checkpoint.dcp import (
     check_model_config,
     checkpoint_bytes,
     load_checkpoint,
@@ -30,13 +30,14 @@ from trainer.run.checkpoint import (
 from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig
 from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
-from trainer.run.metrics import MemoryMeter, Progress
 from trainer.export.weights import check_weights_fit, load_weights
-from trainer.planner.memory.host import unmap_freed_memory
 from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
 from trainer.models.hf import load_hf_sharded, weight_files
-from trainer.tracking.pictures.timeline_chart import timeline_pictures
-from trainer.tracking.mlflow_tracker import Tracker
+from trainer.pictures.timeline_chart import timeline_pictures
+from trainer.planner.memory.host import unmap_freed_memory
+from trainer.planner.memory.predict import predict_memory
+from trainer.run.metrics import MemoryMeter, Progress
+from trainer.tracking.tracker import Tracker
 
 
 @dataclass
@@ -82,7 +83,7 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
 
 def resolve_device(device: str, device_index: int = 0) -> torch.device:
     """This worker's device for ``device: auto | cpu | cuda``: GPU ``device_index`` of its host
-    (selected as current), or the CPU (see :func:`trainer.launch.launcher.bind_worker` for the index)."""
+    (selected as current), or the CPU (see :func:`trainer.launch.worker.bind_worker` for the index)."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(device_index)
         return torch.device("cuda", device_index)
@@ -275,8 +276,6 @@ def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, dev
 
 def _predicted_peak_mb(cfg: RunConfig) -> float:
     """The plan's per-rank peak (the largest over pipeline ranks), MiB."""
-    from trainer.planner.memory.predict import predict_memory
-
     plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
     return max(e.total for e in predict_memory(cfg, plan)) / 2**20
 

@@ -89,7 +89,8 @@ class Progress(NullProgress):
         self.total = total
         if not self.live:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
 
         self._bar = RichProgress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),

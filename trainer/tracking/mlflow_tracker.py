@@ -1,9 +1,7 @@
-"""Experiment tracking behind a small protocol: MLflow on the main rank, a null object elsewhere.
-
-The training loop calls one :class:`Tracker` unconditionally; :func:`make_tracker` hands
-non-main ranks (and ``tracking.backend=none``) a :class:`NullTracker`, which never imports
-MLflow. :func:`run_lifecycle` and :func:`install_signal_handlers` guarantee that a run ends
-FINISHED, FAILED or KILLED, never stuck RUNNING, even when the job is stopped with SIGTERM.
+"""Experiment tracking in MLflow on the main rank, behind the :class:`~trainer.tracking.tracker.Tracker`
+protocol: :func:`make_tracker` hands non-main ranks (and ``tracking.backend=none``) a
+:class:`~trainer.tracking.tracker.NullTracker`, which never imports MLflow. Keys and values are
+made acceptable to MLflow here (its limits, its characters), so a config can always be logged.
 
     with install_signal_handlers():
         tracker = make_tracker(cfg.tracking, is_main=rank == 0)
@@ -14,26 +12,22 @@ FINISHED, FAILED or KILLED, never stuck RUNNING, even when the job is stopped wi
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import re
-import signal
-import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from trainer.config.schema import TrackingConfig
+from trainer.tracking.tracker import NullTracker, RunStatus, Tracker, TrackingError, uninterrupted
 
 log = logging.getLogger(__name__)
 
-RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 
 # MLflow 3's UI opens an experiment in the view its kind names; without the tag it guesses, and
 # an experiment with no runs yet (or with traces) opens in the GenAI view.
@@ -49,80 +43,6 @@ MAX_PARAM_VALUE_LENGTH = 6000
 # MLflow accepts alphanumerics, _ . - space : and /; "/" is replaced too, since MLflow rejects
 # keys that are not normalised paths ("a//b", "a/../b") and a config key never needs one.
 _BAD_KEY_CHARS = re.compile(r"[^\w.\- :]")
-
-
-class Terminated(BaseException):
-    """Raised in the main thread on SIGTERM; a BaseException so ``except Exception`` can't swallow it."""
-
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
-        super().__init__(f"terminated by signal {signal.Signals(signum).name}")
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        """The shell convention for death by signal: 128 + signal number (143 for SIGTERM)."""
-        return 128 + self.signum
-
-
-class TrackingError(RuntimeError):
-    """The tracking configuration cannot be used (unknown run id, deleted experiment)."""
-
-
-class Tracker(Protocol):
-    """What the training loop may log. Implementations: :class:`MLflowTracker`, :class:`NullTracker`."""
-
-    @property
-    def run_id(self) -> str | None: ...
-
-    def log_params(self, params: Mapping[str, Any]) -> None: ...
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
-
-    def log_artifact_text(self, text: str, name: str) -> None: ...
-
-    def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None: ...
-
-    def set_tag(self, key: str, value: Any) -> None: ...
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
-
-    def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None: ...
-
-    def finish(self, status: RunStatus) -> None: ...
-
-
-class NullTracker:
-    """Logs nothing; used on non-main ranks and with ``tracking.backend=none``."""
-
-    run_id: str | None = None
-    experiment_id: str | None = None
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        pass
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        pass
-
-    def log_artifact_text(self, text: str, name: str) -> None:
-        pass
-
-    def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None:
-        pass
-
-    def set_tag(self, key: str, value: Any) -> None:
-        pass
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        pass
-
-    def log_dataset(self, name: str, source: str | None, digest: str, context: str = "training") -> None:
-        pass
-
-    def finish(self, status: RunStatus) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return "NullTracker()"
 
 
 # --------------------------------------------------------------------------- params
@@ -194,34 +114,6 @@ def get_or_create_experiment(client: Any, name: str) -> str:
         # chose (e.g. genai_development) is theirs to keep.
         client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
     return experiment.experiment_id
-
-
-class _SignalState(threading.local):
-    depth = 0                # how many uninterrupted MLflow writes the main thread is inside
-    pending: int | None = None
-
-
-_SIGNALS = _SignalState()
-
-
-def uninterrupted(method):
-    """Run an MLflow write whole: a SIGTERM that arrives meanwhile is raised when it returns.
-
-    :class:`Terminated` is raised wherever the main thread happens to be; raised inside a write to
-    the store (SQLAlchemy holding a pooled connection, SQLite a write lock) it can leave that held,
-    and the KILLED update that follows, or the system-metrics thread's next write, then waits on
-    it for good."""
-    @functools.wraps(method)
-    def whole(*args, **kwargs):
-        _SIGNALS.depth += 1
-        try:
-            return method(*args, **kwargs)
-        finally:
-            _SIGNALS.depth -= 1
-            if _SIGNALS.depth == 0 and _SIGNALS.pending is not None:
-                signum, _SIGNALS.pending = _SIGNALS.pending, None
-                raise Terminated(signum)
-    return whole
 
 
 class MLflowTracker:
@@ -348,62 +240,3 @@ def make_tracker(cfg: TrackingConfig, *, is_main: bool, run_id: str | None = Non
     return MLflowTracker(cfg, run_id=run_id, run_name=run_name)
 
 
-# ------------------------------------------------------------------------- lifecycle
-
-
-def _finish_quietly(tracker: Tracker, status: RunStatus) -> None:
-    # While an error propagates, a failure to reach the tracking store must not replace it.
-    try:
-        tracker.finish(status)
-    except Exception:
-        log.exception("could not mark tracking run %s as %s", tracker.run_id, status)
-
-
-@contextmanager
-def run_lifecycle(tracker: Tracker) -> Iterator[Tracker]:
-    """End the run FINISHED on normal exit (or ``sys.exit(0)``), KILLED on Ctrl-C or
-    :class:`Terminated`, FAILED on any other exception; exceptions are re-raised."""
-    try:
-        yield tracker
-    except (KeyboardInterrupt, Terminated):
-        _finish_quietly(tracker, "KILLED")
-        raise
-    except SystemExit as exc:
-        _finish_quietly(tracker, "FINISHED" if exc.code in (0, None) else "FAILED")
-        raise
-    except BaseException:
-        _finish_quietly(tracker, "FAILED")
-        raise
-    tracker.finish("FINISHED")
-
-
-@contextmanager
-def install_signal_handlers() -> Iterator[None]:
-    """Make SIGTERM raise :class:`Terminated` in the main thread; restore the old handler on exit.
-
-    Only the first SIGTERM raises: later ones (a launcher repeating itself while the run is
-    being closed) are ignored so they cannot interrupt the cleanup. Outside the main thread
-    Python cannot install handlers, so this does nothing there.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        log.warning("install_signal_handlers: not the main thread; SIGTERM keeps its current handler")
-        yield
-        return
-    raised = False
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        nonlocal raised
-        if raised:
-            log.warning("signal %d again while shutting down; ignored", signum)
-            return
-        raised = True
-        if _SIGNALS.depth:  # inside an MLflow write: raised when it is done
-            _SIGNALS.pending = signum
-            return
-        raise Terminated(signum)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

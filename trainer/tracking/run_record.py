@@ -17,31 +17,36 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from parallel.plan.resolve import resolve_plan
 from trainer.config.schema import RunConfig, TrackingConfig
+from trainer.export.weights import export_checkpoint
+from trainer.models import build_model
+from trainer.pictures.placement import write_placement
+from trainer.planner.report import describe_plan
 from trainer.tracking.run_info import public_config, redact, run_tags, run_url, ui_command
-from trainer.tracking.mlflow_tracker import NullTracker, Tracker
+from trainer.tracking.tracker import NullTracker, Tracker
 
 log = logging.getLogger(__name__)
 
 
-def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path) -> dict[str, str]:
-    """Tags, params, the resolved config and dry-run plan as artifacts, the data as a dataset input,
-    and (``tracking.pictures``) the placement picture written into ``pictures_dir`` and logged
-    under ``pictures/``; returns the pictures' paths by name."""
+def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path, *,
+                 artifacts: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Tags, params, the resolved config and dry-run plan as artifacts (with ``artifacts``: more
+    text artifacts by name, e.g. the auto-planner's ranking), the data as a dataset input, and
+    (``tracking.pictures``) the placement picture written into ``pictures_dir`` and logged under
+    ``pictures/``; returns the pictures' paths by name."""
     if isinstance(tracker, NullTracker) and not cfg.tracking.pictures:
         return {}
     plan = _plan(cfg)
     pictures: dict[str, str] = {}
     if plan is not None and cfg.tracking.pictures:
-        from trainer.tracking.pictures.placement import write_placement
-
         written = write_placement(cfg, plan, pictures_dir)
         for kind, path in written.items():
             tracker.log_artifact(path, "pictures")
@@ -53,35 +58,16 @@ def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path) -> dict[s
     tracker.log_params(public)
     tracker.log_artifact_text(yaml.safe_dump(public, sort_keys=False), "config.yaml")
     if plan is not None:
-        from trainer.planner.report import describe_plan
-
         tracker.log_artifact_text(describe_plan(cfg, plan, pictures_dir=None), "plan.txt")
-    _log_ranking(tracker, cfg)
+    for name, text in (artifacts or {}).items():
+        tracker.log_artifact_text(text, name)
     tracker.log_dataset(*dataset_identity(cfg))
     return pictures
-
-
-def _log_ranking(tracker: Tracker, cfg: RunConfig) -> None:
-    """``+parallel=auto``: the planner's ranking as ``auto_plan.json`` and ``auto_plan.txt``
-    (computed again from the cached calibration; see :func:`trainer.planner.auto.plan.ranking_for`)."""
-    from trainer.planner.auto.plan import ranking_for
-
-    try:
-        ranking = ranking_for(cfg)
-    except Exception as err:  # noqa: BLE001 - the ranking only describes the run
-        log.warning("no auto_plan.json for this run: %s: %s", type(err).__name__, err)
-        return
-    if ranking is not None:
-        tracker.log_artifact_text(ranking.to_json(), "auto_plan.json")
-        tracker.log_artifact_text(ranking.table(len(ranking.candidates)), "auto_plan.txt")
 
 
 def _plan(cfg: RunConfig):
     """The config's resolved plan (what ``dry_run=true`` reports), or None when the model cannot be
     planned on the meta device (a custom module that needs real tensors): the run trains anyway."""
-    from parallel.plan.resolve import resolve_plan
-    from trainer.models import build_model
-
     try:
         return resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
     except Exception as err:  # noqa: BLE001 - the plan only describes the run
@@ -142,8 +128,6 @@ def log_final_model(tracker: Tracker, cfg: RunConfig, outcome: dict[str, Any]) -
     if not (checkpoint and cfg.tracking.log_model) or isinstance(tracker, NullTracker):
         return
     import tempfile
-
-    from trainer.export.weights import export_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="meshflow-model-") as tmp:
         out = Path(tmp) / "model.safetensors"

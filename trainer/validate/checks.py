@@ -9,6 +9,8 @@ Three layers, all run by :func:`validate_config`:
    placement, boundary and head count is checked against its real parameters.
 
 Every issue names the config path, the reason and a fix; all issues are reported at once.
+``+parallel=auto`` is resolved before validation (:func:`trainer.planner.auto.plan.resolve_and_validate`),
+so validation never starts the planner.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from pydantic import ValidationError
 
 from parallel.config import INTERLEAVED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
-from parallel.plan.resolve import ParallelPlan
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import has_mallopt
+from trainer.validate.model_checks import check_against_model
 from trainer.validate.schema_issues import schema_issues
+from trainer.validate.stage_checks import check_stages
+
 
 def validate_config(raw: dict[str, Any], *, check_model: bool = True) -> RunConfig:
     """Turn a plain dict into a frozen :class:`RunConfig`, or raise :class:`ConfigError`."""
@@ -37,20 +42,12 @@ def validate_with_plan(raw: dict[str, Any], *, check_model: bool = True) -> tupl
     """:func:`validate_config` and the parallel plan it resolved on the way (None without ``check_model``)."""
     if not isinstance(raw, dict):
         raise ConfigError([ConfigIssue("<root>", f"expected a mapping, got {type(raw).__name__}", "pass a YAML mapping")])
-    from trainer.planner.auto.plan import is_auto
-
-    if is_auto(raw) and check_model:  # `+parallel=auto`: the planner's winner is validated like any config
-        from trainer.planner.auto.plan import resolve_auto
-
-        raw, _ = resolve_auto(raw)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(schema_issues(err, raw)) from None
     issues, plan = check_structure(cfg), None
     if not issues and check_model:
-        from trainer.validate.model_checks import check_against_model
-
         plan, issues = check_against_model(cfg)
     if issues:
         raise ConfigError(issues)
@@ -67,8 +64,6 @@ def check_structure(cfg: RunConfig) -> list[ConfigIssue]:
         return issues
     issues += _check_parallel(cfg)
     if cfg.stages:
-        from trainer.validate.stage_checks import check_stages
-
         issues += check_stages(cfg)
     par = cfg.parallel
     if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
@@ -303,7 +298,7 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
 
         if not torch.cuda.is_available():
             issues.append(ConfigIssue("device", "cuda requested but no CUDA device is visible", "use device=cpu or device=auto"))
-        elif cfg.world_size > torch.cuda.device_count() * ln.nnodes:
+        elif cfg.world_size > torch.cuda.device_count() * cfg.launch.nnodes:
             issues.append(ConfigIssue("mesh", f"{cfg.world_size} workers but only {torch.cuda.device_count()} GPUs per host",
                                       "use a smaller mesh or more hosts (launch.nnodes)"))
     return issues

@@ -8,9 +8,14 @@ from __future__ import annotations
 import math
 
 from parallel.errors import ConfigError, ConfigIssue
-from parallel.plan.resolve import MeshSpec, ParallelPlan, resolve_plan
+from parallel.plan.resolve import resolve_plan
+from parallel.plan.spec import MeshSpec, ParallelPlan
+from trainer.checkpoint.dcp import CheckpointError, check_model_config, read_extra, resolve_resume
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
-from trainer.models import decoder_config
+from trainer.data.tokenizer import load_tokenizer
+from trainer.models import build_model, decoder_config
+from trainer.models.custom import CustomModelError, resolve_builder
+from trainer.planner.memory.budget import check_memory
 
 _DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files"), "hf": ("text", "synthetic", "files"),
                   "mlp": ("regression",), "custom": ("text", "synthetic", "files")}
@@ -22,9 +27,6 @@ MAX_LAYERS = 1024
 
 def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
     """The config's plan for its model (None when the model cannot be planned) and every issue found."""
-    from trainer.models import build_model
-    from trainer.models.custom import CustomModelError
-
     issues = _check_model_data(cfg)
     if issues:
         return None, issues
@@ -54,8 +56,6 @@ def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[Confi
 
 def _check_memory(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
     """Refuse a config predicted not to fit its per-rank memory budget (never starting a worker)."""
-    from trainer.planner.memory.budget import check_memory
-
     try:
         return check_memory(cfg, plan)
     except Exception:  # noqa: BLE001 - a model the meta device cannot run forward is not predicted, not refused
@@ -84,7 +84,7 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         file_issues, data_vocab = _check_files(d)
         issues += file_issues
     if isinstance(cfg.model, HFModelConfig):
-        from trainer.models.hf import HFModelError, read_hf_config
+        from trainer.models.hf import HFModelError, read_hf_config  # optional: transformers, the hf extra
 
         try:
             m, tied = read_hf_config(cfg.model.path)
@@ -99,8 +99,6 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
     if isinstance(cfg.model, LlamaConfig):
         issues += _check_decoder(cfg.model, d, t, data_vocab)
     if isinstance(cfg.model, CustomModelConfig):
-        from trainer.models.custom import CustomModelError, resolve_builder
-
         if cfg.parallel is not None and cfg.parallel.pipeline is not None:
             issues.append(ConfigIssue("parallel.pipeline", "a custom module's forward cannot run as a pipeline stage "
                                       "(it would need to skip the pieces other stages hold)",
@@ -180,8 +178,8 @@ def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh:
 def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
     """Every path and glob matches a file, and the tokenizer loads (the corpus is not read here):
     ``(issues, the tokenizer's vocabulary size or None when it does not load)``."""
+    # optional: datasets and tokenizers, the hf extra
     from trainer.data.files import expand_paths, file_format
-    from trainer.data.tokenizer import load_tokenizer
 
     issues, vocab = [], None
     for key, paths in [("data.paths", d.paths)] + ([("data.val_paths", d.val_paths)] if d.val_paths else []):
@@ -201,8 +199,6 @@ def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
 
 def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:
     """The checkpoint to resume from exists, is finished and was saved from this model."""
-    from trainer.run.checkpoint import CheckpointError, check_model_config, read_extra, resolve_resume
-
     ckpt = cfg.train.checkpoint
     try:
         path = resolve_resume(ckpt.resume, ckpt.dir)

@@ -24,77 +24,21 @@ and cannot be faster. Every loser says why it lost.
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from parallel.config import AutoPlanConfig
 from parallel.errors import ConfigError, ConfigIssue
-from trainer.planner.calibration.probe import Calibration
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
+from trainer.planner.auto.ranking import AutoPlan
+from trainer.planner.cost.calibration import Calibration
+from trainer.planner.memory.layout import on_cuda
+from trainer.validate.checks import validate_with_plan
 
-GIB, MIB = 2**30, 2**20
+log = logging.getLogger(__name__)
 MAX_PROBE_WORKERS = 16  # a probe of more processes than that on one host measures only the scheduler
-
-
-@dataclass
-class Candidate:
-    """One layout and its verdict. ``status``: chosen, slower, does not fit, pruned or invalid."""
-
-    label: str
-    mesh: list[int]
-    parallel: dict[str, Any]
-    precision: str
-    status: str = "invalid"
-    reason: str = ""
-    lower_bound_s: float | None = None
-    step_s: float | None = None
-    tokens_per_s: float | None = None
-    peak_bytes: float | None = None
-    parts_s: dict[str, float] = field(default_factory=dict)  # compute, bubble, comm <axis>, optimizer, unitemized
-    traffic: dict[str, float] = field(default_factory=dict)  # bytes a rank sends per step, per axis
-
-
-@dataclass
-class AutoPlan:
-    world_size: int
-    budget_bytes: float
-    budget_source: str
-    calibration: str
-    candidates: list[Candidate]  # ranked: chosen, slower (by time), does not fit, pruned, invalid
-    seconds: float
-    show: int = 20
-
-    @property
-    def winner(self) -> Candidate:
-        return self.candidates[0]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
-    def table(self, show: int | None = None) -> str:
-        """The ranking as the dry run prints it: one row per candidate, the chosen layout first."""
-        rows = self.candidates[: show or self.show]
-        counts = {s: sum(c.status == s for c in self.candidates) for s in
-                  ("chosen", "slower", "does not fit", "pruned", "invalid")}
-        lines = [f"auto plan: {len(self.candidates)} layouts of {self.world_size} ranks in {self.seconds:.1f} s "
-                 f"({', '.join(f'{n} {s}' for s, n in counts.items() if n)}); memory budget "
-                 f"{self.budget_bytes / MIB:,.0f} MiB per rank ({self.budget_source})",
-                 f"{'#':>3} {'layout':<52} {'step ms':>9} {'tok/s':>9} {'peak MiB':>9} {'traffic MiB/axis':<30} reason"]
-        for i, c in enumerate(rows, 1):
-            traffic = " ".join(f"{a}:{b / MIB:.1f}" for a, b in c.traffic.items()) or "-"
-            lines.append(f"{i:>3} {c.label:<52} {_num(c.step_s, 1e3, '.1f'):>9} {_num(c.tokens_per_s, 1, ',.0f'):>9} "
-                         f"{_num(c.peak_bytes, 1 / MIB, ',.0f'):>9} {traffic:<30} {c.reason}")
-        if len(self.candidates) > len(rows):
-            lines.append(f"... {len(self.candidates) - len(rows)} more (all in auto_plan.json; parallel.auto.show=N)")
-        lines.append(self.calibration)
-        return "\n".join(lines)
-
-
-def _num(value: float | None, scale: float, fmt: str) -> str:
-    return "-" if value is None else format(value * scale, fmt)
 
 
 def is_auto(raw: dict) -> bool:
@@ -116,6 +60,20 @@ def resolve_auto(raw: dict, *, calibration: Calibration | None = None) -> tuple[
     return out, result
 
 
+def resolve_and_validate(raw: dict, *, check_model: bool = True
+                         ) -> tuple[RunConfig, ParallelPlan | None, AutoPlan | None]:
+    """The one way a composed config becomes a run config (the CLI, ``train(config)`` and the
+    control plane): ``+parallel=auto`` resolved to the planner's winner first (with ``check_model``;
+    the probe of the host and the search take seconds), then validated like any hand-written config.
+    Returns the config, its resolved plan (None without ``check_model``) and the ranking (None
+    unless the planner chose)."""
+    ranking = None
+    if is_auto(raw) and check_model:
+        raw, ranking = resolve_auto(raw)
+    cfg, plan = validate_with_plan(raw, check_model=check_model)
+    return cfg, plan, ranking
+
+
 def ranking_for(cfg: RunConfig, *, calibration: Calibration | None = None) -> AutoPlan | None:
     """The ranking a config chosen by the planner came from (None for a hand-written layout),
     computed again: the calibration is cached and the search takes seconds, so a run records it
@@ -125,6 +83,20 @@ def ranking_for(cfg: RunConfig, *, calibration: Calibration | None = None) -> Au
     raw = cfg.model_dump(mode="json")
     raw.update(mesh=[cfg.world_size], parallel={"auto": raw["parallel"]["auto"]})
     return plan_layouts(raw, calibration=calibration)
+
+
+def ranking_artifacts(cfg: RunConfig) -> dict[str, str]:
+    """``+parallel=auto``: the planner's ranking as a run's ``auto_plan.json`` and ``auto_plan.txt``
+    (computed again from the cached calibration, :func:`ranking_for`); empty for a hand-written
+    layout, or when the ranking cannot be computed again (it only describes the run)."""
+    try:
+        ranking = ranking_for(cfg)
+    except Exception as err:  # noqa: BLE001 - the ranking only describes the run
+        log.warning("no auto_plan.json for this run: %s: %s", type(err).__name__, err)
+        return {}
+    if ranking is None:
+        return {}
+    return {"auto_plan.json": ranking.to_json(), "auto_plan.txt": ranking.table(len(ranking.candidates))}
 
 
 def _knobs(raw: dict) -> AutoPlanConfig:
@@ -139,8 +111,6 @@ def _knobs(raw: dict) -> AutoPlanConfig:
 
 def plan_layouts(raw: dict, *, calibration: Calibration | None = None) -> AutoPlan:
     """Rank every candidate layout of ``raw``'s mesh (see the module docstring)."""
-    from trainer.planner.auto.search import Search
-
     began = time.monotonic()
     knobs = _knobs(raw)
     mesh = raw.get("mesh") or [1]
@@ -149,9 +119,13 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None) -> AutoPl
                                        "give the number of ranks, e.g. mesh=[8]")])
     world = math.prod(mesh)
     base = RunConfig.model_validate({**raw, "mesh": None, "parallel": None})
+    # start-up: the search imports DTensor and the cost model, the probe the training loop (about 2 s);
+    # only +parallel=auto pays for them, not every validation of a hand-written layout.
+    from trainer.planner.auto.search import Search
+    from trainer.planner.calibration.probe import describe
+
     search = Search(raw, base, knobs, world, calibration or host_calibration(base, world))
     candidates = search.run()
-    from trainer.planner.calibration.probe import describe
 
     return AutoPlan(world_size=world, budget_bytes=search.budget, budget_source=search.budget_source,
                     calibration=describe(search.calibration), candidates=candidates,
@@ -160,9 +134,8 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None) -> AutoPl
 
 def host_calibration(base: RunConfig, world: int) -> Calibration:
     """This host's calibration for the workers a run of ``world`` ranks starts here (cached)."""
-    from trainer.planner.calibration.probe import load_or_probe
-    from trainer.planner.memory.layout import on_cuda
-
     workers = max(1, min(world // base.launch.nnodes, MAX_PROBE_WORKERS))
     sizes = [g for g in range(2, world + 1) if world % g == 0 and g <= workers]
+    from trainer.planner.calibration.probe import load_or_probe  # start-up: see plan_layouts
+
     return load_or_probe(workers, sizes, device_type="cuda" if on_cuda(base) else "cpu")

@@ -16,10 +16,20 @@ from typing import Any
 
 from parallel.config import INTERLEAVED_SCHEDULES, AutoPlanConfig
 from parallel.errors import ConfigError
-from parallel.plan.resolve import ParallelPlan, resolve_plan
-from trainer.planner.auto.plan import GIB, Candidate
-from trainer.planner.calibration.probe import Calibration, bf16_supported
+from parallel.plan.resolve import resolve_plan
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
+from trainer.models import build_model, decoder_config
+from trainer.planner.auto.ranking import GIB, Candidate
+from trainer.planner.calibration.probe import bf16_supported
+from trainer.planner.cost.calibration import Calibration
+from trainer.planner.cost.comm import unit_params
+from trainer.planner.cost.model import lower_bound_s, predict_step_time, unit_costs
+from trainer.planner.memory.budget import memory_budget
+from trainer.planner.memory.layout import on_cuda
+from trainer.planner.memory.predict import predict_memory
+from trainer.validate.checks import check_structure
+from trainer.validate.model_checks import _check_heads
 
 
 def divisors(n: int) -> list[int]:
@@ -28,9 +38,6 @@ def divisors(n: int) -> list[int]:
 
 class Search:
     def __init__(self, raw: dict, base: RunConfig, knobs: AutoPlanConfig, world: int, calibration: Calibration) -> None:
-        from trainer.planner.memory.budget import memory_budget
-        from trainer.models import build_model, decoder_config
-
         self.raw, self.base, self.knobs, self.world, self.calibration = raw, base, knobs, world, calibration
         self.model = build_model(base.model, device="meta")  # the only model this search builds
         self.decoder = decoder_config(base.model)
@@ -114,9 +121,6 @@ class Search:
     def validate(self, c: Candidate) -> tuple[RunConfig, ParallelPlan] | None:
         """The candidate's config and plan, or None with ``c.reason`` saying why it is invalid: the
         structural checks every config meets, then the placements and boundaries on the model."""
-        from trainer.validate.model_checks import _check_heads
-        from trainer.validate.checks import check_structure
-
         keys = _section_keys(c)
         if self._known_failure(c, "structure", keys):
             return None
@@ -150,8 +154,6 @@ class Search:
     # ------------------------------------------------------------------ prediction
 
     def params(self, plan: ParallelPlan) -> dict:
-        from trainer.planner.cost.comm import unit_params
-
         key = plan.mesh.size([a for axes in plan.placements.values() for a in axes])
         if key not in self._params:
             self._params[key] = unit_params(plan, self.model)
@@ -159,8 +161,6 @@ class Search:
 
     def flops_per_sequence(self, cfg: RunConfig, plan: ParallelPlan) -> float:
         """Matmul FLOPs of one whole sequence, forward, backward and any recompute (a tp=1 pass)."""
-        from trainer.planner.cost.model import unit_costs
-
         key = (cfg.train.precision, plan.activation_checkpointing)
         if key not in self._flops:
             one = ParallelPlan(units=plan.units, blocks=plan.blocks)
@@ -171,10 +171,7 @@ class Search:
         return self._flops[key]
 
     def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
-        from trainer.planner.cost.model import micro_batch_size, predict_step_time, unit_costs
-        from trainer.planner.memory.predict import predict_memory
-
-        micro = micro_batch_size(cfg)
+        micro = cfg.micro_batch_size
         key = (self.params_key(plan), micro, cfg.train.precision)
         if key not in self._costs:
             self._costs[key] = unit_costs(cfg, plan, micro, model=self.model)
@@ -197,8 +194,6 @@ class Search:
     # ------------------------------------------------------------------ the search
 
     def run(self) -> list[Candidate]:
-        from trainer.planner.cost.model import lower_bound_s
-
         valid: list[tuple[float, Candidate, RunConfig, ParallelPlan]] = []
         invalid: list[Candidate] = []
         for c in self.layouts():
@@ -256,7 +251,5 @@ def _hsdp_sizes(label: str) -> list[int]:
 
 def _device(cfg: RunConfig):
     import torch
-
-    from trainer.planner.memory.layout import on_cuda
 
     return torch.device("cuda" if on_cuda(cfg) else "cpu")

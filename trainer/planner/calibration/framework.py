@@ -16,7 +16,19 @@ from dataclasses import replace
 
 import torch
 
-from trainer.planner.calibration.probe import MIN_SECONDS, Calibration, _timed, _timed_together
+from parallel.plan.resolve import resolve_plan
+from trainer.config.schema import RunConfig
+from trainer.models import build_model, loss_fn_for
+from trainer.planner.calibration.timing import MIN_SECONDS, timed, timed_together
+from trainer.planner.cost.calibration import Calibration
+from trainer.planner.cost.model import (
+    count_calls,  # the cost model counts ops the same way (it imports this module)
+    predict_step_time,
+    unit_costs,
+)
+from trainer.planner.cost.reference import pipelined_tp_collectives, schedule_actions
+from trainer.run.loop import build_parallel_model
+from trainer.validate.checks import validate_with_plan
 
 # The framework probe: a stack of tiny blocks whose arithmetic is negligible, so its time per op is
 # what every op of a training step pays beyond the op itself (nn.Module calls, autograd's graph and
@@ -29,8 +41,6 @@ def probe_framework(device: torch.device) -> tuple[float, float]:
     of a stack of tiny Linear, SiLU, LayerNorm blocks trained as the trainer does (clip, AdamW with
     torch's default implementation for the device, zero_grad)."""
     from torch import nn
-
-    from trainer.planner.cost.model import count_calls  # the cost model counts ops the same way (it imports this module)
 
     w = FRAMEWORK_WIDTH
     model = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.SiLU(), nn.LayerNorm(w))
@@ -50,8 +60,8 @@ def probe_framework(device: torch.device) -> tuple[float, float]:
 
     calls = count_calls(passes)
     optimizer.zero_grad(set_to_none=True)
-    passes_s = _timed(passes)
-    step_s = _timed(step)
+    passes_s = timed(passes)
+    step_s = timed(step)
     return passes_s / calls, max(0.0, step_s - passes_s) / len(params)
 
 
@@ -64,29 +74,21 @@ REFERENCE_BATCH = 2
 
 
 def _reference():
-    from trainer.config.schema import RunConfig
-
     return RunConfig.model_validate({"model": REFERENCE_MODEL, "train": {"global_batch_size": REFERENCE_BATCH,
                                                                           "seq_len": REFERENCE_MODEL["max_seq_len"]}})
 
 
 def probe_reference(device: torch.device) -> float:
     """Seconds of one forward + backward (with the loss) of the reference decoder, fp32."""
-    from trainer.models import build_model, loss_fn_for
-
     cfg = _reference()
     model = build_model(cfg.model, device=device)
     loss_fn = loss_fn_for(cfg.model)
     x = torch.randint(0, cfg.model.vocab_size, (REFERENCE_BATCH, cfg.train.seq_len), device=device)
-    return _timed(lambda: loss_fn(model(x), x).backward())
+    return timed(lambda: loss_fn(model(x), x).backward())
 
 
 def reference_prediction(cal: Calibration) -> float:
     """What ``cal``'s fits (before any efficiency) predict for :func:`_probe_reference`'s pass."""
-    from parallel.plan.resolve import resolve_plan
-    from trainer.planner.cost.model import unit_costs
-    from trainer.models import build_model
-
     cfg = _reference()
     model = build_model(cfg.model, device="meta")
     costs = unit_costs(cfg, resolve_plan(None, None, model), REFERENCE_BATCH, model=model)
@@ -109,8 +111,8 @@ def probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
     plain = nn.Parameter(torch.randn(w * workers, w, device=device))
     sharded = [nn.Parameter(distribute_tensor(torch.randn(w * workers, w, device=device), mesh, [Shard(0)]))
                for _ in range(FRAMEWORK_DEPTH)]
-    plain_s = _timed(lambda: torch.nn.functional.linear(x, plain).sum().backward())
-    dtensor_s = _timed_together(lambda: torch.nn.functional.linear(
+    plain_s = timed(lambda: torch.nn.functional.linear(x, plain).sum().backward())
+    dtensor_s = timed_together(lambda: torch.nn.functional.linear(
         DTensor.from_local(x, mesh, [Replicate()]), sharded[0]).to_local().sum().backward(), MIN_SECONDS)
     for p in sharded:
         p.grad = torch.zeros_like(p)
@@ -123,7 +125,7 @@ def probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
             p.grad.zero_()
 
     # clipping all-reduces the norm over the mesh: every rank must run the same number of steps
-    return max(0.0, dtensor_s - plain_s), _timed_together(step, MIN_SECONDS) / len(sharded)
+    return max(0.0, dtensor_s - plain_s), timed_together(step, MIN_SECONDS) / len(sharded)
 
 
 # The reference steps: a small decoder trained for real by the engine on every probe worker, laid
@@ -172,8 +174,6 @@ def reference_step(family: str, workers: int):
     """``(config, plan)`` of the reference step of ``family`` on ``workers`` ranks, or ``None``
     when the family cannot lay the step model out over them (tp must divide the heads, a
     pipeline's two stages (and tp2) the workers)."""
-    from trainer.validate.checks import validate_with_plan
-
     layout = _reference_parallel(family, workers) if workers >= 2 else None
     if layout is None:
         return None
@@ -187,9 +187,6 @@ def probe_steps(device: torch.device, workers: int) -> dict[str, float]:
     """Seconds of one reference step per family (inside the probe's process group; every rank
     runs the same steps). Each step is the training loop's: forward and backward over this rank's
     share of the batch, clipping, AdamW, zero_grad, the global loss."""
-    from trainer.run.loop import build_parallel_model
-    from trainer.models import loss_fn_for
-
     out = {}
     for family in STEP_FAMILIES:
         ref = reference_step(family, workers)
@@ -209,15 +206,13 @@ def probe_steps(device: torch.device, workers: int) -> dict[str, float]:
             optimizer.zero_grad(set_to_none=True)
             pm.reduce_loss(loss)
 
-        out[family] = _timed_together(step, MIN_SECONDS)
+        out[family] = timed_together(step, MIN_SECONDS)
     return out
 
 
 def step_efficiency(cal: Calibration, measured: dict[str, float]) -> dict[str, float]:
     """Per dp or tp family: the reference step's measured seconds over what ``cal`` (without any
     step efficiency) predicts for it."""
-    from trainer.planner.cost.model import predict_step_time
-
     raw = replace(cal, step_efficiency={})  # (a ratio family's reference has no pipeline to pay for)
     out = {}
     for family, seconds in measured.items():
@@ -232,9 +227,6 @@ def pipeline_costs(cal: Calibration, measured: dict[str, float]) -> tuple[float,
     ``cal`` (with the dp and tp ratios, without these costs) predicts: the ``pp`` reference's residue
     over its actions, then the ``pp_tp`` reference's residue beyond its actions' cost over its tp
     all-reduces (each at least 0; 0 where the probe had no such reference)."""
-    from trainer.planner.cost.model import predict_step_time
-    from trainer.planner.cost.reference import pipelined_tp_collectives, schedule_actions
-
     raw = replace(cal, schedule_action_s=0.0, pipelined_tp_collective_s=0.0)
     action_s = tp_s = 0.0
     for family in PIPELINE_FAMILIES:  # pp first: pp_tp's residue is taken beyond pp's per-action cost

@@ -25,115 +25,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-SCHEMA_VERSION = 4
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+from trainer.config.compose import compose_dict
+from trainer.config.schema import RunConfig
+from trainer.planner.calibration.framework import (
+    pipeline_costs,
+    probe_dtensor,
+    probe_framework,
+    probe_reference,
+    probe_steps,
+    reference_prediction,
+    step_efficiency,
+)
+from trainer.planner.calibration.timing import MIN_SECONDS, timed, timed_together
+from trainer.planner.cost.calibration import COLLECTIVES, SCHEMA_VERSION, Calibration, Fit, fit_line
+
 # (m, k, n) of the probe's matmuls: a decoder's projections from tiny (dim 64) to small (dim 512, ffn 1376),
 # m being the tokens of a micro-batch; small ones measure the per-call overhead, large ones the throughput.
 MATMUL_SHAPES = ((256, 64, 64), (512, 64, 172), (512, 256, 256), (1024, 512, 512), (1024, 512, 1376))
 ELEMENTWISE_NUMEL = (2**12, 2**16, 2**20)
 COLLECTIVE_BYTES = (2**12, 2**16, 2**20, 2**22)
-MIN_SECONDS = 0.15  # per measured point: enough repetitions to average out the scheduler's noise
-
-
-@dataclass(frozen=True)
-class Fit:
-    """``time = latency_s + size / rate``: size in FLOPs (matmul) or bytes (the rest)."""
-
-    latency_s: float = field(metadata={"help": "seconds per call, whatever the size"})
-    rate: float = field(metadata={"help": "FLOP/s or bytes/s once the call is large"})
-
-    def time(self, size: float) -> float:
-        return self.latency_s + size / self.rate
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What one worker can do while ``workers`` run on this host at once.
-
-    ``matmul``: dtype (``fp32``, ``bf16``) -> fit over FLOPs (2 m k n per matmul).
-    ``elementwise``: fit over bytes read + written by one pointwise op.
-    ``collectives``: op -> group size -> fit over the op's buffer bytes: all_reduce's tensor,
-    all_gather's gathered output, reduce_scatter's full input, send_recv's message.
-    """
-
-    host: str
-    device: str
-    workers: int
-    matmul: dict[str, Fit]
-    elementwise: Fit
-    collectives: dict[str, dict[int, Fit]]
-    op_latency_s: float = 0.0  # seconds per op of a module's forward and backward under autograd, at tiny sizes
-    optimizer_tensor_s: float = 0.0  # seconds per parameter tensor of clip, AdamW step and zero_grad, tiny tensors
-    dtensor_linear_s: float = 0.0  # extra seconds of a Linear's forward + backward when its weight is a DTensor
-    optimizer_dtensor_tensor_s: float = 0.0  # optimizer_tensor_s for DTensor parameters (FSDP, tp)
-    cores: int = 0  # CPU cores the workers share (0: a device each, nothing shared)
-    compute_efficiency: float = 1.0  # a real decoder pass's measured time over what the fits above predict for it
-    # layout family (ddp, fsdp, tp) -> a real training step of a small decoder laid out so over all the
-    # workers, measured over what the cost model predicts for it (trainer.planner.calibration.framework.probe_steps)
-    step_efficiency: dict[str, float] = field(default_factory=dict)
-    # a pipelined step's fixed costs beyond the prediction (trainer.planner.cost.reference.pipeline_overhead_s),
-    # from real steps of dp x pp2 and dp x pp2 x tp2: per schedule action, and per tp all-reduce of a stage
-    schedule_action_s: float = 0.0
-    pipelined_tp_collective_s: float = 0.0
-    probe_s: float = 0.0
-    torch_version: str = torch.__version__
-    created: float = 0.0
-    schema: int = SCHEMA_VERSION
-
-    def matmul_time(self, dtype: str, flops: float) -> float:
-        fit = self.matmul.get(dtype) or self.matmul["fp32"]
-        return fit.time(flops)
-
-    def elementwise_time(self, nbytes: float) -> float:
-        return self.elementwise.time(nbytes)
-
-    def collective_time(self, op: str, group_size: int, nbytes: float) -> float:
-        """Seconds for one ``op`` over ``group_size`` ranks. A size the probe did not measure is
-        scaled from the nearest measured one by the ring algorithm: latency with the ring's
-        steps (g - 1), bandwidth with the share each rank sends ((g - 1) / g)."""
-        if group_size <= 1:
-            return 0.0
-        fits = self.collectives.get(op) or self.collectives["all_reduce"]  # an odd worker count has no pairs
-        if group_size in fits:
-            return fits[group_size].time(nbytes)
-        near = min(fits, key=lambda g: abs(g - group_size))
-        steps = (group_size - 1) / (near - 1) if op != "send_recv" else 1.0
-        share = ((group_size - 1) / group_size) / ((near - 1) / near) if op != "send_recv" else 1.0
-        return fits[near].latency_s * steps + nbytes * share / fits[near].rate
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> Calibration:
-        raw = json.loads(text)
-        return cls(**{**raw, "matmul": {k: Fit(**v) for k, v in raw["matmul"].items()},
-                      "elementwise": Fit(**raw["elementwise"]),
-                      "collectives": {op: {int(g): Fit(**f) for g, f in by.items()}
-                                      for op, by in raw["collectives"].items()}})
-
-
-def fit_line(sizes: list[float], seconds: list[float]) -> Fit:
-    """Least squares of ``t = a + s / r`` on relative error (small calls matter as much as big ones)."""
-    import numpy as np
-
-    s, t = np.asarray(sizes, float), np.asarray(seconds, float)
-    design = np.stack([np.ones_like(s), s], axis=1) / t[:, None]
-    (a, inv_rate), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    if inv_rate <= 0:  # flat in size (all latency): the largest size's own rate bounds it
-        inv_rate = 1e-3 * t.max() / s.max()
-    return Fit(latency_s=max(0.0, float(a)), rate=float(1.0 / inv_rate))
 
 
 # ------------------------------------------------------------------------- the probe
@@ -146,34 +66,6 @@ def bf16_supported(device: torch.device) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _timed(fn, min_s: float = MIN_SECONDS, min_reps: int = 3) -> float:
-    """Mean seconds of one call of ``fn`` (a warm-up call first)."""
-    fn()
-    reps, began = 0, time.perf_counter()
-    while reps < min_reps or time.perf_counter() - began < min_s:
-        fn()
-        reps += 1
-    return (time.perf_counter() - began) / reps
-
-
-def _timed_together(fn, min_s: float) -> float:
-    """:func:`_timed` for a collective: every rank runs the same number of calls (the most any
-    rank wants), or some would wait forever for a peer that stopped."""
-    import torch.distributed as dist
-
-    fn()
-    dist.barrier()
-    began = time.perf_counter()
-    fn()
-    want = torch.tensor([max(3, math.ceil(min_s / max(time.perf_counter() - began, 1e-6)))])
-    dist.all_reduce(want, op=dist.ReduceOp.MAX)
-    dist.barrier()
-    began = time.perf_counter()
-    for _ in range(int(want)):
-        fn()
-    return (time.perf_counter() - began) / int(want)
-
-
 def _probe_compute(device: torch.device, dtypes: list[str]) -> dict:
     out: dict = {"matmul": {}, "elementwise": None}
     for name in dtypes:
@@ -182,15 +74,14 @@ def _probe_compute(device: torch.device, dtypes: list[str]) -> dict:
         for m, k, n in MATMUL_SHAPES:
             a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
             flops.append(2.0 * m * k * n)
-            secs.append(_timed(lambda: torch.mm(a, b)))
+            secs.append(timed(lambda: torch.mm(a, b)))
         out["matmul"][name] = (flops, secs)
     nbytes, secs = [], []
     for numel in ELEMENTWISE_NUMEL:
         x, y = torch.randn(numel, device=device), torch.randn(numel, device=device)
         nbytes.append(3.0 * 4 * numel)  # two reads, one write
-        secs.append(_timed(lambda: torch.add(x, y)))
+        secs.append(timed(lambda: torch.add(x, y)))
     out["elementwise"] = (nbytes, secs)
-    from trainer.planner.calibration.framework import probe_framework, probe_reference
 
     out["framework"] = probe_framework(device)
     out["reference_s"] = probe_reference(device)
@@ -227,7 +118,7 @@ def _probe_collectives(rank: int, workers: int, group_sizes: list[int], device: 
                     else:
                         dist.recv(full, peer), dist.send(full, peer)
 
-                seconds = _timed_together(call, min_s=MIN_SECONDS / 2)
+                seconds = timed_together(call, min_s=MIN_SECONDS / 2)
                 secs.append(seconds / (2 if op == "send_recv" else 1))
             out[op][size] = (list(COLLECTIVE_BYTES), secs)
     return out
@@ -247,7 +138,6 @@ def _worker(rank: int, workers: int, store_path: str, group_sizes: list[int], dt
     try:
         dist.barrier()  # every worker computes at the same time: that is what they share
         compute = _probe_compute(device, dtypes)
-        from trainer.planner.calibration.framework import probe_dtensor, probe_steps
 
         compute["dtensor"] = probe_dtensor(device, workers)
         compute["steps"] = probe_steps(device, workers)
@@ -294,7 +184,6 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
         optimizer_dtensor_tensor_s=statistics.median(c["dtensor"][1] for c in compute) if workers > 1 else 0.0,
         cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else 0,
         probe_s=time.monotonic() - began, created=time.time())
-    from trainer.planner.calibration.framework import pipeline_costs, reference_prediction, step_efficiency
 
     measured = statistics.median(c["reference_s"] for c in compute)
     cal = replace(cal, compute_efficiency=measured / reference_prediction(cal))
@@ -372,8 +261,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="probe again even when a cached calibration exists")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides naming the run, e.g. mesh=[8]")
     args = parser.parse_args(argv)
-    from trainer.config.compose import compose_dict
-    from trainer.config.schema import RunConfig
 
     raw = compose_dict(args.overrides)
     mesh = raw.get("mesh")

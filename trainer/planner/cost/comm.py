@@ -6,7 +6,7 @@
 
 Megatron tp all-reduces of activations, dp's gradient all-reduce or FSDP's all-gathers and
 reduce-scatters per FSDP unit, pp sends; each priced by the calibrated fit of its op and group
-size (:meth:`trainer.planner.calibration.probe.Calibration.collective_time`). :mod:`trainer.planner.cost.model` adds them
+size (:meth:`trainer.planner.cost.calibration.Calibration.collective_time`). :mod:`trainer.planner.cost.model` adds them
 to the step's compute (no overlap on CPU).
 """
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from parallel.plan.resolve import ParallelPlan
-from trainer.planner.calibration.probe import Calibration
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
+from trainer.planner.cost.calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, 
     """Per pipeline unit: ``(tp-local parameter count, parameter tensors)`` of one rank."""
     out: dict[str, list] = {u: [0.0, 0] for u in plan.units}
     for fqn, p in model.named_parameters():
-        unit = next(u for u in plan.units if fqn == u or fqn.startswith(u + "."))
+        unit = plan.unit_of(fqn)
         div = math.prod(plan.mesh.size(a) for a, pl in plan.placements.get(fqn, {}).items() if pl.is_shard)
         out[unit][0] += p.numel() / div
         out[unit][1] += 1

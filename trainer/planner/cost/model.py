@@ -48,11 +48,17 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from parallel.pipeline.order import expected_bubble
-from parallel.plan.resolve import ParallelPlan
-from trainer.planner.calibration.probe import Calibration
+from parallel.plan.spec import ParallelPlan, owning_unit
+from trainer.config.schema import RunConfig
+from trainer.models import build_model, loss_fn_for
+from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.comm import comm_ops, unit_params
 from trainer.planner.cost.reference import rank_units, with_reference_costs
-from trainer.config.schema import RunConfig
+from trainer.planner.memory.predict import (  # the memory model's meta-pass helpers
+    AttentionKernel,
+    _local_shapes,
+    flash_attention_for_cpu,
+)
 
 _FLASH_CPU = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
@@ -141,9 +147,6 @@ def unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: n
                ) -> dict[str, UnitCost]:
     """Forward and backward work of every pipeline unit for one micro-batch of ``micro_batch``
     sequences at tp-local shapes. ``model``: the meta model to copy (built once by a planner)."""
-    from trainer.planner.memory.predict import _fused_attention, _local_shapes  # the memory model's meta-pass helpers
-    from trainer.models import build_model, loss_fn_for
-
     model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
     _local_shapes(model, plan)
     if cfg.train.precision == "bf16":
@@ -164,7 +167,7 @@ def unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: n
     else:
         x = torch.zeros(micro_batch, cfg.train.seq_len, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, cfg.train.seq_len, dtype=torch.long, device="meta")
-    with _fused_attention(), _Counter(costs, lambda: (state["unit"], state["phase"])):
+    with AttentionKernel(flash_attention_for_cpu), _Counter(costs, lambda: (state["unit"], state["phase"])):
         out = model(x)
         state["unit"] = plan.units[-1]
         loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
@@ -214,19 +217,12 @@ class StepTime:
         return self.tokens_per_step / self.total_s if self.total_s > 0 else 0.0
 
 
-def micro_batch_size(cfg: RunConfig) -> int:
-    t = cfg.train
-    return max(1, t.global_batch_size // t.grad_accum // max(1, cfg.dp_size) // cfg.num_microbatches)
-
-
 def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, *,
                       costs: dict[str, UnitCost] | None = None, model: nn.Module | None = None) -> StepTime:
     """The step time of ``cfg`` laid out as ``plan`` on the calibrated host. ``costs``: this
     layout's :func:`unit_costs` when a planner has them cached; ``model``: the meta model."""
-    from trainer.models import build_model
-
     model = model if model is not None else build_model(cfg.model, device="meta")
-    micro = micro_batch_size(cfg)
+    micro = cfg.micro_batch_size
     costs = costs if costs is not None else unit_costs(cfg, plan, micro, model=model)
     params = unit_params(plan, model)
     pp, t = plan.pipeline, cfg.train
@@ -258,8 +254,7 @@ def placed_params(plan: ParallelPlan) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for fqn, axes in plan.placements.items():
         if any(plan.mesh.size(a) > 1 for a in axes):
-            unit = next((u for u in plan.units if fqn == u or fqn.startswith(u + ".")), None)
-            if unit is not None:
+            if (unit := owning_unit(fqn, plan.units)) is not None:
                 out[unit] += 1
     return dict(out)
 
@@ -338,5 +333,5 @@ def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, 
     compute = calibration.compute_efficiency * flops_per_sequence * t.global_batch_size / plan.mesh.world_size / rate
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
-    itemized = bubble_span(compute, bubble, calibration) + worst_wait(cfg, plan, calibration, params, micro_batch_size(cfg))[0]
+    itemized = bubble_span(compute, bubble, calibration) + worst_wait(cfg, plan, calibration, params, cfg.micro_batch_size)[0]
     return with_reference_costs(itemized, plan, calibration, t.grad_accum)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 
-from parallel.plan.resolve import ParallelPlan
-from trainer.planner.calibration.probe import Calibration
+from parallel.plan.spec import ParallelPlan
+from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.comm import tp_all_reduces_per_block
 
 # Schedules whose backward is split in two actions per micro-batch: input (I) and weight (W) gradients.

@@ -16,11 +16,14 @@ import os
 
 import torch
 
-from parallel.plan.resolve import ParallelPlan
+from parallel.errors import ConfigIssue
+from parallel.plan.resolve import resolve_plan
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
+from trainer.models import build_model
 from trainer.planner.memory.host import WORKER_FLOOR, has_mallopt
-from trainer.planner.memory.predict import GIB, MemoryEstimate, predict_memory
 from trainer.planner.memory.layout import on_cuda
+from trainer.planner.memory.predict import GIB, MemoryEstimate, predict_memory
 
 
 def memory_budget(cfg: RunConfig) -> tuple[float, str]:
@@ -42,15 +45,13 @@ def describe_estimate(e: MemoryEstimate) -> str:
     p = e.parts
     return (f"weights {e.params / GIB:.2f} + grads {e.grads / GIB:.2f} + AdamW {e.optimizer / GIB:.2f} + gathered "
             f"{e.gathered / GIB:.2f} + activations {e.activations / GIB:.2f} GiB ({e.in_flight} micro-batch pass"
-            f"{'es' if e.in_flight != 1 else ''} in flight) + backward {p.get('transient', 0.0) / GIB:.2f} + process "
-            f"{(p.get('runtime', 0.0) + p.get('allocator', 0.0)) / GIB:.2f} GiB")
+            f"{'es' if e.in_flight != 1 else ''} in flight) + backward {p.transient / GIB:.2f} + process "
+            f"{e.process / GIB:.2f} GiB")
 
 
 def check_memory(cfg: RunConfig, plan: ParallelPlan):
     """A :class:`~parallel.errors.ConfigIssue` when the predicted per-rank peak exceeds the budget;
     its fix lists the changes predicted to fit."""
-    from parallel.errors import ConfigIssue
-
     budget, source = memory_budget(cfg)
     worst = max(predict_memory(cfg, plan), key=lambda e: e.total)
     if worst.total <= budget:
@@ -64,9 +65,6 @@ def check_memory(cfg: RunConfig, plan: ParallelPlan):
 
 
 def _peak(cfg: RunConfig) -> float:
-    from parallel.plan.resolve import resolve_plan
-    from trainer.models import build_model
-
     try:
         plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
     except ValueError:

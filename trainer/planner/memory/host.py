@@ -32,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import platform
 
-from parallel.plan.resolve import ParallelPlan
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 
 MIB = 2**20
@@ -67,11 +67,12 @@ FRAGMENTATION = 0.35
 # Heap holes per byte of the activations a step allocates over all its passes (every micro-batch a
 # pipeline rank runs, not only those in flight at once): each pass allocates afresh between the
 # survivors of the others and of backward's gradients. Fitted on issue 16's planner sweep (65
-# layouts of 3M-25M Llamas on 8 ranks, tests/bench/planner_rows.jsonl): the holes measured
-# (default heap minus live tensors and runtime) came to 0.35-0.8x these bytes on pipelined ranks
-# (median about 0.6) and 0.6-0.9x on tp8, against 0.3-1.3x the cycled peak FRAGMENTATION scales.
-# One process is the exception: its rows (tests/bench/memory_rows.jsonl, 25M-1B) fit FRAGMENTATION
-# alone, and this term would put 100M 10% over.
+# layouts of 3M-25M Llamas on 8 ranks, tests/bench/data/planner_2026-11-24_evening.rows.jsonl): the
+# holes measured (default heap minus live tensors and runtime) came to 0.35-0.8x these bytes on
+# pipelined ranks (median about 0.6) and 0.6-0.9x on tp8, against 0.3-1.3x the cycled peak
+# FRAGMENTATION scales. One process is the exception: its rows (25M-1B,
+# tests/bench/data/memory_25m-1b.rows.jsonl) fit FRAGMENTATION alone, and this term would put 100M
+# 10% over.
 # A pipeline's are measured in heap extent too (mallinfo2 at each action, 25M dp2 x pp4, rank 0):
 # the heap grows as the four micro-batches' activations come and go, then by ddp's flat buffers.
 STEP_FRAGMENTATION = 0.6

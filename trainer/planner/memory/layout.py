@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from parallel.config import INTERLEAVED_SCHEDULES, V_SCHEDULES
-from parallel.plan.resolve import ParallelPlan
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import MMAP_FROM
 

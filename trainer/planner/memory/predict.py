@@ -4,7 +4,7 @@
     est = predict_memory(cfg, plan)          # one MemoryEstimate per pp rank
     est[0].total / 2**30                     # GiB at the peak of a training step on pp rank 0
 
-* Weights, gradients, AdamW: from the plan (:func:`trainer.planner.report.plan_numbers`: what each rank holds
+* Weights, gradients, AdamW: from the plan (:func:`trainer.planner.numbers.plan_numbers`: what each rank holds
   after pipeline split, tensor and data-parallel sharding).
 * Activations and backward: measured, not guessed. The model runs a forward and backward on the
   meta device, tensor-parallel parameters at their local shapes, on a micro-batch of the run's
@@ -20,41 +20,67 @@
   total compares with the resident high-water mark :class:`trainer.run.metrics.MemoryMeter` reads.
 
 On CPU the real attention kernel keeps only its log-sum-exp (not the T x T scores); the meta
-device would take the math path and count the scores, so the counting pass uses the fused
-kernel's own autograd formula. The budget a run's peak is checked against: :mod:`trainer.planner.memory.budget`.
+device would take the math path and count the scores, so the counting pass runs the fused
+kernel (:func:`flash_attention_for_cpu`) through a torch function mode of its own thread
+(:class:`AttentionKernel`), never by patching ``torch`` for the process. The budget a run's peak is checked against: :mod:`trainer.planner.memory.budget`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import math
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallel.plan.resolve import ParallelPlan
+from parallel.plan.spec import ParallelPlan, owning_unit
 from trainer.config.schema import RunConfig
+from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
-from trainer.planner.memory.layout import (checkpointed, fsdp2, gathered, in_flight_peak, on_cuda, passes_in_flight,
-                                  replicate_reduce, stage_reduce)
+from trainer.planner.memory.layout import (
+    checkpointed,
+    fsdp2,
+    gathered,
+    in_flight_peak,
+    on_cuda,
+    passes_in_flight,
+    replicate_reduce,
+    stage_reduce,
+)
+from trainer.planner.numbers import plan_numbers, stage_views
 
 MIB = 2**20
 GIB = 2**30
 
 
 @dataclass(frozen=True)
+class MemoryParts:
+    """The terms of a rank's peak beyond its weights, gradients, AdamW state, gathered parameters
+    and saved activations (bytes unless said otherwise)."""
+
+    transient: float = 0.0  # what backward adds to the saved activations at its worst moment
+    stage_grads: float = 0.0  # a pipelined stage's gradients held beside its passes in flight
+    accumulates: bool = False  # earlier passes' (sharded) gradients sit beside the activations
+    micro_batch: int = 1  # sequences per forward
+    step_activations: float = 0.0  # what all the step's passes allocate (their heap holes on CPU)
+    step_temporaries: float = 0.0  # gradient clipping and AdamW's temporaries
+    reduce: float = 0.0  # the gradient reduce's peak after backward (ddp; a pipelined FSDP stage)
+    runtime: float = 0.0  # CPU: the process groups and runtime beyond the live tensors
+    allocator: float = 0.0  # CPU: glibc's heap holes
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at the peak of a training step, by kind. ``parts``: ``transient`` (what
-    backward adds to the saved activations at its worst moment), ``step_temporaries`` (clipping and
-    AdamW), ``runtime`` and ``allocator`` (CPU: process groups, glibc's heap holes)."""
+    """Bytes one rank holds at the peak of a training step, by kind; :class:`MemoryParts` the rest."""
 
     pp_rank: int
     params: float
@@ -63,7 +89,7 @@ class MemoryEstimate:
     gathered: float  # FSDP's unsharded parameters and collective buffers, autocast's bf16 weight copies
     activations: float  # saved for backward, over the micro-batches in flight
     in_flight: int  # micro-batch x stage passes whose activations are held at once
-    parts: dict = field(default_factory=dict)
+    parts: MemoryParts = field(default_factory=MemoryParts)
 
     @property
     def live(self) -> float:
@@ -71,35 +97,48 @@ class MemoryEstimate:
         gathered, saved activations, what backward adds, and with accumulation all the gradients) and
         the optimizer step's (FSDP reshards after backward and autocast's copies die with it, so
         nothing gathered is left then); with ``ddp`` also the gradient reduce's, after backward
-        (``parts["reduce"]``, see :func:`trainer.planner.memory.layout.replicate_reduce`)."""
+        (``parts.reduce``, see :func:`trainer.planner.memory.layout.replicate_reduce`)."""
         p = self.parts
-        backward = (self.activations + p.get("transient", 0.0) + p.get("stage_grads", 0.0)
-                    + (self.grads if p.get("accumulates") else 0.0))
-        step = self.grads + p.get("step_temporaries", 0.0)
-        return self.params + self.optimizer + max(self.gathered + backward, p.get("reduce", 0.0), step)
+        backward = self.activations + p.transient + p.stage_grads + (self.grads if p.accumulates else 0.0)
+        step = self.grads + p.step_temporaries
+        return self.params + self.optimizer + max(self.gathered + backward, p.reduce, step)
 
     @property
     def total(self) -> float:
-        return self.live + self.parts.get("runtime", 0.0) + self.parts.get("allocator", 0.0)
+        return self.live + self.process
+
+    @property
+    def process(self) -> float:
+        """CPU: what the process holds beyond its live tensors (runtime and heap holes)."""
+        return self.parts.runtime + self.parts.allocator
 
 
-def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    # The fused CPU kernel: saves q, k, v, the output and a log-sum-exp per row, as real runs do.
+def flash_attention_for_cpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` as a CPU run computes it: without a mask the fused flash
+    kernel, which saves q, k, v, the output and a log-sum-exp per row (the meta device alone would
+    take the math path and save the T x T scores); with a mask the real function, as CPU does too."""
     if attn_mask is not None:
-        return _SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        # Called from AttentionKernel.__torch_function__, where torch has popped the mode: the real SDPA.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
 
 
-_SDPA = F.scaled_dot_product_attention
+class AttentionKernel(TorchFunctionMode):
+    """While active, every ``F.scaled_dot_product_attention`` call (the built-in Llama's, transformers'
+    sdpa attention's) runs ``kernel``, which takes the same arguments. A torch function mode belongs to
+    the thread that entered it, like the pass's dispatch mode and saved-tensor hooks: plans counted
+    at once in the control plane's thread pool never see each other's kernel, and ``F`` is not
+    reassigned. While ``kernel`` runs the mode is popped, so a kernel may call the real function."""
 
+    def __init__(self, kernel: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.kernel = kernel
 
-@contextlib.contextmanager
-def _fused_attention():
-    F.scaled_dot_product_attention = _flash_attention
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = _SDPA
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._C._nn.scaled_dot_product_attention:  # what F.scaled_dot_product_attention is
+            return self.kernel(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
@@ -155,19 +194,20 @@ class _Census(TorchDispatchMode):
         return out
 
 
-def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None) -> dict:
+def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None,
+                      attention: Callable[..., torch.Tensor] = flash_attention_for_cpu) -> dict:
     """One forward and backward of ``micro_batch`` sequences on the meta device: ``{"units": {unit:
     bytes saved for backward}, "block_inputs": {block: bytes}, "timeline": [(activations and
     temporaries, gradients) after each op], "forward_ops": n, "unit_params": {unit: [fp32 bytes of
-    each tp-local parameter]}}`` (the last unit also holds the loss's)."""
-    from trainer.models import build_model, loss_fn_for
-
+    each tp-local parameter]}}`` (the last unit also holds the loss's). ``attention``: what the
+    pass runs for ``F.scaled_dot_product_attention`` (its arguments), in this thread only
+    (:class:`AttentionKernel`); default :func:`flash_attention_for_cpu`, what a CPU run saves."""
     # A given model is copied: the pass gives its parameters their tp-local shapes.
     model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
     _local_shapes(model, plan)
     unit_params: dict[str, list[float]] = defaultdict(list)
     for fqn, p in model.named_parameters():
-        unit_params[next((u for u in plan.units if fqn == u or fqn.startswith(u + ".")), "")].append(p.numel() * 4.0)
+        unit_params[owning_unit(fqn, plan.units) or ""].append(p.numel() * 4.0)
     if cfg.train.precision == "bf16":
         model.to(torch.bfloat16)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -207,7 +247,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         x = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
     census = _Census(model, share)
-    with _fused_attention(), census:
+    with AttentionKernel(attention), census:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
             # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
@@ -222,22 +262,24 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
 
 
 def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | None = None,
-                   cache: dict | None = None) -> list[MemoryEstimate]:
+                   cache: dict | None = None,
+                   attention: Callable[..., torch.Tensor] = flash_attention_for_cpu) -> list[MemoryEstimate]:
     """One :class:`MemoryEstimate` per pp rank (one without a pipeline). A planner comparing many
     layouts passes the meta ``model`` it built once and a ``cache`` dict: the meta pass (the costly
-    part) depends only on the tp size, the micro-batch and the precision, and is reused."""
-    from trainer.planner.report import plan_numbers, stage_views
-
+    part) depends only on the tp size, the micro-batch and the precision, and is reused.
+    ``attention``: the meta pass's attention kernel (see :func:`saved_activations`); default
+    :func:`flash_attention_for_cpu`, the fused kernel a CPU run uses."""
     if plan.pipeline is not None and plan.pipeline.stages:  # each stage by its own layout
-        return [predict_memory(view_cfg, view)[i] for i, (view_cfg, view) in enumerate(stage_views(cfg, plan))]
+        return [predict_memory(view_cfg, view, attention=attention)[i]
+                for i, (view_cfg, view) in enumerate(stage_views(cfg, plan))]
 
     numbers = plan_numbers(cfg, plan, model=model)
     t = cfg.train
-    micro = max(1, t.global_batch_size // t.grad_accum // max(1, plan.dp_size) // cfg.num_microbatches)
+    micro = cfg.micro_batch_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
-    key = (tp, micro, t.precision, bool(plan.layouts))
+    key = (tp, micro, t.precision, bool(plan.layouts), attention)
     if cache is None or key not in cache:
-        saved = saved_activations(cfg, plan, micro, model=model)
+        saved = saved_activations(cfg, plan, micro, model=model, attention=attention)
         if cache is not None:
             cache[key] = saved
     else:
@@ -260,9 +302,9 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
     transient = max(0.0, max(a + keep * g for a, g in backward) - sum(saved["units"].values()))
     cpu = not on_cuda(cfg)
     out = []
-    for rank_numbers in numbers["per_pp_rank"]:
-        r = rank_numbers["pp_rank"]
-        held = [u for s in rank_numbers["stages"] for u in stage_units[s]]
+    for rank_numbers in numbers.per_pp_rank:
+        r = rank_numbers.pp_rank
+        held = [u for s in rank_numbers.stages for u in stage_units[s]]
         acts, recompute = 0.0, 0.0
         for unit in held:
             full = saved["units"].get(unit, 0.0)
@@ -274,36 +316,37 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
         in_flight = passes_in_flight(plan, r)
         blocks = [saved["unit_params"].get(u, []) for u in held if u in plan.blocks]
         root = sum(sum(saved["unit_params"].get(u, [])) for u in held if u not in plan.blocks)
-        local = rank_numbers["params"] * 4.0
+        local = rank_numbers.params * 4.0
         held_acts, held_grads = acts, 0.0
         if pp is not None:
-            chunks = max(1, len(rank_numbers["stages"]))
+            chunks = max(1, len(rank_numbers.stages))
             # FSDP2's pipelined stage accumulates unsharded gradients in the compute dtype; else param.grad
-            stage_grads = rank_numbers["grad_bytes"]
+            stage_grads = rank_numbers.grad_bytes
             if pipelined_fsdp:
                 stage_grads = local * (0.5 if t.precision == "bf16" else 1.0)
             held_acts, held_grads = in_flight_peak(plan, in_flight, acts / chunks, stage_grads, chunks,
                                                    accumulated=t.grad_accum > 1 and not pipelined_fsdp)
         estimate = MemoryEstimate(
-            pp_rank=r, params=rank_numbers["param_bytes"], grads=rank_numbers["grad_bytes"],
-            optimizer=rank_numbers["optim_bytes"], gathered=gathered(cfg, plan, local, blocks, root),
+            pp_rank=r, params=rank_numbers.param_bytes, grads=rank_numbers.grad_bytes,
+            optimizer=rank_numbers.optim_bytes, gathered=gathered(cfg, plan, local, blocks, root),
             activations=held_acts + recompute, in_flight=in_flight,
-            parts={"accumulates": sharded_grads_in_backward, "stage_grads": held_grads, "micro_batch": micro,
-                   "step_activations": (acts + recompute) * (pp.num_microbatches if pp else 1),
-                   "transient": transient,
-                   "step_temporaries": 4.0 * max(max(v) for v in saved["unit_params"].values()) / shard})
+            parts=MemoryParts(accumulates=sharded_grads_in_backward, stage_grads=held_grads, micro_batch=micro,
+                              step_activations=(acts + recompute) * (pp.num_microbatches if pp else 1),
+                              transient=transient,
+                              step_temporaries=4.0 * max(max(v) for v in saved["unit_params"].values()) / shard))
         at_peak = estimate.gathered + estimate.activations + transient + held_grads
         if pipelined_fsdp:
             reduce, mapped = stage_reduce(cfg, plan, local, blocks, at_peak)
         else:
             reduce, mapped = replicate_reduce(cfg, plan, local, at_peak)
-        estimate = replace(estimate, parts={**estimate.parts, "reduce": reduce})
+        estimate = replace(estimate, parts=replace(estimate.parts, reduce=reduce))
         # A pipelined stage's unsharded parameters are allocated once a step and live through all its
         # micro-batches: their heap holes are FSDP's per-parameter term, not cycled memory's.
         cycled = estimate.live - estimate.params - estimate.optimizer - (estimate.gathered if pipelined_fsdp else 0.0)
         if estimate.live - estimate.params - estimate.optimizer == reduce:  # mmapped buffers leave no heap holes
             cycled -= mapped
-        host = {"runtime": runtime(plan), "allocator": host_overhead(cfg, plan, max(0.0, cycled), blocks,
-                                                                 estimate.parts["step_activations"])}
-        out.append(replace(estimate, parts={**estimate.parts, **(host if cpu else {})}))
+        if cpu:
+            allocator = host_overhead(cfg, plan, max(0.0, cycled), blocks, estimate.parts.step_activations)
+            estimate = replace(estimate, parts=replace(estimate.parts, runtime=runtime(plan), allocator=allocator))
+        out.append(estimate)
     return out

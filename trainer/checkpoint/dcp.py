@@ -13,7 +13,7 @@ DCP bytes item: DCP must know every key before a load, and an opaque blob frees 
 from declaring its layout. Only rank 0 contributes it, so ``extra`` is rank 0's on every rank
 after a load (per-rank state must be gathered into it by the caller). Saving and loading also work without a process group (DCP's ``no_dist`` mode).
 
-    from trainer.run.checkpoint import save_checkpoint, resolve_resume, load_checkpoint
+    from trainer.checkpoint.dcp import save_checkpoint, resolve_resume, load_checkpoint
     path = save_checkpoint("checkpoints", step, model=model, optimizer=opt, extra={"step": step}, keep=3)
     extra = load_checkpoint(resolve_resume("auto", "checkpoints"), model=model, optimizer=opt)
 """

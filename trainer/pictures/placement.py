@@ -3,7 +3,7 @@
     paths = write_placement(cfg, plan, Path("meshflow-plan"))
     # {"png": meshflow-plan/placement.png, "json": meshflow-plan/placement.json}
 
-``python -m trainer +examples=paddle_3d dry_run=true`` writes both under ``meshflow-plan/`` in
+``python -m trainer +examples=stages_dp_x_tp dry_run=true`` writes both under ``meshflow-plan/`` in
 the current directory (Hydra's run directory is ``.``) and prints their paths; a training run
 is meant to log the same two files as MLflow artifacts. ``tracking.pictures=false`` skips them.
 
@@ -33,9 +33,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel.plan.placement_map import PlacementGroup, Slices, StageGrid, placement_groups, placement_table, stage_grids
-from parallel.plan.resolve import ParallelPlan
+from parallel.plan.placement_map import (
+    PlacementGroup,
+    Slices,
+    StageGrid,
+    placement_groups,
+    placement_table,
+    stage_grids,
+)
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
+from trainer.models import build_model
 
 DRY_RUN_DIR = Path("meshflow-plan")  # under the current directory: next to checkpoints/ and mlflow.db
 MAX_SEPARATE = 8
@@ -54,8 +62,6 @@ class _Row:
 def placement_report(cfg: RunConfig, plan: ParallelPlan) -> tuple[list[PlacementGroup], dict]:
     """The parameter groups of ``cfg``'s model under ``plan`` and their JSON table (what
     ``placement.json`` holds, and what a REST plan can return)."""
-    from trainer.models import build_model
-
     model = build_model(cfg.model, device="meta")
     groups = placement_groups(plan, {name: tuple(p.shape) for name, p in model.named_parameters()})
     return groups, placement_table(plan, groups)

@@ -1,0 +1,179 @@
+"""A layout section's globs matched against one model: the family's named tensor-parallel plan,
+then the explicit ``placements`` and ``layouts`` over it, with every problem matching can find
+(a glob that matches nothing, a shard that does not divide, an unsupported module layout) as a
+:class:`~parallel.errors.ConfigIssue`. Used for the whole model and for each pipeline stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+from parallel.config import LayoutConfig
+from parallel.errors import ConfigIssue, format_path
+from parallel.placements import parse_placement
+from parallel.plan.spec import AxisSpecs, GlobCheck, LayoutSpec, MeshSpec
+from parallel.sharding.tp_styles import classify
+
+
+def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module, issues: list[ConfigIssue], *,
+                   check_glob: GlobCheck | None = None, only: set[str] | None = None
+                   ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec]]:
+    """``(placements, layouts)`` of one layout section (``parallel``, or a pipeline stage at
+    ``prefix`` = ``("parallel", "pipeline", "stages", i)``): the model family's named plan, then the
+    explicit globs over it, matched against the model's parameters and modules (only those whose
+    names are in ``only``, a stage's, when given: there a family glob may match nothing).
+    Problems are appended to ``issues``."""
+    params = {name: tuple(p.shape) for name, p in model.named_parameters() if only is None or name in only}
+    modules = [name for name, _ in model.named_modules() if name and (only is None or name in only)]
+    family_placements, family_layouts = _family_plan(section, prefix, model, issues)
+    scope = {"scope": "the model"} if only is None else {"scope": f"this stage ({format_path(*prefix)})"}
+    placements = _match_placements(family_placements, mesh, params, issues, check_glob, **scope, required=only is None)
+    layouts, layout_paths = _match_layouts(family_layouts, modules, issues, **scope, required=only is None)
+    # Explicit globs after the family's: they may re-place what the plan placed (no overlap issue).
+    placements.update(_match_placements(
+        [(glob, axes, format_path(*prefix, "placements", glob)) for glob, axes in section.placements.items()],
+        mesh, params, issues, check_glob, **scope))
+    explicit_layouts, explicit_paths = _match_layouts(
+        [(glob, layout, format_path(*prefix, "layouts", glob)) for glob, layout in section.layouts.items()],
+        modules, issues, **scope)
+    layouts.update(explicit_layouts)
+    layout_paths.update(explicit_paths)
+    if issues:
+        return placements, layouts
+
+    for name in classify(model, placements, layouts).unsupported:
+        issues.append(ConfigIssue(layout_paths[name],
+                                  f"module {name}: only a Shard input of a norm-like module (sequence parallel) or the "
+                                  "input/output of a module with DTensor-placed parameters is supported",
+                                  "remove this layout, or give the module's parameters placements"))
+    return placements, layouts
+
+
+# ---------------------------------------------------------------------- placements
+
+
+def _match_glob(section: str, glob: str, path: str, names: list[str], sources: dict[str, str],
+                issues: list[ConfigIssue], scope: str = "the model", required: bool = True) -> list[str]:
+    """The names ``glob`` (written at ``path``) matches, recorded in ``sources``; a glob matching
+    nothing (unless not ``required``), or a name another glob of the same section already took,
+    is an issue. ``scope``: whose names ``names`` are, for the message."""
+    noun, holds = ("parameter", "placement") if section == "placements" else ("module", "layout")
+    matched = [name for name in names if fnmatchcase(name, glob)]
+    if not matched and required:
+        issues.append(ConfigIssue(path, f"matches no {noun} of {scope}",
+                                  f"fix the glob; {noun}s look like {', '.join(names[:4])}, ..."))
+    for name in matched:
+        if name in sources:
+            issues.append(ConfigIssue(path, f"{noun} {name} is also matched by {sources[name]!r}",
+                                      f"make the globs disjoint so each {noun} has one {holds}"))
+        sources[name] = glob
+    return matched
+
+
+def _match_placements(entries: list[tuple[str, AxisSpecs, str]], mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
+                      issues: list[ConfigIssue], check_glob: GlobCheck | None, **scope) -> dict[str, AxisSpecs]:
+    """``entries``: ``(glob, placements, the config path it was written at)``, in order;
+    ``scope``: :func:`_match_glob`'s ``scope`` and ``required``."""
+    placements: dict[str, AxisSpecs] = {}
+    sources: dict[str, str] = {}
+    for glob, axes, path in entries:
+        found: list[ConfigIssue] = []
+        _match_entry(glob, axes, path, mesh, params, placements, sources, found, check_glob, scope)
+        if ".tensor_parallel.plan[" in path:  # a named plan is not edited: it is overridden
+            section = path.split(".tensor_parallel.plan[")[0]
+            found = [ConfigIssue(i.path, i.reason, i.fix.replace(", or Replicate", ", or override it in "
+                                                              f"{section}.placements (e.g. Replicate)")) for i in found]
+        issues += found
+    return placements
+
+
+def _match_entry(glob: str, axes: AxisSpecs, path: str, mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
+                 placements: dict[str, AxisSpecs], sources: dict[str, str], issues: list[ConfigIssue],
+                 check_glob: GlobCheck | None, scope: dict) -> None:
+    matched = _match_glob("placements", glob, path, list(params), sources, issues, **scope)
+    for fqn in matched:
+        placements[fqn] = MappingProxyType(dict(axes))
+    # A glob can match parameters of different shapes ("*", GQA's wq/wk): check each shape once.
+    first_of_shape: dict[tuple[int, ...], str] = {}
+    for fqn in matched:
+        first_of_shape.setdefault(params[fqn], fqn)
+    reported: set[str] = set()
+    for shape, fqn in first_of_shape.items():
+        for issue in _check_shards(mesh, path, axes, shape, fqn):
+            if issue.path not in reported:  # one issue per (glob, axis) is enough to fix it
+                reported.add(issue.path)
+                issues.append(issue)
+    if check_glob is not None and matched:
+        issues += check_glob(path, axes, matched, mesh)
+
+
+def _check_shards(mesh: MeshSpec, where: str, axes: AxisSpecs, shape: tuple[int, ...], fqn: str) -> list[ConfigIssue]:
+    issues = []
+    per_dim: dict[int, list[str]] = {}
+    for axis, p in axes.items():
+        if not p.is_shard:
+            continue
+        path = f"{where}.{axis}"
+        dim = p.dim if p.dim >= 0 else p.dim + len(shape)
+        if not 0 <= dim < len(shape):
+            issues.append(ConfigIssue(path, f"{p} but parameter {fqn} has {len(shape)} dims (shape {list(shape)})",
+                                      f"use {'Shard(0)' if len(shape) == 1 else f'Shard(0) .. Shard({len(shape) - 1})'}, "
+                                      "or a glob matching only parameters with more dims"))
+            continue
+        per_dim.setdefault(dim, []).append(axis)
+    for dim, names in per_dim.items():
+        n = mesh.size(names)
+        size = shape[dim]
+        if size % n:
+            over = " x ".join(names)
+            axes_note = f" ({over})" if len(names) > 1 else ""  # one axis: the path already names it
+            issues.append(ConfigIssue(f"{where}.{names[-1]}",
+                                      f"Shard({dim}) splits dim {dim} of size {size} over {n} ranks{axes_note}; "
+                                      f"{size} is not divisible by {n}",
+                                      f"use a {over} size dividing {size}, or Replicate"))
+    return issues
+
+
+# ------------------------------------------------------------------------- layouts
+
+
+def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[str],
+                   issues: list[ConfigIssue], **scope) -> tuple[dict[str, LayoutSpec], dict[str, str]]:
+    """``(module FQN -> layout, module FQN -> the config path that gave it)``."""
+    layouts: dict[str, LayoutSpec] = {}
+    paths: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    for glob, layout, path in entries:
+        for name in _match_glob("layouts", glob, path, modules, sources, issues, **scope):
+            layouts[name] = LayoutSpec(MappingProxyType(dict(layout.input or {})),
+                                       MappingProxyType(dict(layout.output or {})))
+            paths[name] = path
+    return layouts, paths
+
+
+# ---------------------------------------------------------------------- named plans
+
+
+def _family_plan(section: Any, prefix: tuple, model: nn.Module, issues: list[ConfigIssue]) -> tuple[list, list]:
+    """The model family's named tensor-parallel plan of a layout section (at ``prefix``) as
+    ``(placement entries, layout entries)``, each entry ``(glob, value, path)``; explicit globs
+    come after them and override them."""
+    tp = section.tensor_parallel
+    if tp is None:
+        return [], []
+    provider = getattr(model, "parallel_plan", None)  # the family's plans: a method of its root module
+    if provider is None:
+        issues.append(ConfigIssue(format_path(*prefix, "tensor_parallel", "plan"),
+                                  f"model {type(model).__name__} provides no named plans",
+                                  f"write {format_path(*prefix, 'placements')} globs instead (and drop its tensor_parallel)"))
+        return [], []
+    placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
+    where = f"{format_path(*prefix, 'tensor_parallel', 'plan')}[{tp.plan}]"
+    return ([(glob, {axis: parse_placement(p) for axis, p in axes.items()}, f'{where}["{glob}"]')
+             for glob, axes in placements.items()],
+            [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])

@@ -1,0 +1,170 @@
+"""The parallel plan's types: a mesh, data parallelism, a pipeline's stage split, placements and
+layouts, as frozen values that hold names, shapes and placements only (no process group, no tensors).
+
+:func:`parallel.plan.resolve.resolve_plan` builds a :class:`ParallelPlan`; validation, the dry run,
+the planner and the engine all read it, and ask it (not recompute) what follows from it: the unit a
+parameter belongs to, the dp and pp sizes, the axes parameters are sharded over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from parallel.config import flat_ranks
+from parallel.errors import ConfigIssue
+from parallel.mesh import rank_id_of
+from parallel.placements import PlacementSpec
+
+AxisSpecs = Mapping[str, PlacementSpec]
+# A model-specific check of one placements glob: (its config path, placements, the FQNs it matched, the mesh
+# whose axes the placements name) -> issues.
+GlobCheck = Callable[[str, AxisSpecs, list[str], "MeshSpec"], list[ConfigIssue]]
+
+
+def owning_unit(fqn: str, units: Sequence[str]) -> str | None:
+    """The entry of ``units`` that is ``fqn`` or one of its ancestors (None if none is)."""
+    return next((u for u in units if fqn == u or fqn.startswith(u + ".")), None)
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Axis sizes (outermost first), their names, and optional nested explicit rank ids.
+
+    The mesh's positions are torch ranks ``0 .. n-1`` row-major whatever ``rank_ids`` says; a
+    rank id (PaddlePaddle's process id) only names the device the worker at that position runs
+    on (:func:`parallel.mesh.rank_id_of`)."""
+
+    shape: tuple[int, ...] = (1,)
+    dim_names: tuple[str, ...] = ()
+    rank_ids: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def rank_id(self, rank: int) -> int:
+        """The rank id of the worker whose torch rank is ``rank`` (``rank`` itself without explicit ids)."""
+        return rank_id_of(self.rank_ids, rank)
+
+    def size(self, names: str | Sequence[str]) -> int:
+        """Product of the sizes of the axes ``names`` (an axis the mesh lacks counts 1)."""
+        names = [names] if isinstance(names, str) else list(names)
+        return math.prod(self.shape[self.dim_names.index(n)] for n in names if n in self.dim_names)
+
+
+@dataclass(frozen=True)
+class DataParallelSpec:
+    """``mode`` (ddp | fsdp | zero2 | hsdp) over the mesh axes ``dim_names``."""
+
+    mode: str
+    dim_names: tuple[str, ...]
+
+    @property
+    def shard_dim_names(self) -> tuple[str, ...]:
+        """The axes parameters are sharded over: all dp axes (fsdp, zero2), hsdp's inner one, none for ddp."""
+        return {"ddp": (), "hsdp": self.dim_names[-1:]}.get(self.mode, self.dim_names)
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """The schedule and the resolved stage split: the units of each stage and its pp rank."""
+
+    dim: str
+    schedule: str
+    num_microbatches: int
+    stages_per_rank: int
+    stage_units: tuple[tuple[str, ...], ...]
+    stage_ranks: tuple[int, ...]
+    # ``parallel.pipeline.stages``: each stage its own ranks and layout (empty: the plan's layout everywhere).
+    stages: tuple[StagePlan, ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_units)
+
+    @property
+    def boundaries(self) -> list[str]:
+        """The first unit of every stage but the first (what ``boundaries: auto`` chose)."""
+        return [units[0] for units in self.stage_units[1:]]
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_ranks) if r == pp_rank]
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A module's input and output placements per mesh axis (unnamed axes: Replicate)."""
+
+    input: AxisSpecs = field(default_factory=dict)
+    output: AxisSpecs = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Everything the engine needs to spread one model over one mesh, globs already matched.
+
+    Attributes:
+        mesh: the mesh; ``(1,)`` means one device.
+        units: the model's pieces a pipeline may be cut between, in forward order.
+        blocks: the units that are repeated blocks (``layers.0`` ..): FSDP and activation
+            checkpointing treat each one as a unit.
+        placements: parameter FQN -> ``{axis: placement}`` for every parameter a glob named.
+        layouts: module FQN -> its input/output placements.
+    """
+
+    mesh: MeshSpec = field(default_factory=MeshSpec)
+    units: tuple[str, ...] = ()
+    blocks: tuple[str, ...] = ()
+    data_parallel: DataParallelSpec | None = None
+    pipeline: PipelineSpec | None = None
+    placements: Mapping[str, AxisSpecs] = field(default_factory=dict)
+    layouts: Mapping[str, LayoutSpec] = field(default_factory=dict)
+    activation_checkpointing: str = "none"
+    activation_checkpointing_every: int = 2
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size(self.data_parallel.dim_names) if self.data_parallel else 1
+
+    @property
+    def pp_size(self) -> int:
+        if self.pipeline is not None and self.pipeline.stages:
+            return self.pipeline.num_stages
+        return self.mesh.size(self.pipeline.dim) if self.pipeline else 1
+
+    def unit_of(self, fqn: str) -> str:
+        """The unit holding parameter (or module) ``fqn``: the unit itself or its ancestor."""
+        unit = owning_unit(fqn, self.units)
+        if unit is None:
+            raise KeyError(f"{fqn} is in none of the model's units {list(self.units)}")
+        return unit
+
+    def stage_of(self, fqn: str) -> int:
+        """The index of the pipeline stage holding ``fqn`` (0 without a pipeline)."""
+        if self.pipeline is None:
+            return 0
+        unit = self.unit_of(fqn)
+        return next(s for s, units in enumerate(self.pipeline.stage_units) if unit in units)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage's own ranks and layout (``parallel.pipeline.stages[i]``).
+
+    ``rank_ids``: the stage's global ranks (a list, or a nested list for a 2-D sub-mesh); its ``i``-th
+    rank, row-major, is on lane ``i``
+    (every stage has the same number of ranks, so lane ``i`` is one rank of every stage, and
+    torch's pipeline schedule runs along it). ``layout``: the stage's plan on its own sub-mesh
+    (``layout.mesh``: the shape and axis names of its ``ranks``), with its data parallelism,
+    placements and layouts; its parameters are the stage's only."""
+
+    rank_ids: Any  # the stage's global ranks as written: a list, or a nested list (its sub-mesh)
+    layout: ParallelPlan
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The stage's ranks, row-major: its ``i``-th is on lane ``i``."""
+        return tuple(flat_ranks(self.rank_ids))

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic, sharding-aware saves and loads of a run's model, optimizer and progress on DCP."""

@@ -1,0 +1,149 @@
+"""What each rank of a plan holds, from the resolved plan and the model on the meta device: the
+parameters after pipeline split, tensor-parallel and data-parallel sharding, their bytes with
+gradients and AdamW state, the pipeline bubble and the bytes each rank sends per step on every
+mesh axis (analytic, ring algorithms). The dry run prints them, the memory model starts from them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from parallel.config import ParallelConfig
+from parallel.pipeline.order import expected_bubble
+from parallel.plan.resolve import resolve_plan
+from parallel.plan.spec import ParallelPlan
+from trainer.config.schema import RunConfig
+from trainer.models import build_model, decoder_config
+
+
+@dataclass(frozen=True)
+class RankHoldings:
+    """What one pp rank holds: its stages, its tp-local parameter count, and the bytes (dp-sharded)
+    of its fp32 weights, gradients and AdamW moments."""
+
+    pp_rank: int
+    stages: list[int]
+    params: int
+    param_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+
+    @property
+    def state_bytes(self) -> float:
+        """Weights + gradients + AdamW: the lower bound of the rank's memory."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+@dataclass(frozen=True)
+class PlanNumbers:
+    """A plan's arithmetic: parameters per stage, where the stages begin, what each pp rank holds,
+    the pipeline bubble (fraction of the step) and the bytes sent per rank and step on each axis."""
+
+    stage_params: list[int]
+    boundaries: list[str]
+    per_pp_rank: list[RankHoldings]
+    bubble: float
+    comm: dict[str, float]
+
+
+BYTES = 4  # fp32 master weights, gradients and AdamW state
+
+
+def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, ParallelPlan]]:
+    """Per-stage layouts (``parallel.pipeline.stages``): for each stage, the config and plan in
+    which every stage has that stage's layout (mesh ``[stages, *its sub-mesh]``). Stage ``i``'s
+    numbers in view ``i`` (parameters held, communication, memory) are the stage's own, so the
+    uniform arithmetic serves both forms."""
+    model = build_model(cfg.model, device="meta")
+    par, pp = cfg.parallel, cfg.parallel.pipeline
+    views = []
+    for stage in pp.stages:
+        view = ParallelConfig(dims=[pp.dim, *stage.dims], data_parallel=stage.data_parallel,
+                              tensor_parallel=stage.tensor_parallel, placements=stage.placements, layouts=stage.layouts,
+                              pipeline=pp.model_copy(update={"stages": None}),
+                              activation_checkpointing=par.activation_checkpointing,
+                              activation_checkpointing_every=par.activation_checkpointing_every)
+        view_cfg = cfg.model_copy(update={"mesh": [len(pp.stages), *stage.shape], "parallel": view})
+        views.append((view_cfg, resolve_plan(view, view_cfg.mesh, model)))
+    return views
+
+
+def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbers:
+    """What each pp rank holds, the bubble and the traffic per axis. ``model``: the config's model
+    on the meta device when the caller has it (a planner builds it once), else built here."""
+    if plan.pipeline is not None and plan.pipeline.stages:
+        return _stage_numbers(cfg, plan)
+
+    model = model if model is not None else build_model(cfg.model, device="meta")
+    units = list(plan.units)
+    pp = plan.pipeline
+    num_stages = pp.num_stages if pp else 1
+    groups, owner = (pp.stage_units, pp.stage_ranks) if pp else ([units], [0])
+    stage_of = {unit: s for s, group in enumerate(groups) for unit in group}
+    bounds = pp.boundaries if pp else []
+
+    # ddp shards over no axis (size 1); fsdp / zero2 over every dp axis, hsdp over its inner one.
+    shard_dp = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
+    stage_params = [0] * num_stages
+    stage_local = [0.0] * num_stages
+    for fqn, p in model.named_parameters():
+        axes = plan.placements.get(fqn, {})
+        tp_div = math.prod(plan.mesh.size(a) for a, pl in axes.items() if pl.is_shard)
+        s = stage_of[plan.unit_of(fqn)]
+        stage_params[s] += p.numel()
+        stage_local[s] += p.numel() / tp_div
+
+    spr = pp.stages_per_rank if pp else 1
+    per_rank = []
+    for r in range(cfg.pp_size):
+        stages = [s for s in range(num_stages) if owner[s] == r]
+        local = sum(stage_local[s] for s in stages)
+        sharded = local / shard_dp  # weights, gradients and each AdamW moment
+        per_rank.append(RankHoldings(pp_rank=r, stages=stages, params=int(local), param_bytes=sharded * BYTES,
+                                     grad_bytes=sharded * BYTES, optim_bytes=2 * sharded * BYTES))
+
+    m = cfg.num_microbatches
+    # (p-1)/(m+p-1), over v for interleaving; the zero-bubble schedules' own (parallel.pipeline.order).
+    bubble = expected_bubble(pp.schedule, pp_size=cfg.pp_size, stages_per_rank=spr, microbatches=m) if pp else 0.0
+    comm = _comm_bytes(cfg, plan, per_rank)
+    return PlanNumbers(stage_params=stage_params, boundaries=bounds, per_pp_rank=per_rank, bubble=bubble, comm=comm)
+
+
+def _stage_numbers(cfg: RunConfig, plan: ParallelPlan) -> PlanNumbers:
+    """:func:`plan_numbers` of per-stage layouts: each stage's row from its own view; the
+    communication per axis named ``stage <i> <axis>``."""
+    views = [plan_numbers(view_cfg, view_plan) for view_cfg, view_plan in stage_views(cfg, plan)]
+    comm = {}
+    for index, numbers in enumerate(views):
+        comm.update({f"stage {index} {axis}": nbytes for axis, nbytes in numbers.comm.items()
+                     if axis != plan.pipeline.dim})
+        comm[plan.pipeline.dim] = numbers.comm.get(plan.pipeline.dim, 0.0)
+    return replace(views[0], per_pp_rank=[numbers.per_pp_rank[i] for i, numbers in enumerate(views)], comm=comm)
+
+
+def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step on each mesh axis (ring collectives)."""
+    par = cfg.parallel
+    out: dict[str, float] = {}
+    if par is None:
+        return out
+    local = max(r.params for r in per_rank) * BYTES
+    if dp := par.data_parallel:
+        n = cfg.dp_size
+        ring = 2 * (n - 1) / n
+        # ddp: all-reduce of grads; fsdp: all-gather fwd + all-gather bwd + reduce-scatter;
+        # zero2: one all-gather + reduce-scatter; each all-gather/reduce-scatter moves (n-1)/n.
+        factor = {"ddp": ring, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n, "hsdp": 3 * (n - 1) / n}[dp.mode]
+        out[",".join(dp.dim_names)] = factor * local * cfg.train.grad_accum ** (dp.mode == "fsdp")
+    tokens = cfg.train.global_batch_size // max(1, cfg.dp_size) * cfg.train.seq_len
+    if (decoder := decoder_config(cfg.model)) is not None:
+        act = tokens * decoder.dim * (2 if cfg.train.precision == "bf16" else BYTES)  # activations in compute precision
+        layers_per_rank = decoder.n_layers / cfg.pp_size
+        for axis in {a for axes in plan.placements.values() for a in axes}:
+            n = cfg.axis_size(axis)
+            # Megatron: 2 all-reduces per block forward and 2 backward.
+            out[axis] = 4 * layers_per_rank * act * 2 * (n - 1) / n
+        if pp := par.pipeline:
+            out[pp.dim] = 2 * act * pp.stages_per_rank  # activations forward + gradients backward
+    return out

@@ -1,1 +1,0 @@
-"""The run's pictures: the pipeline timeline (Chrome trace + PNG) and the placement picture."""
