@@ -29,13 +29,11 @@ from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
 from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous
 from trainer.launch.worker import node_ordered_rank, worker_main
-from trainer.planner.auto.plan import ranking_artifacts
 from trainer.run.metrics import Progress
 from trainer.tracking.mlflow_tracker import make_tracker
 from trainer.tracking.run_info import run_name
 from trainer.tracking.run_record import log_final_model, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
-from trainer.validate.checks import check_launch
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -54,7 +52,7 @@ def launch(cfg: RunConfig) -> int:
             rdzv_id = rendezvous_id(cfg)
             with _worker_logs(cfg) as log_base:
                 pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)),
-                                        artifacts=ranking_artifacts(cfg))
+                                        artifacts=_auto_plan_artifacts(cfg))
                 try:
                     outcome = _train(cfg, tracker, log_base, rdzv_id)
                     outcome["pictures"] = {**pictures, **(outcome.get("pictures") or {})}
@@ -106,6 +104,16 @@ def rendezvous_id(cfg: RunConfig) -> str:
         common["launch"].pop(per_node)
     common["tracking"].pop("run_id")  # node 0's own run; the others have none
     return f"{run_name(cfg)}-{hashlib.sha256(json.dumps(common, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+def _auto_plan_artifacts(cfg: RunConfig) -> dict[str, str]:
+    """``+parallel=auto``: the planner's ranking as the run's artifacts; nothing for a hand-written layout."""
+    if cfg.parallel is None or cfg.parallel.auto is None:
+        return {}
+    # start-up: the planner, and the validation its search runs, only for a run the planner chose
+    from trainer.planner.auto.plan import ranking_artifacts
+
+    return ranking_artifacts(cfg)
 
 
 def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str) -> dict:
@@ -289,6 +297,10 @@ def _with_node_options(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
 
     launch_section = cfg.launch.model_validate({**cfg.launch.model_dump(), **updates})
     cfg = cfg.model_copy(update={"launch": launch_section})
+    # start-up: a validated job.json launches without importing validation; only --node-rank overrides
+    # are checked here, by the launch section's own checks.
+    from trainer.validate.checks import check_launch
+
     issues = check_launch(cfg)
     if issues:
         raise ValueError("; ".join(map(str, issues)))
