@@ -42,6 +42,7 @@ from parallel.sharding.activation_checkpointing import apply_ac
 from parallel.sharding.compile import apply_compile
 from parallel.sharding.data_parallel import apply_data_parallel
 from parallel.sharding.tensor_parallel import apply_placements
+from parallel.sharding.ties import retie, tied_groups
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -327,8 +328,10 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
                       init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
     tensor parallel -> activation checkpointing -> compile -> data parallel -> (``init``: a meta
-    part) allocate and initialise this rank's shards. Returns tensor parallelism's report."""
+    part) allocate and initialise this rank's shards. Returns tensor parallelism's report. A tied
+    parameter (input and output embeddings) stays one parameter throughout (:mod:`parallel.sharding.ties`)."""
     report: dict[str, str] = {}
+    tied = tied_groups(part)
     if init is None:
         part.to(device)
     if layout.placements or layout.layouts:
@@ -342,7 +345,8 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
         apply_data_parallel(part, mesh, mode=dp.mode, dim_names=list(dp.dim_names), block_fqns=layout.blocks,
                             pipelined=pipelined, precision=precision)
     if init is not None:
-        _materialize(part, device, init)
+        _materialize(part, device, init, tied)
+    retie(part, tied)
     return report
 
 
@@ -379,13 +383,17 @@ def _autocast_dtype(precision: Precision, dp: Any) -> torch.dtype | None:
     return torch.bfloat16 if precision == "bf16" and dp is None else None
 
 
-def _materialize(part: nn.Module, device: torch.device, init: Callable[[nn.Module], None] | None) -> None:
+def _materialize(part: nn.Module, device: torch.device, init: Callable[[nn.Module], None] | None,
+                 tied: list[list[str]]) -> None:
     """Move ``part`` to ``device``; a meta part is allocated there (its shards only: after
-    tensor and data parallelism a DTensor's local tensor is the shard) and given its values."""
+    tensor and data parallelism a DTensor's local tensor is the shard) and given its values.
+    ``to_empty`` allocates each module's tensors apart, so ties are restored before ``init``,
+    which then gives a tied parameter its first name's value, as on one device."""
     if init is None:
         part.to(device)
         return
     part.to_empty(device=device)
+    retie(part, tied)
     init(part)
 
 

@@ -27,6 +27,18 @@ def write_tiny_llama(path, *, seed: int = 0, vocab_size: int = 256, model_type: 
     model.save_pretrained(path)
 
 
+def write_tied_llama(path, *, seed: int = 0, vocab_size: int = 256) -> None:
+    """A SmolLM2-shaped tiny Llama: input and output embeddings tied (``tie_word_embeddings``), 9
+    attention heads over 3 key/value heads (head_dim 8), rope_theta 100000, 2 layers."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=72, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=256,
+                                      rope_theta=100000.0, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
 WORDS = ("the mesh shards every parameter over its axes while the pipeline passes activations between stages "
          "and the optimizer steps once per global batch of packed documents").split()
 

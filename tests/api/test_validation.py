@@ -37,7 +37,7 @@ BAD_OVERRIDES = [
     (["model/extra=gpt_small"], "model.extra", "not a config group"),
     (["launch.rdzv_endpoint=10.0.0.1:29500"], "launch.rdzv_endpoint", "loopback"),
     (["train.steps=0"], "train.steps", "greater"),
-    (["train.nope=1"], "overrides", "nope"),
+    (["train.nope=1"], "train.nope", "unknown key"),  # composed like a known key; validation names it
 ]
 
 

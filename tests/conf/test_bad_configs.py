@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from parallel.errors import ConfigError, ConfigIssue
+from tests.conftest import run_cli
 from trainer.config.compose import compose_dict
 from trainer.validate.checks import validate_config
 
@@ -100,6 +101,11 @@ CASES: dict[str, Bad] = {
         ["+foo=1"], "foo", ["unknown key"], ["known keys here", "parallel", "train", "validate_only"]),
     "schema/unknown-nested-key": bad(
         ["+train.stepz=10"], "train.stepz", ["unknown key"], ["known keys here", "steps", "global_batch_size"]),
+    "schema/typo-of-a-key": bad(  # typed without + as a user would: composed, then named with its likely key
+        ["train.step=50"], "train.step", ["unknown key"], ["did you mean train.steps?"]),
+    "schema/typo-in-a-preset-section": bad(
+        ["+parallel=3d", "parallel.pipeline.microbatch=8"], "parallel.pipeline.microbatch", ["unknown key"],
+        ["did you mean parallel.pipeline.microbatches?"]),
     "schema/unknown-key-in-pipeline": bad(
         ["+parallel=3d", "+parallel.pipeline.microbatch=8"], "parallel.pipeline.microbatch", ["unknown key"],
         ["known keys here", "microbatches", "stages_per_rank"]),
@@ -270,6 +276,13 @@ CASES: dict[str, Bad] = {
         ["+parallel=tp_sp"], 'parallel.layouts["layers.*.attn_norm"].input.sq',
         ["axis 'sq' is not in parallel.dims ['tp']"], ["use one of ['tp']"],
         edit=put("parallel", "layouts", "layers.*.attn_norm", {"input": {"sq": "Shard(1)"}})),
+    "layouts/sequence-does-not-split-over-sp-axis": bad(
+        ["+parallel=tp_sp", "mesh=[2]", "train.seq_len=31"], "train.seq_len",
+        ["31 tokens do not split evenly over the sequence-parallel axis 'tp' of size 2"],
+        ["use a multiple of 2, e.g. train.seq_len=32"]),
+    "data/text-root-does-not-exist": bad(
+        ["data.root=/nonexistent/meshflow-texts"], "data.root", ["'/nonexistent/meshflow-texts' does not exist"],
+        ["data.root=stdlib"]),
     # -------------------------------------------------------------------- batch, model, misc
     "batch/not-divisible-by-dp-x-microbatches": bad(
         ["+parallel=3d", "train.global_batch_size=12"], "train.global_batch_size",
@@ -402,3 +415,12 @@ def test_all_issues_reported_at_once():
     paths = {i.path for i in excinfo.value.issues}
     assert {"train.checkpoint.every", "launch.node_rank", "train.global_batch_size"} <= paths
     assert str(excinfo.value).startswith(f"invalid config: {len(excinfo.value.issues)} problems")
+
+
+def test_the_cli_names_a_typo_and_sets_keys_a_preset_does_not_state(tmp_path):
+    """``train.step=50`` exits 2 with the key it resembles (not Hydra's struct error, exit 1); a key
+    the preset leaves at its default is set without ``+``, as the validator's fixes print it."""
+    typo = run_cli(["train.step=50"], cwd=tmp_path)
+    assert typo.returncode == 2 and "train.step: unknown key (did you mean train.steps?" in typo.stderr, typo.stderr
+    unstated = run_cli(["+parallel=fsdp", "parallel.activation_checkpointing=full", "validate_only=true"], cwd=tmp_path)
+    assert unstated.returncode == 0 and unstated.stdout.startswith("config OK"), unstated.stderr

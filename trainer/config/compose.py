@@ -10,6 +10,7 @@ the top-level ``conf`` is a link to it), so an installed wheel finds it too.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,35 @@ def register_defaults() -> None:
         store.store(group="data", name=f"{data().kind}_defaults", node=data().model_dump(mode="json"))
 
 
+_VALUE_KEY = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+
+
+def forgiving_overrides(overrides: list[str]) -> list[str]:
+    """``key=value`` overrides as Hydra's force-add (``++key=value``): a key a preset does not state
+    (``parallel.activation_checkpointing`` after ``+parallel=fsdp``) is set like any other, and a
+    misspelt one (``train.step``) reaches validation, which names it with the key it resembles,
+    instead of Hydra's struct error. Config groups (``model=hf``), ``+``, ``~`` and ``hydra``
+    overrides, sweeps (``optim.lr=1e-3,3e-3``: a sweeper reads them as written), flags and
+    anything that is not a plain dotted key stay as written."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    out = []
+    for override in overrides:
+        key, eq, _ = override.partition("=")
+        plain = bool(eq and not override.startswith(("-", "+", "~")) and _VALUE_KEY.fullmatch(key)
+                     and key not in groups and key.split(".")[0] != "hydra")
+        if plain:
+            try:
+                plain = not parser.parse_override(override).is_sweep_override()
+            except HydraException:  # Hydra reports the bad override itself, as written
+                plain = False
+        out.append(f"++{override}" if plain else override)
+    return out
+
+
 def compose_dict(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The resolved config for ``overrides`` (as typed after ``python -m trainer``), as a plain dict,
     with the preset it came from in ``tracking.tags.preset`` as the CLI has it."""
@@ -43,7 +73,7 @@ def compose_dict(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
 
     register_defaults()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="meshflow"):
-        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        cfg = compose(config_name="config", overrides=forgiving_overrides(list(overrides)), return_hydra_config=True)
     choices = dict(cfg.hydra.runtime.choices)
     return with_preset(to_plain(cfg), choices)
 

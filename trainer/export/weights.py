@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import TypeAdapter
 
+from parallel.sharding.ties import alias_names
 from trainer.checkpoint.dcp import CheckpointError, read_extra
 from trainer.config.schema import ModelConfig
 from trainer.export.hf import export_hf
@@ -54,7 +55,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
     from safetensors.torch import save_file
 
     model, model_cfg, extra = load_checkpoint_model(checkpoint)
-    state = model.state_dict()
+    state = unique_state_dict(model)
     if format == "hf":
         return export_hf(state, model_cfg, out, tokenizer=(extra.get("data_config") or {}).get("tokenizer"))
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
@@ -62,6 +63,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
     save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
                                            "step": str(extra.get("step"))})
     return {"tensors": len(tensors), "bytes": Path(out).stat().st_size}
+
+
+def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with each tensor once: a tied parameter (input and output embeddings)
+    under its first name only, as Hugging Face writes it (``tie_word_embeddings``)."""
+    aliases = alias_names(model)
+    return {name: value for name, value in model.state_dict().items() if name not in aliases}
 
 
 def check_weights_fit(model: torch.nn.Module, path: str | Path) -> None:
@@ -73,7 +81,7 @@ def check_weights_fit(model: torch.nn.Module, path: str | Path) -> None:
         raise FileNotFoundError(f"train.init_from: {str(path)!r} does not exist (give a file written by python -m trainer.export)")
     with safe_open(str(path), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    own = {k: tuple(v.shape) for k, v in unique_state_dict(model).items()}
     missing, unexpected = sorted(own.keys() - shapes.keys()), sorted(shapes.keys() - own.keys())
     wrong = sorted(k for k in own.keys() & shapes.keys() if own[k] != shapes[k])
     if missing or unexpected or wrong:
@@ -94,7 +102,7 @@ def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Pat
         parts = [parts]
     with safe_open(str(path), framework="pt") as f, torch.no_grad():
         for part in parts:
-            for name, tensor in part.state_dict().items():
+            for name, tensor in unique_state_dict(part).items():  # a tied alias shares the first name's tensor
                 offset, local = local_box(tensor)
                 block = f.get_slice(name)[tuple(slice(o, o + k) for o, k in zip(offset, local))] if local else f.get_tensor(name)
                 target = tensor.to_local() if hasattr(tensor, "to_local") else tensor

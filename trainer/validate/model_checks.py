@@ -12,6 +12,7 @@ from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import MeshSpec, ParallelPlan
 from trainer.checkpoint.dcp import CheckpointError, check_model_config, read_extra, resolve_resume
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
+from trainer.data.text import resolve_root
 from trainer.data.tokenizer import load_tokenizer
 from trainer.models import build_model, decoder_config
 from trainer.models.custom import CustomModelError, resolve_builder
@@ -49,9 +50,29 @@ def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[Confi
             issues.append(ConfigIssue("parallel.activation_checkpointing",
                                       f"model {cfg.model.arch} has no transformer blocks to checkpoint",
                                       "set activation_checkpointing: none"))
+    if plan is not None:
+        issues += _check_sequence_shards(cfg, plan)
     if plan is not None and not issues and not cfg.dry_run:  # a dry run prints the prediction instead
         issues += _check_memory(cfg, plan)
     return (plan if not issues else None), issues
+
+
+def _check_sequence_shards(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
+    """Sequence parallelism (a layout input ``Shard(1)``: the sequence dim of ``[batch, seq, dim]``)
+    splits every micro-batch's sequence evenly over its axis; an uneven split makes the ranks'
+    all-gathers disagree in size, which gloo and nccl abort on."""
+    if decoder_config(cfg.model) is None:
+        return []
+    axes = {axis for layout in plan.layouts.values() for axis, p in layout.input.items() if p.is_shard and p.dim == 1}
+    issues = []
+    for axis in sorted(axes):
+        size = plan.mesh.size(axis)
+        if cfg.train.seq_len % size:
+            fit = size * max(1, round(cfg.train.seq_len / size))
+            issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens do not split evenly over the "
+                                      f"sequence-parallel axis {axis!r} of size {size}",
+                                      f"use a multiple of {size}, e.g. train.seq_len={fit}"))
+    return issues
 
 
 def _check_memory(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
@@ -80,6 +101,13 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
                                   "(torch's V schedule has no forward-only pass)",
                                   "use InterleavedZeroBubble or Interleaved1F1B, or drop data.val_fraction / val_paths"))
     data_vocab = None  # the tokenizer's id count, for data=files
+    if d.kind == "text":
+        try:
+            resolve_root(d.root)
+        except FileNotFoundError as err:
+            reason = str(err).removeprefix("data.root: ").partition(" (")[0]
+            issues.append(ConfigIssue("data.root", reason, "give a directory of text files, or data.root=stdlib "
+                                                           "(the Python standard library)"))
     if d.kind == "files":
         file_issues, data_vocab = _check_files(d)
         issues += file_issues

@@ -12,6 +12,7 @@ in words, and a fix: the allowed values, the expected type, or the keys known at
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -66,7 +67,11 @@ def _fix(e: dict, loc: tuple, raw: dict) -> str:
     kind = e["type"]
     if kind == "extra_forbidden":
         known = _known_keys(loc[:-1], raw)
-        return f"remove it or fix the spelling; known keys here: {', '.join(known)}" if known else "remove it"
+        if not known:
+            return "remove it"
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        mean = f"did you mean {format_path(*loc[:-1], close[0])}? " if close else ""
+        return f"{mean}remove it or fix the spelling; known keys here: {', '.join(known)}"
     if kind == "missing":
         return "add it"
     if kind in ("literal_error", "union_tag_invalid", "enum"):
