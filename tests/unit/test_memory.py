@@ -12,7 +12,8 @@ import pytest
 from parallel.errors import ConfigError
 from tests.conftest import run_cli
 from trainer.config.compose import compose_dict
-from trainer.planner.memory.predict import GIB, predict_memory
+from trainer.planner.memory.predict import predict_memory
+from trainer.planner.numbers import GIB
 from trainer.validate.checks import validate_config, validate_with_plan
 
 

@@ -16,6 +16,9 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
 
+MIB, GIB = 2**20, 2**30
+BYTES = 4  # fp32 master weights, gradients and AdamW state
+
 
 @dataclass(frozen=True)
 class RankHoldings:
@@ -47,7 +50,6 @@ class PlanNumbers:
     comm: dict[str, float]
 
 
-BYTES = 4  # fp32 master weights, gradients and AdamW state
 
 
 def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, ParallelPlan]]:

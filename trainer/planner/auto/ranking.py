@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-GIB, MIB = 2**30, 2**20
+from trainer.planner.numbers import MIB
 
 
 @dataclass

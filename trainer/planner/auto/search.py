@@ -20,7 +20,7 @@ from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
-from trainer.planner.auto.ranking import GIB, Candidate
+from trainer.planner.auto.ranking import Candidate
 from trainer.planner.calibration.probe import bf16_supported
 from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.comm import unit_params
@@ -28,6 +28,7 @@ from trainer.planner.cost.model import lower_bound_s, predict_step_time, unit_co
 from trainer.planner.memory.budget import memory_budget
 from trainer.planner.memory.layout import on_cuda
 from trainer.planner.memory.predict import predict_memory
+from trainer.planner.numbers import GIB
 from trainer.validate.checks import check_structure
 from trainer.validate.model_checks import _check_heads
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 
+from parallel.config import SPLIT_BACKWARD_SCHEDULES
 from parallel.plan.spec import ParallelPlan
 from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.comm import tp_all_reduces_per_block
 
 # Schedules whose backward is split in two actions per micro-batch: input (I) and weight (W) gradients.
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBV")
 
 
 def layout_degrees(plan: ParallelPlan) -> dict[str, int]:

@@ -23,7 +23,8 @@ from trainer.config.schema import RunConfig
 from trainer.models import build_model
 from trainer.planner.memory.host import WORKER_FLOOR, has_mallopt
 from trainer.planner.memory.layout import on_cuda
-from trainer.planner.memory.predict import GIB, MemoryEstimate, predict_memory
+from trainer.planner.memory.predict import MemoryEstimate, predict_memory
+from trainer.planner.numbers import GIB
 
 
 def memory_budget(cfg: RunConfig) -> tuple[float, str]:

@@ -34,8 +34,8 @@ import platform
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
+from trainer.planner.numbers import MIB
 
-MIB = 2**20
 # A CPU worker's own memory before training, below the floor the plan counts from: the interpreter,
 # torch and the trainer's modules, anonymous pages (RssAnon 198 MiB after importing trainer.run.loop; the
 # 80 MiB of file-backed code pages are shared by all workers of a host). Without it, 8 workers of a

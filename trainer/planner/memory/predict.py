@@ -58,9 +58,6 @@ from trainer.planner.memory.layout import (
 )
 from trainer.planner.numbers import plan_numbers, stage_views
 
-MIB = 2**20
-GIB = 2**30
-
 
 @dataclass(frozen=True)
 class MemoryParts:
