@@ -28,8 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from parallel.placements import PlacementSpec
 from parallel.plan.spec import AxisSpecs, DataParallelSpec, ParallelPlan
@@ -183,6 +181,11 @@ def _layout_slices(shape: tuple[int, ...], grid: StageGrid, dp: DataParallelSpec
     shards (placements apply left to right), which is how it is computed here: the strided form
     builds an index tensor per rank, thousands of times slower on a [64, 8, 8] mesh.
     (tests/dist/test_examples.py holds both against FSDP's real shards.)"""
+    # start-up: DTensor (torch.distributed.tensor, about 1.4 s) only once a picture is drawn; the CLI,
+    # the launcher and the control plane import this module without paying for it.
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
     ndim = len(shape)
     tp = [(a, _dim_of(axes[a], ndim)) for a in grid.dim_names if a in axes and axes[a].is_shard]
     shard_axes = tuple(a for a in dp.shard_dim_names if a in grid.dim_names) if dp is not None and ndim else ()

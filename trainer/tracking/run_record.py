@@ -26,7 +26,6 @@ import yaml
 
 from parallel.plan.resolve import resolve_plan
 from trainer.config.schema import RunConfig, TrackingConfig
-from trainer.export.weights import export_checkpoint
 from trainer.models import build_model
 from trainer.pictures.placement import write_placement
 from trainer.planner.report import describe_plan
@@ -128,6 +127,10 @@ def log_final_model(tracker: Tracker, cfg: RunConfig, outcome: dict[str, Any]) -
     if not (checkpoint and cfg.tracking.log_model) or isinstance(tracker, NullTracker):
         return
     import tempfile
+
+    # start-up: the export reads DCP (torch.distributed.checkpoint and DTensor: about 2 s), which the
+    # launcher needs only here, after a run that saved a checkpoint.
+    from trainer.export.weights import export_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="meshflow-model-") as tmp:
         out = Path(tmp) / "model.safetensors"

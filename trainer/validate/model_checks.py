@@ -10,7 +10,6 @@ import math
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import MeshSpec, ParallelPlan
-from trainer.checkpoint.dcp import CheckpointError, check_model_config, read_extra, resolve_resume
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
 from trainer.data.text import resolve_root
 from trainer.data.tokenizer import load_tokenizer
@@ -228,6 +227,12 @@ def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
 def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:
     """The checkpoint to resume from exists, is finished and was saved from this model."""
     ckpt = cfg.train.checkpoint
+    if ckpt.resume == "none":
+        return []
+    # start-up: DCP (torch.distributed.checkpoint, which imports DTensor: about 2 s) only for a run that
+    # resumes; validating any other config, and the control plane's start, go without it.
+    from trainer.checkpoint.dcp import CheckpointError, check_model_config, read_extra, resolve_resume
+
     try:
         path = resolve_resume(ckpt.resume, ckpt.dir)
         if path is not None:
