@@ -59,13 +59,14 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list(params), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
 
 
-def reference_run(model_cfg, *, precision: str = "fp32") -> dict:
+def reference_run(model_cfg, *, precision: str = "fp32", decoder=None, keep_model: bool = False) -> dict:
     """Single device, no engine: the losses and pre-clip gradient norms every mesh must match
-    (``precision="bf16"``: under bf16 autocast, fp32 weights)."""
+    (``precision="bf16"``: under bf16 autocast, fp32 weights). ``decoder``: the shape of a Hugging
+    Face model's batches; ``keep_model``: the trained model under ``"model"``."""
     model = build_model(model_cfg, seed=0)
     optimizer, loss_fn = make_optimizer(model.parameters()), loss_fn_for(model_cfg)
     losses, norms = [], []
-    for inputs, targets in batches(model_cfg):
+    for inputs, targets in batches(decoder or model_cfg):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = loss_fn(model(inputs), targets)
         loss.backward()
@@ -74,9 +75,9 @@ def reference_run(model_cfg, *, precision: str = "fp32") -> dict:
         optimizer.zero_grad()
         losses.append(loss.item())
     with torch.no_grad():  # forward only, after training: what ParallelModel.evaluate must give
-        inputs, targets = batches(model_cfg)[0]
+        inputs, targets = batches(decoder or model_cfg)[0]
         eval_loss = loss_fn(model(inputs), targets).item()
-    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss}
+    return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, **({"model": model} if keep_model else {})}
 
 
 # --------------------------------------------------------------------------- presets

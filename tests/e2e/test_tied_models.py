@@ -1,6 +1,8 @@
 """A tied-embedding checkpoint (SmolLM2's shape: tie_word_embeddings, 9 heads over 3 kv heads,
-rope_theta 1e5) on pure tensor parallelism: the same losses as one device, a final checkpoint the
-run logs as its MLflow model, and an export that transformers loads tied with the trainer's logits.
+rope_theta 1e5) through the CLI: a pipeline's run and its checkpoint resumed on pure tensor
+parallelism give one device's losses, the final checkpoint is the run's MLflow model, and its
+export loads tied in transformers with the trainer's logits. (Every layout kind against one
+device, in one process group each: tests/dist/test_tied.py.)
 
     pytest tests/e2e/test_tied_models.py -q -m slow
 """
@@ -19,18 +21,24 @@ pytestmark = pytest.mark.slow
 COMMON = ["data=synthetic", "train.steps=3", "train.global_batch_size=6", "train.seq_len=32", "train.log_every=1"]
 
 
-def test_tied_model_on_tp3_equals_one_device_and_exports_tied(tmp_path):
+def test_tied_model_on_a_pipeline_then_tp3_equals_one_device_and_exports_tied(tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf_dir = tmp_path / "smol"
     write_tied_llama(hf_dir)
     (tmp_path / "single").mkdir()
     single = _run(tmp_path / "single", hf_dir, COMMON)
+    (tmp_path / "pp").mkdir()
+    pp = _run(tmp_path / "pp", hf_dir, [*COMMON, "+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=2", "train.checkpoint.every=2",
+                                        f"train.checkpoint.dir={tmp_path / 'pp_ckpt'}"])
+    _assert_same(pp["loss"], single["loss"], range(1, 4))
+    # The pipeline's step-2 checkpoint (the tie stored once, from the first stage) resumed on tp 3.
     ckpt = tmp_path / "ckpt"
     (tmp_path / "tp").mkdir()
     tp = _run(tmp_path / "tp", hf_dir, [*COMMON, "+parallel=tp", "mesh=[3]", "train.checkpoint.save_final=true",
+                                        f"train.checkpoint.resume={tmp_path / 'pp_ckpt' / 'step_00000002'}",
                                         f"train.checkpoint.dir={ckpt}"])
-    _assert_same(tp["loss"], single["loss"], range(1, 4))
+    _assert_same(tp["loss"], single["loss"], [3])
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tp' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("meshflow").experiment_id])

@@ -39,6 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from trainer.checkpoint.tied_keys import alias_map, load_view, restore_aliases, without_aliases
+
 COMPLETE_MARKER = "COMPLETE"
 # Flattened optimizer state keys every entry by parameter FQN (``param_groups.<fqn>.lr``). The
 # nested form keys param groups by list index with the saving rank's FQN list, so a checkpoint
@@ -201,11 +203,14 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any],
     keep: int,
+    tied: list[list[str]] | None = None,
 ) -> Path:
     """Save model, optimizer and ``extra`` as ``<ckpt_dir>/step_<step:08d>``; return that path.
 
     Collective when a process group is initialised: every rank calls it with the same step.
-    Afterwards only the newest ``keep`` finished checkpoints remain.
+    Afterwards only the newest ``keep`` finished checkpoints remain. ``tied``: the model's tied
+    names (first name first); a tie is stored under its first name only
+    (:mod:`trainer.checkpoint.tied_keys`).
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -220,7 +225,8 @@ def save_checkpoint(
     _barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    aliases = alias_map(tied or [])
+    state: dict[str, Any] = {"model": without_aliases(model_state, aliases), "optim": without_aliases(optim_state, aliases)}
     if _rank() == 0:
         # DCP dedups a key present on several ranks by balancing work, so it may store any
         # rank's copy; offering ``extra`` from rank 0 alone makes the saved one rank 0's.
@@ -253,10 +259,12 @@ def _dcp_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    tied: list[list[str]] | None = None) -> dict[str, Any]:
     """Load a finished checkpoint into ``model`` and ``optimizer`` in place; return its ``extra``.
 
-    Resharding is DCP's: the target state (from ``get_state_dict``) decides the layout read.
+    Resharding is DCP's: the target state (from ``get_state_dict``) decides the layout read; a
+    tied parameter's every copy reads its first name's entries (``tied``, as for saving).
     Raises :class:`CheckpointError` naming the path when it is missing, unfinished or corrupt,
     or does not match the model (missing keys, different shapes).
     """
@@ -265,11 +273,18 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     if reason is not None:
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    aliases = alias_map(tied or [])
+    (model_view, model_links), (optim_view, optim_links) = load_view(model_state, aliases), load_view(optim_state, aliases)
     # None is a placeholder DCP replaces with the stored bytes item.
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state, "extra": None}
+    state: dict[str, Any] = {"model": model_view, "optim": optim_view, "extra": None}
     try:
         with _quiet_dcp():
             dcp.load(state, checkpoint_id=path)
+        model_state.update({k: v for k, v in state["model"].items() if k in model_state})
+        optim_state.update({k: v for k, v in state["optim"].items() if k in optim_state})
+        restore_aliases(model_state, state["model"], model_links)
+        restore_aliases(optim_state, state["optim"], optim_links)
+        state["model"], state["optim"] = model_state, optim_state
         extra = torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_OPTIONS)
@@ -323,21 +338,26 @@ def merged_module(parts: list[torch.nn.Module]) -> torch.nn.Module:
 
     DCP's ``get_state_dict`` takes one module, and a rank with interleaved stages holds
     several. The stages are FQN-preserving pieces of one model (``layers.0`` here,
-    ``layers.2`` there), so their children can be re-registered side by side under the same
-    names; container children (``layers``) are merged key by key. Nothing is copied.
+    ``layers.2`` there; in Hugging Face's layout both under ``model``), so a module two stages
+    both hold a piece of becomes a holder of both pieces' children, level by level; a module one
+    stage alone holds is used as it is. Nothing is copied.
     """
     if len(parts) == 1:
         return parts[0]
-    merged = torch.nn.Module()
-    for part in parts:
-        for name, child in part.named_children():
-            if isinstance(child, torch.nn.ModuleDict):
-                if name not in merged._modules:
-                    merged.add_module(name, torch.nn.ModuleDict())
-                for key, sub in child.items():
-                    merged._modules[name][key] = sub
-            elif child is not None:
-                merged.add_module(name, child)
-        for name, param in part.named_parameters(recurse=False):
-            merged.register_parameter(name, param)
-    return merged
+    return _merged(parts)
+
+
+def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
+    distinct = list({id(m): m for m in modules}.values())
+    if len(distinct) == 1:
+        return distinct[0]
+    holder = torch.nn.Module()
+    for module in distinct:
+        for name, param in module.named_parameters(recurse=False):
+            holder.register_parameter(name, param)
+        for name, buf in module.named_buffers(recurse=False):
+            holder.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
+    names = list(dict.fromkeys(name for module in distinct for name, _ in module.named_children()))
+    for name in names:
+        holder.add_module(name, _merged([m._modules[name] for m in distinct if m._modules.get(name) is not None]))
+    return holder

@@ -35,7 +35,7 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
     extra = read_extra(checkpoint)
     model_cfg = TypeAdapter(ModelConfig).validate_python(extra["model_config"])
     model = build_model(model_cfg, seed=0)
-    state = {"model": model.state_dict()}
+    state = {"model": unique_state_dict(model)}  # a tie is stored under its first name (trainer.checkpoint.tied_keys)
     try:
         with warnings.catch_warnings():  # one process reading on purpose: DCP's warning says so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -44,7 +44,9 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
             raise
         raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: {exc}") from exc
-    model.load_state_dict(state["model"])
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if set(missing) - alias_names(model) or unexpected:  # an alias shares its first name's tensor, now loaded
+        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: missing {missing[:4]}, unexpected {unexpected[:4]}")
     return model, model_cfg, extra
 
 
@@ -90,21 +92,27 @@ def check_weights_fit(model: torch.nn.Module, path: str | Path) -> None:
                          "(export from a checkpoint of the same model config)")
 
 
-def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Path) -> None:
+def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Path, *,
+                 tied: list[list[str]] | None = None) -> None:
     """Load a safetensors file from :func:`export_checkpoint` into the plain model, or into this
     rank's sharded parts (pipeline stages, DTensor shards): each tensor reads only the block it
     holds (safetensors slices the file), so a sharded run never loads a whole parameter it does
-    not hold. Checks the file against the model first when given the whole model."""
+    not hold. Checks the file against the model first when given the whole model. ``tied``: the
+    model's tied names, first name first: a stage holding a tie's other name reads the first's
+    (the file holds a tie once)."""
     from safetensors import safe_open
 
     if isinstance(parts, torch.nn.Module):
         check_weights_fit(parts, path)
         parts = [parts]
+    first = {alias: names[0] for names in tied or [] for alias in names[1:]}
     with safe_open(str(path), framework="pt") as f, torch.no_grad():
+        in_file = set(f.keys())
         for part in parts:
             for name, tensor in unique_state_dict(part).items():  # a tied alias shares the first name's tensor
+                key = name if name in in_file else first.get(name, name)
                 offset, local = local_box(tensor)
-                block = f.get_slice(name)[tuple(slice(o, o + k) for o, k in zip(offset, local))] if local else f.get_tensor(name)
+                block = f.get_slice(key)[tuple(slice(o, o + k) for o, k in zip(offset, local))] if local else f.get_tensor(key)
                 target = tensor.to_local() if hasattr(tensor, "to_local") else tensor
                 target.copy_(block)
 

@@ -112,9 +112,11 @@ def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
     pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, init=init,
                      precision=cfg.train.precision, compile=cfg.train.compile)
     if cfg.train.init_from:
-        load_weights(pm.model_parts, cfg.train.init_from)
+        load_weights(pm.model_parts, cfg.train.init_from, tied=pm.tied_names)
     elif hf_files:
         load_hf_sharded(pm.model_parts, cfg.model.path)
+    if cfg.train.init_from or hf_files:  # the files name a tied parameter once: every stage's copy takes it
+        pm.copy_tied_values()
     return pm
 
 
@@ -161,7 +163,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                                dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
     loss_fn = loss_fn_for(cfg.model)
     result = TrainResult()
-    ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer)
+    ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer, tied=pm.tied_names)
 
     start = 0
     if path := resolve_resume(t.checkpoint.resume, t.checkpoint.dir):

@@ -114,12 +114,9 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         from trainer.models.hf import HFModelError, read_hf_config  # optional: transformers, the hf extra
 
         try:
-            m, tied = read_hf_config(cfg.model.path)
+            m, _ = read_hf_config(cfg.model.path)
         except HFModelError as err:
             return issues + [ConfigIssue("model.path", err.reason, err.fix)]
-        if tied and cfg.parallel is not None and cfg.parallel.pipeline is not None:
-            issues.append(ConfigIssue("parallel.pipeline", "the model ties lm_head to embed_tokens (tie_word_embeddings) "
-                                      "and pipeline stages cannot share a parameter", "use a layout without a pipeline"))
         # The decoder's own checks below speak of config.json's values, reported at model.path.
         return issues + [ConfigIssue("model.path", f"(config.json) {i.path}: {i.reason}", i.fix) if i.path.startswith("model.")
                          else i for i in _check_decoder(m, d, t, data_vocab)]

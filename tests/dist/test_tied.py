@@ -1,0 +1,88 @@
+"""A tied-embedding model (SmolLM2's shape, written in the test) on tensor parallelism, every
+pipeline schedule kind, 3d with tp 3 and per-stage layouts: one device's losses and gradient
+norms (fp32, rel 1e-5), both stages' copies of the tie equal, and a checkpoint holding the tie
+once that one process reads back with the trained values.
+
+    pytest tests/dist/test_tied.py -q -m slow      # four launches: 2, 3, 4 and 6 processes
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_checks import make_optimizer, reference_run  # noqa: F401 - the reference's optimizer is dist_checks'
+from dist_harness import launch
+from tied_checks import DIR_ENV, OUT_ENV, SUITES
+
+pytestmark = pytest.mark.slow
+
+WORLD_SIZE = {"two_rank": 2, "three_rank": 3, "four_rank": 4, "six_rank": 6}
+SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
+_launched: dict[str, list[dict]] = {}
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    from tests.hf_assets import write_tied_llama
+
+    path, out = tmp_path_factory.mktemp("smol"), tmp_path_factory.mktemp("tied-ckpts")
+    write_tied_llama(path)
+    os.environ[DIR_ENV], os.environ[OUT_ENV] = str(path), str(out)
+    yield path, out
+    os.environ.pop(DIR_ENV, None)
+    os.environ.pop(OUT_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def reference(tied_dir):
+    from trainer.config.schema import HFModelConfig
+    from trainer.models import decoder_config
+
+    cfg = HFModelConfig(path=str(tied_dir[0]))
+    return reference_run(cfg, decoder=decoder_config(cfg), keep_model=True)
+
+
+@pytest.fixture(scope="module")
+def results(tied_dir, tmp_path_factory):
+    def get(check: str) -> list[dict]:
+        suite = SUITE_OF[check]
+        if suite not in _launched:
+            _launched[suite] = launch(suite, world_size=WORLD_SIZE[suite], out_dir=tmp_path_factory.mktemp(suite),
+                                      checks="tied_checks", timeout_s=300)
+        per_rank = [r[check] for r in _launched[suite]]
+        errors = [r["error"] for r in per_rank if not r["ok"]]
+        assert not errors, errors[0]
+        return per_rank
+
+    return get
+
+
+def _max_rel(values, expected) -> float:
+    return max(abs(v - e) / abs(e) for v, e in zip(values, expected, strict=True))
+
+
+@pytest.mark.parametrize("check", list(SUITE_OF))
+def test_tied_model_equals_one_device(check, results, reference, tied_dir):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainer.export.weights import load_checkpoint_model
+
+    per_rank = results(check)
+    for r in per_rank:
+        assert _max_rel(r["losses"], reference["losses"]) <= 1e-5, (r["losses"], reference["losses"])
+        assert _max_rel(r["grad_norms"], reference["grad_norms"]) <= 1e-5, (r["grad_norms"], reference["grad_norms"])
+    # Every copy of the tie (the first stage's embedding, the last stage's head) holds the same values.
+    sums = [v for r in per_rank for v in r["tie_sums"].values()]
+    assert sums and max(sums) - min(sums) <= 1e-9 * max(1.0, abs(sums[0])), [r["tie_sums"] for r in per_rank]
+
+    ckpt = tied_dir[1] / check / "step_00000001"
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert "model.model.embed_tokens.weight" in keys and "model.lm_head.weight" not in keys, sorted(keys)[:8]
+    model, _, _ = load_checkpoint_model(ckpt)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    want = reference["model"].state_dict()
+    diff = max(float((v - want[k]).abs().max()) for k, v in model.state_dict().items())
+    assert diff <= 1e-5, diff
