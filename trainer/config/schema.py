@@ -228,6 +228,11 @@ class TrainConfig(_Section):
     eval_every: int = Field(
         0, ge=0, description="With a validation split (data.val_fraction or data.val_paths): evaluate every N steps "
         "and after the last step; 0 = after the last step only.")
+    eval_at_start: bool | None = Field(
+        None, description="With a validation split: evaluate before step 1 and log val_loss at the step the run starts "
+        "from (0 unless resuming), a baseline for a fine-tune. null = on when weights are loaded (model=hf with "
+        "safetensors in model.path, or train.init_from) and the run does not resume from a checkpoint; "
+        "true needs a validation split (data.val_fraction or data.val_paths).")
     eval_batches: int = Field(
         4, ge=1, description="Validation batches per evaluation (global_batch_size / grad_accum sequences each, "
         "the same ones every time); fewer when the split is smaller.")

@@ -182,6 +182,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     memory_rows: list[dict] = []  # per-rank peaks at each logged step: an artifact, the metric is their max
     recorder = TimelineRecorder(pm)  # the last timeline_steps steps: start-up is not in the picture
     record_from = t.steps - cfg.tracking.timeline_steps + 1 if cfg.tracking.pictures else t.steps + 1
+    if val_source is not None and _eval_at_start(cfg, resumed=start > 0):  # a baseline before any update
+        _log_val(evaluate(pm, val_source, cfg, loss_fn, device), start, cfg, tracker, progress)
     progress.start(total=t.steps, completed=start)
     for step in range(start + 1, t.steps + 1):
         began = time.perf_counter()
@@ -271,6 +273,15 @@ def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, dev
     finally:
         pm.train(True)
     return sum(losses) / len(losses)
+
+
+def _eval_at_start(cfg: RunConfig, *, resumed: bool) -> bool:
+    """``train.eval_at_start``, or when null: weights were loaded (a Hugging Face directory's
+    safetensors, ``train.init_from``) and the run starts fresh (a resumed run's first run evaluated)."""
+    if cfg.train.eval_at_start is not None:
+        return cfg.train.eval_at_start
+    loaded = bool(cfg.train.init_from) or (isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path)))
+    return loaded and not resumed
 
 
 def _log_val(val_loss: float, step: int, cfg: RunConfig, tracker: Tracker, progress: Progress) -> None:
