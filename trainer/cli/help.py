@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from trainer.config.compose import CONF_DIR
 from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
 
-USAGE = """usage: python -m trainer [key=value ...] [+parallel=PRESET] [group=option ...] [--cfg job]
+USAGE = """usage: python -m trainer [key=value ...] [+parallel=PRESET] [+recipe=RECIPE] [group=option ...] [--cfg job]
 
 Compose a run from conf/ (Hydra), validate it against the model, then train.
   python -m trainer                               one device, default model (gpt_debug) on stdlib text
@@ -26,7 +26,7 @@ def _groups() -> str:
     lines = []
     for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
         options = sorted(f.stem for f in group.glob("*.yaml"))
-        prefix = "+" if group.name in ("parallel", "examples") else ""
+        prefix = "+" if group.name in ("parallel", "examples", "recipe") else ""
         lines.append(f"  {prefix}{group.name}={{{','.join(options)}}}")
     return "\n".join(lines)
 

@@ -149,15 +149,31 @@ DataConfig = Annotated[Union[DATA_SECTIONS], Field(discriminator="kind")]
 # ----------------------------------------------------------------------------- optim
 
 
+DEFAULT_WARMUP_STEPS = 10  # neither warmup_steps nor warmup_fraction given
+
+
 class OptimConfig(_Section):
     name: Literal["adamw"] = Field("adamw", description="Optimizer (torch.optim.AdamW).")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
-    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps from 0 to lr.")
+    warmup_steps: int | None = Field(
+        None, ge=0, description="Linear warm-up steps from 0 to lr. null = optim.warmup_fraction of train.steps "
+        "when that is set, else 10; a number here wins over warmup_fraction.")
+    warmup_fraction: float | None = Field(
+        None, ge=0, lt=1, description="Warm-up as a fraction of train.steps (rounded up to whole steps), used when "
+        "optim.warmup_steps is null; null = 10 steps. The fine-tuning recipe (+recipe=finetune) sets 0.03.")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of lr (cosine, linear).")
+
+    def warmup_steps_for(self, total_steps: int) -> int:
+        """The warm-up steps of a ``total_steps`` run: warmup_steps, else warmup_fraction of it, else 10."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_fraction is not None:
+            return math.ceil(round(self.warmup_fraction * total_steps, 9))  # round: 0.1 * 100 is 10.000000000000002
+        return DEFAULT_WARMUP_STEPS
 
 
 # -------------------------------------------------------------------------- tracking
@@ -212,6 +228,11 @@ class TrainConfig(_Section):
     eval_every: int = Field(
         0, ge=0, description="With a validation split (data.val_fraction or data.val_paths): evaluate every N steps "
         "and after the last step; 0 = after the last step only.")
+    eval_at_start: bool | None = Field(
+        None, description="With a validation split: evaluate before step 1 and log val_loss at the step the run starts "
+        "from (0 unless resuming), a baseline for a fine-tune. null = on when weights are loaded (model=hf with "
+        "safetensors in model.path, or train.init_from) and the run does not resume from a checkpoint; "
+        "true needs a validation split (data.val_fraction or data.val_paths).")
     eval_batches: int = Field(
         4, ge=1, description="Validation batches per evaluation (global_batch_size / grad_accum sequences each, "
         "the same ones every time); fewer when the split is smaller.")

@@ -68,12 +68,14 @@ class TrainResult:
 def lr_lambda(optim: OptimConfig, total_steps: int):
     """Multiplier of the peak lr at a step: linear warm-up, then cosine / linear decay / constant."""
 
+    warmup = optim.warmup_steps_for(total_steps)
+
     def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / (optim.warmup_steps + 1)
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
         if optim.schedule == "constant":
             return 1.0
-        progress = (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps)
+        progress = (step - warmup) / max(1, total_steps - warmup)
         progress = min(1.0, progress)
         decay = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
         return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay
@@ -182,6 +184,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     memory_rows: list[dict] = []  # per-rank peaks at each logged step: an artifact, the metric is their max
     recorder = TimelineRecorder(pm)  # the last timeline_steps steps: start-up is not in the picture
     record_from = t.steps - cfg.tracking.timeline_steps + 1 if cfg.tracking.pictures else t.steps + 1
+    if val_source is not None and _eval_at_start(cfg, resumed=start > 0):  # a baseline before any update
+        _log_val(evaluate(pm, val_source, cfg, loss_fn, device), start, cfg, tracker, progress)
     progress.start(total=t.steps, completed=start)
     for step in range(start + 1, t.steps + 1):
         began = time.perf_counter()
@@ -213,10 +217,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time)
         if val_source is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
             result.val_loss = evaluate(pm, val_source, cfg, loss_fn, device)
-            val_metrics = {"val_loss": result.val_loss, "val_perplexity": math.exp(min(result.val_loss, 700))}
-            tracker.log_metrics(val_metrics, step=step)
-            progress.log(f"step {step}/{t.steps} | val_loss {val_metrics['val_loss']:.4f} | "
-                         f"val_perplexity {val_metrics['val_perplexity']:.2f}")
+            _log_val(result.val_loss, step, cfg, tracker, progress)
 
         ckpt = t.checkpoint
         if (ckpt.every and step % ckpt.every == 0) or (ckpt.save_final and step == t.steps):
@@ -274,6 +275,22 @@ def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, dev
     finally:
         pm.train(True)
     return sum(losses) / len(losses)
+
+
+def _eval_at_start(cfg: RunConfig, *, resumed: bool) -> bool:
+    """``train.eval_at_start``, or when null: weights were loaded (a Hugging Face directory's
+    safetensors, ``train.init_from``) and the run starts fresh (a resumed run's first run evaluated)."""
+    if cfg.train.eval_at_start is not None:
+        return cfg.train.eval_at_start
+    loaded = bool(cfg.train.init_from) or (isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path)))
+    return loaded and not resumed
+
+
+def _log_val(val_loss: float, step: int, cfg: RunConfig, tracker: Tracker, progress: Progress) -> None:
+    """``val_loss`` and ``val_perplexity`` to the tracker at ``step``, and a console line."""
+    metrics = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 700))}
+    tracker.log_metrics(metrics, step=step)
+    progress.log(f"step {step}/{cfg.train.steps} | val_loss {val_loss:.4f} | val_perplexity {metrics['val_perplexity']:.2f}")
 
 
 def _predicted_peak_mb(cfg: RunConfig) -> float:

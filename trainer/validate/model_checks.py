@@ -93,6 +93,12 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("train.eval_every", f"evaluates every {t.eval_every} steps, but data.kind: {d.kind} "
                                   "has no validation split", "set data.val_fraction (text, files) or data.val_paths "
                                   "(files), or train.eval_every=0"))
+    if t.eval_at_start and not has_val_split:  # null (auto) without a split skips the evaluation quietly
+        fix = ("add data.val_fraction=0.1, or set train.eval_at_start=false" if hasattr(d, "val_fraction") else
+               f"set train.eval_at_start=false (data={d.kind} has no validation split; data=text and data=files take "
+               "data.val_fraction)")
+        issues.append(ConfigIssue("train.eval_at_start", f"evaluates before step 1, but data.kind: {d.kind} has no "
+                                  "validation split", fix))
     pipeline = cfg.parallel.pipeline if cfg.parallel is not None else None
     if pipeline is not None and pipeline.schedule == "ZBV" and has_val_split:
         # torch 2.13's ZBV schedule cannot run forward-only (its V stages steal the backward input).
