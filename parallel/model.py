@@ -38,6 +38,7 @@ class ParallelModel:
         dp_rank, dp_size: this rank's data-parallel coordinate and the dp degree: the data
             loader gives each dp rank its share; tp and pp ranks of one replica get the same.
         is_last_stage: whether this rank computes the loss (always true without a pipeline).
+        replicas: how many ranks hold this rank's stage (the world without a pipeline).
         placement_report: ``{module FQN: style}`` from tensor parallelism, per stage.
         tied_names: the model's tied parameters' names, first name first; a pipeline holds one
             copy per stage of a tie's names (:mod:`parallel.pipeline.ties`).
@@ -79,7 +80,7 @@ class ParallelModel:
         self._loss_factor = 1.0
         self.pp_size = num_stages // pipeline.stages_per_rank if pipeline is not None else 1
         self._pp_group = pp_group
-        self._replicas = replicas  # ranks holding each stage (the last stage's all hold a loss)
+        self.replicas = replicas  # ranks holding each stage (the last stage's all hold a loss)
         self._lanes = lanes  # per-stage layouts: lanes a micro-batch is split over between stages
         self._stage_to_group_rank = stage_to_group_rank
         self._ties = ties or StageTies()
@@ -219,15 +220,11 @@ class ParallelModel:
         aliases = self._ties.alias_copies
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in aliases]
-        holders = self._replicas
+        holders = self.replicas
         total = torch.zeros((), dtype=torch.float64, device=self._device)
         for g in counted:
-            if isinstance(g, DTensor):
-                shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if _is_shard(pl))
-                local = g.to_local()
-            else:
-                shards, local = 1, g
-            total += local.double().square().sum() / (holders // shards)
+            local = g.to_local() if isinstance(g, DTensor) else g
+            total += local.double().square().sum() / (holders // shard_count(g))
         if self.mesh is not None:
             dist.all_reduce(total)
         norm = float(total.sqrt())
@@ -251,7 +248,7 @@ class ParallelModel:
         value = torch.tensor([0.0 if loss is None else float(loss)], dtype=torch.float64)
         dist.all_reduce(value)
         # Every rank of the last stage holds a loss: dp replicas (and lanes) differ, tp ranks repeat them.
-        return float(value) / self._replicas
+        return float(value) / self.replicas
 
 
 def _is_shard(placement: Any) -> bool:
@@ -260,4 +257,11 @@ def _is_shard(placement: Any) -> bool:
     return isinstance(placement, Shard) or getattr(placement, "dim", None) is not None
 
 
-__all__ = ["LossFn", "ParallelModel"]
+def shard_count(t: torch.Tensor) -> int:
+    """Into how many distinct blocks a DTensor is split over its mesh (1: a plain tensor, or replicated)."""
+    if not isinstance(t, DTensor):
+        return 1
+    return math.prod(t.device_mesh.size(i) for i, pl in enumerate(t.placements) if _is_shard(pl))
+
+
+__all__ = ["LossFn", "ParallelModel", "shard_count"]

@@ -28,7 +28,7 @@ def _worker(cfg_json: str, out_dir: str, repeats: int) -> None:
 
     from trainer.checkpoint.dcp import checkpoint_bytes, load_checkpoint, merged_module, save_checkpoint
     from trainer.config.schema import RunConfig
-    from trainer.run.loop import build_parallel_model
+    from trainer.run.build import build_parallel_model
 
     cfg = RunConfig.model_validate_json(cfg_json)
     distributed = "RANK" in os.environ

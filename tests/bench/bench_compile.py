@@ -49,7 +49,7 @@ def _worker(cfg_json: str, out_dir: str, steps: int, threads: int) -> None:
 
     from trainer.config.schema import RunConfig
     from trainer.models import loss_fn_for
-    from trainer.run.loop import build_parallel_model
+    from trainer.run.build import build_parallel_model
 
     cfg = RunConfig.model_validate_json(cfg_json)
     distributed = "RANK" in os.environ

@@ -194,7 +194,7 @@ def _axis_names(mesh) -> dict[tuple, str]:
 def run_preset(raw: dict, *, count: bool) -> dict:
     """``WARMUP + MEASURED`` steps of the preset ``raw`` on this process group (or one device)."""
     from trainer.models import loss_fn_for
-    from trainer.run.loop import build_parallel_model
+    from trainer.run.build import build_parallel_model
     from trainer.validate.checks import validate_config
 
     cfg = validate_config(raw)

@@ -1,7 +1,7 @@
 """Checks of ``train.compile: true`` that run inside the worker processes of one launch (see
 ``dist_harness``; the parent test is ``test_compile.py``).
 
-Every model is built the trainer's way, :func:`trainer.run.loop.build_parallel_model` from a validated
+Every model is built the trainer's way, :func:`trainer.run.build.build_parallel_model` from a validated
 :class:`~trainer.config.schema.RunConfig` with ``train.compile=true``, and trained by ``dist_checks.train``
 (5 AdamW steps on fixed batches); the parent compares the losses with the eager single-device
 reference. Each check starts from a fresh Dynamo (``torch._dynamo.reset()``): one process runs
@@ -20,7 +20,7 @@ import yaml
 
 from dist_checks import CPU, MLP_CFG, REPO, batches, make_optimizer, train
 from trainer.config.schema import RunConfig
-from trainer.run.loop import build_parallel_model
+from trainer.run.build import build_parallel_model
 from trainer.models import loss_fn_for
 from trainer.validate.checks import validate_config
 

@@ -2,7 +2,7 @@
 
 The parent composes each example with Hydra (``+examples=<name>``) and hands the plain dict to
 every rank of one launch; a rank validates it with the trainer's own ``validate_config``, builds
-the model exactly as the trainer does (``trainer.run.loop.build_parallel_model``) and reports, as
+the model exactly as the trainer does (``trainer.run.build.build_parallel_model``) and reports, as
 JSON, per example:
 
 * ``params``: each parameter's DTensor placements per mesh axis (``{}`` for a plain tensor),
@@ -171,7 +171,7 @@ def check_example(raw: dict) -> dict:
 def check_build(raw: dict) -> dict:
     """A config that is only built, not trained (the data-parallel sharding the seeds lack:
     FSDP's uneven and strided shards): ``params`` as :func:`check_example` reports them."""
-    from trainer.run.loop import build_parallel_model
+    from trainer.run.build import build_parallel_model
     from trainer.validate.checks import validate_config
 
     cfg = validate_config(raw)

@@ -4,7 +4,7 @@ checkpoints load into eager runs and back, and the validator refuses what cannot
     python -m pytest tests/dist/test_compile.py -q     # ~2-4 min on 2 cores (Inductor's cache warm / cold)
 
 Two launches (2 and 8 processes; see ``compile_checks.SUITES``) each build their models the
-trainer's way (``trainer.run.loop.build_parallel_model`` with ``train.compile=true``) and train 5
+trainer's way (``trainer.run.build.build_parallel_model`` with ``train.compile=true``) and train 5
 steps; the eager single-device reference runs in this (parent) process. Compilation dominates:
 the first step of each model compiles its block (~30 s of one core with a cold Inductor cache,
 ~3 s warm; the cache lives in /tmp/torchinductor_$USER). The 3d launch compiles on 8 processes

@@ -1,7 +1,7 @@
 """The seed examples in ``conf/examples/`` (OneFlow's and PaddlePaddle's), run as real gloo workers.
 
 Each example is composed as ``python -m trainer +examples=<name>`` composes it, validated by the
-trainer's validator, and built by ``trainer.run.loop.build_parallel_model`` inside the workers (see
+trainer's validator, and built by ``trainer.run.build.build_parallel_model`` inside the workers (see
 ``example_checks``). The tests hold, on every rank: each parameter's placements per mesh axis and
 local shard shape, the input/output shapes of every stage, the ``Partial`` output where the seed
 says the output is a pending sum, the gathered values against one device, and 3 training steps

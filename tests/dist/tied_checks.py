@@ -19,7 +19,7 @@ from dist_checks import train
 from trainer.checkpoint.dcp import merged_module, save_checkpoint
 from trainer.config.compose import compose_dict
 from trainer.models import decoder_config
-from trainer.run.loop import build_parallel_model
+from trainer.run.build import build_parallel_model
 from trainer.validate.checks import validate_config
 
 DIR_ENV, OUT_ENV = "MESHFLOW_TEST_TIED_DIR", "MESHFLOW_TEST_TIED_OUT"  # set by the parent test
@@ -64,6 +64,29 @@ def tied_check(name: str, overrides: list[str], *, grad_accum: int = 1, stages: 
     return check
 
 
+def corrupt_load_check(*, rank: int, world_size: int) -> dict:
+    """A load in which one rank's slice is wrong (rank 1 holds rank 0's rows of one weight, as a wrong
+    offset would give it) is refused before training, naming that parameter, on every rank."""
+    from safetensors import safe_open
+
+    from trainer.models.fingerprint import LoadMismatch
+    from trainer.run.build import check_loaded
+
+    cfg = run_config(["+parallel=tp", "mesh=[3]"])
+    pm = build_parallel_model(cfg, torch.device("cpu"))  # checked: the right load passes
+    name = "model.layers.0.mlp.up_proj.weight"
+    param = pm.model_parts[0].get_parameter(name)
+    if rank == 1:
+        with safe_open(os.path.join(os.environ[DIR_ENV], "model.safetensors"), framework="pt") as f, torch.no_grad():
+            local = param.to_local()
+            local.copy_(f.get_slice(name)[: local.shape[0]])
+    try:
+        check_loaded(pm, cfg)
+    except LoadMismatch as err:
+        return {"refused": err.names, "message": str(err)}
+    return {"refused": []}
+
+
 # The embedding's stage fully sharded, the head's replicated: the two copies have different layouts.
 STAGES = [{"ranks": [0, 1], "dims": ["dp"], "data_parallel": {"dim": "dp", "mode": "fsdp"}},
           {"ranks": [2, 3], "dims": ["dp"], "data_parallel": {"dim": "dp", "mode": "ddp"}}]
@@ -79,6 +102,7 @@ SUITES = {
     ],
     "three_rank": [
         ("tp", tied_check("tp", ["+parallel=tp", "mesh=[3]"])),
+        ("corrupt_load", corrupt_load_check),
     ],
     "four_rank": [
         ("pp_stages", tied_check("pp_stages", ["+parallel=pp_stages"], stages=STAGES)),

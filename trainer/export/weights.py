@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from pydantic import TypeAdapter
 
-from parallel.sharding.ties import alias_names
+from parallel.sharding.ties import alias_names, tied_groups
 from trainer.checkpoint.dcp import CheckpointError, read_extra
 from trainer.config.schema import ModelConfig
 from trainer.export.hf import export_hf
 from trainer.models import build_model
+from trainer.models.fingerprint import mismatches, module_fingerprints
 from trainer.models.init import local_box
 
 
@@ -47,6 +48,9 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if set(missing) - alias_names(model) or unexpected:  # an alias shares its first name's tensor, now loaded
         raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if "fingerprints" in extra and (wrong := mismatches(module_fingerprints(model), extra["fingerprints"], tied_groups(model))):
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} reads back other values than the run saved for {wrong[:4]}",
+                              fix="the checkpoint is damaged: use another one")
     return model, model_cfg, extra
 
 

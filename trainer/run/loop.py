@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel.engine import ParallelModel, parallelize
+from parallel.engine import ParallelModel
 from parallel.pipeline.timeline import TimelineRecorder
 from parallel.plan.resolve import resolve_plan
 from trainer.checkpoint.dcp import (
@@ -30,12 +30,13 @@ from trainer.checkpoint.dcp import (
 from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig
 from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
-from trainer.export.weights import check_weights_fit, load_weights
-from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
-from trainer.models.hf import load_hf_sharded, weight_files
+from trainer.models import build_model, decoder_config, loss_fn_for
+from trainer.models.fingerprint import check_fingerprints, model_fingerprints
+from trainer.models.hf import weight_files
 from trainer.pictures.timeline_chart import timeline_pictures
 from trainer.planner.memory.host import unmap_freed_memory
 from trainer.planner.memory.predict import predict_memory
+from trainer.run.build import build_parallel_model
 from trainer.run.metrics import MemoryMeter, Progress
 from trainer.tracking.tracker import Tracker
 
@@ -92,45 +93,6 @@ def resolve_device(device: str, device_index: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
-    """This rank's share of the model, split and sharded as the config's plan says, with one
-    device's initial values (from the seed, ``train.init_from``, or a Hugging Face directory's
-    safetensors).
-
-    On a mesh the model is built on the meta device, split and sharded there, and only then
-    allocated: each rank holds and initialises its own shards (values computed block by block,
-    :func:`trainer.models.init.initial_block`) and reads only its slices of a weights file. A
-    custom module without ``init_weights`` cannot be initialised that way: every rank builds it
-    in full (its builder sets the values) before sharding."""
-    init = None
-    if cfg.world_size > 1:
-        model = build_model(cfg.model, device="meta")
-        init = meta_initializer(model, cfg.train.seed)
-    if init is None:
-        return _build_in_full(cfg, device)
-    hf_files = isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path))
-    if cfg.train.init_from:
-        check_weights_fit(model, cfg.train.init_from)
-    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, init=init,
-                     precision=cfg.train.precision, compile=cfg.train.compile)
-    if cfg.train.init_from:
-        load_weights(pm.model_parts, cfg.train.init_from, tied=pm.tied_names)
-    elif hf_files:
-        load_hf_sharded(pm.model_parts, cfg.model.path)
-    if cfg.train.init_from or hf_files:  # the files name a tied parameter once: every stage's copy takes it
-        pm.copy_tied_values()
-    return pm
-
-
-def _build_in_full(cfg: RunConfig, device: torch.device) -> ParallelModel:
-    """The whole model built and initialised on every rank, then split and sharded."""
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    if cfg.train.init_from:
-        load_weights(model, cfg.train.init_from)
-    return parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, precision=cfg.train.precision,
-                       compile=cfg.train.compile)
-
-
 def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, device_index: int = 0,
           pictures_dir: str | None = None) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming) on GPU
@@ -171,6 +133,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     if path := resolve_resume(t.checkpoint.resume, t.checkpoint.dir):
         check_model_config(path, read_extra(path)["model_config"], cfg.model.model_dump(mode="json"))
         extra = load_checkpoint(path, **ckpt_kwargs)
+        if "fingerprints" in extra:  # what the saving mesh held, checked on this one before step 1
+            check_fingerprints(pm, extra["fingerprints"], what=f"train.checkpoint.resume ({path})")
         start = int(extra["step"])
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])
@@ -224,7 +188,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             began_save = time.perf_counter()
             extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                      "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json"),
-                     "data_config": cfg.data.model_dump(mode="json")}
+                     "data_config": cfg.data.model_dump(mode="json"), "fingerprints": model_fingerprints(pm)}
             saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
             seconds = time.perf_counter() - began_save
             if rank == 0:

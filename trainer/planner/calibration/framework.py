@@ -27,7 +27,7 @@ from trainer.planner.cost.model import (
     unit_costs,
 )
 from trainer.planner.cost.reference import pipelined_tp_collectives, schedule_actions
-from trainer.run.loop import build_parallel_model
+from trainer.run.build import build_parallel_model
 from trainer.validate.checks import validate_with_plan
 
 # The framework probe: a stack of tiny blocks whose arithmetic is negligible, so its time per op is
