@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -70,6 +71,19 @@ def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, wo
     except ConfigError as err:
         return "invalid", [(i.path, i.reason, i.fix) for i in err.issues]
     return "ok", cfg.model_dump(mode="json")
+
+
+def _follow_parent(parent: int) -> None:
+    """A pool worker's initializer: leave when the server that spawned it is gone. A server killed
+    with SIGKILL cannot stop its pool, and its workers (hundreds of MB each, torch imported) would
+    otherwise live on, reparented, for as long as the machine runs."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
 
 
 def _warm_worker(settings: Settings) -> int:
@@ -126,7 +140,8 @@ class Validator:
         if self.workers > 0:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+                    self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                                     initializer=_follow_parent, initargs=(os.getpid(),))
                     self._warming = [self._pool.submit(_warm_worker, self.settings) for _ in range(self.workers)]
 
     def wait_warm(self, timeout: float | None = None) -> bool:
