@@ -1,0 +1,114 @@
+"""The conformance matrix's cells, run inside the worker processes of one launch per world size.
+
+Architectures are tiny Hugging Face checkpoints with the shapes real ones have (written by the
+parent test with transformers, random weights); layouts are the presets of conf/parallel at their
+own meshes. A cell takes the trainer's road: the overrides composed and validated; a refusal's
+printed fixes applied exactly as printed (tokenised as a shell would) and validated again; then
+the model built, sharded and loaded per rank (:func:`build_parallel_model`) and trained ``STEPS``
+steps on the batches of ``dist_checks``. The parent compares the losses with one device's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+
+import torch
+
+from dist_checks import batches, make_optimizer
+from parallel.errors import ConfigError
+from trainer.config.compose import compose_dict
+from trainer.models import decoder_config, loss_fn_for
+from trainer.run.build import build_parallel_model
+from trainer.validate.checks import validate_config
+
+STEPS, GRAD_CLIP = 3, 1.0
+ARCH_DIRS_ENV = "MESHFLOW_TEST_CONFORMANCE_DIRS"  # JSON {arch: model directory}, set by the parent test
+ARCHS = ["smollm2", "qwen25", "llama32", "mistral", "qwen3"]
+PRESETS = {  # preset -> world size (its own mesh)
+    "dp": 2, "fsdp": 2, "zero2": 2, "tp": 2, "tp_sp": 2, "pp": 2,
+    "hsdp": 4, "2d": 4, "pp_stages": 4,
+    "3d": 8, "hsdp_tp": 8,
+}
+_OVERRIDE = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.\[\]*-]*=")
+
+
+def arch_dir(arch: str) -> str:
+    return json.loads(os.environ[ARCH_DIRS_ENV])[arch]
+
+
+def overrides_of(arch: str, preset: str | None) -> list[str]:
+    common = ["model=hf", f"model.path={arch_dir(arch)}", "data=synthetic", "train.seq_len=32", "train.global_batch_size=8"]
+    return common + ([f"+parallel={preset}"] if preset else [])
+
+
+def printed_overrides(fix: str) -> list[str]:
+    """The overrides a printed fix names, as a shell would pass them (prose words dropped)."""
+    try:
+        words = shlex.split(fix)
+    except ValueError:
+        return []
+    return [w.rstrip(",;)") for w in words if _OVERRIDE.match(w)]
+
+
+def resolve_cell(arch: str, preset: str) -> tuple[object | None, dict]:
+    """``(the RunConfig to train or None, what validation said)``: a refusal's printed fixes are applied."""
+    overrides = overrides_of(arch, preset)
+    try:
+        return validate_config(compose_dict(overrides)), {"status": "equal"}
+    except ConfigError as err:
+        refusal = {"status": "refused", "issues": [[i.path, i.reason, i.fix] for i in err.issues]}
+    fixes = [o for issue in refusal["issues"] for o in printed_overrides(issue[2] or "")]
+    refusal["fixes"] = fixes
+    if not fixes:
+        return None, refusal
+    try:
+        return validate_config(compose_dict([*overrides, *fixes])), refusal
+    except ConfigError as err:
+        refusal["after_fix"] = [[i.path, i.reason, i.fix] for i in err.issues]
+        return None, refusal
+
+
+def train_losses(pm, cfg) -> list[float]:
+    """``STEPS`` optimizer steps on this rank's dp share of the shared batches; the global losses."""
+    decoder = decoder_config(cfg.model)
+    optimizer, loss_fn = make_optimizer(pm.parameters()), loss_fn_for(cfg.model)
+    losses = []
+    for inputs, targets in batches(decoder)[:STEPS]:
+        per = inputs.shape[0] // pm.dp_size
+        share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+        loss = pm.forward_backward(inputs[share], targets[share], loss_fn)
+        pm.clip_grad_norm_(GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(pm.reduce_loss(loss))
+    return losses
+
+
+def cells_check(presets: list[str]):
+    def check(*, rank: int, world_size: int) -> dict:
+        out = {}
+        for arch in ARCHS:
+            for preset in presets:
+                cfg, result = resolve_cell(arch, preset)
+                if cfg is not None:
+                    if cfg.world_size != world_size:
+                        result["note"] = f"the fixed config runs on {cfg.world_size} ranks"
+                    else:
+                        result["losses"] = train_losses(build_parallel_model(cfg, torch.device("cpu")), cfg)
+                out[f"{arch}/{preset}"] = result
+        return out
+
+    return check
+
+
+def by_world_size() -> dict[int, list[str]]:
+    sizes: dict[int, list[str]] = {}
+    for preset, size in PRESETS.items():
+        sizes.setdefault(size, []).append(preset)
+    return sizes
+
+
+SUITES = {f"world{size}": [("cells", cells_check(presets))] for size, presets in by_world_size().items()}
