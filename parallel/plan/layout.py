@@ -107,7 +107,7 @@ def _with_replicate_override(issue: ConfigIssue, glob: str, path: str) -> Config
         return issue
     section = path.split(".tensor_parallel.plan[")[0].split('.placements["')[0]  # parallel, or a stage's
     key = re.sub(r"\[(\d+)\]", r".\1", section) + ".placements"  # stages[1] -> stages.1, as Hydra's keys go
-    fix = issue.fix.removesuffix(", or Replicate") + f", or replicate them: {override(key, {glob: {axis: 'Replicate'}})}"
+    fix = f"{issue.fix}: {override(key, {glob: {axis: 'Replicate'}})}"
     return ConfigIssue(issue.path, issue.reason, fix)
 
 

@@ -250,7 +250,7 @@ CASES: dict[str, Bad] = {
     "placements/named-plan-uneven-over-8": bad(  # the same through the model's megatron plan
         ["+parallel=tp", "mesh=[8]"], f'parallel.tensor_parallel.plan[megatron]["{W13}"].tp',
         ["Shard(0) splits dim 0 of size 172 over 8 ranks; 172 is not divisible by 8"],
-        ["use a tp size dividing 172, or override it in parallel.placements (e.g. Replicate)"]),
+        ["use a tp size dividing 172, or Replicate: 'parallel.placements={\"layers.*.mlp.w[13].weight\": {tp: Replicate}}'"]),
     "placements/uneven-2d-tensor-parallel": bad(
         ["+parallel=tp", "mesh=[2,4]", "parallel.dims=[tp,tp2]"], placement_path(W13, "tp2"),
         ["Shard(0) splits dim 0 of size 172 over 8 ranks (tp x tp2); 172 is not divisible by 8"],
@@ -261,7 +261,7 @@ CASES: dict[str, Bad] = {
         edit=put("parallel", "placements", WQKV, {"tp": "Shard(0)"})),
     "placements/named-plan-heads-not-divisible-by-tp": bad(
         ["+parallel=tp", "mesh=[4]"], f'parallel.tensor_parallel.plan[megatron]["{WQKV}"].tp',
-        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "override it in parallel.placements"]),
+        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "or Replicate: 'parallel.placements={"]),
     "placements/overlapping-globs": bad(
         ["+parallel=tp"], placement_path("layers.0.attn.wq.weight"),
         ["parameter layers.0.attn.wq.weight is also matched by 'layers.*.attn.w[qkv].weight'"], ["disjoint"],
@@ -395,14 +395,16 @@ MEGATRON_GLOBS = {  # what the tp preset wrote before it named the model's plan;
 
 
 def test_design_example_renders_exactly():
-    """DESIGN.md's example message, word for word, as the launcher prints it."""
+    """DESIGN.md's example message, word for word, as the launcher prints it, with the override
+    that replicates the glob spelt out after "or Replicate" (runnable as printed)."""
     raw = compose("+parallel=tp", "mesh=[8]")
     raw["parallel"] = {**raw["parallel"], "tensor_parallel": None, "placements": MEGATRON_GLOBS}
     with pytest.raises(ConfigError) as excinfo:
         validate_config(raw)
     expected = (
         'parallel.placements["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 over 8 ranks; '
-        "172 is not divisible by 8 (use a tp size dividing 172, or Replicate)"
+        "172 is not divisible by 8 (use a tp size dividing 172, or Replicate: "
+        "'parallel.placements={\"layers.*.mlp.w[13].weight\": {tp: Replicate}}')"
     )
     assert f"  - {expected}" in str(excinfo.value).splitlines()
 
