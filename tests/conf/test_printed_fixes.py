@@ -25,7 +25,6 @@ from pathlib import Path
 from unittest.mock import patch
 
 import pytest
-
 from fix_catalogue import HOST, MORE, PROSE, SLOW
 from test_bad_configs import CASES, Bad, compose
 from test_stage_configs import CASES as STAGE_CASES
