@@ -37,7 +37,7 @@ class HFModelError(ValueError):
 def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
     """``(the decoder's config, tie_word_embeddings)`` of the model directory ``path``."""
     if not path:
-        raise HFModelError("model=hf needs a model directory", "set model.path to a directory with config.json")
+        raise HFModelError("model=hf needs a model directory", "set model.path=DIR (a directory with config.json)")
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise HFModelError(f"{str(config_file)!r} does not exist", "give a Hugging Face model directory with config.json")
