@@ -1,7 +1,8 @@
 """A layout section's globs matched against one model: the explicit ``placements`` and ``layouts``,
 then the family's named tensor-parallel plan on the parameters and modules they leave, with every
 problem matching can find (a glob that matches nothing, a shard that does not divide, an
-unsupported module layout) as a :class:`~parallel.errors.ConfigIssue`. Used for the whole model and for each pipeline stage.
+unsupported module layout) as a :class:`~parallel.errors.ConfigIssue`. Used for the whole model
+and for each pipeline stage.
 """
 
 from __future__ import annotations

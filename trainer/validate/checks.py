@@ -241,15 +241,18 @@ def _check_schedule(pp, pp_size: int) -> list[ConfigIssue]:
                                   "set parallel.pipeline.stages_per_rank=2"))
     elif name in ("GPipe", "1F1B") and spr != 1:
         issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"{name} runs one stage per rank, got {spr}",
-                                  "set parallel.pipeline.stages_per_rank=1, or use parallel.pipeline.schedule=Interleaved1F1B for several"))
+                                  "set parallel.pipeline.stages_per_rank=1, or use "
+                                  "parallel.pipeline.schedule=Interleaved1F1B for several"))
     if name != "GPipe" and pp.microbatches < pp_size:
         issues.append(ConfigIssue("parallel.pipeline.microbatches",
                                   f"{name} needs at least one micro-batch per pipeline rank: {pp.microbatches} < pp size {pp_size}",
-                                  f"set parallel.pipeline.microbatches={pp_size} or more (a multiple of it keeps the bubble small)"))
+                                  f"set parallel.pipeline.microbatches={pp_size} or more "
+                                  "(a multiple of it keeps the bubble small)"))
     if name in INTERLEAVED_SCHEDULES + ("ZBV",) and pp.microbatches % pp_size:
         issues.append(ConfigIssue("parallel.pipeline.microbatches",
                                   f"{name} needs microbatches divisible by the pp size {pp_size}, got {pp.microbatches}",
-                                  f"use a multiple of {pp_size}, e.g. parallel.pipeline.microbatches={pp_size * max(1, round(pp.microbatches / pp_size))}"))
+                                  f"use a multiple of {pp_size}, e.g. "
+                                  f"parallel.pipeline.microbatches={pp_size * max(1, round(pp.microbatches / pp_size))}"))
     return issues
 
 
@@ -300,14 +303,17 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
     issues = check_launch(cfg)
     for path, seed in (("train.seed", cfg.train.seed), ("data.seed", getattr(cfg.data, "seed", 0))):
         if not -(2**63) <= seed < 2**64:  # torch's manual_seed range: training seeds torch with it
-            issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits", f"use a seed from 0 to 2**63 - 1, e.g. {path}=0"))
+            issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits",
+                                      f"use a seed from 0 to 2**63 - 1, e.g. {path}=0"))
     if cfg.train.init_from and not Path(cfg.train.init_from).is_file():
         issues.append(ConfigIssue("train.init_from", f"{cfg.train.init_from!r} is not a file",
                                   "give a safetensors file written by python -m trainer.export, or train.init_from=null"))
     ckpt = cfg.train.checkpoint
     if ckpt.every > cfg.train.steps:
         issues.append(ConfigIssue("train.checkpoint.every", f"{ckpt.every} is more than train.steps {cfg.train.steps}; "
-                                  "no checkpoint would ever be written", f"use every <= steps, e.g. train.checkpoint.every={cfg.train.steps}, or train.checkpoint.every=0 to disable"))
+                                  "no checkpoint would ever be written",
+                                  f"use every <= steps, e.g. train.checkpoint.every={cfg.train.steps}, "
+                                  "or train.checkpoint.every=0 to disable"))
     if cfg.device == "cuda":
         import torch
 
