@@ -5,6 +5,9 @@ they live here, at the bottom of the import order."""
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 from dataclasses import dataclass
 
 
@@ -18,7 +21,7 @@ class ConfigIssue:
 
     path: str
     reason: str
-    fix: str
+    fix: str  # prose; an override in it is written as :func:`override` prints it, runnable as printed
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason} ({self.fix})"
@@ -50,3 +53,35 @@ def format_path(*parts: object) -> str:
             out += f".{part}" if out else str(part)
         bracket_next = part in ("placements", "layouts")
     return out
+
+
+_PLAIN = re.compile(r"[\w.*?/+-]+")  # what Hydra's override grammar reads unquoted, in a key or a value
+
+
+def override(key: str, value: object) -> str:
+    """``key=value`` as a user types it after ``python -m trainer`` in a POSIX shell: Hydra's
+    override grammar (a mapping's glob keys double-quoted, which the CLI accepts), single-quoted
+    for the shell when it holds anything a shell would read. A fix quotes overrides this way so
+    that it can be copied exactly as printed:
+
+    >>> print(override("parallel.placements", {"layers.*.attn.w[qkv].weight": {"tp": "Replicate"}}))
+    'parallel.placements={"layers.*.attn.w[qkv].weight": {tp: Replicate}}'
+    >>> print(override("train.global_batch_size", 16))
+    train.global_batch_size=16
+    """
+    return shlex.quote(f"{key}={_value(value)}")
+
+
+def _value(value: object) -> str:
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k if str(k).isidentifier() else json.dumps(str(k))}: {_value(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_value(v) for v in value) + "]"
+    return _text(str(value)) if isinstance(value, str) else str(value)
+
+
+def _text(text: str) -> str:
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)

@@ -1,11 +1,13 @@
-"""A layout section's globs matched against one model: the family's named tensor-parallel plan,
-then the explicit ``placements`` and ``layouts`` over it, with every problem matching can find
-(a glob that matches nothing, a shard that does not divide, an unsupported module layout) as a
-:class:`~parallel.errors.ConfigIssue`. Used for the whole model and for each pipeline stage.
+"""A layout section's globs matched against one model: the explicit ``placements`` and ``layouts``,
+then the family's named tensor-parallel plan on the parameters and modules they leave, with every
+problem matching can find (a glob that matches nothing, a shard that does not divide, an
+unsupported module layout) as a :class:`~parallel.errors.ConfigIssue`. Used for the whole model
+and for each pipeline stage.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
@@ -14,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from parallel.config import LayoutConfig
-from parallel.errors import ConfigIssue, format_path
+from parallel.errors import ConfigIssue, format_path, override
 from parallel.placements import parse_placement
 from parallel.plan.spec import AxisSpecs, GlobCheck, LayoutSpec, MeshSpec
 from parallel.sharding.tp_styles import classify
@@ -24,25 +26,31 @@ def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module
                    check_glob: GlobCheck | None = None, only: set[str] | None = None
                    ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec]]:
     """``(placements, layouts)`` of one layout section (``parallel``, or a pipeline stage at
-    ``prefix`` = ``("parallel", "pipeline", "stages", i)``): the model family's named plan, then the
-    explicit globs over it, matched against the model's parameters and modules (only those whose
-    names are in ``only``, a stage's, when given: there a family glob may match nothing).
-    Problems are appended to ``issues``."""
+    ``prefix`` = ``("parallel", "pipeline", "stages", i)``): the explicit globs, then the model
+    family's named plan on what they left, matched against the model's parameters and modules
+    (only those whose names are in ``only``, a stage's, when given: there a family glob may match
+    nothing). Problems are appended to ``issues``."""
     params = {name: tuple(p.shape) for name, p in model.named_parameters() if only is None or name in only}
     modules = [name for name, _ in model.named_modules() if name and (only is None or name in only)]
     family_placements, family_layouts = _family_plan(section, prefix, model, issues)
     scope = {"scope": "the model"} if only is None else {"scope": f"this stage ({format_path(*prefix)})"}
-    placements = _match_placements(family_placements, mesh, params, issues, check_glob, **scope, required=only is None)
-    layouts, layout_paths = _match_layouts(family_layouts, modules, issues, **scope, required=only is None)
-    # Explicit globs after the family's: they may re-place what the plan placed (no overlap issue).
-    placements.update(_match_placements(
+    # Explicit globs first: what they place, the family's plan does not, so its issues on those
+    # parameters (the ones an explicit glob was written to fix) are never raised.
+    explicit = _match_placements(
         [(glob, axes, format_path(*prefix, "placements", glob)) for glob, axes in section.placements.items()],
-        mesh, params, issues, check_glob, **scope))
+        mesh, params, issues, check_glob, **scope)
+    family = _match_placements(family_placements, mesh, params, issues, check_glob, **scope,
+                               required=only is None, taken=set(explicit))
+    placements = {name: explicit[name] if name in explicit else family[name]
+                  for name in params if name in explicit or name in family}
     explicit_layouts, explicit_paths = _match_layouts(
         [(glob, layout, format_path(*prefix, "layouts", glob)) for glob, layout in section.layouts.items()],
         modules, issues, **scope)
-    layouts.update(explicit_layouts)
+    family_layouts, layout_paths = _match_layouts(family_layouts, modules, issues, **scope, required=only is None,
+                                                  taken=set(explicit_layouts))
     layout_paths.update(explicit_paths)
+    layouts = {name: explicit_layouts[name] if name in explicit_layouts else family_layouts[name]
+               for name in modules if name in explicit_layouts or name in family_layouts}
     if issues:
         return placements, layouts
 
@@ -58,15 +66,18 @@ def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module
 
 
 def _match_glob(section: str, glob: str, path: str, names: list[str], sources: dict[str, str],
-                issues: list[ConfigIssue], scope: str = "the model", required: bool = True) -> list[str]:
-    """The names ``glob`` (written at ``path``) matches, recorded in ``sources``; a glob matching
-    nothing (unless not ``required``), or a name another glob of the same section already took,
-    is an issue. ``scope``: whose names ``names`` are, for the message."""
+                issues: list[ConfigIssue], scope: str = "the model", required: bool = True,
+                taken: set[str] = frozenset()) -> list[str]:
+    """The names ``glob`` (written at ``path``) matches, less those in ``taken`` (an explicit glob
+    placed them), recorded in ``sources``; a glob matching nothing (unless not ``required``), or a
+    name another glob of the same section already took, is an issue. ``scope``: whose names
+    ``names`` are, for the message."""
     noun, holds = ("parameter", "placement") if section == "placements" else ("module", "layout")
     matched = [name for name in names if fnmatchcase(name, glob)]
     if not matched and required:
         issues.append(ConfigIssue(path, f"matches no {noun} of {scope}",
                                   f"fix the glob; {noun}s look like {', '.join(names[:4])}, ..."))
+    matched = [name for name in matched if name not in taken]
     for name in matched:
         if name in sources:
             issues.append(ConfigIssue(path, f"{noun} {name} is also matched by {sources[name]!r}",
@@ -78,18 +89,27 @@ def _match_glob(section: str, glob: str, path: str, names: list[str], sources: d
 def _match_placements(entries: list[tuple[str, AxisSpecs, str]], mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
                       issues: list[ConfigIssue], check_glob: GlobCheck | None, **scope) -> dict[str, AxisSpecs]:
     """``entries``: ``(glob, placements, the config path it was written at)``, in order;
-    ``scope``: :func:`_match_glob`'s ``scope`` and ``required``."""
+    ``scope``: :func:`_match_glob`'s ``scope``, ``required`` and ``taken``."""
     placements: dict[str, AxisSpecs] = {}
     sources: dict[str, str] = {}
     for glob, axes, path in entries:
         found: list[ConfigIssue] = []
         _match_entry(glob, axes, path, mesh, params, placements, sources, found, check_glob, scope)
-        if ".tensor_parallel.plan[" in path:  # a named plan is not edited: it is overridden
-            section = path.split(".tensor_parallel.plan[")[0]
-            found = [ConfigIssue(i.path, i.reason, i.fix.replace(", or Replicate", ", or override it in "
-                                                              f"{section}.placements (e.g. Replicate)")) for i in found]
-        issues += found
+        issues += [_with_replicate_override(issue, glob, path) for issue in found]
     return placements
+
+
+def _with_replicate_override(issue: ConfigIssue, glob: str, path: str) -> ConfigIssue:
+    """A fix ending ", or Replicate" (a shard that does not divide) spelt out as the override that
+    replicates the glob's parameters on that axis, in the section's explicit ``placements`` (which
+    win over a named plan's glob, so a plan is overridden, never edited)."""
+    axis = issue.path.removeprefix(f"{path}.")
+    if not issue.fix.endswith(", or Replicate") or axis == issue.path:
+        return issue
+    section = path.split(".tensor_parallel.plan[")[0].split('.placements["')[0]  # parallel, or a stage's
+    key = re.sub(r"\[(\d+)\]", r".\1", section) + ".placements"  # stages[1] -> stages.1, as Hydra's keys go
+    fix = f"{issue.fix}: {override(key, {glob: {axis: 'Replicate'}})}"
+    return ConfigIssue(issue.path, issue.reason, fix)
 
 
 def _match_entry(glob: str, axes: AxisSpecs, path: str, mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
@@ -162,7 +182,7 @@ def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[s
 def _family_plan(section: Any, prefix: tuple, model: nn.Module, issues: list[ConfigIssue]) -> tuple[list, list]:
     """The model family's named tensor-parallel plan of a layout section (at ``prefix``) as
     ``(placement entries, layout entries)``, each entry ``(glob, value, path)``; explicit globs
-    come after them and override them."""
+    override them, parameter by parameter and module by module."""
     tp = section.tensor_parallel
     if tp is None:
         return [], []

@@ -186,16 +186,16 @@ CASES: dict[str, Bad] = {
         ["axis 'pq' is not in parallel.dims ['dp', 'pp', 'tp']"]),
     "pipeline/interleaved-one-stage-per-rank": bad(
         ["+parallel=3d", "parallel.pipeline.schedule=Interleaved1F1B"], "parallel.pipeline.stages_per_rank",
-        ["Interleaved1F1B", "needs >= 2, got 1"], ["stages_per_rank: 2"]),
+        ["Interleaved1F1B", "needs >= 2, got 1"], ["stages_per_rank=2"]),
     "pipeline/zbv-three-stages-per-rank": bad(
         ["+parallel=3d", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=3"],
-        "parallel.pipeline.stages_per_rank", ["ZBV", "exactly 2", "got 3"], ["stages_per_rank: 2"]),
+        "parallel.pipeline.stages_per_rank", ["ZBV", "exactly 2", "got 3"], ["stages_per_rank=2"]),
     "pipeline/gpipe-two-stages-per-rank": bad(
         ["+parallel=pp", "parallel.pipeline.schedule=GPipe", "parallel.pipeline.stages_per_rank=2"],
-        "parallel.pipeline.stages_per_rank", ["GPipe runs one stage per rank, got 2"], ["stages_per_rank: 1"]),
+        "parallel.pipeline.stages_per_rank", ["GPipe runs one stage per rank, got 2"], ["stages_per_rank=1"]),
     "pipeline/1f1b-fewer-microbatches-than-stages": bad(
         ["+parallel=pp", "mesh=[4]", "parallel.pipeline.microbatches=2"], "parallel.pipeline.microbatches",
-        ["1F1B", "2 < pp size 4"], ["microbatches >= 4"]),
+        ["1F1B", "2 < pp size 4"], ["microbatches=4 or more"]),
     "pipeline/interleaved-microbatches-not-multiple": bad(
         ["+parallel=pp", "parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.stages_per_rank=2",
          "parallel.pipeline.microbatches=3", "train.global_batch_size=12"], "parallel.pipeline.microbatches",
@@ -250,7 +250,7 @@ CASES: dict[str, Bad] = {
     "placements/named-plan-uneven-over-8": bad(  # the same through the model's megatron plan
         ["+parallel=tp", "mesh=[8]"], f'parallel.tensor_parallel.plan[megatron]["{W13}"].tp',
         ["Shard(0) splits dim 0 of size 172 over 8 ranks; 172 is not divisible by 8"],
-        ["use a tp size dividing 172, or override it in parallel.placements (e.g. Replicate)"]),
+        ["use a tp size dividing 172, or Replicate: 'parallel.placements={\"layers.*.mlp.w[13].weight\": {tp: Replicate}}'"]),
     "placements/uneven-2d-tensor-parallel": bad(
         ["+parallel=tp", "mesh=[2,4]", "parallel.dims=[tp,tp2]"], placement_path(W13, "tp2"),
         ["Shard(0) splits dim 0 of size 172 over 8 ranks (tp x tp2); 172 is not divisible by 8"],
@@ -261,7 +261,7 @@ CASES: dict[str, Bad] = {
         edit=put("parallel", "placements", WQKV, {"tp": "Shard(0)"})),
     "placements/named-plan-heads-not-divisible-by-tp": bad(
         ["+parallel=tp", "mesh=[4]"], f'parallel.tensor_parallel.plan[megatron]["{WQKV}"].tp',
-        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "override it in parallel.placements"]),
+        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "or Replicate: 'parallel.placements={"]),
     "placements/overlapping-globs": bad(
         ["+parallel=tp"], placement_path("layers.0.attn.wq.weight"),
         ["parameter layers.0.attn.wq.weight is also matched by 'layers.*.attn.w[qkv].weight'"], ["disjoint"],
@@ -286,10 +286,10 @@ CASES: dict[str, Bad] = {
     # -------------------------------------------------------------------- batch, model, misc
     "batch/not-divisible-by-dp-x-microbatches": bad(
         ["+parallel=3d", "train.global_batch_size=12"], "train.global_batch_size",
-        ["12 sequences", "dp size 2 x microbatches 4 x grad_accum 1 = 8"], ["multiple of 8", "e.g. 16"]),
+        ["12 sequences", "dp size 2 x microbatches 4 x grad_accum 1 = 8"], ["multiple of 8", "e.g. train.global_batch_size=16"]),
     "batch/not-divisible-with-grad-accum": bad(
         ["+parallel=fsdp", "train.global_batch_size=16", "train.grad_accum=3"], "train.global_batch_size",
-        ["16 sequences", "dp size 2 x microbatches 1 x grad_accum 3 = 6"], ["multiple of 6", "e.g. 18"]),
+        ["16 sequences", "dp size 2 x microbatches 1 x grad_accum 3 = 6"], ["multiple of 6", "e.g. train.global_batch_size=18"]),
     "model/seq-len-over-max": bad(
         ["train.seq_len=1000"], "train.seq_len", ["1000 is longer than model.max_seq_len 256"], ["seq_len <= 256"]),
     "model/mlp-with-text-data": bad(
@@ -301,7 +301,7 @@ CASES: dict[str, Bad] = {
     "model/kv-heads-do-not-group": bad(
         ["model.n_kv_heads=3"], "model.n_kv_heads", ["4 query heads do not group over 3 kv heads"]),
     "model/vocab-too-small-for-bytes": bad(
-        ["model.vocab_size=128"], "model.vocab_size", ["256 token ids", "got 128"], ["vocab_size: 256"]),
+        ["model.vocab_size=128"], "model.vocab_size", ["256 token ids", "got 128"], ["model.vocab_size=256"]),
     "model/synthetic-symbols-exceed-vocab": bad(
         ["data=synthetic", "model.vocab_size=8"], "data.num_symbols", ["16 symbols exceed model.vocab_size 8"]),
     "model/activation-checkpointing-on-mlp": bad(
@@ -317,7 +317,7 @@ CASES: dict[str, Bad] = {
     "train/compile-with-zero-bubble-schedule": bad(
         ["+parallel=pp", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2", "train.compile=true"],
         "train.compile", ["parallel.pipeline.schedule ZBV", "re-runs its whole backward"],
-        ["1F1B or Interleaved1F1B", "train.compile=false"]),
+        ["parallel.pipeline.schedule=1F1B", "train.compile=false"]),
     "launch/node-rank-not-below-nnodes": bad(
         ["launch.node_rank=1"], "launch.node_rank", ["1 is not below launch.nnodes 1"], ["from 0 to 0"]),
     "launch/nnodes-does-not-divide-world": bad(
@@ -395,14 +395,16 @@ MEGATRON_GLOBS = {  # what the tp preset wrote before it named the model's plan;
 
 
 def test_design_example_renders_exactly():
-    """DESIGN.md's example message, word for word, as the launcher prints it."""
+    """DESIGN.md's example message, word for word, as the launcher prints it, with the override
+    that replicates the glob spelt out after "or Replicate" (runnable as printed)."""
     raw = compose("+parallel=tp", "mesh=[8]")
     raw["parallel"] = {**raw["parallel"], "tensor_parallel": None, "placements": MEGATRON_GLOBS}
     with pytest.raises(ConfigError) as excinfo:
         validate_config(raw)
     expected = (
         'parallel.placements["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 over 8 ranks; '
-        "172 is not divisible by 8 (use a tp size dividing 172, or Replicate)"
+        "172 is not divisible by 8 (use a tp size dividing 172, or Replicate: "
+        "'parallel.placements={\"layers.*.mlp.w[13].weight\": {tp: Replicate}}')"
     )
     assert f"  - {expected}" in str(excinfo.value).splitlines()
 

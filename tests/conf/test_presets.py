@@ -279,8 +279,8 @@ def test_cli_bad_override_exits_2_before_any_worker(tmp_path):
     assert proc.stderr.startswith("invalid config: 4 problems")
     assert (
         '  - parallel.tensor_parallel.plan[megatron]["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 '
-        "over 8 ranks; 172 is not divisible by 8 (use a tp size dividing 172, or override it in parallel.placements "
-        "(e.g. Replicate))"
+        "over 8 ranks; 172 is not divisible by 8 (use a tp size dividing 172, or Replicate: "
+        "'parallel.placements={\"layers.*.mlp.w[13].weight\": {tp: Replicate}}')"
     ) in proc.stderr.splitlines()
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""  # no progress, loss or launcher line: nothing started

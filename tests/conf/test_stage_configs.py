@@ -35,7 +35,7 @@ CASES: dict[str, Bad] = {
                                 edit=put("parallel", "placements", {"output.weight": {"pp": "Replicate"}})),
     "interleaved-schedule": bad(["+parallel=pp_stages", "parallel.pipeline.schedule=Interleaved1F1B",
                                  "parallel.pipeline.stages_per_rank=2"], "parallel.pipeline.schedule",
-                                ["one stage per rank"], ["GPipe or 1F1B"]),
+                                ["one stage per rank"], ["parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1"]),
     "unknown-stage-axis": bad(["+parallel=pp_stages"], 'parallel.pipeline.stages[1].placements["output.weight"].tq',
                               ["not one of this stage's dims ['tp']"], ["parallel.pipeline.stages[1].dims"],
                               edit=stage_put(1, "placements", {"output.weight": {"tq": "Shard(0)"}})),

@@ -54,6 +54,7 @@ def forgiving_overrides(overrides: list[str]) -> list[str]:
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     out = []
     for override in overrides:
+        override = _readable_by_hydra(override, parser)
         key, eq, _ = override.partition("=")
         plain = bool(eq and not override.startswith(("-", "+", "~")) and _VALUE_KEY.fullmatch(key)
                      and key not in groups and key.split(".")[0] != "hydra")
@@ -64,6 +65,46 @@ def forgiving_overrides(overrides: list[str]) -> list[str]:
                 plain = False
         out.append(f"++{override}" if plain else override)
     return out
+
+
+_QUOTED = re.compile(r""""(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'""")
+_PLACEMENT_CALL = re.compile(r"\b(?:Shard|Partial|Replicate)\([^()]*\)")
+_HYDRA_SPECIAL = re.compile(r"([\\()\[\]{}:=, \t])")  # what Hydra's grammar escapes in an unquoted key
+
+
+def _readable_by_hydra(override: str, parser: Any) -> str:
+    """``override`` in a form Hydra's grammar reads, for two it refuses: a mapping's quoted keys
+    (``'parallel.placements={"layers.*.attn.w[qkv].weight": {tp: Shard(0)}}'``: Hydra reads only
+    unquoted keys, with ``[`` and ``]`` escaped) become escaped unquoted keys, and a bare placement
+    (``Shard(0)``, to Hydra a call of an unknown function) a quoted string. An override Hydra reads
+    as written, or still refuses after that, stays as written (Hydra reports it as the user wrote it)."""
+    from hydra.errors import HydraException
+
+    key, eq, value = override.partition("=")
+    if not eq or not any(c in value for c in "{\"'(") or key.lstrip("+~").split(".")[0] == "hydra":
+        return override
+    try:
+        parser.parse_override(override)
+        return override
+    except HydraException:
+        pass
+    out, pos = [], 0
+    for quoted in _QUOTED.finditer(value):
+        out.append(_quote_placements(value[pos:quoted.start()]))
+        is_key = "".join(out).rstrip().endswith(("{", ",")) and value[quoted.end():].lstrip().startswith(":")
+        out.append(_HYDRA_SPECIAL.sub(r"\\\1", quoted.group()[1:-1]) if is_key else quoted.group())
+        pos = quoted.end()
+    out.append(_quote_placements(value[pos:]))
+    readable = f"{key}={''.join(out)}"
+    try:
+        parser.parse_override(readable)
+        return readable
+    except HydraException:
+        return override
+
+
+def _quote_placements(text: str) -> str:
+    return _PLACEMENT_CALL.sub(lambda call: f'"{call.group()}"', text)
 
 
 def compose_dict(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:

@@ -46,9 +46,15 @@ def validate_with_plan(raw: dict[str, Any], *, check_model: bool = True) -> tupl
         cfg = RunConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(schema_issues(err, raw)) from None
-    issues, plan = check_structure(cfg), None
-    if not issues and check_model:
-        plan, issues = check_against_model(cfg)
+    issues = _check_mesh(cfg.mesh)
+    if issues:  # every later check reads the mesh's shape
+        raise ConfigError(issues)
+    axis_issues = _check_axes(cfg)
+    issues = axis_issues + _check_run(cfg)
+    plan = None
+    if check_model and not axis_issues:  # the plan is read along the axes: they must hold first
+        plan, model_issues = check_against_model(cfg, predict_memory=not issues)
+        issues += model_issues
     if issues:
         raise ConfigError(issues)
     return cfg, plan
@@ -59,12 +65,21 @@ def validate_with_plan(raw: dict[str, Any], *, check_model: bool = True) -> tupl
 
 def check_structure(cfg: RunConfig) -> list[ConfigIssue]:
     """Cross-field checks that need no model: mesh, axes, schedules, batch arithmetic."""
-    issues = _check_mesh(cfg.mesh)
-    if issues:
-        return issues
-    issues += _check_parallel(cfg)
+    return _check_mesh(cfg.mesh) or _check_axes(cfg) + _check_run(cfg)
+
+
+def _check_axes(cfg: RunConfig) -> list[ConfigIssue]:
+    """The mesh's axes and who uses them (data parallel, pipeline, placements, stages): what the
+    model's plan is resolved along, so model checks wait for these (and only these) issues."""
+    issues = _check_parallel(cfg)
     if cfg.stages:
         issues += check_stages(cfg)
+    return issues
+
+
+def _check_run(cfg: RunConfig) -> list[ConfigIssue]:
+    """Checks independent of the axes' roles: batch arithmetic, launch, seeds, checkpoints, compile."""
+    issues = []
     par = cfg.parallel
     if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
         issues += _check_batch(cfg)  # axis sizes (dp size) are only defined once dims match the mesh
@@ -163,7 +178,7 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
     if pp := par.pipeline:
         issues += _check_own_axis("pipeline", pp.dim, par.dims, role, "the pipeline")
         role[pp.dim] = "pipeline"
-        issues += _check_schedule(pp, cfg.pp_size)
+        issues += _check_schedule(pp, cfg.pp_size)  # the plan's stage split reads stages_per_rank
     if tp := par.tensor_parallel:
         issues += _check_own_axis("tensor_parallel", tp.dim, par.dims, role, "tensor parallelism")
     issues += _check_placements(par, role)
@@ -220,21 +235,24 @@ def _check_schedule(pp, pp_size: int) -> list[ConfigIssue]:
     spr, name = pp.stages_per_rank, pp.schedule
     if name in INTERLEAVED_SCHEDULES and spr < 2:
         issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"{name} interleaves stages, needs >= 2, got {spr}",
-                                  "set stages_per_rank: 2, or use schedule 1F1B"))
+                                  "set parallel.pipeline.stages_per_rank=2, or use parallel.pipeline.schedule=1F1B"))
     elif name == "ZBV" and spr != 2:
         issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"ZBV places exactly 2 stages per rank (a V), got {spr}",
-                                  "set stages_per_rank: 2"))
+                                  "set parallel.pipeline.stages_per_rank=2"))
     elif name in ("GPipe", "1F1B") and spr != 1:
         issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"{name} runs one stage per rank, got {spr}",
-                                  "set stages_per_rank: 1, or use Interleaved1F1B for several"))
+                                  "set parallel.pipeline.stages_per_rank=1, or use "
+                                  "parallel.pipeline.schedule=Interleaved1F1B for several"))
     if name != "GPipe" and pp.microbatches < pp_size:
         issues.append(ConfigIssue("parallel.pipeline.microbatches",
                                   f"{name} needs at least one micro-batch per pipeline rank: {pp.microbatches} < pp size {pp_size}",
-                                  f"set microbatches >= {pp_size} (a multiple of it keeps the bubble small)"))
+                                  f"set parallel.pipeline.microbatches={pp_size} or more "
+                                  "(a multiple of it keeps the bubble small)"))
     if name in INTERLEAVED_SCHEDULES + ("ZBV",) and pp.microbatches % pp_size:
         issues.append(ConfigIssue("parallel.pipeline.microbatches",
                                   f"{name} needs microbatches divisible by the pp size {pp_size}, got {pp.microbatches}",
-                                  f"use a multiple of {pp_size}"))
+                                  f"use a multiple of {pp_size}, e.g. "
+                                  f"parallel.pipeline.microbatches={pp_size * max(1, round(pp.microbatches / pp_size))}"))
     return issues
 
 
@@ -246,7 +264,7 @@ def _check_batch(cfg: RunConfig) -> list[ConfigIssue]:
         return [ConfigIssue("train.global_batch_size",
                             f"{t.global_batch_size} sequences do not split evenly into dp size {cfg.dp_size} x "
                             f"microbatches {cfg.num_microbatches} x grad_accum {t.grad_accum} = {split}",
-                            f"use a multiple of {split}, e.g. {good}")]
+                            f"use a multiple of {split}, e.g. train.global_batch_size={good}")]
     return []
 
 
@@ -257,7 +275,7 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
     if ln.node_rank >= ln.nnodes:
         issues.append(ConfigIssue("launch.node_rank", f"{ln.node_rank} is not below launch.nnodes {ln.nnodes} "
                                   "(hosts are numbered from 0)",
-                                  f"use a node_rank from 0 to {ln.nnodes - 1}, or raise launch.nnodes"))
+                                  f"use a node_rank from 0 to {ln.nnodes - 1}, e.g. launch.node_rank=0, or raise launch.nnodes"))
     if cfg.world_size % ln.nnodes:
         issues.append(ConfigIssue("launch.nnodes", f"world size {cfg.world_size} does not split over {ln.nnodes} hosts",
                                   "use an nnodes that divides the number of mesh devices"))
@@ -270,7 +288,7 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
     host, _, port = ln.rdzv_endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"{ln.rdzv_endpoint!r} is not host:port",
-                                  "write it as host:port, e.g. 127.0.0.1:29500"))
+                                  "write it as host:port, e.g. launch.rdzv_endpoint=127.0.0.1:29500"))
     elif ln.nnodes > 1 and int(port) == 0:
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"port 0 with launch.nnodes={ln.nnodes}: the other nodes "
                                   "cannot know which free port node 0 picked", "give node 0's address and a fixed port, "
@@ -285,14 +303,17 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
     issues = check_launch(cfg)
     for path, seed in (("train.seed", cfg.train.seed), ("data.seed", getattr(cfg.data, "seed", 0))):
         if not -(2**63) <= seed < 2**64:  # torch's manual_seed range: training seeds torch with it
-            issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits", "use a seed from 0 to 2**63 - 1"))
+            issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits",
+                                      f"use a seed from 0 to 2**63 - 1, e.g. {path}=0"))
     if cfg.train.init_from and not Path(cfg.train.init_from).is_file():
         issues.append(ConfigIssue("train.init_from", f"{cfg.train.init_from!r} is not a file",
-                                  "give a safetensors file written by python -m trainer.export, or null"))
+                                  "give a safetensors file written by python -m trainer.export, or train.init_from=null"))
     ckpt = cfg.train.checkpoint
     if ckpt.every > cfg.train.steps:
         issues.append(ConfigIssue("train.checkpoint.every", f"{ckpt.every} is more than train.steps {cfg.train.steps}; "
-                                  "no checkpoint would ever be written", "use every <= steps, or 0 to disable"))
+                                  "no checkpoint would ever be written",
+                                  f"use every <= steps, e.g. train.checkpoint.every={cfg.train.steps}, "
+                                  "or train.checkpoint.every=0 to disable"))
     if cfg.device == "cuda":
         import torch
 
@@ -315,7 +336,8 @@ def _check_compile(cfg: RunConfig) -> list[ConfigIssue]:
             "autograd node, so the weight pass re-runs its whole backward; and in torch 2.13 the graph retained for it can get "
             "wrong gradients (Inductor's FX graph cache may serve a backward compiled with donated buffers, which "
             "overwrites the saved activations)",
-            "use schedule 1F1B or Interleaved1F1B with train.compile=true, or set train.compile=false"))
+            "to compile, use parallel.pipeline.schedule=1F1B or parallel.pipeline.schedule=Interleaved1F1B; "
+            "or set train.compile=false"))
     return issues
 
 

@@ -25,35 +25,46 @@ _ATTENTION_PROJECTIONS = {"wq", "wk", "wv", "wo", "q_proj", "k_proj", "v_proj", 
 MAX_LAYERS = 1024
 
 
-def check_against_model(cfg: RunConfig) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
-    """The config's plan for its model (None when the model cannot be planned) and every issue found."""
+def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
+    """The config's plan for its model (None when the model cannot be planned) and every issue found.
+    The data's issues and the model's plan are reported together; the plan waits only for the
+    model's own issues (it cannot be built without them fixed), the memory prediction for every
+    other issue (``predict_memory`` false: the caller found some; a prediction reads them all)."""
     issues = _check_model_data(cfg)
-    if issues:
+    if any(_blocks_the_build(issue.path) for issue in issues):
         return None, issues
     issues += _check_resume(cfg)
     try:
         model = build_model(cfg.model, device="meta")
     except CustomModelError as err:  # the user's builder raised on the meta device
-        return None, [ConfigIssue("model.kwargs", err.reason, err.fix)]
+        return None, issues + [ConfigIssue("model.kwargs", err.reason, err.fix)]
     except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # e.g. sizes past int64
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return None, [ConfigIssue("model", f"its tensors are too large to build (torch says: {first_line[:120]})",
-                                  "use model sizes whose tensors fit in memory (each dimension well below 2**31)")]
+        return None, issues + [ConfigIssue("model", f"its tensors are too large to build (torch says: {first_line[:120]})",
+                                           "use model sizes whose tensors fit in memory (each dimension well below 2**31)")]
+    plan_issues: list[ConfigIssue] = []
     try:
         decoder = decoder_config(cfg.model)
         plan = resolve_plan(cfg.parallel, cfg.mesh, model, check_glob=lambda *glob: _check_heads(decoder, *glob))
     except ConfigError as err:
-        plan, issues = None, issues + err.issues
+        plan, plan_issues = None, err.issues
+    issues += plan_issues
     if cfg.parallel is not None:
         if cfg.parallel.activation_checkpointing != "none" and cfg.model.arch == "mlp":
             issues.append(ConfigIssue("parallel.activation_checkpointing",
                                       f"model {cfg.model.arch} has no transformer blocks to checkpoint",
-                                      "set activation_checkpointing: none"))
+                                      "set parallel.activation_checkpointing=none"))
     if plan is not None:
         issues += _check_sequence_shards(cfg, plan)
-    if plan is not None and not issues and not cfg.dry_run:  # a dry run prints the prediction instead
+    if plan is not None and predict_memory and not issues and not cfg.dry_run:  # a dry run prints it instead
         issues += _check_memory(cfg, plan)
     return (plan if not issues else None), issues
+
+
+def _blocks_the_build(path: str) -> bool:
+    """An issue of the model's own shape (heads, layers, its config.json, its builder), or a pipeline
+    the model cannot be cut into: the model is not built (nor planned) until it is fixed."""
+    return path == "parallel.pipeline" or (path.startswith("model") and path not in ("model.vocab_size", "model.loss"))
 
 
 def _check_sequence_shards(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
@@ -104,7 +115,7 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         # torch 2.13's ZBV schedule cannot run forward-only (its V stages steal the backward input).
         issues.append(ConfigIssue("parallel.pipeline.schedule", "ZBV cannot evaluate the validation split "
                                   "(torch's V schedule has no forward-only pass)",
-                                  "use InterleavedZeroBubble or Interleaved1F1B, or drop data.val_fraction / val_paths"))
+                                  "use parallel.pipeline.schedule=InterleavedZeroBubble, or drop data.val_fraction / val_paths"))
     data_vocab = None  # the tokenizer's id count, for data=files
     if d.kind == "text":
         try:
@@ -151,7 +162,7 @@ def _check_decoder(m: LlamaConfig, d, t, data_vocab: int | None = None) -> list[
     if m.n_layers > MAX_LAYERS:
         issues.append(ConfigIssue("model.n_layers",
                                   f"{m.n_layers} blocks is more than the {MAX_LAYERS} this trainer supports",
-                                  f"use n_layers <= {MAX_LAYERS}"))
+                                  f"use n_layers <= {MAX_LAYERS}, e.g. model.n_layers={MAX_LAYERS}"))
     if m.head_dim is None and m.dim % m.n_heads:
         issues.append(ConfigIssue("model.n_heads", f"dim {m.dim} does not split into {m.n_heads} heads",
                                   "use an n_heads that divides model.dim, or set model.head_dim"))
@@ -164,10 +175,10 @@ def _check_decoder(m: LlamaConfig, d, t, data_vocab: int | None = None) -> list[
                                   "use an n_kv_heads that divides n_heads"))
     if t.seq_len > m.max_seq_len:
         issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} is longer than model.max_seq_len {m.max_seq_len}",
-                                  f"use seq_len <= {m.max_seq_len} or raise model.max_seq_len"))
+                                  f"use seq_len <= {m.max_seq_len}, e.g. train.seq_len={m.max_seq_len}, or raise model.max_seq_len"))
     if d.kind == "text" and m.vocab_size < 256:
         issues.append(ConfigIssue("model.vocab_size", f"byte-level text needs 256 token ids, got {m.vocab_size}",
-                                  "set model.vocab_size: 256"))
+                                  "set model.vocab_size=256"))
     if data_vocab and m.vocab_size < data_vocab:
         issues.append(ConfigIssue("model.vocab_size", f"the tokenizer ({d.tokenizer or 'bytes'}) has {data_vocab} token "
                                   f"ids, the model's embedding only {m.vocab_size}",
@@ -178,7 +189,7 @@ def _check_decoder(m: LlamaConfig, d, t, data_vocab: int | None = None) -> list[
                                   "use fewer symbols or a lower data.order"))
     if d.kind == "synthetic" and d.num_symbols > m.vocab_size:
         issues.append(ConfigIssue("data.num_symbols", f"{d.num_symbols} symbols exceed model.vocab_size {m.vocab_size}",
-                                  "use num_symbols <= vocab_size"))
+                                  f"use num_symbols <= vocab_size, e.g. data.num_symbols={m.vocab_size}"))
     return issues
 
 

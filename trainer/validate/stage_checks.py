@@ -31,7 +31,7 @@ def check_stages(cfg: RunConfig) -> list[ConfigIssue]:
     if pp.schedule not in ONE_STAGE_SCHEDULES or pp.stages_per_rank != 1:
         issues.append(ConfigIssue("parallel.pipeline.schedule", f"{pp.schedule} with stages_per_rank "
                                   f"{pp.stages_per_rank}: per-stage layouts run one stage per rank",
-                                  "use schedule GPipe or 1F1B with stages_per_rank: 1"))
+                                  "use parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1 (or GPipe)"))
     issues += check_stage_ranks(pp.stages, cfg.world_size)
     for index, stage in enumerate(pp.stages):
         issues += _check_stage_axes(stage, ("parallel", "pipeline", "stages", index))

@@ -53,7 +53,7 @@ def resolve_auto(raw: dict, *, calibration: Calibration | None = None) -> tuple[
     if result.winner.status != "chosen":
         raise ConfigError([ConfigIssue("parallel.auto", f"no layout of {result.world_size} ranks is valid and predicted "
                                        f"to fit: {result.winner.reason}", "change the mesh, the batch or the knobs "
-                                       "(dry_run=true prints every candidate and why it lost)")])
+                                       "(a dry run prints every candidate and why it lost)")])
     chosen = result.winner
     out = {**raw, "mesh": chosen.mesh, "parallel": {**chosen.parallel, "auto": raw["parallel"]["auto"]}}
     out["train"] = {**(raw.get("train") or {}), "precision": chosen.precision}

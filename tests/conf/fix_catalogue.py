@@ -1,0 +1,108 @@
+"""The refusals :mod:`test_printed_fixes` walks beyond the cases of ``test_bad_configs`` and
+``test_stage_configs``: :data:`MORE` (bad configs as overrides), :data:`HOST` (refusals of this
+host, made by patching what the validator reads of it), and :data:`PROSE`, the refusals whose fix
+names no override, each with the reason (keyed by a phrase of its ``ConfigIssue(...)`` source
+and the file it is in)."""
+
+from __future__ import annotations
+
+import torch
+from test_bad_configs import Bad, bad
+
+_EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
+
+MORE: dict[str, Bad] = {
+    "more/data-files-without-paths": bad(["data=files"], "data.paths", ["names no files"]),
+    "more/auto-with-rank-ids": bad(["+parallel=auto", "mesh=[[0,1],[2,3]]"], "mesh", ["not explicit rank ids"]),
+    "more/rdzv-not-host-port": bad(["launch.rdzv_endpoint=nohost"], "launch.rdzv_endpoint", ["not host:port"]),
+    "more/eval-without-validation-split": bad(["data=synthetic", "train.eval_every=10"], "train.eval_every",
+                                              ["no validation split"]),
+    "more/zbv-with-validation-split": bad(
+        ["+parallel=pp", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2", "data.val_fraction=0.1"],
+        "parallel.pipeline.schedule", ["ZBV cannot evaluate"]),
+    "more/custom-model-loss": bad([*_EMBEDDING, "model.loss=mse"], "model.loss", ["trained with the lm loss"]),
+    "more/custom-model-on-a-pipeline": bad([*_EMBEDDING, "+parallel=pp"], "parallel.pipeline", ["custom module"]),
+    "more/resume-from-nothing": bad(["train.checkpoint.resume=/nonexistent/meshflow-ckpt"], "train.checkpoint.resume", []),
+    "more/stages-with-rank-ids": bad(["+parallel=pp_stages", "mesh=[[0,1,2,3]]"], "mesh", ["the stages already say"]),
+    "more/init-from-nothing": bad(["train.init_from=/nonexistent/model.safetensors"], "train.init_from", ["not a file"]),
+    "more/odd-head-width": bad(["model.dim=96", "model.n_heads=32", "model.n_kv_heads=32"], "model.n_heads", ["odd"]),
+    "more/memory-budget": bad(["model=gpt_small", "+parallel=pp", "launch.memory_budget_gb=0.55"],
+                              "launch.memory_budget_gb", ["exceeds the budget"]),
+    "more/batch-and-heads-in-one-round": bad(  # independent issues come together (issue 30)
+        ["+parallel=3d", "mesh=[2,2,4]", "train.global_batch_size=3"],
+        'parallel.tensor_parallel.plan[megatron]["layers.*.attn.wo.weight"].tp', ["split by heads"]),
+}
+SLOW = {"more/auto-with-rank-ids"}  # its fix runs the auto-planner, which calibrates the host first (minutes)
+if not torch.cuda.is_available():
+    MORE["more/cuda-without-a-gpu"] = bad(["device=cuda"], "device", ["no CUDA device"])
+
+_WHICH = "trainer.validate.checks.shutil.which"
+HOST: dict[str, tuple[Bad, dict[str, object]]] = {  # (case, {what the validator reads of the host: its value here})
+    "host/cxx-not-on-path": (bad(["train.compile=true"], "train.compile", ["$CXX is"]),
+                             {"CXX": "no-such-c++", _WHICH: lambda program: None}),
+    "host/only-clang": (bad(["train.compile=true"], "train.compile", ["no g++ on PATH"]),
+                        {_WHICH: lambda program: "/usr/bin/clang++" if program == "clang++" else None}),
+    "host/no-compiler": (bad(["train.compile=true"], "train.compile", ["none was found"]), {_WHICH: lambda program: None}),
+    "host/no-mallopt": (bad(["launch.unmap_freed_memory=true"], "launch.unmap_freed_memory", ["mallopt"]),
+                        {"trainer.validate.checks.has_mallopt": lambda: False}),
+}
+
+_PASSED_ON = "passes on the fix of the error it reports (an HFModelError's, a CustomModelError's, ...), prose there"
+PROSE: dict[str, tuple[str, str]] = {
+    # phrase of the ConfigIssue(...) source: (file it is in, why its fix names no override)
+    "module {name}: only a Shard input": ("layout.py", "the fix is to remove a layout or add placements: the user's globs"),
+    "provides no named plans": ("layout.py", "the user writes placement globs of their own model"),
+    '"pass a YAML mapping"': ("checks.py", "a document, not an override, is wrong"),
+    "explicit rank ids must form": ("checks.py", "the user's own rank ids: an example, no override"),
+    "hold no rank id": ("checks.py", "the user's own rank ids"),
+    "are not each of 0..": ("checks.py", "the user's own rank ids"),
+    '"use a positive size"': ("checks.py", "the user's own mesh"),
+    "is not a valid axis name": ("checks.py", "the user names the axis"),
+    "is used twice": ("checks.py", "the user names the axis"),
+    "give one name per mesh axis": ("checks.py", "which of dims or mesh is wrong is the user's choice"),
+    "takes {want} axis name(s)": ("checks.py", "the user chooses the axes"),
+    "names axis {names[0]!r} twice": ("checks.py", "the user chooses the axes"),
+    "is used by nothing": ("checks.py", "the user chooses what uses the axis"),
+    "parameters are placed on it by": ("checks.py", "the user's own placement glob"),
+    "on a parameter: a parameter's value must be whole": ("checks.py", "the user's own placement glob"),
+    "does not split over": ("checks.py", "how many hosts is the user's choice"),
+    "explicit rank ids are supported on one host only": ("checks.py", "a mesh shape of the user's choice"),
+    "port 0 with launch.nnodes": ("checks.py", "node 0's address is the user's"),
+    "workers but only": ("checks.py", "needs a CUDA host; the fix is a mesh or host count of the user's choice"),
+    "a top-level one would be ambiguous": ("stage_checks.py", "the user moves a section into a stage"),
+    "is not one of this stage's dims": ("stage_checks.py", "the user chooses the stage's axes"),
+    "is not a valid, unique axis name": ("stage_checks.py", "the user names the axis"),
+    "different axis name(s)": ("stage_checks.py", "the user chooses the axes"),
+    "already the stage's data-parallel axis": ("stage_checks.py", "the user chooses the axes"),
+    "the stage's data-parallel axis; parameters": ("stage_checks.py", "the user's own placement glob"),
+    "must be whole\",": ("stage_checks.py", "the user's own placement glob"),
+    "is not a non-empty list": ("stages.py", "the user's own rank lists"),
+    "give one axis name per axis of the stage": ("stages.py", "the user names the axes"),
+    "give every rank to exactly one stage": ("stages.py", "the user's own rank lists"),
+    "the ranks decrease along": ("stages.py", "the user's own rank lists"),
+    "every stage needs the same": ("stages.py", "the user's own rank lists"),
+    "list each boundary once": ("units.py", "the user's own boundaries"),
+    "boundar{": ("units.py", "the user's own boundaries (or boundaries: auto)"),
+    "use a smaller pp size or stages_per_rank": ("units.py", "a mesh or model of the user's choice"),
+    "use one of {": ("units.py", "the model's modules are listed"),
+    "list only the first module": ("units.py", "the user's own boundaries"),
+    "matches no file": ("files.py", "the user's own files"),
+    "give files of one format": ("files.py", "the user's own files"),
+    "data.text_field": ("files.py", "the field is named in the user's records"),
+    "data.eos_token": ("tokenizer.py", "the token is the user's tokenizer's"),
+    '"give a tokenizer.json file': ("tokenizer.py", "the user's own tokenizer"),
+    "is not a tokenizers file": ("tokenizer.py", "the user's own tokenizer"),
+    "is valid and predicted": ("plan.py", "the planner's knobs are the user's choice"),
+    "see python -m": ("plan.py", "the planner's knobs are the user's choice"),
+    '"model.kwargs", err.reason, err.fix': ("model_checks.py", _PASSED_ON),
+    '"model.path", err.reason, err.fix': ("model_checks.py", _PASSED_ON),
+    "(config.json) {i.path}": ("model_checks.py", _PASSED_ON),
+    'cfg.model.name else "model.builder"': ("model_checks.py", _PASSED_ON),
+    "_fix(e, loc, raw)": ("schema_issues.py", "pydantic's range or type: the value is the user's"),
+    "the model's embedding only": ("model_checks.py", "a model or tokenizer of the user's choice"),
+    "transition table over": ("model_checks.py", "how many symbols, or which order, is the user's choice"),
+    "is set as well as data.val_paths": ("model_checks.py", "which split to keep is the user's choice"),
+    "the model normalises each query/key head": ("model_checks.py", "shard only the MLP: a glob of the user's choice"),
+    "the model ties lm_head": ("model_checks.py", "a layout of the user's choice (and going away)"),
+    "its tensors are too large": ("model_checks.py", "model sizes of the user's choice"),
+}
