@@ -39,6 +39,23 @@ def write_tied_llama(path, *, seed: int = 0, vocab_size: int = 256) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
+
+def write_llama32_like(path, *, seed: int = 0, vocab_size: int = 256, scaled: bool = True) -> None:
+    """A Llama-3.2-shaped tiny Llama: tied embeddings, rope_theta 500000 and Llama 3's rope scaling
+    (factor 32, low/high_freq_factor 1/4) over an ``original_max_position_embeddings`` of 16, so the
+    scaling changes frequencies at a test's few dozen positions (max_position_embeddings 256); dim 64,
+    4 attention heads over 2 key/value heads, 2 layers. ``scaled=False``: the same without the scaling."""
+    import transformers
+
+    torch.manual_seed(seed)
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      rope_theta=500000.0, tie_word_embeddings=True,
+                                      rope_scaling=scaling if scaled else None)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
 WORDS = ("the mesh shards every parameter over its axes while the pipeline passes activations between stages "
          "and the optimizer steps once per global batch of packed documents").split()
 

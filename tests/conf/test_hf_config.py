@@ -46,7 +46,7 @@ def test_hf_model_takes_the_presets_and_the_model_names(tmp_path):
 
 @pytest.mark.parametrize("changes, reason", [
     ({"model_type": "gpt2"}, "model_type 'gpt2'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope type 'yarn'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),

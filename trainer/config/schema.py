@@ -14,12 +14,37 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from parallel.config import MeshValue, ParallelConfig, Precision, mesh_shape_of
 from parallel.config import Section as _Section
 
 # ----------------------------------------------------------------------------- model
+
+
+class RopeScaling(_Section):
+    """Llama 3's rotary frequency adjustment (Llama 3.1 / 3.2 checkpoints): a long-context model
+    trained at ``original_max_position_embeddings`` keeps its short wavelengths, stretches its long
+    ones by ``factor``, and blends the two in between."""
+
+    type: Literal["llama3"] = Field("llama3", description="The scaling rule; only Llama 3's (`llama3`) is built in.")
+    factor: float = Field(8.0, ge=1, description="Wavelengths longer than original_max_position_embeddings / "
+                          "low_freq_factor are multiplied by this (their frequencies divided).")
+    low_freq_factor: float = Field(1.0, gt=0, description="original_max_position_embeddings / low_freq_factor is the "
+                                   "wavelength above which the full factor applies.")
+    high_freq_factor: float = Field(4.0, gt=0, description="original_max_position_embeddings / high_freq_factor is "
+                                    "the wavelength below which frequencies are kept; between the two they are blended.")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="The context length the model was "
+                                                  "pre-trained at, before the context was extended.")
+
+    @field_validator("high_freq_factor")
+    @classmethod
+    def _above_low_freq_factor(cls, value: float, info: ValidationInfo) -> float:
+        low = info.data.get("low_freq_factor")  # absent when it failed its own check
+        if low is not None and value <= low:
+            raise ValueError(f"must be greater than low_freq_factor {low} (the two bound the band of blended "
+                             "wavelengths; Llama 3.1 uses 1 and 4)")
+        return value
 
 
 class LlamaConfig(_Section):
@@ -39,6 +64,9 @@ class LlamaConfig(_Section):
     head_dim: int | None = Field(None, ge=2, description="Width of one attention head; null = dim / n_heads.")
     qkv_bias: bool = Field(False, description="Biases on the q/k/v projections (Qwen2).")
     qk_norm: bool = Field(False, description="RMSNorm of each query and key head before RoPE (Qwen3).")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Llama 3.x rotary frequency scaling (type, factor, low_freq_factor, high_freq_factor, "
+        "original_max_position_embeddings); null = plain RoPE.")
 
     @property
     def num_kv_heads(self) -> int:

@@ -44,14 +44,19 @@ def halves_from_pairs(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def llama_hf_config(cfg: LlamaConfig) -> dict:
-    """``config.json`` of a ``LlamaForCausalLM`` with the built-in decoder's shape."""
-    return {
+    """``config.json`` of a ``LlamaForCausalLM`` with the built-in decoder's shape (and its Llama 3
+    rope scaling, under the ``rope_scaling`` key Llama 3.x checkpoints use)."""
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.num_kv_heads,
         "intermediate_size": cfg.ffn_hidden_dim, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu", "attention_bias": False,
         "mlp_bias": False, "tie_word_embeddings": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
     }
+    if cfg.rope_scaling is not None:
+        config["rope_scaling"] = {"rope_type": cfg.rope_scaling.type,
+                                  **cfg.rope_scaling.model_dump(exclude={"type"})}
+    return config
 
 
 def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *, tokenizer: str | None = None) -> dict[str, int]:

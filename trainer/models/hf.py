@@ -18,12 +18,15 @@ import json
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from trainer.config.schema import HFModelConfig, LlamaConfig
 from trainer.models.llama import Transformer
 
 # The Llama layout and its kin: Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms and a free head_dim.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Plain RoPE, and Llama 3.x's frequency adjustment; linear, dynamic, yarn and longrope are refused.
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class HFModelError(ValueError):
@@ -54,8 +57,10 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise HFModelError(f"rope settings {rope!r} in {str(config_file)!r} are not an object", "give a valid config.json")
+    # transformers writes `rope_type` (older versions: `type`); Llama 3.1/3.2 use llama3.
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     unsupported = [
-        (f"rope type {rope.get('rope_type', rope.get('type'))!r}", rope.get("rope_type", rope.get("type", "default")) != "default"),
+        (f"rope type {rope_type!r}", rope_type not in SUPPORTED_ROPE_TYPES),
         (f"hidden_act {hf.get('hidden_act')!r}", hf.get("hidden_act", "silu") != "silu"),
         ("attention_bias", bool(hf.get("attention_bias"))),
         ("mlp_bias", bool(hf.get("mlp_bias"))),
@@ -69,15 +74,29 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
             norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             init_std=hf.get("initializer_range", 0.02), head_dim=hf.get("head_dim"),
             qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+            rope_scaling=_llama3_scaling(rope, hf) if rope_type == "llama3" else None,
         )
+    except ValidationError as err:  # each bad value named by its LlamaConfig field, on one line
+        bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+        raise HFModelError(f"{str(config_file)!r} has a bad value: {bad}", "give a valid Llama config.json") from None
     except (KeyError, ValueError) as err:
         raise HFModelError(f"{str(config_file)!r} lacks or has a bad value: {err}", "give a complete Llama config.json") from None
     for what, bad in unsupported:
         if bad:
             raise HFModelError(f"{what} in {str(config_file)!r} is not supported by the Llama layout here",
-                               "use a checkpoint with default RoPE, silu, full attention and no biases "
-                               "(Qwen2's q/k/v biases excepted)")
+                               "use a checkpoint with default or Llama 3 (llama3) RoPE, silu, full attention and no "
+                               "biases (Qwen2's q/k/v biases excepted)")
     return cfg, bool(hf.get("tie_word_embeddings", False))
+
+
+def _llama3_scaling(rope: dict, hf: dict) -> dict:
+    """config.json's llama3 rope settings as :class:`~trainer.config.schema.RopeScaling`'s fields (a
+    missing ``original_max_position_embeddings`` falls back to ``max_position_embeddings``, as in
+    transformers); LlamaConfig checks the values."""
+    return {"type": "llama3", "factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
+            "high_freq_factor": rope["high_freq_factor"],
+            "original_max_position_embeddings": rope.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings", 2048)}
 
 
 def weight_files(path: str) -> list[Path]:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config.schema import LlamaConfig
+from trainer.config.schema import LlamaConfig, RopeScaling
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
 
 
@@ -65,14 +65,33 @@ class RMSNorm(nn.RMSNorm):
         super().__init__(dim, eps=eps, elementwise_affine=True)
 
 
-def rope_tables(max_seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(max_seq_len: int, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each ``[max_seq_len, head_dim // 2]`` fp32 on CPU.
 
     Angles are computed in fp64 so long tables do not lose precision at high positions.
+    ``scaling`` (Llama 3.x) adjusts the frequencies first: :func:`llama3_frequencies`.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3's context extension applied to the rotary frequencies ``inv_freq`` (radians per position).
+
+    With ``L = original_max_position_embeddings``, a frequency whose wavelength ``2 pi / f`` is
+    longer than ``L / low_freq_factor`` (it turned less than ``low_freq_factor`` times over the
+    pre-training context) becomes ``f / factor``; one shorter than ``L / high_freq_factor`` stays
+    ``f``; in between, the weight ``w = (L / wavelength - low) / (high - low)`` (0 at the long end,
+    1 at the short end) blends them: ``(1 - w) f / factor + w f``. Clamping ``w`` to ``[0, 1]``
+    gives the two outer cases from the same formula.
+    """
+    turns = scaling.original_max_position_embeddings * inv_freq / (2 * math.pi)  # = L / wavelength
+    weight = ((turns - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - weight) * inv_freq / scaling.factor + weight * inv_freq
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "pairs") -> torch.Tensor:
@@ -105,6 +124,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_width
         self.max_seq_len = cfg.max_seq_len
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
         self._names = names
         for name, heads in ((names.q, cfg.n_heads), (names.k, cfg.num_kv_heads), (names.v, cfg.num_kv_heads)):
             self.add_module(name, nn.Linear(cfg.dim, heads * self.head_dim, bias=cfg.qkv_bias))
@@ -120,7 +140,7 @@ class Attention(nn.Module):
 
     def reset_rope(self) -> None:
         """(Re)compute the rotary tables in place, e.g. after ``to_empty()`` from meta."""
-        cos, sin = rope_tables(self.max_seq_len, self.head_dim, self.rope_theta)
+        cos, sin = rope_tables(self.max_seq_len, self.head_dim, self.rope_theta, self.rope_scaling)
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
