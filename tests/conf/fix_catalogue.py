@@ -28,6 +28,8 @@ MORE: dict[str, Bad] = {
     "more/odd-head-width": bad(["model.dim=96", "model.n_heads=32", "model.n_kv_heads=32"], "model.n_heads", ["odd"]),
     "more/memory-budget": bad(["model=gpt_small", "+parallel=pp", "launch.memory_budget_gb=0.55"],
                               "launch.memory_budget_gb", ["exceeds the budget"]),
+    "more/eval-at-start-without-a-split": bad(["data=text", "train.eval_at_start=true"], "train.eval_at_start",
+                                              ["no validation split"]),
     "more/batch-and-heads-in-one-round": bad(  # independent issues come together (issue 30)
         ["+parallel=3d", "mesh=[2,2,4]", "train.global_batch_size=3"],
         'parallel.tensor_parallel.plan[megatron]["layers.*.attn.wo.weight"].tp', ["split by heads"]),
@@ -103,6 +105,5 @@ PROSE: dict[str, tuple[str, str]] = {
     "transition table over": ("model_checks.py", "how many symbols, or which order, is the user's choice"),
     "is set as well as data.val_paths": ("model_checks.py", "which split to keep is the user's choice"),
     "the model normalises each query/key head": ("model_checks.py", "shard only the MLP: a glob of the user's choice"),
-    "the model ties lm_head": ("model_checks.py", "a layout of the user's choice (and going away)"),
     "its tensors are too large": ("model_checks.py", "model sizes of the user's choice"),
 }

@@ -86,11 +86,10 @@ def test_qwen_families_take_their_layout_and_qwen3_refuses_tensor_parallel_atten
     assert {path.rsplit(".", 1)[-1] for path, _, _ in issues} == {"tp"}
 
 
-def test_tied_embeddings_cannot_be_cut_into_stages(tmp_path):
+def test_tied_embeddings_validate_on_every_layout_pipelines_included(tmp_path):
     path = _hf_dir(tmp_path, tie_word_embeddings=True)
-    validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=fsdp"]))  # fine without a pipeline
-    issues = _issues(["model=hf", f"model.path={path}", "+parallel=pp"])
-    assert [i[0] for i in issues] == ["parallel.pipeline"] and "tie_word_embeddings" in issues[0][1]
+    for layout in (["+parallel=fsdp"], ["+parallel=pp"], ["+parallel=3d"], ["+parallel=pp_stages"]):
+        validate_with_plan(compose_dict(["model=hf", f"model.path={path}", *layout]))  # each stage keeps a copy
 
 
 def test_incomplete_or_malformed_config_json_is_an_issue_not_a_traceback(tmp_path):
