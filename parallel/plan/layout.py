@@ -100,11 +100,11 @@ def _match_placements(entries: list[tuple[str, AxisSpecs, str]], mesh: MeshSpec,
 
 
 def _with_replicate_override(issue: ConfigIssue, glob: str, path: str) -> ConfigIssue:
-    """A fix ending ", or Replicate" (a shard that does not divide) spelt out as the override that
-    replicates the glob's parameters on that axis, in the section's explicit ``placements`` (which
-    win over a named plan's glob, so a plan is overridden, never edited)."""
+    """A fix ending in "Replicate" (a shard that does not divide, attention a model cannot split)
+    spelt out as the override that replicates the glob's parameters on that axis, in the section's
+    explicit ``placements`` (which win over a named plan's glob, so a plan is overridden, never edited)."""
     axis = issue.path.removeprefix(f"{path}.")
-    if not issue.fix.endswith(", or Replicate") or axis == issue.path:
+    if not issue.fix.endswith(" Replicate") or axis == issue.path:
         return issue
     section = path.split(".tensor_parallel.plan[")[0].split('.placements["')[0]  # parallel, or a stage's
     key = re.sub(r"\[(\d+)\]", r".\1", section) + ".placements"  # stages[1] -> stages.1, as Hydra's keys go

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import traceback
 
 import torch
 
@@ -97,7 +98,11 @@ def cells_check(presets: list[str]):
                     if cfg.world_size != world_size:
                         result["note"] = f"the fixed config runs on {cfg.world_size} ranks"
                     else:
-                        result["losses"] = train_losses(build_parallel_model(cfg, torch.device("cpu")), cfg)
+                        try:  # every rank fails alike (same config, same model): the next cell still runs
+                            result["losses"] = train_losses(build_parallel_model(cfg, torch.device("cpu")), cfg)
+                        except Exception as err:  # noqa: BLE001 - reported in the cell
+                            result["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                            result["trace"] = traceback.format_exc()[-1500:]
                 out[f"{arch}/{preset}"] = result
         return out
 

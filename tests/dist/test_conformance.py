@@ -122,8 +122,9 @@ def table(cells: dict[str, dict]) -> str:
         for lay in LAYOUTS:
             cell = cells[f"{arch}/{lay}"]
             if cell["status"] == "refused":
-                issue = "; ".join(f"`{path}`: {reason}" for path, reason, _ in cell["issues"])
-                lines.append(f"- {arch} on `{lay}`: {issue}. Fix: `{' '.join(cell.get('fixes', [])) or '(none printed)'}`")
+                reasons = "; ".join(dict.fromkeys(reason for _, reason, _ in cell["issues"]))  # one per glob, often alike
+                fixes = " ".join(f"'{fix}'" if " " in fix else fix for fix in dict.fromkeys(cell.get("fixes", []))) or "(none printed)"
+                lines.append(f"- {arch} on `{lay}` ({len(cell['issues'])} issues): {reasons}. Fix: `{fixes}`")
     return "\n".join(lines) + "\n"
 
 

@@ -44,11 +44,11 @@ class LoadMismatch(RuntimeError):
 def fingerprint(block: torch.Tensor, offset: Iterable[int] = (), shape: Iterable[int] | None = None) -> Fingerprint:
     """The fingerprint of ``block``, the part at ``offset`` of a tensor of ``shape`` (the whole
     tensor by default): its share of the full tensor's four numbers."""
-    x = block.detach().to(device="cpu", dtype=torch.float64)
+    x = block.detach().to(torch.float64)  # where it is: a GPU adds up its own shards
     offset = tuple(offset) or (0,) * x.dim()
     weighted = x
     for dim in reversed(range(x.dim())):  # contract one dimension at a time with its position weights
-        index = torch.arange(offset[dim], offset[dim] + x.shape[dim], dtype=torch.float64)
+        index = torch.arange(offset[dim], offset[dim] + x.shape[dim], dtype=torch.float64, device=x.device)
         weighted = weighted @ ((torch.remainder(index * 7919 + 31 * dim, 997) + 1) / 997)
     return float(x.numel()), float(x.sum()), float(x.square().sum()), float(weighted)
 

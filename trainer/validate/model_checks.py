@@ -6,6 +6,7 @@ the checkpoint to resume from)."""
 from __future__ import annotations
 
 import math
+import re
 
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.resolve import resolve_plan
@@ -45,7 +46,8 @@ def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple
     plan_issues: list[ConfigIssue] = []
     try:
         decoder = decoder_config(cfg.model)
-        plan = resolve_plan(cfg.parallel, cfg.mesh, model, check_glob=lambda *glob: _check_heads(decoder, *glob))
+        plan = resolve_plan(cfg.parallel, cfg.mesh, model,
+                            check_glob=lambda *glob: _check_heads(decoder, *glob, sp=_sequence_parallel(cfg, glob[0])))
     except ConfigError as err:
         plan, plan_issues = None, err.issues
     issues += plan_issues
@@ -193,11 +195,31 @@ def _check_decoder(m: LlamaConfig, d, t, data_vocab: int | None = None) -> list[
     return issues
 
 
-def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh: MeshSpec) -> list[ConfigIssue]:
+def _sequence_parallel(cfg: RunConfig, where: str) -> str | None:
+    """The override that turns off the named plan's sequence parallelism behind the glob at
+    ``where`` (the run's plan, or a pipeline stage's own), or None when it is off."""
+    par = cfg.parallel
+    if par is None:
+        return None
+    if (stage := re.match(r"parallel\.pipeline\.stages\[(\d+)\]", where)) and par.pipeline is not None:
+        tp, key = par.pipeline.stages[int(stage.group(1))].tensor_parallel, f"parallel.pipeline.stages.{stage.group(1)}"
+    else:
+        tp, key = par.tensor_parallel, "parallel"
+    if tp is None or not tp.sequence_parallel or ".tensor_parallel.plan[" not in where:
+        return None
+    return f"{key}.tensor_parallel.sequence_parallel=false"
+
+
+def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh: MeshSpec, *,
+                 sp: str | None = None) -> list[ConfigIssue]:
     """Attention is split by heads: a sharding axis of an attention glob (of ``mesh``: the run's,
-    or a pipeline stage's own) must divide the head counts."""
+    or a pipeline stage's own) must divide the head counts. The fix replicates the attention
+    (spelt out as an override by the plan), with ``sp``: and turns sequence parallelism off,
+    which needs the attention split to gather its norm's output."""
     if m is None or not any(f.split(".")[-2] in _ATTENTION_PROJECTIONS for f in fqns):
         return []
+    # The plan spells "... Replicate" out as the override replicating the glob (parallel.plan.layout).
+    lead = f"{sp} (sequence parallelism needs the attention split) and " if sp else ""
     for axis, p in axes.items():
         n = mesh.size(axis)
         if not p.is_shard or n == 1:
@@ -206,13 +228,12 @@ def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh:
             # Each rank would hold its heads' share of the q/k norm gradients, never summed over the axis.
             return [ConfigIssue(f"{where}.{axis}", "the model normalises each query/key head (Qwen3 q_norm/k_norm), "
                                 "which tensor-parallel attention does not support yet",
-                                "shard only the MLP (e.g. parallel.placements on *.mlp.*), or use fsdp, dp or pp "
-                                "for this model")]
+                                f"use fsdp, dp or pp for this model, or keep the MLP split: {lead}the attention on Replicate")]
         for what, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.num_kv_heads)):
             if heads % n:
                 return [ConfigIssue(f"{where}.{axis}",
                                     f"attention is split by heads: model.{what}={heads} over {axis} size {n} leaves ranks with partial heads",
-                                    f"use a {axis} size dividing {math.gcd(m.n_heads, m.num_kv_heads)}, or Replicate")]
+                                    f"use a {axis} size dividing {math.gcd(m.n_heads, m.num_kv_heads)}, or {lead}Replicate")]
     return []
 
 
