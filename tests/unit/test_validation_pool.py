@@ -1,5 +1,6 @@
 """The submit path's validator (service.validation): identical submissions composed once, each job's
-answer pointing at its own workdir, nothing cached that read a file.
+answer pointing at its own workdir, nothing cached that read a file; workers that leave with a server
+killed by SIGKILL.
 
     python -m pytest tests/unit/test_validation.py -q
 """
@@ -8,7 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from functools import partial
 
 import pytest
@@ -115,3 +120,43 @@ def test_a_cluster_executor_lets_the_validator_accept_several_nodes(tmp_path):
         answer = _resolve(overrides, None, workdir=settings.jobs_dir / "j", settings=settings)
         assert answer[0] == verdict, answer
     assert answer[1]["launch"]["nnodes"] == 2 and answer[1]["launch"]["rdzv_endpoint"] == MULTI_NODE_ENDPOINT
+
+
+# A server killed with SIGKILL cannot stop its pool: the workers leave on their own.
+_SERVER = textwrap.dedent("""
+    import sys
+    from service.settings import Settings
+    from service.validation import Validator
+
+    validator = Validator(Settings(workspace=sys.argv[1]), workers=2)
+    validator.start()
+    validator.wait_warm()
+    print(" ".join(map(str, validator.worker_pids())), flush=True)
+    sys.stdin.read()  # until killed
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited; only its entry waits for a reaper
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_workers_leave_when_the_server_is_killed(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # Each worker looks for its parent once a second; a generous bound for a loaded machine.
+    for _ in range(600):
+        if not any(_alive(p) for p in pids):
+            break
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), pids
