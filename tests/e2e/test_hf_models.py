@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 VOCAB = 320
 LAYOUTS = {"3d": ["+parallel=3d", "mesh=[2,2,2]"], "fsdp": ["+parallel=fsdp", "mesh=[2]"],
            "tp_sp": ["+parallel=tp_sp", "mesh=[2]"]}
-EVAL_STEPS = [2, 4, 5]  # train.eval_every=2, and after the last step
+EVAL_STEPS = [0, 2, 4, 5]  # before step 1 (weights loaded: train.eval_at_start), train.eval_every=2, after the last step
 
 
 @pytest.fixture(scope="module")
