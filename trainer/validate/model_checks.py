@@ -130,12 +130,17 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         file_issues, data_vocab = _check_files(d)
         issues += file_issues
     if isinstance(cfg.model, HFModelConfig):
-        from trainer.models.hf import HFModelError, read_hf_config  # optional: transformers, the hf extra
+        from trainer.models.hf import HFModelError, read_hf_config, sliding_window  # optional: transformers, the hf extra
 
         try:
             m, _ = read_hf_config(cfg.model.path)
         except HFModelError as err:
             return issues + [ConfigIssue("model.path", err.reason, err.fix)]
+        if (window := sliding_window(cfg.model.path)) is not None and t.seq_len > window:
+            # Full attention equals the model's sliding-window attention only while a sequence fits the window.
+            issues.append(ConfigIssue("train.seq_len", f"the model attends over a sliding window of {window} tokens "
+                                      "(config.json sliding_window); attention here is full, which differs past it",
+                                      f"train.seq_len={window}"))
         # The decoder's own checks below speak of config.json's values, reported at model.path.
         return issues + [ConfigIssue("model.path", f"(config.json) {i.path}: {i.reason}", i.fix) if i.path.startswith("model.")
                          else i for i in _check_decoder(m, d, t, data_vocab)]
