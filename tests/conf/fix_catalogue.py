@@ -120,6 +120,5 @@ PROSE: dict[str, tuple[str, str]] = {
     "the model's embedding only": ("model_checks.py", "a model or tokenizer of the user's choice"),
     "transition table over": ("model_checks.py", "how many symbols, or which order, is the user's choice"),
     "is set as well as data.val_paths": ("model_checks.py", "which split to keep is the user's choice"),
-    "the model normalises each query/key head": ("model_checks.py", "shard only the MLP: a glob of the user's choice"),
     "its tensors are too large": ("model_checks.py", "model sizes of the user's choice"),
 }

@@ -229,11 +229,6 @@ def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh:
         n = mesh.size(axis)
         if not p.is_shard or n == 1:
             continue
-        if m.qk_norm:
-            # Each rank would hold its heads' share of the q/k norm gradients, never summed over the axis.
-            return [ConfigIssue(f"{where}.{axis}", "the model normalises each query/key head (Qwen3 q_norm/k_norm), "
-                                "which tensor-parallel attention does not support yet",
-                                f"use fsdp, dp or pp for this model, or keep the MLP split: {lead}the attention on Replicate")]
         for what, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.num_kv_heads)):
             if heads % n:
                 return [ConfigIssue(f"{where}.{axis}",
