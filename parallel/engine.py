@@ -35,14 +35,20 @@ from parallel.config import SPLIT_BACKWARD_SCHEDULES, Precision
 from parallel.mesh import axis_rank, build_mesh, submesh
 from parallel.model import ParallelModel
 from parallel.pipeline.schedule import split_stages
-from parallel.pipeline.stage_io import attach_boundaries, lane_groups, stage_to_group_rank
+from parallel.pipeline.stage_io import (
+    attach_boundaries,
+    lane_groups,
+    stage_to_group_rank,
+)
 from parallel.pipeline.ties import StageTies, holders_on_mesh
 from parallel.plan.spec import ParallelPlan
 from parallel.sharding.activation_checkpointing import apply_ac
 from parallel.sharding.compile import apply_compile
 from parallel.sharding.data_parallel import apply_data_parallel
+from parallel.sharding.head_params import HeadGradients, find_head_parameters
 from parallel.sharding.tensor_parallel import apply_placements
 from parallel.sharding.ties import retie, tied_groups
+from parallel.sharding.tp_styles import classify
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
@@ -69,7 +75,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init is None:
         raise ValueError("a model on the meta device needs init= to give its shards their values")
-    part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile)
+    heads = HeadGradients()  # filled part by part: parameters applied per attention head under tp
+    part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile, heads=heads)
     if plan.mesh.world_size == 1:  # no placements, no data parallelism: materialise, AC, compile
         _parallelize_part(model, None, plan, pipelined=False, **part_options)
         return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None),
@@ -113,20 +120,24 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         replicas=mesh.size() // plan.pp_size,
         ties=ties,
         tied_names=groups,
+        heads=heads,
     )
 
 
 def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: ParallelPlan, *, pipelined: bool, device: torch.device,
-                      init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool) -> dict[str, str]:
+                      init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
+                      heads: HeadGradients) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
     tensor parallel -> activation checkpointing -> compile -> data parallel -> (``init``: a meta
-    part) allocate and initialise this rank's shards. Returns tensor parallelism's report. A tied
+    part) allocate and initialise this rank's shards. Returns tensor parallelism's report and adds
+    the part's per-head parameters to ``heads`` (:mod:`parallel.sharding.head_params`). A tied
     parameter (input and output embeddings) stays one parameter throughout (:mod:`parallel.sharding.ties`)."""
     report: dict[str, str] = {}
     tied = tied_groups(part)
     if init is None:
         part.to(device)
     if layout.placements or layout.layouts:
+        heads.entries += find_head_parameters(part, classify(part, layout.placements, layout.layouts).col, mesh).entries
         report = apply_placements(part, mesh, placements=layout.placements, layouts=layout.layouts)
     apply_ac(part, mode=layout.activation_checkpointing, every=layout.activation_checkpointing_every,
              block_fqns=layout.blocks)
@@ -143,7 +154,8 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
 
 
 def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
-                        init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool) -> ParallelModel:
+                        init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
+                        heads: HeadGradients) -> ParallelModel:
     """Per-stage layouts (``parallel.pipeline.stages``): every stage on its own sub-mesh with its
     own layout, the schedule along lanes of one rank per stage (:mod:`parallel.pipeline.stage_io`)."""
     pp = plan.pipeline
@@ -160,7 +172,7 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
     groups = tied_groups(model)
     (_, part), = split_stages(model, pp, units=plan.units, pp_rank=index)
     report = _parallelize_part(part, mesh, stage.layout, pipelined=True, device=device, init=init,
-                               precision=precision, compile=compile)
+                               precision=precision, compile=compile, heads=heads)
     holders = {name: list(pp.stages[plan.stage_of(name)].ranks) for names in groups for name in names}
     ties = StageTies.build(groups, [part], holders, pairing="whole")
     ties.copy_values()
@@ -171,7 +183,7 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
         model_parts=[part], mesh=mesh, dp_rank=lane, dp_size=len(stage.ranks), stage_indices=[index], pipeline=pp,
         device=device, placement_report=report, autocast=_autocast_dtype(precision, dp), pp_group=lane_group,
         replicas=len(stage.ranks), lanes=len(stage.ranks), stage_to_group_rank=stage_to_group_rank(lane_ranks),
-        ties=ties, tied_names=groups,
+        ties=ties, tied_names=groups, heads=heads,
     )
 
 

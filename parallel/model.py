@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from parallel.pipeline.schedule import build_schedule
 from parallel.pipeline.ties import StageTies
 from parallel.plan.spec import PipelineSpec
+from parallel.sharding.head_params import HeadGradients
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,6 +63,7 @@ class ParallelModel:
         stage_to_group_rank: dict[int, int] | None = None,
         ties: StageTies | None = None,
         tied_names: list[list[str]] | None = None,
+        heads: HeadGradients | None = None,
     ) -> None:
         self.model_parts = model_parts
         self.mesh = mesh
@@ -84,6 +86,7 @@ class ParallelModel:
         self._lanes = lanes  # per-stage layouts: lanes a micro-batch is split over between stages
         self._stage_to_group_rank = stage_to_group_rank
         self._ties = ties or StageTies()
+        self._heads = heads or HeadGradients()
         self.tied_names = tied_names or []  # the whole model's tied names, first name first (a checkpoint's keys)
     # -- training step -------------------------------------------------------------
 
@@ -208,7 +211,9 @@ class ParallelModel:
         values (the replicas of a shard), and one all-reduce over the world sums them.
 
         Call it once per optimizer step, after the last ``forward_backward``: it first sums the
-        gradients of a tied parameter's copies on different pipeline stages (which then count once).
+        gradients of a tied parameter's copies on different pipeline stages (which then count once),
+        and the tensor-parallel ranks' shares of per-head parameters' gradients
+        (:mod:`parallel.sharding.head_params`).
         """
         for p in self.parameters():
             g = p.grad
@@ -217,6 +222,7 @@ class ParallelModel:
                 # Partial, every optimizer op touching it would all-reduce it again.
                 p.grad = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
         self._ties.sum_grads()
+        self._heads.sum_grads()
         aliases = self._ties.alias_copies
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         counted = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in aliases]

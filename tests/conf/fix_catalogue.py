@@ -9,6 +9,20 @@ from __future__ import annotations
 import torch
 from test_bad_configs import Bad, bad
 
+def _mistral_with_a_window() -> str:
+    """A Mistral config.json (no weights: validation reads the config) whose attention slides over 16 tokens."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="meshflow-mistral-"))
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256,
+        "sliding_window": 16, "tie_word_embeddings": False}))
+    return str(path)
+
+
 _EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
 
 MORE: dict[str, Bad] = {
@@ -30,6 +44,8 @@ MORE: dict[str, Bad] = {
                               "launch.memory_budget_gb", ["exceeds the budget"]),
     "more/eval-at-start-without-a-split": bad(["data=text", "train.eval_at_start=true"], "train.eval_at_start",
                                               ["no validation split"]),
+    "more/sequences-past-a-sliding-window": bad(["model=hf", f"model.path={_mistral_with_a_window()}", "train.seq_len=32"],
+                                                "train.seq_len", ["sliding window of 16"]),
     "more/batch-and-heads-in-one-round": bad(  # independent issues come together (issue 30)
         ["+parallel=3d", "mesh=[2,2,4]", "train.global_batch_size=3"],
         'parallel.tensor_parallel.plan[megatron]["layers.*.attn.wo.weight"].tp', ["split by heads"]),
@@ -104,6 +120,5 @@ PROSE: dict[str, tuple[str, str]] = {
     "the model's embedding only": ("model_checks.py", "a model or tokenizer of the user's choice"),
     "transition table over": ("model_checks.py", "how many symbols, or which order, is the user's choice"),
     "is set as well as data.val_paths": ("model_checks.py", "which split to keep is the user's choice"),
-    "the model normalises each query/key head": ("model_checks.py", "shard only the MLP: a glob of the user's choice"),
     "its tensors are too large": ("model_checks.py", "model sizes of the user's choice"),
 }

@@ -109,6 +109,22 @@ def cells_check(presets: list[str]):
     return check
 
 
+def head_grads_check(*, rank: int, world_size: int) -> dict:
+    """Qwen3's per-head q/k norm weights on tp 2: after one backward (and the engine's per-step
+    sums), their gradients are one device's, not each rank's heads' share."""
+    cfg = validate_config(compose_dict(overrides_of("qwen3", "tp")))
+    one_cfg = validate_config(compose_dict(overrides_of("qwen3", None)))
+    pm, one = build_parallel_model(cfg, torch.device("cpu")), build_parallel_model(one_cfg, torch.device("cpu"))
+    inputs, targets = batches(decoder_config(cfg.model))[0]
+    for model in (pm, one):
+        model.forward_backward(inputs, targets, loss_fn_for(cfg.model))
+        model.clip_grad_norm_(None)
+    want = {name: p.grad for name, p in one.named_parameters() if "_norm." in name and "self_attn" in name}
+    got = {name: p.grad for name, p in pm.named_parameters() if name in want}
+    return {"names": sorted(got), "max_abs_diff": max(float((got[n] - want[n]).abs().max()) for n in want),
+            "max_abs_grad": max(float(g.abs().max()) for g in want.values())}
+
+
 def by_world_size() -> dict[int, list[str]]:
     sizes: dict[int, list[str]] = {}
     for preset, size in PRESETS.items():
@@ -117,3 +133,4 @@ def by_world_size() -> dict[int, list[str]]:
 
 
 SUITES = {f"world{size}": [("cells", cells_check(presets))] for size, presets in by_world_size().items()}
+SUITES["world2"].append(("head_grads", head_grads_check))

@@ -21,6 +21,7 @@ from dist_harness import launch
 
 pytestmark = pytest.mark.slow
 
+EXTRA: dict[str, list[dict]] = {}  # the launches' other checks, per rank
 DOC = Path(__file__).resolve().parents[2] / "docs" / "conformance.md"
 LAYOUTS = ["single", *PRESETS]
 DESCRIBE = {
@@ -86,9 +87,10 @@ def matrix(arch_dirs, tmp_path_factory) -> dict[str, dict]:
         size = int(suite.removeprefix("world"))
         per_rank = launch(suite, world_size=size, out_dir=tmp_path_factory.mktemp(suite), checks="conformance_checks",
                           timeout_s=600)
-        errors = [r["cells"]["error"] for r in per_rank if not r["cells"]["ok"]]
+        errors = [r[check]["error"] for r in per_rank for check in r if not r[check]["ok"]]
         assert not errors, errors[0]
         cells.update({k: v for k, v in per_rank[0]["cells"].items() if k != "ok"})
+        EXTRA.update({check: [r[check] for r in per_rank] for check in per_rank[0] if check != "cells"})
     return cells
 
 
@@ -145,3 +147,11 @@ def test_the_docs_table_is_the_matrix(matrix):
         DOC.write_text(text)
     assert DOC.read_text() == text, ("docs/conformance.md is out of date: MESHFLOW_WRITE_CONFORMANCE=1 pytest "
                                      "tests/dist/test_conformance.py -m slow")
+
+
+def test_per_head_norm_gradients_are_summed_over_tp(matrix):
+    """The matrix's losses barely move with a q/k norm weight's gradient (3 AdamW steps), so the
+    gradients themselves are compared: each tp rank's share alone would be about half of one device's."""
+    for r in EXTRA["head_grads"]:
+        assert len(r["names"]) == 8, r["names"]  # q_norm and k_norm of the 4 layers
+        assert r["max_abs_diff"] <= 1e-6 * max(1.0, r["max_abs_grad"]), r

@@ -99,6 +99,15 @@ def _llama3_scaling(rope: dict, hf: dict) -> dict:
             or hf.get("max_position_embeddings", 2048)}
 
 
+def sliding_window(path: str) -> int | None:
+    """The window of a Mistral checkpoint's sliding-window attention (``sliding_window`` in
+    config.json; null on Mistral 0.2 and later), or None. Qwen's ``use_sliding_window`` is refused
+    by :func:`read_hf_config`."""
+    hf = json.loads((Path(path) / "config.json").read_text())
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    return int(window) if isinstance(window, int) and window > 0 else None
+
+
 def weight_files(path: str) -> list[Path]:
     """The directory's ``*.safetensors`` files (one file or a sharded set), sorted."""
     return sorted(Path(path).glob("*.safetensors"))

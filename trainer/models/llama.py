@@ -132,6 +132,9 @@ class Attention(nn.Module):
         # Qwen3: each head's query and key are RMS-normalised (one weight of head_dim, shared by the heads).
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # Applied to each head: with the heads split over tp, each rank's gradient is its heads' share
+        # (parallel.sharding.head_params sums them).
+        self.head_parameters = ("q_norm.weight", "k_norm.weight") if cfg.qk_norm else ()
         # Non-persistent: derived from the config, so kept out of checkpoints; allocated on the
         # ambient device (meta included) and filled by reset_rope().
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, self.head_dim // 2), persistent=False)

@@ -130,12 +130,17 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         file_issues, data_vocab = _check_files(d)
         issues += file_issues
     if isinstance(cfg.model, HFModelConfig):
-        from trainer.models.hf import HFModelError, read_hf_config  # optional: transformers, the hf extra
+        from trainer.models.hf import HFModelError, read_hf_config, sliding_window  # optional: transformers, the hf extra
 
         try:
             m, _ = read_hf_config(cfg.model.path)
         except HFModelError as err:
             return issues + [ConfigIssue("model.path", err.reason, err.fix)]
+        if (window := sliding_window(cfg.model.path)) is not None and t.seq_len > window:
+            # Full attention equals the model's sliding-window attention only while a sequence fits the window.
+            issues.append(ConfigIssue("train.seq_len", f"the model attends over a sliding window of {window} tokens "
+                                      "(config.json sliding_window); attention here is full, which differs past it",
+                                      f"train.seq_len={window}"))
         # The decoder's own checks below speak of config.json's values, reported at model.path.
         return issues + [ConfigIssue("model.path", f"(config.json) {i.path}: {i.reason}", i.fix) if i.path.startswith("model.")
                          else i for i in _check_decoder(m, d, t, data_vocab)]
@@ -224,11 +229,6 @@ def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh:
         n = mesh.size(axis)
         if not p.is_shard or n == 1:
             continue
-        if m.qk_norm:
-            # Each rank would hold its heads' share of the q/k norm gradients, never summed over the axis.
-            return [ConfigIssue(f"{where}.{axis}", "the model normalises each query/key head (Qwen3 q_norm/k_norm), "
-                                "which tensor-parallel attention does not support yet",
-                                f"use fsdp, dp or pp for this model, or keep the MLP split: {lead}the attention on Replicate")]
         for what, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.num_kv_heads)):
             if heads % n:
                 return [ConfigIssue(f"{where}.{axis}",
