@@ -6,7 +6,7 @@ names each hold their own copy of the one parameter. Megatron-LM's way keeps the
 copies start from the same values, their gradients are summed between the holders before every
 optimizer step (the model's gradient is the sum of both uses), and the optimizer then makes the
 same update on both. Only the first name's copy counts in the gradient norm, and a checkpoint
-holds the first name only (:func:`checkpoint_names`).
+holds the first name only (:mod:`trainer.checkpoint.tied_keys`).
 
     ties = StageTies.build(groups, parts, holders)   # groups from tied_groups(whole model)
     ties.copy_values()                                # once the values are in (init or a load)
@@ -75,7 +75,7 @@ class StageTies:
                 continue  # one parameter on this rank: retie already made the names one
             source = next((ranks[0] for ranks in zip(*per_name) if me in ranks), None)
             ties.append(_Tie(list(names), copies, group, source))
-        return cls([t for t in ties if t.copies], pairing)
+        return cls(ties, pairing)
 
     @property
     def alias_copies(self) -> set[int]:
@@ -169,9 +169,3 @@ def _block(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return full
     replicated = DTensor.from_local(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
     return replicated.redistribute(like.device_mesh, like.placements).to_local()
-
-
-def checkpoint_names(groups: Sequence[Sequence[str]]) -> dict[str, str]:
-    """``{alias: first name}`` of every tie: a checkpoint stores a tied parameter under its first
-    name only, and every copy loads from it."""
-    return {alias: names[0] for names in groups for alias in names[1:]}

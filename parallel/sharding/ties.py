@@ -34,6 +34,11 @@ def alias_names(module: nn.Module) -> set[str]:
     return {alias for _, *aliases in tied_groups(module) for alias in aliases}
 
 
+def first_names(groups: list[list[str]]) -> dict[str, str]:
+    """``{alias: first name}`` of tied groups (first name first, as :func:`tied_groups` gives them)."""
+    return {alias: names[0] for names in groups for alias in names[1:]}
+
+
 def _layout(param: nn.Parameter) -> tuple:
     """Shape, mesh and placements (a DTensor's; none for a plain tensor)."""
     return tuple(param.shape), getattr(param, "device_mesh", None), tuple(getattr(param, "placements", ()))

@@ -37,9 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
-from trainer.checkpoint.tied_keys import alias_map, load_view, restore_aliases, without_aliases
+from parallel.sharding.ties import first_names
+from trainer.checkpoint.tied_keys import load_view, restore_aliases, without_aliases
 
 COMPLETE_MARKER = "COMPLETE"
 # Flattened optimizer state keys every entry by parameter FQN (``param_groups.<fqn>.lr``). The
@@ -225,7 +230,7 @@ def save_checkpoint(
     _barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    aliases = alias_map(tied or [])
+    aliases = first_names(tied or [])
     state: dict[str, Any] = {"model": without_aliases(model_state, aliases), "optim": without_aliases(optim_state, aliases)}
     if _rank() == 0:
         # DCP dedups a key present on several ranks by balancing work, so it may store any
@@ -273,7 +278,7 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     if reason is not None:
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    aliases = alias_map(tied or [])
+    aliases = first_names(tied or [])
     (model_view, model_links), (optim_view, optim_links) = load_view(model_state, aliases), load_view(optim_state, aliases)
     # None is a placeholder DCP replaces with the stored bytes item.
     state: dict[str, Any] = {"model": model_view, "optim": optim_view, "extra": None}

@@ -13,15 +13,9 @@ copy reads the first name's:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 _PREFIXES = ("", "state.", "param_groups.")  # a model key, and a flattened optimizer's
-
-
-def alias_map(groups: Sequence[Sequence[str]]) -> dict[str, str]:
-    """``{alias: first name}`` of the model's tied groups (first name first)."""
-    return {alias: names[0] for names in groups for alias in names[1:]}
 
 
 def first_key(key: str, aliases: dict[str, str]) -> str | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import TypeAdapter
 
-from parallel.sharding.ties import alias_names, tied_groups
+from parallel.sharding.ties import alias_names, first_names, tied_groups
 from trainer.checkpoint.dcp import CheckpointError, read_extra
 from trainer.config.schema import ModelConfig
 from trainer.export.hf import export_hf
@@ -109,7 +109,7 @@ def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Pat
     if isinstance(parts, torch.nn.Module):
         check_weights_fit(parts, path)
         parts = [parts]
-    first = {alias: names[0] for names in tied or [] for alias in names[1:]}
+    first = first_names(tied or [])
     with safe_open(str(path), framework="pt") as f, torch.no_grad():
         in_file = set(f.keys())
         for part in parts:

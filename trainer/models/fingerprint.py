@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.model import ParallelModel, shard_count
+from parallel.sharding.ties import first_names
 from trainer.models.init import canonical_fqn, local_box
 
 Fingerprint = tuple[float, float, float, float]  # (elements, sum, sum of squares, position-weighted sum)
@@ -104,7 +105,7 @@ def source_fingerprints(files: list[Path | str]) -> dict[str, Fingerprint]:
 
 def mismatches(got: dict[str, Fingerprint], want: dict[str, Fingerprint], tied: list[list[str]]) -> list[str]:
     """The names whose fingerprints differ (a tie's other names compared with the first's source)."""
-    first = {alias: names[0] for names in tied for alias in names[1:]}
+    first = first_names(tied)
     out = []
     for name, values in sorted(got.items()):
         expected = want.get(name, want.get(first.get(name, ""), None))
@@ -125,7 +126,7 @@ def check_fingerprints(pm: ParallelModel, want: dict[str, Fingerprint], *, what:
     got = model_fingerprints(pm)
     bad = mismatches(got, want, pm.tied_names)
     if bad:
-        first = {alias: names[0] for names in pm.tied_names for alias in names[1:]}
+        first = first_names(pm.tied_names)
         details = [f"{n}: sum of squares {got[n][2]:.9g}, source {want.get(n, want.get(first.get(n, ''), (0.0,) * 4))[2]:.9g}"
                    for n in bad]
         raise LoadMismatch(bad, what, details)
