@@ -53,7 +53,8 @@ async def request_validation_handler(_: Request, err: RequestValidationError) ->
 
 
 async def quota_handler(_: Request, err: QuotaExceeded) -> JSONResponse:
-    return JSONResponse({"detail": [issue.as_dict() for issue in err.issues]}, status_code=429)
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    return JSONResponse({"detail": [issue.as_dict() for issue in err.issues]}, status_code=429, headers=headers)
 
 
 async def not_found_handler(_: Request, err: JobNotFound) -> JSONResponse:

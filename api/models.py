@@ -229,6 +229,11 @@ class PlanPublic(BaseModel):
     memory_note: str | None = Field(None, description="Why activations were not predicted (then each rank's peak "
                                     "is weights + grads + AdamW only, a lower bound); null when they were.")
     pictures: PlanPictures | None = Field(None, description="The plan drawn (null with tracking.pictures=false).")
+    pictures_note: str | None = Field(None, description="Why the pictures were left out although tracking.pictures "
+                                      "is on (the reply would pass the service's max_plan_reply_bytes); null otherwise.")
     auto_plan: list[AutoPlanRowPublic] | None = Field(
-        None, description="With parallel.auto: every layout the planner considered, the chosen one first; null otherwise.")
+        None, description="With parallel.auto: one page (auto_plan_offset, auto_plan_limit) of the layouts the planner "
+        "considered, in ranking order, the chosen one first; null otherwise.")
+    auto_plan_total: int | None = Field(None, description="With parallel.auto: how many layouts the planner "
+                                        "considered (every page together); null otherwise.")
     config: dict[str, Any] = Field(description="The resolved, validated config.")

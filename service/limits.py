@@ -3,7 +3,10 @@
 Every refusal is a :class:`~parallel.errors.ConfigIssue` naming the field, the limit (and the
 setting that holds it) and the fix. Config ceilings are 422s (:class:`ConfigError`); quotas,
 which a user may meet again later with the same request, are 429s (:class:`QuotaExceeded`).
+The size of a request (world size, mesh, batch) is checked on the composed document, before
+anything is planned: a plan's or a validation's cost grows with them.
 
+    issues = check_size_ceilings(raw, settings)                     # before planning; also via limit_request
     issues = check_ceilings(cfg, settings, priority=5, is_admin=False)
     check_queue_quota(session, owner="alice", settings=settings)    # raises QuotaExceeded
     with plane.log_streams.slot("alice"):                           # raises QuotaExceeded
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,20 +25,22 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from parallel.errors import ConfigIssue
+from parallel.errors import ConfigError, ConfigIssue
 from service.settings import Settings
 from service.store import Job, JobState
 from trainer.config.schema import RunConfig
 
 GIB = 2**30
+MAX_MESH_AXES = 8  # dp, pp, tp, ep, cp and hsdp's two data-parallel axes fit
 
 
 class QuotaExceeded(Exception):
     """A per-user quota is full; the same request may succeed later (HTTP 429)."""
 
-    def __init__(self, issue: ConfigIssue) -> None:
+    def __init__(self, issue: ConfigIssue, *, retry_after_s: int | None = None) -> None:
         super().__init__(f"{issue.path}: {issue.reason} ({issue.fix})")
         self.issues = [issue]
+        self.retry_after_s = retry_after_s  # the Retry-After header, when a retry soon may succeed
 
 
 def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIssue]:
@@ -52,6 +58,64 @@ def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIss
     if sent is None:
         launch["memory_budget_gb"] = round(limit / GIB, 3)
     return []
+
+
+def _mesh_extent(mesh: Any) -> tuple[int, int] | None:
+    """``(world size, number of axes)`` of a document's mesh: a shape (``[2, 4]``) or explicit rank
+    ids (``[[0, 1], [2, 3]]``); None when it is neither (the schema then says what is wrong)."""
+    if isinstance(mesh, list) and mesh and all(isinstance(n, int) and not isinstance(n, bool) for n in mesh):
+        return math.prod(max(n, 1) for n in mesh), len(mesh)
+    if isinstance(mesh, list) and mesh and all(isinstance(n, list) for n in mesh):
+        inner = [_mesh_extent(ids) if ids and isinstance(ids[0], list) else (len(ids), 1) for ids in mesh]
+        if all(extent is not None for extent in inner):
+            return sum(size for size, _ in inner), 1 + max(axes for _, axes in inner)
+    return None
+
+
+def _int_at(raw: dict[str, Any], *keys: str) -> int | None:
+    value: Any = raw
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_size_ceilings(raw: dict[str, Any], settings: Settings) -> list[ConfigIssue]:
+    """World size, mesh axes, global batch and micro-batches of a composed config document against
+    the service's ceilings: what a plan or a validation costs grows with them, so they are checked
+    before any of it is computed."""
+    issues = []
+    extent = _mesh_extent(raw.get("mesh"))
+    if extent is not None:
+        world, axes = extent
+        limit, setting = settings.max_world_size, "max_world_size"
+        if 0 < settings.capacity < limit:
+            limit, setting = settings.capacity, "capacity"
+        if world > limit:
+            issues.append(ConfigIssue("mesh", f"needs {world} worker slots; this service's limit is {limit} ({setting})",
+                                      f"use a mesh of at most {limit} devices, e.g. mesh=[{limit}]"))
+        if axes > MAX_MESH_AXES:
+            issues.append(ConfigIssue("mesh", f"has {axes} axes; a mesh has at most {MAX_MESH_AXES}",
+                                      "name one axis per parallelism, e.g. mesh=[2,2,2] with parallel.dims=[dp,pp,tp]"))
+    batch = _int_at(raw, "train", "global_batch_size")
+    if batch is not None and batch > settings.max_global_batch_size:
+        limit = settings.max_global_batch_size
+        issues.append(ConfigIssue("train.global_batch_size", f"{batch} sequences is above this service's limit of "
+                                  f"{limit} (max_global_batch_size)", f"use train.global_batch_size={limit} or less"))
+    microbatches = _int_at(raw, "parallel", "pipeline", "microbatches")
+    if microbatches is not None and microbatches > settings.max_microbatches:
+        limit = settings.max_microbatches
+        issues.append(ConfigIssue("parallel.pipeline.microbatches", f"{microbatches} is above this service's limit "
+                                  f"of {limit} (max_microbatches)", f"use parallel.pipeline.microbatches={limit} or less"))
+    return issues
+
+
+def limit_request(raw: dict[str, Any], settings: Settings) -> list[ConfigIssue]:
+    """The service's limits on a confined document, before any planning (``limit_raw`` of
+    :func:`service.submit.resolve_config`): an oversized request is refused at once, nothing of it
+    computed; otherwise the memory budget is capped (:func:`cap_memory_budget`)."""
+    if issues := check_size_ceilings(raw, settings):
+        raise ConfigError(issues)
+    return cap_memory_budget(raw, settings)
 
 
 def check_ceilings(cfg: RunConfig, settings: Settings, *, priority: int, is_admin: bool) -> list[ConfigIssue]:
@@ -81,11 +145,14 @@ def check_queue_quota(session: Session, *, owner: str, settings: Settings) -> No
                                         "wait for some to start, or cancel one, then submit again"))
 
 
-class StreamSlots:
-    """Live log streams per user, at most ``limit`` each (a thread-safe counter)."""
+class UserSlots:
+    """At most ``limit`` of something per user at once (a thread-safe counter); a user past it gets
+    :class:`QuotaExceeded` naming ``path``, the number open, ``setting`` and ``fix``."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, path: str, what: str, setting: str, fix: str,
+                 retry_after_s: int | None = None) -> None:
         self.limit = limit
+        self.path, self.what, self.setting, self.fix, self.retry_after_s = path, what, setting, fix, retry_after_s
         self._open: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -94,9 +161,9 @@ class StreamSlots:
         function gives it back, once however often it is called."""
         with self._lock:
             if self._open[user] >= self.limit:
-                raise QuotaExceeded(ConfigIssue("follow", f"user {user!r} has {self._open[user]} live log streams open; "
-                                                f"the limit is {self.limit} (max_log_streams_per_user)",
-                                                "close a stream, or read the log without follow (tail=N)"))
+                raise QuotaExceeded(ConfigIssue(self.path, f"user {user!r} has {self._open[user]} {self.what}; "
+                                                f"the limit is {self.limit} ({self.setting})", self.fix),
+                                    retry_after_s=self.retry_after_s)
             self._open[user] += 1
         released = threading.Event()
 
@@ -117,3 +184,15 @@ class StreamSlots:
             yield
         finally:
             release()
+
+
+def stream_slots(limit: int) -> UserSlots:
+    """Live ``logs?follow=true`` streams per user."""
+    return UserSlots(limit, path="follow", what="live log streams open", setting="max_log_streams_per_user",
+                     fix="close a stream, or read the log without follow (tail=N)")
+
+
+def plan_slots(limit: int) -> UserSlots:
+    """Plans computing at once per user (each holds a validation worker for up to ``plan_timeout_s``)."""
+    return UserSlots(limit, path="<plans>", what="plans computing", setting="max_plans_per_user",
+                     fix="wait for a plan to finish, then ask again", retry_after_s=2)

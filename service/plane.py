@@ -24,11 +24,12 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from parallel.errors import ConfigError, ConfigIssue
+from parallel.errors import ConfigError
 from parallel.plan.spec import ParallelPlan
 from service import runner
-from service.limits import StreamSlots, check_ceilings, check_queue_quota
+from service.limits import check_ceilings, check_queue_quota, plan_slots, stream_slots
 from service.mlflow_runs import MlflowRuns
+from service.plans import AutoPlanPage, PlanAnswer, plan_in_pool, warm_plan_worker
 from service.scheduler import Scheduler
 from service.settings import Settings
 from service.store import (
@@ -45,8 +46,6 @@ from service.store import (
 )
 from service.validation import Validator, resolve_as_service
 from trainer.config.schema import RunConfig
-from trainer.planner.auto.plan import ranking_for
-from trainer.planner.report import plan_pictures, plan_report  # the trainer's public planning functions
 
 
 class JobNotFound(LookupError):
@@ -82,13 +81,14 @@ class ControlPlane:
         self.engine = make_engine(settings.database_url, pool_size=settings.db_pool_size,
                                   max_overflow=settings.db_max_overflow, pool_timeout=settings.db_pool_timeout_s)
         _make_private_store(settings.database_url)
-        self.log_streams = StreamSlots(settings.max_log_streams_per_user)
+        self.log_streams = stream_slots(settings.max_log_streams_per_user)
+        self.plan_slots = plan_slots(settings.max_plans_per_user)
         self.sessions = make_sessionmaker(self.engine)
         # WAL on a SQLite MLflow store when every process that writes it (the jobs) is on this host.
         self.mlflow = MlflowRuns(settings.mlflow_tracking_uri, settings.mlflow_ui_url,
                                  sqlite_wal=settings.executor == "local")
         self.scheduler = Scheduler(settings, self.sessions, self.mlflow)
-        self.validator = Validator(settings)
+        self.validator = Validator(settings, warm_up=warm_plan_worker)
         self.submissions_total = 0
         self._counter_lock = threading.Lock()
         self.warm = threading.Event()  # set once the first validations (here and in the pool) have run
@@ -122,16 +122,12 @@ class ControlPlane:
         return resolve_as_service(self.settings, overrides=overrides, document=document,
                                   workdir=workdir or self.settings.jobs_dir / "plan")
 
-    def plan(self, *, overrides: list[str] | None, document: dict[str, Any] | None) -> tuple[RunConfig, dict]:
-        """The validated config and :func:`trainer.planner.report.plan_report` of it; nothing is launched."""
-        from dataclasses import asdict
-
-        cfg, plan = self.resolve(overrides=overrides, document=document)
-        numbers = plan_report(cfg, plan)
-        numbers["pictures"] = plan_pictures(cfg, plan) if cfg.tracking.pictures else None
-        ranking = ranking_for(cfg)  # +parallel=auto: the table the dry run prints
-        numbers["auto_plan"] = [asdict(c) for c in ranking.candidates] if ranking is not None else None
-        return cfg, numbers
+    def plan(self, *, owner: str, overrides: list[str] | None, document: dict[str, Any] | None,
+             page: AutoPlanPage = AutoPlanPage()) -> PlanAnswer:
+        """The validated config and its plan (:mod:`service.plans`), computed in the validation pool
+        within the service's limits; at most ``max_plans_per_user`` at once per owner (429 past it)."""
+        with self.plan_slots.slot(owner):
+            return plan_in_pool(self.validator, overrides=overrides, document=document, page=page)
 
     def submit_job(self, session: Session, *, owner: str, name: str, overrides: list[str] | None = None,
                    document: dict[str, Any] | None = None, priority: int = 0,
@@ -149,11 +145,8 @@ class ControlPlane:
         job_id = str(uuid.uuid4())
         workdir = self.settings.jobs_dir / job_id
         cfg = self.validator.resolve_job(overrides=overrides, document=document, workdir=workdir)
+        # (the world size against capacity was checked before validating: service.limits.check_size_ceilings)
         issues = check_ceilings(cfg, self.settings, priority=priority, is_admin=self.settings.is_admin(owner))
-        if 0 < self.settings.capacity < cfg.world_size:  # it would wait forever
-            issues.append(ConfigIssue("mesh", f"needs {cfg.world_size} worker slots; this service has "
-                                              f"{self.settings.capacity}",
-                                      f"use a mesh of at most {self.settings.capacity} devices"))
         if issues:
             raise ConfigError(issues)
         config = cfg.model_dump(mode="json")

@@ -84,6 +84,22 @@ class Settings(BaseSettings):
         default_factory=lambda: min(2, os.cpu_count() or 1), ge=0, le=64,
         description="Worker processes validating submissions in parallel (Hydra composition + model checks); "
         "0 validates in the request's thread, one composition at a time.")
+    # Plans (POST /v1/plans) and submissions are bounded before and while they are computed (service/plans.py).
+    max_world_size: int = Field(4096, ge=1, description="Ceiling on prod(mesh) of a plan or a job, checked before "
+                                "any planning (a job also needs at most `capacity` slots when that is not 0).")
+    max_global_batch_size: int = Field(65536, ge=1, description="Ceiling on train.global_batch_size of a plan or a "
+                                       "job, checked before any planning.")
+    max_microbatches: int = Field(1024, ge=1, description="Ceiling on parallel.pipeline.microbatches of a plan or a "
+                                  "job, checked before any planning (a plan's timeline has one event per "
+                                  "micro-batch, stage and pass).")
+    plan_timeout_s: float = Field(120.0, gt=0, description="Seconds one plan or validation may compute in a pool "
+                                  "worker; past it the worker is replaced and the request gets 422.")
+    plan_memory_gb: float = Field(4.0, gt=0, description="Address space (GiB) one plan or validation may add in its "
+                                  "pool worker (RLIMIT_AS); past it the request gets 422.")
+    max_plan_reply_bytes: int = Field(4_000_000, ge=10_000, description="Largest plan reply (JSON): past it the "
+                                      "pictures are left out (`pictures_note` says so), and a plan still larger is refused.")
+    max_plans_per_user: int = Field(2, ge=1, description="Plans one user may have computing at once; more get 429 "
+                                    "with Retry-After.")
     validation_cache_size: int = Field(256, ge=0, description="Validated submissions remembered, so an identical "
                                        "one is answered without composing again (only configs whose checks read no file).")
     # The control plane shares the host with its local jobs: while a job's processes import torch and

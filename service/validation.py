@@ -21,6 +21,10 @@ Why this shape (measured on the 2-core development machine, see README's control
   whose checks read no file are cached (built-in models, generated data, no init_from): for
   those the answer depends on the request and the (fresh, empty) workdir alone. Anything that
   reads ``datasets/``, ``models/`` or a registered builder is validated afresh every time.
+- Every request computed in a worker has a time limit (``plan_timeout_s``: the worker is then
+  replaced, by pebble's pool, and the request refused) and a memory limit (``plan_memory_gb`` of
+  address space on top of what the worker holds, by ``RLIMIT_AS``); the plans of
+  :mod:`service.plans` run here too, so nothing a request sends is computed in the server.
 """
 
 from __future__ import annotations
@@ -28,19 +32,25 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import resource
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import psutil
+from pebble import ProcessExpired, ProcessPool
+
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.spec import ParallelPlan
-from service.limits import cap_memory_budget
+from service.limits import limit_request
 from service.settings import Settings
 from service.submit import resolve_config
 from trainer.config.compose import CONF_DIR
@@ -50,15 +60,17 @@ from trainer.data.text import STDLIB
 WORKDIR_MARK = "\x00workdir\x00"  # stands for the job's workdir in cached results; no path contains NUL
 CACHEABLE_MODELS = ("llama", "mlp")          # built in: the checks read no file
 CACHEABLE_DATA = ("synthetic", "regression")  # generated; and text from `stdlib`: nothing under datasets/ is listed
+GIB = 2**30
 
 
 def resolve_as_service(settings: Settings, *, overrides: list[str] | None, document: dict[str, Any] | None,
                        workdir: Path) -> tuple[RunConfig, ParallelPlan]:
-    """:func:`resolve_config` with this service's workspace, tracking store, memory limit and
-    executor (a cluster executor takes several nodes): what a job and a plan request both get."""
+    """:func:`resolve_config` with this service's workspace, tracking store, limits (the size
+    ceilings before any planning, the memory budget) and executor (a cluster executor takes several
+    nodes): what a job and a plan request both get."""
     return resolve_config(overrides=overrides, document=document, workspace=settings.workspace, workdir=workdir,
                           tracking_uri=settings.mlflow_tracking_uri, run_id=None,
-                          limit_raw=partial(cap_memory_budget, settings=settings),
+                          limit_raw=partial(limit_request, settings=settings),
                           multi_node=settings.executor != "local")
 
 
@@ -71,6 +83,44 @@ def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, wo
     except ConfigError as err:
         return "invalid", [(i.path, i.reason, i.fix) for i in err.issues]
     return "ok", cfg.model_dump(mode="json")
+
+
+def _limit_refusal(path: str, reason: str) -> tuple[str, str, str]:
+    return (path, reason, "plan a smaller mesh or model, or run `python -m trainer ... dry_run=true` on your own machine")
+
+
+@contextmanager
+def address_space_limit(extra_bytes: float) -> Iterator[None]:
+    """Allocations past ``extra_bytes`` more address space than this process holds now fail
+    (MemoryError) until the block ends; the previous limit comes back after it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = int(psutil.Process().memory_info().vms + extra_bytes)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    # Python and numpy raise MemoryError; torch's CPU allocator a RuntimeError.
+    return isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
+def limited(path: str, compute: Callable[..., tuple[str, Any]], *args: Any, settings: Settings,
+            **kwargs: Any) -> tuple[str, Any]:
+    """``compute(*args, settings=settings, **kwargs)`` within ``plan_memory_gb`` of new address
+    space: its answer, or ``("invalid", [the refusal at path])`` when an allocation failed."""
+    try:
+        with address_space_limit(settings.plan_memory_gb * GIB):
+            return compute(*args, settings=settings, **kwargs)
+    except Exception as err:  # noqa: BLE001 - only running out of memory becomes a refusal
+        if not _out_of_memory(err):
+            raise
+    return "invalid", [_limit_refusal(path, f"computing it needs more than this service's limit of "
+                                            f"{settings.plan_memory_gb:g} GiB of memory (plan_memory_gb)")]
 
 
 def _follow_parent(parent: int) -> None:
@@ -124,11 +174,13 @@ def conf_fingerprint() -> tuple[int, int]:
 class Validator:
     """Validates submissions for the plane; thread-safe. See the module docstring for the why."""
 
-    def __init__(self, settings: Settings, *, workers: int | None = None, cache_size: int | None = None) -> None:
+    def __init__(self, settings: Settings, *, workers: int | None = None, cache_size: int | None = None,
+                 warm_up: Callable[[Settings], int] = _warm_worker) -> None:
         self.settings = settings
+        self.warm_up = warm_up  # run once in every new worker before requests; answers its pid
         self.workers = settings.validation_workers if workers is None else workers
         self.cache_size = settings.validation_cache_size if cache_size is None else cache_size
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: ProcessPool | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, tuple[str, Any]] = OrderedDict()
         self._inflight: dict[str, Future] = {}
@@ -140,9 +192,9 @@ class Validator:
         if self.workers > 0:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                                     initializer=_follow_parent, initargs=(os.getpid(),))
-                    self._warming = [self._pool.submit(_warm_worker, self.settings) for _ in range(self.workers)]
+                    self._pool = ProcessPool(self.workers, context=multiprocessing.get_context("spawn"),
+                                             initializer=_follow_parent, initargs=(os.getpid(),))
+                    self._warming = [self._pool.schedule(self.warm_up, (self.settings,)) for _ in range(self.workers)]
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Wait until every worker's warm-up has ended (well or not: a worker that failed it still
@@ -155,11 +207,53 @@ class Validator:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.stop()
+            pool.join()
 
     def worker_pids(self) -> list[int]:
         pool = self._pool
-        return sorted(pool._processes) if pool is not None else []  # noqa: SLF001 - for tests and /metrics only
+        # pebble keeps its workers by pid; for tests and /metrics only
+        return sorted(pool._pool_manager.worker_manager.workers) if pool is not None else []  # noqa: SLF001
+
+    def run(self, path: str, compute: Callable[..., tuple[str, Any]], *args: Any, **kwargs: Any) -> tuple[str, Any]:
+        """``compute(*args, settings=..., **kwargs)`` (a module-level function answering plain values)
+        in a pool worker within the time and memory limits, or ``("invalid", [a refusal at path])``
+        past them; in the caller, without limits, when the validator has no workers."""
+        timeout = self.settings.plan_timeout_s
+        for attempt in (1, 2):
+            pool = self._pool
+            if pool is None:
+                return compute(*args, settings=self.settings, **kwargs)
+            try:
+                try:
+                    future = pool.schedule(limited, (path, compute, *args), {"settings": self.settings, **kwargs},
+                                           timeout=timeout)
+                except RuntimeError as err:  # pebble's word for a pool that is not running
+                    raise BrokenProcessPool(str(err)) from None
+                return future.result()
+            except TimeoutError:  # pebble has ended the worker and started another
+                reason = f"computing it took longer than this service's limit of {timeout:g} s (plan_timeout_s)"
+            except ProcessExpired as err:  # killed from outside (the kernel's OOM killer, an operator)
+                reason = f"the worker computing it ended ({err}); it may have needed more memory than this host has"
+            except BrokenProcessPool:
+                # pebble gives up on the whole pool when a worker dies while none computes anything
+                # (killed while idle): not this request's doing, so it goes to a fresh pool.
+                self._replace_pool(pool)
+                if attempt == 1:
+                    continue
+                raise
+            # The new worker warms up before it takes requests (most likely: the other workers are warm and busy).
+            pool.schedule(self.warm_up, (self.settings,))
+            return "invalid", [_limit_refusal(path, reason)]
+        raise AssertionError("unreachable")
+
+    def _replace_pool(self, pool: ProcessPool) -> None:
+        with self._lock:
+            if self._pool is not pool:
+                return  # another request replaced it already
+            self._pool = None
+        pool.stop()
+        self.start()
 
     def resolve_job(self, *, overrides: list[str] | None, document: dict[str, Any] | None, workdir: Path) -> RunConfig:
         """The validated, confined config of a new job whose (fresh) workdir is ``workdir``, or
@@ -201,19 +295,7 @@ class Validator:
         return self._answer(answer, real_workdir, real_workdir)
 
     def _compute(self, overrides: list[str] | None, document: dict[str, Any] | None, workdir: Path) -> tuple[str, Any]:
-        args = dict(workdir=workdir, settings=self.settings)
-        pool = self._pool
-        if pool is None:
-            return _resolve(overrides, document, **args)
-        try:
-            return pool.submit(_resolve, overrides, document, **args).result()
-        except BrokenProcessPool:  # a worker died (killed, out of memory): a fresh pool for the next ones
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = None
-            pool.shutdown(wait=False, cancel_futures=True)
-            self.start()
-            return _resolve(overrides, document, **args)
+        return self.run("<config>", _resolve, overrides, document, workdir=workdir)
 
     @staticmethod
     def _answer(answer: tuple[str, Any], old_workdir: str, workdir: str) -> RunConfig:
