@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from parallel.config import mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
 from service.settings import Settings
 from service.store import Job, JobState
@@ -63,13 +64,13 @@ def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIss
 def _mesh_extent(mesh: Any) -> tuple[int, int] | None:
     """``(world size, number of axes)`` of a document's mesh: a shape (``[2, 4]``) or explicit rank
     ids (``[[0, 1], [2, 3]]``); None when it is neither (the schema then says what is wrong)."""
-    if isinstance(mesh, list) and mesh and all(isinstance(n, int) and not isinstance(n, bool) for n in mesh):
-        return math.prod(max(n, 1) for n in mesh), len(mesh)
-    if isinstance(mesh, list) and mesh and all(isinstance(n, list) for n in mesh):
-        inner = [_mesh_extent(ids) if ids and isinstance(ids[0], list) else (len(ids), 1) for ids in mesh]
-        if all(extent is not None for extent in inner):
-            return sum(size for size, _ in inner), 1 + max(axes for _, axes in inner)
-    return None
+    try:
+        shape = mesh_shape_of(mesh)
+    except TypeError:
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+        return None
+    return math.prod(max(n, 1) for n in shape), len(shape)
 
 
 def _int_at(raw: dict[str, Any], *keys: str) -> int | None:

@@ -59,11 +59,14 @@ def read_job_logs(job_id: str, request: Request, plane: PlaneDep, user: CurrentU
 
 
 def _tail_offset(path: Path, lines: int) -> int:
-    """The byte offset where the last ``lines`` lines of ``path`` begin (a final newline ends a line)."""
+    """The byte offset where the last ``lines`` lines of ``path`` begin (a final newline ends a line).
+
+    Blocks are read from the end and their newlines counted by ``bytes.count`` / ``bytes.rsplit``
+    (C loops), so the cost is the tail's blocks, whatever the file's size before them."""
     try:
         with open(path, "rb") as f:
             end = f.seek(0, os.SEEK_END)
-            position, newlines = end, 0
+            position, wanted = end, lines
             while position > 0 and end - position < TAIL_SCAN_LIMIT:
                 size = min(CHUNK, position)
                 position -= size
@@ -71,11 +74,10 @@ def _tail_offset(path: Path, lines: int) -> int:
                 block = f.read(size)
                 if position + size == end and block.endswith(b"\n"):
                     block = block[:-1]  # the file's last newline ends the last line; it starts none
-                for index in range(len(block) - 1, -1, -1):
-                    if block[index] == 10:
-                        newlines += 1
-                        if newlines == lines:
-                            return position + index + 1
+                found = block.count(b"\n")
+                if found >= wanted:  # the line starts in this block: after its wanted-th newline from the end
+                    return position + len(block.rsplit(b"\n", wanted)[0]) + 1
+                wanted -= found
             return position
     except FileNotFoundError:
         return 0
