@@ -21,7 +21,8 @@ BIG_MODEL = ["model.dim=1024", "model.ffn_hidden_dim=4096", "model.n_layers=16"]
 @pytest.fixture(scope="module")
 def limited(start_server):
     return start_server(capacity=0, max_steps="1000", max_restarts="2", max_rank_memory_gb="1", max_queued_per_user="3",
-                        max_log_streams_per_user="16", max_json_depth="32")
+                        max_log_streams_per_user="16", max_json_depth="32", max_plans_per_user="1",
+                        max_plan_reply_bytes="200000")
 
 
 def problem(response: httpx.Response, status: int = 422) -> dict:
@@ -179,3 +180,71 @@ def test_many_follow_streams_leave_the_service_answering(limited):
         assert status == 200
         assert alice.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
     assert "Traceback" not in limited.log_text()
+
+
+def test_an_oversized_plan_is_refused_before_any_planning(limited):
+    """A million ranks took the server from 0.57 to 6.2 GB and the kernel killed it: now the ceilings
+    refuse it from the composed config, and neither the server nor a validation worker grows."""
+    oversized = {"overrides": ["+parallel=dp", "mesh=[1000000]", "train.global_batch_size=1000000"]}
+    server = psutil.Process(limited.process.pid)
+    workers = {child.pid: child for child in server.children()}
+    before = server.memory_info().rss + sum(w.memory_info().rss for w in workers.values())
+    with limited.client("alice") as alice:
+        for route in ("/v1/plans", "/v1/jobs"):
+            response = alice.post(route, json=oversized)
+            assert response.status_code == 422, response.text
+            mesh, batch = response.json()["detail"]
+            assert mesh == {"path": "mesh", "reason": "needs 1000000 worker slots; this service's limit is 4096 "
+                            "(max_world_size)", "fix": "use a mesh of at most 4096 devices, e.g. mesh=[4096]"}
+            assert batch["path"] == "train.global_batch_size" and "65536 (max_global_batch_size)" in batch["reason"]
+    assert {child.pid for child in server.children()} == set(workers)  # no worker died or was replaced
+    after = server.memory_info().rss + sum(w.memory_info().rss for w in workers.values())
+    assert after - before < 50 << 20, f"grew {(after - before) >> 20} MB"
+
+
+FSDP_256 = ["+parallel=fsdp", "mesh=[256]", "train.global_batch_size=256"]
+
+
+def test_a_plan_reply_is_bounded(limited):
+    with limited.client("alice") as alice:
+        # 256 ranks: the placement picture's slice table alone passes the 200 kB this server allows.
+        big = alice.post("/v1/plans", json={"overrides": FSDP_256})
+        assert big.status_code == 200, big.text
+        assert len(big.content) <= 200_000 and big.json()["world_size"] == 256 and big.json()["pictures"] is None
+        assert "above this service's limit of 200000 (max_plan_reply_bytes)" in big.json()["pictures_note"]
+        small = alice.post("/v1/plans", json={"overrides": TINY}).json()
+        assert small["pictures"]["placement_png"] and small["pictures_note"] is None
+
+
+def test_the_auto_planners_candidates_come_in_pages(limited):
+    with limited.client("alice") as alice:
+        auto = ["+parallel=auto", "mesh=[2]", "tracking.pictures=false", "+parallel.auto.schedules=[1F1B]",
+                "+parallel.auto.microbatches=[2]", "+parallel.auto.activation_checkpointing=[none]"]
+        whole = alice.post("/v1/plans", json={"overrides": auto}).json()
+        total = whole["auto_plan_total"]
+        assert total == len(whole["auto_plan"]) >= 5 and whole["auto_plan"][0]["status"] == "chosen"
+        page = alice.post("/v1/plans", params={"auto_plan_offset": 2, "auto_plan_limit": 2}, json={"overrides": auto})
+        assert page.json()["auto_plan_total"] == total and page.json()["auto_plan"] == whole["auto_plan"][2:4]
+        assert alice.post("/v1/plans", params={"auto_plan_limit": 0}, json={"overrides": auto}).status_code == 422
+
+
+def test_plans_of_one_user_at_once_are_limited(limited):
+    """max_plans_per_user=1: of two plans sent together, one is computed and the other gets 429 with
+    Retry-After (each holds its slot for the seconds a 256-rank plan takes); then alice plans again."""
+    start = threading.Barrier(2)
+
+    def plan(_: int) -> httpx.Response:
+        with limited.client("alice") as alice:
+            start.wait()
+            return alice.post("/v1/plans", json={"overrides": FSDP_256})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        responses = list(pool.map(plan, range(2)))
+    assert sorted(r.status_code for r in responses) == [200, 429], [r.text for r in responses]
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.headers["retry-after"] == "2"
+    found = problem(refused, status=429)
+    assert found["path"] == "<plans>" and "1 (max_plans_per_user)" in found["reason"]
+    with limited.client("alice") as alice:
+        assert alice.post("/v1/plans", json={"overrides": TINY}).status_code == 200
+
