@@ -98,7 +98,7 @@ class Settings(BaseSettings):
                                   "pool worker (RLIMIT_AS); past it the request gets 422.")
     max_plan_reply_bytes: int = Field(4_000_000, ge=10_000, description="Largest plan reply (JSON): past it the "
                                       "pictures are left out (`pictures_note` says so), and a plan still larger is refused.")
-    max_plans_per_user: int = Field(2, ge=1, description="Plans one user may have computing at once; more get 429 "
+    max_plans_per_user: int = Field(4, ge=1, description="Plans one user may have computing at once; more get 429 "
                                     "with Retry-After.")
     validation_cache_size: int = Field(256, ge=0, description="Validated submissions remembered, so an identical "
                                        "one is answered without composing again (only configs whose checks read no file).")
