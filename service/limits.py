@@ -15,9 +15,9 @@ anything is planned: a plan's or a validation's cost grows with them.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any

@@ -29,7 +29,10 @@ from parallel.errors import ConfigError, ConfigIssue
 from service.settings import Settings
 from service.validation import Validator, resolve_as_service
 from trainer.planner.auto.plan import ranking_for
-from trainer.planner.report import plan_pictures, plan_report  # the trainer's public planning functions
+from trainer.planner.report import (  # the trainer's public planning functions
+    plan_pictures,
+    plan_report,
+)
 
 
 @dataclass(frozen=True)

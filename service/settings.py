@@ -82,7 +82,7 @@ class Settings(BaseSettings):
     max_log_streams_per_user: int = Field(4, ge=1, description="Live `logs?follow=true` streams one user may hold; more get 429.")
     validation_workers: int = Field(
         default_factory=lambda: min(2, os.cpu_count() or 1), ge=0, le=64,
-        description="Worker processes validating submissions in parallel (Hydra composition + model checks); "
+        description="Worker processes validating submissions and computing plans in parallel (Hydra composition + model checks); "
         "0 validates in the request's thread, one composition at a time.")
     # Plans (POST /v1/plans) and submissions are bounded before and while they are computed (service/plans.py).
     max_world_size: int = Field(4096, ge=1, description="Ceiling on prod(mesh) of a plan or a job, checked before "

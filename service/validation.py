@@ -116,7 +116,7 @@ def limited(path: str, compute: Callable[..., tuple[str, Any]], *args: Any, sett
     try:
         with address_space_limit(settings.plan_memory_gb * GIB):
             return compute(*args, settings=settings, **kwargs)
-    except Exception as err:  # noqa: BLE001 - only running out of memory becomes a refusal
+    except Exception as err:  # only running out of memory becomes a refusal; anything else is raised
         if not _out_of_memory(err):
             raise
     return "invalid", [_limit_refusal(path, f"computing it needs more than this service's limit of "
@@ -213,7 +213,7 @@ class Validator:
     def worker_pids(self) -> list[int]:
         pool = self._pool
         # pebble keeps its workers by pid; for tests and /metrics only
-        return sorted(pool._pool_manager.worker_manager.workers) if pool is not None else []  # noqa: SLF001
+        return sorted(pool._pool_manager.worker_manager.workers) if pool is not None else []
 
     def run(self, path: str, compute: Callable[..., tuple[str, Any]], *args: Any, **kwargs: Any) -> tuple[str, Any]:
         """``compute(*args, settings=..., **kwargs)`` (a module-level function answering plain values)

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_api import headers, percentile, read_response, start_server  # noqa: E402  (tests/bench is on sys.path now)
+from bench_api import headers, percentile, read_response, start_server  # tests/bench is on sys.path now
 
 LARGEST_PLAN = ["+parallel=fsdp", "mesh=[4096]", "train.global_batch_size=4096"]
 LARGEST_AUTO = ["+parallel=auto", "mesh=[4096]", "train.global_batch_size=4096", "tracking.pictures=false"]
