@@ -15,10 +15,18 @@ every 20 ms, a steady client rather than a flood) in each scenario:
 - ``8 x logs?tail=1000 of 64 MB``: 8 threads of alice read the tail of a 64 MB log without newlines.
 
 Each row: bob's requests, p50 / p99 / max in ms, and what the load did (plans answered, their
-status, seconds and reply size). Measured on the 2-core development machine (README, "Plans"):
+status, seconds and reply size). Measured on the 2-core development machine, shared with other
+engineers' runs (load average 2.4 at the start), 20 s per scenario (README, "Plans"):
 
     scenario                            n   p50 ms   p99 ms   max ms  load
-    quiet                             ...
+    quiet                             994      3.1      6.5      8.3
+    plan fsdp mesh=[4096]             908      3.2     13.7    378.0  7 answered, status [200], 3.3 s and 1.32 MB each
+    plan auto mesh=[4096]             991      4.5     12.0     14.0  3 answered, status [200], 7.1 s and 0.06 MB each
+    8 x logs?tail=1000 of 64 MB       756     13.3     75.8    155.3  56 answered, status [200], 3.1 s and 67.11 MB each
+
+(Before, with plans in the server's request threads: 23 ms -> 1.7 s p99 during one fsdp plan of
+65,536 ranks; 13 -> 255 ms with 8 tails, each 3.15 s of CPU in the server. The tail rows here are
+mostly the 64 MB each reply carries: a log without newlines is one line, all of it the tail.)
 """
 
 from __future__ import annotations
