@@ -18,6 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from parallel.config import MeshValue, ParallelConfig, Precision, mesh_shape_of
 from parallel.config import Section as _Section
+from trainer.config.chat_data import ChatDataConfig
 
 # ----------------------------------------------------------------------------- model
 
@@ -169,9 +170,12 @@ class FilesDataConfig(_Section):
     val_fraction: float = Field(
         0.0, ge=0, lt=1, description="Hold out this fraction of the token windows, from the end of the corpus, "
         "for validation (when val_paths is empty).")
+    packing: bool = Field(
+        False, description="Keep documents apart inside a window: each token attends only to its own document "
+        "and positions restart after every end-of-document token (false = the window is one sequence).")
 
 
-DATA_SECTIONS = (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig)
+DATA_SECTIONS = (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig, ChatDataConfig)
 DataConfig = Annotated[Union[DATA_SECTIONS], Field(discriminator="kind")]
 
 # ----------------------------------------------------------------------------- optim

@@ -30,7 +30,7 @@ from trainer.checkpoint.dcp import (
 from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig
 from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
-from trainer.models import build_model, decoder_config, loss_fn_for
+from trainer.models import TargetMeanLoss, build_model, decoder_config, loss_fn_for
 from trainer.models.fingerprint import check_fingerprints, model_fingerprints
 from trainer.models.hf import weight_files
 from trainer.pictures.timeline_chart import timeline_pictures
@@ -100,7 +100,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     t = cfg.train
     device = resolve_device(cfg.device, device_index)
     torch.manual_seed(t.seed)
-    splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
+    splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model,
+                          model_path=getattr(cfg.model, "path", None))
     source, val_source = splits.train, splits.val
     if cfg.launch.unmap_freed_memory and device.type == "cpu":
         unmap_freed_memory()
@@ -125,7 +126,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     # on another dp size continues at the same sample.
     loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,
                                dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
-    loss_fn = loss_fn_for(cfg.model)
+    loss_fn = loss_fn_for(cfg.model, masked=hasattr(source, "target_count"))
     result = TrainResult()
     ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer, tied=pm.tied_names)
 
@@ -155,9 +156,10 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         began = time.perf_counter()
         with recorder.step(step, record=step >= record_from):
             local_loss = None
+            _count_targets(loss_fn, loader, t.global_batch_size)  # the step's (every accumulation batch's)
             for _ in range(t.grad_accum):
-                inputs, targets = (x.to(device) for x in loader.next_batch())
-                loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum)
+                inputs, targets, positions = _on(device, loader.next_batch())
+                loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum, positions=positions)
                 if loss is not None:
                     local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
             with recorder.mark("optimizer"):
@@ -234,11 +236,25 @@ def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, dev
     try:
         losses = []
         for _ in range(t.eval_batches):
-            inputs, targets = (x.to(device) for x in loader.next_batch())
-            losses.append(pm.reduce_loss(pm.evaluate(inputs, targets, loss_fn)))
+            _count_targets(loss_fn, loader, loader.global_batch_size)
+            inputs, targets, positions = _on(device, loader.next_batch())
+            losses.append(pm.reduce_loss(pm.evaluate(inputs, targets, loss_fn, positions)))
     finally:
         pm.train(True)
     return sum(losses) / len(losses)
+
+
+def _count_targets(loss_fn, loader: GlobalBatchLoader, samples: int) -> None:
+    """Give a :class:`TargetMeanLoss` the mean target count per row of the next ``samples`` global
+    samples (a no-op for other losses: every target counts)."""
+    if isinstance(loss_fn, TargetMeanLoss):
+        loss_fn.tokens_per_row = max(1, loader.target_tokens(samples)) / samples
+
+
+def _on(device: torch.device, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(inputs, targets, positions or None)`` of a loader batch, on ``device``."""
+    inputs, targets, *rest = (x.to(device) for x in batch)
+    return inputs, targets, (rest[0] if rest else None)
 
 
 def _eval_at_start(cfg: RunConfig, *, resumed: bool) -> bool:

@@ -18,8 +18,8 @@ from trainer.models import build_model, decoder_config
 from trainer.models.custom import CustomModelError, resolve_builder
 from trainer.planner.memory.budget import check_memory
 
-_DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files"), "hf": ("text", "synthetic", "files"),
-                  "mlp": ("regression",), "custom": ("text", "synthetic", "files")}
+_DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files", "chat"), "hf": ("text", "synthetic", "files", "chat"),
+                  "mlp": ("regression",), "custom": ("text", "synthetic", "files", "chat")}
 _ATTENTION_PROJECTIONS = {"wq", "wk", "wv", "wo", "q_proj", "k_proj", "v_proj", "o_proj"}
 # Building on the meta device costs ~2 ms per block; a config (possibly sent over REST) asking
 # for millions of blocks must get an answer, not hang the validator. Real models have < 200.
@@ -129,6 +129,10 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
     if d.kind == "files":
         file_issues, data_vocab = _check_files(d)
         issues += file_issues
+    if d.kind == "chat":
+        chat_issues, data_vocab = _check_chat(d, getattr(cfg.model, "path", None))
+        issues += chat_issues
+    issues += _check_packing(cfg)
     if isinstance(cfg.model, HFModelConfig):
         from trainer.models.hf import HFModelError, read_hf_config, sliding_window  # optional: transformers, the hf extra
 
@@ -257,6 +261,48 @@ def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
     except ConfigError as err:
         issues += err.issues
     return issues, vocab
+
+
+def _check_chat(d, model_path: str | None) -> tuple[list[ConfigIssue], int | None]:
+    """The files exist, and the tokenizer loads with a chat template (the conversations are not
+    read here): ``(issues, the tokenizer's id count or None)``."""
+    from trainer.data import chat_tokenizer_path
+    from trainer.data.chat import load_chat_tokenizer  # optional: transformers, the hf extra
+    from trainer.data.files import expand_paths, file_format
+
+    issues, vocab = [], None
+    for key, paths in [("data.paths", d.paths)] + ([("data.val_paths", d.val_paths)] if d.val_paths else []):
+        try:
+            if file_format(expand_paths(paths, key), key) == "text":
+                issues.append(ConfigIssue(key, "names plain text files; chat data is records",
+                                          "give jsonl, json or parquet files of records with a messages list"))
+        except ConfigError as err:
+            issues += err.issues
+    if d.val_paths and d.val_fraction:
+        issues.append(ConfigIssue("data.val_fraction", "is set as well as data.val_paths",
+                                  "use one validation split: val_paths or val_fraction"))
+    try:
+        vocab = len(load_chat_tokenizer(chat_tokenizer_path(d, model_path), d.template))
+    except ConfigError as err:
+        issues += err.issues
+    return issues, vocab
+
+
+def _check_packing(cfg: RunConfig) -> list[ConfigIssue]:
+    """Packed documents (``data.packing``) reach the model as positions: the model must take them,
+    and every stage must get its rows' positions."""
+    if not getattr(cfg.data, "packing", False):
+        return []
+    if isinstance(cfg.model, CustomModelConfig):
+        return [ConfigIssue("data.packing", "a custom module's forward takes no positions, so packed documents "
+                            "would attend to each other", "data.packing=false")]
+    pipeline = cfg.parallel.pipeline if cfg.parallel is not None else None
+    if pipeline is not None and pipeline.stages:
+        # Between stages of their own layouts a micro-batch travels as row blocks (parallel.pipeline.stage_io);
+        # the positions would have to follow the same route, which they do not yet.
+        return [ConfigIssue("data.packing", "stages with layouts of their own (parallel.pipeline.stages) do not pass "
+                            "packed documents' positions between stages", "data.packing=false")]
+    return []
 
 
 def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:
