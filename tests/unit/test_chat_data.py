@@ -151,3 +151,32 @@ def test_loader_counts_the_targets_of_the_whole_global_batch(assets):
     shares = [int((loader.next_batch()[1] != -100).sum()) for loader in loaders]
     assert counts[0] == counts[1] == sum(shares)
     assert shares[0] != shares[1]  # uneven across ranks: the per-rank mean would differ
+
+
+@pytest.mark.parametrize("model", ["gpt_debug", "hf"])
+def test_a_packed_document_gives_the_logits_it_gives_alone(assets, model):
+    from trainer.config.schema import HFModelConfig, LlamaConfig
+    from trainer.models import build_model
+    from trainer.models.hf import load_hf_weights, weight_files
+
+    root, _ = assets
+    if model == "hf":
+        cfg = HFModelConfig(path=str(root / "model"))
+        net = build_model(cfg, seed=0)
+        load_hf_weights(net, weight_files(cfg.path), tied=False)
+    else:
+        net = build_model(LlamaConfig(vocab_size=416, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ), seed=0)
+    source = _source(assets)
+    worst = 0.0
+    with torch.no_grad():
+        for row in range(3):
+            inputs, _, positions = source[row]
+            packed = net(inputs[None], positions=positions[None])[0]
+            starts = positions.eq(0).nonzero().flatten().tolist() + [SEQ]
+            assert len(starts) >= 3  # two documents or more (and maybe the padding)
+            for begin, end in zip(starts[:-1], starts[1:]):
+                alone = net(inputs[None, begin:end])[0]
+                worst = max(worst, float((packed[begin:end] - alone).abs().max()))
+            # Without positions the same row is one sequence: later documents see earlier ones.
+            assert float((net(inputs[None])[0] - packed).abs().max()) > 1e-3
+    assert worst <= 1e-5, worst

@@ -77,7 +77,13 @@ def load_chat_tokenizer(path: str, template: str | None, *, key: str = "data.tok
         raise ConfigError([ConfigIssue("data.template", f"the tokenizer at {str(file.parent)!r} has no chat template "
                                        "(tokenizer_config.json's chat_template, or chat_template.jinja)",
                                        "data.template=chatml")])
+    render(tok, PROBE)  # a template whose replies cannot be located is refused here, before any data is read
     return tok
+
+
+PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"},
+         {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again?"},
+         {"role": "assistant", "content": "Yes."}]
 
 
 def conversation(record: dict, cfg: ChatDataConfig) -> list[dict[str, str]]:
