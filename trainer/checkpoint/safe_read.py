@@ -98,21 +98,40 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def _weights_only_detail(err: Exception) -> str:
-    # torch's message advises weights_only=False, exactly what must not happen here; keep the cause only.
-    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", str(err), re.S)
-    return " ".join((found.group(1) if found else str(err).splitlines()[0]).split())[:200]
+class _FirstGlobal(Exception):
+    pass
+
+
+class _GlobalProbe(pickle.Unpickler):
+    """Finds the first global a pickle asks for, and stops there: nothing is imported or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _FirstGlobal(f"{module}.{name}")
+
+
+def _refusal_detail(err: Exception, raw: bytes) -> str:
+    # torch's message advises weights_only=False, exactly what must not happen here: name the global instead.
+    if found := re.search(r"GLOBAL ([\w.]+)", str(err)):
+        return f"it asks for the global {found.group(1)}"
+    try:  # a bare pickle, not torch.save's zip: torch names only the opcode it stopped at
+        _GlobalProbe(io.BytesIO(raw)).load()
+    except _FirstGlobal as first:
+        return f"it asks for the global {first}"
+    except Exception:  # noqa: BLE001 - no global found; torch's own words follow
+        pass
+    return " ".join(str(err).split("WeightsUnpickler error:")[-1].split())[:200]
 
 
 def load_plain(data: bytes | BinaryIO, *, what: str) -> Any:
     """``torch.load(weights_only=True)``: tensors and plain containers only, or :class:`UnsafeCheckpoint`."""
-    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    raw = data if isinstance(data, bytes) else data.read()
     try:
         with warnings.catch_warnings():  # "pickle protocol 4 in the checkpoint": refused or read, never run
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(stream, weights_only=True, map_location="cpu")
+            return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpoint(f"{what} is a pickle of more than tensors and plain values ({_weights_only_detail(err)})") from None
+        raise UnsafeCheckpoint(f"{what} is a pickle of more than tensors and plain values "
+                               f"({_refusal_detail(err, raw)})") from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -150,6 +169,7 @@ def load_dcp(state: dict[str, Any], path: str | Path, *, no_dist: bool = False) 
     """``dcp.load(state, checkpoint_id=path)`` without unpickling anything but plain data; a
     collective when a process group is up (unless ``no_dist``). Raises :class:`CheckpointError`
     naming ``path``: refused (unsafe content) or unreadable (the root cause)."""
+    stored_keys(path)  # DCP would swallow a refusal of the metadata into "metadata is None"
     try:
         with quiet_dcp():
             dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=no_dist)
