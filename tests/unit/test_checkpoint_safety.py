@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from parallel.errors import ConfigError
 from trainer.checkpoint.dcp import CheckpointError, read_extra
 from trainer.checkpoint.extra_state import EXTRA_FILE, decode, encode
-from trainer.checkpoint.safe_read import METADATA_FILE, UnsafeCheckpoint, load_dcp, read_metadata_file
+from trainer.checkpoint.safe_read import METADATA_FILE, UnsafeCheckpoint, load_dcp, quiet_dcp, read_metadata_file
 from trainer.export.generate import main as generate_main
 from trainer.export.weights import export_checkpoint, unique_state_dict
 from trainer.export.weights import main as export_main
@@ -68,7 +68,8 @@ def _resave_as_legacy(src: Path, dst: Path, extra_blob: bytes) -> Path:
              for key, item in stored.items()}
     load_dcp(state, src)
     state["extra"] = extra_blob
-    dcp.save(state, checkpoint_id=dst, no_dist=True)
+    with quiet_dcp():
+        dcp.save(state, checkpoint_id=dst, no_dist=True)
     (dst / "COMPLETE").write_text("{}")
     return dst
 
@@ -130,7 +131,8 @@ def test_crafted_dcp_item_runs_nothing(run, tmp_path):
     lr_key = next(key for key in state if key.endswith(".lr"))
     state[lr_key] = RunsCommand(marker)
     path = tmp_path / "crafted"
-    dcp.save(state, checkpoint_id=path, no_dist=True)
+    with quiet_dcp():
+        dcp.save(state, checkpoint_id=path, no_dist=True)
     (path / "COMPLETE").write_text("{}")
     shutil.copy(src / EXTRA_FILE, path / EXTRA_FILE)
     torch.load(io.BytesIO(_item_bytes(path, lr_key)), weights_only=False)
@@ -215,3 +217,15 @@ def test_extra_state_round_trip_and_what_json_cannot_hold():
         encode({"loader": {"pos": Path("x")}})
     with pytest.raises(TypeError, match="has the key 1"):
         encode({"scheduler": {1: 2}})
+
+
+def test_extra_json_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    import datetime
+
+    from trainer.checkpoint.dcp import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"extra state: when is a datetime; store JSON values"):
+        save_checkpoint(tmp_path / "ckpt", 1, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                        extra={"step": 1, "when": datetime.datetime.now()}, keep=1)
+    assert not (tmp_path / "ckpt").exists()

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from parallel.sharding.ties import first_names
 from trainer.checkpoint.errors import CheckpointError
-from trainer.checkpoint.extra_state import read_extra_state, write_extra_state
+from trainer.checkpoint.extra_state import read_extra_state, serialize, write_extra_state
 from trainer.checkpoint.safe_read import load_dcp, quiet_dcp
 from trainer.checkpoint.tied_keys import load_view, restore_aliases, without_aliases
 
@@ -198,6 +198,7 @@ def save_checkpoint(
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    extra_bytes = serialize(extra)  # on every rank, before any collective: a bad value fails them all alike
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     names = [f"{_TMP_PREFIX}{final.name}-{secrets.token_hex(4)}"]
@@ -213,7 +214,7 @@ def save_checkpoint(
     state: dict[str, Any] = {"model": without_aliases(model_state, aliases), "optim": without_aliases(optim_state, aliases)}
     try:
         if _rank() == 0:
-            write_extra_state(tmp, extra)
+            write_extra_state(tmp, extra_bytes)
         with quiet_dcp():
             dcp.save(state, checkpoint_id=tmp)
         _barrier()

@@ -10,7 +10,7 @@ Checkpoints of earlier versions kept the extra state as a pickled DCP item; they
 with ``torch.load(weights_only=True)`` (tensors and plain containers only), and one holding
 anything more is refused.
 
-    write_extra_state(directory, {"step": 3, "rng": {"torch": torch.get_rng_state()}})
+    write_extra_state(directory, serialize({"step": 3, "rng": {"torch": torch.get_rng_state()}}))
     extra = read_extra_state(directory)     # {"step": 3, "rng": {"torch": tensor([...], dtype=torch.uint8)}}
 """
 
@@ -75,14 +75,19 @@ def decode(text: str, tensors: dict[str, torch.Tensor]) -> Any:
     return walk(json.loads(text))
 
 
-def write_extra_state(directory: str | Path, extra: dict[str, Any]) -> Path:
-    """Write ``extra`` as ``<directory>/extra.safetensors`` (flushed to disk); return its path."""
+def serialize(extra: dict[str, Any]) -> bytes:
+    """The bytes of ``extra.safetensors`` for ``extra``; TypeError naming an entry JSON cannot hold."""
     from safetensors.torch import save
 
     text, tensors = encode(extra)
+    return save(tensors, metadata={"format": _FORMAT, "extra": text})
+
+
+def write_extra_state(directory: str | Path, data: bytes) -> Path:
+    """Write :func:`serialize`'s ``data`` as ``<directory>/extra.safetensors`` (flushed to disk); return its path."""
     path = Path(directory) / EXTRA_FILE
     with open(path, "wb") as f:
-        f.write(save(tensors, metadata={"format": _FORMAT, "extra": text}))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return path
