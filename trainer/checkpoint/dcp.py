@@ -8,10 +8,11 @@ checkpoint: only a ``step_*`` directory with ``COMPLETE`` counts.
 
 Model and optimizer state come from ``get_state_dict`` (plain tensors on one device, DTensor
 shards under FSDP2/TP), so the same code saves and reshards on load across mesh shapes.
-``extra`` (step, scheduler/dataloader state, RNG states, the config) is pickled into one opaque
-DCP bytes item: DCP must know every key before a load, and an opaque blob frees the caller
-from declaring its layout. Only rank 0 contributes it, so ``extra`` is rank 0's on every rank
-after a load (per-rank state must be gathered into it by the caller). Saving and loading also work without a process group (DCP's ``no_dist`` mode).
+``extra`` (step, scheduler/dataloader state, RNG states, the config) is written by rank 0 beside
+DCP's files as JSON plus tensors (:mod:`trainer.checkpoint.extra_state`), so ``extra`` is rank 0's
+on every rank after a load (per-rank state must be gathered into it by the caller). Nothing in a
+checkpoint is unpickled beyond plain data (:mod:`trainer.checkpoint.safe_read`): a crafted
+checkpoint is refused, never run. Saving and loading also work without a process group (DCP's ``no_dist`` mode).
 
     from trainer.checkpoint.dcp import save_checkpoint, resolve_resume, load_checkpoint
     path = save_checkpoint("checkpoints", step, model=model, optimizer=opt, extra={"step": step}, keep=3)
@@ -20,23 +21,18 @@ after a load (per-rank state must be gathered into it by the caller). Saving and
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import secrets
 import shutil
 import time
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -44,6 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from parallel.sharding.ties import first_names
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.extra_state import read_extra_state, serialize, write_extra_state
+from trainer.checkpoint.safe_read import load_dcp, quiet_dcp
 from trainer.checkpoint.tied_keys import load_view, restore_aliases, without_aliases
 
 COMPLETE_MARKER = "COMPLETE"
@@ -55,18 +54,6 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
 _RESUME_FIX = "use `auto` (newest checkpoint in train.checkpoint.dir, if any), `none`, or the path of a step_<n> directory"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unfinished or unreadable; the message names the path.
-
-    ``reason`` and ``fix`` are kept apart so the config validator can report them as a
-    :class:`~parallel.errors.ConfigIssue`; ``str()`` joins them as ``reason (fix)``.
-    """
-
-    def __init__(self, reason: str, *, fix: str | None = None):
-        self.reason, self.fix = reason, fix
-        super().__init__(f"{reason} ({fix})" if fix else reason)
 
 
 # ------------------------------------------------------------------------------ finding
@@ -165,14 +152,6 @@ def _remove_dir(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-@contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    # DCP warns on every call without a process group; that is the intended single-process mode.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def _publish(tmp: Path, final: Path, step: int) -> None:
     """Rank 0: mark ``tmp`` complete and rename it to ``final`` atomically."""
     marker = tmp / COMPLETE_MARKER
@@ -219,6 +198,7 @@ def save_checkpoint(
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    extra_bytes = serialize(extra)  # on every rank, before any collective: a bad value fails them all alike
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     names = [f"{_TMP_PREFIX}{final.name}-{secrets.token_hex(4)}"]
@@ -232,14 +212,10 @@ def save_checkpoint(
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     aliases = first_names(tied or [])
     state: dict[str, Any] = {"model": without_aliases(model_state, aliases), "optim": without_aliases(optim_state, aliases)}
-    if _rank() == 0:
-        # DCP dedups a key present on several ranks by balancing work, so it may store any
-        # rank's copy; offering ``extra`` from rank 0 alone makes the saved one rank 0's.
-        blob = io.BytesIO()
-        torch.save(extra, blob)
-        state["extra"] = blob.getvalue()
     try:
-        with _quiet_dcp():
+        if _rank() == 0:
+            write_extra_state(tmp, extra_bytes)
+        with quiet_dcp():
             dcp.save(state, checkpoint_id=tmp)
         _barrier()
         if _rank() == 0:
@@ -255,13 +231,6 @@ def save_checkpoint(
 
 
 # ------------------------------------------------------------------------------ loading
-
-
-def _dcp_reason(exc: BaseException) -> str:
-    # CheckpointException's str() is every rank's full traceback; the root cause reads better.
-    if isinstance(exc, CheckpointException) and exc.failures:
-        exc = next(iter(exc.failures.values()))[0]
-    return f"{type(exc).__name__}: {exc}"
 
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -280,39 +249,31 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     aliases = first_names(tied or [])
     (model_view, model_links), (optim_view, optim_links) = load_view(model_state, aliases), load_view(optim_state, aliases)
-    # None is a placeholder DCP replaces with the stored bytes item.
-    state: dict[str, Any] = {"model": model_view, "optim": optim_view, "extra": None}
+    state: dict[str, Any] = {"model": model_view, "optim": optim_view}
+    load_dcp(state, path)
+    extra = read_extra_state(path)
     try:
-        with _quiet_dcp():
-            dcp.load(state, checkpoint_id=path)
         model_state.update({k: v for k, v in state["model"].items() if k in model_state})
         optim_state.update({k: v for k, v in state["optim"].items() if k in optim_state})
         restore_aliases(model_state, state["model"], model_links)
         restore_aliases(optim_state, state["optim"], optim_links)
         state["model"], state["optim"] = model_state, optim_state
-        extra = torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_OPTIONS)
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
+    except Exception as exc:  # noqa: BLE001 - the model does not take the state: say which checkpoint
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from exc
     return extra
 
 
 def read_extra(path: str | Path) -> dict[str, Any]:
-    """Only the ``extra`` blob of a finished checkpoint (step, model config, ...), no tensors.
+    """Only the ``extra`` state of a finished checkpoint (step, model config, ...), no model tensors.
 
     Lets a caller check that a checkpoint fits the run before loading weights into it.
     """
     path = Path(path)
     if (reason := _why_unfinished(path)) is not None:
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
-    state: dict[str, Any] = {"extra": None}
-    try:
-        with _quiet_dcp():
-            dcp.load(state, checkpoint_id=path)
-        return torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
+    return read_extra_state(path)
 
 
 def check_model_config(path: str | Path, saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from pydantic import TypeAdapter
 
 from parallel.sharding.ties import alias_names, first_names, tied_groups
 from trainer.checkpoint.dcp import CheckpointError, read_extra
+from trainer.checkpoint.safe_read import load_dcp
 from trainer.config.schema import ModelConfig
 from trainer.export.hf import export_hf
 from trainer.models import build_model
@@ -31,20 +31,11 @@ from trainer.models.init import local_box
 def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict]:
     """``(the plain model with the checkpoint's weights, its config, the checkpoint's extra state)``,
     gathered into one process from any mesh's checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
     extra = read_extra(checkpoint)
     model_cfg = TypeAdapter(ModelConfig).validate_python(extra["model_config"])
     model = build_model(model_cfg, seed=0)
     state = {"model": unique_state_dict(model)}  # a tie is stored under its first name (trainer.checkpoint.tied_keys)
-    try:
-        with warnings.catch_warnings():  # one process reading on purpose: DCP's warning says so
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
-            raise
-        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: {exc}") from exc
+    load_dcp(state, checkpoint, no_dist=True)  # one process reading on purpose
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if set(missing) - alias_names(model) or unexpected:  # an alias shares its first name's tensor, now loaded
         raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: missing {missing[:4]}, unexpected {unexpected[:4]}")

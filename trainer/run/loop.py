@@ -297,4 +297,5 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    version, internal, gauss_next = state["python"]  # lists once stored as JSON; random wants tuples
+    random.setstate((version, tuple(internal), gauss_next))
