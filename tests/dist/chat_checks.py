@@ -59,20 +59,22 @@ def packed_logits(extra: list[str]):
 
     def check(*, rank: int, world_size: int) -> dict:
         from trainer.data import build_source
-        from trainer.models import decoder_config
+        from trainer.models import decoder_config, loss_fn_for
         from trainer.run.build import build_parallel_model
 
         cfg = run_config(extra)
         pm = build_parallel_model(cfg, torch.device("cpu"))
         source = build_source(cfg.data, seq_len=cfg.train.seq_len, model_cfg=decoder_config(cfg.model),
                               model_path=cfg.model.path)
-        inputs, _, positions = (torch.stack(column) for column in zip(*(source[i] for i in range(4))))
+        inputs, targets, positions = (torch.stack(column) for column in zip(*(source[i] for i in range(4))))
         with torch.no_grad():
             if pm.num_stages == 1:
                 logits = pm.model_parts[0](inputs, positions=positions)
-            else:
+            else:  # the schedule's forward-only pass (its last stage computes a loss too), outputs kept
+                pm._loss_fn, pm._loss_factor = loss_fn_for(cfg.model, masked=True), 1.0
                 args = (inputs,) if pm.is_first_stage else ()
-                logits = pm.schedule.eval(*args, positions=positions)
+                target = targets if pm.is_last_stage else None
+                logits = pm.schedule.eval(*args, target=target, losses=[], positions=positions)
         if logits is None:
             return {"worst": None, "documents": 0}
         logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
