@@ -37,8 +37,8 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from urllib.parse import urlsplit
 from typing import Any
+from urllib.parse import urlsplit
 
 from service.executors.base import JobLaunch
 from service.runner import ENV_NAMES, HOST_ENV_NAMES

@@ -61,3 +61,48 @@ def test_a_job_read_back_never_shows_credentials_even_from_a_row_stored_with_the
     shown = JobPublic.from_job(row, None).model_dump(mode="json")
     assert shown["config"]["tracking"]["tracking_uri"] == "postgresql://db/mlflow"
     assert row.config["tracking"]["tracking_uri"] == "postgresql://svc:pw@db/mlflow"   # the row itself untouched
+
+
+def test_the_tracker_connects_with_the_credentials_the_job_was_given(monkeypatch):
+    import mlflow.tracking
+
+    from trainer.config.schema import TrackingConfig
+    from trainer.tracking.mlflow_tracker import MLflowTracker
+
+    seen = []
+
+    class Refusing:  # records where it was sent, then stops the tracker (no server in a unit test)
+        def __init__(self, tracking_uri):
+            seen.append(tracking_uri)
+            raise ConnectionError("no server here")
+
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", Refusing)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:pw@mlflow:5000")
+    for uri in ("http://mlflow:5000", "http://elsewhere:5000"):
+        try:
+            MLflowTracker(TrackingConfig(tracking_uri=uri))
+        except ConnectionError:
+            pass
+    assert seen == ["http://alice:pw@mlflow:5000", "http://elsewhere:5000"]
+
+
+def test_the_ray_entrypoint_carries_no_credentials_and_the_runtime_env_does(tmp_path):
+    from service.executors.base import JobLaunch
+    from service.executors.ray import RayExecutor
+    from service.executors.ray_driver import decode_config
+
+    submitted = {}
+
+    class Jobs:
+        def submit_job(self, **kwargs):
+            submitted.update(kwargs)
+
+    executor = RayExecutor("http://127.0.0.1:1")
+    executor._client = Jobs()
+    env = job_environment(source={}, tracking_uri="http://alice:pw@mlflow:5000")
+    legacy = {"tracking": {"tracking_uri": "http://alice:pw@mlflow:5000"}}   # a row stored with them
+    executor.start(JobLaunch(job_id="j1", workdir=tmp_path / "j1", config=legacy, world_size=1, env=env))
+    encoded = submitted["entrypoint"].split("--config ")[1]
+    assert decode_config(encoded)["tracking"]["tracking_uri"] == "http://mlflow:5000"
+    assert "pw" not in submitted["entrypoint"]
+    assert submitted["runtime_env"]["env_vars"]["MLFLOW_TRACKING_URI"] == "http://alice:pw@mlflow:5000"

@@ -24,8 +24,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.launch import launcher as launch
-from trainer.tracking.mlflow_tracker import get_or_create_experiment
 from trainer.tracking.credentials import connect_uri
+from trainer.tracking.mlflow_tracker import get_or_create_experiment
 from trainer.tracking.run_info import public_config, redact
 
 PARENT_RUN_ENV = "MESHFLOW_SWEEP_PARENT_RUN"
