@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.store import Job, JobState
+from service.submit import without_credentials
 
 
 def _absent_not_null(schema: dict[str, Any]) -> None:
@@ -109,7 +110,7 @@ class JobPublic(JobSummary):
 
     @classmethod
     def from_job(cls, job: Job, ui_url: str | None) -> "JobPublic":
-        return cls(**cls.fields_of(job, ui_url), config=job.config)
+        return cls(**cls.fields_of(job, ui_url), config=without_credentials(job.config))
 
 
 class JobList(BaseModel):

@@ -117,9 +117,19 @@ class Settings(BaseSettings):
         None, description="ServiceAccount of the job pods (they need no API access: its token is not mounted); "
         "null = the namespace's default.")
     kubernetes_workspace_pvc: str | None = Field(
-        None, description="PersistentVolumeClaim (ReadWriteMany) holding this workspace, mounted in every job pod "
-        "at the same path, so a job's directory, datasets and checkpoints are shared by all its nodes and the api; "
-        "null = an emptyDir per pod (nothing a job writes outlives it).")
+        None, description="PersistentVolumeClaim (ReadWriteMany) holding this workspace. A job pod mounts only its "
+        "own job directory from it (read-write) and the `datasets/` and `models/` areas (read-only), at the same "
+        "paths as the api, so a job's checkpoints and logs are shared by its nodes and the api and no other "
+        "tenant's are in reach; null = an emptyDir per pod (nothing a job writes outlives it).")
+    kubernetes_tracking_secret: str | None = Field(
+        None, description="Secret in the jobs' namespace that job pods read the tracking store's credentials from "
+        "(secretKeyRef, nothing else of it): key `MLFLOW_TRACKING_URI` (the store's URI with user:password), and "
+        "optionally `MLFLOW_TRACKING_USERNAME` / `MLFLOW_TRACKING_PASSWORD` / `MLFLOW_TRACKING_TOKEN` for an MLflow "
+        "server behind authentication. Required when MESHFLOW_MLFLOW_TRACKING_URI holds credentials: they never go "
+        "into a ConfigMap or a pod's plain environment. null = no credentials.")
+    kubernetes_scratch_gb: float = Field(8.0, gt=0, le=1024, description="Size of each job pod's writable scratch "
+                                         "(an emptyDir at /tmp, also its HOME: torch's, MLflow's and matplotlib's "
+                                         "caches); the root filesystem is read-only. Past it the pod is evicted.")
     kubernetes_rdzv_port: int = Field(29400, ge=1, le=65535, description="Port of the c10d rendezvous on the "
                                       "first node's pod.")
 

@@ -27,6 +27,7 @@ from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import LOOPBACK_HOSTS
 from trainer.planner.auto.plan import resolve_and_validate
+from trainer.tracking.credentials import strip_credentials
 
 # Hydra's compose API keeps global state: one composition at a time per process.
 _COMPOSE_LOCK = threading.Lock()
@@ -144,6 +145,15 @@ def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIss
     return issues
 
 
+def without_credentials(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored config as the API shows it: its tracking URI without ``user:password@``. Configs are
+    stored without credentials (:func:`confine`); this keeps the rule for rows written before that."""
+    tracking = config.get("tracking")
+    if not isinstance(tracking, dict) or not isinstance(tracking.get("tracking_uri"), str):
+        return config
+    return {**config, "tracking": {**tracking, "tracking_uri": strip_credentials(tracking["tracking_uri"])}}
+
+
 MULTI_NODE_ENDPOINT = "127.0.0.1:29400"  # replaced per job by the executor (first node's address, a free port)
 
 
@@ -158,7 +168,9 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
     issues: list[ConfigIssue] = []
     tracking = out.setdefault("tracking", {})
     if isinstance(tracking, dict):
-        tracking["tracking_uri"] = tracking_uri
+        # without its credentials: the job gets those in its environment (scheduler.launch_of), so no
+        # job row, API reply, ConfigMap or Ray entrypoint holds them
+        tracking["tracking_uri"] = strip_credentials(tracking_uri)
         tracking["run_id"] = run_id
     train = out.get("train") if isinstance(out.get("train"), dict) else {}
     # A refused init_from becomes null: the validator would otherwise ask the filesystem about it.

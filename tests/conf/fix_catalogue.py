@@ -81,6 +81,17 @@ MORE: dict[str, Bad] = {
     "more/batch-and-heads-in-one-round": bad(  # independent issues come together (issue 30)
         ["+parallel=3d", "mesh=[2,2,4]", "train.global_batch_size=3"],
         'parallel.tensor_parallel.plan[megatron]["layers.*.attn.wo.weight"].tp', ["split by heads"]),
+    # Knobs that spend disk, CPU, time or memory have ceilings (issue 36); the fix is the ceiling itself.
+    "ceiling/checkpoints-kept": bad(["train.checkpoint.keep=1000000", "train.checkpoint.every=1"],
+                                    "train.checkpoint.keep", ["less than or equal to 1000"], ["train.checkpoint.keep=1000"]),
+    "ceiling/metrics-interval": bad(["tracking.system_metrics_interval=0.001"], "tracking.system_metrics_interval",
+                                    ["greater than or equal to 1"], ["tracking.system_metrics_interval=1"]),
+    "ceiling/timeline-steps": bad(["tracking.timeline_steps=1000000"], "tracking.timeline_steps",
+                                  ["less than or equal to 1000"], ["tracking.timeline_steps=1000"]),
+    "ceiling/rendezvous-timeout": bad(["launch.rdzv_timeout_s=1e9"], "launch.rdzv_timeout_s",
+                                      ["less than or equal to 86400"], ["launch.rdzv_timeout_s=86400"]),
+    "ceiling/text-bytes": bad(["data.max_bytes=1e12"], "data.max_bytes", ["less than or equal to 1073741824"],
+                              ["data.max_bytes=1073741824"]),
 }
 SLOW = {"more/auto-with-rank-ids"}  # its fix runs the auto-planner, which calibrates the host first (minutes)
 if not torch.cuda.is_available():

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.schema import TrackingConfig
+from trainer.tracking.credentials import connect_uri
 from trainer.tracking.tracker import NullTracker, RunStatus, Tracker, TrackingError, uninterrupted
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class MLflowTracker:
         from mlflow.exceptions import MlflowException  # lazy: `tracking=none` needs no MLflow
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=cfg.tracking_uri)
+        self._client = MlflowClient(tracking_uri=connect_uri(cfg.tracking_uri))  # credentials from the environment
         self._uri = cfg.tracking_uri
         self._finished = False
         run_id = run_id or cfg.run_id
