@@ -23,6 +23,7 @@ from typing import Any
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.spec import ParallelPlan
 from service.confine import check_relative_glob, confine_glob, confine_path
+from trainer.config.chat_data import TEMPLATES
 from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import LOOPBACK_HOSTS
@@ -127,8 +128,9 @@ def _confine_key(section: dict, key: str, path: str, workspace: Path, workdir: P
 
 
 def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIssue]:
-    """data=files over REST: every path and glob and the tokenizer by the rule; a data.cache_dir the
-    user names is in the job's workdir, none given is the service's token cache shared by the jobs."""
+    """data=files and data=chat over REST: every path and glob, the tokenizer (and a chat template file)
+    by the rule; a data.cache_dir the user names is in the job's workdir, none given is the service's
+    token cache shared by the jobs."""
     issues: list[ConfigIssue] = []
     for key in ("paths", "val_paths"):
         patterns = data.get(key)
@@ -138,6 +140,10 @@ def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIss
                 patterns[index] = resolved if resolved is not None else pattern
                 issues += [issue] if issue else []
     issues += _confine_key(data, "tokenizer", "data.tokenizer", workspace, workdir, read_only_ok=True)
+    if data.get("kind") == "chat":  # no token cache; a template that is not a built-in name is a file
+        if data.get("template") not in (None, *TEMPLATES):
+            issues += _confine_key(data, "template", "data.template", workspace, workdir, read_only_ok=True)
+        return issues
     if "cache_dir" not in data:
         data["cache_dir"] = str(workspace / ".cache" / "meshflow-tokens")
     else:
@@ -189,7 +195,7 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
             issues += _confine_key(data, "root", "data.root", workspace, workdir, read_only_ok=True)
         if isinstance(data.get("glob"), str) and (issue := check_relative_glob(data["glob"], "data.glob")):
             issues.append(issue)
-        if data.get("kind") == "files":
+        if data.get("kind") in ("files", "chat"):
             issues += _confine_files(data, workspace, workdir)
     model = out.get("model")
     if isinstance(model, dict) and model.get("arch") == "custom" and model.get("builder") is not None:

@@ -33,20 +33,11 @@ import torch
 from torch import Tensor
 
 from parallel.errors import ConfigError, ConfigIssue
-from trainer.config.chat_data import ChatDataConfig
+from trainer.config.chat_data import TEMPLATES, ChatDataConfig
 from trainer.data.files import expand_paths, file_format
 from trainer.data.tokenizer import tokenizer_file
 
 IGNORE = -100  # a target the loss skips (torch's cross_entropy ignore_index default)
-
-# ChatML: the layout many instruction-tuned models use; named so a tokenizer without a template can train.
-TEMPLATES = {
-    "chatml": (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    ),
-}
-
 
 def load_chat_tokenizer(path: str, template: str | None, *, key: str = "data.tokenizer") -> Any:
     """transformers' fast tokenizer of ``path`` (a directory or its tokenizer.json) with ``template``
