@@ -86,7 +86,7 @@ class ControlPlane:
         self.sessions = make_sessionmaker(self.engine)
         # WAL on a SQLite MLflow store when every process that writes it (the jobs) is on this host.
         self.mlflow = MlflowRuns(settings.mlflow_tracking_uri, settings.mlflow_ui_url,
-                                 sqlite_wal=settings.executor == "local")
+                                 sqlite_wal=settings.executor == "local", artifact_root=settings.mlflow_artifact_root)
         self.scheduler = Scheduler(settings, self.sessions, self.mlflow)
         self.validator = Validator(settings)
         self.submissions_total = 0
