@@ -144,8 +144,9 @@ def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIss
         if data.get("template") not in (None, *TEMPLATES):
             issues += _confine_key(data, "template", "data.template", workspace, workdir, read_only_ok=True)
         return issues
-    if "cache_dir" not in data:
-        data["cache_dir"] = str(workspace / ".cache" / "meshflow-tokens")
+    shared_cache = str(workspace / ".cache" / "meshflow-tokens")
+    if data.get("cache_dir", shared_cache) == shared_cache:  # absent, or read back from a job: the shared one
+        data["cache_dir"] = shared_cache
     else:
         issues += _confine_key(data, "cache_dir", "data.cache_dir", workspace, workdir, read_only_ok=False)
     return issues

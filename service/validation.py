@@ -40,6 +40,7 @@ from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.spec import ParallelPlan
+from service.leftovers import record_worker
 from service.limits import cap_memory_budget
 from service.settings import Settings
 from service.submit import resolve_config
@@ -73,10 +74,13 @@ def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, wo
     return "ok", cfg.model_dump(mode="json")
 
 
-def _follow_parent(parent: int) -> None:
+def _follow_parent(parent: int, workspace: Path | None = None) -> None:
     """A pool worker's initializer: leave when the server that spawned it is gone. A server killed
     with SIGKILL cannot stop its pool, and its workers (hundreds of MB each, torch imported) would
-    otherwise live on, reparented, for as long as the machine runs."""
+    otherwise live on, reparented, for as long as the machine runs. The worker also records itself
+    under ``workspace``, so a restarted server ends it should it still run (:mod:`service.leftovers`)."""
+    if workspace is not None:
+        record_worker(workspace)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -141,7 +145,7 @@ class Validator:
             with self._lock:
                 if self._pool is None:
                     self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                                     initializer=_follow_parent, initargs=(os.getpid(),))
+                                                     initializer=_follow_parent, initargs=(os.getpid(), self.settings.workspace))
                     self._warming = [self._pool.submit(_warm_worker, self.settings) for _ in range(self.workers)]
 
     def wait_warm(self, timeout: float | None = None) -> bool:

@@ -76,6 +76,23 @@ def test_deeply_nested_json_is_a_422_not_a_500(limited):
     assert "RecursionError" not in limited.log_text()
 
 
+@pytest.mark.parametrize("content_type", ["application/JSON", "Application/Json; charset=utf-8", "text/plain", None])
+def test_the_depth_limit_holds_whatever_the_content_type_says(limited, content_type):
+    # FastAPI parses application/JSON (media types are case-insensitive) and a body without the
+    # header as JSON: nesting 500-900 deep then reached its parser and answered 500.
+    nested = "[" * 700 + "]" * 700
+    body = '{"name": "deep", "config": {"train": {"steps": 1, "x": ' + nested + "}}}"
+    headers = {"content-type": content_type} if content_type else {}
+    with limited.client("alice") as alice:
+        for route in ("/v1/jobs", "/v1/plans"):
+            request = alice.build_request("POST", route, content=body, headers=headers)
+            if content_type is None:
+                request.headers.pop("content-type", None)
+            found = problem(alice.send(request))
+            assert found["path"] == "<body>" and "32 (max_json_depth)" in found["reason"]
+    assert "RecursionError" not in limited.log_text()
+
+
 def test_405_lists_the_allowed_methods(limited):
     with limited.client("alice") as alice:
         response = alice.put("/v1/jobs")

@@ -73,5 +73,5 @@ def test_chat_losses_equal_one_device(check, results, reference):
 @pytest.mark.parametrize("check", ["tp_logits", "tp_sp_logits", "pp_logits"])
 def test_packed_documents_see_only_themselves(check, results):
     held = [r for r in results(check) if r["worst"] is not None]
-    assert held and all(r["documents"] >= 8 for r in held)  # 4 rows of two documents or more
+    assert held and all(r["documents"] >= 6 for r in held)  # 4 rows, most holding two conversations (or padding)
     assert max(r["worst"] for r in held) <= 1e-5, held

@@ -37,6 +37,7 @@ from trainer.pictures.timeline_chart import timeline_pictures
 from trainer.planner.memory.host import unmap_freed_memory
 from trainer.planner.memory.predict import predict_memory
 from trainer.run.build import build_parallel_model
+from trainer.run.disk import naming_a_full_disk, state_bytes
 from trainer.run.metrics import MemoryMeter, Progress
 from trainer.tracking.tracker import Tracker
 
@@ -191,7 +192,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                      "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json"),
                      "data_config": cfg.data.model_dump(mode="json"), "fingerprints": model_fingerprints(pm)}
-            saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
+            with naming_a_full_disk(ckpt.dir, needed_bytes=state_bytes(ckpt_kwargs["model"], optimizer)):
+                saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
             seconds = time.perf_counter() - began_save
             if rank == 0:
                 nbytes = checkpoint_bytes(saved)["total"]

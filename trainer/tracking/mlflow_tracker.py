@@ -92,15 +92,18 @@ def readable_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, st
 # --------------------------------------------------------------------------- MLflow
 
 
-def get_or_create_experiment(client: Any, name: str) -> str:
+def get_or_create_experiment(client: Any, name: str, artifact_location: str | None = None) -> str:
     """The id of MLflow experiment ``name`` in ``client``'s store, created when missing (also when
-    another process creates it at the same moment); :class:`TrackingError` if it is deleted."""
+    another process creates it at the same moment); :class:`TrackingError` if it is deleted.
+    ``artifact_location``: where a new experiment's runs keep their artifacts (null: the store's
+    default, which for a database store is ``./mlruns`` below the creating process's directory)."""
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
-            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+            return client.create_experiment(name, artifact_location=artifact_location,
+                                            tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
         except MlflowException:  # another process created it first
             experiment = client.get_experiment_by_name(name)
             if experiment is None:
