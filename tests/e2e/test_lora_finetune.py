@@ -19,7 +19,7 @@ from tests.hf_assets import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
-RUN = ["model=hf", "model.lora.rank=8", "model.lora.alpha=16", "model.lora.targets=[model.layers.*.self_attn.[qv]_proj]",
+RUN = ["model=hf", "model.lora.rank=8", "model.lora.alpha=16", 'model.lora.targets=["model.layers.*.self_attn.[qv]_proj"]',
        "data=synthetic", "train.seq_len=32", "train.global_batch_size=4", "optim.lr=1e-2", "tracking=none",
        "tracking.pictures=false", "train.checkpoint.save_final=true"]
 

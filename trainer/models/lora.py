@@ -89,6 +89,9 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, default_targets: Sequence[s
     ``meta`` included (values come later, from :func:`adapter_init`). Raises :class:`LoRAError` for a
     glob matching no Linear, or a rank above a target's ``min(in, out)``."""
     targets = list(cfg.targets) if cfg.targets is not None else list(default_targets)
+    if not targets:
+        raise LoRAError("model.lora.targets", "is empty: no Linear would get adapters, so nothing would train",
+                        "give globs of the Linears to adapt, or model.lora.targets=null for every projection")
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name}
     chosen: list[str] = []
     for i, glob in enumerate(targets):
