@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from pydantic import TypeAdapter, ValidationError
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -42,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 from parallel.sharding.ties import first_names
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.extra_state import read_extra_state, serialize, write_extra_state
-from trainer.checkpoint.safe_read import load_dcp, quiet_dcp
+from trainer.checkpoint.safe_read import load_dcp, quiet_dcp, stored_keys
+from trainer.config.schema import ModelConfig
 from trainer.checkpoint.tied_keys import load_view, restore_aliases, without_aliases
 
 COMPLETE_MARKER = "COMPLETE"
@@ -188,13 +190,15 @@ def save_checkpoint(
     extra: dict[str, Any],
     keep: int,
     tied: list[list[str]] | None = None,
+    skip: set[str] | frozenset[str] = frozenset(),
 ) -> Path:
     """Save model, optimizer and ``extra`` as ``<ckpt_dir>/step_<step:08d>``; return that path.
 
     Collective when a process group is initialised: every rank calls it with the same step.
     Afterwards only the newest ``keep`` finished checkpoints remain. ``tied``: the model's tied
     names (first name first); a tie is stored under its first name only
-    (:mod:`trainer.checkpoint.tied_keys`).
+    (:mod:`trainer.checkpoint.tied_keys`). ``skip``: model entries left out (LoRA's frozen base
+    weights, which come from their own source again: :func:`load_checkpoint`'s ``may_lack``).
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -210,6 +214,7 @@ def save_checkpoint(
     _barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    model_state = {k: v for k, v in model_state.items() if k not in skip}
     aliases = first_names(tied or [])
     state: dict[str, Any] = {"model": without_aliases(model_state, aliases), "optim": without_aliases(optim_state, aliases)}
     try:
@@ -234,11 +239,14 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    tied: list[list[str]] | None = None) -> dict[str, Any]:
+                    tied: list[list[str]] | None = None,
+                    may_lack: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Load a finished checkpoint into ``model`` and ``optimizer`` in place; return its ``extra``.
 
     Resharding is DCP's: the target state (from ``get_state_dict``) decides the layout read; a
     tied parameter's every copy reads its first name's entries (``tied``, as for saving).
+    ``may_lack``: model entries the checkpoint may not hold (LoRA's frozen base weights, saved
+    without them); those keep the values the model has.
     Raises :class:`CheckpointError` naming the path when it is missing, unfinished or corrupt,
     or does not match the model (missing keys, different shapes).
     """
@@ -247,6 +255,11 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     if reason is not None:
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    options = _OPTIONS
+    if may_lack:
+        held = stored_model_keys(path)
+        model_state = {k: v for k, v in model_state.items() if k in held or k not in may_lack}
+        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
     aliases = first_names(tied or [])
     (model_view, model_links), (optim_view, optim_links) = load_view(model_state, aliases), load_view(optim_state, aliases)
     state: dict[str, Any] = {"model": model_view, "optim": optim_view}
@@ -259,10 +272,16 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
         restore_aliases(optim_state, state["optim"], optim_links)
         state["model"], state["optim"] = model_state, optim_state
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_OPTIONS)
+                       options=options)
     except Exception as exc:  # noqa: BLE001 - the model does not take the state: say which checkpoint
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from exc
     return extra
+
+
+def stored_model_keys(path: str | Path) -> set[str]:
+    """The model entries (parameter FQNs) a finished checkpoint holds, from its metadata alone (read
+    through the restricted reader: :func:`trainer.checkpoint.safe_read.stored_keys`)."""
+    return {k.removeprefix("model.") for k in stored_keys(path) if k.startswith("model.")}
 
 
 def read_extra(path: str | Path) -> dict[str, Any]:
@@ -277,7 +296,12 @@ def read_extra(path: str | Path) -> dict[str, Any]:
 
 
 def check_model_config(path: str | Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose model config differs from the run's, naming the keys."""
+    """Refuse a checkpoint whose model config differs from the run's, naming the keys. A key the
+    checkpoint's config lacks (saved before the key existed) counts as its default."""
+    try:
+        saved = TypeAdapter(ModelConfig).validate_python(saved).model_dump(mode="json")
+    except ValidationError:
+        pass  # compared as saved: the differing keys are named below
     keys = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     if keys:
         diffs = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs run {current.get(k)!r}" for k in keys)

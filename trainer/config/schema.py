@@ -48,6 +48,36 @@ class RopeScaling(_Section):
         return value
 
 
+class LoRAConfig(_Section):
+    """Low-rank adapters (LoRA, as PEFT defines them): each targeted Linear computes
+    ``W x + (alpha / rank) * B A dropout(x)``, with ``A [rank, in]`` (kaiming-uniform) and ``B [out, rank]``
+    (zeros) trained and every other weight of the model frozen (no gradient, no optimizer state)."""
+
+    rank: int = Field(0, ge=0, description="Rank r of the adapters; 0 = no LoRA (full fine-tuning). Must be at most "
+                      "min(in, out) of every targeted Linear.")
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha: the update is scaled by alpha / rank (PEFT's "
+                                "lora_alpha). null = 2 * rank (a scaling of 2).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (PEFT's lora_dropout); 0 = none. "
+                           "A run with dropout draws other random numbers on every layout, so its losses are not one "
+                           "device's.")
+    targets: list[str] | None = Field(
+        None, description="Globs over the model's module names choosing the Linears that get adapters (`*` crosses "
+        "dots, as in parallel.placements), e.g. `[\"layers.*.attn.w[qv]\"]` or `[\"model.layers.*.self_attn.*_proj\"]`. "
+        "null = every attention and MLP projection (q, k, v, o, gate, up, down). A glob matching no Linear is refused.")
+    save_base: bool = Field(
+        False, description="Checkpoints also hold the frozen base weights. false = adapters (and their optimizer "
+        "state) only; the base comes again from model.path, train.init_from or train.seed on resume and export.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank: the factor of the adapters' update."""
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+
+
 class LlamaConfig(_Section):
     """A Llama-style decoder; the defaults are the tiny `gpt_debug` preset (trains in minutes on a CPU)."""
 
@@ -73,6 +103,8 @@ class LlamaConfig(_Section):
     rope_scaling: RopeScaling | None = Field(
         None, description="Llama 3.x rotary frequency scaling (type, factor, low_freq_factor, high_freq_factor, "
         "original_max_position_embeddings); null = plain RoPE.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (`model.lora.rank=16` turns "
+                             "them on); rank 0 = full fine-tuning.")
 
     @property
     def num_kv_heads(self) -> int:
@@ -103,6 +135,8 @@ class HFModelConfig(_Section):
         description="Directory with the model's config.json (model_type llama, mistral, qwen2 or qwen3), plus *.safetensors weights "
         "when present (random init from the config when absent). Nothing is downloaded.",
     )
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (`model.lora.rank=16` turns "
+                             "them on); rank 0 = full fine-tuning.")
 
 
 class CustomModelConfig(_Section):

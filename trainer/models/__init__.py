@@ -82,7 +82,7 @@ def build_model(cfg: ModelCfg, *, device: str | torch.device = "cpu", seed: int 
 
         return build_custom_model(cfg, device=device, seed=seed)
     model_cls = _lookup(MODEL_REGISTRY, cfg.arch)
-    with torch.device(device):
+    with torch.device(device):  # the built-in Llama reads cfg.lora: adapters and frozen weights (trainer.models.lora)
         model = model_cls(cfg)
     if torch.device(device).type != "meta":
         model.init_weights(seed)

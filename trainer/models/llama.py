@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config.schema import LlamaConfig, RopeScaling
+from trainer.config.schema import LlamaConfig, LoRAConfig, RopeScaling
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
+from trainer.models.lora import adapter_init, apply_lora
 
 
 class Names(NamedTuple):
@@ -234,10 +235,12 @@ class Transformer(nn.Module):
     ``layout="hf"`` names the same pieces as Hugging Face's ``LlamaForCausalLM``
     (``model.embed_tokens``, ``model.layers.<i>.self_attn.q_proj``, ..., ``lm_head``) and rotates
     halves, so its state dict is a Llama-family checkpoint's, key for key and value for value.
+    ``lora`` (default: ``cfg.lora``) with a rank gives the targeted projections adapters and freezes
+    the rest (:mod:`trainer.models.lora`).
     """
 
     def __init__(self, cfg: LlamaConfig, *, layout: Literal["meshflow", "hf"] = "meshflow",
-                 tie_embeddings: bool = False) -> None:
+                 tie_embeddings: bool = False, lora: LoRAConfig | None = None) -> None:
         super().__init__()
         if cfg.head_dim is None and cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim {cfg.dim} is not divisible by model.n_heads {cfg.n_heads}")
@@ -261,6 +264,15 @@ class Transformer(nn.Module):
             self.model.embed_tokens, self.model.layers, self.model.norm = embed, layers, norm
             self.lm_head = head
             self.pieces = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
+        lora = lora if lora is not None else cfg.lora
+        if lora.enabled:
+            apply_lora(self, lora, default_targets=self.lora_targets())
+
+    def lora_targets(self) -> list[str]:
+        """The default LoRA targets: every attention and MLP projection of every block."""
+        n, blocks = self.names, self.pieces[1] + ".*"
+        return ([f"{blocks}.{n.attn}.{p}" for p in (n.q, n.k, n.v, n.o)]
+                + [f"{blocks}.{n.mlp}.{p}" for p in (n.gate, n.up, n.down)])
 
     def _piece(self, path: str) -> nn.Module | None:
         # A pipeline stage may have set a piece to None or deleted it.
@@ -308,6 +320,8 @@ class Transformer(nn.Module):
     def _init_rule(self, fqn: str) -> tuple[InitKind, float]:
         module_name = fqn.rpartition(".")[0]
         module = self.get_submodule(module_name)
+        if (adapter := adapter_init(fqn, module)) is not None:
+            return adapter
         if isinstance(module, nn.RMSNorm):
             return "ones", 0.0
         if isinstance(module, nn.Linear) and fqn.endswith(".bias"):

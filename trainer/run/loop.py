@@ -33,6 +33,7 @@ from trainer.data.loader import GlobalBatchLoader
 from trainer.models import TargetMeanLoss, build_model, decoder_config, loss_fn_for
 from trainer.models.fingerprint import check_fingerprints, model_fingerprints
 from trainer.models.hf import weight_files
+from trainer.models.init import canonical_fqn
 from trainer.pictures.timeline_chart import timeline_pictures
 from trainer.planner.memory.host import unmap_freed_memory
 from trainer.planner.memory.predict import predict_memory
@@ -116,8 +117,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             tracker.log_metrics({"predicted_peak_memory_mb": predicted}, step=0)
             progress.log(f"memory: predicted peak {predicted:,.0f} MiB per rank")
     pm = build_parallel_model(cfg, device)
+    # LoRA: only the adapters train; frozen base weights get no gradient and no AdamW state.
     optimizer = torch.optim.AdamW(
-        list(pm.parameters()), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+        [p for p in pm.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, t.steps))
@@ -130,11 +132,14 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     loss_fn = loss_fn_for(cfg.model, masked=hasattr(source, "target_count"))
     result = TrainResult()
     ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer, tied=pm.tied_names)
+    frozen = frozen_names(pm)  # LoRA's base: from model.path, train.init_from or the seed again, not the checkpoint
+    lora = getattr(cfg.model, "lora", None)
+    skip = frozen if lora is not None and lora.enabled and not lora.save_base else set()
 
     start = 0
     if path := resolve_resume(t.checkpoint.resume, t.checkpoint.dir):
         check_model_config(path, read_extra(path)["model_config"], cfg.model.model_dump(mode="json"))
-        extra = load_checkpoint(path, **ckpt_kwargs)
+        extra = load_checkpoint(path, **ckpt_kwargs, may_lack=frozen)
         if "fingerprints" in extra:  # what the saving mesh held, checked on this one before step 1
             check_fingerprints(pm, extra["fingerprints"], what=f"train.checkpoint.resume ({path})")
         start = int(extra["step"])
@@ -191,9 +196,10 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             began_save = time.perf_counter()
             extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                      "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json"),
-                     "data_config": cfg.data.model_dump(mode="json"), "fingerprints": model_fingerprints(pm)}
+                     "data_config": cfg.data.model_dump(mode="json"), "fingerprints": model_fingerprints(pm),
+                     "base": {"seed": t.seed, "init_from": t.init_from}}  # where frozen weights left out come from
             with naming_a_full_disk(ckpt.dir, needed_bytes=state_bytes(ckpt_kwargs["model"], optimizer)):
-                saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
+                saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, skip=skip, **ckpt_kwargs)
             seconds = time.perf_counter() - began_save
             if rank == 0:
                 nbytes = checkpoint_bytes(saved)["total"]
@@ -279,6 +285,12 @@ def _predicted_peak_mb(cfg: RunConfig) -> float:
     """The plan's per-rank peak (the largest over pipeline ranks), MiB."""
     plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
     return max(e.total for e in predict_memory(cfg, plan)) / 2**20
+
+
+def frozen_names(pm: ParallelModel) -> set[str]:
+    """The canonical FQNs of this rank's parameters that do not train (LoRA's base weights)."""
+    return {canonical_fqn(name) for part in pm.model_parts
+            for name, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def _per_rank(value: float, pm: ParallelModel, device: torch.device) -> list[float]:

@@ -16,6 +16,7 @@ from trainer.data.text import resolve_root
 from trainer.data.tokenizer import load_tokenizer
 from trainer.models import build_model, decoder_config
 from trainer.models.custom import CustomModelError, resolve_builder
+from trainer.models.lora import LoRAError
 from trainer.planner.memory.budget import check_memory
 
 _DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files", "chat"), "hf": ("text", "synthetic", "files", "chat"),
@@ -39,6 +40,8 @@ def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple
         model = build_model(cfg.model, device="meta")
     except CustomModelError as err:  # the user's builder raised on the meta device
         return None, issues + [ConfigIssue("model.kwargs", err.reason, err.fix)]
+    except LoRAError as err:  # a target glob matching no Linear, a rank above a target's size
+        return None, issues + [ConfigIssue(err.path, err.reason, err.fix)]
     except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # e.g. sizes past int64
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return None, issues + [ConfigIssue("model", f"its tensors are too large to build (torch says: {first_line[:120]})",
