@@ -247,18 +247,7 @@ def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh:
 def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
     """Every path and glob matches a file, and the tokenizer loads (the corpus is not read here):
     ``(issues, the tokenizer's vocabulary size or None when it does not load)``."""
-    # optional: datasets and tokenizers, the hf extra
-    from trainer.data.files import expand_paths, file_format
-
-    issues, vocab = [], None
-    for key, paths in [("data.paths", d.paths)] + ([("data.val_paths", d.val_paths)] if d.val_paths else []):
-        try:
-            file_format(expand_paths(paths, key), key)
-        except ConfigError as err:
-            issues += err.issues
-    if d.val_paths and d.val_fraction:
-        issues.append(ConfigIssue("data.val_fraction", "is set as well as data.val_paths",
-                                  "use one validation split: val_paths or val_fraction"))
+    issues, vocab = _check_file_lists(d, records_only=False), None
     try:
         vocab = load_tokenizer(d.tokenizer, d.eos_token).vocab_size
     except ConfigError as err:
@@ -266,17 +255,15 @@ def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
     return issues, vocab
 
 
-def _check_chat(d, model_path: str | None) -> tuple[list[ConfigIssue], int | None]:
-    """The files exist, and the tokenizer loads with a chat template (the conversations are not
-    read here): ``(issues, the tokenizer's id count or None)``."""
-    from trainer.data import chat_tokenizer_path
-    from trainer.data.chat import load_chat_tokenizer  # optional: transformers, the hf extra
-    from trainer.data.files import expand_paths, file_format
+def _check_file_lists(d, *, records_only: bool) -> list[ConfigIssue]:
+    """Every path and glob of ``data.paths`` / ``data.val_paths`` matches files of one format (records,
+    not plain text, when ``records_only``), and one validation split is asked for."""
+    from trainer.data.files import expand_paths, file_format  # optional: datasets, the hf extra
 
-    issues, vocab = [], None
+    issues = []
     for key, paths in [("data.paths", d.paths)] + ([("data.val_paths", d.val_paths)] if d.val_paths else []):
         try:
-            if file_format(expand_paths(paths, key), key) == "text":
+            if file_format(expand_paths(paths, key), key) == "text" and records_only:
                 issues.append(ConfigIssue(key, "names plain text files; chat data is records",
                                           "give jsonl, json or parquet files of records with a messages list"))
         except ConfigError as err:
@@ -284,6 +271,16 @@ def _check_chat(d, model_path: str | None) -> tuple[list[ConfigIssue], int | Non
     if d.val_paths and d.val_fraction:
         issues.append(ConfigIssue("data.val_fraction", "is set as well as data.val_paths",
                                   "use one validation split: val_paths or val_fraction"))
+    return issues
+
+
+def _check_chat(d, model_path: str | None) -> tuple[list[ConfigIssue], int | None]:
+    """The files exist, and the tokenizer loads with a chat template (the conversations are not
+    read here): ``(issues, the tokenizer's id count or None)``."""
+    from trainer.data import chat_tokenizer_path
+    from trainer.data.chat import load_chat_tokenizer  # optional: transformers, the hf extra
+
+    issues, vocab = _check_file_lists(d, records_only=True), None
     try:
         vocab = len(load_chat_tokenizer(chat_tokenizer_path(d, model_path), d.template))
     except ConfigError as err:
