@@ -9,6 +9,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from sqlalchemy import exc as db_errors
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -19,10 +20,15 @@ from service.mlflow_runs import TrackingUnavailable
 from service.plane import Forbidden, JobConflict, JobNotFound
 from service.store import IllegalTransition
 
+STORE_RETRY_AFTER_S = 5  # what a 503 tells clients to wait while the job store is unreachable
+
 # Documented on every route, so clients (and schemathesis) know each status's body.
 ERROR_RESPONSES: dict[int | str, dict] = {
     401: {"model": Message, "description": "Missing or unknown bearer token."},
     422: {"model": ProblemList, "description": "The request or the config is invalid: every problem's path, reason and fix."},
+    503: {"model": Message, "description": "The job store (or the MLflow store) is unreachable for now: try again "
+          "after `Retry-After` seconds.", "headers": {"Retry-After": {"description": "Seconds to wait.",
+                                                                      "schema": {"type": "integer"}}}},
 }
 JOB_RESPONSES: dict[int | str, dict] = {404: {"model": Message, "description": "No such job, or not yours."}}
 QUOTA_RESPONSES: dict[int | str, dict] = {
@@ -96,11 +102,24 @@ async def http_error_handler(request: Request, err: StarletteHTTPException) -> R
 
 
 async def unavailable_handler(_: Request, err: Exception) -> JSONResponse:
-    return JSONResponse({"detail": str(err)}, status_code=503)
+    return JSONResponse({"detail": str(err)}, status_code=503, headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+
+async def store_unavailable_handler(_: Request, err: Exception) -> JSONResponse:
+    """The job store did not answer (a database restart, a network cut, a pool with no free
+    connection): a 503 the client may retry, not a 500. The driver's message stays in the
+    server's log: it may name hosts and statements."""
+    cause = type(getattr(err, "orig", None) or err).__name__
+    return JSONResponse({"detail": f"the job store is unavailable ({cause}); try again in {STORE_RETRY_AFTER_S} s"},
+                        status_code=503, headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(TrackingUnavailable, unavailable_handler)
+    # Lost or refused connections and an exhausted pool; other database errors (a constraint, a bad
+    # statement) are bugs and stay 500s.
+    for unreachable in (db_errors.OperationalError, db_errors.InterfaceError, db_errors.TimeoutError):
+        app.add_exception_handler(unreachable, store_unavailable_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(ConfigError, config_error_handler)
     app.add_exception_handler(QuotaExceeded, quota_handler)

@@ -1,5 +1,5 @@
 """Pure-ASGI request-body limits, before any handler (or JSON parser) reads the body: a body over
-the size limit gets 413, a JSON body nested deeper than the depth limit gets 422."""
+the size limit gets 413, a body nested deeper than the depth limit gets 422."""
 
 from __future__ import annotations
 
@@ -74,16 +74,20 @@ def json_depth(body: bytes, stop_above: int) -> int:
 
 
 class JsonDepthLimit:
-    """Refuse JSON bodies nested deeper than ``max_depth`` with a 422 naming the limit: Python's JSON
-    parser and everything after it recurse, and a thousand levels end in a RecursionError (a 500)."""
+    """Refuse bodies nested deeper than ``max_depth`` with a 422 naming the limit: Python's JSON
+    parser and everything after it recurse, and a thousand levels end in a RecursionError (a 500).
+
+    Every body is measured, whatever its ``Content-Type``: FastAPI parses a body as JSON also
+    without that header, and media types are case-insensitive (``application/JSON`` is JSON), so
+    a check that trusted the header let deep bodies through. A body that is not JSON at all has no
+    brackets to count (and no endpoint takes one)."""
 
     def __init__(self, app: ASGIApp, *, max_depth: int) -> None:
         self.app = app
         self.max_depth = max_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = dict(scope.get("headers") or []) if scope["type"] == "http" else {}
-        if b"json" not in headers.get(b"content-type", b""):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []

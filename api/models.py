@@ -6,14 +6,21 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from service.store import Job, JobState
+from service.submit import without_credentials
 
 
 def _absent_not_null(schema: dict[str, Any]) -> None:
     """No `default: null` in the schema: the key is left out, never sent as null."""
     schema.pop("default", None)
+
+
+def _integral_number(value: Any) -> Any:
+    """``53.0`` as ``53``: JSON Schema's ``integer`` is any number without a fractional part, so a
+    client (or schemathesis) may send one with ``.0``; ``53.5``, strings and booleans stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 class JobCreate(BaseModel):
@@ -35,7 +42,8 @@ class JobCreate(BaseModel):
     config: dict[str, Any] = Field(
         None, json_schema_extra=_absent_not_null,  # type: ignore[arg-type]
         description="A whole config document (the shape `python -m trainer --cfg job` prints) instead of overrides.")
-    priority: int = Field(0, ge=-100, le=100, description="Higher starts first; FIFO among equal priorities.")
+    priority: Annotated[int, BeforeValidator(_integral_number)] = Field(
+        0, ge=-100, le=100, description="Higher starts first; FIFO among equal priorities.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "JobCreate":
@@ -109,7 +117,7 @@ class JobPublic(JobSummary):
 
     @classmethod
     def from_job(cls, job: Job, ui_url: str | None) -> "JobPublic":
-        return cls(**cls.fields_of(job, ui_url), config=job.config)
+        return cls(**cls.fields_of(job, ui_url), config=without_credentials(job.config))
 
 
 class JobList(BaseModel):

@@ -113,8 +113,13 @@ class StageConfig(LayoutSection):
 class PipelineConfig(Section):
     dim: str = Field("pp", description="Mesh axis name along which stages are laid out.")
     schedule: ScheduleName = Field("1F1B", description="torch.distributed.pipelining schedule.")
-    microbatches: int = Field(4, ge=1, description="Micro-batches each (accumulation) batch is cut into.")
-    stages_per_rank: int = Field(1, ge=1, description="Stages held by each pp rank; >= 2 for interleaved, 2 for ZBV.")
+    # The schedule lists every micro-batch's actions on every stage (memory and time when it is built);
+    # published pipelines cut a batch into at most a few hundred, and into no more than it has sequences.
+    microbatches: int = Field(4, ge=1, le=4096, description="Micro-batches each (accumulation) batch is cut into; "
+                              "at most 4096.")
+    # Each stage is a module, its buffers and a peer of every other: interleaved schedules use a handful.
+    stages_per_rank: int = Field(1, ge=1, le=64, description="Stages held by each pp rank; >= 2 for interleaved, "
+                                 "2 for ZBV; at most 64.")
     boundaries: list[str] | Literal["auto"] = Field(
         "auto",
         description="First module of every stage but the first (e.g. [layers.2]); `auto` balances parameter counts.",
@@ -140,7 +145,9 @@ class AutoPlanConfig(Section):
     microbatches: list[int] | None = Field(
         None, description="Micro-batch counts to consider; null = every count that divides a data-parallel rank's "
         "batch, up to max_microbatches.")
-    max_microbatches: int = Field(16, ge=1, description="The most micro-batches considered when microbatches is null.")
+    # CPU: every count up to it multiplies the layouts the planner prices.
+    max_microbatches: int = Field(16, ge=1, le=1024, description="The most micro-batches considered when "
+                                  "microbatches is null; at most 1024.")
     stages_per_rank: list[int] = Field([2], min_length=1, description="Stages per rank for the interleaved schedules "
                                        "(ZBV always places 2).")
     activation_checkpointing: list[ActivationCheckpointing] = Field(

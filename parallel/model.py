@@ -91,7 +91,8 @@ class ParallelModel:
     # -- training step -------------------------------------------------------------
 
     def forward_backward(
-        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, loss_scale: float = 1.0
+        self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, loss_scale: float = 1.0,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward over this rank's dp share of an (accumulation) batch.
 
@@ -99,31 +100,33 @@ class ParallelModel:
         ``loss_scale = 1 / grad_accum`` for accumulation). With a pipeline, runs the schedule
         over ``microbatches`` micro-batches; ``inputs`` matter only on the first stage's ranks
         and ``targets`` only on the last's. Returns the detached, unscaled mean loss on ranks
-        holding the last stage, else ``None``.
+        holding the last stage, else ``None``. ``positions``: packed documents' positions, given to
+        every stage's forward (every rank passes them).
         """
         if self._pipeline is None:
             (model,) = self.model_parts
             with self._precision():
-                loss = loss_fn(model(inputs), targets)
+                loss = loss_fn(model(inputs, **_extra(positions)), targets)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             return loss.detach()
         with self._precision():
-            return self._run_schedule(inputs, targets, loss_fn, loss_scale, backward=True)
+            return self._run_schedule(inputs, targets, loss_fn, loss_scale, backward=True, positions=positions)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn,
+                 positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """The mean loss of a forward-only pass over this rank's dp share of a batch (on the
         last stage's ranks, else ``None``); no gradient is computed or touched. Combine the
         ranks' values with :meth:`reduce_loss`."""
         if self._pipeline is None:
             (model,) = self.model_parts
             with self._precision():
-                loss = loss_fn(model(inputs), targets)
+                loss = loss_fn(model(inputs, **_extra(positions)), targets)
         elif self._pipeline.schedule == "ZBV":
             raise NotImplementedError("the ZBV schedule has no forward-only pass in torch; evaluate with another schedule")
         else:
             with self._precision():
-                loss = self._run_schedule(inputs, targets, loss_fn, 1.0, backward=False)
+                loss = self._run_schedule(inputs, targets, loss_fn, 1.0, backward=False, positions=positions)
         # FSDP keeps what it gathered without resharding after forward (the root, zero2, pipeline
         # stages) until a backward that never comes here: give the module its sharded fp32
         # parameters back, as the optimizer and a checkpoint expect them.
@@ -141,7 +144,7 @@ class ParallelModel:
         return torch.autocast(device_type=self._device.type, dtype=self._autocast)
 
     def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, loss_scale: float,
-                      *, backward: bool) -> torch.Tensor | None:
+                      *, backward: bool, positions: torch.Tensor | None = None) -> torch.Tensor | None:
         microbatches = self._pipeline.num_microbatches
         # Each micro-batch's loss is divided by their number here (not by the schedule's
         # scale_grads, which would also rescale gradients accumulated by earlier calls), and by the
@@ -151,7 +154,8 @@ class ParallelModel:
         args = (inputs,) if self.is_first_stage else ()
         target = targets if self.is_last_stage else None
         run = self.schedule.step if backward else self.schedule.eval
-        run(*args, target=target, losses=losses, return_outputs=False)
+        # Keyword inputs are split into micro-batches like the inputs and reach every stage.
+        run(*args, target=target, losses=losses, return_outputs=False, **_extra(positions))
         if not self.is_last_stage:
             return None
         # Micro-batches are equal slices, so the batch mean is the mean of their means:
@@ -255,6 +259,11 @@ class ParallelModel:
         dist.all_reduce(value)
         # Every rank of the last stage holds a loss: dp replicas (and lanes) differ, tp ranks repeat them.
         return float(value) / self.replicas
+
+
+def _extra(positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs: none for a plain batch (a custom model need not take them)."""
+    return {} if positions is None else {"positions": positions}
 
 
 def _is_shard(placement: Any) -> bool:

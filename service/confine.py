@@ -10,7 +10,10 @@ symlink cannot lead out) inside one of:
   fills (there is no upload endpoint). Jobs read from them and never write there.
 
 So the job store (``meshflow.db*``), other jobs' directories, the token cache and the server's
-own files are out of reach. Each accepted path is stored resolved (absolute, real), so the job
+own files are out of reach. A config read back from the API holds its paths resolved (absolute);
+sent again, each is taken as the relative path it stands for (:func:`as_sent`): one under a job's
+workdir names that place in the *new* job's workdir, one under ``datasets/`` or ``models/`` stays
+there. No other absolute path is accepted. Each accepted path is stored resolved (absolute, real), so the job
 opens exactly what was checked. Nothing here touches the filesystem but ``realpath`` and, for a
 ``data.paths`` glob whose literal prefix is already confined, the glob's matches.
 """
@@ -36,6 +39,25 @@ def _has_glob(part: str) -> bool:
     return any(c in part for c in "*?[")
 
 
+def as_sent(value: str, *, workspace: Path, workdir: Path, read_only_ok: bool) -> str:
+    """``value`` as the relative path it was sent as when it is a path this service stored (see
+    the module docstring), else ``value`` unchanged. Lexical only: the result is then confined
+    like any path a user sends (realpath and all), so nothing here reaches another job's files."""
+    path = PurePosixPath(value)
+    if not path.is_absolute() or ".." in path.parts:
+        return value
+    jobs_dir = workdir.parent  # a job's workdir is <jobs dir>/<job id>
+    # (where such paths lie, what replaces that prefix): a job's files lose <jobs dir>/<job id>.
+    roots = [(jobs_dir, None)] + ([(workspace / area, area) for area in READ_ONLY_AREAS] if read_only_ok else [])
+    for root, area in roots:
+        for base in dict.fromkeys((str(root), os.path.realpath(root))):  # as configured, and as realpath stored it
+            if _inside(value, base) and value != base:
+                rest = PurePosixPath(value).relative_to(base).parts
+                relative = (area, *rest) if area else rest[1:]
+                return str(PurePosixPath(*relative)) if relative else "."
+    return value
+
+
 def confine_path(value: str, key: str, *, workspace: Path, workdir: Path,
                  read_only_ok: bool) -> tuple[str | None, ConfigIssue | None]:
     """``(the real absolute path, None)`` when ``value`` obeys the rule, else ``(None, the issue)``.
@@ -43,6 +65,7 @@ def confine_path(value: str, key: str, *, workspace: Path, workdir: Path,
     ``read_only_ok``: whether ``datasets/...`` and ``models/...`` may be named (inputs); outputs
     (checkpoints, logs, caches) stay in the workdir.
     """
+    value = as_sent(value, workspace=workspace, workdir=workdir, read_only_ok=read_only_ok) if value else value
     parts = PurePosixPath(value).parts
     if not value or PurePosixPath(value).is_absolute() or value.startswith("~"):
         return None, ConfigIssue(key, f"{value!r} is an absolute path; it is outside the job's workdir and the "
@@ -63,6 +86,7 @@ def confine_path(value: str, key: str, *, workspace: Path, workdir: Path,
 
 def confine_glob(pattern: str, key: str, *, workspace: Path, workdir: Path) -> tuple[str | None, ConfigIssue | None]:
     """A ``data.paths`` entry: the rule for its literal prefix, and every match stays where the prefix is."""
+    pattern = as_sent(pattern, workspace=workspace, workdir=workdir, read_only_ok=True)
     resolved, issue = confine_path(pattern, key, workspace=workspace, workdir=workdir, read_only_ok=True)
     if issue or not any(_has_glob(p) for p in PurePosixPath(pattern).parts):
         return resolved, issue

@@ -44,13 +44,28 @@ class QuotaExceeded(Exception):
         self.retry_after_s = retry_after_s  # the Retry-After header, when a retry soon may succeed
 
 
+def workers_per_node(raw: dict[str, Any]) -> int:
+    """The worker processes one node of the (not yet validated) config ``raw`` starts: its mesh's
+    size (a shape, or explicit rank ids) over ``launch.nnodes``; 1 for anything malformed, which
+    validation then refuses with its own message."""
+    launch = raw.get("launch") if isinstance(raw.get("launch"), dict) else {}
+    nnodes = launch.get("nnodes", 1)
+    try:
+        world = math.prod(mesh_shape_of(raw.get("mesh")))
+    except (TypeError, ValueError):
+        return 1
+    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
+        return max(1, world)
+    return max(1, -(-world // nnodes))
+
+
 def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIssue]:
     """Set ``launch.memory_budget_gb`` to the service's per-rank limit (the trainer then refuses a
     model predicted to need more, by :func:`trainer.planner.memory.budget.check_memory`); a larger one sent is refused."""
     launch = raw.setdefault("launch", {})
     if not isinstance(launch, dict):
         return []
-    limit, source = settings.rank_memory_limit()
+    limit, source = settings.rank_memory_limit(workers_per_node(raw))
     sent = launch.get("memory_budget_gb")
     if isinstance(sent, (int, float)) and not isinstance(sent, bool) and sent * GIB > limit:
         return [ConfigIssue("launch.memory_budget_gb", f"{sent} GiB per rank is above this service's limit of "

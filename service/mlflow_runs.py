@@ -8,7 +8,9 @@ id and UI link from the start, and ends it KILLED / FAILED when the process died
 from __future__ import annotations
 
 import logging
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
@@ -26,10 +28,14 @@ class TrackingUnavailable(RuntimeError):
 class MlflowRuns:
     """Thin, thread-safe wrapper over one ``MlflowClient``."""
 
-    def __init__(self, tracking_uri: str, ui_url: str | None = None, *, sqlite_wal: bool = False) -> None:
+    def __init__(self, tracking_uri: str, ui_url: str | None = None, *, sqlite_wal: bool = False,
+                 artifact_root: Path | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
+        # A database store puts a new experiment's artifacts in ./mlruns of whichever process creates
+        # it: the server's working directory, outside the workspace. An MLflow server decides itself.
+        self.artifact_root = artifact_root if is_local_store(tracking_uri) else None
         self.sqlite_wal = sqlite_wal
         self.ui_url = ui_url.rstrip("/") if ui_url else None
         self._client = MlflowClient(tracking_uri=tracking_uri)
@@ -56,7 +62,7 @@ class MlflowRuns:
                 except Exception:  # deleted (or renamed) since it was looked up: look again
                     run = None
                 if run is None:
-                    experiment_id = get_or_create_experiment(self._client, experiment)
+                    experiment_id = get_or_create_experiment(self._client, experiment, self.artifact_location(experiment))
                     run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
                     self._experiments[experiment] = experiment_id
         except TrackingError:
@@ -66,6 +72,15 @@ class MlflowRuns:
             log.exception("could not create an MLflow run in %s", self.tracking_uri)
             raise TrackingUnavailable(f"the MLflow store did not accept a new run: {err}") from err
         return experiment_id, run.info.run_id
+
+    def artifact_location(self, experiment: str) -> str | None:
+        """``<artifact root>/<experiment name, made a file name>`` as a file URI (null without a root).
+        Names that differ only in odd characters share a directory; their runs (one directory per run
+        id) do not collide."""
+        if self.artifact_root is None:
+            return None
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", experiment).lstrip(".") or "_"
+        return (self.artifact_root / name).as_uri()
 
     def run_status(self, run_id: str) -> str | None:
         try:
@@ -110,6 +125,13 @@ class MlflowRuns:
             return None
 
         return run_url(self.ui_url, experiment_id, run_id)
+
+
+def is_local_store(tracking_uri: str) -> bool:
+    """Whether the service's process writes the store itself (a database or a directory), rather than
+    asking an MLflow server (``http(s)://``, ``databricks``), which keeps artifacts where it is told."""
+    scheme = tracking_uri.split(":", 1)[0].lower() if "://" in tracking_uri else "file"
+    return scheme.split("+")[0] in ("sqlite", "postgresql", "mysql", "mssql", "file")
 
 
 def use_wal(tracking_uri: str) -> bool:

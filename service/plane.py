@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 from parallel.errors import ConfigError
 from parallel.plan.spec import ParallelPlan
 from service import runner
+from service.leftovers import end_leftovers
 from service.limits import check_ceilings, check_queue_quota, plan_slots, stream_slots
 from service.mlflow_runs import MlflowRuns
 from service.plans import AutoPlanPage, PlanAnswer, plan_in_pool, warm_plan_worker
@@ -86,7 +87,7 @@ class ControlPlane:
         self.sessions = make_sessionmaker(self.engine)
         # WAL on a SQLite MLflow store when every process that writes it (the jobs) is on this host.
         self.mlflow = MlflowRuns(settings.mlflow_tracking_uri, settings.mlflow_ui_url,
-                                 sqlite_wal=settings.executor == "local")
+                                 sqlite_wal=settings.executor == "local", artifact_root=settings.mlflow_artifact_root)
         self.scheduler = Scheduler(settings, self.sessions, self.mlflow)
         self.validator = Validator(settings, warm_up=warm_plan_worker)
         self.submissions_total = 0
@@ -94,6 +95,7 @@ class ControlPlane:
         self.warm = threading.Event()  # set once the first validations (here and in the pool) have run
 
     def start(self) -> None:
+        end_leftovers(self.settings.workspace)  # validation workers a killed server left running
         self.mlflow.warm_up()
         self.scheduler.start()
         self.validator.start()

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.tracking.credentials import TRACKING_URI_ENV, has_credentials
+
 JOB_CONFIG_NAME = "job.json"
 LOG_NAME = "job.log"
 EXIT_CODE_NAME = "exit_code"
@@ -32,21 +34,39 @@ class Started:
     process: subprocess.Popen
 
 
-# The environment a job starts with: these names and prefixes of the server's own, nothing else.
-# Never MESHFLOW_* (users' tokens, the database URL) or any other secret the server was given.
-ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP",
-                       "PYTHONPATH", "VIRTUAL_ENV", "PYTHONHASHSEED", "CXX", "CC", "LD_LIBRARY_PATH",
-                       "MESHFLOW_CACHE_DIR"})  # MESHFLOW_CACHE_DIR: where the trainer keeps its calibration
-ENV_PREFIXES = ("LC_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_", "NCCL_", "GLOO_",
-                "NVIDIA_", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# The environment a job starts with: these names of the server's own, nothing else; exact names, no
+# prefixes (a prefix such as TORCH* lets in whatever variable the host happens to have, e.g. one that
+# points torch at a file to load). Never MESHFLOW_* (users' tokens, the database URL) or any other
+# secret the server was given; the tracking store's credentials are added by name (scheduler.launch_of).
+# This host's, not the job's: a Ray node or a job pod has its own.
+HOST_ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TEMP", "TMP", "VIRTUAL_ENV"})
+ENV_NAMES = HOST_ENV_NAMES | frozenset({
+    "PYTHONPATH", "LD_LIBRARY_PATH", "CXX", "CC", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONHASHSEED",
+    "MESHFLOW_CACHE_DIR",  # where the trainer keeps its calibration
+    # threads of the CPU math libraries
+    "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_AFFINITY",
+    "KMP_BLOCKTIME",
+    # devices and collectives: which GPUs, which network interface, how much to say
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
+    "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_NET_GDR_LEVEL",
+    "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+    # nothing downloaded
+    "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
+})
 FILE_MODE, DIR_MODE = 0o600, 0o700
 
 
-def job_environment(extra: dict[str, str] | None = None, source: dict[str, str] | None = None) -> dict[str, str]:
+def job_environment(extra: dict[str, str] | None = None, source: dict[str, str] | None = None, *,
+                    tracking_uri: str | None = None) -> dict[str, str]:
     """The allow-listed part of ``source`` (default: this process's environment) and ``extra``
-    (the service's ``job_env`` setting), with unbuffered Python output."""
+    (the service's ``job_env`` setting), with unbuffered Python output; and ``$MLFLOW_TRACKING_URI``,
+    the tracking store with its credentials, when ``tracking_uri`` has any (the job's config names the
+    store without them: trainer.tracking.credentials)."""
     source = os.environ if source is None else source
-    env = {k: v for k, v in source.items() if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+    env = {k: v for k, v in source.items() if k in ENV_NAMES}
+    if tracking_uri is not None and has_credentials(tracking_uri):
+        env[TRACKING_URI_ENV] = tracking_uri
     return {**env, **(extra or {}), "PYTHONUNBUFFERED": "1"}
 
 

@@ -45,6 +45,11 @@ def _is_hashed(value: str) -> bool:
     return len(parts) == 3 and parts[0] == HASH_SCHEME and len(parts[2]) == 64
 
 
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class Settings(BaseSettings):
     """Everything the control plane needs to know; each field is one ``MESHFLOW_<NAME>`` variable."""
 
@@ -55,6 +60,9 @@ class Settings(BaseSettings):
     workspace: Path = Field(Path("meshflow-workspace"), description="Directory holding every job's files; all job paths stay inside it.")
     database_url: str | None = Field(None, description="SQLAlchemy URL of the job store; null = SQLite file `<workspace>/meshflow.db`.")
     mlflow_tracking_uri: str | None = Field(None, description="MLflow store the jobs log to; null = `sqlite:///<workspace>/mlflow.db`.")
+    mlflow_artifact_root: Path | None = Field(None, description="Where new MLflow experiments keep their runs' "
+                                              "artifacts when the service writes the store itself (a database URI); "
+                                              "null = `<workspace>/mlartifacts`. An MLflow server's own setting wins.")
     mlflow_ui_url: str | None = Field(None, description="Base URL of an MLflow UI, used to build each job's run link; null = no link.")
     tokens: dict[str, str] = Field(default_factory=dict, description="User -> bearer token (plain, hashed on load) or `sha256$salt$hex`.")
     admin_users: list[str] = Field(default_factory=list, description="Users who see and cancel every job.")
@@ -74,7 +82,8 @@ class Settings(BaseSettings):
     max_restarts: int = Field(3, ge=0, description="Ceiling on launch.max_restarts of a submitted job.")
     max_rank_memory_gb: float | None = Field(
         None, gt=0, description="Ceiling on a job's predicted peak memory per rank (GiB, by the plan's prediction); "
-        "null = 90% of this host's memory shared by `capacity` workers.")
+        "null = 90% of this host's memory shared by the job's own workers on a node (not by `capacity`: "
+        "a single-device job may use the host, an 8-worker one an eighth of it each).")
     max_json_depth: int = Field(32, ge=4, le=200, description="Deepest nesting of a request's JSON body; deeper gets 422.")
     max_queued_per_user: int = Field(20, ge=1, description="Jobs one user may have QUEUED at once; more get 429.")
     max_running_per_user: int = Field(4, ge=1, description="Jobs of one user the scheduler runs at once; "
@@ -133,9 +142,19 @@ class Settings(BaseSettings):
         None, description="ServiceAccount of the job pods (they need no API access: its token is not mounted); "
         "null = the namespace's default.")
     kubernetes_workspace_pvc: str | None = Field(
-        None, description="PersistentVolumeClaim (ReadWriteMany) holding this workspace, mounted in every job pod "
-        "at the same path, so a job's directory, datasets and checkpoints are shared by all its nodes and the api; "
-        "null = an emptyDir per pod (nothing a job writes outlives it).")
+        None, description="PersistentVolumeClaim (ReadWriteMany) holding this workspace. A job pod mounts only its "
+        "own job directory from it (read-write) and the `datasets/` and `models/` areas (read-only), at the same "
+        "paths as the api, so a job's checkpoints and logs are shared by its nodes and the api and no other "
+        "tenant's are in reach; null = an emptyDir per pod (nothing a job writes outlives it).")
+    kubernetes_tracking_secret: str | None = Field(
+        None, description="Secret in the jobs' namespace that job pods read the tracking store's credentials from "
+        "(secretKeyRef, nothing else of it): key `MLFLOW_TRACKING_URI` (the store's URI with user:password), and "
+        "optionally `MLFLOW_TRACKING_USERNAME` / `MLFLOW_TRACKING_PASSWORD` / `MLFLOW_TRACKING_TOKEN` for an MLflow "
+        "server behind authentication. Required when MESHFLOW_MLFLOW_TRACKING_URI holds credentials: they never go "
+        "into a ConfigMap or a pod's plain environment. null = no credentials.")
+    kubernetes_scratch_gb: float = Field(8.0, gt=0, le=1024, description="Size of each job pod's writable scratch "
+                                         "(an emptyDir at /tmp, also its HOME: torch's, MLflow's and matplotlib's "
+                                         "caches); the root filesystem is read-only. Past it the pod is evicted.")
     kubernetes_rdzv_port: int = Field(29400, ge=1, le=65535, description="Port of the c10d rendezvous on the "
                                       "first node's pod.")
 
@@ -158,6 +177,7 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{self.workspace / 'meshflow.db'}"
         if self.mlflow_tracking_uri is None:
             self.mlflow_tracking_uri = f"sqlite:///{self.workspace / 'mlflow.db'}"
+        self.mlflow_artifact_root = (self.mlflow_artifact_root or self.workspace / "mlartifacts").expanduser().resolve()
         return self
 
     @property
@@ -175,10 +195,14 @@ class Settings(BaseSettings):
     def is_admin(self, user: str) -> bool:
         return self.auth_disabled or user in self.admin_users
 
-    def rank_memory_limit(self) -> tuple[float, str]:
-        """``(bytes per rank a job may be predicted to need, where the number comes from)``."""
+    def rank_memory_limit(self, workers: int = 1) -> tuple[float, str]:
+        """``(bytes per rank a job with ``workers`` workers per node may be predicted to need, where the
+        number comes from)``: ``max_rank_memory_gb``, else the host shared by those workers, what
+        actually runs for the job (the trainer's own default, :func:`trainer.planner.memory.budget.memory_budget`).
+        Dividing by ``capacity`` instead refused a single-device 135M job on a 24 GiB host with capacity 8
+        (2.7 GiB per rank), though the job alone would use one worker's memory."""
         if self.max_rank_memory_gb is not None:
             return self.max_rank_memory_gb * 2**30, "max_rank_memory_gb"
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        workers = max(1, self.capacity)
-        return 0.9 * host / workers, f"90% of this host's {host / 2**30:.1f} GiB over capacity {workers}"
+        host = host_memory_bytes()
+        workers = max(1, workers)
+        return 0.9 * host / workers, f"90% of this host's {host / 2**30:.1f} GiB over the job's {workers} worker(s)"

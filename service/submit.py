@@ -23,10 +23,12 @@ from typing import Any
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.spec import ParallelPlan
 from service.confine import check_relative_glob, confine_glob, confine_path
+from trainer.config.chat_data import TEMPLATES
 from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import LOOPBACK_HOSTS
 from trainer.planner.auto.plan import resolve_and_validate
+from trainer.tracking.credentials import strip_credentials
 
 # Hydra's compose API keeps global state: one composition at a time per process.
 _COMPOSE_LOCK = threading.Lock()
@@ -126,8 +128,9 @@ def _confine_key(section: dict, key: str, path: str, workspace: Path, workdir: P
 
 
 def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIssue]:
-    """data=files over REST: every path and glob and the tokenizer by the rule; a data.cache_dir the
-    user names is in the job's workdir, none given is the service's token cache shared by the jobs."""
+    """data=files and data=chat over REST: every path and glob, the tokenizer (and a chat template file)
+    by the rule; a data.cache_dir the user names is in the job's workdir, none given is the service's
+    token cache shared by the jobs."""
     issues: list[ConfigIssue] = []
     for key in ("paths", "val_paths"):
         patterns = data.get(key)
@@ -137,11 +140,25 @@ def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIss
                 patterns[index] = resolved if resolved is not None else pattern
                 issues += [issue] if issue else []
     issues += _confine_key(data, "tokenizer", "data.tokenizer", workspace, workdir, read_only_ok=True)
-    if "cache_dir" not in data:
-        data["cache_dir"] = str(workspace / ".cache" / "meshflow-tokens")
+    if data.get("kind") == "chat":  # no token cache; a template that is not a built-in name is a file
+        if data.get("template") not in (None, *TEMPLATES):
+            issues += _confine_key(data, "template", "data.template", workspace, workdir, read_only_ok=True)
+        return issues
+    shared_cache = str(workspace / ".cache" / "meshflow-tokens")
+    if data.get("cache_dir", shared_cache) == shared_cache:  # absent, or read back from a job: the shared one
+        data["cache_dir"] = shared_cache
     else:
         issues += _confine_key(data, "cache_dir", "data.cache_dir", workspace, workdir, read_only_ok=False)
     return issues
+
+
+def without_credentials(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored config as the API shows it: its tracking URI without ``user:password@``. Configs are
+    stored without credentials (:func:`confine`); this keeps the rule for rows written before that."""
+    tracking = config.get("tracking")
+    if not isinstance(tracking, dict) or not isinstance(tracking.get("tracking_uri"), str):
+        return config
+    return {**config, "tracking": {**tracking, "tracking_uri": strip_credentials(tracking["tracking_uri"])}}
 
 
 MULTI_NODE_ENDPOINT = "127.0.0.1:29400"  # replaced per job by the executor (first node's address, a free port)
@@ -158,7 +175,9 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
     issues: list[ConfigIssue] = []
     tracking = out.setdefault("tracking", {})
     if isinstance(tracking, dict):
-        tracking["tracking_uri"] = tracking_uri
+        # without its credentials: the job gets those in its environment (scheduler.launch_of), so no
+        # job row, API reply, ConfigMap or Ray entrypoint holds them
+        tracking["tracking_uri"] = strip_credentials(tracking_uri)
         tracking["run_id"] = run_id
     train = out.get("train") if isinstance(out.get("train"), dict) else {}
     # A refused init_from becomes null: the validator would otherwise ask the filesystem about it.
@@ -177,7 +196,7 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
             issues += _confine_key(data, "root", "data.root", workspace, workdir, read_only_ok=True)
         if isinstance(data.get("glob"), str) and (issue := check_relative_glob(data["glob"], "data.glob")):
             issues.append(issue)
-        if data.get("kind") == "files":
+        if data.get("kind") in ("files", "chat"):
             issues += _confine_files(data, workspace, workdir)
     model = out.get("model")
     if isinstance(model, dict) and model.get("arch") == "custom" and model.get("builder") is not None:

@@ -50,6 +50,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.spec import ParallelPlan
+from service.leftovers import record_worker
 from service.limits import limit_request
 from service.settings import Settings
 from service.submit import resolve_config
@@ -123,10 +124,13 @@ def limited(path: str, compute: Callable[..., tuple[str, Any]], *args: Any, sett
                                             f"{settings.plan_memory_gb:g} GiB of memory (plan_memory_gb)")]
 
 
-def _follow_parent(parent: int) -> None:
+def _follow_parent(parent: int, workspace: Path | None = None) -> None:
     """A pool worker's initializer: leave when the server that spawned it is gone. A server killed
     with SIGKILL cannot stop its pool, and its workers (hundreds of MB each, torch imported) would
-    otherwise live on, reparented, for as long as the machine runs."""
+    otherwise live on, reparented, for as long as the machine runs. The worker also records itself
+    under ``workspace``, so a restarted server ends it should it still run (:mod:`service.leftovers`)."""
+    if workspace is not None:
+        record_worker(workspace)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -193,7 +197,7 @@ class Validator:
             with self._lock:
                 if self._pool is None:
                     self._pool = ProcessPool(self.workers, context=multiprocessing.get_context("spawn"),
-                                             initializer=_follow_parent, initargs=(os.getpid(),))
+                                             initializer=_follow_parent, initargs=(os.getpid(), self.settings.workspace))
                     self._warming = [self._pool.schedule(self.warm_up, (self.settings,)) for _ in range(self.workers)]
 
     def wait_warm(self, timeout: float | None = None) -> bool:

@@ -100,3 +100,48 @@ def write_parquet(path, texts: list[str], field: str = "text") -> None:
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"id": list(range(len(texts))), field: texts}), path)
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_chat_tokenizer(path, *, vocab_size: int = 200) -> None:
+    """:func:`write_tokenizer` with ChatML's turn markers as special tokens and a ChatML
+    ``chat_template`` in its tokenizer_config.json (as an instruction-tuned model ships it)."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import AddedToken, Tokenizer
+
+    write_tokenizer(path, vocab_size=vocab_size)
+    tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.save(str(Path(path) / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": "<s>", "pad_token": "</s>", "chat_template": CHATML}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def conversations(count: int, *, seed: int = 0, words: tuple[int, int] = (2, 14)) -> list[list[dict]]:
+    """``count`` conversations of one to three exchanges (a system turn in some), each turn of
+    ``words`` (lowest, highest) words."""
+    import random
+
+    rng = random.Random(seed)
+    say = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(*words)))  # noqa: E731
+    out = []
+    for _ in range(count):
+        turns = [{"role": "system", "content": say()}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 3)):
+            turns += [{"role": "user", "content": say()}, {"role": "assistant", "content": say()}]
+        out.append(turns)
+    return out
+
+
+def write_chats(path, chats: list[list[dict]]) -> None:
+    """One ``{"messages": [...]}`` record per line."""
+    import json
+
+    with open(path, "w") as out:
+        for chat in chats:
+            out.write(json.dumps({"messages": chat}) + "\n")

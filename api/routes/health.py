@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import text
 
 from api.deps import PlaneDep, SessionDep
+from api.errors import STORE_RETRY_AFTER_S
 from api.models import Message
 
 router = APIRouter(tags=["health"])
@@ -30,11 +31,14 @@ def read_health() -> HealthPublic:
 def read_readiness(plane: PlaneDep, session: SessionDep) -> HealthPublic:
     """Readiness: warmed up (a first validation ran here and in each validation worker) and the job store answers a query."""
     if not plane.warm.is_set():  # traffic now would wait seconds for the first validations
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "warming up: the first validations are running")
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "warming up: the first validations are running",
+                            headers={"Retry-After": "1"})
     try:
         session.execute(text("SELECT 1"))
     except Exception as err:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"job store unreachable: {err}") from None
+        cause = type(getattr(err, "orig", None) or err).__name__  # the driver's message may name hosts: logs only
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"job store unreachable ({cause})",
+                            headers={"Retry-After": str(STORE_RETRY_AFTER_S)}) from None
     return HealthPublic(status="ok")
 
 

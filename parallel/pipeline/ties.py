@@ -88,6 +88,8 @@ class StageTies:
         """Every copy's gradient becomes the sum over all copies (call once per optimizer step)."""
         for tie in self.ties:
             grads = [p.grad for _, p in _distinct(tie.copies)]
+            if all(not p.requires_grad for _, p in _distinct(tie.copies)):
+                continue  # frozen (LoRA's base weights): no gradient on any stage
             if any(g is None for g in grads):
                 raise RuntimeError(f"the tied parameter {tie.names} has no gradient on one of its stages")
             if self.pairing == "shards":

@@ -7,7 +7,8 @@ the efficient form where it recognises one:
 * **Megatron pairs.** Inside one parent module, ``nn.Linear`` weights that are ``Shard(0)``
   (column parallel: ``[out, in]`` split by rows) and ``Shard(1)`` (row parallel) on the same
   single axis get ``ColwiseParallel`` / ``RowwiseParallel`` on that axis's 1-D mesh: no
-  communication between them, one all-reduce at the row-parallel output.
+  communication between them, one all-reduce at the row-parallel output. A Linear with LoRA
+  adapters shards them with its weight (:mod:`parallel.sharding.adapters`).
 * **Sequence parallel.** A ``layouts`` entry giving a module (a norm) the input ``Shard(d)``
   on that axis makes it ``SequenceParallel``: the residual stream of its parent block is kept
   as sequence shards, the row-parallel outputs reduce-scatter into them, and the norm's
@@ -42,14 +43,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from parallel.mesh import submesh
 from parallel.placements import PlacementSpec
+from parallel.sharding.adapters import colwise_style, rowwise_style
 from parallel.sharding.tp_styles import AxisSpecs, block_of, classify, enclosing, is_within, non_replicate, sharded_axes
 
 
@@ -84,13 +84,13 @@ def apply_placements(
     # Rows inside a sequence-parallel block reduce-scatter into the sharded residual stream.
     sp_blocks = {block_of(name): (axis, dim) for name, (axis, dim) in sp_norms.items()}
     for name, axis in col.items():
-        parallelize_module(modules[name], submesh(mesh, axis), ColwiseParallel())
+        parallelize_module(modules[name], submesh(mesh, axis), colwise_style(modules[name]))
         report[name] = "colwise"
     _share_pair_inputs(modules, col, sp_blocks, mesh)
     for name, axis in row.items():
         seq = enclosing(sp_blocks, name)
         out = Shard(seq[1]) if seq is not None and seq[0] == axis else Replicate()
-        parallelize_module(modules[name], submesh(mesh, axis), RowwiseParallel(output_layouts=out))
+        parallelize_module(modules[name], submesh(mesh, axis), rowwise_style(modules[name], output_layouts=out))
         report[name] = "rowwise"
     for name, (axis, dim) in sp_norms.items():
         keep_dtensor = any(col.get(c) == axis for c in col if is_within(c, block_of(name)))

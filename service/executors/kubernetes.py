@@ -32,6 +32,7 @@ from service.executors.jobset import (
     JOBSET_NAME_LABEL,
     JOBSET_PLURAL,
     JOBSET_VERSION,
+    check_settings,
     jobset_name,
     owned_by,
     render,
@@ -88,6 +89,7 @@ class KubernetesExecutor(Executor):
 
     def __init__(self, settings: Settings, *, api_client: Any = None) -> None:
         kubernetes = _client()
+        check_settings(settings)   # at start-up, not at the first job
         namespace = None
         if api_client is None:
             api_client, namespace = connect()

@@ -30,12 +30,13 @@ from typing import ClassVar
 from service import runner
 from service.executors.base import Executor, JobLaunch, JobStatus
 from service.executors.ray_driver import EXIT_STOPPED, REASON_PREFIX, STOP_GRACE_ENV, encode_config
+from service.submit import without_credentials
 
 log = logging.getLogger(__name__)
 
 # The environment of a job's Ray processes: the service's allow-listed job env (runner.job_environment),
 # less what describes this host rather than the job (each Ray node has its own).
-HOST_ONLY = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TEMP", "TMP", "VIRTUAL_ENV"})
+HOST_ONLY = runner.HOST_ENV_NAMES
 ENDED = {"SUCCEEDED", "FAILED", "STOPPED"}
 HEADER = b"Running entrypoint for job "  # Ray's first line of a job's log (the entrypoint, config included)
 
@@ -81,8 +82,11 @@ class RayExecutor(Executor):
         runner.write_job_config(launch.workdir, launch.config)  # the record, as for a local job
         runner.write_private(launch.workdir / runner.LOG_NAME, "")
         ref = submission_id(launch.job_id)
+        # The entrypoint is shown by Ray's dashboard and heads the job's log: the config goes without
+        # credentials (stored so; rows from before, too), which reach the job in its runtime env only.
+        config = without_credentials(launch.config)
         entrypoint = (f"python -m service.executors.ray_driver --job-id {launch.job_id} --world-size "
-                      f"{launch.world_size} --workdir {launch.workdir} --config {encode_config(launch.config)}")
+                      f"{launch.world_size} --workdir {launch.workdir} --config {encode_config(config)}")
         env = {k: v for k, v in launch.env.items() if k not in HOST_ONLY}
         # The driver needs the grace to stop the nodes itself before Ray's job supervisor kills it.
         env.update({STOP_GRACE_ENV: str(self.stop_grace_s), "RAY_JOB_STOP_WAIT_TIME_S": str(int(self.stop_grace_s) + 15)})

@@ -34,9 +34,9 @@ def problem(response: httpx.Response, status: int = 422) -> dict:
 
 def test_ceilings_and_priority_are_refused_with_the_limit(limited):
     with limited.client("alice") as alice, limited.client("admin") as admin:
-        steps = problem(alice.post("/v1/jobs", json={"overrides": ["train.steps=1000000000000"]}))
+        steps = problem(alice.post("/v1/jobs", json={"overrides": ["train.steps=1000000"]}))
         assert steps["path"] == "train.steps" and "1000 (max_steps)" in steps["reason"]
-        restarts = problem(alice.post("/v1/jobs", json={"overrides": ["launch.max_restarts=1000000000"]}))
+        restarts = problem(alice.post("/v1/jobs", json={"overrides": ["launch.max_restarts=50"]}))
         assert restarts["path"] == "launch.max_restarts" and "2 (max_restarts)" in restarts["reason"]
         budget = problem(alice.post("/v1/jobs", json={"overrides": ["launch.memory_budget_gb=1000"]}))
         assert budget["path"] == "launch.memory_budget_gb" and "1.00 GiB (max_rank_memory_gb)" in budget["reason"]
@@ -74,6 +74,23 @@ def test_deeply_nested_json_is_a_422_not_a_500(limited):
             assert found["path"] == "<body>" and "32 (max_json_depth)" in found["reason"]
         flat = alice.post("/v1/plans", json={"overrides": TINY, "name": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["})
         assert flat.status_code != 500  # brackets inside strings do not count
+    assert "RecursionError" not in limited.log_text()
+
+
+@pytest.mark.parametrize("content_type", ["application/JSON", "Application/Json; charset=utf-8", "text/plain", None])
+def test_the_depth_limit_holds_whatever_the_content_type_says(limited, content_type):
+    # FastAPI parses application/JSON (media types are case-insensitive) and a body without the
+    # header as JSON: nesting 500-900 deep then reached its parser and answered 500.
+    nested = "[" * 700 + "]" * 700
+    body = '{"name": "deep", "config": {"train": {"steps": 1, "x": ' + nested + "}}}"
+    headers = {"content-type": content_type} if content_type else {}
+    with limited.client("alice") as alice:
+        for route in ("/v1/jobs", "/v1/plans"):
+            request = alice.build_request("POST", route, content=body, headers=headers)
+            if content_type is None:
+                request.headers.pop("content-type", None)
+            found = problem(alice.send(request))
+            assert found["path"] == "<body>" and "32 (max_json_depth)" in found["reason"]
     assert "RecursionError" not in limited.log_text()
 
 

@@ -23,6 +23,28 @@ def _mistral_with_a_window() -> str:
     return str(path)
 
 
+def _chat_assets(template: str | None = None) -> str:
+    """A tokenizer directory (no chat template, or ``template``) and a chat file, in a temporary directory."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from tests.hf_assets import conversations, write_chats, write_tokenizer
+
+    path = Path(tempfile.mkdtemp(prefix="meshflow-chat-"))
+    write_tokenizer(path / "tok")
+    write_chats(path / "chats.jsonl", conversations(2))
+    if template is not None:
+        (path / "reasoning.jinja").write_text(template)
+    return str(path)
+
+
+# A template that drops earlier replies (as reasoning templates drop earlier thoughts): replies cannot be located.
+_FORGETFUL = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}{{ m.role }}: {{ m.content }}\n"
+              "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+_CHAT = _chat_assets(_FORGETFUL)
+_CHAT_DATA = ["model=gpt_debug", "data=chat", f"data.tokenizer={_CHAT}/tok", f"data.paths=[{_CHAT}/chats.jsonl]"]
+
 _EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
 
 MORE: dict[str, Bad] = {
@@ -46,9 +68,30 @@ MORE: dict[str, Bad] = {
                                               ["no validation split"]),
     "more/sequences-past-a-sliding-window": bad(["model=hf", f"model.path={_mistral_with_a_window()}", "train.seq_len=32"],
                                                 "train.seq_len", ["sliding window of 16"]),
+    "more/chat-tokenizer-without-a-template": bad(_CHAT_DATA, "data.template", ["has no chat template"]),
+    "more/chat-template-unknown": bad([*_CHAT_DATA, "data.template=alpaca"], "data.template", ["neither a built-in"]),
+    "more/chat-template-forgets-replies": bad([*_CHAT_DATA, f"data.template={_CHAT}/reasoning.jinja"], "data.template",
+                                              ["renders an earlier turn differently"]),
+    "more/chat-two-validation-splits": bad([*_CHAT_DATA, "data.template=chatml", f"data.val_paths=[{_CHAT}/chats.jsonl]",
+                                            "data.val_fraction=0.1"], "data.val_fraction", ["as well as data.val_paths"]),
+    "more/packing-for-a-custom-model": bad([*_EMBEDDING, "data=files", "data.packing=true"], "data.packing",
+                                           ["takes no positions"]),
+    "more/packing-between-stage-layouts": bad(["+parallel=pp_stages", "data=files", "data.packing=true"], "data.packing",
+                                              ["do not pass"]),
     "more/batch-and-heads-in-one-round": bad(  # independent issues come together (issue 30)
         ["+parallel=3d", "mesh=[2,2,4]", "train.global_batch_size=3"],
         'parallel.tensor_parallel.plan[megatron]["layers.*.attn.wo.weight"].tp', ["split by heads"]),
+    # Knobs that spend disk, CPU, time or memory have ceilings (issue 36); the fix is the ceiling itself.
+    "ceiling/checkpoints-kept": bad(["train.checkpoint.keep=1000000", "train.checkpoint.every=1"],
+                                    "train.checkpoint.keep", ["less than or equal to 1000"], ["train.checkpoint.keep=1000"]),
+    "ceiling/metrics-interval": bad(["tracking.system_metrics_interval=0.001"], "tracking.system_metrics_interval",
+                                    ["greater than or equal to 1"], ["tracking.system_metrics_interval=1"]),
+    "ceiling/timeline-steps": bad(["tracking.timeline_steps=1000000"], "tracking.timeline_steps",
+                                  ["less than or equal to 1000"], ["tracking.timeline_steps=1000"]),
+    "ceiling/rendezvous-timeout": bad(["launch.rdzv_timeout_s=1e9"], "launch.rdzv_timeout_s",
+                                      ["less than or equal to 86400"], ["launch.rdzv_timeout_s=86400"]),
+    "ceiling/text-bytes": bad(["data.max_bytes=1e12"], "data.max_bytes", ["less than or equal to 1073741824"],
+                              ["data.max_bytes=1073741824"]),
 }
 SLOW = {"more/auto-with-rank-ids"}  # its fix runs the auto-planner, which calibrates the host first (minutes)
 if not torch.cuda.is_available():
@@ -107,6 +150,12 @@ PROSE: dict[str, tuple[str, str]] = {
     "matches no file": ("files.py", "the user's own files"),
     "give files of one format": ("files.py", "the user's own files"),
     "data.text_field": ("files.py", "the field is named in the user's records"),
+    "holds no tokenizer.json": ("chat.py", "the user's own tokenizer"),
+    "is plain text; chat data is records": ("chat.py", "the user's own files"),
+    "data.messages_field": ("chat.py", "the fields are named in the user's records"),
+    "holds no conversation": ("chat.py", "the user's own files"),
+    "names plain text files; chat data": ("model_checks.py", "the user's own files"),
+    "chat data needs a tokenizer": ("__init__.py", "the user's own tokenizer"),
     "data.eos_token": ("tokenizer.py", "the token is the user's tokenizer's"),
     '"give a tokenizer.json file': ("tokenizer.py", "the user's own tokenizer"),
     "is not a tokenizers file": ("tokenizer.py", "the user's own tokenizer"),

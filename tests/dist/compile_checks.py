@@ -94,9 +94,8 @@ def checkpoint_cross_check(*, rank: int, world_size: int) -> dict:
     """fsdp on 2 ranks: 2 steps, save; a fresh model of the other kind (compiled <-> eager) loads
     it and takes steps 3-5; the losses continue the uninterrupted run's. The saved keys are the
     same either way, free of ``_orig_mod``."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     from trainer.checkpoint.dcp import load_checkpoint, merged_module, save_checkpoint
+    from trainer.checkpoint.safe_read import stored_keys
 
     root = Path(os.environ[CKPT_DIR_ENV])
     out: dict = {}
@@ -108,7 +107,7 @@ def checkpoint_cross_check(*, rank: int, world_size: int) -> dict:
         before = _steps(first, cfg.model, optimizer, range(2))
         saved = save_checkpoint(root / label, 2, model=merged_module(first.model_parts), optimizer=optimizer,
                                 extra={"step": 2}, keep=1)
-        keys = sorted(FileSystemReader(saved).read_metadata().state_dict_metadata)
+        keys = sorted(stored_keys(saved))
 
         cfg = run_config("fsdp", compile=not save_compiled)
         second = build_parallel_model(cfg, CPU)

@@ -81,3 +81,16 @@ def test_confine_refuses_every_path_field_and_never_keeps_a_refused_init_from(wo
     _, issues = confine(glob_only, workspace=workspace, workdir=workspace / "jobs" / "mine", tracking_uri="sqlite://",
                         run_id=None)
     assert [i.path for i in issues] == ["data.glob"]
+
+
+def test_chat_data_paths_tokenizer_and_template_file_are_confined(workspace):
+    (workspace / "datasets" / "corpus" / "chats.jsonl").write_text("{}")
+    common = dict(workspace=workspace, workdir=workspace / "jobs" / "mine", tracking_uri="sqlite://", run_id=None)
+    raw = {"data": {"kind": "chat", "paths": ["/etc/*.conf"], "val_paths": ["../other/*.jsonl"],
+                    "tokenizer": "/srv/tok", "template": "/etc/passwd"}}
+    _, issues = confine(raw, **common)
+    assert {i.path for i in issues} == {"data.paths[0]", "data.val_paths[0]", "data.tokenizer", "data.template"}
+    fine = {"data": {"kind": "chat", "paths": ["datasets/corpus/*.jsonl"], "template": "chatml"}}
+    out, issues = confine(fine, **common)
+    assert issues == [] and out["data"]["template"] == "chatml" and "cache_dir" not in out["data"]
+    assert out["data"]["paths"] == [os.path.realpath(workspace / "datasets" / "corpus") + "/*.jsonl"]

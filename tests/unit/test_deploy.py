@@ -14,6 +14,7 @@ import yaml
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
+from service.executors.jobset import check_settings
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,8 +194,13 @@ def test_k8s_meshflow_env_names_are_settings():
 
 
 def test_k8s_secret_refs_exist_in_example_secret():
-    (secret,) = _docs(K8S / "secret.example.yaml")
+    secret, tracking = _docs(K8S / "secret.example.yaml")
     assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "meshflow-secrets"
+    # the job pods' Secret: the tracking keys only, named by the api's setting
+    assert tracking["kind"] == "Secret" and set(tracking["stringData"]) == {"MLFLOW_TRACKING_URI"}
+    api_env = {v["name"]: v.get("value") for v in _api_deployment()["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert api_env["MESHFLOW_KUBERNETES_TRACKING_SECRET"] == tracking["metadata"]["name"]
+    assert tracking["stringData"]["MLFLOW_TRACKING_URI"] == api_env["MESHFLOW_MLFLOW_TRACKING_URI"]
     keys = set(secret["stringData"])
     json.loads(secret["stringData"]["tokens"])
     for where, pod in _workloads():
@@ -251,6 +257,7 @@ def test_k8s_api_is_one_replica_and_runs_jobs_as_jobsets(monkeypatch):
             monkeypatch.setenv(name, value)
     settings = Settings()
     assert settings.executor == "kubernetes" and settings.kubernetes_image == container["image"]
+    check_settings(settings)   # the executor starts: an MLflow server, no credential outside a Secret
     cpu = container["resources"]["requests"]["cpu"]
     assert (float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)) <= 1, "the api pod runs no workers"
     docs = _k8s_docs()

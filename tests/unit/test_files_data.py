@@ -169,3 +169,21 @@ def test_rest_confines_files_paths_tokenizer_and_cache(corpus, tmp_path):
     out, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri="sqlite://", run_id=None)
     assert not issues and out["data"]["paths"] == [str(workspace / "datasets" / "ok.jsonl")]
     assert out["data"]["cache_dir"] == str(workspace / ".cache" / "meshflow-tokens")
+
+
+def test_packing_restarts_positions_after_each_end_of_document(corpus, tmp_path):
+    from trainer.data.files import FilesSource
+
+    plain, packed = FilesSource(_cfg(corpus, tmp_path), SEQ), FilesSource(_cfg(corpus, tmp_path, packing=True), SEQ)
+    eos = packed.tokenizer.eos_id
+    for index in range(5):
+        inputs, targets, positions = packed[index]
+        assert torch.equal(inputs, plain[index][0]) and torch.equal(targets, plain[index][1])
+        expected, at = [], 0
+        for token in inputs.tolist():  # counted one token at a time: 0 at the row's start and after every EOS
+            expected.append(at)
+            at = 0 if token == eos else at + 1
+        assert positions.tolist() == expected
+    starts = sum(int((packed[i][2] == 0).sum()) for i in range(len(packed)))
+    assert starts > len(packed)  # some rows hold a boundary
+    assert len(plain[0]) == 2 and "documents kept apart" in packed.notes()[0]

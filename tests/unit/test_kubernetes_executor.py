@@ -35,9 +35,10 @@ SECRETS = {"MESHFLOW_TOKENS": '{"alice": "s3cret"}', "MESHFLOW_DATABASE_URL": "p
 
 
 def _settings(tmp_path: Path, **kw) -> Settings:
-    return Settings(workspace=tmp_path / "ws", kubernetes_namespace="team-a", kubernetes_image="reg.example/meshflow:1",
-                    kubernetes_cpu_per_worker=1.5, kubernetes_memory_gb_per_worker=2, kubernetes_service_account="meshflow-job",
-                    kubernetes_workspace_pvc="meshflow-shared", **kw)
+    return Settings(**{"workspace": tmp_path / "ws", "kubernetes_namespace": "team-a", "kubernetes_image": "reg.example/meshflow:1",
+                       "kubernetes_cpu_per_worker": 1.5, "kubernetes_memory_gb_per_worker": 2,
+                       "kubernetes_service_account": "meshflow-job", "kubernetes_workspace_pvc": "meshflow-shared",
+                       "mlflow_tracking_uri": "http://mlflow:5000", **kw})
 
 
 def _launch(settings: Settings, *, mesh=(4,), nnodes=2, env=None) -> JobLaunch:
@@ -128,7 +129,7 @@ def test_every_node_runs_the_same_command_with_its_rank_and_the_first_pods_endpo
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert mounts["/etc/meshflow"]["readOnly"] and volumes["config"]["configMap"]["name"] == rendered.config_map["metadata"]["name"]
-    assert volumes[mounts[str(settings.workspace)]["name"]]["persistentVolumeClaim"] == {"claimName": "meshflow-shared"}
+    assert volumes[mounts[str(launch.workdir)]["name"]]["persistentVolumeClaim"] == {"claimName": "meshflow-shared"}
     assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
     assert pod["serviceAccountName"] == "meshflow-job" and pod["automountServiceAccountToken"] is False
     assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"] is True
@@ -139,13 +140,14 @@ def test_pod_env_has_no_secrets_and_resources_scale_with_workers(tmp_path):
     rendered = render(_launch(settings), settings)
     container = rendered.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env == {"PATH": "/usr/local/bin:/usr/bin", "HOME": "/home/meshflow", "OMP_NUM_THREADS": "1",
-                   "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    # a MESHFLOW_* value that reached JobLaunch.env anyway is dropped; the calibration cache dir is kept
+    # the api host's PATH and HOME are not the pod's: the image's PATH, HOME and TMPDIR in its scratch
+    assert env == {"HOME": "/tmp/home", "TMPDIR": "/tmp", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                   "PYTHONUNBUFFERED": "1"}
+    # a MESHFLOW_* value that reached JobLaunch.env anyway is dropped, the calibration cache dir too (the
+    # workspace is not the pod's: it calibrates into its scratch)
     leaked = render(_launch(settings, env={**SECRETS, "MESHFLOW_CACHE_DIR": "/ws/cache"}), settings)
     leaked_env = leaked.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
-    names = {e["name"] for e in leaked_env}
-    assert not names & {"MESHFLOW_TOKENS", "MESHFLOW_DATABASE_URL", "MESHFLOW_ADMIN_USERS"} and "MESHFLOW_CACHE_DIR" in names
+    assert [e["name"] for e in leaked_env] == ["HOME", "PYTHONUNBUFFERED", "TMPDIR"]   # none of SECRETS either
     text = json.dumps([rendered.jobset, rendered.config_map])
     assert "s3cret" not in text and "pw@db" not in text and "xyz" not in text
     # 2 workers per pod: 2 x 1.5 CPUs, 2 x 2 GiB, no GPU
@@ -243,7 +245,7 @@ def test_failures_to_submit_say_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     client, namespace = connect()
     assert namespace == "ml-jobs" and client.configuration.host == "https://127.0.0.1:6443"
-    no_ns = Settings(workspace=tmp_path / "ws")
+    no_ns = Settings(workspace=tmp_path / "ws", mlflow_tracking_uri="http://mlflow:5000")
     assert KubernetesExecutor(no_ns).namespace == "ml-jobs"
     assert KubernetesExecutor(settings).namespace == "team-a"
 

@@ -43,6 +43,18 @@ def test_public_config_never_holds_the_tracking_uri_or_a_secret():
     assert public["data"]["paths"] == ["s3://***@bucket/a.jsonl"]
 
 
+def test_counts_and_text_tokens_are_shown_secrets_stay_masked():
+    raw = compose_dict(["data=synthetic", "data.num_tokens=4096"])
+    public = public_config(RunConfig.model_validate(raw).model_dump(mode="json"))
+    assert public["data"]["num_tokens"] == 4096  # a count of tokens, not a credential (it was "***")
+    tags = {"eos_token": "</s>", "pad_token_id": 0, "max_tokens_per_s": 9.5, "tokenizer": "models/tok", "author": "ann",
+            "hf_token": "hf_abc", "HF_TOKEN": "hf_def", "apiKey": "k1", "AWS_SECRET_ACCESS_KEY": "k2",
+            "db_password": "pw", "auth": "basic x", "access_key": "k3"}
+    shown = public_config({"t": tags})["t"]
+    assert {k: v for k, v in shown.items() if v != MASK} == {k: tags[k] for k in list(tags)[:5]}
+    assert [k for k, v in shown.items() if v == MASK] == list(tags)[5:]
+
+
 def test_params_are_readable_globs_stay_one_json_value():
     raw = compose_dict(["+parallel=3d", "mesh=[2,2,2]"])
     raw["parallel"]["placements"] = {"layers.*.attn.w[qkv].weight": {"tp": "Shard(0)"}}

@@ -19,6 +19,7 @@ from functools import partial
 import pytest
 
 from parallel.errors import ConfigError
+from service.leftovers import WORKERS_DIR, end_leftovers
 from service.limits import cap_memory_budget
 from service.settings import Settings
 from service.submit import resolve_config
@@ -151,6 +152,8 @@ def test_workers_leave_when_the_server_is_killed(tmp_path):
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(_alive(p) for p in pids)
+        # Each worker recorded itself, for a restarted server to end should it outlive its server.
+        assert sorted(int(p.name) for p in (tmp_path / WORKERS_DIR).iterdir()) == sorted(pids)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -160,3 +163,4 @@ def test_workers_leave_when_the_server_is_killed(tmp_path):
             break
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), pids
+    assert end_leftovers(tmp_path) == [] and not any((tmp_path / WORKERS_DIR).iterdir())  # stale records tidied

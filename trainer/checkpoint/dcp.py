@@ -8,10 +8,11 @@ checkpoint: only a ``step_*`` directory with ``COMPLETE`` counts.
 
 Model and optimizer state come from ``get_state_dict`` (plain tensors on one device, DTensor
 shards under FSDP2/TP), so the same code saves and reshards on load across mesh shapes.
-``extra`` (step, scheduler/dataloader state, RNG states, the config) is pickled into one opaque
-DCP bytes item: DCP must know every key before a load, and an opaque blob frees the caller
-from declaring its layout. Only rank 0 contributes it, so ``extra`` is rank 0's on every rank
-after a load (per-rank state must be gathered into it by the caller). Saving and loading also work without a process group (DCP's ``no_dist`` mode).
+``extra`` (step, scheduler/dataloader state, RNG states, the config) is written by rank 0 beside
+DCP's files as JSON plus tensors (:mod:`trainer.checkpoint.extra_state`), so ``extra`` is rank 0's
+on every rank after a load (per-rank state must be gathered into it by the caller). Nothing in a
+checkpoint is unpickled beyond plain data (:mod:`trainer.checkpoint.safe_read`): a crafted
+checkpoint is refused, never run. Saving and loading also work without a process group (DCP's ``no_dist`` mode).
 
     from trainer.checkpoint.dcp import save_checkpoint, resolve_resume, load_checkpoint
     path = save_checkpoint("checkpoints", step, model=model, optimizer=opt, extra={"step": step}, keep=3)
@@ -20,23 +21,19 @@ after a load (per-rank state must be gathered into it by the caller). Saving and
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import secrets
 import shutil
 import time
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
+from pydantic import TypeAdapter, ValidationError
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -44,6 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from parallel.sharding.ties import first_names
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.extra_state import read_extra_state, serialize, write_extra_state
+from trainer.checkpoint.safe_read import load_dcp, quiet_dcp, stored_keys
+from trainer.config.schema import ModelConfig
 from trainer.checkpoint.tied_keys import load_view, restore_aliases, without_aliases
 
 COMPLETE_MARKER = "COMPLETE"
@@ -55,18 +56,6 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
 _RESUME_FIX = "use `auto` (newest checkpoint in train.checkpoint.dir, if any), `none`, or the path of a step_<n> directory"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unfinished or unreadable; the message names the path.
-
-    ``reason`` and ``fix`` are kept apart so the config validator can report them as a
-    :class:`~parallel.errors.ConfigIssue`; ``str()`` joins them as ``reason (fix)``.
-    """
-
-    def __init__(self, reason: str, *, fix: str | None = None):
-        self.reason, self.fix = reason, fix
-        super().__init__(f"{reason} ({fix})" if fix else reason)
 
 
 # ------------------------------------------------------------------------------ finding
@@ -165,14 +154,6 @@ def _remove_dir(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-@contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    # DCP warns on every call without a process group; that is the intended single-process mode.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def _publish(tmp: Path, final: Path, step: int) -> None:
     """Rank 0: mark ``tmp`` complete and rename it to ``final`` atomically."""
     marker = tmp / COMPLETE_MARKER
@@ -209,16 +190,19 @@ def save_checkpoint(
     extra: dict[str, Any],
     keep: int,
     tied: list[list[str]] | None = None,
+    skip: set[str] | frozenset[str] = frozenset(),
 ) -> Path:
     """Save model, optimizer and ``extra`` as ``<ckpt_dir>/step_<step:08d>``; return that path.
 
     Collective when a process group is initialised: every rank calls it with the same step.
     Afterwards only the newest ``keep`` finished checkpoints remain. ``tied``: the model's tied
     names (first name first); a tie is stored under its first name only
-    (:mod:`trainer.checkpoint.tied_keys`).
+    (:mod:`trainer.checkpoint.tied_keys`). ``skip``: model entries left out (LoRA's frozen base
+    weights, which come from their own source again: :func:`load_checkpoint`'s ``may_lack``).
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    extra_bytes = serialize(extra)  # on every rank, before any collective: a bad value fails them all alike
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     names = [f"{_TMP_PREFIX}{final.name}-{secrets.token_hex(4)}"]
@@ -230,16 +214,13 @@ def save_checkpoint(
     _barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    model_state = {k: v for k, v in model_state.items() if k not in skip}
     aliases = first_names(tied or [])
     state: dict[str, Any] = {"model": without_aliases(model_state, aliases), "optim": without_aliases(optim_state, aliases)}
-    if _rank() == 0:
-        # DCP dedups a key present on several ranks by balancing work, so it may store any
-        # rank's copy; offering ``extra`` from rank 0 alone makes the saved one rank 0's.
-        blob = io.BytesIO()
-        torch.save(extra, blob)
-        state["extra"] = blob.getvalue()
     try:
-        with _quiet_dcp():
+        if _rank() == 0:
+            write_extra_state(tmp, extra_bytes)
+        with quiet_dcp():
             dcp.save(state, checkpoint_id=tmp)
         _barrier()
         if _rank() == 0:
@@ -257,19 +238,15 @@ def save_checkpoint(
 # ------------------------------------------------------------------------------ loading
 
 
-def _dcp_reason(exc: BaseException) -> str:
-    # CheckpointException's str() is every rank's full traceback; the root cause reads better.
-    if isinstance(exc, CheckpointException) and exc.failures:
-        exc = next(iter(exc.failures.values()))[0]
-    return f"{type(exc).__name__}: {exc}"
-
-
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    tied: list[list[str]] | None = None) -> dict[str, Any]:
+                    tied: list[list[str]] | None = None,
+                    may_lack: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Load a finished checkpoint into ``model`` and ``optimizer`` in place; return its ``extra``.
 
     Resharding is DCP's: the target state (from ``get_state_dict``) decides the layout read; a
     tied parameter's every copy reads its first name's entries (``tied``, as for saving).
+    ``may_lack``: model entries the checkpoint may not hold (LoRA's frozen base weights, saved
+    without them); those keep the values the model has.
     Raises :class:`CheckpointError` naming the path when it is missing, unfinished or corrupt,
     or does not match the model (missing keys, different shapes).
     """
@@ -278,45 +255,53 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     if reason is not None:
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    options = _OPTIONS
+    if may_lack:
+        held = stored_model_keys(path)
+        model_state = {k: v for k, v in model_state.items() if k in held or k not in may_lack}
+        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
     aliases = first_names(tied or [])
     (model_view, model_links), (optim_view, optim_links) = load_view(model_state, aliases), load_view(optim_state, aliases)
-    # None is a placeholder DCP replaces with the stored bytes item.
-    state: dict[str, Any] = {"model": model_view, "optim": optim_view, "extra": None}
+    state: dict[str, Any] = {"model": model_view, "optim": optim_view}
+    load_dcp(state, path)
+    extra = read_extra_state(path)
     try:
-        with _quiet_dcp():
-            dcp.load(state, checkpoint_id=path)
         model_state.update({k: v for k, v in state["model"].items() if k in model_state})
         optim_state.update({k: v for k, v in state["optim"].items() if k in optim_state})
         restore_aliases(model_state, state["model"], model_links)
         restore_aliases(optim_state, state["optim"], optim_links)
         state["model"], state["optim"] = model_state, optim_state
-        extra = torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_OPTIONS)
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
+                       options=options)
+    except Exception as exc:  # noqa: BLE001 - the model does not take the state: say which checkpoint
+        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {type(exc).__name__}: {exc}") from exc
     return extra
 
 
+def stored_model_keys(path: str | Path) -> set[str]:
+    """The model entries (parameter FQNs) a finished checkpoint holds, from its metadata alone (read
+    through the restricted reader: :func:`trainer.checkpoint.safe_read.stored_keys`)."""
+    return {k.removeprefix("model.") for k in stored_keys(path) if k.startswith("model.")}
+
+
 def read_extra(path: str | Path) -> dict[str, Any]:
-    """Only the ``extra`` blob of a finished checkpoint (step, model config, ...), no tensors.
+    """Only the ``extra`` state of a finished checkpoint (step, model config, ...), no model tensors.
 
     Lets a caller check that a checkpoint fits the run before loading weights into it.
     """
     path = Path(path)
     if (reason := _why_unfinished(path)) is not None:
         raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {reason}")
-    state: dict[str, Any] = {"extra": None}
-    try:
-        with _quiet_dcp():
-            dcp.load(state, checkpoint_id=path)
-        return torch.load(io.BytesIO(state["extra"]), weights_only=False)  # our own file: trusted
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"cannot load checkpoint {str(path)!r}: {_dcp_reason(exc)}") from exc
+    return read_extra_state(path)
 
 
 def check_model_config(path: str | Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose model config differs from the run's, naming the keys."""
+    """Refuse a checkpoint whose model config differs from the run's, naming the keys. A key the
+    checkpoint's config lacks (saved before the key existed) counts as its default."""
+    try:
+        saved = TypeAdapter(ModelConfig).validate_python(saved).model_dump(mode="json")
+    except ValidationError:
+        pass  # compared as saved: the differing keys are named below
     keys = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     if keys:
         diffs = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs run {current.get(k)!r}" for k in keys)

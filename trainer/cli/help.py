@@ -5,6 +5,7 @@ from __future__ import annotations
 import typing
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from trainer.config.compose import CONF_DIR
 from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
@@ -31,6 +32,14 @@ def _groups() -> str:
     return "\n".join(lines)
 
 
+def _bounds(field: FieldInfo) -> str:
+    """`` [>= 1, <= 1000]``: the range pydantic enforces on a number, as the refusal prints it."""
+    words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    found = [f"{sign} {getattr(m, op)}" for m in field.metadata for op, sign in words.items()
+             if getattr(m, op, None) is not None]
+    return f" [{', '.join(found)}]" if found else ""
+
+
 def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     lines = []
     for name, field in model.model_fields.items():
@@ -39,13 +48,13 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
         items = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is list and typing.get_args(a)]
         nested = [a for a in (*args, *items) if isinstance(a, type) and issubclass(a, BaseModel)]
         if items and nested:  # a list of sections (parallel.pipeline.stages): its entries' keys as [i].key
-            lines.append(f"  {path}: {field.description}")
+            lines.append(f"  {path}: {field.description}{_bounds(field)}")
             lines += _fields(nested[0], f"{path}[i].")
         elif len(nested) == 1 and name not in ("model", "data"):
-            lines.append(f"  {path}: {field.description}")
+            lines.append(f"  {path}: {field.description}{_bounds(field)}")
             lines += _fields(nested[0], f"{path}.")
         else:
-            lines.append(f"  {path}: {field.description}")
+            lines.append(f"  {path}: {field.description}{_bounds(field)}")
     return lines
 
 

@@ -24,6 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.launch import launcher as launch
+from trainer.tracking.credentials import connect_uri
 from trainer.tracking.mlflow_tracker import get_or_create_experiment
 from trainer.tracking.run_info import public_config, redact
 
@@ -46,7 +47,7 @@ class SweepParentRun(Callback):
             return
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=tracking.get("tracking_uri"))
+        self._client = MlflowClient(tracking_uri=connect_uri(tracking.get("tracking_uri", "sqlite:///mlflow.db")))
         experiment_id = get_or_create_experiment(self._client, tracking.get("experiment", "meshflow"))
         sweep = OmegaConf.to_container(config.hydra.overrides, resolve=False)
         choices = config.hydra.runtime.choices

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from parallel.config import MeshValue, ParallelConfig, Precision, mesh_shape_of
 from parallel.config import Section as _Section
+from trainer.config.chat_data import ChatDataConfig
 
 # ----------------------------------------------------------------------------- model
 
@@ -47,17 +48,52 @@ class RopeScaling(_Section):
         return value
 
 
+class LoRAConfig(_Section):
+    """Low-rank adapters (LoRA, as PEFT defines them): each targeted Linear computes
+    ``W x + (alpha / rank) * B A dropout(x)``, with ``A [rank, in]`` (kaiming-uniform) and ``B [out, rank]``
+    (zeros) trained and every other weight of the model frozen (no gradient, no optimizer state)."""
+
+    rank: int = Field(0, ge=0, description="Rank r of the adapters; 0 = no LoRA (full fine-tuning). Must be at most "
+                      "min(in, out) of every targeted Linear.")
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha: the update is scaled by alpha / rank (PEFT's "
+                                "lora_alpha). null = 2 * rank (a scaling of 2).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (PEFT's lora_dropout); 0 = none. "
+                           "A run with dropout draws other random numbers on every layout, so its losses are not one "
+                           "device's.")
+    targets: list[str] | None = Field(
+        None, description="Globs over the model's module names choosing the Linears that get adapters (`*` crosses "
+        "dots, as in parallel.placements), e.g. `[\"layers.*.attn.w[qv]\"]` or `[\"model.layers.*.self_attn.*_proj\"]`. "
+        "null = every attention and MLP projection (q, k, v, o, gate, up, down). A glob matching no Linear is refused.")
+    save_base: bool = Field(
+        False, description="Checkpoints also hold the frozen base weights. false = adapters (and their optimizer "
+        "state) only; the base comes again from model.path, train.init_from or train.seed on resume and export.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank: the factor of the adapters' update."""
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+
+
 class LlamaConfig(_Section):
     """A Llama-style decoder; the defaults are the tiny `gpt_debug` preset (trains in minutes on a CPU)."""
 
     arch: Literal["llama"] = Field("llama", description="Decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU).")
+    # No ceilings on widths here: the memory prediction refuses a model that does not fit
+    # (launch.memory_budget_gb) and the validator refuses more than MAX_LAYERS blocks before building.
     dim: int = Field(64, ge=1, description="Model (embedding) width.")
     n_layers: int = Field(4, ge=1, description="Number of transformer blocks, `layers.0` .. `layers.<n-1>`.")
     n_heads: int = Field(4, ge=1, description="Attention heads; `dim` must divide by it.")
     n_kv_heads: int | None = Field(2, ge=1, description="Key/value heads (grouped-query attention); null = n_heads.")
     vocab_size: int = Field(256, ge=2, description="Vocabulary size; 256 for the byte-level tokenizer.")
     ffn_hidden_dim: int = Field(172, ge=1, description="Hidden width of the SwiGLU MLP (w1, w3: dim -> hidden; w2: back).")
-    max_seq_len: int = Field(256, ge=1, description="Longest sequence the rotary table covers.")
+    # CPU and memory: the rotary table and the activation prediction grow with it (1e10 took the validator
+    # 23 s); 2**24 is above the longest published context (10M tokens).
+    max_seq_len: int = Field(256, ge=1, le=2**24, description="Longest sequence the rotary table covers; at most "
+                             "16777216.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal initialisation of linear and embedding weights.")
@@ -67,6 +103,8 @@ class LlamaConfig(_Section):
     rope_scaling: RopeScaling | None = Field(
         None, description="Llama 3.x rotary frequency scaling (type, factor, low_freq_factor, high_freq_factor, "
         "original_max_position_embeddings); null = plain RoPE.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (`model.lora.rank=16` turns "
+                             "them on); rank 0 = full fine-tuning.")
 
     @property
     def num_kv_heads(self) -> int:
@@ -97,6 +135,8 @@ class HFModelConfig(_Section):
         description="Directory with the model's config.json (model_type llama, mistral, qwen2 or qwen3), plus *.safetensors weights "
         "when present (random init from the config when absent). Nothing is downloaded.",
     )
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (`model.lora.rank=16` turns "
+                             "them on); rank 0 = full fine-tuning.")
 
 
 class CustomModelConfig(_Section):
@@ -127,8 +167,11 @@ class TextDataConfig(_Section):
         "which exists offline wherever the project runs.",
     )
     glob: str = Field("**/*.py", description="Glob (relative to root) selecting the files, read in sorted order.")
-    max_bytes: int = Field(8_000_000, ge=1024, description="Read at most this many bytes of the sorted files "
-                           "(the run says when it cuts the text short).")
+    # Every rank holds the text in memory (a byte per token): 1 GiB is 130x the default and past any
+    # byte-level experiment; bigger corpora are data=files' job, which memory-maps its tokens.
+    max_bytes: int = Field(8_000_000, ge=1024, le=2**30, description="Read at most this many bytes of the sorted "
+                           "files (the run says when it cuts the text short); at most 1073741824 (1 GiB: every rank "
+                           "holds the text in memory; use data=files for more).")
     val_fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this fraction of the token windows, from the "
                                 "end of the text, for validation.")
 
@@ -138,13 +181,18 @@ class SyntheticDataConfig(_Section):
     order: int = Field(1, ge=1, le=3, description="Markov order k: each token depends on the previous k.")
     num_symbols: int = Field(16, ge=2, le=256, description="Alphabet size (token ids 0 .. num_symbols-1).")
     concentration: float = Field(0.1, gt=0, description="Dirichlet concentration of the transition rows; small = peaky.")
-    num_tokens: int = Field(2_000_000, ge=1024, description="Length of the generated token stream.")
+    # Generating the stream takes ~17 bytes a token at once (float64 uniforms, int64 states) on every rank:
+    # 2**27 tokens is 2.3 GB, 67x the default, more than any entropy-rate experiment needs.
+    num_tokens: int = Field(2_000_000, ge=1024, le=2**27, description="Length of the generated token stream; at most "
+                            "134217728 (generated in memory on every rank).")
     seed: int = Field(1234, description="Seed of the chain and of the stream (independent of train.seed).")
 
 
 class RegressionDataConfig(_Section):
     kind: Literal["regression"] = Field("regression", description="x ~ N(0, 1), y = teacher(x) + noise; for the mlp model.")
-    num_samples: int = Field(65536, ge=16, description="Number of (x, y) pairs.")
+    # Samples are made on demand, but every epoch's order is a permutation of all of them (8 bytes each).
+    num_samples: int = Field(65536, ge=16, le=2**27, description="Number of (x, y) pairs; at most 134217728 (each "
+                             "epoch's order is a permutation of them all, in memory).")
     noise_std: float = Field(0.01, ge=0, description="Std of the Gaussian noise added to the teacher's output.")
     seed: int = Field(1234, description="Seed of the teacher and the samples.")
 
@@ -169,9 +217,12 @@ class FilesDataConfig(_Section):
     val_fraction: float = Field(
         0.0, ge=0, lt=1, description="Hold out this fraction of the token windows, from the end of the corpus, "
         "for validation (when val_paths is empty).")
+    packing: bool = Field(
+        False, description="Keep documents apart inside a window: each token attends only to its own document "
+        "and positions restart after every end-of-document token (false = the window is one sequence).")
 
 
-DATA_SECTIONS = (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig)
+DATA_SECTIONS = (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig, ChatDataConfig)
 DataConfig = Annotated[Union[DATA_SECTIONS], Field(discriminator="kind")]
 
 # ----------------------------------------------------------------------------- optim
@@ -222,13 +273,18 @@ class TrackingConfig(_Section):
     pictures: bool = Field(
         True, description="Draw the pipeline timeline (Chrome trace + PNG) and the placement picture, log them as "
         "MLflow artifacts under `pictures/` and print their paths; false skips both.")
+    # Every step adds an event per micro-batch, stage and pass to the trace and the picture, kept in memory
+    # until the end: 1000 steps is 500x the default, far more than a picture can show.
     timeline_steps: int = Field(
-        2, ge=1, description="Optimizer steps the measured pipeline timeline records (the run's last ones, "
-        "so start-up is not in the picture).")
+        2, ge=1, le=1000, description="Optimizer steps the measured pipeline timeline records (the run's last ones, "
+        "so start-up is not in the picture); at most 1000.")
     system_metrics: bool = Field(
         True, description="Record MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) on the "
         "main rank every `system_metrics_interval` seconds.")
-    system_metrics_interval: float = Field(10.0, gt=0, description="Seconds between system-metric samples.")
+    # A sample reads CPU, memory, disk, network and GPU counters and logs them: faster than once a second
+    # spends the main rank's CPU and floods the store; slower than an hour records next to nothing.
+    system_metrics_interval: float = Field(10.0, ge=1, le=3600, description="Seconds between system-metric "
+                                           "samples; from 1 to 3600.")
     log_model: bool = Field(
         True, description="When the run saved a checkpoint: the last one's weights as `model/model.safetensors` "
         "in the MLflow run (python -m trainer.export's file; train.init_from starts a run from it).")
@@ -240,18 +296,26 @@ class TrackingConfig(_Section):
 class CheckpointConfig(_Section):
     dir: str = Field("checkpoints", min_length=1, description="Directory holding `step_<n>` checkpoint folders.")
     every: int = Field(0, ge=0, description="Save every N steps; 0 saves never (except `save_final`).")
-    keep: int = Field(3, ge=1, description="Keep the newest K checkpoints, delete older ones.")
+    # Disk: each checkpoint is the whole model and optimizer state. Nobody keeps more than 1000 of them;
+    # a run that needs its whole history saves less often.
+    keep: int = Field(3, ge=1, le=1000, description="Keep the newest K checkpoints, delete older ones; at most 1000.")
     resume: str = Field("none", min_length=1, description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
     save_final: bool = Field(False, description="Also save after the last step.")
 
 
 class TrainConfig(_Section):
-    steps: int = Field(100, ge=1, description="Optimizer steps.")
-    global_batch_size: int = Field(16, ge=1, description="Sequences per optimizer step, summed over data-parallel ranks.")
-    seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
+    # Time: the longest published pre-training runs take ~1e6 optimizer steps; 1e8 is a century of 30 ms steps.
+    steps: int = Field(100, ge=1, le=10**8, description="Optimizer steps; at most 100000000.")
+    # Memory: the largest published batches are 65536 sequences (BERT with LAMB); 16x that.
+    global_batch_size: int = Field(16, ge=1, le=2**20, description="Sequences per optimizer step, summed over "
+                                   "data-parallel ranks; at most 1048576.")
+    # CPU and memory: as model.max_seq_len.
+    seq_len: int = Field(128, ge=1, le=2**24, description="Tokens per sequence; at most 16777216.")
     seed: int = Field(0, description="Seed of the initialisation and of the data order.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; null disables.")
-    grad_accum: int = Field(1, ge=1, description="Gradient-accumulation steps per optimizer step.")
+    # Time: a forward and backward per accumulation step; no batch splits into more than 65536 of them usefully.
+    grad_accum: int = Field(1, ge=1, le=65536, description="Gradient-accumulation steps per optimizer step; at most "
+                            "65536.")
     log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
     eval_every: int = Field(
         0, ge=0, description="With a validation split (data.val_fraction or data.val_paths): evaluate every N steps "
@@ -261,9 +325,10 @@ class TrainConfig(_Section):
         "from (0 unless resuming), a baseline for a fine-tune. null = on when weights are loaded (model=hf with "
         "safetensors in model.path, or train.init_from) and the run does not resume from a checkpoint; "
         "true needs a validation split (data.val_fraction or data.val_paths).")
+    # Time: every evaluation runs them all; 10000 batches is a validation set larger than most training sets.
     eval_batches: int = Field(
-        4, ge=1, description="Validation batches per evaluation (global_batch_size / grad_accum sequences each, "
-        "the same ones every time); fewer when the split is smaller.")
+        4, ge=1, le=10_000, description="Validation batches per evaluation (global_batch_size / grad_accum sequences "
+        "each, the same ones every time); fewer when the split is smaller; at most 10000.")
     precision: Precision = Field(
         "fp32", description="fp32, or bf16: bf16 compute with fp32 master weights, optimizer state and gradient "
         "reduction (FSDP2's mixed-precision policy under data parallelism, autocast otherwise).")
@@ -292,12 +357,15 @@ class LaunchConfig(_Section):
         None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         description="The rendezvous id every node of a run shares (the control plane sets the job id). null = a fresh "
         "one per run on one host; with several hosts, a digest of the config all nodes have in common.")
-    rdzv_timeout_s: float = Field(300, gt=0, description="Seconds a node waits for the others to join the rendezvous "
-                                  "before it gives up and says which nodes are missing.")
+    # Time: a node that waits holds its host; nodes start within minutes, and a day covers one queued behind others.
+    rdzv_timeout_s: float = Field(300, gt=0, le=86400, description="Seconds a node waits for the others to join the "
+                                  "rendezvous before it gives up and says which nodes are missing; at most 86400 (a day).")
     local_addr: str | None = Field(
         None, description="The address the other hosts reach this one at (its workers' store and gloo listen there). "
         "null = this host's name, as torch's launcher resolves it.")
-    max_restarts: int = Field(0, ge=0, description="Times torch's elastic agent restarts failed workers.")
+    # Time: every restart starts all workers again from the last checkpoint; a job failing 100 times will not pass.
+    max_restarts: int = Field(0, ge=0, le=100, description="Times torch's elastic agent restarts failed workers; "
+                              "at most 100.")
     log_dir: str | None = Field(
         "logs", description="Where the workers' per-rank log files go (torch elastic's log options): "
         "`<log_dir>/<run>/attempt_<n>/<rank>/stdout.log` and `stderr.log`, also uploaded to the MLflow run's "

@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from parallel.errors import ConfigError, ConfigIssue
 from trainer.config.schema import (
+    ChatDataConfig,
     FilesDataConfig,
     LlamaConfig,
     MLPConfig,
@@ -31,7 +33,7 @@ from trainer.data.synthetic import MarkovSource
 from trainer.data.text import TextSource
 from trainer.data.tokenizer import ByteTokenizer
 
-AnyDataConfig = TextDataConfig | SyntheticDataConfig | RegressionDataConfig | FilesDataConfig
+AnyDataConfig = TextDataConfig | SyntheticDataConfig | RegressionDataConfig | FilesDataConfig | ChatDataConfig
 AnyModelConfig = LlamaConfig | MLPConfig
 
 __all__ = [
@@ -67,18 +69,20 @@ def _require_language_model(kind: str, model_cfg: AnyModelConfig, vocab_needed: 
         )
 
 
-def _build_text(cfg: TextDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
+def _build_text(cfg: TextDataConfig, *, seq_len: int, model_cfg: AnyModelConfig, model_path: str | None) -> Source:
     _require_language_model("text", model_cfg, ByteTokenizer.vocab_size)
     return TextSource(cfg, seq_len)
 
 
-def _build_synthetic(cfg: SyntheticDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
+def _build_synthetic(cfg: SyntheticDataConfig, *, seq_len: int, model_cfg: AnyModelConfig,
+                     model_path: str | None) -> Source:
     _require_language_model("synthetic", model_cfg, cfg.num_symbols)
     return MarkovSource(cfg, seq_len)
 
 
-def _build_regression(cfg: RegressionDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
-    del seq_len  # vectors, not sequences
+def _build_regression(cfg: RegressionDataConfig, *, seq_len: int, model_cfg: AnyModelConfig,
+                      model_path: str | None) -> Source:
+    del seq_len, model_path  # vectors, not sequences
     in_features = getattr(model_cfg, "in_features", None)
     out_features = getattr(model_cfg, "out_features", None)
     if in_features is None or out_features is None:
@@ -89,11 +93,32 @@ def _build_regression(cfg: RegressionDataConfig, *, seq_len: int, model_cfg: Any
     return RegressionSource(cfg, in_features, out_features)
 
 
-def _build_files(cfg: FilesDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
+def _build_files(cfg: FilesDataConfig, *, seq_len: int, model_cfg: AnyModelConfig, model_path: str | None) -> Source:
     from trainer.data.files import FilesSource  # optional: datasets and tokenizers, the hf extra
 
     source = FilesSource(cfg, seq_len)
     _require_language_model("files", model_cfg, source.tokenizer.vocab_size)
+    return source
+
+
+def chat_tokenizer_path(cfg: ChatDataConfig, model_path: str | None) -> str:
+    """``data.tokenizer``, else the model's own directory (model=hf).
+
+    Raises:
+        ConfigError: at ``data.tokenizer`` when neither is given.
+    """
+    if cfg.tokenizer or model_path:
+        return cfg.tokenizer or model_path
+    raise ConfigError([ConfigIssue("data.tokenizer", "chat data needs a tokenizer with a chat template, and the "
+                                   "model (not model=hf) names no directory to take it from",
+                                   "set data.tokenizer to a model directory holding tokenizer.json")])
+
+
+def _build_chat(cfg: ChatDataConfig, *, seq_len: int, model_cfg: AnyModelConfig, model_path: str | None) -> Source:
+    from trainer.data.chat import ChatSource  # optional: transformers and datasets, the hf extra
+
+    source = ChatSource(cfg, seq_len, tokenizer=chat_tokenizer_path(cfg, model_path))
+    _require_language_model("chat", model_cfg, source.vocab_size)
     return source
 
 
@@ -102,11 +127,14 @@ SOURCE_REGISTRY: dict[str, Callable[..., Source]] = {
     "synthetic": _build_synthetic,
     "regression": _build_regression,
     "files": _build_files,
+    "chat": _build_chat,
 }
 
 
-def build_source(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> Source:
-    """The source ``data_cfg.kind`` names, sized for ``seq_len`` and the model's input/output widths.
+def build_source(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelConfig,
+                 model_path: str | None = None) -> Source:
+    """The source ``data_cfg.kind`` names, sized for ``seq_len`` and the model's input/output widths
+    (``model_path``: a Hugging Face model's directory, whose tokenizer chat data uses by default).
 
     Raises:
         ValueError: an unknown kind, or data that the model cannot consume.
@@ -114,7 +142,7 @@ def build_source(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelCo
     builder = SOURCE_REGISTRY.get(data_cfg.kind)
     if builder is None:
         raise ValueError(f"data.kind: {data_cfg.kind!r} is not a known source; choose one of {sorted(SOURCE_REGISTRY)}")
-    return builder(data_cfg, seq_len=seq_len, model_cfg=model_cfg)
+    return builder(data_cfg, seq_len=seq_len, model_cfg=model_cfg, model_path=model_path)
 
 
 @dataclass
@@ -127,11 +155,17 @@ class DataSplits:
     notes: list[str]
 
 
-def build_splits(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelConfig) -> DataSplits:
-    """The sources of a run: ``data.val_paths`` (files) are read like ``data.paths``; otherwise
-    ``data.val_fraction`` holds out the last windows of the one source."""
-    source = build_source(data_cfg, seq_len=seq_len, model_cfg=model_cfg)
+def build_splits(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelConfig,
+                 model_path: str | None = None) -> DataSplits:
+    """The sources of a run: ``data.val_paths`` (files, chat) are read like ``data.paths``; otherwise
+    ``data.val_fraction`` holds out the last windows (rows) of the one source."""
+    source = build_source(data_cfg, seq_len=seq_len, model_cfg=model_cfg, model_path=model_path)
     notes = source.notes() if hasattr(source, "notes") else []
+    if isinstance(data_cfg, ChatDataConfig) and data_cfg.val_paths:
+        from trainer.data.chat import ChatSource
+
+        val = ChatSource(data_cfg, seq_len, tokenizer="", paths=data_cfg.val_paths, key="data.val_paths", tok=source.tok)
+        return DataSplits(source, val, notes + [f"validation {note}" for note in val.notes()])
     if isinstance(data_cfg, FilesDataConfig) and data_cfg.val_paths:
         from trainer.data.files import FilesSource  # optional: datasets and tokenizers, the hf extra
 

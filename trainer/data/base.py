@@ -78,6 +78,18 @@ class TokenWindows:
         return f"{type(self).__name__}(tokens={len(self.tokens)}, seq_len={self.seq_len}, windows={len(self)})"
 
 
+def document_positions(inputs: Tensor, eos_id: int) -> Tensor:
+    """Each token's position in its document, counting from the row's start or the token after an
+    end-of-document id: ``[5, 9, EOS, 7, 3] -> [0, 1, 2, 0, 1]``. A document cut by a row boundary
+    starts again at 0 in the next row (positions stay below the row length)."""
+    index = torch.arange(len(inputs))
+    starts = torch.zeros(len(inputs), dtype=torch.bool)
+    starts[0] = True
+    starts[1:] = inputs[:-1] == eos_id
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=0).values
+    return index - first
+
+
 class WindowRange:
     """Samples ``start .. stop - 1`` of ``source``, renumbered from 0: a train or validation split.
 
@@ -88,11 +100,13 @@ class WindowRange:
         if not 0 <= start < stop <= len(source):
             raise ValueError(f"window range [{start}, {stop}) is empty or outside [0, {len(source)})")
         self.source, self.start, self.stop = source, start, stop
+        if hasattr(source, "target_count"):  # rows with masked targets (chat): their counts, renumbered too
+            self.target_count = lambda index: source.target_count(start + index)
 
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range [0, {len(self)})")
         return self.source[self.start + index]

@@ -27,10 +27,11 @@ import os
 from pathlib import Path
 
 import numpy as np
+from torch import Tensor
 
 from parallel.errors import ConfigError, ConfigIssue
 from trainer.config.schema import FilesDataConfig
-from trainer.data.base import TokenWindows
+from trainer.data.base import TokenWindows, document_positions
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 Tokenizer = ByteTokenizer | HFTokenizer
@@ -137,6 +138,13 @@ class FilesSource(TokenWindows):
         tokens = np.memmap(path, dtype=meta["dtype"], mode="r") if meta["tokens"] else np.zeros(0, np.uint16)
         super().__init__(tokens, seq_len, what=f"the {len(self.files)} file(s) of {key}")
 
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]:
+        inputs, targets = super().__getitem__(index)
+        if not self.cfg.packing:
+            return inputs, targets
+        return inputs, targets, document_positions(inputs, self.tokenizer.eos_id)  # documents kept apart
+
     def notes(self) -> list[str]:
+        packed = ", documents kept apart (data.packing)" if self.cfg.packing else ""
         return [f"data: {len(self.files)} file(s), {self.num_documents} documents, {len(self.tokens)} tokens "
-                f"({type(self.tokenizer).__name__}, vocab {self.tokenizer.vocab_size}), {len(self)} windows"]
+                f"({type(self.tokenizer).__name__}, vocab {self.tokenizer.vocab_size}), {len(self)} windows{packed}"]

@@ -83,8 +83,15 @@ class GlobalBatchLoader:
             int(self.permutation(g // num_samples)[g % num_samples]) for g in range(first_sample, first_sample + count)
         ]
 
-    def next_batch(self) -> tuple[Tensor, Tensor]:
-        """This rank's slice of the next global batch, stacked: ``[local_batch_size, ...]`` each.
+    def target_tokens(self, count: int) -> int:
+        """How many targets count in the loss among the next ``count`` global samples (all ranks'
+        shares: every rank gets the same number without communicating), from a source whose rows
+        know it (``target_count``: chat data)."""
+        return sum(self.source.target_count(i) for i in self.source_indices(self.next_sample, count))
+
+    def next_batch(self) -> tuple[Tensor, ...]:
+        """This rank's slice of the next global batch, stacked: ``[local_batch_size, ...]`` each
+        (inputs, targets, and the positions of packed documents where the source has them).
 
         Advances the position by the whole global batch, as every rank does, so the ranks
         stay in step without communicating.
@@ -92,13 +99,12 @@ class GlobalBatchLoader:
         first = self.next_sample + self.dp_rank * self.local_batch_size
         samples = [self.source[i] for i in self.source_indices(first, self.local_batch_size)]
         self.next_sample += self.global_batch_size
-        inputs, targets = zip(*samples)
-        return torch.stack(inputs), torch.stack(targets)
+        return tuple(torch.stack(column) for column in zip(*samples))
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         return self
 
-    def __next__(self) -> tuple[Tensor, Tensor]:
+    def __next__(self) -> tuple[Tensor, ...]:
         return self.next_batch()  # the stream is endless: epochs follow one another
 
     def state_dict(self) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""``python -m trainer.export CHECKPOINT [--format safetensors|hf] [--out PATH]``: full weights out.
+"""``python -m trainer.export CHECKPOINT [--format safetensors|hf|peft] [--out PATH]``: weights out.
 See :func:`trainer.export.weights.main`."""
 
 import sys

@@ -1,51 +1,59 @@
-"""``python -m trainer.export CHECKPOINT [--format safetensors|hf] [--out PATH]``: full weights out.
+"""``python -m trainer.export CHECKPOINT [--format safetensors|hf|peft] [--out PATH]``: weights out.
 
 Any checkpoint — saved on any mesh, sharded by FSDP, TP or cut into pipeline stages — holds
 the full model's parameter names (DCP + FQN-preserving stages), so one process can gather it
 into the plain model. The file loads into ``build_model(cfg)`` on one device, and a run can
 start from it with ``train.init_from=FILE``.
 
+A LoRA run's checkpoint holds its adapters (and by default not the frozen base, which is read again
+from ``model.path``, ``train.init_from`` or the seed the run recorded). ``safetensors`` and ``hf``
+write the adapters merged into the base weights (``W + alpha / rank * B @ A``: the model without
+LoRA); ``peft`` writes the adapters alone as a PEFT adapter directory (:mod:`trainer.export.peft`).
+
     python -m trainer.export checkpoints/step_00000100 --out model.safetensors
     python -m trainer.export checkpoints/step_00000100 --format hf --out exported/   # transformers loads it
+    python -m trainer.export checkpoints/step_00000100 --format peft --out adapter/  # peft loads it
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 from pydantic import TypeAdapter
 
 from parallel.sharding.ties import alias_names, first_names, tied_groups
-from trainer.checkpoint.dcp import CheckpointError, read_extra
-from trainer.config.schema import ModelConfig
+from trainer.checkpoint.dcp import CheckpointError, read_extra, stored_model_keys
+from trainer.checkpoint.safe_read import load_dcp
+from trainer.config.schema import LoRAConfig, ModelConfig
 from trainer.export.hf import export_hf
+from trainer.export.peft import export_peft
 from trainer.models import build_model
 from trainer.models.fingerprint import mismatches, module_fingerprints
 from trainer.models.init import local_box
+from trainer.models.lora import is_adapter, merged_state, trainable_names
 
 
 def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict]:
     """``(the plain model with the checkpoint's weights, its config, the checkpoint's extra state)``,
     gathered into one process from any mesh's checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
     extra = read_extra(checkpoint)
     model_cfg = TypeAdapter(ModelConfig).validate_python(extra["model_config"])
-    model = build_model(model_cfg, seed=0)
-    state = {"model": unique_state_dict(model)}  # a tie is stored under its first name (trainer.checkpoint.tied_keys)
-    try:
-        with warnings.catch_warnings():  # one process reading on purpose: DCP's warning says so
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
-            raise
-        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: {exc}") from exc
+    base = extra.get("base") or {}  # a LoRA checkpoint without its frozen base: where the run's came from
+    model = build_model(model_cfg, seed=base.get("seed", 0))
+    if base.get("init_from"):
+        load_weights(model, base["init_from"])
+    own = unique_state_dict(model)  # a tie is stored under its first name (trainer.checkpoint.tied_keys)
+    held = stored_model_keys(checkpoint)
+    lacking = sorted(k for k in own if k not in held and k in trainable_names(model))
+    if lacking:
+        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: it lacks the trained parameters {lacking[:4]}")
+    state = {"model": {k: v for k, v in own.items() if k in held}}
+    load_dcp(state, checkpoint, no_dist=True)  # one process reading on purpose
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if k in held]  # a frozen base weight left out keeps the value built above
     if set(missing) - alias_names(model) or unexpected:  # an alias shares its first name's tensor, now loaded
         raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: missing {missing[:4]}, unexpected {unexpected[:4]}")
     if "fingerprints" in extra and (wrong := mismatches(module_fingerprints(model), extra["fingerprints"], tied_groups(model))):
@@ -56,12 +64,19 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = "safetensors") -> dict[str, int]:
     """Write the checkpoint's model weights to ``out`` (a file; a directory for ``format="hf"``,
-    see :mod:`trainer.export.hf`, with the run's tokenizer when it had one); return
-    {"tensors": n, "bytes": size}."""
+    see :mod:`trainer.export.hf`, with the run's tokenizer when it had one, and for ``"peft"``, see
+    :mod:`trainer.export.peft`); return {"tensors": n, "bytes": size}. LoRA adapters are merged into
+    their base weights except for ``peft``, which writes them alone."""
     from safetensors.torch import save_file
 
     model, model_cfg, extra = load_checkpoint_model(checkpoint)
+    if format == "peft":
+        return export_peft(model, model_cfg, out)
     state = unique_state_dict(model)
+    lora = getattr(model_cfg, "lora", None)
+    if lora is not None and lora.enabled:  # the model without LoRA, whose weights hold the adapters' update
+        state = merged_state(model, state)
+        model_cfg = model_cfg.model_copy(update={"lora": LoRAConfig()})
     if format == "hf":
         return export_hf(state, model_cfg, out, tokenizer=(extra.get("data_config") or {}).get("tokenizer"))
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
@@ -87,7 +102,8 @@ def check_weights_fit(model: torch.nn.Module, path: str | Path) -> None:
         raise FileNotFoundError(f"train.init_from: {str(path)!r} does not exist (give a file written by python -m trainer.export)")
     with safe_open(str(path), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    own = {k: tuple(v.shape) for k, v in unique_state_dict(model).items()}
+    # LoRA's adapters start from the seed: a file holds the base model's weights.
+    own = {k: tuple(v.shape) for k, v in unique_state_dict(model).items() if not is_adapter(k)}
     missing, unexpected = sorted(own.keys() - shapes.keys()), sorted(shapes.keys() - own.keys())
     wrong = sorted(k for k in own.keys() & shapes.keys() if own[k] != shapes[k])
     if missing or unexpected or wrong:
@@ -114,6 +130,8 @@ def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Pat
         in_file = set(f.keys())
         for part in parts:
             for name, tensor in unique_state_dict(part).items():  # a tied alias shares the first name's tensor
+                if is_adapter(name):  # LoRA's adapters start from the seed; the file holds the base model's weights
+                    continue
                 key = name if name in in_file else first.get(name, name)
                 offset, local = local_box(tensor)
                 block = f.get_slice(key)[tuple(slice(o, o + k) for o, k in zip(offset, local))] if local else f.get_tensor(key)
@@ -124,12 +142,13 @@ def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Pat
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step_<n> checkpoint directory")
-    parser.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
-                        help="safetensors: one file for train.init_from; hf: a Hugging Face model directory")
-    parser.add_argument("--out", default=None, help="output file, or directory with --format hf "
-                                                    "(default model.safetensors / hf_model)")
+    parser.add_argument("--format", choices=["safetensors", "hf", "peft"], default="safetensors",
+                        help="safetensors: one file for train.init_from; hf: a Hugging Face model directory (LoRA "
+                        "adapters merged into the weights); peft: a LoRA run's adapters as a PEFT adapter directory")
+    parser.add_argument("--out", default=None, help="output file, or directory with --format hf / peft "
+                                                    "(default model.safetensors / hf_model / adapter)")
     args = parser.parse_args(argv)
-    args.out = args.out or ("hf_model" if args.format == "hf" else "model.safetensors")
+    args.out = args.out or {"hf": "hf_model", "peft": "adapter"}.get(args.format, "model.safetensors")
     try:
         info = export_checkpoint(args.checkpoint, args.out, format=args.format)
     except (CheckpointError, KeyError, ValueError) as err:

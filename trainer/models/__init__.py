@@ -33,6 +33,25 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
+class TargetMeanLoss:
+    """Next-token cross-entropy summed over the targets that count (not ``-100``) and divided by
+    the global batch's target count: ``sum / (rows * tokens_per_row)``, where ``tokens_per_row`` is
+    that count over the global batch's rows, set by the loop before each step.
+
+    Every micro-batch, rank and accumulation batch is one equal slice of rows, and the engine
+    averages their losses (and data parallelism their gradients); with this scaling the average is
+    the sum over the whole global batch divided by its target count once, whatever slices carry
+    how many targets. A per-slice mean would weigh a slice's few targets like another's many.
+    """
+
+    def __init__(self) -> None:
+        self.tokens_per_row = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
+        return total / (targets.shape[0] * self.tokens_per_row)
+
+
 def mse_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean squared error over every element."""
     return F.mse_loss(output.float(), targets.float())
@@ -63,7 +82,7 @@ def build_model(cfg: ModelCfg, *, device: str | torch.device = "cpu", seed: int 
 
         return build_custom_model(cfg, device=device, seed=seed)
     model_cls = _lookup(MODEL_REGISTRY, cfg.arch)
-    with torch.device(device):
+    with torch.device(device):  # the built-in Llama reads cfg.lora: adapters and frozen weights (trainer.models.lora)
         model = model_cls(cfg)
     if torch.device(device).type != "meta":
         model.init_weights(seed)
@@ -100,8 +119,11 @@ def decoder_config(cfg: ModelCfg) -> LlamaConfig | None:
     return cfg if isinstance(cfg, LlamaConfig) else None
 
 
-def loss_fn_for(cfg: ModelCfg) -> LossFn:
-    """The training loss of ``cfg.arch`` (a custom model names its own): ``loss(output, targets) -> scalar`` (mean)."""
+def loss_fn_for(cfg: ModelCfg, *, masked: bool = False) -> LossFn:
+    """The training loss of ``cfg.arch`` (a custom model names its own): ``loss(output, targets) -> scalar`` (mean).
+    ``masked``: the data marks targets that do not count (chat): a :class:`TargetMeanLoss`."""
+    if masked:
+        return TargetMeanLoss()
     if cfg.arch == "custom":
         return {"lm": lm_loss, "mse": mse_loss}[cfg.loss]
     return _lookup(LOSS_REGISTRY, cfg.arch)
@@ -119,6 +141,7 @@ __all__ = [
     "FeedForward",
     "MatmulMLP",
     "RMSNorm",
+    "TargetMeanLoss",
     "Transformer",
     "TransformerBlock",
     "build_model",

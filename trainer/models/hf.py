@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from trainer.config.schema import HFModelConfig, LlamaConfig
 from trainer.models.llama import Transformer
+from trainer.models.lora import is_adapter
 
 # The Llama layout and its kin: Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms and a free head_dim.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -120,7 +121,7 @@ def build_hf_model(cfg: HFModelConfig, *, device: str | torch.device = "cpu", se
     shapes only). A sharded run loads them after parallelizing instead: :func:`load_hf_sharded`."""
     llama, tied = read_hf_config(cfg.path)
     with torch.device(device):
-        model = Transformer(llama, layout="hf", tie_embeddings=tied)
+        model = Transformer(llama, layout="hf", tie_embeddings=tied, lora=cfg.lora)
     if torch.device(device).type == "meta":
         return model
     model.init_weights(seed)
@@ -143,7 +144,8 @@ def load_hf_sharded(parts: list[torch.nn.Module], path: str) -> None:
     state: dict[str, torch.Tensor] = {}
     for part in parts:
         state.update(part.state_dict())
-    missing = sorted(k for k in state if k not in in_files and not (tied and k == "lm_head.weight"))
+    # LoRA adapters are not in the base model's files: they start from the seed.
+    missing = sorted(k for k in state if k not in in_files and not (tied and k == "lm_head.weight") and not is_adapter(k))
     if missing:
         raise HFModelError(f"the safetensors weights do not fit config.json: missing {missing[:4]}",
                            "give the weights saved with this config.json")
@@ -158,7 +160,7 @@ def load_hf_weights(model: Transformer, files: list[Path], *, tied: bool) -> Non
         state.update(load_file(str(file)))
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}  # derived tables, rebuilt by the model
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    missing = [k for k in missing if not (tied and k == "lm_head.weight") and not is_adapter(k)]
     if missing or unexpected:
         raise HFModelError(f"the safetensors weights do not fit config.json: missing {missing[:4]}, unexpected "
                            f"{unexpected[:4]}", "give the weights saved with this config.json")

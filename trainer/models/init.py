@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-InitKind = Literal["normal", "ones", "zeros"]
+InitKind = Literal["normal", "uniform", "ones", "zeros"]
 # Maps a parameter FQN to how it is initialised: (kind, std).
 InitRule = Callable[[str], tuple[InitKind, float]]
 
@@ -57,7 +57,8 @@ def init_parameter(
 ) -> torch.Tensor:
     """The full (unsharded) initial value of parameter ``fqn``: a CPU fp32 tensor of ``shape``.
 
-    ``kind="normal"`` draws N(0, std) from a generator seeded by :func:`stable_seed`;
+    ``kind="normal"`` draws N(0, std) from a generator seeded by :func:`stable_seed`, ``"uniform"``
+    U(-std, std) (LoRA's kaiming-uniform ``lora_A``: small, so a shard slices the full value);
     ``"ones"``/``"zeros"`` ignore ``std`` and the seed. Generation is always on CPU in fp32 so
     the values do not depend on the device or the parameter dtype.
     """
@@ -67,6 +68,8 @@ def init_parameter(
     if kind == "zeros":
         return torch.zeros(shape, dtype=torch.float32, device="cpu")
     generator = torch.Generator(device="cpu").manual_seed(stable_seed(seed, fqn))
+    if kind == "uniform":
+        return torch.rand(shape, generator=generator, dtype=torch.float32, device="cpu") * (2 * std) - std
     return torch.normal(0.0, std, size=shape, generator=generator, dtype=torch.float32, device="cpu")
 
 
@@ -145,6 +148,9 @@ def initial_block(shape: Sequence[int] | torch.Size, offset: Sequence[int], loca
         return torch.zeros(local, dtype=torch.float32)
     if any(k == 0 for k in local):
         return torch.empty(local, dtype=torch.float32)
+    if kind == "uniform":
+        full = init_parameter(shape, fqn, seed, std, kind=kind)
+        return full[tuple(slice(o, o + k) for o, k in zip(offset, local))].clone()
     return _normal_block(shape, offset, local, fqn, seed, std)
 
 

@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config.schema import LlamaConfig, RopeScaling
+from trainer.config.schema import LlamaConfig, LoRAConfig, RopeScaling
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
+from trainer.models.lora import adapter_init, apply_lora
 
 
 class Names(NamedTuple):
@@ -97,7 +98,7 @@ def llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Te
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "pairs") -> torch.Tensor:
     """Rotate pairs of dimensions of ``x: [B, T, H, D]`` by the angles at each position.
 
-    ``cos``/``sin`` are ``[T, D // 2]``. ``pairs`` rotates adjacent ``(x[2i], x[2i+1])``, Meta's
+    ``cos``/``sin`` are ``[T, D // 2]``, or ``[B, T, D // 2]`` at each row's own positions. ``pairs`` rotates adjacent ``(x[2i], x[2i+1])``, Meta's
     Llama convention; ``halves`` rotates ``(x[i], x[i + D/2])``, Hugging Face's. Written in real
     arithmetic so it works for any dtype and under DTensor.
     """
@@ -106,10 +107,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
         x0, x1 = pairs[..., 0], pairs[..., 1]
     else:
         x0, x1 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = (cos[:, :, None, :], sin[:, :, None, :]) if cos.dim() == 3 else (cos[None, :, None, :], sin[None, :, None, :])
     r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
     rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if style == "pairs" else torch.cat((r0, r1), dim=-1)
     return rotated.type_as(x)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, T, T]`` boolean: token i attends to token j <= i of its own document, a document being
+    a run of ``positions`` starting at 0 (packed rows: :mod:`trainer.data.chat`). Every token sees
+    itself, so no row of the mask is empty."""
+    document = (positions == 0).cumsum(dim=1)
+    same = document[:, :, None] == document[:, None, :]
+    seqlen = positions.shape[1]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=positions.device).tril()
+    return (same & causal)[:, None]
 
 
 class Attention(nn.Module):
@@ -148,7 +160,9 @@ class Attention(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions [B, T]`` (packed documents): rotary angles at each token's own position, and
+        attention within its document only (:func:`document_mask`); ``None``: ``0 .. T-1``, causal."""
         bsz, seqlen, _ = x.shape
         if seqlen > self.max_seq_len:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.max_seq_len}")
@@ -159,14 +173,21 @@ class Attention(nn.Module):
         v = getattr(self, n.v)(x).view(bsz, seqlen, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        if positions is None:
+            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         q, k = apply_rope(q, cos, sin, n.rope), apply_rope(k, cos, sin, n.rope)
         # Query head i reads kv head i // n_rep; sharding heads contiguously keeps groups whole.
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if positions is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
         return getattr(self, n.o)(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -196,9 +217,10 @@ class TransformerBlock(nn.Module):
         self.add_module(names.mlp_norm, RMSNorm(cfg.dim, cfg.norm_eps))
         self.add_module(names.mlp, FeedForward(cfg.dim, cfg.ffn_hidden_dim, names))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         n = self._names
-        h = x + getattr(self, n.attn)(getattr(self, n.attn_norm)(x))
+        # positions by keyword: tensor-parallel input styles prepare the positional inputs only.
+        h = x + getattr(self, n.attn)(getattr(self, n.attn_norm)(x), positions=positions)
         return h + getattr(self, n.mlp)(getattr(self, n.mlp_norm)(h))
 
 
@@ -213,10 +235,12 @@ class Transformer(nn.Module):
     ``layout="hf"`` names the same pieces as Hugging Face's ``LlamaForCausalLM``
     (``model.embed_tokens``, ``model.layers.<i>.self_attn.q_proj``, ..., ``lm_head``) and rotates
     halves, so its state dict is a Llama-family checkpoint's, key for key and value for value.
+    ``lora`` (default: ``cfg.lora``) with a rank gives the targeted projections adapters and freezes
+    the rest (:mod:`trainer.models.lora`).
     """
 
     def __init__(self, cfg: LlamaConfig, *, layout: Literal["meshflow", "hf"] = "meshflow",
-                 tie_embeddings: bool = False) -> None:
+                 tie_embeddings: bool = False, lora: LoRAConfig | None = None) -> None:
         super().__init__()
         if cfg.head_dim is None and cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim {cfg.dim} is not divisible by model.n_heads {cfg.n_heads}")
@@ -240,6 +264,15 @@ class Transformer(nn.Module):
             self.model.embed_tokens, self.model.layers, self.model.norm = embed, layers, norm
             self.lm_head = head
             self.pieces = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
+        lora = lora if lora is not None else cfg.lora
+        if lora.enabled:
+            apply_lora(self, lora, default_targets=self.lora_targets())
+
+    def lora_targets(self) -> list[str]:
+        """The default LoRA targets: every attention and MLP projection of every block."""
+        n, blocks = self.names, self.pieces[1] + ".*"
+        return ([f"{blocks}.{n.attn}.{p}" for p in (n.q, n.k, n.v, n.o)]
+                + [f"{blocks}.{n.mlp}.{p}" for p in (n.gate, n.up, n.down)])
 
     def _piece(self, path: str) -> nn.Module | None:
         # A pipeline stage may have set a piece to None or deleted it.
@@ -250,13 +283,14 @@ class Transformer(nn.Module):
                 return None
         return node
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens [B, T]`` -> logits ``[B, T, vocab]``; on a pipeline stage without the
-        embedding the input is the previous stage's activations ``[B, T, dim]``."""
+        embedding the input is the previous stage's activations ``[B, T, dim]``. ``positions
+        [B, T]``: packed documents (each attends only to itself; see :class:`Attention`)."""
         embed, layers, norm, head = (self._piece(p) for p in self.pieces)
         h = embed(tokens) if embed is not None else tokens
         for layer in layers.values() if layers is not None else ():
-            h = layer(h)
+            h = layer(h) if positions is None else layer(h, positions=positions)
         h = norm(h) if norm is not None else h
         return head(h) if head is not None else h
 
@@ -286,6 +320,8 @@ class Transformer(nn.Module):
     def _init_rule(self, fqn: str) -> tuple[InitKind, float]:
         module_name = fqn.rpartition(".")[0]
         module = self.get_submodule(module_name)
+        if (adapter := adapter_init(fqn, module)) is not None:
+            return adapter
         if isinstance(module, nn.RMSNorm):
             return "ones", 0.0
         if isinstance(module, nn.Linear) and fqn.endswith(".bias"):

@@ -23,7 +23,8 @@ BYTES = 4  # fp32 master weights, gradients and AdamW state
 @dataclass(frozen=True)
 class RankHoldings:
     """What one pp rank holds: its stages, its tp-local parameter count, and the bytes (dp-sharded)
-    of its fp32 weights, gradients and AdamW moments."""
+    of its fp32 weights, gradients and AdamW moments (the last two of the parameters that train:
+    with LoRA, the adapters only)."""
 
     pp_rank: int
     stages: list[int]
@@ -89,12 +90,14 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     shard_dp = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
     stage_params = [0] * num_stages
     stage_local = [0.0] * num_stages
+    stage_trainable = [0.0] * num_stages  # frozen weights (LoRA's base) have no gradient nor AdamW state
     for fqn, p in model.named_parameters():
         axes = plan.placements.get(fqn, {})
         tp_div = math.prod(plan.mesh.size(a) for a, pl in axes.items() if pl.is_shard)
         s = stage_of[plan.unit_of(fqn)]
         stage_params[s] += p.numel()
         stage_local[s] += p.numel() / tp_div
+        stage_trainable[s] += p.numel() / tp_div if p.requires_grad else 0.0
 
     spr = pp.stages_per_rank if pp else 1
     per_rank = []
@@ -102,8 +105,9 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
         stages = [s for s in range(num_stages) if owner[s] == r]
         local = sum(stage_local[s] for s in stages)
         sharded = local / shard_dp  # weights, gradients and each AdamW moment
+        trained = sum(stage_trainable[s] for s in stages) / shard_dp
         per_rank.append(RankHoldings(pp_rank=r, stages=stages, params=int(local), param_bytes=sharded * BYTES,
-                                     grad_bytes=sharded * BYTES, optim_bytes=2 * sharded * BYTES))
+                                     grad_bytes=trained * BYTES, optim_bytes=2 * trained * BYTES))
 
     m = cfg.num_microbatches
     # (p-1)/(m+p-1), over v for interleaving; the zero-bubble schedules' own (parallel.pipeline.order).

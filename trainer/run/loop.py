@@ -30,13 +30,15 @@ from trainer.checkpoint.dcp import (
 from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig
 from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
-from trainer.models import build_model, decoder_config, loss_fn_for
+from trainer.models import TargetMeanLoss, build_model, decoder_config, loss_fn_for
 from trainer.models.fingerprint import check_fingerprints, model_fingerprints
 from trainer.models.hf import weight_files
+from trainer.models.init import canonical_fqn
 from trainer.pictures.timeline_chart import timeline_pictures
 from trainer.planner.memory.host import unmap_freed_memory
 from trainer.planner.memory.predict import predict_memory
 from trainer.run.build import build_parallel_model
+from trainer.run.disk import naming_a_full_disk, state_bytes
 from trainer.run.metrics import MemoryMeter, Progress
 from trainer.tracking.tracker import Tracker
 
@@ -100,7 +102,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     t = cfg.train
     device = resolve_device(cfg.device, device_index)
     torch.manual_seed(t.seed)
-    splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model)
+    splits = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model,
+                          model_path=getattr(cfg.model, "path", None))
     source, val_source = splits.train, splits.val
     if cfg.launch.unmap_freed_memory and device.type == "cpu":
         unmap_freed_memory()
@@ -114,8 +117,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             tracker.log_metrics({"predicted_peak_memory_mb": predicted}, step=0)
             progress.log(f"memory: predicted peak {predicted:,.0f} MiB per rank")
     pm = build_parallel_model(cfg, device)
+    # LoRA: only the adapters train; frozen base weights get no gradient and no AdamW state.
     optimizer = torch.optim.AdamW(
-        list(pm.parameters()), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+        [p for p in pm.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, t.steps))
@@ -125,14 +129,17 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     # on another dp size continues at the same sample.
     loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,
                                dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
-    loss_fn = loss_fn_for(cfg.model)
+    loss_fn = loss_fn_for(cfg.model, masked=hasattr(source, "target_count"))
     result = TrainResult()
     ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer, tied=pm.tied_names)
+    frozen = frozen_names(pm)  # LoRA's base: from model.path, train.init_from or the seed again, not the checkpoint
+    lora = getattr(cfg.model, "lora", None)
+    skip = frozen if lora is not None and lora.enabled and not lora.save_base else set()
 
     start = 0
     if path := resolve_resume(t.checkpoint.resume, t.checkpoint.dir):
         check_model_config(path, read_extra(path)["model_config"], cfg.model.model_dump(mode="json"))
-        extra = load_checkpoint(path, **ckpt_kwargs)
+        extra = load_checkpoint(path, **ckpt_kwargs, may_lack=frozen)
         if "fingerprints" in extra:  # what the saving mesh held, checked on this one before step 1
             check_fingerprints(pm, extra["fingerprints"], what=f"train.checkpoint.resume ({path})")
         start = int(extra["step"])
@@ -155,9 +162,10 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         began = time.perf_counter()
         with recorder.step(step, record=step >= record_from):
             local_loss = None
+            _count_targets(loss_fn, loader, t.global_batch_size)  # the step's (every accumulation batch's)
             for _ in range(t.grad_accum):
-                inputs, targets = (x.to(device) for x in loader.next_batch())
-                loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum)
+                inputs, targets, positions = _on(device, loader.next_batch())
+                loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum, positions=positions)
                 if loss is not None:
                     local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
             with recorder.mark("optimizer"):
@@ -188,8 +196,10 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             began_save = time.perf_counter()
             extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                      "rng": _rng_state(), "model_config": cfg.model.model_dump(mode="json"),
-                     "data_config": cfg.data.model_dump(mode="json"), "fingerprints": model_fingerprints(pm)}
-            saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, **ckpt_kwargs)
+                     "data_config": cfg.data.model_dump(mode="json"), "fingerprints": model_fingerprints(pm),
+                     "base": {"seed": t.seed, "init_from": t.init_from}}  # where frozen weights left out come from
+            with naming_a_full_disk(ckpt.dir, needed_bytes=state_bytes(ckpt_kwargs["model"], optimizer)):
+                saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, skip=skip, **ckpt_kwargs)
             seconds = time.perf_counter() - began_save
             if rank == 0:
                 nbytes = checkpoint_bytes(saved)["total"]
@@ -234,11 +244,25 @@ def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, dev
     try:
         losses = []
         for _ in range(t.eval_batches):
-            inputs, targets = (x.to(device) for x in loader.next_batch())
-            losses.append(pm.reduce_loss(pm.evaluate(inputs, targets, loss_fn)))
+            _count_targets(loss_fn, loader, loader.global_batch_size)
+            inputs, targets, positions = _on(device, loader.next_batch())
+            losses.append(pm.reduce_loss(pm.evaluate(inputs, targets, loss_fn, positions)))
     finally:
         pm.train(True)
     return sum(losses) / len(losses)
+
+
+def _count_targets(loss_fn, loader: GlobalBatchLoader, samples: int) -> None:
+    """Give a :class:`TargetMeanLoss` the mean target count per row of the next ``samples`` global
+    samples (a no-op for other losses: every target counts)."""
+    if isinstance(loss_fn, TargetMeanLoss):
+        loss_fn.tokens_per_row = max(1, loader.target_tokens(samples)) / samples
+
+
+def _on(device: torch.device, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(inputs, targets, positions or None)`` of a loader batch, on ``device``."""
+    inputs, targets, *rest = (x.to(device) for x in batch)
+    return inputs, targets, (rest[0] if rest else None)
 
 
 def _eval_at_start(cfg: RunConfig, *, resumed: bool) -> bool:
@@ -263,6 +287,12 @@ def _predicted_peak_mb(cfg: RunConfig) -> float:
     return max(e.total for e in predict_memory(cfg, plan)) / 2**20
 
 
+def frozen_names(pm: ParallelModel) -> set[str]:
+    """The canonical FQNs of this rank's parameters that do not train (LoRA's base weights)."""
+    return {canonical_fqn(name) for part in pm.model_parts
+            for name, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 def _per_rank(value: float, pm: ParallelModel, device: torch.device) -> list[float]:
     """``value`` of every rank, in rank order (a collective: every rank calls it)."""
     if pm.mesh is None:
@@ -281,4 +311,5 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    version, internal, gauss_next = state["python"]  # lists once stored as JSON; random wants tuples
+    random.setstate((version, tuple(internal), gauss_next))

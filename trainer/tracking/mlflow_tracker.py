@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.schema import TrackingConfig
+from trainer.tracking.credentials import connect_uri
 from trainer.tracking.tracker import NullTracker, RunStatus, Tracker, TrackingError, uninterrupted
 
 log = logging.getLogger(__name__)
@@ -91,15 +92,18 @@ def readable_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, st
 # --------------------------------------------------------------------------- MLflow
 
 
-def get_or_create_experiment(client: Any, name: str) -> str:
+def get_or_create_experiment(client: Any, name: str, artifact_location: str | None = None) -> str:
     """The id of MLflow experiment ``name`` in ``client``'s store, created when missing (also when
-    another process creates it at the same moment); :class:`TrackingError` if it is deleted."""
+    another process creates it at the same moment); :class:`TrackingError` if it is deleted.
+    ``artifact_location``: where a new experiment's runs keep their artifacts (null: the store's
+    default, which for a database store is ``./mlruns`` below the creating process's directory)."""
     from mlflow.exceptions import MlflowException
 
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
-            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+            return client.create_experiment(name, artifact_location=artifact_location,
+                                            tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
         except MlflowException:  # another process created it first
             experiment = client.get_experiment_by_name(name)
             if experiment is None:
@@ -129,7 +133,7 @@ class MLflowTracker:
         from mlflow.exceptions import MlflowException  # lazy: `tracking=none` needs no MLflow
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=cfg.tracking_uri)
+        self._client = MlflowClient(tracking_uri=connect_uri(cfg.tracking_uri))  # credentials from the environment
         self._uri = cfg.tracking_uri
         self._finished = False
         run_id = run_id or cfg.run_id

@@ -30,9 +30,30 @@ MODEL_TRAINING_VIEW = "workflowType=machine_learning"
 SWEEP_JOB_TAG = "sweep_job"  # the job's number in a --multirun (trainer.cli.main sets it)
 # The config keys never sent to MLflow: where it is (a URL that may hold credentials) and which run.
 NOT_LOGGED = ("tracking.tracking_uri", "tracking.run_id")
-SECRET_KEY = re.compile(r"pass(word|wd)?|secret|token|api[_-]?key|credential|auth", re.IGNORECASE)
+# A key names a secret by one of its words (split at `_`, `-`, `.` and camelCase humps): `hf_token`,
+# `apiKey`, `db.password`. Not a substring test: `num_tokens`, `eos_token`, `tokenizer`, `author`
+# and `max_tokens_per_s` are a count, a piece of text, a path, a name and a rate, never a secret.
+SECRET_WORDS = frozenset({"password", "passwords", "passwd", "pass", "pwd", "passphrase", "secret", "secrets", "token", "tokens",
+                          "apikey", "credential", "credentials", "auth", "authorization", "bearer", "cookie"})
+SECRET_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("client", "secret")})
+# Words that make a "token" a unit of text (a count of them, a special one, its id) rather than a credential.
+TEXT_TOKEN_WORDS = frozenset({"num", "n", "max", "min", "total", "count", "per", "seq", "eos", "bos", "pad", "unk",
+                              "sep", "cls", "mask", "special", "id", "ids", "len", "length", "budget"})
+_WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.\-]*://)(?P<user>[^/@\s:]*)(:[^/@\s]*)?@", re.IGNORECASE)
 MASK = "***"
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether a config or tag key names a secret (see :data:`SECRET_WORDS`)."""
+    words = [w.lower() for w in _WORD.findall(str(key))]
+    if any(pair in SECRET_PAIRS for pair in zip(words, words[1:])):
+        return True
+    secret = [w for w in words if w in SECRET_WORDS]
+    if not secret:
+        return False
+    # `num_tokens`, `eos_token`, `pad_token_id`: text tokens; a password word is a secret whatever surrounds it.
+    return any(w not in ("token", "tokens") for w in secret) or not any(w in TEXT_TOKEN_WORDS for w in words)
 
 
 def redact(text: str) -> str:
@@ -47,7 +68,7 @@ def public_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
         path = f"{prefix}{key}"
         if path in NOT_LOGGED:
             continue
-        if SECRET_KEY.search(str(key)) and value not in (None, "", {}, []):
+        if is_secret_key(str(key)) and value not in (None, "", {}, []):
             out[key] = MASK
         elif isinstance(value, Mapping):
             out[key] = public_config(value, prefix=f"{path}.")
@@ -98,7 +119,7 @@ def run_tags(cfg: RunConfig) -> dict[str, str]:
         tags["git_commit"] = tags["mlflow.source.git.commit"] = commit
     if parent := os.environ.get("MESHFLOW_SWEEP_PARENT_RUN"):  # a sweep's job (trainer.cli.sweep)
         tags["mlflow.parentRunId"] = parent
-    tags.update({key: MASK if SECRET_KEY.search(key) else redact(str(value)) for key, value in cfg.tracking.tags.items()})
+    tags.update({key: MASK if is_secret_key(key) else redact(str(value)) for key, value in cfg.tracking.tags.items()})
     return tags
 
 

@@ -29,6 +29,7 @@ from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.models import build_model
 from trainer.pictures.placement import write_placement
 from trainer.planner.report import describe_plan
+from trainer.tracking.credentials import connect_uri
 from trainer.tracking.run_info import public_config, redact, run_tags, run_url, ui_command
 from trainer.tracking.tracker import NullTracker, Tracker
 
@@ -107,7 +108,7 @@ def system_metrics(cfg: TrackingConfig, tracker: Tracker) -> Iterator[None]:
 
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices are noise here
     monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=cfg.system_metrics_interval,
-                                   tracking_uri=cfg.tracking_uri)
+                                   tracking_uri=connect_uri(cfg.tracking_uri))
     monitor.start()
     try:
         yield

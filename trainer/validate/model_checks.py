@@ -16,10 +16,11 @@ from trainer.data.text import resolve_root
 from trainer.data.tokenizer import load_tokenizer
 from trainer.models import build_model, decoder_config
 from trainer.models.custom import CustomModelError, resolve_builder
+from trainer.models.lora import LoRAError
 from trainer.planner.memory.budget import check_memory
 
-_DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files"), "hf": ("text", "synthetic", "files"),
-                  "mlp": ("regression",), "custom": ("text", "synthetic", "files")}
+_DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files", "chat"), "hf": ("text", "synthetic", "files", "chat"),
+                  "mlp": ("regression",), "custom": ("text", "synthetic", "files", "chat")}
 _ATTENTION_PROJECTIONS = {"wq", "wk", "wv", "wo", "q_proj", "k_proj", "v_proj", "o_proj"}
 # Building on the meta device costs ~2 ms per block; a config (possibly sent over REST) asking
 # for millions of blocks must get an answer, not hang the validator. Real models have < 200.
@@ -39,6 +40,8 @@ def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple
         model = build_model(cfg.model, device="meta")
     except CustomModelError as err:  # the user's builder raised on the meta device
         return None, issues + [ConfigIssue("model.kwargs", err.reason, err.fix)]
+    except LoRAError as err:  # a target glob matching no Linear, a rank above a target's size
+        return None, issues + [ConfigIssue(err.path, err.reason, err.fix)]
     except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # e.g. sizes past int64
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return None, issues + [ConfigIssue("model", f"its tensors are too large to build (torch says: {first_line[:120]})",
@@ -129,6 +132,10 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
     if d.kind == "files":
         file_issues, data_vocab = _check_files(d)
         issues += file_issues
+    if d.kind == "chat":
+        chat_issues, data_vocab = _check_chat(d, getattr(cfg.model, "path", None))
+        issues += chat_issues
+    issues += _check_packing(cfg)
     if isinstance(cfg.model, HFModelConfig):
         from trainer.models.hf import HFModelError, read_hf_config, sliding_window  # optional: transformers, the hf extra
 
@@ -240,23 +247,62 @@ def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh:
 def _check_files(d) -> tuple[list[ConfigIssue], int | None]:
     """Every path and glob matches a file, and the tokenizer loads (the corpus is not read here):
     ``(issues, the tokenizer's vocabulary size or None when it does not load)``."""
-    # optional: datasets and tokenizers, the hf extra
-    from trainer.data.files import expand_paths, file_format
-
-    issues, vocab = [], None
-    for key, paths in [("data.paths", d.paths)] + ([("data.val_paths", d.val_paths)] if d.val_paths else []):
-        try:
-            file_format(expand_paths(paths, key), key)
-        except ConfigError as err:
-            issues += err.issues
-    if d.val_paths and d.val_fraction:
-        issues.append(ConfigIssue("data.val_fraction", "is set as well as data.val_paths",
-                                  "use one validation split: val_paths or val_fraction"))
+    issues, vocab = _check_file_lists(d, records_only=False), None
     try:
         vocab = load_tokenizer(d.tokenizer, d.eos_token).vocab_size
     except ConfigError as err:
         issues += err.issues
     return issues, vocab
+
+
+def _check_file_lists(d, *, records_only: bool) -> list[ConfigIssue]:
+    """Every path and glob of ``data.paths`` / ``data.val_paths`` matches files of one format (records,
+    not plain text, when ``records_only``), and one validation split is asked for."""
+    from trainer.data.files import expand_paths, file_format  # optional: datasets, the hf extra
+
+    issues = []
+    for key, paths in [("data.paths", d.paths)] + ([("data.val_paths", d.val_paths)] if d.val_paths else []):
+        try:
+            if file_format(expand_paths(paths, key), key) == "text" and records_only:
+                issues.append(ConfigIssue(key, "names plain text files; chat data is records",
+                                          "give jsonl, json or parquet files of records with a messages list"))
+        except ConfigError as err:
+            issues += err.issues
+    if d.val_paths and d.val_fraction:
+        issues.append(ConfigIssue("data.val_fraction", "is set as well as data.val_paths",
+                                  "use one validation split: val_paths or val_fraction"))
+    return issues
+
+
+def _check_chat(d, model_path: str | None) -> tuple[list[ConfigIssue], int | None]:
+    """The files exist, and the tokenizer loads with a chat template (the conversations are not
+    read here): ``(issues, the tokenizer's id count or None)``."""
+    from trainer.data import chat_tokenizer_path
+    from trainer.data.chat import load_chat_tokenizer  # optional: transformers, the hf extra
+
+    issues, vocab = _check_file_lists(d, records_only=True), None
+    try:
+        vocab = len(load_chat_tokenizer(chat_tokenizer_path(d, model_path), d.template))
+    except ConfigError as err:
+        issues += err.issues
+    return issues, vocab
+
+
+def _check_packing(cfg: RunConfig) -> list[ConfigIssue]:
+    """Packed documents (``data.packing``) reach the model as positions: the model must take them,
+    and every stage must get its rows' positions."""
+    if not getattr(cfg.data, "packing", False):
+        return []
+    if isinstance(cfg.model, CustomModelConfig):
+        return [ConfigIssue("data.packing", "a custom module's forward takes no positions, so packed documents "
+                            "would attend to each other", "data.packing=false")]
+    pipeline = cfg.parallel.pipeline if cfg.parallel is not None else None
+    if pipeline is not None and pipeline.stages:
+        # Between stages of their own layouts a micro-batch travels as row blocks (parallel.pipeline.stage_io);
+        # the positions would have to follow the same route, which they do not yet.
+        return [ConfigIssue("data.packing", "stages with layouts of their own (parallel.pipeline.stages) do not pass "
+                            "packed documents' positions between stages", "data.packing=false")]
+    return []
 
 
 def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:

@@ -79,10 +79,41 @@ def _fix(e: dict, loc: tuple, raw: dict) -> str:
     if kind in ("union_tag_not_found",):
         return "add the tag key (model.arch or data.kind), or pick a preset such as model=gpt_debug"
     if kind.startswith(("greater", "less")):
-        return "use a value in the allowed range"
+        return _range_fix(e, loc)
     if kind == "value_error":
         return "write a valid value as the message says"
     return "give a value of the expected type"
+
+
+_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _range_fix(e: dict, loc: tuple) -> str:
+    """``use a value in the allowed range (<= 1000): train.checkpoint.keep=1000``: the nearest allowed
+    value as an override, typed as printed; without one (a float's open bound, a path no override
+    spells) the bound alone."""
+    ctx = e.get("ctx") or {}
+    op = next((k for k in _BOUNDS if k in ctx), None)
+    if op is None:
+        return "use a value in the allowed range"
+    bound = ctx[op]
+    value = e.get("input")
+    nearest = bound
+    if op in ("gt", "lt"):  # an open bound: the nearest whole number inside it, for an integer field
+        nearest = bound + 1 if op == "gt" else bound - 1
+        if not (isinstance(value, int) and isinstance(bound, int)):
+            nearest = None
+    text = f"use a value in the allowed range ({_BOUNDS[op]} {_number(bound)})"
+    if nearest is None or not loc or not all(isinstance(p, str) and p.isidentifier() for p in loc):
+        return text
+    return f"{text}: {'.'.join(loc)}={_number(nearest)}"
+
+
+def _number(value: Any) -> str:
+    """``1000``, ``86400``, ``0.5``: as an override takes it (no ``1e+09``, no ``1000.0``)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def _known_keys(loc: tuple, raw: dict) -> list[str]:

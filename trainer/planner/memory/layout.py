@@ -75,7 +75,8 @@ def fsdp2(plan: ParallelPlan) -> bool:  # either runs on FSDP2's parameter group
 
 def replicate_reduce(cfg: RunConfig, plan: ParallelPlan, local: float, heap: float) -> tuple[float, float]:
     """``(bytes beyond weights and AdamW while ddp reduces its gradients, after backward; of those,
-    the flat buffers glibc maps on their own)``. ``local``: this rank's fp32 parameter bytes;
+    the flat buffers glibc maps on their own)``. ``local``: this rank's fp32 bytes of the parameters
+    that train (all of them, or LoRA's adapters: frozen weights have no gradient to reduce);
     ``heap``: what backward's peak held beyond weights and AdamW (the unsharded copy, activations,
     gradients).
 
@@ -99,7 +100,7 @@ def replicate_reduce(cfg: RunConfig, plan: ParallelPlan, local: float, heap: flo
 
 
 def stage_reduce(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list[float]],
-                  heap: float) -> tuple[float, float]:
+                  heap: float, *, trained: float | None = None) -> tuple[float, float]:
     """``(bytes beyond weights and AdamW while a pipelined FSDP2 stage reduces what its micro-batches
     accumulated, after its last backward; of those, the ones that leave no heap holes)``. ``heap``:
     what backward's peak held beyond weights and AdamW.
@@ -109,13 +110,15 @@ def stage_reduce(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[
     (Measured in use, 25M, dp2 x pp4, pp rank 0: 1.8 MiB above ddp's gradients and copy during the
     reduce, 9.6 above FSDP's.) On CPU ddp's two flat buffers do not fit the holes the activations
     left: glibc extends the heap by both, above backward's peak and its holes, and trims them off
-    again before the next step (heap extent, same run: +46.6 MiB at the reduce for 2 x 24.6)."""
+    again before the next step (heap extent, same run: +46.6 MiB at the reduce for 2 x 24.6).
+    ``trained``: the bytes of ``local`` that train (LoRA's adapters; default all): the gradients."""
     pdt = 0.5 if cfg.train.precision == "bf16" else 1.0
+    trained = local if trained is None else trained
     if not replicated(plan):
-        return 2 * local * pdt + max((sum(b) for b in blocks), default=0.0), 0.0
+        return local * pdt + trained * pdt + max((sum(b) for b in blocks), default=0.0) * trained / max(local, 1.0), 0.0
     if on_cuda(cfg) or cfg.launch.unmap_freed_memory:
-        return local * pdt + local, 0.0
-    return heap + 2 * local, 2 * local
+        return trained * pdt + trained, 0.0
+    return heap + 2 * trained, 2 * trained
 
 
 def gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list[float]], root: float) -> float:

@@ -148,7 +148,7 @@ def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
             if placement.is_shard:
                 dim = placement.dim % len(shape)
                 shape[dim] = math.ceil(shape[dim] / plan.mesh.size(axis))
-        setattr(module, name, nn.Parameter(torch.empty(shape, device="meta")))
+        setattr(module, name, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=getattr(module, name).requires_grad))
 
 
 class _Census(TorchDispatchMode):
@@ -166,7 +166,8 @@ class _Census(TorchDispatchMode):
         for t in [*model.parameters(), *model.buffers()]:
             t.untyped_storage()._census = 0
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(self._to_grads)
+            if p.requires_grad:  # frozen weights (LoRA's base) get no gradient
+                p.register_post_accumulate_grad_hook(self._to_grads)
 
     def _to_grads(self, p: torch.Tensor) -> None:
         entry = self._bytes.get(getattr(p.grad.untyped_storage(), "_census", 0))
@@ -196,15 +197,19 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     """One forward and backward of ``micro_batch`` sequences on the meta device: ``{"units": {unit:
     bytes saved for backward}, "block_inputs": {block: bytes}, "timeline": [(activations and
     temporaries, gradients) after each op], "forward_ops": n, "unit_params": {unit: [fp32 bytes of
-    each tp-local parameter]}}`` (the last unit also holds the loss's). ``attention``: what the
+    each tp-local parameter]}, "largest_trainable": fp32 bytes of the largest parameter that trains}``
+    (the last unit also holds the loss's; frozen weights, LoRA's base, get no gradient here either). ``attention``: what the
     pass runs for ``F.scaled_dot_product_attention`` (its arguments), in this thread only
     (:class:`AttentionKernel`); default :func:`flash_attention_for_cpu`, what a CPU run saves."""
     # A given model is copied: the pass gives its parameters their tp-local shapes.
     model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
     _local_shapes(model, plan)
     unit_params: dict[str, list[float]] = defaultdict(list)
+    trainable: list[float] = [0.0]
     for fqn, p in model.named_parameters():
         unit_params[owning_unit(fqn, plan.units) or ""].append(p.numel() * 4.0)
+        if p.requires_grad:
+            trainable.append(p.numel() * 4.0)
     if cfg.train.precision == "bf16":
         model.to(torch.bfloat16)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -255,7 +260,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     for hook in hooks:
         hook.remove()
     return {"units": dict(units), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
-            "unit_params": dict(unit_params)}
+            "unit_params": dict(unit_params), "largest_trainable": max(trainable)}
 
 
 def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | None = None,
@@ -314,13 +319,15 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
         blocks = [saved["unit_params"].get(u, []) for u in held if u in plan.blocks]
         root = sum(sum(saved["unit_params"].get(u, [])) for u in held if u not in plan.blocks)
         local = rank_numbers.params * 4.0
+        # The part of it that trains (LoRA: the adapters): gradients, their buffers and reduces.
+        trained = local * (rank_numbers.grad_bytes / rank_numbers.param_bytes if rank_numbers.param_bytes else 1.0)
         held_acts, held_grads = acts, 0.0
         if pp is not None:
             chunks = max(1, len(rank_numbers.stages))
             # FSDP2's pipelined stage accumulates unsharded gradients in the compute dtype; else param.grad
             stage_grads = rank_numbers.grad_bytes
             if pipelined_fsdp:
-                stage_grads = local * (0.5 if t.precision == "bf16" else 1.0)
+                stage_grads = trained * (0.5 if t.precision == "bf16" else 1.0)
             held_acts, held_grads = in_flight_peak(plan, in_flight, acts / chunks, stage_grads, chunks,
                                                    accumulated=t.grad_accum > 1 and not pipelined_fsdp)
         estimate = MemoryEstimate(
@@ -330,12 +337,12 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
             parts=MemoryParts(accumulates=sharded_grads_in_backward, stage_grads=held_grads, micro_batch=micro,
                               step_activations=(acts + recompute) * (pp.num_microbatches if pp else 1),
                               transient=transient,
-                              step_temporaries=4.0 * max(max(v) for v in saved["unit_params"].values()) / shard))
+                              step_temporaries=4.0 * saved["largest_trainable"] / shard))
         at_peak = estimate.gathered + estimate.activations + transient + held_grads
         if pipelined_fsdp:
-            reduce, mapped = stage_reduce(cfg, plan, local, blocks, at_peak)
+            reduce, mapped = stage_reduce(cfg, plan, local, blocks, at_peak, trained=trained)
         else:
-            reduce, mapped = replicate_reduce(cfg, plan, local, at_peak)
+            reduce, mapped = replicate_reduce(cfg, plan, trained, at_peak)
         estimate = replace(estimate, parts=replace(estimate.parts, reduce=reduce))
         # A pipelined stage's unsharded parameters are allocated once a step and live through all its
         # micro-batches: their heap holes are FSDP's per-parameter term, not cycled memory's.
