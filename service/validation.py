@@ -87,7 +87,9 @@ def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, wo
 
 
 def _limit_refusal(path: str, reason: str) -> tuple[str, str, str]:
-    return (path, reason, "plan a smaller mesh or model, or run `python -m trainer ... dry_run=true` on your own machine")
+    # Prose, not a command: the request's own overrides (or document) plus dry_run=true are what to run locally.
+    return (path, reason, "plan a smaller mesh or model, or plan this config on your own machine: the same "
+                          "overrides with dry_run=true, given to python -m trainer")
 
 
 @contextmanager
