@@ -30,7 +30,8 @@ REPO = CONF_DIR.parent
 GROUPS = ("model", "data", "optim", "tracking")
 # The data a model trains on, and back: `model=mlp` needs `data=regression` and vice versa.
 DATA_FOR_ARCH = {"llama": "text", "mlp": "regression", "hf": "text", "custom": "text"}
-MODEL_FOR_DATA_KIND = {"text": "gpt_debug", "synthetic": "gpt_debug", "regression": "mlp", "files": "gpt_debug"}
+MODEL_FOR_DATA_KIND = {"text": "gpt_debug", "synthetic": "gpt_debug", "regression": "mlp", "files": "gpt_debug",
+                       "chat": "gpt_debug"}
 MEGATRON = {  # what 2d/3d/tp/tp_sp place on their tp axis
     "layers.*.attn.w[qkv].weight": "Shard(0)",
     "layers.*.attn.wo.weight": "Shard(1)",
@@ -104,6 +105,13 @@ def test_group_option_validates(overrides, tmp_path):
     if overrides[0] == "data=files":  # files are the data: give it one (byte-level tokens, the default)
         (tmp_path / "corpus.txt").write_text("some text " * 100)
         overrides = [*overrides, f"data.paths=[{tmp_path}/*.txt]"]
+    if overrides[0] == "data=chat":  # conversations and a tokenizer with a chat template: written here
+        from tests.hf_assets import conversations, write_chat_tokenizer, write_chats
+
+        write_chat_tokenizer(tmp_path / "tok")
+        write_chats(tmp_path / "chats.jsonl", conversations(4))
+        overrides = [*overrides, f"data.paths=[{tmp_path}/chats.jsonl]", f"data.tokenizer={tmp_path}/tok",
+                     "model.vocab_size=512"]
     cfg = validated(overrides)
     group, option = overrides[0].split("=")
     written = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text()) or {}
