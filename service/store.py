@@ -128,13 +128,30 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 10, pool_t
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record) -> None:
             cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA busy_timeout=30000")
+            _set_wal(cursor)
             cursor.close()
     else:
         engine = create_engine(url, pool_pre_ping=True, **pool)
     create_tables(engine)
     return engine
+
+
+def _set_wal(cursor, attempts: int = 100) -> None:
+    """``PRAGMA journal_mode=WAL``, retried: on a new database file, servers starting together race
+    to switch its journal mode, and SQLite answers the loser "database is locked" at once (the
+    switch takes an exclusive lock the busy handler does not wait for)."""
+    import sqlite3
+    import time
+
+    for attempt in range(attempts):
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05)
 
 
 # pg_advisory_xact_lock key held while the tables are created: "mesh" in ASCII.

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trainer.config.schema import (
+    DATA_SECTIONS,
     FilesDataConfig,
     LlamaConfig,
     MLPConfig,
@@ -301,8 +302,7 @@ def test_regression_shapes_determinism_and_scale() -> None:
 
 
 def test_build_source_dispatches_on_kind() -> None:
-    kinds = {cls.model_fields["kind"].default
-             for cls in (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig)}
+    kinds = {cls.model_fields["kind"].default for cls in DATA_SECTIONS}
     assert set(SOURCE_REGISTRY) == kinds
     markov = build_source(SyntheticDataConfig(num_tokens=4096), seq_len=16, model_cfg=LlamaConfig())
     assert isinstance(markov, MarkovSource) and markov[0][0].shape == (16,)

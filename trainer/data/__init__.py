@@ -162,7 +162,7 @@ def build_splits(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelCo
     source = build_source(data_cfg, seq_len=seq_len, model_cfg=model_cfg, model_path=model_path)
     notes = source.notes() if hasattr(source, "notes") else []
     if isinstance(data_cfg, ChatDataConfig) and data_cfg.val_paths:
-        from trainer.data.chat import ChatSource
+        from trainer.data.chat import ChatSource  # optional: transformers and datasets, the hf extra
 
         val = ChatSource(data_cfg, seq_len, tokenizer="", paths=data_cfg.val_paths, key="data.val_paths", tok=source.tok)
         return DataSplits(source, val, notes + [f"validation {note}" for note in val.notes()])

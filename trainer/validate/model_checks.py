@@ -12,6 +12,7 @@ from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import MeshSpec, ParallelPlan
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
+from trainer.data import chat_tokenizer_path
 from trainer.data.text import resolve_root
 from trainer.data.tokenizer import load_tokenizer
 from trainer.models import build_model, decoder_config
@@ -277,7 +278,6 @@ def _check_file_lists(d, *, records_only: bool) -> list[ConfigIssue]:
 def _check_chat(d, model_path: str | None) -> tuple[list[ConfigIssue], int | None]:
     """The files exist, and the tokenizer loads with a chat template (the conversations are not
     read here): ``(issues, the tokenizer's id count or None)``."""
-    from trainer.data import chat_tokenizer_path
     from trainer.data.chat import load_chat_tokenizer  # optional: transformers, the hf extra
 
     issues, vocab = _check_file_lists(d, records_only=True), None
