@@ -74,3 +74,32 @@ def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None
     mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only, checks, timeout_s), nprocs=world_size,
                        join=True, start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+class SuiteResults:
+    """Each suite of ``<checks>.SUITES`` launched once, when a test first asks for one of its checks;
+    ``results(check)`` is every rank's dict of that check, a rank's error raised as the test's failure.
+
+        results = SuiteResults(SUITES, {"two_rank": 2}, checks="chat_checks", tmp=tmp_path_factory)
+    """
+
+    def __init__(self, suites: dict[str, list], world_size: dict[str, int], *, checks: str, tmp,
+                 timeout_s: float = 300) -> None:
+        self.suite_of = {name: suite for suite, named in suites.items() for name, _ in named}
+        self.world_size, self.checks, self.tmp, self.timeout_s = world_size, checks, tmp, timeout_s
+        self.launched: dict[str, list[dict]] = {}
+
+    def __call__(self, check: str) -> list[dict]:
+        suite = self.suite_of[check]
+        if suite not in self.launched:
+            self.launched[suite] = launch(suite, world_size=self.world_size[suite], out_dir=self.tmp.mktemp(suite),
+                                          checks=self.checks, timeout_s=self.timeout_s)
+        per_rank = [r[check] for r in self.launched[suite]]
+        errors = [r["error"] for r in per_rank if not r["ok"]]
+        assert not errors, errors[0]
+        return per_rank
+
+
+def max_rel(values, expected) -> float:
+    """The largest relative difference of two equally long sequences of numbers."""
+    return max(abs(v - e) / abs(e) for v, e in zip(values, expected, strict=True))

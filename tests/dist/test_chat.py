@@ -13,13 +13,11 @@ import os
 import pytest
 
 from chat_checks import DIR_ENV, SUITES, overrides
-from dist_harness import launch
+from dist_harness import SuiteResults, max_rel
 
 pytestmark = pytest.mark.slow
 
 WORLD_SIZE = {"two_rank": 2, "eight_rank": 8}
-SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
-_launched: dict[str, list[dict]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -49,25 +47,14 @@ def reference(chat_dir):
 
 @pytest.fixture(scope="module")
 def results(chat_dir, tmp_path_factory):
-    def get(check: str) -> list[dict]:
-        suite = SUITE_OF[check]
-        if suite not in _launched:
-            _launched[suite] = launch(suite, world_size=WORLD_SIZE[suite], out_dir=tmp_path_factory.mktemp(suite),
-                                      checks="chat_checks", timeout_s=300)
-        per_rank = [r[check] for r in _launched[suite]]
-        errors = [r["error"] for r in per_rank if not r["ok"]]
-        assert not errors, errors[0]
-        return per_rank
-
-    return get
+    return SuiteResults(SUITES, WORLD_SIZE, checks="chat_checks", tmp=tmp_path_factory)
 
 
 @pytest.mark.parametrize("check", ["fsdp", "tp", "pp_grad_accum", "3d"])
 def test_chat_losses_equal_one_device(check, results, reference):
     assert len(reference) == 5 and len(set(reference)) == 5
     for r in results(check):
-        worst = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], reference, strict=True))
-        assert worst <= 1e-5, (r["losses"], reference)
+        assert max_rel(r["losses"], reference) <= 1e-5, (r["losses"], reference)
 
 
 @pytest.mark.parametrize("check", ["tp_logits", "tp_sp_logits", "pp_logits"])

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from dist_checks import reference_run
-from dist_harness import launch
+from dist_harness import SuiteResults, max_rel
 from lora_checks import DIR_ENV, OUT_ENV, SUITES
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.slow
 WORLD_SIZE = {"two_rank": 2, "four_rank": 4}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
 FP32 = [name for name in SUITE_OF if "bf16" not in name]
-_launched: dict[str, list[dict]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +52,7 @@ def references(lora_dir):
 
 @pytest.fixture(scope="module")
 def results(lora_dir, tmp_path_factory):
-    def get(check: str) -> list[dict]:
-        suite = SUITE_OF[check]
-        if suite not in _launched:
-            _launched[suite] = launch(suite, world_size=WORLD_SIZE[suite], out_dir=tmp_path_factory.mktemp(suite),
-                                      checks="lora_checks", timeout_s=300)
-        per_rank = [r[check] for r in _launched[suite]]
-        errors = [r["error"] for r in per_rank if not r["ok"]]
-        assert not errors, errors[0]
-        return per_rank
-
-    return get
-
-
-def _max_rel(values, expected) -> float:
-    return max(abs(v - e) / abs(e) for v, e in zip(values, expected, strict=True))
+    return SuiteResults(SUITES, WORLD_SIZE, checks="lora_checks", tmp=tmp_path_factory)
 
 
 def _model(check: str) -> str:
@@ -79,8 +64,8 @@ def test_lora_equals_one_device_and_keeps_the_base(check, results, references):
     reference = references[_model(check)]
     per_rank = results(check)
     for r in per_rank:
-        assert _max_rel(r["losses"], reference["losses"]) <= 1e-5, (r["losses"], reference["losses"])
-        assert _max_rel(r["grad_norms"], reference["grad_norms"]) <= 1e-5, (r["grad_norms"], reference["grad_norms"])
+        assert max_rel(r["losses"], reference["losses"]) <= 1e-5, (r["losses"], reference["losses"])
+        assert max_rel(r["grad_norms"], reference["grad_norms"]) <= 1e-5, (r["grad_norms"], reference["grad_norms"])
         assert r["num_base"] > 0 and r["base_changed"] == [], r["base_changed"]
         assert r["frozen_grads"] == []
         assert all("lora_A" in n or "lora_B" in n for n in r["trainable"]), r["trainable"]
@@ -93,7 +78,7 @@ def test_lora_in_bf16_keeps_the_base_and_follows_one_device(results, references)
     for r in results("fsdp_bf16"):
         assert r["base_changed"] == [] and r["num_base"] > 0
         # FSDP2's bf16 policy casts where autocast does not: close, not equal.
-        assert _max_rel(r["losses"], reference["losses"]) <= 2e-2, (r["losses"], reference["losses"])
+        assert max_rel(r["losses"], reference["losses"]) <= 2e-2, (r["losses"], reference["losses"])
 
 
 @pytest.mark.parametrize("check", ["fsdp", "2d"])

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from dist_checks import reference_run
-from dist_harness import launch
+from dist_harness import SuiteResults, max_rel
 from tied_checks import DIR_ENV, OUT_ENV, SUITES
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.slow
 WORLD_SIZE = {"two_rank": 2, "three_rank": 3, "four_rank": 4, "six_rank": 6}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
 PARITY = [name for name in SUITE_OF if name != "corrupt_load"]
-_launched: dict[str, list[dict]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +46,7 @@ def reference(tied_dir):
 
 @pytest.fixture(scope="module")
 def results(tied_dir, tmp_path_factory):
-    def get(check: str) -> list[dict]:
-        suite = SUITE_OF[check]
-        if suite not in _launched:
-            _launched[suite] = launch(suite, world_size=WORLD_SIZE[suite], out_dir=tmp_path_factory.mktemp(suite),
-                                      checks="tied_checks", timeout_s=300)
-        per_rank = [r[check] for r in _launched[suite]]
-        errors = [r["error"] for r in per_rank if not r["ok"]]
-        assert not errors, errors[0]
-        return per_rank
-
-    return get
-
-
-def _max_rel(values, expected) -> float:
-    return max(abs(v - e) / abs(e) for v, e in zip(values, expected, strict=True))
+    return SuiteResults(SUITES, WORLD_SIZE, checks="tied_checks", tmp=tmp_path_factory)
 
 
 @pytest.mark.parametrize("check", PARITY)
@@ -71,8 +56,8 @@ def test_tied_model_equals_one_device(check, results, reference, tied_dir):
 
     per_rank = results(check)
     for r in per_rank:
-        assert _max_rel(r["losses"], reference["losses"]) <= 1e-5, (r["losses"], reference["losses"])
-        assert _max_rel(r["grad_norms"], reference["grad_norms"]) <= 1e-5, (r["grad_norms"], reference["grad_norms"])
+        assert max_rel(r["losses"], reference["losses"]) <= 1e-5, (r["losses"], reference["losses"])
+        assert max_rel(r["grad_norms"], reference["grad_norms"]) <= 1e-5, (r["grad_norms"], reference["grad_norms"])
     # Every copy of the tie (the first stage's embedding, the last stage's head) holds the same values.
     sums = [v for r in per_rank for v in r["tie_sums"].values()]
     assert sums and max(sums) - min(sums) <= 1e-9 * max(1.0, abs(sums[0])), [r["tie_sums"] for r in per_rank]
