@@ -78,7 +78,7 @@ def test_train_on_all_and_prompt_completion_records(assets, tmp_path):
     from trainer.data.chat import ChatSource
 
     root, _ = assets
-    everything, _ = _source(assets, train_on="all", packing=False), None
+    everything = _source(assets, train_on="all", packing=False)
     # Every token but each conversation's first is a target (rows are one conversation, padded).
     tok = everything.tok
     lengths = [len(tok(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"])
