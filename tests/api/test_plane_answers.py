@@ -60,6 +60,8 @@ def test_a_store_outage_answers_503_with_retry_after(queue):
     """The database refuses connections (a restart, a network cut): 503 and Retry-After on every
     route that needs it, not a 500; the same requests work again once it is back."""
     plane = queue.app.state.plane
+    # /readyz answers "warming up" (Retry-After 1) until the first validations ran: wait for that first.
+    assert plane.warm.wait(timeout=600), "the plane never finished warming up"
     job = queue.post("/v1/jobs", json={"overrides": SMALL}).json()
 
     def refuse(*_):
