@@ -1,0 +1,124 @@
+"""The published-runs table (tests/bench/published.py) is well formed and agrees with itself.
+
+Layouts multiply to their device counts, every source ran 8 GPUs a node, batches divide into
+micro-batches, and the FLOP formulas reproduce the papers' own columns from the rows' shapes:
+Narayanan et al.'s parameter counts, aggregate PFLOP/s and percent of peak, and Korthikanti et al.'s
+MFU / HFU from their iteration times. A transcription slip in a row fails one of these.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "published.py"
+_SPEC = importlib.util.spec_from_file_location("published_runs_table", _PATH)
+assert _SPEC is not None and _SPEC.loader is not None
+published = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = published  # dataclasses look their module up while the class is built
+_SPEC.loader.exec_module(published)
+
+ROWS = published.rows()
+NARAYANAN = [r for r in ROWS if r.name.startswith("megatron2021-")]
+KORTHIKANTI = [r for r in ROWS if r.name.startswith("korthikanti2022-")]
+PEAK = published.A100_PEAK_DENSE_16BIT_TFLOPS
+
+
+def _ids(rows):
+    return [r.name for r in rows]
+
+
+def test_table_has_the_required_rows_with_unique_names():
+    assert _ids(NARAYANAN) == [f"megatron2021-{size}" for size in
+                               ("1.7B", "3.6B", "7.5B", "18B", "39B", "76B", "145B", "310B",
+                                "530B", "1T")]
+    assert len(KORTHIKANTI) == 8
+    assert len({r.name for r in ROWS}) == len(ROWS)
+    assert sum(r.reported.peak_memory_gib is not None for r in ROWS) >= 16
+    assert published.rows("h200") == tuple(r for r in ROWS if r.hardware == "h200")
+    assert len(published.rows("h200")) == 2
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_ids(ROWS))
+def test_layout_multiplies_to_devices_and_fills_whole_nodes(row):
+    lay = row.layout
+    assert lay.tp * lay.pp * lay.dp * lay.cp == lay.devices
+    assert lay.nodes * 8 == lay.devices  # every source here ran 8 GPUs a node
+    if lay.micro_batch_size is not None:
+        assert lay.global_batch_size % (lay.micro_batch_size * lay.dp) == 0
+    if lay.virtual_stages is not None:
+        assert lay.virtual_stages > 1
+        assert row.model.n_layers % (lay.pp * lay.virtual_stages) == 0
+    if lay.pp > 1:
+        assert lay.pipeline_schedule is not None
+    assert (lay.precision == "fp8") == (lay.float8 is not None)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_ids(ROWS))
+def test_model_shape_and_reported_units_are_sane(row):
+    m, rep = row.model, row.reported
+    assert m.dim % m.n_heads == 0 and m.n_heads % m.n_kv_heads == 0
+    assert m.seq_len % row.layout.cp == 0
+    # Within the published rounding (one decimal) or 2% of a nominal size ("70B").
+    tolerance = max(0.05, 0.02 * m.params_billion)
+    assert abs(published.parameter_count(m) / 1e9 - m.params_billion) <= tolerance
+    for fraction in (rep.mfu, rep.hfu):
+        assert fraction is None or 0.2 < fraction < 0.7
+    assert rep.tflops_per_device is None or 50 < rep.tflops_per_device < PEAK
+    assert rep.tokens_per_s_per_device is None or 1 <= rep.tokens_per_s_per_device < 20_000
+    assert rep.peak_memory_gib is None or 10 < rep.peak_memory_gib < 141
+    assert any(v is not None for v in (rep.tflops_per_device, rep.tokens_per_s_per_device,
+                                       rep.iteration_time_s))
+    assert row.source and ("@" in row.source)  # a commit or a table row is named
+
+
+@pytest.mark.parametrize("row", NARAYANAN, ids=_ids(NARAYANAN))
+def test_narayanan_columns_agree_with_the_papers_formulas(row):
+    rep, lay = row.reported, row.layout
+    # Parameter column: Megatron's count rounds to the published value.
+    assert round(published.parameter_count(row.model) / 1e9, 1) == row.model.params_billion
+    # Aggregate PFLOP/s = per-GPU TFLOP/s x GPUs, the per-GPU value rounded to a whole TFLOP/s.
+    assert abs(rep.aggregate_pflops * 1e3 / lay.devices - rep.tflops_per_device) <= 0.5 + 0.05
+    # Percent of the 312 TFLOP/s peak, rounded to a whole percent.
+    assert round(100 * rep.tflops_per_device / PEAK) == round(100 * rep.hfu)
+    # The implied iteration time (Eq. 3 FLOPs over the aggregate rate) is a plausible step.
+    seconds = published.megatron_flops_per_iteration(row) / (rep.aggregate_pflops * 1e15)
+    assert 1 < seconds < 200
+
+
+@pytest.mark.parametrize("row", [r for r in KORTHIKANTI if r.reported.mfu is not None],
+                         ids=_ids([r for r in KORTHIKANTI if r.reported.mfu is not None]))
+def test_korthikanti_iteration_time_reproduces_mfu_and_hfu(row):
+    rep, devices = row.reported, row.layout.devices
+    model = published.megatron_flops_per_iteration(row, count_recompute=False)
+    hardware = published.megatron_flops_per_iteration(row)
+    peak_flops = rep.iteration_time_s * devices * PEAK * 1e12
+    assert model / peak_flops == pytest.approx(rep.mfu, abs=0.002)
+    assert hardware / peak_flops == pytest.approx(rep.hfu, abs=0.002)
+
+
+def test_selective_beats_full_recompute_on_every_korthikanti_model():
+    times = {r.name: r.reported.iteration_time_s for r in KORTHIKANTI}
+    for size in ("22B", "175B", "530B", "1T"):
+        full = times[f"korthikanti2022-{size}-full"]
+        seqsel = times[f"korthikanti2022-{size}-seqsel"]
+        assert 1.2 < full / seqsel < 1.4  # the paper's ~29-32% speed-up
+
+
+def test_flop_helpers_on_known_values():
+    one_t = next(r for r in NARAYANAN if r.name == "megatron2021-1T")
+    b, s, l, h, v = 3072, 2048, 128, 25600, 51200
+    expected = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    assert published.megatron_flops_per_iteration(one_t) == pytest.approx(expected, rel=1e-12)
+    # Model FLOPs per token (6N + 12 l h s) is the 3-pass Megatron count divided by the tokens.
+    per_token = published.megatron_flops_per_iteration(one_t, count_recompute=False) / (b * s)
+    assert published.model_flops_per_token(one_t) == pytest.approx(per_token, rel=1e-12)
+    llama_8b = next(r for r in ROWS if r.name == "torchtitan-8b-fsdp8")
+    assert published.parameter_count(llama_8b.model) == 8_030_261_248  # Llama 3.1 8B
+    assert llama_8b.model.ffn_hidden_dim == 14336
+    # 6 x (8.03e9 - 525M embedding) + 12 x 32 x 4096 x 8192 attention
+    assert published.model_flops_per_token(llama_8b) == pytest.approx(
+        6 * (8_030_261_248 - 128256 * 4096 - 65 * 4096) + 12 * 32 * 4096 * 8192, rel=1e-12)
