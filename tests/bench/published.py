@@ -26,6 +26,9 @@ Sources, in the order of the table:
   ``validation/seqsel/tab5/*.json``, ``calculon/llm/validation.py``). The iteration times
   reproduce the README's MFU to its rounding with the paper's model-FLOPs formula (the unit test
   checks it), which ties the two sources together.
+* NVIDIA/Megatron-LM README at commit 937571cf (July 2024): the H100 weak-scaling table
+  (``images/model_table.png``), GPT shapes with vocab 131072 and sequence 4096; the MLP type,
+  precision, recomputation and micro-batch are not stated there (see each row's ``notes``).
 * torchtitan (pytorch/torchtitan): ``benchmarks/llama3_h100_202412_torchtitan.md`` (Llama 3.1 on
   H100 96 GB HBM2e at 500 W), ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` and
   ``benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md``; sequence length and activation
@@ -59,8 +62,7 @@ A100_PEAK_DENSE_16BIT_TFLOPS = 312.0  # the peak both papers divide by (163 TFLO
 @dataclass(frozen=True)
 class ModelShape:
     """A decoder-only transformer. ``gpt``: LayerNorm, GELU MLP, learned positions, biases,
-    embedding tied to the output (Megatron's GPT); ``llama``: RMSNorm, SwiGLU, RoPE, no biases,
-    untied output."""
+    ``llama``: RMSNorm, SwiGLU, RoPE, no biases."""
 
     arch: Arch
     n_layers: int
@@ -71,6 +73,7 @@ class ModelShape:
     vocab_size: int
     seq_len: int
     params_billion: float  # as the source names or counts it
+    tied_output: bool = True  # output projection shares the input embedding (Megatron's default)
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class Layout:
     micro_batch_size: int | None  # None where the source does not state it
     global_batch_size: int
     precision: Precision
-    activation_checkpointing: Checkpointing
+    activation_checkpointing: Checkpointing | None  # None where the source does not state it
     data_parallel: DataParallelMode
     pipeline_schedule: str | None = None
     compile: bool = False
@@ -209,9 +212,44 @@ def _korthikanti(row: str, calc: str, selective: bool, params: float, heads: int
     )
 
 
-LLAMA31_8B = ModelShape("llama", 32, 4096, 32, 8, 14336, 128256, 8192, 8.0)
-LLAMA31_70B = ModelShape("llama", 80, 8192, 64, 8, 28672, 128256, 8192, 70.0)
-LLAMA31_405B = ModelShape("llama", 126, 16384, 128, 8, 53248, 128256, 8192, 405.0)
+MEGATRON_H100 = (
+    "NVIDIA/Megatron-LM README @937571cf (July 2024), images/model_table.png, row {row}; "
+    "vocab 131072 and seq 4096 from the README's 'Benchmark Configuration'"
+)
+
+
+def _megatron_h100(row: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
+                   devices: int, batch: int, tflops: float, mfu_percent: float,
+                   pflops: float) -> PublishedRun:
+    """A row of Megatron-LM's 2024 H100 weak-scaling table (data-parallel size 48 throughout)."""
+    return PublishedRun(
+        name=f"megatron2024-h100-{row}",
+        source=MEGATRON_H100.format(row=row),
+        hardware="h100_sxm",
+        model=ModelShape("gpt", layers, hidden, heads, heads, 4 * hidden, 131072, 4096,
+                         float(row.rstrip("B")), tied_output=False),
+        layout=Layout(
+            devices=devices, nodes=devices // 8, tp=tp, pp=pp, dp=devices // (tp * pp), cp=1,
+            sequence_parallel=tp > 1, virtual_stages=None, micro_batch_size=None,
+            global_batch_size=batch, precision="bf16", activation_checkpointing=None,
+            data_parallel="zero1", pipeline_schedule=_schedule(pp, None)),
+        reported=Reported(tflops_per_device=tflops, flops_kind="model",
+                          flops_formula="72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)) (megatron/training/"
+                                        "training.py num_floating_point_operations @937571cf, MHA, "
+                                        "no SwiGLU)",
+                          aggregate_pflops=pflops, mfu=mfu_percent / 100),
+        notes="not stated: MLP type (parameter counts fit a 4h MLP or SwiGLU of equal size, "
+              "untied output), precision (bf16 assumed: MFU = TFLOP/s / 989), activation "
+              "checkpointing, micro-batch, sequence parallelism, interleaving; zero1 because the "
+              "README's --overlap-param-gather needs the distributed optimizer; H100 SXM assumed "
+              "(the README says H100 clusters)",
+    )
+
+
+LLAMA31_8B = ModelShape("llama", 32, 4096, 32, 8, 14336, 128256, 8192, 8.0, tied_output=False)
+LLAMA31_70B = ModelShape("llama", 80, 8192, 64, 8, 28672, 128256, 8192, 70.0, tied_output=False)
+LLAMA31_405B = ModelShape("llama", 126, 16384, 128, 8, 53248, 128256, 8192, 405.0,
+                          tied_output=False)
 """Llama 3.1 shapes as torchtitan builds them (torchtitan/models/llama/__init__.py @9dec370a:
 ffn = multiple_of * ceil(ffn_dim_multiplier * int(8 * dim / 3) / multiple_of); vocab 128,256 =
 the Llama 3 tokenizer's 128,000 tokens + 256 reserved special tokens)."""
@@ -269,6 +307,17 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     _korthikanti("175B", "gpt3-175B", False, 175, 96, 12288, 96, 8, 64, 64, 1, 3, 18.13),
     _korthikanti("530B", "turing-530B", False, 530, 128, 20480, 105, 35, 280, 280, 1, 3, 49.05),
     _korthikanti("1T", "megatron-1T", False, 1008, 160, 25600, 128, 64, 512, 512, 1, None, 94.42),
+    # --- Megatron-LM README, 2024: weak scaling on H100. Order of arguments: row, heads, hidden,
+    # layers, tp, pp, GPUs, batch, TFLOP/s per GPU, MFU %, aggregate PFLOP/s
+    _megatron_h100("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8, 41, 19.6),
+    _megatron_h100("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9, 47, 44.7),
+    _megatron_h100("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1, 49, 93.9),
+    _megatron_h100("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6, 46, 176.5),
+    _megatron_h100("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7, 42, 322.3),
+    _megatron_h100("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5, 43, 645.9),
+    _megatron_h100("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8, 44, 997.2),
+    _megatron_h100("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4, 48, 1457.4),
+    _megatron_h100("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9, 47, 2825.6),
     # --- torchtitan, end of 2024, Llama 3.1 on H100 96 GB HBM2e at 500 W (Grand Teton).
     _titan("torchtitan-8b-fsdp8", TITAN_2412.format(table=1, row="FSDP", size="8b"), "h100_hbm2e",
            LLAMA31_8B, devices=8, fsdp=8, local_batch=2, checkpointing="selective", tps=5762,
@@ -397,15 +446,16 @@ def model_flops_per_token(row: PublishedRun) -> float:
 
 
 def parameter_count(model: ModelShape) -> int:
-    """All parameters: Megatron's GPT (tied output, learned positions, biases, LayerNorms) or
-    Llama (untied output, RMSNorms, no biases)."""
+    """All parameters: Megatron's GPT (learned positions, biases, LayerNorms; its count leaves
+    out the final LayerNorm) or Llama (RMSNorms, no biases); the output head once if untied."""
+    embeddings = (1 if model.tied_output else 2) * model.vocab_size * model.dim
     if model.arch == "gpt":
         per_layer = 4 * model.dim**2 + 2 * model.dim * model.ffn_hidden_dim \
             + 9 * model.dim + model.ffn_hidden_dim  # biases (qkv, out, fc1, fc2) and 2 LayerNorms
-        return model.n_layers * per_layer + (model.vocab_size + model.seq_len) * model.dim
+        return model.n_layers * per_layer + embeddings + model.seq_len * model.dim
     norms = 2 * model.dim
     per_layer = matmul_params(replace(model, n_layers=1, vocab_size=0))
-    return model.n_layers * (per_layer + norms) + 2 * model.vocab_size * model.dim + model.dim
+    return model.n_layers * (per_layer + norms) + embeddings + model.dim
 
 
 def _fmt(value: float | None, spec: str) -> str:
