@@ -25,6 +25,7 @@ from parallel.config import Section as _Section
 
 HOST_PROFILE = "this_host"  # the profile that means "calibrate this machine" (today's behaviour)
 TFLOPS_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+TflopsDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 
 
 class Link(_Section):
@@ -65,7 +66,7 @@ class HardwareProfile(_Section):
                                     "it (80 for an 80 GB part).")
     memory_bandwidth_gb_s: float | None = Field(None, gt=0, description="Device memory bandwidth in GB/s "
                                                 "(datasheet peak).")
-    peak_tflops: dict[str, float] = Field(
+    peak_tflops: dict[TflopsDtype, float] = Field(
         default_factory=dict, description="Dense peak TFLOP/s per dtype (no 2:4 sparsity), keys among fp32, tf32, "
         "bf16, fp16, fp8. fp32 is the non-tensor-core rate; tf32 the tensor-core rate fp32 matmuls reach when "
         "TF32 is allowed.")
