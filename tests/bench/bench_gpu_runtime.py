@@ -94,7 +94,7 @@ def main() -> None:
     n = 8192
     for dtype, label in ((torch.bfloat16, "bf16"), (torch.float32, "tf32")):
         a = torch.randn(n, n, device="cuda", dtype=dtype)
-        print(f"{label} matmul {n}^3: {2 * n**3 / _seconds(lambda: a @ a) / 1e12:.1f} TFLOP/s")
+        print(f"{label} matmul {n}^3: {2 * n**3 / _seconds(lambda a=a: a @ a) / 1e12:.1f} TFLOP/s")
     x = torch.empty(2**29, device="cuda")
     y = torch.empty_like(x)
     print(f"copy 2 GiB: {2 * x.numel() * 4 / _seconds(lambda: y.copy_(x)) / 1e9:.0f} GB/s (read + write)")

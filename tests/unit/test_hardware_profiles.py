@@ -7,7 +7,6 @@ Run: ``python -m pytest tests/unit/test_hardware_profiles.py -q``
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -43,6 +42,7 @@ def test_every_gpu_profile_states_and_cites_every_number(name):
     hw = _profile(f"hardware={name}")
     assert hw.name == name and hw.device == "cuda" and not hw.is_host
     assert hw.missing_gpu_keys() == []
+    assert _issues(f"hardware={name}", "dry_run=true") == []
     assert hw.devices_per_node == 8
     for key in ("devices_per_node", "memory_gb", "memory_bandwidth_gb_s", "peak_tflops", "power_w",
                 "intra_node", "inter_node"):
