@@ -96,10 +96,20 @@ MORE: dict[str, Bad] = {
                                       ["less than or equal to 86400"], ["launch.rdzv_timeout_s=86400"]),
     "ceiling/text-bytes": bad(["data.max_bytes=1e12"], "data.max_bytes", ["less than or equal to 1073741824"],
                               ["data.max_bytes=1073741824"]),
+    # Hardware profiles (issue 34): a GPU profile states every number; its nodes hold the mesh.
+    "hardware/profile-without-memory": bad(["hardware=h100_sxm", "dry_run=true", "hardware.memory_gb=null"],
+                                           "hardware.memory_gb", ["states no memory_gb"]),
+    "hardware/profile-without-a-link": bad(["hardware=h100_sxm", "dry_run=true", "hardware.intra_node=null"],
+                                           "hardware.intra_node", ["states no intra_node"]),
+    "hardware/profile-without-bf16": bad(["hardware=b200", "dry_run=true", "~hardware.peak_tflops.bf16"],
+                                         "hardware.peak_tflops.bf16", ["states no peak_tflops.bf16"]),
+    "hardware/more-devices-than-a-node": bad(["hardware=a100_80g", "dry_run=true", "+parallel=fsdp", "mesh=[16]"],
+                                             "launch.nnodes", ["holds 8 devices"]),
 }
 SLOW = {"more/auto-with-rank-ids"}  # its fix runs the auto-planner, which calibrates the host first (minutes)
 if not torch.cuda.is_available():
     MORE["more/cuda-without-a-gpu"] = bad(["device=cuda"], "device", ["no CUDA device"])
+    MORE["hardware/gpu-profile-without-a-gpu"] = bad(["hardware=h100_sxm"], "hardware", ["not a dry run"])
 
 _WHICH = "trainer.validate.checks.shutil.which"
 HOST: dict[str, tuple[Bad, dict[str, object]]] = {  # (case, {what the validator reads of the host: its value here})

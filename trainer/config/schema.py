@@ -27,6 +27,7 @@ from trainer.config.data_schema import (  # noqa: F401 - re-exported: callers na
     SyntheticDataConfig,
     TextDataConfig,
 )
+from trainer.config.hardware import HardwareProfile
 
 # ----------------------------------------------------------------------------- model
 
@@ -342,6 +343,10 @@ class RunConfig(_Section):
     parallel: ParallelConfig | None = Field(None, description="How the model is spread over the mesh; null = one device.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How workers are started.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    hardware: HardwareProfile = Field(
+        default_factory=HardwareProfile, description="The hardware the dry run and +parallel=auto plan for: "
+        "`hardware=<profile>` (conf/hardware/, datasheet numbers per device and link) with launch.nnodes nodes; "
+        "`this_host` (the default) calibrates this machine. A run that is not a dry run needs that hardware.")
     dry_run: bool = Field(False, description="Plan only: print per-rank memory, communication and bubble; train nothing.")
     validate_only: bool = Field(False, description="Validate the config against the model, print the verdict, exit.")
 
