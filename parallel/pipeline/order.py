@@ -18,6 +18,7 @@ one drawing serve the prediction and the measurement.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -182,6 +183,7 @@ def theory_bubble(schedule: str, *, pp_size: int, stages_per_rank: int, microbat
     return None, "n/a: the ZB-V paper's 0 is not what torch's order reaches at T_F = T_B = T_W; see the prediction"
 
 
+@functools.lru_cache(maxsize=4096)  # a planner asks for the same few shapes thousands of times
 def expected_bubble(schedule: str, *, pp_size: int, stages_per_rank: int, microbatches: int) -> float:
     """The bubble a plan expects with equal stage costs: the schedule's theory, or where it has
     none (ZBV) torch's order laid out with unit costs."""

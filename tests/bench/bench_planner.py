@@ -198,6 +198,7 @@ def predicted_layouts(size: str, steps: int, calibration_file: Path | None = Non
     from trainer.config.schema import RunConfig
     from trainer.planner.auto.plan import host_calibration, plan_layouts
     from trainer.planner.auto.search import Search
+    from trainer.planner.cost.pricing import HostPricing
 
     raw = compose_dict(["+parallel=auto", f"mesh=[{WORKERS}]", *overrides(size, steps)])
     raw["parallel"]["auto"] = dict(KNOBS)
@@ -208,7 +209,7 @@ def predicted_layouts(size: str, steps: int, calibration_file: Path | None = Non
         calibration = Calibration.from_json(calibration_file.read_text())
     else:
         calibration = host_calibration(base, WORKERS)
-    search = Search(raw, base, AutoPlanConfig(**KNOBS), WORKERS, calibration)
+    search = Search(raw, base, AutoPlanConfig(**KNOBS), WORKERS, HostPricing(calibration))
     swept = []
     for c in search.layouts():
         checked = search.validate(c)

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from parallel.errors import ConfigError
+
 from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig, TrainConfig
 from trainer.models import build_model
@@ -51,7 +53,7 @@ def _section(group: str, option: str) -> dict:
 
 def group_overrides(group: str, option: str) -> list[str]:
     """``group=option`` plus the companion choice it needs (data for a model, a model for data)."""
-    overrides = [f"{group}={option}"]
+    overrides = [f"{group}={option}", *(PLANNING_ONLY.get(option, []) if group == "model" else [])]
     if group == "model":
         arch = _section(group, option).get("arch")
         assert arch in DATA_FOR_ARCH, f"conf/model/{option}.yaml: arch {arch!r} has no data here; extend DATA_FOR_ARCH"
@@ -61,6 +63,10 @@ def group_overrides(group: str, option: str) -> list[str]:
         assert kind in MODEL_FOR_DATA_KIND, f"conf/data/{option}.yaml: kind {kind!r} unknown; extend MODEL_FOR_DATA_KIND"
         overrides.append(f"model={MODEL_FOR_DATA_KIND[kind]}")
     return overrides
+
+
+# Models too big for any one host: presets for planning a cluster (a dry run on a hardware profile).
+PLANNING_ONLY = {"gpt_175b": ["dry_run=true", "hardware=a100_80g"]}
 
 
 def validated(overrides: list[str]) -> RunConfig:
@@ -139,7 +145,12 @@ def test_parallel_preset_validates(preset):
 @pytest.mark.parametrize("model", [o for o in options("model") if _section("model", o).get("arch") == "llama"])
 @pytest.mark.parametrize("preset", PARALLEL)
 def test_parallel_preset_fits_every_llama_model(preset, model):
-    validated([f"+parallel={preset}", f"model={model}"])
+    overrides = [f"+parallel={preset}", f"model={model}", *PLANNING_ONLY.get(model, [])]
+    if preset == "auto" and model in PLANNING_ONLY:  # 8 ranks cannot hold it in any layout: the planner says so
+        with pytest.raises(ConfigError, match="no layout of 8 ranks is valid and predicted to fit"):
+            validated(overrides)
+        return
+    validated(overrides)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from trainer.config.schema import RunConfig
 from trainer.planner.auto.plan import plan_layouts, resolve_auto
 from trainer.planner.auto.search import Search
 from trainer.planner.cost.calibration import Calibration, Fit
+from trainer.planner.cost.pricing import HostPricing
 
 CAL = Calibration(host="h", device="cpu:test", workers=8, matmul={"fp32": Fit(1e-5, 1e10)},
                   elementwise=Fit(2e-6, 5e9),
@@ -56,7 +57,7 @@ def test_pruning_keeps_the_brute_force_optimum():
     result = plan_layouts(raw, calibration=CAL)
     assert any(c.status == "pruned" for c in result.candidates)  # the bound does prune
     search = Search(raw, RunConfig.model_validate({**raw, "mesh": None, "parallel": None}),
-                    AutoPlanConfig(microbatches=[2, 4]), 8, CAL)
+                    AutoPlanConfig(microbatches=[2, 4]), 8, HostPricing(CAL))
     times = []
     for c in search.layouts():
         checked = search.validate(c)
@@ -76,7 +77,7 @@ def test_a_section_failure_rejects_its_twins_with_the_validators_own_reason():
     raw = _raw("mesh=[8]", "+parallel.auto.schedules=[1F1B,GPipe]")
     knobs = AutoPlanConfig(schedules=["1F1B", "GPipe"])
     base = RunConfig.model_validate({**raw, "mesh": None, "parallel": None})
-    memo, fresh = Search(raw, base, knobs, 8, CAL), Search(raw, base, knobs, 8, CAL)
+    memo, fresh = Search(raw, base, knobs, 8, HostPricing(CAL)), Search(raw, base, knobs, 8, HostPricing(CAL))
     verdicts = {"memo": [], "fresh": []}
     for c in memo.layouts():
         verdicts["memo"].append((c.label, memo.validate(c) is None, c.reason))

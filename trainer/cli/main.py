@@ -19,7 +19,7 @@ from trainer.launch import launcher
 from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch
 from trainer.pictures.placement import DRY_RUN_DIR, write_placement
 from trainer.planner.auto.plan import resolve_and_validate
-from trainer.planner.report import describe_plan
+from trainer.planner.report import dry_run_report
 from trainer.tracking.run_info import SWEEP_JOB_TAG
 from trainer.validate.model_checks import check_against_model
 
@@ -58,8 +58,18 @@ def main(composed: DictConfig) -> float | None:
     if cfg.dry_run:
         if ranking is not None:
             print(ranking.table() + "\n")
-        print(describe_plan(cfg, plan))
+        text, summary = dry_run_report(cfg, plan)
+        print(text)
         _write_pictures(cfg, plan)
+        if not summary["fits"]:
+            hint = ("the memory table above says which ranks; fewer bytes per rank: fsdp, tp, pp, activation "
+                    "checkpointing, or more devices")
+            if cfg.hardware.is_host and summary["memory_budget_gib"] <= 0:
+                hint = (f"{cfg.world_size // cfg.launch.nnodes} workers share this host's memory; to plan a cluster "
+                        "you do not have, name its hardware and nodes, e.g. hardware=h100_sxm "
+                        f"launch.nnodes={max(1, cfg.world_size // 8)}")
+            _refused_at_launch(cfg, f"launch.memory_budget_gb: predicted peak {summary['peak_memory_gib_per_device']:.2f} "
+                                    f"GiB per device exceeds the budget of {summary['memory_budget_gib']:.2f} GiB ({hint})")
         return
     code = launch(cfg)
     if not sweeping:
@@ -104,6 +114,16 @@ def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
     if issues:
         print(ConfigError(err.issues + issues), file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    print(describe_plan(cfg, plan))
+    text, _ = dry_run_report(cfg, plan)
+    print(text)
     _write_pictures(cfg, plan)
-    print(f"\nthis config would be refused at launch:\n{err}")
+    _refused_at_launch(cfg, str(err))
+
+
+def _refused_at_launch(cfg: RunConfig, why: str) -> None:
+    """A dry run of a config a launch would refuse: the report was printed; exit 2 (a script
+    planning many configs sees which fail) unless ``dry_run_exit_zero=true`` asks for 0."""
+    print(f"\nthis config would be refused at launch:\n{why}", file=sys.stderr)
+    if not cfg.dry_run_exit_zero:
+        print("(exit 2; add dry_run_exit_zero=true to exit 0 with this report)", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)

@@ -52,6 +52,30 @@ class RuntimeMemory(_Section):
     source: str = Field(..., min_length=1, description="How the three numbers were measured or estimated.")
 
 
+class Achieved(_Section):
+    """What the device's kernels reach, as fractions of the datasheet's peaks: the cost model's
+    roofline (:mod:`trainer.planner.cost.device`) prices every op of a step with these."""
+
+    matmul: float = Field(..., gt=0, le=1, description="A large bf16 GEMM's achieved FLOP/s over the peak (cuBLAS, "
+                          "e.g. 8192^3); smaller GEMMs lose more to wave quantisation over `sm_count`.")
+    matmul_half_gflop: float = Field(15.0, ge=0, description="The GEMM size, in GFLOP (2 m k n / 1e9), at which "
+                                     "half of `matmul` is reached: a GEMM of F FLOPs reaches matmul * F / (F + this) "
+                                     "(launch, prologue and tail; measured over a sweep of decoder shapes).")
+    attention_forward: float = Field(..., gt=0, le=1, description="torch's flash attention forward (causal, head "
+                                     "dim 128, 2k tokens): achieved FLOP/s over the peak.")
+    attention_backward: float = Field(..., gt=0, le=1, description="Its backward (2.5x the forward's FLOPs).")
+    memory: float = Field(..., gt=0, le=1, description="A streaming kernel's (a device copy's) bytes read + "
+                          "written per second over the memory bandwidth.")
+    compiled_elementwise: float = Field(1.0, gt=0, le=1, description="With train.compile=true: the share of the "
+                                        "eager elementwise ops' time left once Inductor fuses them (1 = no effect "
+                                        "known).")
+    kernel_us: float = Field(..., ge=0, description="The least one op of an eager step costs: launch and the "
+                             "framework's dispatch on the host CPU, in microseconds.")
+    fitted_to: str | None = Field(None, description="The published run (tests/bench/published.py) a number here "
+                                  "was fitted to, if any: the benchmark leaves that row out of its error.")
+    source: str = Field(..., min_length=1, description="How each number was measured, fitted or assumed.")
+
+
 class HardwareProfile(_Section):
     """The hardware a run is planned for; ``this_host`` (the default) calibrates the machine at hand."""
 
@@ -75,6 +99,10 @@ class HardwareProfile(_Section):
                                     "bandwidth_gb_s, latency_us, source.")
     inter_node: Link | None = Field(None, description="The link between nodes per device (InfiniBand / RoCE; DGX "
                                     "and HGX nodes have one NIC per GPU): bandwidth_gb_s, latency_us, source.")
+    sm_count: int | None = Field(None, ge=1, description="Streaming multiprocessors per device: the unit of a "
+                                 "GEMM's wave quantisation.")
+    achieved: Achieved | None = Field(None, description="Fractions of the peaks the device's kernels reach: matmul, "
+                                      "attention_forward, attention_backward, memory, kernel_us, fitted_to, source.")
     runtime_memory: RuntimeMemory | None = Field(None, description="Memory the runtime holds per process beside "
                                                  "the tensors: cuda_context_gib, nccl_gib, allocator_slack, source.")
     sources: dict[str, str] = Field(default_factory=dict, description="Citation per key (datasheet, URL, page or "
@@ -84,7 +112,7 @@ class HardwareProfile(_Section):
         """The keys a GPU profile must state and this one leaves empty (validation refuses a ``cuda``
         profile that has any: :func:`trainer.validate.checks.check_hardware`)."""
         missing = [key for key in ("devices_per_node", "memory_gb", "memory_bandwidth_gb_s", "intra_node",
-                                   "inter_node", "runtime_memory") if getattr(self, key) is None]
+                                   "inter_node", "runtime_memory", "sm_count", "achieved") if getattr(self, key) is None]
         missing += [f"peak_tflops.{dtype}" for dtype in ("bf16", "fp32") if dtype not in self.peak_tflops]
         return missing
 

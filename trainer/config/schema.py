@@ -347,7 +347,11 @@ class RunConfig(_Section):
         default_factory=HardwareProfile, description="The hardware the dry run and +parallel=auto plan for: "
         "`hardware=<profile>` (conf/hardware/, datasheet numbers per device and link) with launch.nnodes nodes; "
         "`this_host` (the default) calibrates this machine. A run that is not a dry run needs that hardware.")
-    dry_run: bool = Field(False, description="Plan only: print per-rank memory, communication and bubble; train nothing.")
+    dry_run: bool = Field(False, description="Plan only: print per-rank memory, communication, bubble and the predicted "
+                          "step (also as meshflow-plan/plan.json); train nothing. Exits 2 when a launch would refuse "
+                          "the config.")
+    dry_run_exit_zero: bool = Field(False, description="With dry_run=true: exit 0 even when a launch would refuse the "
+                                    "config (the report is printed either way).")
     validate_only: bool = Field(False, description="Validate the config against the model, print the verdict, exit.")
 
     # -- derived views ---------------------------------------------------------------

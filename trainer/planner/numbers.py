@@ -7,6 +7,7 @@ mesh axis (analytic, ring algorithms). The dry run prints them, the memory model
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 
 from parallel.config import ParallelConfig
@@ -72,6 +73,17 @@ def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, Par
     return views
 
 
+_PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def parameter_list(model) -> list[tuple[str, int, bool]]:
+    """``(fqn, numel, trainable)`` of every parameter of ``model``, listed once per model: a planner
+    asks for them thousands of times, and walking the module tree each time dominated its search."""
+    if model not in _PARAMETERS:
+        _PARAMETERS[model] = [(fqn, p.numel(), p.requires_grad) for fqn, p in model.named_parameters()]
+    return _PARAMETERS[model]
+
+
 def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbers:
     """What each pp rank holds, the bubble and the traffic per axis. ``model``: the config's model
     on the meta device when the caller has it (a planner builds it once), else built here."""
@@ -91,13 +103,13 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     stage_params = [0] * num_stages
     stage_local = [0.0] * num_stages
     stage_trainable = [0.0] * num_stages  # frozen weights (LoRA's base) have no gradient nor AdamW state
-    for fqn, p in model.named_parameters():
+    for fqn, numel, trainable in parameter_list(model):
         axes = plan.placements.get(fqn, {})
         tp_div = math.prod(plan.mesh.size(a) for a, pl in axes.items() if pl.is_shard)
         s = stage_of[plan.unit_of(fqn)]
-        stage_params[s] += p.numel()
-        stage_local[s] += p.numel() / tp_div
-        stage_trainable[s] += p.numel() / tp_div if p.requires_grad else 0.0
+        stage_params[s] += numel
+        stage_local[s] += numel / tp_div
+        stage_trainable[s] += numel / tp_div if trainable else 0.0
 
     spr = pp.stages_per_rank if pp else 1
     per_rank = []

@@ -122,13 +122,13 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None) -> AutoPl
     # start-up: the search imports DTensor and the cost model, the probe the training loop (about 2 s);
     # only +parallel=auto pays for them, not every validation of a hand-written layout.
     from trainer.planner.auto.search import Search
-    from trainer.planner.calibration.probe import describe
+    from trainer.planner.cost.pricing import pricing_for
 
-    search = Search(raw, base, knobs, world, calibration or host_calibration(base, world))
+    search = Search(raw, base, knobs, world, pricing_for(base, world, calibration=calibration))
     candidates = search.run()
 
     return AutoPlan(world_size=world, budget_bytes=search.budget, budget_source=search.budget_source,
-                    calibration=describe(search.calibration), candidates=candidates,
+                    calibration=search.pricing.describe(), candidates=candidates,
                     seconds=time.monotonic() - began, show=knobs.show)
 
 

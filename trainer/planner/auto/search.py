@@ -1,6 +1,6 @@
 """The auto-planner's search (:mod:`trainer.planner.auto.plan`): enumerate, validate, bound, predict, rank.
 
-    search = Search(raw, base_cfg, AutoPlanConfig(), world=8, calibration=cal)
+    search = Search(raw, base_cfg, AutoPlanConfig(), world=8, pricing=HostPricing(cal))
     candidates = search.run()           # ranked; candidates[0] is the choice when one fits
 
 One meta model serves every candidate; the meta passes (the work per unit of
@@ -10,6 +10,8 @@ are cached by what they depend on, so a search of thousands of layouts runs a ha
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -22,9 +24,9 @@ from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
 from trainer.planner.auto.ranking import Candidate
 from trainer.planner.calibration.probe import bf16_supported
-from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.comm import unit_params
-from trainer.planner.cost.model import lower_bound_s, predict_step_time, unit_costs
+from trainer.planner.cost.model import unit_costs
+from trainer.planner.cost.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget
 from trainer.planner.memory.layout import on_cuda
 from trainer.planner.memory.predict import predict_memory
@@ -38,8 +40,9 @@ def divisors(n: int) -> list[int]:
 
 
 class Search:
-    def __init__(self, raw: dict, base: RunConfig, knobs: AutoPlanConfig, world: int, calibration: Calibration) -> None:
-        self.raw, self.base, self.knobs, self.world, self.calibration = raw, base, knobs, world, calibration
+    def __init__(self, raw: dict, base: RunConfig, knobs: AutoPlanConfig, world: int,
+                 pricing: HostPricing | ProfilePricing) -> None:
+        self.raw, self.base, self.knobs, self.world, self.pricing = raw, base, knobs, world, pricing
         self.model = build_model(base.model, device="meta")  # the only model this search builds
         self.decoder = decoder_config(base.model)
         self.budget, self.budget_source = memory_budget(base.model_copy(update={"mesh": [world]}))
@@ -48,6 +51,7 @@ class Search:
         self._params: dict = {}
         self._flops: dict = {}
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
+        self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
 
     # ------------------------------------------------------------------ enumeration
 
@@ -55,7 +59,7 @@ class Search:
         """``(label, mesh, parallel section, precision)`` of every candidate the knobs allow."""
         k, t = self.knobs, self.base.train
         tp_ok = k.tensor_parallel and hasattr(self.model, "parallel_plan")
-        precisions = [p for p in (k.precisions or [t.precision]) if p == "fp32" or bf16_supported(_device(self.base))]
+        precisions = [p for p in (k.precisions or [t.precision]) if p == "fp32" or self._bf16()]
         acs = [a for a in k.activation_checkpointing if a == "none" or self.decoder is not None]
         for tp in (divisors(self.world) if tp_ok else [1]):
             for pp in (divisors(self.world // tp) if k.pipeline else [1]):
@@ -65,6 +69,11 @@ class Search:
                         for ac in acs:
                             for precision in precisions:
                                 yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ac, precision)
+
+    def _bf16(self) -> bool:
+        if isinstance(self.pricing, ProfilePricing):
+            return "bf16" in self.pricing.profile.peak_tflops
+        return bf16_supported(_device(self.base))
 
     def _dp_options(self, dp: int) -> Iterator[tuple[str, dict | None]]:
         if dp == 1:
@@ -133,8 +142,7 @@ class Search:
             if self._known_failure(c, "plan", keys):
                 return None
             try:
-                return cfg, resolve_plan(cfg.parallel, cfg.mesh, self.model,
-                                         check_glob=lambda *glob: _check_heads(self.decoder, *glob))
+                return cfg, self._resolve(cfg, c)
             except ConfigError as err:
                 stage, issues = "plan", err.issues
         c.status, c.reason = "invalid", f"invalid: {issues[0].path}: {issues[0].reason}"
@@ -142,6 +150,17 @@ class Search:
         if section is not None:
             self._failed[stage, keys[section]] = c.reason
         return None
+
+    def _resolve(self, cfg: RunConfig, c: Candidate) -> ParallelPlan:
+        """The candidate's plan; candidates that differ only in activation checkpointing (or precision)
+        share one resolution, the checkpointing set on a copy."""
+        section = {k: v for k, v in c.parallel.items() if k != "activation_checkpointing"}
+        key = (json.dumps(section, sort_keys=True), tuple(c.mesh))
+        if key not in self._plans:
+            self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model,
+                                            check_glob=lambda *glob: _check_heads(self.decoder, *glob))
+        return dataclasses.replace(self._plans[key], activation_checkpointing=cfg.parallel.activation_checkpointing,
+                                   activation_checkpointing_every=cfg.parallel.activation_checkpointing_every)
 
     def _known_failure(self, c: Candidate, stage: str, keys: dict[str, tuple]) -> bool:
         """``c`` shares a section that failed ``stage`` (structure / plan) of the validation before:
@@ -175,8 +194,8 @@ class Search:
         micro = cfg.micro_batch_size
         key = (self.params_key(plan), micro, cfg.train.precision)
         if key not in self._costs:
-            self._costs[key] = unit_costs(cfg, plan, micro, model=self.model)
-        step = predict_step_time(cfg, plan, self.calibration, costs=self._costs[key], model=self.model)
+            self._costs[key] = self.pricing.unit_costs(cfg, plan, micro, self.model)
+        step = self.pricing.step(cfg, plan, self._costs[key], self.model, self.params(plan))
         c.step_s, c.tokens_per_s, c.traffic = step.total_s, step.tokens_per_s, step.traffic
         c.parts_s = {"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
                      "unitemized": step.overhead_s,
@@ -203,8 +222,7 @@ class Search:
                 invalid.append(c)
                 continue
             cfg, plan = checked
-            c.lower_bound_s = lower_bound_s(cfg, plan, self.calibration, self.params(plan),
-                                            self.flops_per_sequence(cfg, plan))
+            c.lower_bound_s = self.pricing.lower_bound(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
             valid.append((c.lower_bound_s, c, cfg, plan))
         valid.sort(key=lambda v: v[0])
         best = math.inf

@@ -105,7 +105,7 @@ class _Counter(TorchDispatchMode):
         if func in _FLASH_CPU:
             q, k = args[0] if func.name().endswith("cpu") else args[1], args[1] if func.name().endswith("cpu") else args[2]
             causal = bool(kwargs.get("is_causal")) if kwargs else False
-            causal = causal or any(a is True for a in args[3:6])
+            causal = causal or any(a is True for a in args[3:])  # forward: args[4], backward: args[7]
             b, h, s, d = q.shape
             flops = 4.0 * b * h * s * k.shape[-2] * d * _FLASH_CPU[func] * (0.5 if causal else 1.0)
             work.matmul_calls += 2
@@ -147,11 +147,21 @@ def unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: n
                ) -> dict[str, UnitCost]:
     """Forward and backward work of every pipeline unit for one micro-batch of ``micro_batch``
     sequences at tp-local shapes. ``model``: the meta model to copy (built once by a planner)."""
+    costs: dict[str, UnitCost] = defaultdict(UnitCost)
+    model = unit_pass(cfg, plan, micro_batch, lambda where: _Counter(costs, where), model=model)
+    return _spread_unhooked(dict(costs), plan, model)
+
+
+def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, model: nn.Module | None = None
+              ) -> nn.Module:
+    """Run one forward and backward of a micro-batch of ``micro_batch`` sequences on the meta device,
+    tp-placed parameters at their local shapes, under the dispatch mode ``mode(where)`` builds;
+    ``where()`` names the pipeline unit and phase (forward, backward) each op belongs to. Returns
+    the meta model it ran (a copy of ``model`` when given)."""
     model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
     _local_shapes(model, plan)
     if cfg.train.precision == "bf16":
         model.to(torch.bfloat16)
-    costs: dict[str, UnitCost] = defaultdict(UnitCost)
     state = {"unit": plan.units[-1], "phase": "forward"}  # the loss belongs to the last unit
     modules = dict(model.named_modules())
     hooks = []
@@ -167,7 +177,7 @@ def unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: n
     else:
         x = torch.zeros(micro_batch, cfg.train.seq_len, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, cfg.train.seq_len, dtype=torch.long, device="meta")
-    with AttentionKernel(flash_attention_for_cpu), _Counter(costs, lambda: (state["unit"], state["phase"])):
+    with AttentionKernel(flash_attention_for_cpu), mode(lambda: (state["unit"], state["phase"])):
         out = model(x)
         state["unit"] = plan.units[-1]
         loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
@@ -175,7 +185,7 @@ def unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: n
         loss.backward()
     for hook in hooks:
         hook.remove()
-    return _spread_unhooked(dict(costs), plan, model)
+    return model
 
 
 def _spread_unhooked(costs: dict[str, UnitCost], plan: ParallelPlan, model: nn.Module) -> dict[str, UnitCost]:

@@ -28,11 +28,13 @@ from trainer.planner.numbers import GIB
 
 
 def memory_budget(cfg: RunConfig) -> tuple[float, str]:
-    """``(bytes per rank, where the number comes from)``: ``launch.memory_budget_gb``, else the
-    GPU's memory when the run will use CUDA, else 90% of this host's memory shared by its workers,
+    """``(bytes per rank, where the number comes from)``: ``launch.memory_budget_gb``, else a
+    hardware profile's device memory, else the GPU's memory when the run will use CUDA, else 90% of this host's memory shared by its workers,
     less what each worker holds before training (:data:`trainer.planner.memory.host.WORKER_FLOOR`)."""
     if cfg.launch.memory_budget_gb is not None:
         return cfg.launch.memory_budget_gb * GIB, "launch.memory_budget_gb"
+    if not cfg.hardware.is_host and cfg.hardware.memory_gb is not None:
+        return cfg.hardware.memory_bytes, f"hardware={cfg.hardware.name}: {cfg.hardware.memory_gb:g} GB per device"
     if on_cuda(cfg):
         return float(torch.cuda.get_device_properties(0).total_memory), "the GPU's memory"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -56,7 +56,10 @@ def in_flight_peak(plan: ParallelPlan, in_flight: int, per_pass: float, stage_gr
 
 
 def on_cuda(cfg: RunConfig) -> bool:
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    """The run's devices are GPUs: a GPU profile (``hardware=h100_sxm``, planned from any host) or
+    ``device=cuda`` (or ``auto`` on a host that has one)."""
+    return (cfg.hardware.device == "cuda" or cfg.device == "cuda"
+            or (cfg.device == "auto" and torch.cuda.is_available()))
 
 
 def fsdp(plan: ParallelPlan) -> bool:  # FSDP2 shards parameters (one rank: no data parallelism at all)

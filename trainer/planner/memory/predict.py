@@ -56,7 +56,7 @@ from trainer.planner.memory.layout import (
     replicate_reduce,
     stage_reduce,
 )
-from trainer.planner.numbers import plan_numbers, stage_views
+from trainer.planner.numbers import GIB, plan_numbers, stage_views
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class MemoryParts:
     step_activations: float = 0.0  # what all the step's passes allocate (their heap holes on CPU)
     step_temporaries: float = 0.0  # gradient clipping and AdamW's temporaries
     reduce: float = 0.0  # the gradient reduce's peak after backward (ddp; a pipelined FSDP stage)
-    runtime: float = 0.0  # CPU: the process groups and runtime beyond the live tensors
-    allocator: float = 0.0  # CPU: glibc's heap holes
+    runtime: float = 0.0  # CPU: the process groups and runtime beyond the live tensors; a GPU profile: CUDA, NCCL
+    allocator: float = 0.0  # CPU: glibc's heap holes; a GPU profile: the caching allocator's slack
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,8 @@ class MemoryEstimate:
 
     @property
     def process(self) -> float:
-        """CPU: what the process holds beyond its live tensors (runtime and heap holes)."""
+        """What the process holds beyond its live tensors: on CPU its runtime and heap holes; on a
+        hardware profile's GPU the CUDA context, NCCL's buffers and the caching allocator's slack."""
         return self.parts.runtime + self.parts.allocator
 
 
@@ -352,5 +353,10 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
         if cpu:
             allocator = host_overhead(cfg, plan, max(0.0, cycled), blocks, estimate.parts.step_activations)
             estimate = replace(estimate, parts=replace(estimate.parts, runtime=runtime(plan), allocator=allocator))
+        elif (gpu := cfg.hardware.runtime_memory) is not None and not cfg.hardware.is_host:
+            # A profile's device: the CUDA context and NCCL's buffers, and the caching allocator's
+            # blocks held beyond the live tensors at the peak (a share of them).
+            estimate = replace(estimate, parts=replace(estimate.parts, runtime=(gpu.cuda_context_gib + (
+                gpu.nccl_gib if plan.mesh.world_size > 1 else 0.0)) * GIB, allocator=gpu.allocator_slack * estimate.live))
         out.append(estimate)
     return out

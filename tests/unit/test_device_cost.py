@@ -1,0 +1,131 @@
+"""trainer.planner.cost.device: a step priced on a hardware profile, with no GPU and no process group.
+
+    python -m pytest tests/unit/test_device_cost.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.config.compose import compose_dict
+from trainer.planner.cost.device import (
+    DeviceSpeed,
+    _Pricer,
+    device_unit_costs,
+    lower_bound_on_profile,
+    predict_on_profile,
+    wave_efficiency,
+)
+from trainer.planner.cost.comm import unit_params
+from trainer.planner.cost.links import collective_seconds, group_link
+from trainer.validate.checks import validate_with_plan
+
+SMALL = ["model=gpt_small", "train.seq_len=512", "train.global_batch_size=64", "train.precision=bf16", "dry_run=true"]
+
+
+def _plan(*overrides):
+    return validate_with_plan(compose_dict([*SMALL, *overrides]))
+
+
+def test_wave_quantisation_takes_the_best_tile():
+    assert wave_efficiency(1, 128, 128 * 132, 132) == 1.0  # 132 tiles of 128 x 128: one full wave
+    # 129 x 129: four 128-tiles or six 64 x 128 tiles; the busier one fills 6 of 132 SMs in one wave
+    assert wave_efficiency(1, 129, 129, 132) == pytest.approx(6 / 132)
+    assert wave_efficiency(1, 8192, 8192, 132) > 0.95
+
+
+def test_a_matmul_costs_its_roofline_and_an_elementwise_op_its_bytes():
+    cfg, _ = _plan("hardware=h100_sxm")
+    speed = DeviceSpeed.of(cfg.hardware, "bf16")
+    costs: dict = {}
+    from collections import defaultdict
+
+    from trainer.planner.cost.device import DeviceCost
+
+    costs = defaultdict(DeviceCost)
+    a = torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16)
+    with _Pricer(costs, speed, lambda: ("u", "forward")):
+        torch.mm(a, a)
+        a.add(a)
+    flops = 2 * 4096**3
+    wave = wave_efficiency(1, 4096, 4096, cfg.hardware.sm_count)
+    size = flops / (flops + cfg.hardware.achieved.matmul_half_gflop * 1e9)  # smaller GEMMs reach less
+    mm = max(flops / (speed.matmul_flops * wave * size), 3 * 4096**2 * 2 / speed.memory_bytes)
+    add = 3 * 4096**2 * 2 / speed.memory_bytes
+    assert costs["u"].forward_s == pytest.approx(mm + add)
+    assert costs["u"].forward_flops == flops
+    assert speed.matmul_flops == pytest.approx(cfg.hardware.peak_flops("bf16") * cfg.hardware.achieved.matmul)
+
+
+def test_tp_inside_a_node_is_cheaper_than_across_nodes():
+    """16 ranks: tp innermost on 2 nodes of 8 rides NVLink; tp outermost on 8 nodes of 2 crosses the
+    network at every step, and on 2 nodes of 8 half of it does (hierarchical)."""
+    inner_cfg, inner = _plan("hardware=h100_sxm", "launch.nnodes=2", "mesh=[2,8]", "+parallel=2d")
+    outer_cfg, outer = _plan("hardware=h100_sxm", "launch.nnodes=8", "mesh=[8,2]", "+parallel=2d",
+                             "parallel.dims=[tp,dp]")
+    half_cfg, half = _plan("hardware=h100_sxm", "launch.nnodes=2", "mesh=[8,2]", "+parallel=2d",
+                           "parallel.dims=[tp,dp]")
+    assert group_link(inner.mesh.shape, inner.mesh.dim_names, ["tp"], 8).kind == "intra"
+    assert group_link(outer.mesh.shape, outer.mesh.dim_names, ["tp"], 2).kind == "inter"
+    assert group_link(half.mesh.shape, half.mesh.dim_names, ["tp"], 8).kind == "hierarchical"
+    between = predict_on_profile(half_cfg, half, half_cfg.hardware)
+    fast = predict_on_profile(inner_cfg, inner, inner_cfg.hardware)
+    slow = predict_on_profile(outer_cfg, outer, outer_cfg.hardware)
+    assert slow.exposed_s["tp"] > between.exposed_s["tp"] > fast.exposed_s["tp"] > 0
+    assert slow.exposed_s["tp"] > 3 * fast.exposed_s["tp"]
+    assert slow.compute_s == pytest.approx(fast.compute_s)  # the same work per rank
+
+
+def test_fsdp_hides_its_collectives_behind_compute_and_a_pipeline_does_not():
+    cfg, plan = _plan("hardware=h100_sxm", "launch.nnodes=2", "mesh=[16]", "+parallel=fsdp")
+    step = predict_on_profile(cfg, plan, cfg.hardware)
+    assert 0 < step.exposed_s["dp"] < step.comm_s["dp"]
+    piped_cfg, piped = _plan("hardware=h100_sxm", "launch.nnodes=2", "mesh=[4,2,2]", "+parallel=3d")
+    piped_step = predict_on_profile(piped_cfg, piped, piped_cfg.hardware)
+    assert piped_step.exposed_s["dp"] == pytest.approx(piped_step.comm_s["dp"])
+    assert piped_step.bubble_s > 0
+    # The fill and drain wait for 2 (pp - 1) sends; the rest hide behind other micro-batches
+    assert 0 < piped_step.exposed_s["pp"] < piped_step.comm_s["pp"]
+
+
+@pytest.mark.parametrize("preset,mesh", [("fsdp", "[16]"), ("2d", "[2,8]"), ("3d", "[4,2,2]"), ("dp", "[16]")])
+def test_the_lower_bound_never_exceeds_the_prediction(preset, mesh):
+    cfg, plan = _plan("hardware=a100_80g", "launch.nnodes=2", f"mesh={mesh}", f"+parallel={preset}")
+    from trainer.models import build_model
+    from trainer.planner.cost.model import unit_costs
+    from parallel.plan.spec import ParallelPlan
+
+    model = build_model(cfg.model, device="meta")
+    one = ParallelPlan(units=plan.units, blocks=plan.blocks)
+    flops = sum(c.forward.matmul_flops + c.backward.matmul_flops for c in unit_costs(cfg, one, 1, model=model).values())
+    bound = lower_bound_on_profile(cfg, plan, cfg.hardware, unit_params(plan, model), flops)
+    step = predict_on_profile(cfg, plan, cfg.hardware, model=model)
+    assert 0 < bound <= step.total_s
+
+
+def test_model_flops_count_every_rank_once():
+    """The step's model FLOPs are the same whatever the layout: 6 N per token plus attention's
+    12 l h s, the count utilisation is quoted in (causal or not, recomputation excluded)."""
+    one_cfg, one = _plan("hardware=h100_sxm")
+    tp_cfg, tp = _plan("hardware=h100_sxm", "mesh=[4,2]", "+parallel=2d")
+    a = predict_on_profile(one_cfg, one, one_cfg.hardware).model_flops
+    b = predict_on_profile(tp_cfg, tp, tp_cfg.hardware).model_flops
+    assert b == pytest.approx(a, rel=1e-6)
+    c = one_cfg.model
+    params = c.n_layers * (4 * c.dim * c.dim + 3 * c.dim * c.ffn_hidden_dim) + c.vocab_size * c.dim  # matmul weights
+    tokens = one_cfg.train.global_batch_size * one_cfg.train.seq_len
+    attention = 12 * c.n_layers * c.dim * one_cfg.train.seq_len * tokens
+    assert a == pytest.approx(6 * params * tokens + attention, rel=1e-6)
+
+
+def test_collectives_on_links_follow_the_ring():
+    cfg, _ = _plan("hardware=h100_sxm")
+    link = group_link((8,), ("tp",), ["tp"], 8)
+    nbytes = 2**30
+    seconds = collective_seconds(cfg.hardware, "all_reduce", link, nbytes)
+    ring = 2 * 7 / 8 * nbytes / (cfg.hardware.intra_node.bandwidth_gb_s * 1e9)
+    assert ring <= seconds <= ring * 1.05 + 2 * 7 * cfg.hardware.intra_node.latency_us * 1e-6 + 1e-6
+    assert math.isfinite(seconds)

@@ -1,0 +1,83 @@
+"""What prices a layout's step: this host's calibration, or a hardware profile (``hardware=...``).
+
+    pricing = pricing_for(cfg, world=8)                 # HostPricing or ProfilePricing
+    costs = pricing.unit_costs(cfg, plan, micro, model)  # the meta pass, cached by a planner
+    step = pricing.step(cfg, plan, costs, model)         # a StepTime
+    bound = pricing.lower_bound(cfg, plan, params, flops_per_sequence)
+
+The auto-planner and the dry run ask one of these and never which: ``hardware=this_host`` (the
+default) prices with the probe of this host's workers (:mod:`trainer.planner.cost.model`), a GPU
+profile with the datasheet and achieved rates of its devices and links (:mod:`trainer.planner.cost.device`),
+which needs no such device and starts no process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from parallel.plan.spec import ParallelPlan
+from trainer.config.hardware import HardwareProfile
+from trainer.config.schema import RunConfig
+from trainer.planner.cost.calibration import Calibration
+from trainer.planner.cost.device import DeviceSpeed, device_unit_costs, lower_bound_on_profile, predict_on_profile
+from trainer.planner.cost.model import StepTime, lower_bound_s, predict_step_time, unit_costs
+
+
+@dataclass(frozen=True)
+class HostPricing:
+    """This host, as its probe measured it with the run's workers."""
+
+    calibration: Calibration
+
+    def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, model: nn.Module):
+        return unit_costs(cfg, plan, micro, model=model)
+
+    def step(self, cfg: RunConfig, plan: ParallelPlan, costs, model: nn.Module, params: dict | None = None) -> StepTime:
+        return predict_step_time(cfg, plan, self.calibration, costs=costs, model=model)
+
+    def lower_bound(self, cfg: RunConfig, plan: ParallelPlan, params: dict, flops_per_sequence: float) -> float:
+        return lower_bound_s(cfg, plan, self.calibration, params, flops_per_sequence)
+
+    def describe(self) -> str:
+        from trainer.planner.calibration.probe import describe  # start-up: only a planner pays for it
+
+        return describe(self.calibration)
+
+
+@dataclass(frozen=True)
+class ProfilePricing:
+    """The devices and links of a hardware profile; nothing of this host is measured."""
+
+    profile: HardwareProfile
+
+    def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, model: nn.Module):
+        return device_unit_costs(cfg, plan, micro, DeviceSpeed.of(self.profile, cfg.train.precision), model=model)
+
+    def step(self, cfg: RunConfig, plan: ParallelPlan, costs, model: nn.Module, params: dict | None = None) -> StepTime:
+        return predict_on_profile(cfg, plan, self.profile, costs=costs, model=model, params=params)
+
+    def lower_bound(self, cfg: RunConfig, plan: ParallelPlan, params: dict, flops_per_sequence: float) -> float:
+        return lower_bound_on_profile(cfg, plan, self.profile, params, flops_per_sequence)
+
+    def describe(self) -> str:
+        p, a = self.profile, self.profile.achieved
+        return (f"hardware {p.name}: {p.description}; {p.devices_per_node} devices per node, "
+                f"{p.memory_gb:g} GB at {p.memory_bandwidth_gb_s:,.0f} GB/s, peak "
+                + ", ".join(f"{k} {v:g}" for k, v in p.peak_tflops.items()) + " TFLOP/s; achieved: GEMM "
+                f"{a.matmul:.0%}, attention {a.attention_forward:.0%} / {a.attention_backward:.0%}, HBM {a.memory:.0%}, "
+                f"{a.kernel_us:g} us per kernel; links: node {p.intra_node.bandwidth_gb_s:g} GB/s, "
+                f"network {p.inter_node.bandwidth_gb_s:g} GB/s per device")
+
+
+def pricing_for(cfg: RunConfig, world: int, *, calibration: Calibration | None = None) -> HostPricing | ProfilePricing:
+    """The profile's pricing for a GPU profile; else this host's calibration for ``world`` ranks
+    (probed once and cached: :func:`trainer.planner.auto.plan.host_calibration`)."""
+    if not cfg.hardware.is_host:
+        return ProfilePricing(cfg.hardware)
+    if calibration is None:
+        from trainer.planner.auto.plan import host_calibration  # the probe: only when no profile prices it
+
+        calibration = host_calibration(cfg, world)
+    return HostPricing(calibration)

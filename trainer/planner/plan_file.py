@@ -1,0 +1,122 @@
+"""The dry run's predicted step, as ``meshflow-plan/plan.json`` and as console lines.
+
+    summary = plan_summary(cfg, plan, report)        # report: trainer.planner.report.plan_report's
+    write_plan_json(summary, Path("meshflow-plan"))
+    print("\\n".join(summary_lines(summary)))
+
+Keys (the interface scripts and tests read): ``step_time_s``, ``tokens_per_s_per_device``,
+``model_flops_utilization`` (the step's model FLOPs, recomputation excluded, over the devices'
+datasheet peak; null on this host, whose peak no datasheet states), ``peak_memory_gib_per_device``
+(the max over ranks, runtime included), ``memory_budget_gib``, ``fits``, ``axes`` (per mesh axis:
+the link it rides, its group, the bytes a rank sends per step, the seconds its collectives take and
+the seconds left on the critical path), ``hardware``, ``nnodes``, ``devices``, ``parts_s`` and a
+``note`` when something could not be predicted.
+
+On a hardware profile the step comes from :func:`trainer.planner.cost.device.predict_on_profile`;
+on this host from its cached calibration (``python -m trainer.calibrate mesh=[N]`` or a first
+``+parallel=auto`` run probes it), never probed by a dry run, which stays quick.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from parallel.plan.spec import ParallelPlan
+from trainer.config.schema import RunConfig
+from trainer.planner.numbers import GIB, MIB
+
+PLAN_JSON = "plan.json"
+
+
+def _host_calibration(cfg: RunConfig):
+    """This host's cached calibration for the run's workers, or None (a dry run never probes)."""
+    from trainer.planner.calibration.probe import SCHEMA_VERSION, cache_path
+    from trainer.planner.cost.calibration import Calibration
+    from trainer.planner.memory.layout import on_cuda
+
+    workers = max(1, cfg.world_size // cfg.launch.nnodes)
+    path = cache_path(min(workers, 16), "cuda" if on_cuda(cfg) else "cpu")
+    try:
+        cal = Calibration.from_json(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return cal if cal.schema == SCHEMA_VERSION else None
+
+
+def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
+    """The prediction's JSON (see the module docstring); ``report``: the memory of ``plan_report``."""
+    from trainer.planner.cost.links import group_link
+    from trainer.planner.cost.pricing import HostPricing, ProfilePricing
+    from trainer.models import build_model
+
+    hw = cfg.hardware
+    peak = max(m["peak_bytes"] for m in report["memory"])
+    budget = report["memory_budget"]["bytes"]
+    out: dict = {"hardware": hw.name, "nnodes": cfg.launch.nnodes, "devices": cfg.world_size,
+                 "devices_per_node": max(1, cfg.world_size // cfg.launch.nnodes),  # the ranks one node runs
+                 "step_time_s": None, "tokens_per_s": None, "tokens_per_s_per_device": None,
+                 "model_flops_utilization": None, "peak_memory_gib_per_device": peak / GIB,
+                 "memory_budget_gib": budget / GIB, "fits": peak <= budget, "parts_s": {}, "axes": {},
+                 "note": report.get("memory_note")}
+    if hw.is_host:
+        calibration = _host_calibration(cfg)
+        if calibration is None:
+            out["note"] = ("no step time: this host is not calibrated for these workers yet (python -m "
+                           f"trainer.calibrate mesh=[{cfg.world_size}] probes it once, about a minute)")
+            return out
+        pricing = HostPricing(calibration)
+    else:
+        pricing = ProfilePricing(hw)
+    model = build_model(cfg.model, device="meta")
+    try:
+        step = pricing.step(cfg, plan, pricing.unit_costs(cfg, plan, cfg.micro_batch_size, model), model)
+    except Exception as err:  # noqa: BLE001 - the memory and traffic above still describe the plan
+        out["note"] = f"no step time ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+        return out
+    out.update(step_time_s=step.total_s, tokens_per_s=step.tokens_per_s,
+               tokens_per_s_per_device=step.tokens_per_s / cfg.world_size,
+               parts_s={"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
+                        "unitemized": step.overhead_s})
+    if not hw.is_host:
+        out["model_flops_utilization"] = step.model_flops_utilization
+        out["model_flops_per_step"] = step.model_flops
+    exposed = getattr(step, "exposed_s", None) or step.comm_s
+    for axis, seconds in step.comm_s.items():
+        entry = {"sent_bytes_per_step": step.traffic.get(axis, 0.0), "seconds": seconds,
+                 "exposed_s": exposed.get(axis, 0.0)}
+        if not hw.is_host:
+            link = group_link(plan.mesh.shape, plan.mesh.dim_names, axis.split(","), out["devices_per_node"])
+            entry.update(link=link.kind, group_size=link.group_size, local=link.local, nodes=link.nodes)
+        out["axes"][axis] = entry
+    return out
+
+
+def write_plan_json(summary: dict, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / PLAN_JSON
+    path.write_text(json.dumps(summary, indent=1))
+    return path
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """What the console prints of the prediction: the same numbers as plan.json."""
+    where = (f"hardware {summary['hardware']}, {summary['nnodes']} node(s) x {summary['devices_per_node']} devices"
+             if summary["hardware"] != "this_host" else "this host")
+    lines = [f"predicted on {where}:"]
+    if summary["step_time_s"] is None:
+        lines.append(f"  {summary['note']}")
+    else:
+        mfu = summary["model_flops_utilization"]
+        parts = ", ".join(f"{k} {v:.3g} s" for k, v in summary["parts_s"].items() if v)
+        lines.append(f"  step {summary['step_time_s']:.3g} s ({parts}); {summary['tokens_per_s_per_device']:,.0f} "
+                     f"tokens/s per device" + (f"; model FLOPs utilization {mfu:.1%}" if mfu is not None else ""))
+        for axis, a in summary["axes"].items():
+            link = f" over {a['link']} links ({a['group_size']} ranks: {a['local']} per node x {a['nodes']} nodes)" \
+                if "link" in a else ""
+            lines.append(f"  {axis}{link}: {a['sent_bytes_per_step'] / MIB:,.1f} MiB sent per step, "
+                         f"{a['seconds']:.3g} s of collectives, {a['exposed_s']:.3g} s exposed")
+    verdict = "fits" if summary["fits"] else "does NOT fit"
+    lines.append(f"  peak memory {summary['peak_memory_gib_per_device']:.2f} GiB per device (max over ranks) of "
+                 f"{summary['memory_budget_gib']:.2f} GiB: {verdict}")
+    return lines
