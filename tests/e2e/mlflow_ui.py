@@ -64,7 +64,7 @@ def require_browser() -> None:
     except ImportError:
         missing.append('the playwright package (pip install -e ".[dev]")')
     if missing:
-        reason = "the MLflow UI test needs " + " and ".join(missing)
+        reason = "the browser tests need " + " and ".join(missing)
         if in_ci():
             pytest.fail(reason + "; .ci/run installs both, so under CI=true this is an error", pytrace=False)
         pytest.skip(reason)
