@@ -15,6 +15,7 @@ never below 1 (a fast idle host keeps the written figures: they are a floor) and
     from tests.timing import Deadline, scaled
     subprocess.run(command, timeout=scaled(600))       # a guard against a hang, not a figure to meet
     deadline = Deadline(180)                           # a poll loop: deadline.left(), deadline.expired()
+    deadline.restart()                                 # ... and a limit on silence: again from now
 """
 
 from __future__ import annotations
@@ -77,10 +78,16 @@ class Deadline:
     """A point ``scaled(seconds)`` from now, for poll loops.
 
     ``seconds`` is the written (idle-host) figure; ``seconds_scaled`` what this host got, which
-    error messages should name so that a miss says how long was really waited."""
+    error messages should name so that a miss says how long was really waited. ``restart()`` on
+    each sign of progress makes it a limit on silence rather than on the whole wait."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds_scaled = scaled(seconds)
+        self.seconds = seconds
+        self.restart()
+
+    def restart(self) -> None:
+        """Start counting again from now (the factor measured anew if it is old): progress was seen."""
+        self.seconds_scaled = scaled(self.seconds)
         self._end = time.monotonic() + self.seconds_scaled
 
     def left(self) -> float:

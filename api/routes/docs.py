@@ -34,7 +34,7 @@ class Asset(str, Enum):
 
 def _url(request: Request, path: str) -> str:
     """``path`` under the app's root path (a proxy serving the API under a prefix sets it)."""
-    return f"{request.scope.get('root_path', '')}{path}"
+    return f"{request.scope.get('root_path', '').rstrip('/')}{path}"
 
 
 @router.get("/docs")

@@ -121,16 +121,34 @@ def job_pids_in(workspace: Path) -> list[int]:
     return found
 
 
+def _progress(client: httpx.Client, job: dict) -> tuple:
+    """What changes while a job gets anywhere: its state, its log's last line, and (while it waits
+    in the queue) the states of the jobs the client sees, one of which must end to make room."""
+    last_line = client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 1}).text
+    queue = ()
+    if job["state"] == "QUEUED":
+        queue = tuple((j["id"], j["state"]) for j in client.get("/v1/jobs", params={"limit": 100}).json()["items"])
+    return job["state"], last_line, queue
+
+
 def wait_for(client: httpx.Client, job_id: str, states: set[str], timeout: float = 180.0) -> dict:
-    """Poll a job until it is in one of ``states``; its record. ``timeout`` is idle-host seconds,
-    scaled by the host's slowness (tests/timing.py)."""
-    deadline = Deadline(timeout)
-    job = {}
-    while not deadline.expired():
+    """Poll a job until it is in one of ``states``; its record.
+
+    ``timeout`` bounds silence, not the whole wait: idle-host seconds (scaled by the host's
+    slowness, tests/timing.py) without progress (see ``_progress``). Jobs run niced, so on a busy
+    host they slow down far more than the test process that measures the slowness; a job that
+    keeps stepping is waited for, up to 10 times ``timeout`` in all."""
+    silence, whole = Deadline(timeout), Deadline(10 * timeout)
+    job, seen = {}, None
+    while not silence.expired() and not whole.expired():
         job = client.get(f"/v1/jobs/{job_id}").json()
         if job["state"] in states:
             return job
         if job["state"] in TERMINAL:
             raise AssertionError(f"job ended {job['state']} while waiting for {states}: {job.get('error')}")
+        if (mark := _progress(client, job)) != seen:
+            seen = mark
+            silence.restart()
         time.sleep(0.2)
-    raise TimeoutError(f"job {job_id} still {job.get('state')} after {deadline.seconds_scaled:.0f} s")
+    raise TimeoutError(f"job {job_id} still {job.get('state')} after {silence.seconds_scaled:.0f} s without "
+                       f"progress ({whole.seconds_scaled:.0f} s in all)")
