@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from api.errors import install_error_handlers
 from api.middleware import BodySizeLimit, JsonDepthLimit
-from api.routes import health, jobs, logs, plans
+from api.routes import docs, health, jobs, logs, plans
 from service.plane import ControlPlane
 from service.settings import Settings
 
@@ -32,7 +32,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             plane.stop()
 
-    app = FastAPI(title="Meshflow control plane", version="0.1.0", lifespan=lifespan,
+    # docs_url/redoc_url None: FastAPI's pages load their scripts from a CDN; api/routes/docs.py serves its own.
+    app = FastAPI(title="Meshflow control plane", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Submit, queue, run, watch and cancel config-driven PyTorch training jobs.")
     app.add_middleware(JsonDepthLimit, max_depth=settings.max_json_depth)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)  # added last: runs first
@@ -41,6 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(logs.router)
     app.include_router(plans.router)
     app.include_router(health.router)
+    app.include_router(docs.router)
     return app
 
 

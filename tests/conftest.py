@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from timing import Deadline, scaled, slowness
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -25,20 +27,20 @@ def compose():
 
 
 def run_cli(args: list[str], *, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m trainer <args>`` in ``cwd``, as a user would type it."""
+    """``python -m trainer <args>`` in ``cwd``, as a user would type it; ``timeout`` guards against a
+    hang (idle-host seconds, scaled by the host's slowness: tests/timing.py)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=scaled(timeout))
 
 
 def worker_pids(proc: subprocess.Popen, lines: list[str], *, until: str, timeout: float = 300) -> dict[int, int]:
     """Read a running trainer's output (into ``lines``) until a line starts with ``until``;
-    return {rank: pid} from the launcher's ``workers: rank0=<pid> ...`` line."""
-    import time
-
+    return {rank: pid} from the launcher's ``workers: rank0=<pid> ...`` line. ``timeout`` (scaled)
+    only stops a trainer that hangs without a word: each line read is an event, not a poll."""
     ranks: dict[int, int] = {}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    deadline = Deadline(timeout)
+    while not deadline.expired():
         line = proc.stdout.readline()
         lines.append(line)
         assert line or proc.poll() is None, "".join(lines)
@@ -47,7 +49,12 @@ def worker_pids(proc: subprocess.Popen, lines: list[str], *, until: str, timeout
             ranks = {int(k.removeprefix("rank")): int(v) for k, v in (w.split("=") for w in line.split()[1:])}
         if line.startswith(until) and ranks:
             return ranks
-    raise AssertionError("workers did not start:\n" + "".join(lines))
+    raise AssertionError(f"workers did not start within {deadline.seconds_scaled:.0f} s:\n" + "".join(lines))
+
+
+def pytest_report_header() -> str:
+    """The deadline factor of this session, on pytest's first lines (a slow run says why it waited)."""
+    return f"deadlines scaled by {slowness():.2f} (host slowness, tests/timing.py)"
 
 
 WORKER_PREFIX = re.compile(r"^\[rank\d+\]: ")

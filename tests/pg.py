@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.ports import free_port
+from timing import scaled
 
 SUPERUSER = "meshflow"
 TIMEZONE = "America/New_York"  # a zone with an offset; see the module docstring
@@ -123,7 +124,7 @@ class PostgresServer:
             command = (["runuser", "-u", self.user, "--", *command] if shutil.which("runuser") else
                        ["setpriv", f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}", "--init-groups", *command])
         env = {**os.environ, "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8", "TZ": "UTC"}
-        proc = subprocess.run(command, cwd=self.root, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(command, cwd=self.root, env=env, capture_output=True, text=True, timeout=scaled(timeout))
         if proc.returncode != 0:
             log = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
             raise RuntimeError(f"{' '.join(command)} failed with {proc.returncode}:\n{proc.stdout}{proc.stderr}{log}")

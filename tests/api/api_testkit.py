@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 from ports import free_port
+from timing import Deadline, scaled
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = {"alice": "alice-token", "bob": "bob-token", "admin": "admin-token"}
@@ -43,20 +44,22 @@ class Server:
         return Path(self.env["MESHFLOW_WORKSPACE"])
 
     def start(self, timeout: float = 120.0) -> "Server":
+        """Start the process and wait for /readyz to answer 200 (or the process to exit); ``timeout``
+        (idle-host seconds, scaled: tests/timing.py) only stops a server that hangs."""
         log = open(self.root / f"server-{self.port}.log", "ab")
         self.process = subprocess.Popen([sys.executable, "-m", "api", "--port", str(self.port), "--log-level", "warning"],
                                         cwd=self.root, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = Deadline(timeout)
+        while not deadline.expired():
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}: {self.log_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/readyz", timeout=scaled(2)).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"server not ready after {timeout} s: {self.log_text()[-3000:]}")
+        raise TimeoutError(f"server not ready after {deadline.seconds_scaled:.0f} s: {self.log_text()[-3000:]}")
 
     def log_text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.root.glob("server-*.log")))
@@ -65,13 +68,13 @@ class Server:
         """SIGKILL: no lifespan shutdown, as a crash would do."""
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=scaled(30))
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=scaled(20))
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -81,7 +84,8 @@ class Server:
         return self.start()
 
     def client(self, user: str = "admin", timeout: float = 60.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=auth(user), timeout=timeout)
+        """An httpx client as ``user``; ``timeout`` (per request, scaled) only stops a request that hangs."""
+        return httpx.Client(base_url=self.url, headers=auth(user), timeout=scaled(timeout))
 
     def kill_leftover_jobs(self) -> None:
         """Teardown: no job process may outlive the test session."""
@@ -117,15 +121,34 @@ def job_pids_in(workspace: Path) -> list[int]:
     return found
 
 
+def _progress(client: httpx.Client, job: dict) -> tuple:
+    """What changes while a job gets anywhere: its state, its log's last line, and (while it waits
+    in the queue) the states of the jobs the client sees, one of which must end to make room."""
+    last_line = client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 1}).text
+    queue = ()
+    if job["state"] == "QUEUED":
+        queue = tuple((j["id"], j["state"]) for j in client.get("/v1/jobs", params={"limit": 100}).json()["items"])
+    return job["state"], last_line, queue
+
+
 def wait_for(client: httpx.Client, job_id: str, states: set[str], timeout: float = 180.0) -> dict:
-    """Poll a job until it is in one of ``states``; its record."""
-    deadline = time.monotonic() + timeout
-    job = {}
-    while time.monotonic() < deadline:
+    """Poll a job until it is in one of ``states``; its record.
+
+    ``timeout`` bounds silence, not the whole wait: idle-host seconds (scaled by the host's
+    slowness, tests/timing.py) without progress (see ``_progress``). Jobs run niced, so on a busy
+    host they slow down far more than the test process that measures the slowness; a job that
+    keeps stepping is waited for, up to 10 times ``timeout`` in all."""
+    silence, whole = Deadline(timeout), Deadline(10 * timeout)
+    job, seen = {}, None
+    while not silence.expired() and not whole.expired():
         job = client.get(f"/v1/jobs/{job_id}").json()
         if job["state"] in states:
             return job
         if job["state"] in TERMINAL:
             raise AssertionError(f"job ended {job['state']} while waiting for {states}: {job.get('error')}")
+        if (mark := _progress(client, job)) != seen:
+            seen = mark
+            silence.restart()
         time.sleep(0.2)
-    raise TimeoutError(f"job {job_id} still {job.get('state')} after {timeout} s")
+    raise TimeoutError(f"job {job_id} still {job.get('state')} after {silence.seconds_scaled:.0f} s without "
+                       f"progress ({whole.seconds_scaled:.0f} s in all)")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 from ports import free_port
+from timing import Deadline, scaled
 
 IP = "127.0.0.1"
 
@@ -131,7 +132,7 @@ class RayCluster:
         return self
 
     def alive_nodes(self) -> list[dict]:
-        reply = httpx.get(f"{self.address}/nodes", params={"view": "summary"}, timeout=10).json()
+        reply = httpx.get(f"{self.address}/nodes", params={"view": "summary"}, timeout=scaled(10)).json()
         summary = reply.get("data", {}).get("summary", [])
         return [n for n in summary if n.get("raylet", {}).get("state") == "ALIVE"]
 
@@ -143,8 +144,9 @@ class RayCluster:
         raise LookupError(f"no live Ray node has the resource {name}")
 
     def _wait_for_nodes(self, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Until ``count`` nodes are alive, or a node's ``ray start`` exited; ``timeout`` scaled (tests/timing.py)."""
+        deadline = Deadline(timeout)
+        while not deadline.expired():
             for node in self.nodes:
                 if node.process.poll() is not None:
                     raise RuntimeError(f"ray start for {node.name} exited: "
@@ -155,7 +157,7 @@ class RayCluster:
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(1)
-        raise TimeoutError(f"the Ray cluster has not {count} live nodes after {timeout} s")
+        raise TimeoutError(f"the Ray cluster has not {count} live nodes after {deadline.seconds_scaled:.0f} s")
 
     def stop(self) -> None:
         """Kill what this cluster started, and nothing else."""
@@ -166,7 +168,7 @@ class RayCluster:
                 except ProcessLookupError:
                     pass
                 try:
-                    node.process.wait(timeout=15)
+                    node.process.wait(timeout=scaled(15))
                     break
                 except subprocess.TimeoutExpired:
                     continue

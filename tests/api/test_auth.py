@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from api_testkit import TINY, auth, wait_for
+from timing import scaled
 
 
 def test_auth_matrix(queue_server):
@@ -13,8 +14,8 @@ def test_auth_matrix(queue_server):
         job = alice.post("/v1/jobs", json={"name": "alice's", "overrides": [*TINY, "train.steps=3"]}).json()
         job_id = job["id"]
         try:
-            anonymous = httpx.Client(base_url=server.url, timeout=30)
-            wrong = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer not-a-token"}, timeout=30)
+            anonymous = httpx.Client(base_url=server.url, timeout=scaled(30))
+            wrong = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer not-a-token"}, timeout=scaled(30))
             for client in (anonymous, wrong):
                 for method, path in (("GET", "/v1/jobs"), ("GET", f"/v1/jobs/{job_id}"), ("POST", "/v1/jobs"),
                                      ("POST", f"/v1/jobs/{job_id}/cancel"), ("GET", f"/v1/jobs/{job_id}/logs"),
@@ -22,10 +23,10 @@ def test_auth_matrix(queue_server):
                     response = client.request(method, path, json={"overrides": []} if method == "POST" else None)
                     assert response.status_code == 401, (method, path, response.text)
                     assert response.headers["www-authenticate"] == "Bearer"
-            basic = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Basic YWxpY2U6eA=="})
+            basic = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Basic YWxpY2U6eA=="}, timeout=scaled(30))
             assert basic.status_code == 401
-            assert httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": auth("alice")["Authorization"] + "x"}
-                             ).status_code == 401
+            assert httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": auth("alice")["Authorization"] + "x"},
+                             timeout=scaled(30)).status_code == 401
 
             # Another user's job does not exist for bob: read, logs, metrics, cancel, delete.
             for method, path in (("GET", f"/v1/jobs/{job_id}"), ("GET", f"/v1/jobs/{job_id}/logs"),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from api_testkit import TINY, wait_for
+from timing import Deadline, scaled
 
 from tests.conftest import unprefixed
 
@@ -39,8 +40,8 @@ def still_alive(processes: dict[int, str]) -> list[int]:
 
 
 def _group_gone(pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    deadline = Deadline(timeout)
+    while not deadline.expired():
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -65,7 +66,7 @@ def test_cancel_running_3d_job_leaves_no_process(server_for_3d):
         assert job["world_size"] == 8
         try:
             # Follow the log live until training has started on the workers.
-            with alice.stream("GET", f"/v1/jobs/{job['id']}/logs", params={"follow": "true"}, timeout=240) as stream:
+            with alice.stream("GET", f"/v1/jobs/{job['id']}/logs", params={"follow": "true"}, timeout=scaled(240)) as stream:
                 for line in stream.iter_lines():
                     if unprefixed(line.removeprefix("data: ")).startswith("step "):  # a worker's "[rank0]: step ..."
                         break
@@ -79,8 +80,8 @@ def test_cancel_running_3d_job_leaves_no_process(server_for_3d):
             assert cancelled.status_code == 200 and cancelled.json()["state"] == "CANCELLING"
             done = wait_for(alice, job["id"], {"CANCELLED"}, timeout=90)
             assert done["finished_at"] is not None
-            deadline = time.monotonic() + 10
-            while still_alive(processes) and time.monotonic() < deadline:
+            deadline = Deadline(10)
+            while still_alive(processes) and not deadline.expired():
                 time.sleep(0.2)
             assert still_alive(processes) == []
             assert job_processes(running["pid"]) == {}

@@ -8,12 +8,13 @@ import sys
 
 import pytest
 from api_testkit import TINY, TOKENS
+from timing import scaled
 
 from api.client import MeshflowClient, MeshflowError
 
 
 def test_sdk_submit_get_list_cancel_wait(queue_server):
-    with MeshflowClient(queue_server.url, token=TOKENS["alice"]) as client:
+    with MeshflowClient(queue_server.url, token=TOKENS["alice"], timeout=scaled(30)) as client:
         job = client.submit([*TINY, "train.steps=3"], name="sdk", idempotency_key="sdk-1")
         assert client.submit([*TINY, "train.steps=3"], name="sdk", idempotency_key="sdk-1")["id"] == job["id"]
         assert client.get(job["id"])["state"] == "QUEUED"
@@ -22,7 +23,7 @@ def test_sdk_submit_get_list_cancel_wait(queue_server):
                                          "?workflowType=machine_learning")
         assert job["id"] in [j["id"] for j in client.list(state="QUEUED", limit=500)["items"]]
         assert client.cancel(job["id"])["state"] == "CANCELLED"
-        assert client.wait(job["id"], timeout=10)["state"] == "CANCELLED"
+        assert client.wait(job["id"], timeout=scaled(10))["state"] == "CANCELLED"
         assert client.logs(job["id"]) == ""
         assert list(client.follow_logs(job["id"])) == []
         assert client.plan(["+parallel=pp", "mesh=[2]"])["stage_boundaries"]
@@ -46,7 +47,7 @@ def test_cli_submit_list_get_cancel_logs(queue_server):
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "api.client", *args], env=env, capture_output=True, text=True,
-                              timeout=60)
+                              timeout=scaled(60))
 
     submitted = cli("submit", *TINY, "train.steps=3", "--name", "from-cli")
     assert submitted.returncode == 0, submitted.stderr
@@ -59,5 +60,5 @@ def test_cli_submit_list_get_cancel_logs(queue_server):
     refused = cli("submit", "train.checkpoint.dir=/etc")
     assert refused.returncode == 2 and "train.checkpoint.dir" in refused.stderr
     unauthorised = subprocess.run([sys.executable, "-m", "api.client", "--token", "nope", "list"], capture_output=True,
-                                  text=True, env={**env, "MESHFLOW_TOKEN": ""}, timeout=60)
+                                  text=True, env={**env, "MESHFLOW_TOKEN": ""}, timeout=scaled(60))
     assert unauthorised.returncode == 1 and "401" in unauthorised.stderr

@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 from api_testkit import TOKENS, auth
+from timing import scaled
 from fastapi.testclient import TestClient
 from sqlalchemy import event
 
@@ -61,7 +62,7 @@ def test_a_store_outage_answers_503_with_retry_after(queue):
     route that needs it, not a 500; the same requests work again once it is back."""
     plane = queue.app.state.plane
     # /readyz answers "warming up" (Retry-After 1) until the first validations ran: wait for that first.
-    assert plane.warm.wait(timeout=600), "the plane never finished warming up"
+    assert plane.warm.wait(timeout=scaled(600)), "the plane never finished warming up"
     job = queue.post("/v1/jobs", json={"overrides": SMALL}).json()
 
     def refuse(*_):

@@ -14,6 +14,7 @@ import time
 import pytest
 from api_testkit import TINY, wait_for
 from ray_cluster import RayCluster, is_alive, job_processes
+from timing import Deadline
 
 pytest.importorskip("ray", reason="the ray extra (pip install 'meshflow[ray]') is part of the dev install")
 pytestmark = pytest.mark.slow
@@ -36,23 +37,24 @@ def ray_server(start_server, cluster):
 
 
 def wait_for_log(client, job_id: str, text: str, timeout: float = 300.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Poll a job's log until it holds ``text``; ``timeout`` is idle-host seconds, scaled (tests/timing.py)."""
+    deadline = Deadline(timeout)
+    while not deadline.expired():
         log = client.get(f"/v1/jobs/{job_id}/logs").text
         if text in log:
             return log
         state = client.get(f"/v1/jobs/{job_id}").json()["state"]
         assert state in {"QUEUED", "STARTING", "RUNNING"}, f"job ended {state} before logging {text!r}: {log[-2000:]}"
         time.sleep(0.5)
-    raise TimeoutError(f"job {job_id} has not logged {text!r} after {timeout} s")
+    raise TimeoutError(f"job {job_id} has not logged {text!r} after {deadline.seconds_scaled:.0f} s")
 
 
 def wait_gone(job_id: str, pids: list[int], timeout: float) -> list[int]:
-    """The job's processes (those seen before, and any it has now) still alive after up to ``timeout`` s."""
-    deadline = time.monotonic() + timeout
+    """The job's processes (those seen before, and any it has now) still alive after up to ``timeout`` s (scaled)."""
+    deadline = Deadline(timeout)
     while True:
         alive = sorted({pid for pid in pids if is_alive(pid)} | set(job_processes(job_id)))
-        if not alive or time.monotonic() > deadline:
+        if not alive or deadline.expired():
             return alive
         time.sleep(0.5)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from api_testkit import TINY, stored_jobs, wait_for
+from timing import Deadline
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,10 @@ def test_server_killed_and_restarted_mid_job(store, start_server, job_store_url)
     server.kill()
     assert _alive(survivor_pid), "a job must outlive the control plane"
     os.killpg(victim_pid, signal.SIGKILL)  # this one dies while nobody watches, leaving no exit code
-    time.sleep(0.5)
+    gone = Deadline(10)
+    while _alive(victim_pid) and not gone.expired():  # dead (a zombie at most) before the plane looks
+        time.sleep(0.05)
+    assert not _alive(victim_pid)
     server.restart()
 
     with server.client("alice") as alice:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from api_testkit import ADMIN
+from timing import scaled
 
 SLOW_EXAMPLES = 100  # per operation and phase: >= 1000 cases over the whole API
 ACCEPTED = '["2xx", "401", "403", "404", "409", "429"]'  # schemathesis' own default, less 3xx and 5xx
@@ -45,13 +46,14 @@ expected-statuses = ["2xx", "401", "403", "409", "422", "429"]
 
 def run_schemathesis(url: str, workdir: Path, *, max_examples: int, seed: int = 1,
                      timeout: float = 600) -> subprocess.CompletedProcess:
-    """``schemathesis run`` with all checks against ``url`` (admin token), settings in ``workdir``."""
+    """``schemathesis run`` with all checks against ``url`` (admin token), settings in ``workdir``; the
+    request and run timeouts are idle-host seconds, scaled by the host's slowness (tests/timing.py)."""
     executable = shutil.which("schemathesis") or str(Path(sys.executable).parent / "schemathesis")
     (workdir / "schemathesis.toml").write_text(SETTINGS.format(accepted=ACCEPTED, config_operations=CONFIG_OPERATIONS))
     command = [executable, "run", f"{url}/openapi.json", "-H", f"Authorization: {ADMIN['Authorization']}",
                "--checks", "all", "--max-examples", str(max_examples), "--phases", "examples,coverage,fuzzing",
-               "--request-timeout", "30", "--seed", str(seed), "--report", "junit", "--report-dir", str(workdir)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=workdir)
+               "--request-timeout", f"{scaled(30):.0f}", "--seed", str(seed), "--report", "junit", "--report-dir", str(workdir)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=scaled(timeout), cwd=workdir)
 
 
 def cases_run(stdout: str) -> int:

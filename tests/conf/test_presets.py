@@ -27,6 +27,7 @@ from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig, TrainConfig
 from trainer.models import build_model
 from trainer.planner.auto.plan import resolve_and_validate
+from timing import scaled
 
 REPO = CONF_DIR.parent
 GROUPS = ("model", "data", "optim", "tracking")
@@ -281,7 +282,7 @@ def test_cli_mesh_override_reshapes_3d():
 def _run_trainer(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=scaled(120))
 
 
 def test_cli_validate_only_prints_config_ok(tmp_path):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 from ports import free_port
+from timing import scaled
 
 
 
@@ -69,10 +70,11 @@ def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None
            checks: str = "dist_checks", timeout_s: float = 120) -> list[dict]:
     """Run ``<checks>.SUITES[suite]`` (or the checks named in ``only``) on ``world_size``
     processes; the per-rank result dicts. ``timeout_s`` bounds every collective's wait (raise
-    it where ranks compile: one rank may wait for another's compilation)."""
+    it where ranks compile: one rank may wait for another's compilation); idle-host seconds, scaled
+    here by the host's slowness (tests/timing.py), so the workers need not measure it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only, checks, timeout_s), nprocs=world_size,
-                       join=True, start_method="spawn")
+    mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only, checks, scaled(timeout_s)),
+                       nprocs=world_size, join=True, start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

@@ -38,8 +38,9 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from ports import free_port
+from timing import scaled
 
-WORLD_TIMEOUT_S = 300  # a loaded 2-core machine can stall a rank for a long time
+WORLD_TIMEOUT_S = 300  # idle-host seconds, scaled in the parent: a loaded machine stalls a rank for long
 
 
 
@@ -48,19 +49,19 @@ def launch(*, world_size: int, configs: dict[str, dict], out_dir: Path, builds: 
     :func:`check_build` for every one of ``builds`` on ``world_size`` gloo processes (one process
     group for all of them); the per-rank result dicts."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, free_port(), configs, str(out_dir), builds or {}), nprocs=world_size,
-                       join=True, start_method="spawn")
+    mp.start_processes(_entry, args=(world_size, free_port(), configs, str(out_dir), builds or {}, scaled(WORLD_TIMEOUT_S)),
+                       nprocs=world_size, join=True, start_method="spawn")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 def _entry(rank: int, world_size: int, port: int, configs: dict[str, dict], out_dir: str,
-           builds: dict[str, dict]) -> None:
+           builds: dict[str, dict], timeout_s: float) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # up to 8 ranks on 2 cores
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=WORLD_TIMEOUT_S))
+                            timeout=timedelta(seconds=timeout_s))
     from dist_harness import run_checks_and_exit
 
     run_checks_and_exit([(name, lambda raw=raw: check_example(raw)) for name, raw in configs.items()]

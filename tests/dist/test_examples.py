@@ -35,6 +35,7 @@ import pytest
 from example_checks import launch
 from parallel.plan.placement_map import param_slices
 from tests.conftest import unprefixed
+from timing import scaled
 from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.run.loop import train
 from trainer.run.metrics import NullProgress
@@ -162,7 +163,7 @@ def launched(configs, build_configs, tmp_path_factory) -> dict:
         out: dict = {world: f.result() for world, f in futures.items()}
     out["cli"] = {}
     for name, cli in clis.items():
-        stdout, stderr = cli.communicate(timeout=300)
+        stdout, stderr = cli.communicate(timeout=scaled(300))
         out["cli"][name] = (cli.returncode, stdout, stderr)
     return out
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests.ports import free_port
+from timing import Deadline, scaled
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Playwright adds --headless and a fresh temporary --user-data-dir itself. Without the
@@ -63,7 +64,7 @@ def require_browser() -> None:
     except ImportError:
         missing.append('the playwright package (pip install -e ".[dev]")')
     if missing:
-        reason = "the MLflow UI test needs " + " and ".join(missing)
+        reason = "the browser tests need " + " and ".join(missing)
         if in_ci():
             pytest.fail(reason + "; .ci/run installs both, so under CI=true this is an error", pytrace=False)
         pytest.skip(reason)
@@ -117,18 +118,19 @@ def mlflow_server(root: Path, *, backend_store_uri: str | None = None,
 
 
 def _wait_healthy(proc: subprocess.Popen, server: MlflowServer, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Until /health answers 200 or the server exits; ``timeout`` scaled (tests/timing.py)."""
+    deadline = Deadline(timeout)
+    while not deadline.expired():
         if proc.poll() is not None:
             raise RuntimeError(f"mlflow server exited with code {proc.returncode}:\n{server.log_tail()}")
         try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=scaled(2)) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"mlflow server not healthy after {timeout:.0f} s:\n{server.log_tail()}")
+    raise RuntimeError(f"mlflow server not healthy after {deadline.seconds_scaled:.0f} s:\n{server.log_tail()}")
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -139,7 +141,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             return
         try:
-            proc.wait(timeout=wait)
+            proc.wait(timeout=scaled(wait))
             return
         except subprocess.TimeoutExpired:
             continue
@@ -167,8 +169,8 @@ def ui_page(browser, *, width: int = 1400, height: int = 1000) -> Iterator:
     from playwright.sync_api import expect
 
     context = browser.new_context(viewport={"width": width, "height": height})
-    context.set_default_timeout(UI_TIMEOUT_MS)  # actions (goto, click) ...
-    expect.set_options(timeout=UI_TIMEOUT_MS)  # ... and assertions, whose own default is 5 s
+    context.set_default_timeout(scaled(UI_TIMEOUT_MS))  # actions (goto, click) ...
+    expect.set_options(timeout=scaled(UI_TIMEOUT_MS))  # ... and assertions, whose own default is 5 s
     # The UI links to mlflow.org and starts a telemetry worker; nothing outside this machine is
     # fetched, so a test never waits on (or reports to) the network.
     context.route(re.compile(r"^https?://(?!127\.0\.0\.1[:/]|localhost[:/])"), lambda route: route.abort())

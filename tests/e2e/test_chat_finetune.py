@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.hf_assets import write_chat_tokenizer, write_chats, write_tiny_llama
+from timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +37,10 @@ def test_finetune_on_chats_then_chat_with_the_checkpoint(tmp_path):
     assert len(val) == 2 and val[-1] < 0.5 * val[0], val  # step 0 (weights loaded) and the end, on the reply
     answer = subprocess.run([sys.executable, "-m", "trainer.generate", "checkpoints/step_00000030", "--chat",
                              "where do activations go", "--temperature", "0"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=scaled(300))
     assert answer.returncode == 0, answer.stderr
     assert answer.stdout.strip() == REPLY
     # A raw-text prompt on a chat run points at --chat.
     prompt = subprocess.run([sys.executable, "-m", "trainer.generate", "checkpoints/step_00000030", "--prompt", "x"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=scaled(300))
     assert prompt.returncode == 2 and "--chat" in prompt.stderr

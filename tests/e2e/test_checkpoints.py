@@ -19,6 +19,7 @@ import torch
 from tests.conftest import run_cli, worker_pids
 from trainer.run.metrics import NullProgress
 from trainer.tracking.tracker import NullTracker
+from timing import Deadline, scaled
 
 BASE = ["train.steps=6", "train.global_batch_size=16", "train.seq_len=32", "train.log_every=1",
         "data.max_bytes=100000", "optim.warmup_steps=2"]
@@ -141,7 +142,7 @@ def test_killed_worker_is_restarted_and_the_run_continues_exactly(tmp_path):
     lines: list[str] = []
     ranks = worker_pids(proc, lines, until="step 6/")
     os.kill(ranks[1], signal.SIGKILL)
-    output = "".join(lines) + proc.communicate(timeout=300)[0]
+    output = "".join(lines) + proc.communicate(timeout=scaled(300))[0]
     assert proc.returncode == 0, output
     assert "resumed from" in output and "step_00000004" in output, output
     reference = train(validate_config(compose_dict([*args, "tracking=none", f"train.checkpoint.dir={tmp_path / 'x'}"])),
@@ -165,12 +166,12 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
     ranks = worker_pids(proc, lines, until="checkpoint ")
-    deadline = time.monotonic() + 120
+    deadline = Deadline(120)
     while not any(p.name.startswith(".tmp-step") for p in ckpt.iterdir()):
-        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        assert not deadline.expired() and proc.poll() is None, "".join(lines)
         time.sleep(0.005)
     os.kill(ranks[1], signal.SIGKILL)
-    proc.communicate(timeout=300)
+    proc.communicate(timeout=scaled(300))
     assert proc.returncode != 0
     survivor = latest_checkpoint(ckpt)
     assert survivor is not None

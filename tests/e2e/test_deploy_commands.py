@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.ports import free_port
+from timing import Deadline, scaled
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 INGRESS_HOST = "mlflow.example.test"
@@ -36,7 +37,7 @@ def _compose_service(name: str, env: dict[str, str]) -> dict:
     binary = Path(compose.__file__).parent / "docker-compose"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MESHFLOW_", "COMPOSE_", "DOCKER_", "MLFLOW_"))}
     result = subprocess.run([str(binary), "-f", str(DEPLOY / "docker-compose.yml"), "--env-file", str(DEPLOY / ".env.example"),
-                             "config", "--format", "json"], capture_output=True, text=True, timeout=60, env={**clean, **env})
+                             "config", "--format", "json"], capture_output=True, text=True, timeout=scaled(60), env={**clean, **env})
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["services"][name]
 
@@ -55,22 +56,23 @@ def _process(command: list[str], env: dict[str, str], log: Path, ready_url: str,
         proc = subprocess.Popen(command, env={**base, **env}, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=log.parent)
     try:
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             assert proc.poll() is None, f"{command[:3]} exited {proc.returncode}:\n{log.read_text()[-3000:]}"
             try:
-                if httpx.get(ready_url, timeout=2).status_code == 200:
+                if httpx.get(ready_url, timeout=scaled(2)).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, f"{command[:3]} not ready after {timeout} s:\n{log.read_text()[-3000:]}"
+            assert not deadline.expired(), (f"{command[:3]} not ready after {deadline.seconds_scaled:.0f} s:\n"
+                                            f"{log.read_text()[-3000:]}")
             time.sleep(0.5)
         yield proc
     finally:
         for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
             try:
                 os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
+                proc.wait(timeout=scaled(wait))
                 break
             except ProcessLookupError:
                 break
@@ -102,10 +104,10 @@ def test_compose_mlflow_and_api_commands_run_and_mlflow_checks_hosts(tmp_path):
         # /health answers any Host (the probes' exemption); the API and the UI check it
         api = f"{mlflow_url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=Default"
         for host in (INGRESS_HOST, "mlflow:5000"):
-            answer = httpx.get(api, headers={"Host": host})
+            answer = httpx.get(api, headers={"Host": host}, timeout=scaled(30))
             assert answer.status_code == 200 and answer.json()["experiment"]["name"] == "Default", (host, answer.text)
         for path in (api, f"{mlflow_url}/"):
-            refused = httpx.get(path, headers={"Host": "ingress.other.example"})
+            refused = httpx.get(path, headers={"Host": "ingress.other.example"}, timeout=scaled(30))
             assert refused.status_code == 403, (path, refused.status_code, refused.text[:200])
 
         api_service = _compose_service("api", env)
@@ -118,6 +120,6 @@ def test_compose_mlflow_and_api_commands_run_and_mlflow_checks_hosts(tmp_path):
         api_command = _swap(_swap(api_service["command"], "--host", "127.0.0.1"), "--port", str(api_port))
         api_url = f"http://127.0.0.1:{api_port}"
         with _process([sys.executable, *api_command[1:]], api_env, tmp_path / "api.log", f"{api_url}/readyz"):
-            assert httpx.get(f"{api_url}/v1/jobs").status_code == 401
-            listed = httpx.get(f"{api_url}/v1/jobs", headers={"Authorization": "Bearer change-me-token"})
+            assert httpx.get(f"{api_url}/v1/jobs", timeout=scaled(30)).status_code == 401
+            listed = httpx.get(f"{api_url}/v1/jobs", headers={"Authorization": "Bearer change-me-token"}, timeout=scaled(30))
             assert listed.status_code == 200, listed.text

@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import run_cli
 from tests.hf_assets import documents, write_jsonl, write_tiny_llama, write_tokenizer
+from timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +147,7 @@ def _assert_generate_is_greedy_decoding(checkpoint, exported, hf_dir) -> None:
     from transformers import AutoModelForCausalLM
 
     proc = subprocess.run([sys.executable, "-m", "trainer.generate", str(checkpoint), "--prompt", "the mesh shards",
-                           "--temperature", "0", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=300)
+                           "--temperature", "0", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     prompt = torch.tensor([tok.encode("the mesh shards", add_special_tokens=False).ids])
@@ -159,7 +160,7 @@ def _assert_generate_is_greedy_decoding(checkpoint, exported, hf_dir) -> None:
 
 def run_cli_export(checkpoint, out, cwd):
     return subprocess.run([sys.executable, "-m", "trainer.export", str(checkpoint), "--format", "hf", "--out", str(out)],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+                          cwd=cwd, capture_output=True, text=True, timeout=scaled(300))
 
 
 def test_builtin_llama_exports_to_transformers(tmp_path):

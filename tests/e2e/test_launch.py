@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import worker_pids
+from timing import Deadline, scaled
 
 LONG_DP = ["+parallel=dp", "mesh=[2]", "train.steps=100000", "train.global_batch_size=4", "train.seq_len=32",
            "train.log_every=1", "data.max_bytes=100000"]
@@ -59,6 +60,15 @@ def _wait_for_workers(proc: subprocess.Popen, n: int) -> dict[int, int]:
     return ranks
 
 
+def _left_behind(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still alive once they had up to 5 s (scaled) to finish exiting: the
+    launcher's end is not their last instruction, and a busy host runs them late."""
+    deadline = Deadline(5)
+    while _alive(pids) and not deadline.expired():
+        time.sleep(0.1)
+    return _alive(pids)
+
+
 def _run_status(uri: str) -> str:
     from mlflow.tracking import MlflowClient
 
@@ -75,12 +85,11 @@ def test_sigkill_of_a_worker_names_rank_fails_run_and_leaves_no_process(tmp_path
     ranks = _wait_for_workers(proc, 2)
     everything = _children(proc.pid)
     os.kill(ranks[1], signal.SIGKILL)
-    output = proc.communicate(timeout=120)[0]
+    output = proc.communicate(timeout=scaled(120))[0]
     assert proc.returncode == 1, output
     assert f"worker rank 1 (pid {ranks[1]}) was killed by signal SIGKILL" in output
     assert _run_status(uri) == "FAILED"
-    time.sleep(0.5)
-    assert not _alive(everything), f"left behind: {_alive(everything)}"
+    assert not _left_behind(everything), f"left behind: {_left_behind(everything)}"
 
 
 @pytest.mark.slow
@@ -90,8 +99,7 @@ def test_sigterm_stops_every_worker_and_kills_the_run(tmp_path):
     _wait_for_workers(proc, 2)
     everything = _children(proc.pid)
     proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=120)[0]
+    output = proc.communicate(timeout=scaled(120))[0]
     assert proc.returncode == 143, output
     assert _run_status(uri) == "KILLED"
-    time.sleep(0.5)
-    assert not _alive(everything), f"left behind: {_alive(everything)}"
+    assert not _left_behind(everything), f"left behind: {_left_behind(everything)}"

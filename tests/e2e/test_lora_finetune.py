@@ -16,6 +16,7 @@ import torch
 
 from tests.conftest import run_cli
 from tests.hf_assets import write_tiny_llama
+from timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def trained(tmp_path_factory):
 
 def _export(ckpt, fmt: str, out) -> None:
     proc = subprocess.run([sys.executable, "-m", "trainer.export", str(ckpt), "--format", fmt, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

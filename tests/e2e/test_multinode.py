@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 
 from tests.ports import free_port
+from timing import Deadline, scaled
 
 COMMON = ["train.steps=4", "train.global_batch_size=8", "train.seq_len=32", "data.max_bytes=100000",
           "train.log_every=1", "tracking.pictures=false"]
-TWO_NODES = ["+parallel=fsdp", "mesh=[4]", "launch.nnodes=2", "launch.rdzv_timeout_s=120"]
+# The rendezvous waits for the slower node: 120 s on an idle host, scaled (tests/timing.py).
+TWO_NODES = ["+parallel=fsdp", "mesh=[4]", "launch.nnodes=2", f"launch.rdzv_timeout_s={scaled(120):.0f}"]
 
 
 class Hosts:
@@ -90,7 +92,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     outputs = []
     for proc in procs:
         try:
-            outputs.append(proc.communicate(timeout=timeout)[0])
+            outputs.append(proc.communicate(timeout=scaled(timeout))[0])
         except subprocess.TimeoutExpired:
             for p in procs:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -118,7 +120,7 @@ def test_two_nodes_train_as_one_mesh_with_one_devices_losses(hosts, tmp_path):
     single_dir.mkdir(), nodes_dir.mkdir()
     single_uri, nodes_uri = f"sqlite:///{single_dir}/mlflow.db", f"sqlite:///{nodes_dir}/mlflow.db"
     single = subprocess.run([sys.executable, "-m", "trainer", *COMMON, f"tracking.tracking_uri={single_uri}"],
-                            cwd=single_dir, capture_output=True, text=True, timeout=300)
+                            cwd=single_dir, capture_output=True, text=True, timeout=scaled(300))
     assert single.returncode == 0, single.stdout[-2000:] + single.stderr[-2000:]
 
     node0, node1 = _finish(_start_nodes(hosts, nodes_dir, [*TWO_NODES, *COMMON, f"tracking.tracking_uri={nodes_uri}"]),
@@ -140,20 +142,20 @@ def test_a_dead_worker_on_node_1_fails_both_nodes_and_is_named(hosts, tmp_path):
     args = [*TWO_NODES, *[a for a in COMMON if not a.startswith("train.steps")], "train.steps=100000",
             f"tracking.tracking_uri={uri}"]
     procs = _start_nodes(hosts, tmp_path, args)
-    pids, seen, deadline = None, [], time.monotonic() + 300
-    while pids is None and time.monotonic() < deadline:  # node 0 prints every worker's pid, then steps
+    pids, seen, deadline = None, [], Deadline(300)
+    while pids is None and not deadline.expired():  # node 0 prints every worker's pid, then steps
         line = procs[0].stdout.readline()
         seen.append(line)
         if line.startswith("[node0.0]: workers:"):
             pids = dict(item.split("=") for item in line.split(":", 2)[2].split())
     assert pids, "".join(seen[-50:])
-    while "step 2/" not in seen[-1] and time.monotonic() < deadline:
+    while "step 2/" not in seen[-1] and not deadline.expired():
         seen.append(procs[0].stdout.readline())
     os.kill(int(pids["rank3"]), signal.SIGKILL)  # rank 3 = node 1's local rank 1
     began = time.monotonic()
     node0, node1 = _finish(procs, timeout=180)
     assert procs[0].returncode == 1 and procs[1].returncode == 1, (node0[-2000:], node1[-2000:])
-    assert time.monotonic() - began < 120
+    assert time.monotonic() - began < scaled(120)  # the failure travels: no timeout had to end it
     assert f"worker rank 3 on node 1 ({os.uname().nodename}) (pid {pids['rank3']}) was killed by signal SIGKILL" in node1
     assert "training failed: worker rank" in node0 and "on node 0" in node0, node0[-2000:]
     (run,) = _runs(uri)
@@ -165,7 +167,7 @@ def test_a_node_left_alone_says_which_rendezvous_it_waited_for(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     alone = subprocess.run([sys.executable, "-m", "trainer", *TWO_NODES, *COMMON, "tracking=none",
                             "launch.rdzv_timeout_s=3", "launch.rdzv_id=team-run-7", f"launch.rdzv_endpoint={endpoint}"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                           cwd=tmp_path, capture_output=True, text=True, timeout=scaled(120))
     assert alone.returncode == 1
     assert (f"node 0 of 2: the rendezvous team-run-7 at {endpoint} did not gather all 2 nodes within "
             "launch.rdzv_timeout_s=3 s") in alone.stderr, alone.stderr[-2000:]

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, run_cli, unprefixed
+from timing import scaled
 
 # What the control plane forces into every job (its MLflow store, the job's own directory).
 SERVICE_OWNED = [("tracking", "tracking_uri"), ("tracking", "run_id"), ("train", "checkpoint"), ("launch", "log_dir"),
@@ -70,7 +71,7 @@ def test_a_submitted_job_is_neither_recomposed_nor_revalidated(tmp_path):
                             workspace=tmp_path, workdir=tmp_path, tracking_uri="sqlite:///svc.db", run_id=None)
     write_job_config(tmp_path, cfg.model_dump(mode="json"))
     python, *args = trainer_command(tmp_path)
-    proc = subprocess.run([python, "-X", "importtime", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    proc = subprocess.run([python, "-X", "importtime", *args], cwd=tmp_path, capture_output=True, text=True, timeout=scaled(600),
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "done: steps 1..2" in proc.stdout
@@ -84,30 +85,38 @@ def test_a_submitted_job_is_neither_recomposed_nor_revalidated(tmp_path):
 
 
 def test_installed_wheel_trains_from_another_directory(tmp_path):
-    """`pip install .` (not editable) into a fresh venv; the package finds its conf/ inside itself."""
-    env_dir = tmp_path / "venv"
-    # No pip of its own: a venv's bundled setuptools is too old to build a wheel; the system one is used.
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
-    python = str(env_dir / "bin" / "python")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing may shadow the installed wheel
+    """A wheel built as a user would (``pip wheel``, build isolation), installed (not editable) into a
+    fresh venv; the package finds its conf/ inside itself.
+
+    Build isolation fetches what pyproject.toml's [build-system] asks for (setuptools), so neither the
+    base Python's setuptools nor its ``wheel`` matter. The install takes ``--no-deps --no-index``: the
+    dependencies (torch ...) are the base Python's, seen through the venv's system site."""
     source = tmp_path / "source"  # pip builds in the tree it is given: not in the repository
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "parallel", "trainer", "service", "api"):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
-    # --no-deps / --no-build-isolation: the dependencies (torch ...) come from the system site, as installed.
-    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(source)],
-                             capture_output=True, text=True, timeout=600)
+    wheels = tmp_path / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(wheels), str(source)],
+                           capture_output=True, text=True, timeout=scaled(600))
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    (wheel,) = wheels.glob("meshflow-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)  # pip: the base Python's
+    python = str(env_dir / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing may shadow the installed wheel
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                             capture_output=True, text=True, timeout=scaled(300), env=env)
     assert install.returncode == 0, install.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = subprocess.run([python, "-c", "import trainer.config.compose as c; print(c.CONF_DIR)"], cwd=elsewhere,
-                           capture_output=True, text=True, timeout=120, env=env)
+                           capture_output=True, text=True, timeout=scaled(120), env=env)
     conf_dir = Path(where.stdout.strip())
     assert env_dir in conf_dir.parents and (conf_dir / "parallel" / "3d.yaml").is_file(), where.stdout + where.stderr
     proc = subprocess.run([python, "-m", "trainer", "train.steps=3", "tracking=none", "data=synthetic",
                            "train.global_batch_size=4", "train.seq_len=32"], cwd=elsewhere, capture_output=True,
-                          text=True, timeout=600, env={**env, "PYTHONUNBUFFERED": "1"})
+                          text=True, timeout=scaled(600), env={**env, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "done: steps 1..3" in proc.stdout
     assert sys.executable != python
@@ -117,5 +126,5 @@ def test_launch_of_a_bad_config_file_says_so(tmp_path):
     (tmp_path / "bad.json").write_text('{"train": {"steps": 0}}')
     for name in ("missing.json", "bad.json"):
         proc = subprocess.run([sys.executable, "-m", "trainer.launch", str(tmp_path / name)], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=scaled(120))
         assert proc.returncode == 2 and "not a resolved config" in proc.stderr and "Traceback" not in proc.stderr

@@ -13,6 +13,7 @@ import pytest
 
 from trainer.run.metrics import NullProgress
 from trainer.tracking.tracker import NullTracker
+from timing import Deadline, scaled
 
 TINY = ("tracking=none", "train.steps=6", "train.global_batch_size=4", "train.seq_len=32",
         "train.log_every=1", "data.max_bytes=200000")
@@ -69,13 +70,13 @@ def test_sigterm_kills_run_keeps_checkpoint_and_resume_matches(tmp_path, compose
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *common, f"tracking.tracking_uri={uri}"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 240
+    deadline = Deadline(240)
     while latest_checkpoint(ckpt_dir) is None or latest_checkpoint(ckpt_dir).name < "step_00000006":
         assert proc.poll() is None, f"trainer ended before it could be stopped:\n{proc.stdout.read()}"
-        assert time.monotonic() < deadline
+        assert not deadline.expired(), deadline
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
-    output = proc.communicate(timeout=60)[0]
+    output = proc.communicate(timeout=scaled(60))[0]
     assert proc.returncode == 143, output
 
     client = MlflowClient(tracking_uri=uri)

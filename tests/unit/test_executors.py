@@ -17,6 +17,7 @@ from service.scheduler import Scheduler
 from service.settings import Settings
 from service.store import Job, make_engine, make_sessionmaker, utcnow
 from service.submit import confine
+from timing import scaled
 
 
 def test_factory_picks_the_setting_and_explains_what_is_missing(tmp_path, monkeypatch):
@@ -144,11 +145,11 @@ def test_the_supervisor_lowers_the_job_priority_and_records_its_exit_code(tmp_pa
     (tmp_path / "job").mkdir()
     done = subprocess.run([sys.executable, "-m", "service.supervise", "--nice", "3", str(tmp_path / "job" / "exit_code"),
                            "--", sys.executable, "-c", report], capture_output=True, text=True, start_new_session=True,
-                          timeout=60)
+                          timeout=scaled(60))
     nice, autogroup = done.stdout.split()
     assert done.returncode == 5 and read_exit_code(tmp_path / "job") == 5
     assert int(nice) == min(19, os.nice(0) + 3)  # relative to the server's, inherited by the job's processes
     assert autogroup in ("3", "none")  # the job's session weighs 3 steps less against the server's session
     bad = subprocess.run([sys.executable, "-m", "service.supervise", "--nice", "x", "f", "--", "true"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     assert bad.returncode == 2 and "usage: python -m service.supervise [--nice N]" in bad.stderr

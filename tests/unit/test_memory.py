@@ -15,6 +15,7 @@ from trainer.config.compose import compose_dict
 from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import GIB
 from trainer.validate.checks import validate_config, validate_with_plan
+from timing import scaled
 
 
 def _predict(*overrides: str):
@@ -82,7 +83,7 @@ def test_a_config_over_its_budget_is_refused_with_the_fix():
 
 def test_the_cli_refuses_before_any_worker_starts(tmp_path):
     out = run_cli(["+parallel=fsdp", "mesh=[2]", "launch.memory_budget_gb=0.001", "tracking=none"], cwd=tmp_path,
-                  timeout=120)
+                  timeout=scaled(120))
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert "launch.memory_budget_gb" in text and "exceeds the budget" in text

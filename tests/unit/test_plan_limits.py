@@ -18,6 +18,7 @@ from service.limits import check_size_ceilings
 from service.plans import AutoPlanPage, compute_plan, plan_in_pool
 from service.settings import Settings
 from service.validation import Validator, limited, resolve_as_service
+from timing import scaled
 
 OVERSIZED = ["+parallel=dp", "mesh=[1000000]", "train.global_batch_size=1000000"]
 SMALL = ["+parallel=fsdp", "mesh=[2]", "train.seq_len=32", "train.global_batch_size=4", "tracking.pictures=false"]
@@ -84,7 +85,7 @@ def test_a_plan_runs_in_a_pool_worker_and_one_past_the_time_limit_is_refused(set
     validator = Validator(settings, workers=1, warm_up=_pid)
     validator.start()
     try:
-        assert validator.wait_warm(timeout=600)
+        assert validator.wait_warm(timeout=scaled(600))
         (worker,) = validator.worker_pids()
         answer = plan_in_pool(validator, overrides=SMALL, document=None, page=AutoPlanPage())
         assert answer.pid == worker and answer.pid != os.getpid()

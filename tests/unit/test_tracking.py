@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from trainer.config.schema import TrackingConfig
 from trainer.tracking.mlflow_tracker import MAX_PARAM_VALUE_LENGTH, MLflowTracker, make_tracker
 from trainer.tracking.tracker import NullTracker, Terminated, TrackingError, run_lifecycle
+from timing import scaled
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM: what Terminated.exit_code gives and the script exits with
 
@@ -161,7 +162,7 @@ def test_make_tracker_null_cases(cfg: TrackingConfig) -> None:
 
 
 def _run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=scaled(60))
 
 
 def test_null_tracker_does_not_import_mlflow(tmp_path: Path) -> None:
@@ -212,7 +213,7 @@ def test_sigterm_ends_run_killed(store: tuple[str, Path], client: MlflowClient, 
         assert run_id, proc.stderr.read()
         assert client.get_run(run_id).info.status == "RUNNING"
         os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=30) == SIGTERM_EXIT_CODE, proc.stderr.read()
+        assert proc.wait(timeout=scaled(30)) == SIGTERM_EXIT_CODE, proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

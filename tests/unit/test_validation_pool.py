@@ -24,6 +24,7 @@ from service.limits import cap_memory_budget
 from service.settings import Settings
 from service.submit import resolve_config
 from service.validation import Validator, cacheable
+from timing import Deadline, scaled
 
 TINY = ["+parallel=dp", "mesh=[2]", "train.steps=3", "train.seq_len=32", "train.global_batch_size=4"]
 
@@ -93,7 +94,7 @@ def test_a_worker_process_validates_and_a_dead_one_is_replaced(settings):
     validator.start()
     try:
         # The warm-up is a whole validation in the worker (readiness waits for it), and it ends.
-        assert validator.wait_warm(timeout=300)
+        assert validator.wait_warm(timeout=scaled(300))
         assert [future.result() for future in validator._warming] == validator.worker_pids()
         in_pool = validator.resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "p1")
         local = Validator(settings, workers=0).resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "p1")
@@ -157,10 +158,9 @@ def test_workers_leave_when_the_server_is_killed(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    # Each worker looks for its parent once a second; a generous bound for a loaded machine.
-    for _ in range(600):
-        if not any(_alive(p) for p in pids):
-            break
+    # Each worker looks for its parent once a second; 60 s is a generous bound, and scaled (tests/timing.py).
+    deadline = Deadline(60)
+    while any(_alive(p) for p in pids) and not deadline.expired():
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), pids
     assert end_leftovers(tmp_path) == [] and not any((tmp_path / WORKERS_DIR).iterdir())  # stale records tidied
