@@ -136,12 +136,51 @@ def predict_row(row: published.PublishedRun) -> dict:
         predicted = step.tokens_per_s / lay.devices
     else:
         predicted = step.total_s
-    return {"row": row.name, "unit": unit, "published": published_value, "predicted": predicted,
+    return {"row": row.name, "stated": fully_stated(row), "unit": unit, "published": published_value, "predicted": predicted,
             "error": predicted / published_value - 1, "memory_published": row.reported.peak_memory_gib,
             "memory_predicted": peak, "step_s": step.total_s, "mfu": step.model_flops_utilization,
             "parts": {"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
                       **{f"exposed {k}": v for k, v in (step.exposed_s or {}).items()}},
             "seconds": time.monotonic() - began}
+
+
+def planner_row(row: published.PublishedRun) -> dict:
+    """The auto-planner on the row's model, batch, devices and hardware: its choice against the paper's
+    layout. The knobs give it the paper's micro-batch count and chunks per rank, both data-parallel
+    modes, both schedules, checkpointing on or off: it chooses the dp x pp x tp split and the rest."""
+    from trainer.planner.auto.plan import plan_layouts
+
+    cfg, lay = row_config(row), row.layout
+    raw = cfg.model_dump(mode="json")
+    m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
+    raw.update(mesh=[lay.devices], parallel={"auto": {
+        "data_parallel_modes": ["ddp", "fsdp"], "schedules": ["1F1B", "Interleaved1F1B"], "microbatches": [m],
+        "stages_per_rank": [lay.virtual_stages or 2], "activation_checkpointing": ["full", "none"],
+        "precisions": ["bf16"], "prune": False}})  # every layout predicted: the paper's rank is exact
+    began = time.monotonic()
+    ranking = plan_layouts(raw)
+    paper = _paper_label(row)
+    ranked = [c for c in ranking.candidates if c.step_s is not None and c.status in ("chosen", "slower")]
+    position = next((i for i, c in enumerate(ranked, 1) if c.label == paper), None)
+    mine = next((c for c in ranking.candidates if c.label == paper), None)
+    return {"row": row.name, "paper": paper, "paper_status": mine.status if mine else "not a candidate",
+            "paper_step_s": mine.step_s if mine else None, "paper_rank": position, "chosen": ranking.winner.label,
+            "chosen_step_s": ranking.winner.step_s, "top5": [c.label for c in ranked[:5]],
+            "candidates": len(ranking.candidates), "seconds": time.monotonic() - began}
+
+
+def _paper_label(row: published.PublishedRun) -> str:
+    """The planner's label of the paper's layout (see trainer.planner.auto.search)."""
+    lay = row.layout
+    parts = [f"dp{lay.dp}({MODES[lay.data_parallel]})"] if lay.dp > 1 else []
+    if lay.pp > 1:
+        m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
+        v = lay.virtual_stages or 1
+        parts.append(f"pp{lay.pp}({'Interleaved1F1B' if v > 1 else '1F1B'}{f' v{v}' if v > 1 else ''}, m{m})")
+    if lay.tp > 1:
+        parts.append(f"tp{lay.tp}")
+    ac = checkpointing(row)
+    return " x ".join(parts) + (", AC full" if ac == "full" else "") + ", bf16"
 
 
 def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:
@@ -153,10 +192,16 @@ def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:
         lines.append(f"{r['row']:<44} {r['unit']:>7} {r['published']:>10.1f} {r['predicted']:>10.1f} "
                      f"{r['error']:>+7.1%} {r['memory_published'] or '-':>8} {r['memory_predicted']:>9.1f} "
                      f"{format(mem_err, '+.1%') if mem_err is not None else '-':>8}  {parts}")
-    throughput = [abs(r["error"]) for r in results]
-    memory = [abs(r["memory_predicted"] / r["memory_published"] - 1) for r in results if r["memory_published"]]
-    lines.append(f"median |error|: throughput {statistics.median(throughput):.1%} over {len(throughput)} rows"
-                 + (f", memory {statistics.median(memory):.1%} over {len(memory)} rows" if memory else ""))
+    for label, chosen in (("all rows", results), ("rows whose layout the source states in full", [
+            r for r in results if r["stated"]])) + tuple((f"{group} rows", [r for r in results if r["row"].startswith(group)])
+                                                         for group in ("megatron2021", "korthikanti", "megatron2024",
+                                                                       "torchtitan")):
+        if not chosen:
+            continue
+        throughput = [abs(r["error"]) for r in chosen]
+        memory = [abs(r["memory_predicted"] / r["memory_published"] - 1) for r in chosen if r["memory_published"]]
+        lines.append(f"median |error| over {label}: throughput {statistics.median(throughput):.1%} ({len(throughput)} "
+                     "rows)" + (f", memory {statistics.median(memory):.1%} ({len(memory)} rows)" if memory else ""))
     for name, why in skipped:
         lines.append(f"not predicted: {name}: {why}")
     return "\n".join(lines)
@@ -166,7 +211,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="", help="only rows whose name starts with this")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--planner", default="", help="also run the auto-planner on the rows whose name starts with this")
     args = parser.parse_args()
+    if args.planner:
+        for row in published.rows():
+            if row.name.startswith(args.planner) and unsupported(row) is None:
+                p = planner_row(row)
+                print(f"{p['row']}: {p['candidates']} layouts in {p['seconds']:.0f} s; paper {p['paper']} "
+                      f"({p['paper_status']}, rank {p['paper_rank']}, {p['paper_step_s'] or math.nan:.2f} s); chosen "
+                      f"{p['chosen']} ({p['chosen_step_s']:.2f} s); top 5: {'; '.join(p['top5'])}", flush=True)
+        return
     results, skipped = [], []
     for row in published.rows():
         if not row.name.startswith(args.rows):

@@ -22,7 +22,6 @@ import pytest
 import yaml
 
 from parallel.errors import ConfigError
-
 from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig, TrainConfig
 from trainer.models import build_model

@@ -227,7 +227,7 @@ class Search:
         valid.sort(key=lambda v: v[0])
         best = math.inf
         for bound, c, cfg, plan in valid:
-            if bound > best:
+            if bound > best and self.knobs.prune:
                 c.status, c.reason = "pruned", f"pruned: lower bound {bound * 1e3:.1f} ms > best {best * 1e3:.1f} ms"
                 continue
             self.predict(c, cfg, plan)
