@@ -13,29 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+from gpu_profile_check import timed  # noqa: E402 - beside this file
 
 SHAPES = [(m, k, n) for m in (2048, 8192) for k, n in ((2048, 2048), (2048, 5632), (5632, 2048), (2048, 6144),
                                                       (4096, 4096), (8192, 8192), (2048, 32000), (12288, 4608),
                                                       (4608, 12288), (1024, 1024), (512, 2048))]
-
-
-def timed(fn, repeats: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def gemms() -> list[dict]:
@@ -58,7 +43,7 @@ def step_profile() -> dict:
     from trainer.config.schema import RunConfig
     from trainer.models import build_model, loss_fn_for
 
-    import gpu_profile_check
+    import gpu_profile_check  # noqa: F811
 
     raw = compose_dict([o for o in gpu_profile_check.STEP_OVERRIDES if not o.startswith("tracking")])
     cfg = RunConfig.model_validate(raw)

@@ -60,7 +60,7 @@ from trainer.config.schema import RunConfig
 from trainer.models import build_model
 from trainer.planner.cost.comm import comm_ops, unit_params
 from trainer.planner.cost.links import collective_seconds, group_link
-from trainer.planner.cost.model import _FLASH_CPU, StepTime, placed_params, unit_pass
+from trainer.planner.cost.model import _FLASH_CPU, StepTime, flash_flops, placed_params, unit_pass
 from trainer.planner.cost.reference import rank_units
 from trainer.planner.memory.layout import checkpointed
 
@@ -142,13 +142,7 @@ class _Pricer(TorchDispatchMode):
         unit, phase = self.where()
         cost, backward = self.costs[unit], phase == "backward"
         if func in _FLASH_CPU:
-            cpu_form = func.name().endswith("cpu")
-            q, k = (args[0], args[1]) if cpu_form else (args[1], args[2])
-            causal = bool(kwargs.get("is_causal")) if kwargs else False
-            causal = causal or any(a is True for a in args[3:])  # forward: args[4], backward: args[7]
-            b, h, s, d = q.shape
-            full = 4.0 * b * h * s * k.shape[-2] * d
-            flops = full * _FLASH_CPU[func] * (0.5 if causal else 1.0)
+            full, flops = flash_flops(func, args, kwargs)
             seconds = max(flops / self.speed.attention_flops[backward], self.speed.kernel_s)
             cost.attention_flops += flops
             cost.attention_model_flops += 0.0 if backward else 3 * full

@@ -103,13 +103,9 @@ class _Counter(TorchDispatchMode):
         unit, phase = self.where()
         work = getattr(self.costs[unit], phase)
         if func in _FLASH_CPU:
-            q, k = args[0] if func.name().endswith("cpu") else args[1], args[1] if func.name().endswith("cpu") else args[2]
-            causal = bool(kwargs.get("is_causal")) if kwargs else False
-            causal = causal or any(a is True for a in args[3:])  # forward: args[4], backward: args[7]
-            b, h, s, d = q.shape
-            flops = 4.0 * b * h * s * k.shape[-2] * d * _FLASH_CPU[func] * (0.5 if causal else 1.0)
+            full, counted = flash_flops(func, args, kwargs)
             work.matmul_calls += 2
-            work.matmul_flops += flops
+            work.matmul_flops += counted
         elif func.overloadpacket in flop_registry:
             work.matmul_calls += 1
             work.matmul_flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
@@ -118,6 +114,19 @@ class _Counter(TorchDispatchMode):
             work.other_bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                                     if isinstance(t, torch.Tensor))
         return out
+
+
+def flash_flops(func, args, kwargs) -> tuple[float, float]:
+    """``(the forward's FLOPs of full attention, the FLOPs this call does)`` of a flash attention op
+    (:data:`_FLASH_CPU`): ``4 b h s_q s_k d`` forward, 2.5 times that backward (it recomputes the
+    scores), half of either when causal."""
+    forward = func.name().endswith("cpu")
+    q, k = (args[0], args[1]) if forward else (args[1], args[2])
+    causal = bool(kwargs.get("is_causal")) if kwargs else False
+    causal = causal or any(a is True for a in args[3:])  # forward: args[4], backward: args[7]
+    b, h, s, d = q.shape
+    full = 4.0 * b * h * s * k.shape[-2] * d
+    return full, full * _FLASH_CPU[func] * (0.5 if causal else 1.0)
 
 
 def count_calls(fn) -> int:
