@@ -198,7 +198,7 @@ def predicted_layouts(size: str, steps: int, calibration_file: Path | None = Non
     from trainer.config.schema import RunConfig
     from trainer.planner.auto.plan import host_calibration, plan_layouts
     from trainer.planner.auto.search import Search
-    from trainer.planner.cost.pricing import HostPricing
+    from trainer.planner.forecast.pricing import HostPricing
 
     raw = compose_dict(["+parallel=auto", f"mesh=[{WORKERS}]", *overrides(size, steps)])
     raw["parallel"]["auto"] = dict(KNOBS)

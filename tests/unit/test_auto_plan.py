@@ -10,7 +10,7 @@ from trainer.config.schema import RunConfig
 from trainer.planner.auto.plan import plan_layouts, resolve_auto
 from trainer.planner.auto.search import Search
 from trainer.planner.cost.calibration import Calibration, Fit
-from trainer.planner.cost.pricing import HostPricing
+from trainer.planner.forecast.pricing import HostPricing
 
 CAL = Calibration(host="h", device="cpu:test", workers=8, matmul={"fp32": Fit(1e-5, 1e10)},
                   elementwise=Fit(2e-6, 5e9),

@@ -105,7 +105,8 @@ def test_an_incomplete_user_profile_names_every_missing_key(tmp_path):
     issues = _issues("hardware=half", f"hydra.searchpath=[file://{tmp_path}]", "dry_run=true")
     assert [i.path for i in issues] == ["hardware.devices_per_node", "hardware.memory_bandwidth_gb_s",
                                         "hardware.intra_node", "hardware.inter_node", "hardware.runtime_memory",
-                                        "hardware.peak_tflops.fp32"]
+                                        "hardware.sm_count", "hardware.achieved", "hardware.peak_tflops.fp32"]
+    assert "hardware.sm_count=132" in issues[5].fix and "'hardware.achieved={matmul: 0.79" in issues[6].fix
     assert "hardware.devices_per_node=8" in issues[0].fix
 
 

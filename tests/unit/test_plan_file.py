@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config.compose import compose_dict
-from trainer.planner.report import dry_run_report
+from trainer.planner.forecast.plan_file import dry_run_report
 from trainer.validate.checks import validate_with_plan
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from trainer.launch import launcher
 from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch
 from trainer.pictures.placement import DRY_RUN_DIR, write_placement
 from trainer.planner.auto.plan import resolve_and_validate
-from trainer.planner.report import dry_run_report
+from trainer.planner.forecast.plan_file import dry_run_report
 from trainer.tracking.run_info import SWEEP_JOB_TAG
 from trainer.validate.model_checks import check_against_model
 

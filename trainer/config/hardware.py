@@ -81,7 +81,9 @@ class HardwareProfile(_Section):
 
     name: str = Field(HOST_PROFILE, min_length=1, description="Profile name; `this_host` = calibrate the machine the "
                       "planner runs on (the other keys are then unused).")
-    description: str = Field("", description="One line saying what the profile is (part, node, network).")
+    # The default is this_host.yaml's own line: a config composed without the group (REST) equals the CLI's.
+    description: str = Field("this machine, measured by the planner's calibration (no datasheet numbers)",
+                             description="One line saying what the profile is (part, node, network).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="The device kind of the profile: `cuda` for a GPU "
                                            "profile, which must state every key below.")
     devices_per_node: int | None = Field(None, ge=1, description="Devices in one node (8 in a DGX / HGX node); "

@@ -343,15 +343,12 @@ class RunConfig(_Section):
     parallel: ParallelConfig | None = Field(None, description="How the model is spread over the mesh; null = one device.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How workers are started.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
-    hardware: HardwareProfile = Field(
-        default_factory=HardwareProfile, description="The hardware the dry run and +parallel=auto plan for: "
-        "`hardware=<profile>` (conf/hardware/, datasheet numbers per device and link) with launch.nnodes nodes; "
-        "`this_host` (the default) calibrates this machine. A run that is not a dry run needs that hardware.")
-    dry_run: bool = Field(False, description="Plan only: print per-rank memory, communication, bubble and the predicted "
-                          "step (also as meshflow-plan/plan.json); train nothing. Exits 2 when a launch would refuse "
-                          "the config.")
-    dry_run_exit_zero: bool = Field(False, description="With dry_run=true: exit 0 even when a launch would refuse the "
-                                    "config (the report is printed either way).")
+    hardware: HardwareProfile = Field(default_factory=HardwareProfile, description="What the dry run and "
+                                      "+parallel=auto plan for: `hardware=<profile>` (conf/hardware/) on launch.nnodes "
+                                      "nodes; `this_host` (the default) calibrates this machine.")
+    dry_run: bool = Field(False, description="Plan only: print memory, traffic and the predicted step (and write "
+                          "meshflow-plan/plan.json); train nothing. Exit 2 if a launch would refuse the config.")
+    dry_run_exit_zero: bool = Field(False, description="With dry_run=true: exit 0 even when a launch would refuse it.")
     validate_only: bool = Field(False, description="Validate the config against the model, print the verdict, exit.")
 
     # -- derived views ---------------------------------------------------------------

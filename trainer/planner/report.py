@@ -54,21 +54,6 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
     return report
 
 
-def dry_run_report(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | None = PLAN_PICTURES
-                   ) -> tuple[str, dict]:
-    """The dry run's text with the predicted step (:mod:`trainer.planner.plan_file`), and that
-    prediction's JSON, also written as ``plan.json`` into ``pictures_dir`` (when not None)."""
-    from trainer.planner.plan_file import plan_summary, summary_lines, write_plan_json
-
-    report = plan_report(cfg, plan)
-    text = describe_plan(cfg, plan, pictures_dir=pictures_dir, report=report)
-    summary = plan_summary(cfg, plan, report)
-    lines = summary_lines(summary)
-    if pictures_dir is not None:
-        lines.append(f"plan: {write_plan_json(summary, pictures_dir)}")
-    return text + "\n" + "\n".join(lines), summary
-
-
 def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | None = PLAN_PICTURES,
                   report: dict | None = None) -> str:
     """The plan's text (memory, traffic, budget); with ``tracking.pictures`` and a pipeline it also

@@ -28,6 +28,7 @@ from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import has_mallopt
+from trainer.validate.hardware_checks import check_hardware, plans_elsewhere
 from trainer.validate.model_checks import check_against_model
 from trainer.validate.schema_issues import schema_issues
 from trainer.validate.stage_checks import check_stages
@@ -289,7 +290,7 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"{ln.rdzv_endpoint!r} is not host:port",
                                   "write it as host:port, e.g. launch.rdzv_endpoint=127.0.0.1:29500"))
-    elif ln.nnodes > 1 and int(port) == 0 and not _plans_elsewhere(cfg):  # a plan starts no rendezvous
+    elif ln.nnodes > 1 and int(port) == 0 and not plans_elsewhere(cfg):  # a plan starts no rendezvous
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"port 0 with launch.nnodes={ln.nnodes}: the other nodes "
                                   "cannot know which free port node 0 picked", "give node 0's address and a fixed port, "
                                   "e.g. launch.rdzv_endpoint=10.0.0.1:29500, the same on every node"))
@@ -315,7 +316,7 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
                                   f"use every <= steps, e.g. train.checkpoint.every={cfg.train.steps}, "
                                   "or train.checkpoint.every=0 to disable"))
     issues += check_hardware(cfg)
-    if cfg.device == "cuda" and not _plans_elsewhere(cfg):  # a plan for a GPU profile needs no GPU here
+    if cfg.device == "cuda" and not plans_elsewhere(cfg):  # a plan for a GPU profile needs no GPU here
         import torch
 
         if not torch.cuda.is_available():
@@ -323,51 +324,6 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
         elif cfg.world_size > torch.cuda.device_count() * cfg.launch.nnodes:
             issues.append(ConfigIssue("mesh", f"{cfg.world_size} workers but only {torch.cuda.device_count()} GPUs per host",
                                       "use a smaller mesh or more hosts (launch.nnodes)"))
-    return issues
-
-
-_PROFILE_EXAMPLES = {  # the fix of a GPU profile's missing key, an H100 SXM's value as the example
-    "devices_per_node": "hardware.devices_per_node=8", "memory_gb": "hardware.memory_gb=80",
-    "memory_bandwidth_gb_s": "hardware.memory_bandwidth_gb_s=3350", "peak_tflops.bf16": "hardware.peak_tflops.bf16=989.5",
-    "peak_tflops.fp32": "hardware.peak_tflops.fp32=67",
-    "intra_node": "'hardware.intra_node={bandwidth_gb_s: 370.8, latency_us: 3.4, source: datasheet}'",
-    "inter_node": "'hardware.inter_node={bandwidth_gb_s: 50, latency_us: 14, source: datasheet}'",
-    "runtime_memory": "'hardware.runtime_memory={cuda_context_gib: 0.7, nccl_gib: 1.0, allocator_slack: 0.1, "
-                      "source: estimate}'",
-}
-
-
-def _plans_elsewhere(cfg: RunConfig) -> bool:
-    """A dry run for a GPU profile: it plans a cluster that need not be this host, so it needs no
-    device, rendezvous or GPU here."""
-    return cfg.dry_run and cfg.hardware.device == "cuda" and not cfg.hardware.is_host
-
-
-def check_hardware(cfg: RunConfig) -> list[ConfigIssue]:
-    """``hardware``: a GPU profile states every number the planner reads; a run that is not a dry run
-    has that hardware; ``launch.nnodes`` nodes of the profile hold the mesh."""
-    hw, issues = cfg.hardware, []
-    if hw.device != "cuda" or hw.is_host:
-        return issues
-    for key in hw.missing_gpu_keys():
-        issues.append(ConfigIssue(f"hardware.{key}", f"profile {hw.name!r} is a cuda profile and states no {key}; "
-                                  "the planner prices the run with it",
-                                  f"state your hardware's value in the profile; an H100 SXM's is {_PROFILE_EXAMPLES[key]}"))
-    if not cfg.dry_run:
-        import torch
-
-        if not torch.cuda.is_available():
-            issues.append(ConfigIssue("hardware", f"profile {hw.name!r} describes cuda devices, but no CUDA device is "
-                                      "visible here and this is not a dry run", "add dry_run=true to plan it, or run "
-                                      "on that hardware"))
-    per_node, nnodes = cfg.world_size // cfg.launch.nnodes, cfg.launch.nnodes
-    if hw.devices_per_node is not None and cfg.world_size % nnodes == 0 and per_node > hw.devices_per_node:
-        fewest = next(n for n in range(-(-cfg.world_size // hw.devices_per_node), cfg.world_size + 1)
-                      if cfg.world_size % n == 0)
-        issues.append(ConfigIssue("launch.nnodes", f"{cfg.world_size} workers on {nnodes} node(s) is {per_node} per "
-                                  f"node, but one {hw.name} node holds {hw.devices_per_node} devices",
-                                  f"use launch.nnodes={fewest} ({cfg.world_size // fewest} per node), or more nodes "
-                                  "dividing the world size"))
     return issues
 
 

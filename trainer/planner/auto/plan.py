@@ -122,9 +122,11 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None) -> AutoPl
     # start-up: the search imports DTensor and the cost model, the probe the training loop (about 2 s);
     # only +parallel=auto pays for them, not every validation of a hand-written layout.
     from trainer.planner.auto.search import Search
-    from trainer.planner.cost.pricing import pricing_for
+    from trainer.planner.forecast.pricing import pricing_for
 
-    search = Search(raw, base, knobs, world, pricing_for(base, world, calibration=calibration))
+    if base.hardware.is_host:  # a profile prices without this host: nothing to probe
+        calibration = calibration or host_calibration(base, world)
+    search = Search(raw, base, knobs, world, pricing_for(base, calibration=calibration))
     candidates = search.run()
 
     return AutoPlan(world_size=world, budget_bytes=search.budget, budget_source=search.budget_source,

@@ -26,7 +26,7 @@ from trainer.planner.auto.ranking import Candidate
 from trainer.planner.calibration.probe import bf16_supported
 from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import unit_costs
-from trainer.planner.cost.pricing import HostPricing, ProfilePricing
+from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget
 from trainer.planner.memory.layout import on_cuda
 from trainer.planner.memory.predict import predict_memory

@@ -1,6 +1,6 @@
 """What prices a layout's step: this host's calibration, or a hardware profile (``hardware=...``).
 
-    pricing = pricing_for(cfg, world=8)                 # HostPricing or ProfilePricing
+    pricing = pricing_for(cfg, calibration=cal)         # HostPricing (this_host) or ProfilePricing
     costs = pricing.unit_costs(cfg, plan, micro, model)  # the meta pass, cached by a planner
     step = pricing.step(cfg, plan, costs, model)         # a StepTime
     bound = pricing.lower_bound(cfg, plan, params, flops_per_sequence)
@@ -71,13 +71,11 @@ class ProfilePricing:
                 f"network {p.inter_node.bandwidth_gb_s:g} GB/s per device")
 
 
-def pricing_for(cfg: RunConfig, world: int, *, calibration: Calibration | None = None) -> HostPricing | ProfilePricing:
-    """The profile's pricing for a GPU profile; else this host's calibration for ``world`` ranks
-    (probed once and cached: :func:`trainer.planner.auto.plan.host_calibration`)."""
+def pricing_for(cfg: RunConfig, *, calibration: Calibration | None = None) -> HostPricing | ProfilePricing:
+    """The profile's pricing for a GPU profile; else this host's ``calibration`` (the auto-planner
+    probes it: :func:`trainer.planner.auto.plan.host_calibration`)."""
     if not cfg.hardware.is_host:
         return ProfilePricing(cfg.hardware)
     if calibration is None:
-        from trainer.planner.auto.plan import host_calibration  # the probe: only when no profile prices it
-
-        calibration = host_calibration(cfg, world)
+        raise ValueError("hardware=this_host is priced by this host's calibration: pass one")
     return HostPricing(calibration)

@@ -1,8 +1,7 @@
 """The dry run's predicted step, as ``meshflow-plan/plan.json`` and as console lines.
 
-    summary = plan_summary(cfg, plan, report)        # report: trainer.planner.report.plan_report's
-    write_plan_json(summary, Path("meshflow-plan"))
-    print("\\n".join(summary_lines(summary)))
+    text, summary = dry_run_report(cfg, plan)        # the plan's text and the prediction's JSON
+    print(text)                                      # plan.json is in meshflow-plan/
 
 Keys (the interface scripts and tests read): ``step_time_s``, ``tokens_per_s_per_device``,
 ``model_flops_utilization`` (the step's model FLOPs, recomputation excluded, over the devices'
@@ -24,16 +23,21 @@ from pathlib import Path
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
+from trainer.models import build_model
+from trainer.planner.cost.calibration import Calibration
+from trainer.planner.cost.links import group_link
+from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
+from trainer.planner.memory.layout import on_cuda
 from trainer.planner.numbers import GIB, MIB
+from trainer.planner.report import PLAN_PICTURES, describe_plan, plan_report
 
 PLAN_JSON = "plan.json"
 
 
 def _host_calibration(cfg: RunConfig):
     """This host's cached calibration for the run's workers, or None (a dry run never probes)."""
+    # start-up: the probe's module brings the training loop; only a dry run on this host reads its cache
     from trainer.planner.calibration.probe import SCHEMA_VERSION, cache_path
-    from trainer.planner.cost.calibration import Calibration
-    from trainer.planner.memory.layout import on_cuda
 
     workers = max(1, cfg.world_size // cfg.launch.nnodes)
     path = cache_path(min(workers, 16), "cuda" if on_cuda(cfg) else "cpu")
@@ -46,10 +50,6 @@ def _host_calibration(cfg: RunConfig):
 
 def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
     """The prediction's JSON (see the module docstring); ``report``: the memory of ``plan_report``."""
-    from trainer.planner.cost.links import group_link
-    from trainer.planner.cost.pricing import HostPricing, ProfilePricing
-    from trainer.models import build_model
-
     hw = cfg.hardware
     peak = max(m["peak_bytes"] for m in report["memory"])
     budget = report["memory_budget"]["bytes"]
@@ -90,6 +90,19 @@ def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
             entry.update(link=link.kind, group_size=link.group_size, local=link.local, nodes=link.nodes)
         out["axes"][axis] = entry
     return out
+
+
+def dry_run_report(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | None = PLAN_PICTURES
+                   ) -> tuple[str, dict]:
+    """The dry run's text with the predicted step, and that prediction's JSON, also written as
+    ``plan.json`` into ``pictures_dir`` (when not None)."""
+    report = plan_report(cfg, plan)
+    text = describe_plan(cfg, plan, pictures_dir=pictures_dir, report=report)
+    summary = plan_summary(cfg, plan, report)
+    lines = summary_lines(summary)
+    if pictures_dir is not None:
+        lines.append(f"plan: {write_plan_json(summary, pictures_dir)}")
+    return text + "\n" + "\n".join(lines), summary
 
 
 def write_plan_json(summary: dict, directory: Path) -> Path:
