@@ -238,6 +238,7 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
     per_node = max(1, plan.mesh.world_size // cfg.launch.nnodes)  # the ranks one node runs (row-major)
     shard = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
     dp_axes = ",".join(plan.data_parallel.dim_names) if plan.data_parallel else None
+    dp_keys = {dp_axes, *plan.data_parallel.dim_names} if plan.data_parallel else set()  # joined, or one (hsdp)
     worst = None
     for rank, held in enumerate(rank_units(plan)):
         comm: dict[str, float] = defaultdict(float)
@@ -251,7 +252,7 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
             traffic[op.axis] += op.sent_bytes
             if op.op == "send_recv":
                 exposed[op.axis] += one * min(op.count, 2 * (plan.pp_size - 1) * cfg.train.grad_accum)
-            elif op.axis == dp_axes or op.axis in (plan.data_parallel.dim_names if plan.data_parallel else ()):
+            elif op.axis in dp_keys:
                 dp_s += one * op.count
                 if op.op in ("reduce_scatter", "all_reduce"):
                     tail = max(tail, one)
