@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "VANISHED"]
 
+IDLE_WAIT_S = 5.0  # the longest an idle scheduler sleeps between looks (a replica's submit does not wake it)
+
 
 class Scheduler:
     """Decides when jobs run; its executor runs them. All its methods run on its own thread (or before it starts)."""
@@ -73,22 +75,28 @@ class Scheduler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            busy = True
             try:
-                self.tick()
+                busy = self.tick()
             except Exception:  # a bad tick must not kill the scheduler; the next one retries
                 log.exception("scheduler tick failed")
-            self.wake.wait(self.settings.poll_interval_s)
+            # With no job active nothing changes but by a submit or a cancel, and both wake the thread:
+            # an idle plane looks at its store every IDLE_WAIT_S, not 4 times a second.
+            self.wake.wait(self.settings.poll_interval_s if busy else max(IDLE_WAIT_S, self.settings.poll_interval_s))
             self.wake.clear()
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """One look at the store; whether a job was active (starting, running, cancelling) after it."""
         with self.sessions() as session:
-            for job in jobs_in(session, ACTIVE_STATES):
+            active = jobs_in(session, ACTIVE_STATES)
+            for job in active:
                 try:
                     self._poll(session, job)
                 except Exception:  # e.g. a cluster that does not answer: this job waits, the others go on
                     session.rollback()
                     log.exception("job %s: could not poll it; trying again next tick", job.id)
-            self._start_queued(session)
+            started = self._start_queued(session)
+        return bool(active) or bool(started)
 
     # ---------------------------------------------------------------- executors
 
@@ -195,7 +203,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------- start
 
-    def _start_queued(self, session: Session) -> None:
+    def _start_queued(self, session: Session) -> int:
+        """Start the queued jobs that fit; how many started."""
+        started = 0
         active = jobs_in(session, ACTIVE_STATES)
         used = sum(job.world_size for job in active)
         running = Counter(job.owner for job in active)
@@ -212,6 +222,8 @@ class Scheduler:
             running[job.owner] += 1
             self.max_slots_in_use = max(self.max_slots_in_use, used)
             self._launch(session, job)
+            started += 1
+        return started
 
     def _launch(self, session: Session, job: Job) -> None:
         try:

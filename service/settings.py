@@ -72,7 +72,9 @@ class Settings(BaseSettings):
                           description="Worker slots; a job needs prod(mesh) of them. 0 queues jobs and never starts one.")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body; larger ones get 413.")
     cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when cancelling a job.")
-    poll_interval_s: float = Field(0.25, gt=0, description="How often the scheduler looks at the queue and at running jobs.")
+    poll_interval_s: float = Field(0.25, gt=0, description=(
+        "How often the scheduler looks at running jobs and the queue while a job is active "
+        "(idle, it waits for a submit or cancel, and looks every 5 s)."))
     log_tail_lines: int = Field(20, ge=1, description="Lines of a failed job's log kept as its error summary.")
     db_pool_size: int = Field(20, ge=1, description="Connections the job store's pool keeps open.")
     db_max_overflow: int = Field(10, ge=0, description="Extra connections the pool may open under a burst.")

@@ -73,6 +73,8 @@ def calibration_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("meshflow-cache")
     old = os.environ.get("MESHFLOW_CACHE_DIR")
     os.environ["MESHFLOW_CACHE_DIR"] = str(path)
+    if not os.environ.get("MESHFLOW_TEST_PROBE"):
+        seed_recorded_calibrations()
     yield path
     if old is None:
         os.environ.pop("MESHFLOW_CACHE_DIR", None)
@@ -101,3 +103,28 @@ def postgres_url(postgres, request) -> str:
     import uuid
 
     return postgres.create_database(f"t_{uuid.uuid4().hex[:12]}")
+
+
+RECORDED_CALIBRATIONS = Path(__file__).parent / "data" / "calibration"
+
+
+def seed_recorded_calibrations() -> None:
+    """Put the calibrations recorded on a 2-core CPU host (``tests/data/calibration``, 4 and 8 workers)
+    in this session's cache under this host's name: a probe of 8 workers at once takes 100-130 s on
+    2 cores, and the tests that plan only need a calibration, not this host's own. The probe itself
+    is tested by tests/unit/test_calibrate.py (1 and 2 workers, probed for real);
+    ``MESHFLOW_TEST_PROBE=1`` probes for every test instead. Only CPU calibrations are seeded."""
+    import json
+    import socket
+    import time
+
+    import torch
+
+    from trainer.planner.calibration.probe import _device_name, cache_path
+
+    for recorded in sorted(RECORDED_CALIBRATIONS.glob("cpu-w*.json")):
+        data = json.loads(recorded.read_text())
+        target = cache_path(data["workers"], "cpu")
+        data.update(host=socket.gethostname(), device=_device_name(torch.device("cpu")), created=time.time())
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(data, indent=1))

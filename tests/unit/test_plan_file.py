@@ -58,9 +58,11 @@ def _cli(tmp_path, *overrides):
 
 
 def test_a_dry_run_that_would_be_refused_exits_2_and_the_printed_fix_exits_0(tmp_path):
-    """175B over 8 A100s of 40 GB does not fit: the report is printed, the exit code says so; the fix
-    the message prints, typed as printed, asks for 0."""
-    overrides = ["hardware=a100_40g", "model=gpt_175b", "+parallel=fsdp", "mesh=[8]", "train.seq_len=2048",
+    """24 layers of 175B's width (44B) over 8 A100s of 40 GB do not fit: the report is printed, the
+    exit code says so; the fix the message prints, typed as printed, asks for 0. (A quarter of the
+    model's layers: the prediction traces each layer, and the verdict is the same.)"""
+    overrides = ["hardware=a100_40g", "model=gpt_175b", "model.n_layers=24", "+parallel=fsdp", "mesh=[8]",
+                 "train.seq_len=2048",
                  "train.global_batch_size=8"]
     refused = _cli(tmp_path, *overrides)
     assert refused.returncode == 2, refused.stderr[-2000:]
