@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 from ports import free_port
+from trainer.launch.processes import START_METHOD, worker_server
 from timing import scaled
 
 
@@ -73,8 +74,9 @@ def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None
     it where ranks compile: one rank may wait for another's compilation); idle-host seconds, scaled
     here by the host's slowness (tests/timing.py), so the workers need not measure it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only, checks, scaled(timeout_s)),
-                       nprocs=world_size, join=True, start_method="spawn")
+    with worker_server():  # forked from one server that imported torch and the trainer (as the launcher does)
+        mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only, checks, scaled(timeout_s)),
+                           nprocs=world_size, join=True, start_method=START_METHOD)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

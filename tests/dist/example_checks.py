@@ -38,6 +38,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from ports import free_port
+from trainer.launch.processes import START_METHOD, worker_server
 from timing import scaled
 
 WORLD_TIMEOUT_S = 300  # idle-host seconds, scaled in the parent: a loaded machine stalls a rank for long
@@ -49,8 +50,9 @@ def launch(*, world_size: int, configs: dict[str, dict], out_dir: Path, builds: 
     :func:`check_build` for every one of ``builds`` on ``world_size`` gloo processes (one process
     group for all of them); the per-rank result dicts."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world_size, free_port(), configs, str(out_dir), builds or {}, scaled(WORLD_TIMEOUT_S)),
-                       nprocs=world_size, join=True, start_method="spawn")
+    with worker_server():  # forked from one server that imported torch and the trainer (as the launcher does)
+        mp.start_processes(_entry, args=(world_size, free_port(), configs, str(out_dir), builds or {}, scaled(WORLD_TIMEOUT_S)),
+                           nprocs=world_size, join=True, start_method=START_METHOD)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

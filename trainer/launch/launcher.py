@@ -27,6 +27,7 @@ from pathlib import Path
 
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
+from trainer.launch.processes import START_METHOD, cheap_method_names, worker_server
 from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous
 from trainer.launch.worker import node_ordered_rank, worker_main
 from trainer.run.metrics import Progress
@@ -186,7 +187,7 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
         rdzv_configs={"join_timeout": ln.rdzv_timeout_s, "read_timeout": ln.rdzv_timeout_s,
                       **({"is_host": main_node} if ln.nnodes > 1 else {})},
         max_restarts=ln.max_restarts,
-        start_method="spawn",
+        start_method=START_METHOD,  # forked from a server that imported torch once (trainer.launch.processes)
         monitor_interval=0.2,
     )
     if ln.nnodes > 1:  # a node other than 0 shows nothing else of the run: say what it does
@@ -199,7 +200,9 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
     with tempfile.TemporaryDirectory(prefix="meshflow-") as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(cfg.model_dump_json())
-        results = _run_elastic(launch_config, config_path, run_id, _pictures_dir(log_dir, rdzv_id), cfg)
+        cheap_method_names()
+        with worker_server():
+            results = _run_elastic(launch_config, config_path, run_id, _pictures_dir(log_dir, rdzv_id), cfg)
     if ln.nnodes > 1:
         print(f"node {ln.node_rank} of {ln.nnodes}: its {nproc} workers finished", flush=True)
     # keyed by torch's global rank; this node's local rank 0 is its lowest (rank 0 itself on node 0)

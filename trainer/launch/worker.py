@@ -1,5 +1,6 @@
 """One worker of a launch: read the config the launcher wrote, bind to the device its rank (or rank
-id) names, join the process group and train; the elastic launcher spawns it (:func:`worker_main`).
+id) names, join the process group and train; the elastic launcher forks it from a server that
+imported torch once (:mod:`trainer.launch.processes`, :func:`worker_main`).
 """
 
 from __future__ import annotations
@@ -7,8 +8,11 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
+
+from torch.distributed import DistNetworkError
 
 from parallel.config import mesh_rank_ids
 from parallel.mesh import device_slot, rank_id_of
@@ -74,10 +78,25 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
             # broke; every worker names its own error so the root cause is in the output.
             where = f" on node {cfg.launch.node_rank} ({socket.gethostname()})" if cfg.launch.nnodes > 1 else ""
             print(f"worker rank {rank}{where} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            if lost_a_peer(err):
+                # A peer ended first (killed, out of memory): it is the cause. Ending a moment later
+                # lets the agent, which polls every 0.2 s and names one worker, find that one alone
+                # (a forked worker's end reaches it through the fork server, a few ms late).
+                time.sleep(PEER_LOSS_GRACE_S)
             raise
         return result.summary()
     finally:
         dist.destroy_process_group()
+
+
+PEER_LOSS_GRACE_S = 2.0
+# How a collective fails when the worker at the other end is gone (gloo's socket errors; torch's own
+# network error type covers the stores and NCCL's transport).
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    return isinstance(err, DistNetworkError) or any(text in str(err) for text in PEER_LOST)
 
 
 def bind_worker(cfg: RunConfig, rank: int, local_rank: int, local_world_size: int) -> tuple[int, int]:
