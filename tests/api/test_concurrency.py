@@ -1,9 +1,10 @@
 """Many concurrent submissions with capacity for 2 single-worker jobs: all accepted, never more than
 2 running at once (judged from the jobs' own start and finish times), all finish SUCCEEDED.
 
-20 submissions, not 50: each tiny job costs ~10 s of start-up (torch, MLflow) on a 2-core machine,
-so 50 would take ~4 minutes on their own. The same on a job store in PostgreSQL with 10 (the
-submissions still race each other and the scheduler; the jobs' own start-up is what 10 more would add).
+8 submissions at once, not 50: each tiny job costs ~10 s of start-up (torch, MLflow) on a 2-core
+machine, so the jobs' own start-up is all more of them would add (20 took 3.5 minutes); 8 still
+race each other and the scheduler, and run in 4 waves of 2. The same on a job store in PostgreSQL
+with 6.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from api_testkit import TINY, stored_jobs, wait_for
 
 pytestmark = pytest.mark.slow
 
-JOBS_PER_STORE = {"sqlite": 20, "postgresql": 10}
+JOBS_PER_STORE = {"sqlite": 8, "postgresql": 6}
 
 
 def max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:

@@ -6,9 +6,9 @@ DTensor and the training loop, about 5 CPU-seconds on this project's 2-core test
 workers spend some 40 CPU-seconds (20 s of wall time) before their first collective. With
 ``start_method="forkserver"`` the elastic launcher forks every worker from a server process that
 imported those modules once (:data:`PRELOAD`): they start with the imports done. The server is
-started by the first worker of a launch and stopped when the launch ends, so a later launch in
-the same process (a sweep's next job) gets one that reads its own environment; an elastic
-restart within the launch reuses it. The server never touches a GPU (importing torch does not
+started by the first worker of a launch and stopped when the process's last launch ends, so a
+later launch (a sweep's next job) gets one that reads its own environment; an elastic restart
+within the launch, and launches running at once in threads of one process, share it. The server never touches a GPU (importing torch does not
 initialise CUDA), so CUDA is first initialised in each worker, as with ``spawn``.
 
 torch's dynamic rendezvous names the method that records each rendezvous event by calling
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -31,18 +32,30 @@ START_METHOD = "forkserver"
 PRELOAD = ("trainer.launch.worker", "trainer.run.loop", "trainer.launch.server_ready")
 
 
+_users = 0  # launches inside worker_server() now (threads of one process may launch at once)
+_users_lock = threading.Lock()
+
+
 @contextmanager
 def worker_server() -> Iterator[None]:
-    """Workers started inside fork from a server that preloaded :data:`PRELOAD`; stopped after."""
+    """Workers started inside fork from a server that preloaded :data:`PRELOAD`; the server stops
+    when the last launch inside (of this process's threads) ends."""
     from multiprocessing import forkserver  # start-up: only a launch that starts workers needs it
 
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    global _users
+    with _users_lock:
+        if _users == 0:
+            multiprocessing.set_forkserver_preload(list(PRELOAD))
+        _users += 1
     try:
         yield
     finally:
-        # The server keeps the environment it started with: the next launch starts its own.
-        # (multiprocessing has no public way to stop it; _stop is what its own tests use.)
-        forkserver._forkserver._stop()
+        with _users_lock:
+            _users -= 1
+            if _users == 0:
+                # The server keeps the environment it started with: the next launch starts its own.
+                # (multiprocessing has no public way to stop it; _stop is what its own tests use.)
+                forkserver._forkserver._stop()
 
 
 def _method_name(depth: int = 2) -> str:
