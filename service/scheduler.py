@@ -96,7 +96,7 @@ class Scheduler:
                     session.rollback()
                     log.exception("job %s: could not poll it; trying again next tick", job.id)
             started = self._start_queued(session)
-        return bool(active) or bool(started)
+        return bool(active) or started > 0
 
     # ---------------------------------------------------------------- executors
 

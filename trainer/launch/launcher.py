@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trainer.config.schema import RunConfig
-from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
 from trainer.launch.processes import START_METHOD, cheap_method_names, worker_server
+from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
 from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous
 from trainer.launch.worker import node_ordered_rank, worker_main
 from trainer.run.metrics import Progress
