@@ -85,15 +85,14 @@ def draw_placement(groups: Sequence[PlacementGroup], grids: Sequence[StageGrid],
                    title: str = "placement") -> Path:
     """Draw the picture of ``groups`` (from :func:`parallel.plan.placement_map.placement_groups`) on
     the stage ``grids`` into the PNG ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: workers, CI and the control plane draw to files
-    import matplotlib.pyplot as plt
+    # start-up: matplotlib only where a picture is drawn. The object API (no pyplot, no global
+    # backend state) draws to a file anywhere, in the launcher's picture thread too.
+    from matplotlib.figure import Figure
 
     rows, left_out = _rows(groups, grids)
     colours = _colours(rows)
     top, bottom = 1.3, 0.6 + 0.6 * bool(left_out)  # inches: the title; the axis labels and the footnote
-    fig = plt.figure(figsize=(13, top + bottom + 2.5 * len(rows)))
+    fig = Figure(figsize=(13, top + bottom + 2.5 * len(rows)))
     spec = fig.add_gridspec(len(rows), 2, width_ratios=[1, 1.7], hspace=0.7, wspace=0.2,
                             top=1 - top / fig.get_figheight(), bottom=bottom / fig.get_figheight())
     fig.suptitle(f"{title}\nleft: each stage's ranks (as named in the mesh) and the slice each holds; right: the "
@@ -108,7 +107,6 @@ def draw_placement(groups: Sequence[PlacementGroup], grids: Sequence[StageGrid],
         fig.text(0.01, 0.005, textwrap.fill(note, 180), fontsize=7, va="bottom")
     path = Path(path)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
     return path
 
 

@@ -1,7 +1,7 @@
 """What the launcher records about a run: in MLflow when it starts, on the console when it ends.
 
     with system_metrics(cfg.tracking, tracker):
-        record_start(tracker, cfg)                 # tags, readable params, config.yaml, plan.txt, dataset
+        pictures = record_start(tracker, cfg, dir) # tags, readable params, config.yaml, plan.txt, dataset
         outcome = ...train...
     upload_logs(tracker, log_dir)                  # logs/<rank>/stdout.log, ...
     print(summary(cfg, outcome, tracker, wall_s=..., log_dir=...))
@@ -18,6 +18,7 @@ import logging
 import math
 import sys
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,20 +38,17 @@ log = logging.getLogger(__name__)
 
 
 def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path, *,
-                 artifacts: Mapping[str, str] | None = None) -> dict[str, str]:
+                 artifacts: Mapping[str, str] | None = None) -> Future[dict[str, str]]:
     """Tags, params, the resolved config and dry-run plan as artifacts (with ``artifacts``: more
     text artifacts by name, e.g. the auto-planner's ranking), the data as a dataset input, and
     (``tracking.pictures``) the placement picture written into ``pictures_dir`` and logged under
-    ``pictures/``; returns the pictures' paths by name."""
-    if isinstance(tracker, NullTracker) and not cfg.tracking.pictures:
-        return {}
-    plan = _plan(cfg)
-    pictures: dict[str, str] = {}
-    if plan is not None and cfg.tracking.pictures:
-        written = write_placement(cfg, plan, pictures_dir)
-        for kind, path in written.items():
-            tracker.log_artifact(path, "pictures")
-            pictures[f"placement {'picture' if kind == 'png' else 'table'}"] = str(path)
+    ``pictures/``. The picture is drawn in a thread: matplotlib's import and drawing (2-4 s on a
+    small host) then run while the workers start, not before. The future gives the pictures'
+    paths by name."""
+    plan = _plan(cfg) if cfg.tracking.pictures or not isinstance(tracker, NullTracker) else None
+    drawing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement-picture")
+    pictures = drawing.submit(_placement_pictures, tracker, cfg, plan, pictures_dir)
+    drawing.shutdown(wait=False)  # the thread ends after its one picture
     if isinstance(tracker, NullTracker):
         return pictures
     tracker.set_tags(run_tags(cfg))
@@ -62,6 +60,17 @@ def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path, *,
     for name, text in (artifacts or {}).items():
         tracker.log_artifact_text(text, name)
     tracker.log_dataset(*dataset_identity(cfg))
+    return pictures
+
+
+def _placement_pictures(tracker: Tracker, cfg: RunConfig, plan, pictures_dir: Path) -> dict[str, str]:
+    """The placement picture and table written and logged under ``pictures/``: their paths by name."""
+    if plan is None or not cfg.tracking.pictures:
+        return {}
+    pictures = {}
+    for kind, path in write_placement(cfg, plan, pictures_dir).items():
+        tracker.log_artifact(path, "pictures")
+        pictures[f"placement {'picture' if kind == 'png' else 'table'}"] = str(path)
     return pictures
 
 
