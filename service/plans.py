@@ -4,7 +4,7 @@
                           page=AutoPlanPage(offset=0, limit=100))
     answer.config, answer.numbers, answer.auto_plan_total, answer.pictures_note, answer.pid
 
-What bounds one plan (the README's control-plane section has the numbers):
+What bounds one plan (docs/control-plane.md has the numbers):
 
 - before anything is planned, the composed document's world size, mesh, global batch and
   micro-batches against the service's ceilings (:func:`service.limits.check_size_ceilings`);

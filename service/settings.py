@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     validation_cache_size: int = Field(256, ge=0, description="Validated submissions remembered, so an identical "
                                        "one is answered without composing again (only configs whose checks read no file).")
     # The control plane shares the host with its local jobs: while a job's processes import torch and
-    # train on every core, requests would otherwise wait for CPU time (README: "Under load").
+    # train on every core, requests would otherwise wait for CPU time (docs/control-plane-load.md).
     job_nice: int = Field(10, ge=0, le=19, description="How far below the server's CPU priority local jobs run "
                           "(`nice`); 0 = the same priority. Only matters when jobs and requests compete for cores.")
     job_env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables every job gets "

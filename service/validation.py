@@ -5,7 +5,7 @@
     cfg = validator.resolve_job(overrides=["+parallel=dp", "mesh=[2]"], document=None, workdir=jobs / job_id)
     validator.stop()
 
-Why this shape (measured on the 2-core development machine, see README's control-plane section):
+Why this shape (measured on the 2-core development machine, see docs/control-plane-load.md):
 
 - A submission costs ~0.2 s of CPU: Hydra's composition (~0.1 s) and the model checks (the model
   built on the meta device, the plan resolved, memory predicted, ~0.1 s); pydantic is ~1 ms.

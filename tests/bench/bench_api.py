@@ -16,7 +16,7 @@ answered) and prints:
   after the burst's jobs were cancelled (training would otherwise hold both cores).
 
 The server is used once ``/readyz`` answers, i.e. after its warm-up validations. Measured on the
-2-core development machine, otherwise quiet, two runs (README, "Under load", has the why):
+2-core development machine, otherwise quiet, two runs (docs/control-plane-load.md has the why):
 
     endpoint                          n   p50 ms   p99 ms  mean ms    req/s
     POST /v1/jobs x50 at once        50    443.3    646.7    454.3     77.3    (before: 1654 / 1993 ms)

@@ -16,7 +16,7 @@ every 20 ms, a steady client rather than a flood) in each scenario:
 
 Each row: bob's requests, p50 / p99 / max in ms, and what the load did (plans answered, their
 status, seconds and reply size). Measured on the 2-core development machine, shared with other
-engineers' runs (load average 2.4 at the start), 20 s per scenario (README, "Plans"):
+engineers' runs (load average 2.4 at the start), 20 s per scenario (docs/control-plane.md, "Plans"):
 
     scenario                            n   p50 ms   p99 ms   max ms  load
     quiet                             994      3.1      6.5      8.3

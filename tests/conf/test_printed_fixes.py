@@ -30,6 +30,7 @@ from test_bad_configs import CASES, Bad, compose
 from test_stage_configs import CASES as STAGE_CASES
 
 from parallel.errors import ConfigError, ConfigIssue
+from tests.docs_text import command_line
 from trainer.planner.auto.plan import resolve_and_validate
 from trainer.validate import model_checks
 
@@ -220,8 +221,8 @@ def test_independent_issues_come_in_one_round():
 
 
 def test_the_printed_fixes_run_on_the_command_line(tmp_path):
-    """The README's refusal, fixed by typing its printed fixes into a shell exactly as printed
-    (each a quoted glob key): the named plan's issues are withdrawn where the fixes re-place it."""
+    """The refusal docs/bad-configs.md shows, fixed by typing its printed fixes into a shell exactly as
+    printed (each a quoted glob key): the named plan's issues are withdrawn where the fixes re-place it."""
     from tests.conftest import run_cli
 
     refused = run_cli(["+parallel=tp", "mesh=[8]", "validate_only=true"], cwd=tmp_path)
@@ -233,10 +234,9 @@ def test_the_printed_fixes_run_on_the_command_line(tmp_path):
     assert fixed.returncode == 0 and fixed.stdout.startswith("config OK"), fixed.stderr
 
 
-def test_the_readme_placement_command_validates():
-    """The README's command with quoted glob keys and a bare ``Shard(1)``, as a shell splits it."""
-    line = next(line for line in (REPO / "README.md").read_text().splitlines()
-                if line.startswith("python -m trainer +parallel=tp mesh=[4] 'parallel.placements="))
+def test_the_documented_placement_command_validates():
+    """docs/bad-configs.md's command with quoted glob keys and a bare ``Shard(1)``, as a shell splits it."""
+    line = command_line("python -m trainer +parallel=tp mesh=[4] 'parallel.placements=", "bad-configs.md")
     cfg, _, _ = resolve_and_validate(compose(*shlex.split(line)[3:]))
     assert cfg.parallel.placements["layers.*.mlp.w2.weight"]["tp"].kind == "shard"
     assert cfg.parallel.placements["layers.*.attn.w[qkv].weight"]["tp"].kind == "replicate"

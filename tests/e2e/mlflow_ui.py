@@ -4,7 +4,7 @@ Chromium driven by Playwright, and the checks a person makes on a run page.
 Used by ``tests/e2e/test_mlflow_ui.py``:
 
     python -m pytest -q tests/e2e/test_mlflow_ui.py
-    MESHFLOW_SCREENSHOT_DIR=docs python -m pytest -q tests/e2e/test_mlflow_ui.py -k 3d   # README pictures
+    MESHFLOW_SCREENSHOT_DIR=docs python -m pytest -q tests/e2e/test_mlflow_ui.py -k 3d   # docs/tracking.md's pictures
 
 Chromium is Debian's (``apt-get install chromium``; ``.ci/run`` installs it), never Playwright's
 download (``playwright install`` fetches from a CDN this machine cannot reach): Playwright's Python

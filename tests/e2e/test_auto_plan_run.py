@@ -1,4 +1,4 @@
-"""README: `python -m trainer +parallel=auto mesh=[4] dry_run=true` prints the ranking and the chosen
+"""docs/planning.md: `python -m trainer +parallel=auto mesh=[4] dry_run=true` prints the ranking and the chosen
 layout's plan; without dry_run it trains with that layout and logs the ranking to MLflow."""
 
 from __future__ import annotations

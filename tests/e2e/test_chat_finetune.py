@@ -1,4 +1,4 @@
-"""The README's chat fine-tuning, as a user types it: ``+recipe=finetune model=hf data=chat`` on a
+"""docs/fine-tuning.md's chat fine-tuning, as a user types it: ``+recipe=finetune model=hf data=chat`` on a
 conversation file, then ``python -m trainer.generate CKPT --chat`` answers with what it learned.
 
 The model (tiny, random weights) learns one reply by heart; greedy decoding must give it back word

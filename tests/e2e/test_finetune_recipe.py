@@ -1,5 +1,5 @@
-"""Fine-tuning a pretrained model with ``+recipe=finetune``, as the README's "Bring your own model
-and data" types it: a tiny LlamaForCausalLM written with ``save_pretrained`` in the test, trained
+"""Fine-tuning a pretrained model with ``+recipe=finetune``, as docs/fine-tuning.md
+types it: a tiny LlamaForCausalLM written with ``save_pretrained`` in the test, trained
 through the CLI on byte-level text with a held-out split. Weights are loaded, so the validation
 loss is evaluated before step 1 and logged at step 0: it equals the loss ``transformers`` computes
 with the untouched weights on the same validation batches, and differs from the last step's.

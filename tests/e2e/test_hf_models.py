@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family models end to end, as the README's "Bring your own model and data"
+"""Hugging Face Llama-family models end to end, as docs/models-and-data.md
 types it: a tiny LlamaForCausalLM written with `save_pretrained` in the test, its directory
 holding a tokenizer trained here with `tokenizers`, and a jsonl corpus (plus a separate
 validation file) tokenized by `data=files`. Trained through the CLI on several layouts with one

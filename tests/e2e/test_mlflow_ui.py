@@ -1,7 +1,7 @@
 """The MLflow dashboard as a person opens it: a 3d run's page in headless Chromium, served by `mlflow server`.
 
     python -m pytest -q tests/e2e/test_mlflow_ui.py
-    MESHFLOW_SCREENSHOT_DIR=docs python -m pytest -q tests/e2e/test_mlflow_ui.py -k 3d   # the README's pictures
+    MESHFLOW_SCREENSHOT_DIR=docs python -m pytest -q tests/e2e/test_mlflow_ui.py -k 3d   # docs/tracking.md's pictures
 
 Needs Debian's Chromium at /usr/bin/chromium and the playwright package (both installed by .ci/run
 and the dev extra); without them the tests skip, except under CI=true, where they fail.
@@ -181,7 +181,7 @@ def _check_chrome_trace(trace) -> None:
 
 def _publish(shots: dict[str, Path]) -> None:
     """With MESHFLOW_SCREENSHOT_DIR set, keep the pictures there as mlflow-run-overview.png and
-    mlflow-run-timeline.png (the README shows docs/'s)."""
+    mlflow-run-timeline.png (docs/tracking.md shows docs/'s)."""
     target = os.environ.get("MESHFLOW_SCREENSHOT_DIR")
     if target:
         Path(target).mkdir(parents=True, exist_ok=True)

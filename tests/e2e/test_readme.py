@@ -1,29 +1,37 @@
-"""The README's commands, as a new user types them (the install part is what CI itself runs)."""
+"""The README's commands, as a new user types them (the install part is what CI itself runs): the main
+command in a fresh directory, then the commands that read what it left there, in the README's order."""
 
 from __future__ import annotations
 
-import re
+import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, run_cli
+from tests.docs_text import readme_blocks
+from timing import scaled
 
-
-def _readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    return [line for block in blocks[:2] for line in block.splitlines() if line.strip()]
+MAIN = "pip install torch==2.13.0 && pip install -e . && python -m trainer +parallel=3d mesh=[2,2,2]"
+TESTS = 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q'
+CHECKPOINT = "checkpoints/step_00000100"  # the main run's final checkpoint (100 steps)
 
 
 def test_readme_opens_with_install_and_run_commands():
-    main, tests = _readme_commands()[:2]
-    assert main == "pip install torch==2.13.0 && pip install -e . && python -m trainer +parallel=3d mesh=[2,2,2]"
-    assert tests == 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q'
+    main, uses, tests, slow = readme_blocks()[:4]
+    assert main == [MAIN]
+    # right after it, the commands that use its output: export, then generate, both from its last checkpoint
+    assert [shlex.split(line)[:4] for line in uses] == [["python", "-m", "trainer.export", CHECKPOINT],
+                                                         ["python", "-m", "trainer.generate", CHECKPOINT]]
+    assert tests == [TESTS]
+    assert slow[0].startswith("python -m pytest -q -m slow")
     ci = (REPO / ".ci" / "run").read_text()
-    assert tests in ci
-    assert "python -m pytest -q -m slow" in ci.split(tests, 1)[1]  # CI's second pass, after the default run
+    assert TESTS in ci
+    assert "python -m pytest -q -m slow" in ci.split(TESTS, 1)[1]  # CI's second pass, after the default run
 
 
 def _finished_run(cwd):
@@ -37,7 +45,7 @@ def _finished_run(cwd):
 
 @pytest.mark.slow
 def test_readme_main_command_trains_3d_and_logs_one_run(tmp_path):
-    command = _readme_commands()[0].split("&&")[-1].strip()
+    command = readme_blocks()[0][0].split("&&")[-1].strip()
     args = shlex.split(command)
     assert args[:3] == ["python", "-m", "trainer"]
     out = run_cli(args[3:], cwd=tmp_path, timeout=900)
@@ -53,6 +61,56 @@ def test_readme_main_command_trains_3d_and_logs_one_run(tmp_path):
     _assert_pictures(client, run, out.stdout)
     assert run.data.metrics["pipeline_bubble_theory"] == pytest.approx(1 / 5)
     assert 0 < run.data.metrics["pipeline_bubble"] < 1
+    _readme_uses_the_checkpoint(tmp_path, run, losses)
+
+
+def _typed(line: str, cwd: Path) -> subprocess.CompletedProcess:
+    """One README line, split as a shell splits it and run in ``cwd`` (``python`` is this interpreter);
+    its output as UTF-8 text, newlines untranslated (a sampled carriage return is a byte like any other)."""
+    args = shlex.split(line)
+    assert args[:2] == ["python", "-m"], line
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"}
+    done = subprocess.run([sys.executable, *args[1:]], cwd=cwd, env=env, capture_output=True, timeout=scaled(300))
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode("utf-8"),
+                                       done.stderr.decode("utf-8", errors="replace"))
+
+
+def _readme_uses_the_checkpoint(cwd: Path, run, losses: list[float]) -> None:
+    """The README's export and generate lines, exactly as printed and in its order, after its main command."""
+    import transformers
+
+    from trainer.export.weights import load_checkpoint_model
+
+    export, generate = readme_blocks()[1]
+    out = _typed(export, cwd)
+    assert out.returncode == 0, out.stdout + out.stderr
+    exported = cwd / shlex.split(export)[shlex.split(export).index("--out") + 1]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in exported.iterdir()}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    params = run.data.params
+    assert (hf.config.num_hidden_layers, hf.config.hidden_size, hf.config.vocab_size) == (
+        int(params["model.n_layers"]), int(params["model.dim"]), int(params["model.vocab_size"]))
+    # transformers computes the trained model's logits: those of the checkpoint the run left
+    model, _, _ = load_checkpoint_model(cwd / CHECKPOINT)
+    ids = torch.tensor([list(Path(os.__file__).read_bytes()[:128])])  # the default data: stdlib source, as bytes
+    with torch.no_grad():
+        ours, theirs = model.eval()(ids).float(), hf(ids).logits.float()
+        loss = torch.nn.functional.cross_entropy(theirs[0, :-1], ids[0, 1:]).item()
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    assert loss < losses[0] - 1.0, (loss, losses)  # trained weights, not the initial ones
+
+    out = _typed(generate, cwd)
+    assert out.returncode == 0, out.stdout + out.stderr
+    args = shlex.split(generate)
+    prompt, wanted = args[args.index("--prompt") + 1], int(args[args.index("--max-new-tokens") + 1])
+    text = out.stdout.removesuffix("\n")  # print's newline; a sampled newline stays
+    assert text.startswith(prompt), out.stdout
+    sampled = text[len(prompt):]
+    # byte-level tokens, decoded with errors="replace": each U+FFFD stands for 1 to 3 bytes that were no
+    # whole UTF-8 character. The requested count, or fewer ending at the end-of-document byte (NUL).
+    least = sum(1 if ch == "\ufffd" else len(ch.encode()) for ch in sampled)
+    most = sum(3 if ch == "\ufffd" else len(ch.encode()) for ch in sampled)
+    assert least <= wanted <= most or (sampled.endswith("\0") and least <= most < wanted), (least, most, text)
 
 
 def test_plain_trainer_command_runs_one_device(tmp_path):
