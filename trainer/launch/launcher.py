@@ -32,7 +32,7 @@ from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopba
 from trainer.launch.worker import node_ordered_rank, worker_main
 from trainer.run.metrics import Progress
 from trainer.tracking.mlflow_tracker import make_tracker
-from trainer.tracking.run_info import run_name
+from trainer.tracking.run_info import run_name, run_url
 from trainer.tracking.run_record import log_final_model, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
 
@@ -63,6 +63,9 @@ def _launch_tracked(cfg: RunConfig, began: float) -> int:
     # One run per job: node 0's launcher owns it (another node's would make a second one).
     tracker = make_tracker(cfg.tracking, is_main=cfg.launch.node_rank == 0, run_id=cfg.tracking.run_id,
                            run_name=run_name(cfg))
+    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id)
+    if url:  # start-up says what it is doing: the run's page exists from now on
+        print(f"mlflow run: {url}", flush=True)
     try:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
             rdzv_id = rendezvous_id(cfg)
@@ -212,6 +215,10 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
         if cfg.train.checkpoint.every and main_node:
             print(f"node 0 of {ln.nnodes}: checkpoints go to {cfg.train.checkpoint.dir}, which every node must share "
                   "(each rank writes its own shards there)", flush=True)
+    if main_node:
+        dims = ", ".join(cfg.parallel.dims) if cfg.parallel else ""
+        kept = f"; each rank's output under {log_dir}/{rdzv_id}_*/" if ln.log_dir else ""  # else a temporary folder
+        print(f"starting {nproc} workers: mesh {list(cfg.mesh_shape)}, dims [{dims}]{kept}", flush=True)
     with tempfile.TemporaryDirectory(prefix="meshflow-") as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(cfg.model_dump_json())
