@@ -30,6 +30,7 @@ from trainer.launch.processes import START_METHOD, cheap_method_names, worker_se
 from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
 from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous
 from trainer.launch.worker import node_ordered_rank, worker_main
+from trainer.planner.memory.budget import predicted_peak_mib
 from trainer.run.metrics import Progress
 from trainer.tracking.mlflow_tracker import make_tracker
 from trainer.tracking.run_info import run_name, run_url
@@ -52,9 +53,14 @@ def launch(cfg: RunConfig) -> int:
 
 
 def _worker_preload(cfg: RunConfig) -> tuple[str, ...]:
-    """What rank 0 imports beyond :data:`~trainer.launch.processes.PRELOAD`: MLflow's client (about
-    4 CPU-seconds), when the run logs to MLflow."""
-    return ("mlflow.tracking", "mlflow.entities") if cfg.tracking.backend == "mlflow" else ()
+    """What rank 0 imports beyond :data:`~trainer.launch.processes.PRELOAD`: MLflow's client and the
+    store its tracking URI names (about 5 CPU-seconds), when the run logs to MLflow."""
+    if cfg.tracking.backend != "mlflow":
+        return ()
+    uri = cfg.tracking.tracking_uri
+    store = ("rest_store" if uri.startswith(("http://", "https://")) else
+             "file_store" if uri.startswith("file:") or "://" not in uri else "sqlalchemy_store")
+    return "mlflow.tracking", "mlflow.entities", f"mlflow.store.tracking.{store}"
 
 
 def _launch_tracked(cfg: RunConfig, began: float) -> int:
@@ -224,7 +230,8 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
         config_path.write_text(cfg.model_dump_json())
         cheap_method_names()
         with worker_server():  # launch() started it; a caller of _launch_workers alone starts it here
-            results = _run_elastic(launch_config, config_path, run_id, _pictures_dir(log_dir, rdzv_id), cfg)
+            results = _run_elastic(launch_config, (str(config_path), run_id, _pictures_dir(log_dir, rdzv_id),
+                                                   _predicted_peak_mib(cfg)), cfg)
     if ln.nnodes > 1:
         print(f"node {ln.node_rank} of {ln.nnodes}: its {nproc} workers finished", flush=True)
     # keyed by torch's global rank; this node's local rank 0 is its lowest (rank 0 itself on node 0)
@@ -236,14 +243,24 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
 WORKER_LINE_PREFIX = "[rank${rank}]: "
 
 
-def _run_elastic(launch_config, config_path: Path, run_id: str | None, pictures_dir: str, cfg: RunConfig) -> dict:
+def _predicted_peak_mib(cfg: RunConfig) -> float | None:
+    """The plan's per-rank peak for rank 0 to report; the validation and plan.txt priced this
+    config already, so it is looked up, not a meta pass in rank 0 that every rank would wait for.
+    None when it cannot be priced: rank 0 tries and says why."""
+    try:
+        return predicted_peak_mib(cfg)
+    except Exception:  # noqa: BLE001 - e.g. a custom module the meta device cannot run
+        return None
+
+
+def _run_elastic(launch_config, worker_args: tuple, cfg: RunConfig) -> dict:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     try:
-        return elastic_launch(launch_config, worker_main)(str(config_path), run_id, pictures_dir)
+        return elastic_launch(launch_config, worker_main)(*worker_args)
     except SignalException as err:
         # The elastic agent already stopped every worker; report it as the signal it was.
         raise (KeyboardInterrupt() if err.sigval.name == "SIGINT" else Terminated()) from None

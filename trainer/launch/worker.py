@@ -39,8 +39,10 @@ def _resume_latest(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint": ckpt})})
 
 
-def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None = None) -> dict:
-    """One worker: join the process group, train, leave. Runs in a process the launcher spawned."""
+def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None = None,
+                predicted_peak_mib: float | None = None) -> dict:
+    """One worker: join the process group, train, leave. Runs in a process the launcher spawned;
+    ``predicted_peak_mib`` is the launcher's price of the plan, which rank 0 reports."""
     import torch
     import torch.distributed as dist
 
@@ -72,7 +74,7 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
         progress = Progress() if is_main else NullProgress()
         try:
             result = train(cfg, tracker=tracker, progress=progress, rank=rank, device_index=device_index,
-                           pictures_dir=pictures_dir)
+                           pictures_dir=pictures_dir, predicted_peak_mib=predicted_peak_mib)
         except Exception as err:
             # The agent reports whichever worker it saw die first, often a peer whose collective
             # broke; every worker names its own error so the root cause is in the output.

@@ -17,7 +17,6 @@ import torch
 
 from parallel.engine import ParallelModel
 from parallel.pipeline.timeline import TimelineRecorder
-from parallel.plan.resolve import resolve_plan
 from trainer.checkpoint.dcp import (
     check_model_config,
     checkpoint_bytes,
@@ -30,13 +29,13 @@ from trainer.checkpoint.dcp import (
 from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig
 from trainer.data import Source, build_splits
 from trainer.data.loader import GlobalBatchLoader
-from trainer.models import TargetMeanLoss, build_model, decoder_config, loss_fn_for
+from trainer.models import TargetMeanLoss, decoder_config, loss_fn_for
 from trainer.models.fingerprint import check_fingerprints, model_fingerprints
 from trainer.models.hf import weight_files
 from trainer.models.init import canonical_fqn
 from trainer.pictures.timeline_chart import timeline_pictures
+from trainer.planner.memory.budget import predicted_peak_mib as budgeted_peak_mib
 from trainer.planner.memory.host import unmap_freed_memory
-from trainer.planner.memory.predict import predict_memory
 from trainer.run.build import build_parallel_model
 from trainer.run.disk import naming_a_full_disk, state_bytes
 from trainer.run.metrics import MemoryMeter, Progress
@@ -96,9 +95,10 @@ def resolve_device(device: str, device_index: int = 0) -> torch.device:
 
 
 def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, device_index: int = 0,
-          pictures_dir: str | None = None) -> TrainResult:
+          pictures_dir: str | None = None, predicted_peak_mib: float | None = None) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming) on GPU
-    ``device_index`` of the host, or the CPU; rank 0 draws the timeline into ``pictures_dir``."""
+    ``device_index`` of the host, or the CPU; rank 0 draws the timeline into ``pictures_dir``.
+    ``predicted_peak_mib``: the plan's peak as the launcher priced it (else rank 0 prices it)."""
     t = cfg.train
     device = resolve_device(cfg.device, device_index)
     torch.manual_seed(t.seed)
@@ -110,7 +110,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     meter = MemoryMeter(device)  # from here on: the model's memory, beside the plan's prediction
     if rank == 0:
         try:
-            predicted = _predicted_peak_mb(cfg)
+            predicted = predicted_peak_mib if predicted_peak_mib is not None else budgeted_peak_mib(cfg)
         except Exception as err:  # noqa: BLE001 - a model the meta device cannot run is trained, not predicted
             progress.log(f"memory: no prediction ({type(err).__name__}: {str(err)[:100]})")
         else:
@@ -279,12 +279,6 @@ def _log_val(val_loss: float, step: int, cfg: RunConfig, tracker: Tracker, progr
     metrics = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 700))}
     tracker.log_metrics(metrics, step=step)
     progress.log(f"step {step}/{cfg.train.steps} | val_loss {val_loss:.4f} | val_perplexity {metrics['val_perplexity']:.2f}")
-
-
-def _predicted_peak_mb(cfg: RunConfig) -> float:
-    """The plan's per-rank peak (the largest over pipeline ranks), MiB."""
-    plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
-    return max(e.total for e in predict_memory(cfg, plan)) / 2**20
 
 
 def frozen_names(pm: ParallelModel) -> set[str]:

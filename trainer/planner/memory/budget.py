@@ -69,10 +69,16 @@ def check_memory(cfg: RunConfig, plan: ParallelPlan):
 
 def _peak(cfg: RunConfig) -> float:
     try:
-        plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+        return predicted_peak_mib(cfg) * 2**20
     except ValueError:
         return math.inf
-    return max(e.total for e in predict_memory(cfg, plan))
+
+
+def predicted_peak_mib(cfg: RunConfig) -> float:
+    """The plan's per-rank peak (the largest over pipeline ranks), MiB; raises what resolving the
+    plan or the meta pass raises (e.g. a custom module the meta device cannot run)."""
+    plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    return max(e.total for e in predict_memory(cfg, plan)) / 2**20
 
 
 def _remedies(cfg: RunConfig):
