@@ -132,7 +132,16 @@ class TrainConfig(_Section):
     # Time: a forward and backward per accumulation step; no batch splits into more than 65536 of them usefully.
     grad_accum: int = Field(1, ge=1, le=65536, description="Gradient-accumulation steps per optimizer step; at most "
                             "65536.")
-    log_every: int = Field(10, ge=1, description="Log metrics every N steps.")
+    log_every: int = Field(10, ge=1, description="Log metrics every N steps: to MLflow, and a console step line "
+                           "whose loss, grad_norm, tok/s and ms/step are means over the steps since the previous one.")
+    # Time: a line at most every day still shows a run is alive; 0 prints one per step (cheap: one line).
+    progress_every_s: float = Field(
+        30, ge=0, le=86400, description="When stdout is not a terminal (a pipe, a file, a service's job log): a plain "
+        "`progress:` line (steps done, loss, tok/s, eta) when this many seconds passed since the last console line; "
+        "0 = after every step; at most 86400. A terminal shows a live progress bar instead.")
+    print_config: bool = Field(
+        True, description="Print the resolved config's differences from the defaults when the run starts (also "
+        "logged to MLflow as config_changes.yaml, beside the whole config.yaml); false prints nothing.")
     eval_every: int = Field(
         0, ge=0, description="With a validation split (data.val_fraction or data.val_paths): evaluate every N steps "
         "and after the last step; 0 = after the last step only.")
