@@ -20,12 +20,12 @@ import yaml
 from pydantic import BaseModel
 
 from trainer.config.schema import RunConfig
-from trainer.tracking.run_info import public_config
+from trainer.tracking.run_info import SWEEP_JOB_TAG, public_config
 from trainer.tracking.tracker import Tracker
 
 CONFIG_ARTIFACT = "config_changes.yaml"
-# Set by the CLI on every run (the config group it came from): not a choice the user made.
-_NOT_CHANGES = (("tracking", "tags", "preset"),)
+# Set by the CLI on every run (the config group it came from; a sweep's job number): not choices the user made.
+_NOT_CHANGES = (("tracking", "tags", "preset"), ("tracking", "tags", SWEEP_JOB_TAG))
 
 
 def config_changes(cfg: RunConfig) -> dict[str, Any]:
