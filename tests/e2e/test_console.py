@@ -124,7 +124,6 @@ def test_a_warning_every_worker_raises_shows_once(tmp_path):
     assert all("returned a view tensor" in (attempt / rank / "stderr.log").read_text() for rank in ("0", "1"))
 
 
-@pytest.mark.slow
 def test_a_sweep_names_each_jobs_overrides_and_its_winner(tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -77,7 +77,12 @@ def test_an_optuna_sweep_runs_its_trials_as_children(tmp_path):
     lrs = [float(c.data.params["optim.lr"]) for c in children]
     assert all(1e-4 <= lr <= 1e-2 for lr in lrs) and lrs[0] != lrs[1]  # values Optuna chose
     # Optuna minimised what the jobs returned: their final losses, as the parent run has them too
-    result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    # the sweep's files in its own folder (hydra.sweep.dir), where the next sweep does not overwrite them
+    assert not (tmp_path / "optimization_results.yaml").exists()
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    result = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert f"its files (multirun.yaml, optimization_results.yaml) go to multirun/{sweep_dir.name}" in proc.stdout
+    assert proc.stdout.count("sweep: job ") == 2 and "sweep: best job " in proc.stdout
     assert result["best_value"] == pytest.approx(parent.data.metrics["best_final_loss"])
     assert result["best_params"]["optim.lr"] == pytest.approx(lrs[[c.data.metrics["loss"] for c in children].index(
         min(c.data.metrics["loss"] for c in children))])
