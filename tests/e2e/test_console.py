@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -49,7 +48,7 @@ def test_the_summary_reports_what_the_step_lines_do(compose, capsys):
     text = summary(cfg, result.summary(), NullTracker(), wall_s=1.0)
     speed_line = text.splitlines()[2]
     whole, last = speed_line.split(" | ")
-    assert whole == f"  mean over steps 2-6 (step 1 left out: start-up): {tokens * 5 / sum(times[1:]):,.0f} tok/s"
+    assert whole == f"  mean {tokens * 5 / sum(times[1:]):,.0f} tok/s over steps 2-6 (step 1 left out: start-up)"
     assert last == f"last step line (steps 5-6): loss {sum(losses[4:6]) / 2:.4f}, {_TOKS.search(steps[1]).group(1)} tok/s"
 
     first_peak = result.peak_memory_mb

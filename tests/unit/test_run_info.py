@@ -125,7 +125,7 @@ def test_summary_reports_time_speed_best_loss_and_where_things_are(tmp_path):
     assert lines[0] == "done: steps 5..7, loss 3.0000 -> 2.5000 (single steps)"
     assert lines[1] == "  wall time 12.3 s | final loss 2.5000 | best 2.0000 at step 6"
     # the whole run's mean (2 * 16 tokens / 0.75 s, the first step left out) beside the last step line's numbers
-    assert lines[2] == ("  mean over steps 6-7 (step 5 left out: start-up): 43 tok/s | "
+    assert lines[2] == ("  mean 43 tok/s over steps 6-7 (step 5 left out: start-up) | "
                         "last step line (steps 6-7): loss 2.2500, 43 tok/s")
     assert "  last checkpoint: /ck/step_7" in lines
     assert f"  logs: {ranks}/ holds a folder per rank, 0..1, each with stderr.log, stdout.log; rank 0: {ranks}/0/stdout.log" in lines

@@ -62,6 +62,7 @@ class SweepParentRun(Callback):
         self._jobs: list[dict[str, Any]] = []
         self._fixed: set[str] = set()
         self._maximize = False
+        self._sweeper = "basic"
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         choices = config.hydra.runtime.choices
@@ -69,8 +70,9 @@ class SweepParentRun(Callback):
         self._jobs = []
         self._fixed = fixed_keys(list(config.hydra.overrides.task))
         self._maximize = "maximize" in str(config.hydra.sweeper.get("direction", "minimize"))
-        files = "multirun.yaml" + (", optimization_results.yaml" if sweeper == "optuna" else "")
-        print(f"sweep: {sweeper} sweeper; its files ({files}) go to {config.hydra.sweep.dir}", flush=True)
+        self._sweeper = sweeper
+        files = {"basic": " (multirun.yaml)", "optuna": " (optimization_results.yaml)"}.get(sweeper, "")
+        print(f"sweep: {sweeper} sweeper; its files{files} go to {config.hydra.sweep.dir}", flush=True)
         tracking = config.get("tracking") or {}
         if tracking.get("backend", "mlflow") != "mlflow":
             return
@@ -146,9 +148,10 @@ class SweepParentRun(Callback):
             lines.append(f"  {j['job']:>3}  {loss:>10}  {peak:>8}  {j['run_id'] or '-':<32}  {' '.join(j['swept']) or '-'}")
         if best := self.winner():
             how = "highest" if self._maximize else "lowest"
+            objective = " (Optuna's objective)" if self._sweeper == "optuna" else ""
             url = run_url(self._tracking_uri, self._experiment_id, best["run_id"]) if best["run_id"] else None
             lines.append(f"sweep: best job {best['job']} ({' '.join(best['swept']) or 'the command line only'}): "
-                         f"final loss {best['final_loss']:.4f}, the {how} of {len(jobs)}" + (f"; run {url}" if url else ""))
+                         f"final loss {best['final_loss']:.4f}{objective}, the {how} of {len(jobs)}" + (f"; run {url}" if url else ""))
         return "\n".join(lines)
 
     def _close(self, status: str) -> None:

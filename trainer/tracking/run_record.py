@@ -185,9 +185,9 @@ def _speeds(outcome: dict[str, Any], first: int, last: int) -> list[str]:
     times = outcome.get("step_times") or []
     timed = times[1:] or times  # the first step pays for start-up and compilation
     start = first + 1 + (len(times) > 1)
-    out = [(f"mean over steps {start}-{last}" if start < last else f"step {last}")
-           + (f" (step {first + 1} left out: start-up)" if len(times) > 1 else "")
-           + (f": {outcome['tokens_per_step'] * len(timed) / sum(timed):,.0f} tok/s" if timed and sum(timed) else ": n/a")]
+    speed = f"{outcome['tokens_per_step'] * len(timed) / sum(timed):,.0f}" if timed and sum(timed) else "n/a"
+    out = [f"mean {speed} tok/s over " + (f"steps {start}-{last}" if start < last else f"step {last}")
+           + (f" (step {first + 1} left out: start-up)" if len(times) > 1 else "")]
     window = outcome.get("last_window") or {}
     if window and window.get("first") is not None:
         steps = f"steps {window['first']}-{window['last']}" if window["first"] < window["last"] else f"step {window['last']}"
