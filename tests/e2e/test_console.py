@@ -68,6 +68,7 @@ def test_a_piped_run_shows_its_config_progress_and_real_log_paths(tmp_path):
     proc = run_cli(["tracking=none", *TINY, "train.steps=5", "train.log_every=4", "train.progress_every_s=0"],
                    cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Callback" not in proc.stderr, proc.stderr  # the sweep's callback keeps quiet in a single run
     out = proc.stdout.splitlines()
     assert out[0:3] == ["config (differs from the defaults; --help lists them):", "  data: {max_bytes: 200000}",
                         "  tracking: {backend: none, pictures: false, system_metrics: false}"]

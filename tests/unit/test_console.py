@@ -176,3 +176,13 @@ def test_a_jobs_own_overrides_are_the_swept_ones():
     sweep._fixed = {"train.steps", "parallel", "tracking.system_metrics"}
     assert sweep._own(["optim.lr=0.001", "train.steps=2", "+parallel=dp", "++tracking.system_metrics=False",
                        "tracking.tracking_uri=http://u:pw@h"]) == ["optim.lr=0.001", "tracking.tracking_uri=http://***@h"]
+
+
+def test_a_single_run_passes_the_sweep_callback_by(capsys):
+    """Hydra calls the job callbacks in a single run too, whose config has no job number."""
+    from omegaconf import OmegaConf
+
+    sweep = SweepParentRun()
+    sweep.on_job_start(OmegaConf.create({"hydra": {"job": {"num": "???"}, "overrides": {"task": []}}}))
+    sweep.on_job_end(OmegaConf.create({}), job_return=None)
+    assert capsys.readouterr().out == "" and sweep._jobs == []

@@ -63,11 +63,12 @@ class SweepParentRun(Callback):
         self._fixed: set[str] = set()
         self._maximize = False
         self._sweeper = "basic"
+        self._sweeping = False  # Hydra calls the job callbacks in a single run too
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         choices = config.hydra.runtime.choices
         sweeper = choices.get("hydra/sweeper") or "basic"
-        self._jobs = []
+        self._sweeping, self._jobs = True, []
         self._fixed = fixed_keys(list(config.hydra.overrides.task))
         self._maximize = "maximize" in str(config.hydra.sweeper.get("direction", "minimize"))
         self._sweeper = sweeper
@@ -98,6 +99,8 @@ class SweepParentRun(Callback):
         print(f"sweep: parent MLflow run {self._run_id} ({name})", flush=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self._sweeping:
+            return
         own = self._own(config.hydra.overrides.task)
         print(f"sweep: job {config.hydra.job.num} starts: {' '.join(own) or '(the command line only)'}", flush=True)
 
@@ -106,6 +109,8 @@ class SweepParentRun(Callback):
         return [redact(str(o)) for o in overrides or [] if _key(str(o)) not in self._fixed]
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if not self._sweeping:
+            return
         from hydra.core.utils import JobStatus
 
         # trainer.cli.main clears the outcome of a job that failed (it returns NaN so the sweep goes on)
