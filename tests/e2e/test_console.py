@@ -125,11 +125,9 @@ def test_a_warning_every_worker_raises_shows_once(tmp_path):
 
 
 def test_a_sweep_names_each_jobs_overrides_and_its_winner(tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = run_cli(["--multirun", "optim.lr=1e-3,3e-3", *TINY, "train.steps=2", "train.log_every=1",
-                    "train.print_config=false", f"tracking.tracking_uri={uri}"], cwd=tmp_path, timeout=600)
+    """Without MLflow (tests/e2e/test_mlflow_runs.py checks the table's run IDs against the children)."""
+    proc = run_cli(["--multirun", "optim.lr=1e-3,3e-3", "tracking=none", *TINY, "train.steps=2", "train.log_every=1",
+                    "train.print_config=false"], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout.splitlines()
     assert [line for line in out if line.startswith("sweep: job ")] == [
@@ -137,19 +135,16 @@ def test_a_sweep_names_each_jobs_overrides_and_its_winner(tmp_path):
     assert not any(line.startswith("config") for line in out)  # train.print_config=false
     finals = [float(line.split("final loss ")[1].split()[0]) for line in out if line.startswith("  wall time")]
     start = out.index("sweep: 2 jobs, 2 completed")
+    assert out[start + 1].split() == ["job", "final", "loss", "peak", "MiB", "run", "overrides"]
     rows = [line.split() for line in out[start + 2:start + 4]]
-    client = MlflowClient(tracking_uri=uri)
-    children = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("meshflow").experiment_id])
-                if "mlflow.parentRunId" in r.data.tags}
-    for (job, loss, peak, run_id, override), final in zip(rows, finals):
-        assert float(loss) == pytest.approx(final, abs=1e-4) and override == f"optim.lr={children[run_id].data.params['optim.lr']}"
-        assert "config_changes.yaml" in {a.path for a in client.list_artifacts(run_id)}  # logged, though not printed
+    assert [(row[0], float(row[1]), row[3], row[4]) for row in rows] == [
+        ("0", pytest.approx(finals[0], abs=1e-4), "-", "optim.lr=0.001"),
+        ("1", pytest.approx(finals[1], abs=1e-4), "-", "optim.lr=0.003")]
     peaks = [float(row[2]) for row in rows]
     assert peaks[1] >= 0.5 * peaks[0] > 2, peaks  # the second in-process job's own peak, not 0-5 MiB
     best = min(range(2), key=finals.__getitem__)
-    assert out[start + 4].startswith(f"sweep: best job {best} (optim.lr={('0.001', '0.003')[best]}): "
-                                     f"final loss {finals[best]:.4f}, the lowest of 2; run http")
-    assert rows[best][3] in out[start + 4]
+    assert out[start + 4] == (f"sweep: best job {best} (optim.lr={('0.001', '0.003')[best]}): "
+                              f"final loss {finals[best]:.4f}, the lowest of 2")
     # the sweep's own files in its own folder, none in the current directory
     (sweep_dir,) = (tmp_path / "multirun").iterdir()
     assert (sweep_dir / "multirun.yaml").is_file() and not (tmp_path / "multirun.yaml").exists()
