@@ -1,7 +1,9 @@
 """Progress display and resource metrics.
 
-:class:`Progress` shows a rich progress bar (loss, tokens/s, ETA) on a terminal and plain
-log lines otherwise (service logs, tests). :class:`NullProgress` is what ranks other than 0 get.
+:class:`Progress` shows a rich progress bar (loss, tokens/s, ETA) on a terminal and, otherwise
+(service logs, pipes, tests), a plain ``progress:`` line every ``train.progress_every_s`` seconds;
+step lines either way, whose numbers are means over the steps since the previous one and say so.
+:class:`NullProgress` is what ranks other than 0 get. :class:`MemoryMeter` measures a job's peak.
 """
 
 from __future__ import annotations
