@@ -51,6 +51,10 @@ MORE: dict[str, Bad] = {
     "more/data-files-without-paths": bad(["data=files"], "data.paths", ["names no files"]),
     "more/auto-with-rank-ids": bad(["+parallel=auto", "mesh=[[0,1],[2,3]]"], "mesh", ["not explicit rank ids"]),
     "more/rdzv-not-host-port": bad(["launch.rdzv_endpoint=nohost"], "launch.rdzv_endpoint", ["not host:port"]),
+    "more/print-config-not-a-bool": bad(["train.print_config=maybe"], "train.print_config", ["valid boolean"],
+                                        ["train.print_config=true"]),
+    "more/progress-every-below-zero": bad(["train.progress_every_s=-1"], "train.progress_every_s",
+                                          ["greater than or equal to 0", "got -1"], ["train.progress_every_s=0"]),
     "more/eval-without-validation-split": bad(["data=synthetic", "train.eval_every=10"], "train.eval_every",
                                               ["no validation split"]),
     "more/zbv-with-validation-split": bad(

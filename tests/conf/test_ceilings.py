@@ -33,6 +33,7 @@ KNOBS = [
     ("train.seq_len", {}, 10**9, 2**24, "<="),
     ("train.grad_accum", {}, 10**9, 65536, "<="),
     ("train.eval_batches", {}, 10**9, 10_000, "<="),
+    ("train.progress_every_s", {}, 10**9, 86400, "<="),
     ("model.max_seq_len", {"model.arch": "llama"}, 10**9, 2**24, "<="),
     ("parallel.pipeline.microbatches", {"parallel.dims": ["pp"]}, 10**9, 4096, "<="),
     ("parallel.pipeline.stages_per_rank", {"parallel.dims": ["pp"]}, 10**9, 64, "<="),

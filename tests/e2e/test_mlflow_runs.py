@@ -61,11 +61,18 @@ def test_a_two_value_multirun_is_one_parent_with_two_children(tmp_path):
         history = client.get_metric_history(child.info.run_id, "loss")
         assert finals[child.info.run_id] == pytest.approx(max(history, key=lambda m: m.step).value)
     assert parent.data.metrics["best_final_loss"] == pytest.approx(min(finals.values()))
+    # the console's table: each child's run ID beside its final loss, and the winner's run link
+    for child in children:
+        (row,) = [line.split() for line in proc.stdout.splitlines() if child.info.run_id in line.split()]
+        assert float(row[1]) == pytest.approx(finals[child.info.run_id], abs=1e-4)
+    best = min(finals, key=finals.get)
+    (winner,) = [line for line in proc.stdout.splitlines() if line.startswith("sweep: best job ")]
+    assert f"final loss {finals[best]:.4f}, the lowest of 2; run http" in winner and best in winner
     for child in children:  # system metrics, the data as an input, the plan and the job log
         assert any(key.startswith("system/cpu_utilization") for key in child.data.metrics)
         assert child.inputs.dataset_inputs and child.inputs.dataset_inputs[0].dataset.name.startswith("text:")
         artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
-        assert {"config.yaml", "plan.txt", "logs"} <= artifacts, artifacts
+        assert {"config.yaml", "config_changes.yaml", "plan.txt", "logs"} <= artifacts, artifacts
 
 
 def test_an_optuna_sweep_runs_its_trials_as_children(tmp_path):
@@ -77,7 +84,12 @@ def test_an_optuna_sweep_runs_its_trials_as_children(tmp_path):
     lrs = [float(c.data.params["optim.lr"]) for c in children]
     assert all(1e-4 <= lr <= 1e-2 for lr in lrs) and lrs[0] != lrs[1]  # values Optuna chose
     # Optuna minimised what the jobs returned: their final losses, as the parent run has them too
-    result = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    # the sweep's files in its own folder (hydra.sweep.dir), where the next sweep does not overwrite them
+    assert not (tmp_path / "optimization_results.yaml").exists()
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    result = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert f"its files (optimization_results.yaml) go to multirun/{sweep_dir.name}" in proc.stdout
+    assert proc.stdout.count("sweep: job ") == 2 and f"final loss {result['best_value']:.4f} (Optuna's objective)" in proc.stdout
     assert result["best_value"] == pytest.approx(parent.data.metrics["best_final_loss"])
     assert result["best_params"]["optim.lr"] == pytest.approx(lrs[[c.data.metrics["loss"] for c in children].index(
         min(c.data.metrics["loss"] for c in children))])

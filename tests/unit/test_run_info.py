@@ -13,7 +13,7 @@ from trainer.config.compose import compose_dict
 from trainer.config.schema import RunConfig
 from trainer.tracking.mlflow_tracker import readable_params
 from trainer.tracking.run_info import MASK, public_config, redact, run_name, run_tags, run_url, ui_command
-from trainer.tracking.run_record import dataset_identity, summary
+from trainer.tracking.run_record import dataset_identity, log_lines, summary
 from trainer.tracking.tracker import NullTracker
 
 
@@ -112,12 +112,38 @@ def test_dataset_identity_names_source_and_digest(tmp_path):
 
 def test_summary_reports_time_speed_best_loss_and_where_things_are(tmp_path):
     cfg = _cfg("train.seq_len=8", "train.global_batch_size=2")
-    outcome = {"losses": [3.0, 2.0, 2.5], "first_step": 4, "val_loss": None, "step_times": [9.0, 0.5, 0.5],
-               "tokens_per_step": 16, "last_checkpoint": "/ck/step_7", "pictures": {"timeline": "/p/timeline.png"}}
+    ranks = tmp_path / "attempt_0"
+    for rank in (0, 1):
+        for name in ("stdout.log", "stderr.log"):
+            (ranks / str(rank)).mkdir(parents=True, exist_ok=True)
+            (ranks / str(rank) / name).write_text("")
+    outcome = {"losses": [3.0, 2.0, 2.5], "first_step": 4, "val_loss": None, "step_times": [9.0, 0.5, 0.25],
+               "tokens_per_step": 16, "last_checkpoint": "/ck/step_7", "pictures": {"timeline": "/p/timeline.png"},
+               "last_window": {"first": 6, "last": 7, "loss": 2.25, "tokens_per_s": 42.67}}
     text = summary(cfg, outcome, NullTracker(), wall_s=12.34, log_dir=tmp_path)
     lines = text.splitlines()
-    assert lines[0] == "done: steps 5..7, loss 3.0000 -> 2.5000"
-    assert "wall time 12.3 s" in lines[1] and "mean 32 tok/s" in lines[1]  # 16 tokens / 0.5 s, first step left out
-    assert "final loss 2.5000" in lines[1] and "best 2.0000 at step 6" in lines[1]
-    assert "  last checkpoint: /ck/step_7" in lines and f"  per-rank logs: {tmp_path}/attempt_<n>/<rank>/stdout.log, stderr.log" in lines
+    assert lines[0] == "done: steps 5..7, loss 3.0000 -> 2.5000 (single steps)"
+    assert lines[1] == "  wall time 12.3 s | final loss 2.5000 | best 2.0000 at step 6"
+    # the whole run's mean (2 * 16 tokens / 0.75 s, the first step left out) beside the last step line's numbers
+    assert lines[2] == ("  mean 43 tok/s over steps 6-7 (step 5 left out: start-up) | "
+                        "last step line (steps 6-7): loss 2.2500, 43 tok/s")
+    assert "  last checkpoint: /ck/step_7" in lines
+    assert f"  logs: {ranks}/ holds a folder per rank, 0..1, each with stderr.log, stdout.log; rank 0: {ranks}/0/stdout.log" in lines
     assert "  timeline: /p/timeline.png" in lines
+
+
+def test_the_log_lines_name_paths_that_exist(tmp_path):
+    """One device: its one log file; a restarted run: the last attempt, saying so; no placeholders."""
+    one = tmp_path / "one"
+    (one / "attempt_0" / "0").mkdir(parents=True)
+    (one / "attempt_0" / "0" / "stdout.log").write_text("x")
+    assert log_lines(one) == [f"  log: {one}/attempt_0/0/stdout.log"]
+    restarted = tmp_path / "restarted"
+    for attempt in (0, 1, 10):
+        for rank in (0, 1, 2):
+            (restarted / f"attempt_{attempt}" / str(rank)).mkdir(parents=True)
+            (restarted / f"attempt_{attempt}" / str(rank) / "stdout.log").write_text("")
+    (line,) = log_lines(restarted)
+    assert line == (f"  logs: {restarted}/attempt_10/ (the last of 3 attempts) holds a folder per rank, 0..2, each with "
+                    f"stdout.log; rank 0: {restarted}/attempt_10/0/stdout.log")
+    assert "<" not in line

@@ -1,4 +1,4 @@
-"""``python -m trainer --help``: every config key with its description, from the pydantic models."""
+"""``python -m trainer --help``: every config key with its description, default and range, from the pydantic models."""
 
 from __future__ import annotations
 
@@ -40,6 +40,28 @@ def _bounds(field: FieldInfo) -> str:
     return f" [{', '.join(found)}]" if found else ""
 
 
+def _default(field: FieldInfo) -> str:
+    """`` (default: 100)``: the value the key has when no override names it, as an override would spell it."""
+    if field.is_required():  # a section's own required key (parallel.dims), or a section (model, data)
+        return "" if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) else " (required)"
+    value = field.get_default(call_default_factory=True)
+    return "" if isinstance(value, BaseModel) else f" (default: {_spelled(value)})"
+
+
+def _spelled(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_spelled(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_spelled(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str) and (value == "" or value != value.strip()):
+        return repr(value)
+    return str(getattr(value, "value", value))
+
+
 def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     lines = []
     for name, field in model.model_fields.items():
@@ -48,13 +70,13 @@ def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
         items = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is list and typing.get_args(a)]
         nested = [a for a in (*args, *items) if isinstance(a, type) and issubclass(a, BaseModel)]
         if items and nested:  # a list of sections (parallel.pipeline.stages): its entries' keys as [i].key
-            lines.append(f"  {path}: {field.description}{_bounds(field)}")
+            lines.append(f"  {path}: {field.description}{_default(field)}{_bounds(field)}")
             lines += _fields(nested[0], f"{path}[i].")
         elif len(nested) == 1 and name not in ("model", "data"):
-            lines.append(f"  {path}: {field.description}{_bounds(field)}")
+            lines.append(f"  {path}: {field.description}{_default(field)}{_bounds(field)}")
             lines += _fields(nested[0], f"{path}.")
         else:
-            lines.append(f"  {path}: {field.description}{_bounds(field)}")
+            lines.append(f"  {path}: {field.description}{_default(field)}{_bounds(field)}")
     return lines
 
 

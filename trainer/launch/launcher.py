@@ -26,6 +26,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from trainer.config.schema import RunConfig
+from trainer.launch.console import one_warning_each, show_config
 from trainer.launch.processes import START_METHOD, cheap_method_names, worker_server
 from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
 from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous
@@ -74,6 +75,8 @@ def _launch_tracked(cfg: RunConfig, began: float) -> int:
         print(f"mlflow run: {url}", flush=True)
     try:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
+            if cfg.launch.node_rank == 0:  # node 0 shows the run, as it owns its MLflow run
+                show_config(cfg, tracker)
             rdzv_id = rendezvous_id(cfg)
             with _worker_logs(cfg) as log_base:
                 pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)),
@@ -229,7 +232,7 @@ def _launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: 
         config_path = Path(tmp) / "config.json"
         config_path.write_text(cfg.model_dump_json())
         cheap_method_names()
-        with worker_server():  # launch() started it; a caller of _launch_workers alone starts it here
+        with worker_server(), one_warning_each():  # launch() started the server; alone, it starts here
             results = _run_elastic(launch_config, (str(config_path), run_id, _pictures_dir(log_dir, rdzv_id),
                                                    _predicted_peak_mib(cfg)), cfg)
     if ln.nnodes > 1:

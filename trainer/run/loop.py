@@ -53,6 +53,9 @@ class TrainResult:
     tokens_per_step: int = 0
     last_checkpoint: str | None = None
     pictures: dict[str, str] = field(default_factory=dict)  # rank 0: timeline_trace, timeline_png -> file
+    # the last step line's window: first, last step, and its means (loss, tokens_per_s, ...), as printed
+    last_window: dict = field(default_factory=dict)
+    peak_memory_mb: float | None = None  # the largest rank's peak at the last logged step
 
     @property
     def mean_tokens_per_s(self) -> float | None:
@@ -64,7 +67,8 @@ class TrainResult:
         """What the launcher's end-of-run summary needs, JSON-friendly (a worker returns it)."""
         return {"losses": self.losses, "first_step": self.first_step, "val_loss": self.val_loss,
                 "step_times": self.step_times, "tokens_per_step": self.tokens_per_step,
-                "last_checkpoint": self.last_checkpoint, "pictures": self.pictures}
+                "last_checkpoint": self.last_checkpoint, "pictures": self.pictures, "last_window": self.last_window,
+                "peak_memory_mb": self.peak_memory_mb}
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -157,7 +161,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     record_from = t.steps - cfg.tracking.timeline_steps + 1 if cfg.tracking.pictures else t.steps + 1
     if val_source is not None and _eval_at_start(cfg, resumed=start > 0):  # a baseline before any update
         _log_val(evaluate(pm, val_source, cfg, loss_fn, device), start, cfg, tracker, progress)
-    progress.start(total=t.steps, completed=start)
+    progress.start(total=t.steps, completed=start, every_s=t.progress_every_s)
     for step in range(start + 1, t.steps + 1):
         began = time.perf_counter()
         with recorder.step(step, record=step >= record_from):
@@ -178,15 +182,18 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         step_time = time.perf_counter() - began
         result.losses.append(loss_value)
         result.step_times.append(step_time)
-        window.add(loss=loss_value, grad_norm=grad_norm, step_time_s=step_time)
+        window.add(step, loss=loss_value, grad_norm=grad_norm, step_time_s=step_time)
 
         if step % t.log_every == 0 or step == t.steps:
             peaks = _per_rank(meter.peak_mb(), pm, device)
             memory_rows.append({"step": step, **{f"rank{r}": round(v, 1) for r, v in enumerate(peaks)}})
+            first = window.first_step
             metrics = {**window.means(tokens_per_step), "lr": lr, "peak_memory_mb": max(peaks)}
             tracker.log_metrics(metrics, step=step)
-            progress.log_step(step, metrics)
-        progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time)
+            progress.log_step(step, metrics, first=first)
+            result.last_window, result.peak_memory_mb = {"first": first, "last": step, **metrics}, max(peaks)
+        progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time, tokens=tokens_per_step,
+                         step_time_s=step_time)
         if val_source is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
             result.val_loss = evaluate(pm, val_source, cfg, loss_fn, device)
             _log_val(result.val_loss, step, cfg, tracker, progress)
@@ -217,12 +224,16 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
 
 class LogWindow:
     """The steps since the last logged one: metrics are logged as their means over the window (a
-    chart point stands for every step it covers, not one sample every ``log_every`` steps)."""
+    chart point stands for every step it covers, not one sample every ``log_every`` steps), and
+    the console's step line says which steps (:func:`trainer.run.metrics.format_metrics`)."""
 
     def __init__(self) -> None:
         self._values: dict[str, list[float]] = {}
+        self.first_step: int | None = None  # the window's first step
 
-    def add(self, **values: float) -> None:
+    def add(self, step: int, **values: float) -> None:
+        if not self._values:
+            self.first_step = step
         for key, value in values.items():
             self._values.setdefault(key, []).append(float(value))
 

@@ -163,20 +163,19 @@ def upload_logs(tracker: Tracker, log_dir: Path | None) -> None:
 
 def summary(cfg: RunConfig, outcome: dict[str, Any], tracker: Tracker, *, wall_s: float,
             log_dir: Path | None = None) -> str:
-    """The end-of-run lines: steps and loss, wall time, mean tokens/s, best loss, where the MLflow
-    run, the last checkpoint, the per-rank logs and the pictures are."""
+    """The end-of-run lines: steps and loss, wall time, best loss; tokens/s as the mean over the run
+    (the first step left out) and the last step line's means (the same numbers it printed); where
+    the MLflow run, the last checkpoint, the per-rank logs (real paths) and the pictures are."""
     losses, first = outcome.get("losses") or [], outcome.get("first_step", 0)
     if not losses:
         return f"done: no steps left to run (resumed at step {first})"
     val = outcome.get("val_loss")
     val_text = f", val loss {val:.4f} (perplexity {math.exp(min(val, 700)):.2f})" if val is not None else ""
-    lines = [f"done: steps {first + 1}..{first + len(losses)}, loss {losses[0]:.4f} -> {losses[-1]:.4f}{val_text}"]
+    last = first + len(losses)
+    lines = [f"done: steps {first + 1}..{last}, loss {losses[0]:.4f} -> {losses[-1]:.4f} (single steps){val_text}"]
     best = min(range(len(losses)), key=losses.__getitem__)
-    times = outcome.get("step_times") or []
-    timed = times[1:] or times  # the first step pays for start-up and compilation
-    speed = f"{outcome['tokens_per_step'] * len(timed) / sum(timed):,.0f} tok/s" if timed and sum(timed) else "n/a"
-    lines.append(f"  wall time {wall_s:.1f} s | mean {speed} (steps after the first) | "
-                 f"final loss {losses[-1]:.4f} | best {losses[best]:.4f} at step {first + best + 1}")
+    lines.append(f"  wall time {wall_s:.1f} s | final loss {losses[-1]:.4f} | best {losses[best]:.4f} at step {first + best + 1}")
+    lines.append("  " + " | ".join(_speeds(outcome, first, last)))
     url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id)
     if url:
         serve = ui_command(cfg.tracking.tracking_uri)
@@ -184,10 +183,45 @@ def summary(cfg: RunConfig, outcome: dict[str, Any], tracker: Tracker, *, wall_s
     if outcome.get("last_checkpoint"):
         lines.append(f"  last checkpoint: {outcome['last_checkpoint']}")
     if log_dir is not None:
-        lines.append(f"  per-rank logs: {log_dir}/attempt_<n>/<rank>/stdout.log, stderr.log")
+        lines += log_lines(log_dir)
     for name, path in sorted((outcome.get("pictures") or {}).items()):
         lines.append(f"  {name}: {path}")
     return "\n".join(lines)
+
+
+def _speeds(outcome: dict[str, Any], first: int, last: int) -> list[str]:
+    """Tokens/s over the run, and the last step line's window (its mean loss and tokens/s, as printed)."""
+    times = outcome.get("step_times") or []
+    timed = times[1:] or times  # the first step pays for start-up and compilation
+    start = first + 1 + (len(times) > 1)
+    speed = f"{outcome['tokens_per_step'] * len(timed) / sum(timed):,.0f}" if timed and sum(timed) else "n/a"
+    out = [f"mean {speed} tok/s over " + (f"steps {start}-{last}" if start < last else f"step {last}")
+           + (f" (step {first + 1} left out: start-up)" if len(times) > 1 else "")]
+    window = outcome.get("last_window") or {}
+    if window and window.get("first") is not None:
+        steps = f"steps {window['first']}-{window['last']}" if window["first"] < window["last"] else f"step {window['last']}"
+        out.append(f"last step line ({steps}): loss {window['loss']:.4f}, {window['tokens_per_s']:,.0f} tok/s")
+    return out
+
+
+def log_lines(log_dir: Path) -> list[str]:
+    """Where the per-rank logs are, as paths that exist: the last attempt's folder, its rank folders
+    and their files, and rank 0's stdout (torch elastic's ``attempt_<n>/<rank>/`` layout)."""
+    attempts = sorted((d for d in log_dir.glob("attempt_*") if d.name.removeprefix("attempt_").isdigit()),
+                      key=lambda d: int(d.name.removeprefix("attempt_")))
+    if not attempts:
+        return [f"  logs: {log_dir}"]
+    ranks = sorted((d for d in attempts[-1].iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+    if not ranks:
+        return [f"  logs: {attempts[-1]}"]
+    files = sorted(set.intersection(*({f.name for f in d.iterdir() if f.is_file()} for d in ranks)))
+    first = ranks[0] / ("stdout.log" if "stdout.log" in files else (files or [""])[0])
+    beside = [f for f in files if f != first.name]
+    of = f" (the last of {len(attempts)} attempts)" if len(attempts) > 1 else ""
+    if len(ranks) == 1:
+        return [f"  log: {first}" + (f" ({', '.join(beside)} beside it)" if beside else "") + of]
+    return [f"  logs: {attempts[-1]}/{of} holds a folder per rank, {ranks[0].name}..{ranks[-1].name}, each with "
+            f"{', '.join(files)}; rank {ranks[0].name}: {first}"]
 
 
 @contextmanager

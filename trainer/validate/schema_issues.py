@@ -82,6 +82,8 @@ def _fix(e: dict, loc: tuple, raw: dict) -> str:
         return _range_fix(e, loc)
     if kind == "value_error":
         return "write a valid value as the message says"
+    if kind in ("bool_parsing", "bool_type") and loc and all(isinstance(p, str) and p.isidentifier() for p in loc):
+        return f"use true or false: {'.'.join(loc)}=true or {'.'.join(loc)}=false"
     return "give a value of the expected type"
 
 
