@@ -7,7 +7,9 @@ worker starts, printing each problem as ``path: reason (fix)``.
 
 from __future__ import annotations
 
+import math
 import sys
+from contextlib import ExitStack
 
 import hydra
 from omegaconf import DictConfig
@@ -16,7 +18,8 @@ from parallel.errors import ConfigError
 from trainer.config.compose import CONF_DIR, register_defaults, to_plain, with_preset
 from trainer.config.schema import RunConfig
 from trainer.launch import launcher
-from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch
+from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch, worker_preload
+from trainer.launch.processes import worker_server
 from trainer.pictures.placement import DRY_RUN_DIR, write_placement
 from trainer.planner.auto.plan import resolve_and_validate
 from trainer.planner.forecast.plan_file import dry_run_report
@@ -41,6 +44,25 @@ def main(composed: DictConfig) -> float | None:
         raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
     if sweeping:
         launcher.LAST_OUTCOME = None  # the previous job's is not this one's
+    with ExitStack() as server:
+        if _starts_workers(raw):  # the workers' fork server imports while the config is checked
+            server.enter_context(worker_server(also_preload=worker_preload(raw.get("tracking") or {})))
+        return _run(raw, sweeping)
+
+
+def _starts_workers(raw: dict) -> bool:
+    """Whether this config, once valid, launches workers: a mesh of several ranks, not a dry run."""
+    if raw.get("dry_run") is True or raw.get("validate_only") is True or not isinstance(raw.get("mesh"), list):
+        return False
+    leaves, count = list(raw["mesh"]), 1
+    if all(isinstance(n, int) for n in leaves):
+        count = math.prod(leaves)
+    else:  # explicit rank ids: one per rank
+        count = sum(len(row) if isinstance(row, list) else 1 for row in leaves)
+    return count > 1
+
+
+def _run(raw: dict, sweeping: bool) -> float | None:
     try:
         cfg, plan, ranking = resolve_and_validate(raw)  # +parallel=auto: the rest of the road sees an ordinary config
     except ConfigError as err:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from trainer.config.schema import RunConfig
+from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.launch.console import one_warning_each, show_config
 from trainer.launch.processes import START_METHOD, cheap_method_names, worker_server
 from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
@@ -49,16 +49,18 @@ def launch(cfg: RunConfig) -> int:
     began = time.monotonic()
     with ExitStack() as server:
         if cfg.world_size > 1:  # the workers' fork server imports while the launcher makes the run
-            server.enter_context(worker_server(also_preload=_worker_preload(cfg)))
+            server.enter_context(worker_server(also_preload=worker_preload(cfg.tracking)))
         return _launch_tracked(cfg, began)
 
 
-def _worker_preload(cfg: RunConfig) -> tuple[str, ...]:
+def worker_preload(tracking: TrackingConfig | dict) -> tuple[str, ...]:
     """What rank 0 imports beyond :data:`~trainer.launch.processes.PRELOAD`: MLflow's client and the
-    store its tracking URI names (about 5 CPU-seconds), when the run logs to MLflow."""
-    if cfg.tracking.backend != "mlflow":
+    store its tracking URI names (about 5 CPU-seconds), when the run logs to MLflow. ``tracking``:
+    the section, or its composed dict before validation (the CLI starts the server that early)."""
+    fields = tracking.model_dump() if isinstance(tracking, TrackingConfig) else tracking
+    if fields.get("backend", "mlflow") != "mlflow":
         return ()
-    uri = cfg.tracking.tracking_uri
+    uri = str(fields.get("tracking_uri") or "sqlite:")  # the default store is a SQLite file
     store = ("rest_store" if uri.startswith(("http://", "https://")) else
              "file_store" if uri.startswith("file:") or "://" not in uri else "sqlalchemy_store")
     return "mlflow.tracking", "mlflow.entities", f"mlflow.store.tracking.{store}"
