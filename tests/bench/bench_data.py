@@ -75,7 +75,7 @@ def main() -> None:
             cwd=root, capture_output=True, text=True, timeout=900)
         if proc.returncode:
             sys.exit(proc.stdout[-2000:] + proc.stderr[-2000:])
-        rates = [float(m.replace(",", "")) for m in re.findall(r"\| ([\d,]+) tok/s", proc.stdout)]
+        rates = [float(m.replace(",", "")) for m in re.findall(r"(?:\||,) ([\d,]+) tok/s", proc.stdout)]
         train_tps = statistics.median(rates[2:])
 
     need = train_tps / DP

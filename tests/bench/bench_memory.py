@@ -129,7 +129,7 @@ LAYOUTS = {  # name -> overrides
     "fsdp8_lean": ["+parallel=fsdp", "mesh=[8]", "launch.unmap_freed_memory=true", "+parallel.activation_checkpointing=full"],
 }
 PREDICTED = re.compile(r"memory: predicted peak ([\d,.]+) MiB")
-MEASURED = re.compile(r"step (\d+)/\d+ .*\| (\d+) ms/step \| peak (\d+) MiB")
+MEASURED = re.compile(r"step (\d+)/\d+ .*?([\d,]+) ms/step .*\| peak (\d+) MiB")
 
 
 def params(shape: dict) -> float:
@@ -173,7 +173,7 @@ def run(size: str, layout: str, steps: int, timeout: int) -> dict:
     steps_seen = MEASURED.findall(text)
     if steps_seen:
         row["measured"] = float(steps_seen[-1][2])
-        row["ms_per_step"] = float(steps_seen[-1][1])
+        row["ms_per_step"] = float(steps_seen[-1][1].replace(",", ""))
     if rc != 0:
         # A worker names its own error ("worker rank N failed: ..."); Hydra's "Error executing job" says nothing.
         lines = [line for line in text.splitlines() if line.strip() and "Error executing job" not in line]

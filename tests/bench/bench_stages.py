@@ -43,7 +43,7 @@ LAYOUTS = {
     "uniform: fsdp x pp [2,2]": ["+parallel=3d", "mesh=[2,2,1]", *PIPELINE],
     "uniform: pp x tp [2,2]": ["+parallel=3d", "mesh=[1,2,2]", *PIPELINE],
 }
-STEP = re.compile(r"step (\d+)/\d+ .*\| ([\d,]+) tok/s")
+STEP = re.compile(r"step (\d+)/\d+ .*?([\d,]+) tok/s")
 
 
 def run(overrides: list[str], steps: int, model: str) -> float:

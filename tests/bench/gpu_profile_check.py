@@ -101,7 +101,7 @@ def training_step(repo: Path, extra: tuple[str, ...] = ()) -> dict:
     stop.set()
     sampler.join()
     text = run.stdout + run.stderr
-    steps = [(float(t), float(p)) for t, p in re.findall(r"\| ([\d,.]+) tok/s \|.*?peak ([\d,.]+) MiB", text.replace(",", ""))]
+    steps = [(float(t), float(p)) for t, p in re.findall(r"step \d+/\d+ .*? ([\d.]+) tok/s.*?peak ([\d.]+) MiB", text.replace(",", ""))]
     mean = re.search(r"mean ([\d,]+) tok/s", text)
     return {"overrides": [*STEP_OVERRIDES, *extra], "exit_code": run.returncode, "seconds": time.monotonic() - began,
             "tokens_per_s": float(mean.group(1).replace(",", "")) if mean else None,
