@@ -243,7 +243,8 @@ class CheckpointConfig(_Section):
     # a run that needs its whole history saves less often.
     keep: int = Field(3, ge=1, le=1000, description="Keep the newest K checkpoints, delete older ones; at most 1000.")
     resume: str = Field("none", min_length=1, description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
-    save_final: bool = Field(False, description="Also save after the last step.")
+    save_final: bool = Field(True, description="Also save after the last step: what `python -m trainer.export` and "
+                             "`python -m trainer.generate` read, and the MLflow run's `model/` artifact. false: only `every`'s saves.")
 
 
 class TrainConfig(_Section):
