@@ -51,6 +51,9 @@ MORE: dict[str, Bad] = {
     "more/data-files-without-paths": bad(["data=files"], "data.paths", ["names no files"]),
     "more/auto-with-rank-ids": bad(["+parallel=auto", "mesh=[[0,1],[2,3]]"], "mesh", ["not explicit rank ids"]),
     "more/rdzv-not-host-port": bad(["launch.rdzv_endpoint=nohost"], "launch.rdzv_endpoint", ["not host:port"]),
+    "more/ui-url-without-scheme": bad(["tracking.ui_url=localhost:5000"], "tracking.ui_url", ["not an http(s) URL"],
+                                      ["tracking.ui_url=http://127.0.0.1:5000"]),
+    "more/ui-url-bad-port": bad(["tracking.ui_url=http://127.0.0.1:99999"], "tracking.ui_url", ["not an http(s) URL"]),
     "more/eval-without-validation-split": bad(["data=synthetic", "train.eval_every=10"], "train.eval_every",
                                               ["no validation split"]),
     "more/zbv-with-validation-split": bad(

@@ -28,6 +28,7 @@ from trainer.config.data_schema import (  # noqa: F401 - re-exported: callers na
     TextDataConfig,
 )
 from trainer.config.hardware import HardwareProfile
+from trainer.config.tracking_schema import TrackingConfig
 
 # ----------------------------------------------------------------------------- model
 
@@ -196,41 +197,6 @@ class OptimConfig(_Section):
         if self.warmup_fraction is not None:
             return math.ceil(round(self.warmup_fraction * total_steps, 9))  # round: 0.1 * 100 is 10.000000000000002
         return DEFAULT_WARMUP_STEPS
-
-
-# -------------------------------------------------------------------------- tracking
-
-
-class TrackingConfig(_Section):
-    backend: Literal["mlflow", "none"] = Field("mlflow", description="`mlflow` logs one run per job; `none` logs nothing.")
-    tracking_uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (file, sqlite, or http server).")
-    experiment: str = Field("meshflow", min_length=1, description="MLflow experiment name.")
-    run_name: str | None = Field(None, description="MLflow run name; null names it after the preset and the mesh "
-                                 "(`3d-2x2x2`).")
-    tags: dict[str, str] = Field(
-        default_factory=dict, description="Extra MLflow run tags (`+tracking.tags.team=nlp`); the CLI and the "
-        "control plane set `preset` to the config group the run came from.")
-    run_id: str | None = Field(
-        None, description="Log into this existing MLflow run instead of creating one (set by the control plane)."
-    )
-    pictures: bool = Field(
-        True, description="Draw the pipeline timeline (Chrome trace + PNG) and the placement picture, log them as "
-        "MLflow artifacts under `pictures/` and print their paths; false skips both.")
-    # Every step adds an event per micro-batch, stage and pass to the trace and the picture, kept in memory
-    # until the end: 1000 steps is 500x the default, far more than a picture can show.
-    timeline_steps: int = Field(
-        2, ge=1, le=1000, description="Optimizer steps the measured pipeline timeline records (the run's last ones, "
-        "so start-up is not in the picture); at most 1000.")
-    system_metrics: bool = Field(
-        True, description="Record MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) on the "
-        "main rank every `system_metrics_interval` seconds.")
-    # A sample reads CPU, memory, disk, network and GPU counters and logs them: faster than once a second
-    # spends the main rank's CPU and floods the store; slower than an hour records next to nothing.
-    system_metrics_interval: float = Field(10.0, ge=1, le=3600, description="Seconds between system-metric "
-                                           "samples; from 1 to 3600.")
-    log_model: bool = Field(
-        True, description="When the run saved a checkpoint: the last one's weights as `model/model.safetensors` "
-        "in the MLflow run (python -m trainer.export's file; train.init_from starts a run from it).")
 
 
 # ----------------------------------------------------------------------------- train
