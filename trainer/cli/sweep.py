@@ -23,6 +23,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.config.tracking_schema import default_tracking_uri
 from trainer.launch import launcher as launch
 from trainer.tracking.credentials import connect_uri
 from trainer.tracking.mlflow_tracker import get_or_create_experiment
@@ -47,7 +48,7 @@ class SweepParentRun(Callback):
             return
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=connect_uri(tracking.get("tracking_uri", "sqlite:///mlflow.db")))
+        self._client = MlflowClient(tracking_uri=connect_uri(tracking.get("tracking_uri") or default_tracking_uri()))
         experiment_id = get_or_create_experiment(self._client, tracking.get("experiment", "meshflow"))
         sweep = OmegaConf.to_container(config.hydra.overrides, resolve=False)
         choices = config.hydra.runtime.choices
