@@ -178,8 +178,19 @@ def run_url(tracking_uri: str, experiment_id: str | None, run_id: str | None, ui
 def ui_command(tracking_uri: str, ui_url: str | None = None) -> str | None:
     """The command that serves a local store where its links point: ``mlflow ui --backend-store-uri
     <the store> --port <the link's port>`` (no ``--port`` when the link names none, e.g. a proxy's
-    https URL); None for a server, which is its own UI."""
+    https URL), from any directory (a relative SQLite path is made absolute); None for a server,
+    which is its own UI."""
     if is_server(tracking_uri):
         return None
     port = urlsplit(ui_base(tracking_uri, ui_url)).port
-    return f"mlflow ui --backend-store-uri {shlex.quote(redact(tracking_uri))}" + (f" --port {port}" if port else "")
+    store = shlex.quote(redact(_from_anywhere(tracking_uri)))
+    return f"mlflow ui --backend-store-uri {store}" + (f" --port {port}" if port else "")
+
+
+def _from_anywhere(tracking_uri: str) -> str:
+    """``sqlite:///mlflow.db`` -> ``sqlite:////work/run/mlflow.db``: the store this process opens,
+    named the same from every directory. Other URIs as they are."""
+    path, sep, query = tracking_uri.removeprefix("sqlite:///").partition("?")
+    if not tracking_uri.startswith("sqlite:///") or not path or path == ":memory:" or Path(path).is_absolute():
+        return tracking_uri
+    return f"sqlite:///{Path(path).absolute()}{sep}{query}"
