@@ -8,14 +8,13 @@ id and UI link from the start, and ends it KILLED / FAILED when the process died
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from pathlib import Path
 from typing import Any
 
 from parallel.errors import ConfigError, ConfigIssue
-from trainer.tracking.mlflow_tracker import get_or_create_experiment
-from trainer.tracking.run_info import run_url
+from trainer.tracking.mlflow_tracker import experiment_artifacts, get_or_create_experiment
+from trainer.tracking.run_info import run_url, ui_base, ui_command
 from trainer.tracking.tracker import TrackingError
 
 log = logging.getLogger(__name__)
@@ -74,13 +73,8 @@ class MlflowRuns:
         return experiment_id, run.info.run_id
 
     def artifact_location(self, experiment: str) -> str | None:
-        """``<artifact root>/<experiment name, made a file name>`` as a file URI (null without a root).
-        Names that differ only in odd characters share a directory; their runs (one directory per run
-        id) do not collide."""
-        if self.artifact_root is None:
-            return None
-        name = re.sub(r"[^A-Za-z0-9._-]", "_", experiment).lstrip(".") or "_"
-        return (self.artifact_root / name).as_uri()
+        """``<artifact root>/<experiment name, made a file name>`` as a file URI (null without a root)."""
+        return None if self.artifact_root is None else experiment_artifacts(self.artifact_root, experiment)
 
     def run_status(self, run_id: str) -> str | None:
         try:
@@ -121,10 +115,20 @@ class MlflowRuns:
         return run.info.status, out
 
     def ui_link(self, experiment_id: str | None, run_id: str | None) -> str | None:
-        if not (self.ui_url and experiment_id and run_id):
-            return None
+        """The run's page: on ``mlflow_ui_url``, else on the tracking server, else where :meth:`ui_command` serves it."""
+        return run_url(self.tracking_uri, experiment_id, run_id, self.ui_url)
 
-        return run_url(self.ui_url, experiment_id, run_id)
+    def ui_command(self) -> str | None:
+        """``mlflow ui --backend-store-uri <the jobs' store> --port <the links' port>``; None for a server."""
+        return ui_command(self.tracking_uri, self.ui_url)
+
+
+def ui_notice(tracking_uri: str, ui_url: str | None) -> str:
+    """What ``python -m api`` says at start: where the jobs' run links point and, for a database store,
+    the command that serves it there (the links work once it runs)."""
+    base = ui_base(tracking_uri, ui_url)
+    serve = ui_command(tracking_uri, ui_url)
+    return f"MLflow: job run links point at {base}" + (f"; serve the jobs' store there with: {serve}" if serve else "")
 
 
 def is_local_store(tracking_uri: str) -> bool:

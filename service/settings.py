@@ -63,7 +63,10 @@ class Settings(BaseSettings):
     mlflow_artifact_root: Path | None = Field(None, description="Where new MLflow experiments keep their runs' "
                                               "artifacts when the service writes the store itself (a database URI); "
                                               "null = `<workspace>/mlartifacts`. An MLflow server's own setting wins.")
-    mlflow_ui_url: str | None = Field(None, description="Base URL of an MLflow UI, used to build each job's run link; null = no link.")
+    mlflow_ui_url: str | None = Field(None, description="Base URL of the MLflow UI showing the jobs' store, for each "
+                                      "job's run link (`mlflow_ui_url` in replies, the job log's summary); null = the "
+                                      "tracking server itself, or for a database store http://127.0.0.1:5000, where "
+                                      "`mlflow ui --backend-store-uri <the store> --port 5000` serves it (logged at start).")
     tokens: dict[str, str] = Field(default_factory=dict, description="User -> bearer token (plain, hashed on load) or `sha256$salt$hex`.")
     admin_users: list[str] = Field(default_factory=list, description="Users who see and cancel every job.")
     auth_disabled: bool = Field(False, description="Serve without authentication (local use only); every caller is an admin.")

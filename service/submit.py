@@ -165,10 +165,12 @@ MULTI_NODE_ENDPOINT = "127.0.0.1:29400"  # replaced per job by the executor (fir
 
 
 def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri: str,
-            run_id: str | None, multi_node: bool = False) -> tuple[dict[str, Any], list[ConfigIssue]]:
+            run_id: str | None, multi_node: bool = False,
+            ui_url: str | None = None) -> tuple[dict[str, Any], list[ConfigIssue]]:
     """A copy of ``raw`` with every path confined (:mod:`service.confine`) and the service's values
-    forced into tracking and launch, and what was refused. ``multi_node``: the executor places
-    ``launch.nnodes`` > 1 nodes itself (each node's rank and rendezvous endpoint are its business)."""
+    forced into tracking (its store, its MLflow UI: the job's printed link is the API's) and launch,
+    and what was refused. ``multi_node``: the executor places ``launch.nnodes`` > 1 nodes itself
+    (each node's rank and rendezvous endpoint are its business)."""
     import copy
 
     out = copy.deepcopy(raw)
@@ -179,6 +181,7 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
         # job row, API reply, ConfigMap or Ray entrypoint holds them
         tracking["tracking_uri"] = strip_credentials(tracking_uri)
         tracking["run_id"] = run_id
+        tracking["ui_url"] = strip_credentials(ui_url) if ui_url else None
     train = out.get("train") if isinstance(out.get("train"), dict) else {}
     # A refused init_from becomes null: the validator would otherwise ask the filesystem about it.
     issues += _confine_key(train, "init_from", "train.init_from", workspace, workdir, read_only_ok=True,
@@ -228,7 +231,7 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
 def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | None, workspace: Path,
                    workdir: Path, tracking_uri: str, run_id: str | None,
                    limit_raw: Callable[[dict[str, Any]], list[ConfigIssue]] | None = None,
-                   multi_node: bool = False) -> tuple[RunConfig, ParallelPlan]:
+                   multi_node: bool = False, ui_url: str | None = None) -> tuple[RunConfig, ParallelPlan]:
     """The validated, confined config of a submission and its parallel plan, or :class:`ConfigError`
     naming every problem. The only composition and validation a job's config ever gets.
     ``limit_raw`` may change the confined document (the service's memory limit) and refuse it."""
@@ -239,7 +242,7 @@ def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | No
     if issues := check_document(raw):
         raise ConfigError(issues)
     confined, issues = confine(raw, workspace=workspace, workdir=workdir, tracking_uri=tracking_uri, run_id=run_id,
-                               multi_node=multi_node)
+                               multi_node=multi_node, ui_url=ui_url)
     if limit_raw is not None:
         issues += limit_raw(confined)
     try:

@@ -72,7 +72,7 @@ def resolve_as_service(settings: Settings, *, overrides: list[str] | None, docum
     return resolve_config(overrides=overrides, document=document, workspace=settings.workspace, workdir=workdir,
                           tracking_uri=settings.mlflow_tracking_uri, run_id=None,
                           limit_raw=partial(limit_request, settings=settings),
-                          multi_node=settings.executor != "local")
+                          multi_node=settings.executor != "local", ui_url=settings.mlflow_ui_url)
 
 
 def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, workdir: Path,

@@ -82,6 +82,22 @@ def calibration_cache(tmp_path_factory):
         os.environ["MESHFLOW_CACHE_DIR"] = old
 
 
+@pytest.fixture(autouse=True, scope="session")
+def meshflow_home(tmp_path_factory):
+    """The trainer's default MLflow store (``$MESHFLOW_HOME/mlflow.db``, else ``~/.meshflow``) is a folder
+    of this session, never the user's home: set in the environment, so every trainer process the tests
+    start (and its workers) writes there. A test that reads the default store gives its run a home of
+    its own (``env={"MESHFLOW_HOME": ...}``), as the session's is shared by its tests."""
+    path = tmp_path_factory.mktemp("meshflow-home")
+    old = os.environ.get("MESHFLOW_HOME")
+    os.environ["MESHFLOW_HOME"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("MESHFLOW_HOME", None)
+    else:
+        os.environ["MESHFLOW_HOME"] = old
+
+
 @pytest.fixture(scope="session")
 def postgres(tmp_path_factory):
     """A real PostgreSQL server for the whole session (tests/pg.py: initdb + pg_ctl on 127.0.0.1, run as

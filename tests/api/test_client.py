@@ -21,6 +21,8 @@ def test_sdk_submit_get_list_cancel_wait(queue_server):
         experiment_id = _experiment_id(queue_server, job)
         assert job["mlflow_ui_url"] == (f"http://mlflow.example:5000/#/experiments/{experiment_id}/runs/{job['mlflow_run_id']}"
                                          "?workflowType=machine_learning")
+        # the job's own summary links to the same UI (the service's mlflow_ui_url, forced into the config)
+        assert job["config"]["tracking"]["ui_url"] == "http://mlflow.example:5000/"
         assert job["id"] in [j["id"] for j in client.list(state="QUEUED", limit=500)["items"]]
         assert client.cancel(job["id"])["state"] == "CANCELLED"
         assert client.wait(job["id"], timeout=scaled(10))["state"] == "CANCELLED"

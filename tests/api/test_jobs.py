@@ -37,6 +37,19 @@ def test_submit_runs_to_success_with_mlflow_run_and_metrics(server):
 
         log = client.get(f"/v1/jobs/{job['id']}/logs")
         assert log.status_code == 200 and "done: steps 1..6" in log.text
+        # The run's link, with no mlflow_ui_url set: where `mlflow ui` serves the jobs' store, which the
+        # server says at start and the job's summary says again, and the model the final save left.
+        uri = server.env["MESHFLOW_MLFLOW_TRACKING_URI"]
+        mlflow = MlflowClient(uri)
+        experiment_id = mlflow.get_run(run_id).info.experiment_id
+        link = f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+        assert done["mlflow_ui_url"] == link and job["config"]["tracking"]["ui_url"] is None
+        serve = f"mlflow ui --backend-store-uri {uri} --port 5000"
+        assert f"  mlflow run: {link}  (serve it: {serve})" in log.text.splitlines()
+        assert f"MLflow: job run links point at http://127.0.0.1:5000; serve the jobs' store there with: {serve}" \
+            in server.log_text().splitlines()
+        assert [a.path for a in mlflow.list_artifacts(run_id, "model")] == ["model/model.safetensors"]
+        assert (server.workspace / "jobs" / job["id"] / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
         with client.stream("GET", f"/v1/jobs/{job['id']}/logs", params={"follow": "true"}) as stream:
             assert stream.headers["content-type"].startswith("text/event-stream")
             events = list(stream.iter_lines())

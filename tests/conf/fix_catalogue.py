@@ -55,6 +55,9 @@ MORE: dict[str, Bad] = {
                                         ["train.print_config=true"]),
     "more/progress-every-below-zero": bad(["train.progress_every_s=-1"], "train.progress_every_s",
                                           ["greater than or equal to 0", "got -1"], ["train.progress_every_s=0"]),
+    "more/ui-url-without-scheme": bad(["tracking.ui_url=localhost:5000"], "tracking.ui_url", ["not an http(s) URL"],
+                                      ["tracking.ui_url=http://127.0.0.1:5000"]),
+    "more/ui-url-bad-port": bad(["tracking.ui_url=http://127.0.0.1:99999"], "tracking.ui_url", ["not an http(s) URL"]),
     "more/eval-without-validation-split": bad(["data=synthetic", "train.eval_every=10"], "train.eval_every",
                                               ["no validation split"]),
     "more/zbv-with-validation-split": bad(

@@ -24,6 +24,7 @@ def overrides(extra: list[str]) -> list[str]:
     root = os.environ[DIR_ENV]
     return ["model=hf", f"model.path={root}/model", "data=chat", f"data.paths=[{root}/chats.jsonl]",
             "train.seq_len=64", "train.global_batch_size=8", f"train.steps={STEPS}", "tracking=none",
+            "train.checkpoint.save_final=false",
             "tracking.pictures=false", "train.eval_at_start=false", "optim.lr=1e-3", "optim.warmup_steps=0", *extra]
 
 

@@ -122,6 +122,7 @@ BUILDS = {
 }
 PARTIAL = {"tp_col_row_tiny": ({"mp": P}, [4, 3]), "tp_col_row_8m": ({"mp": P}, [8, 1024])}
 CLI_RUNS = ["pp_gpipe_tiny", "unordered_rank_ids"]  # python -m trainer +examples=<name> tracking=none
+NO_FINAL_SAVE = "train.checkpoint.save_final=false"  # the in-process runs compare losses; no checkpoint wanted
 
 
 def example_files() -> list[str]:
@@ -130,12 +131,12 @@ def example_files() -> list[str]:
 
 @pytest.fixture(scope="module")
 def configs() -> dict[str, dict]:
-    return {name: compose_dict([f"+examples={name}"]) for name in EXPECTED}
+    return {name: compose_dict([f"+examples={name}", NO_FINAL_SAVE]) for name in EXPECTED}
 
 
 @pytest.fixture(scope="module")
 def build_configs() -> dict[str, dict]:
-    return {name: compose_dict([*overrides, "tracking=none"]) for name, (_, overrides) in BUILDS.items()}
+    return {name: compose_dict([*overrides, "tracking=none", NO_FINAL_SAVE]) for name, (_, overrides) in BUILDS.items()}
 
 
 def world_of(name: str) -> int:

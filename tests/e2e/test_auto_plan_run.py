@@ -31,7 +31,8 @@ def test_dry_run_prints_the_ranking_with_the_choice_first(tmp_path):
 @pytest.mark.slow
 def test_auto_run_trains_with_the_winner(tmp_path):
     proc = run_cli(["+parallel=auto", "mesh=[4]", "train.steps=2",
-                    "tracking.pictures=false", "tracking.system_metrics=false", "tracking.log_model=false"],
+                    "tracking.pictures=false", "tracking.system_metrics=false", "tracking.log_model=false",
+                    f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
                    cwd=tmp_path, timeout=900, env=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"done: steps 1\.\.2, loss", proc.stdout)

@@ -34,13 +34,28 @@ def test_readme_opens_with_install_and_run_commands():
     assert "python -m pytest -q -m slow" in ci.split(TESTS, 1)[1]  # CI's second pass, after the default run
 
 
-def _finished_run(cwd):
+def _user_run(tmp_path: Path, args: list[str], timeout: float):
+    """``python -m trainer <args>`` in ``tmp_path/work`` as a user with the home ``tmp_path/home``:
+    ``(output, MLflow client of the default store, the one run in it)``. The store is the user's
+    (``$MESHFLOW_HOME/mlflow.db``), not the working directory's, and the summary's link says how to
+    serve it there."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{cwd}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("meshflow").experiment_id])
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    out = run_cli(args, cwd=work, timeout=timeout, env={"MESHFLOW_HOME": str(home)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not (work / "mlflow.db").exists() and not (work / "mlruns").exists()
+    uri = f"sqlite:///{home}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("meshflow")
+    assert experiment.artifact_location == (home / "mlartifacts" / "meshflow").as_uri()
+    runs = client.search_runs([experiment.experiment_id])
     assert [r.info.status for r in runs] == ["FINISHED"]
-    return client, runs[0]
+    link = (f"  mlflow run: http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs/{runs[0].info.run_id}"
+            f"?workflowType=machine_learning  (serve it: mlflow ui --backend-store-uri {uri} --port 5000)")
+    assert link in out.stdout.splitlines(), out.stdout
+    return out, client, runs[0]
 
 
 @pytest.mark.slow
@@ -48,20 +63,22 @@ def test_readme_main_command_trains_3d_and_logs_one_run(tmp_path):
     command = readme_blocks()[0][0].split("&&")[-1].strip()
     args = shlex.split(command)
     assert args[:3] == ["python", "-m", "trainer"]
-    out = run_cli(args[3:], cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stdout + out.stderr
+    out, client, run = _user_run(tmp_path, args[3:], timeout=900)
     assert "workers: rank0=" in out.stdout and "rank7=" in out.stdout
-    client, run = _finished_run(tmp_path)
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
     assert len(losses) == 10  # 100 steps, logged every 10
     assert losses[-1] < losses[0] - 1.0, losses
     assert run.data.params["parallel.pipeline.schedule"] == "1F1B"
-    assert "config.yaml" in [a.path for a in client.list_artifacts(run.info.run_id)]
-    # The pipeline timeline of the last steps (tracking.pictures), its bubble beside (p-1)/(m+p-1).
+    assert {"config.yaml", "model"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    # The pipeline timeline of the last steps (tracking.pictures), its bubble beside (p-1)/(m+p-1):
+    # numbers of the run, in its overview's params, not one-point charts.
     _assert_pictures(client, run, out.stdout)
-    assert run.data.metrics["pipeline_bubble_theory"] == pytest.approx(1 / 5)
-    assert 0 < run.data.metrics["pipeline_bubble"] < 1
-    _readme_uses_the_checkpoint(tmp_path, run, losses)
+    assert float(run.data.params["pipeline_bubble_theory"]) == pytest.approx(1 / 5)
+    assert 0 < float(run.data.params["pipeline_bubble"]) < 1
+    assert float(run.data.params["predicted_peak_memory_mb"]) > 0
+    assert not {"pipeline_bubble", "predicted_peak_memory_mb", "checkpoint_seconds"} & set(run.data.metrics)
+    # The README's next commands read the checkpoint the run left.
+    _readme_uses_the_checkpoint(tmp_path / "work", run, losses)
 
 
 def _typed(line: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -114,14 +131,15 @@ def _readme_uses_the_checkpoint(cwd: Path, run, losses: list[float]) -> None:
 
 
 def test_plain_trainer_command_runs_one_device(tmp_path):
-    out = run_cli([], cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
+    out, client, run = _user_run(tmp_path, [], timeout=600)
     assert "done: steps 1..100" in out.stdout
-    client, run = _finished_run(tmp_path)
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
     assert len(losses) == 10 and losses[-1] < 3.5, losses
     _assert_pictures(client, run, out.stdout)  # one device: forward + backward and optimizer, no bubble
-    assert "pipeline_bubble" not in run.data.metrics
+    assert "pipeline_bubble" not in run.data.params and "pipeline_bubble" not in run.data.metrics
+    # the final checkpoint (train.checkpoint.save_final) and its weights in the run
+    assert (tmp_path / "work" / "checkpoints" / "step_00000100" / "COMPLETE").is_file()
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
 
 
 def _assert_pictures(client, run, stdout: str) -> None:

@@ -91,13 +91,53 @@ def test_sweep_jobs_are_numbered_and_children_of_the_parent(monkeypatch):
     assert run_tags(cfg)["mlflow.parentRunId"] == "parent123"
 
 
-def test_run_url_points_at_the_server_or_the_local_ui():
-    assert run_url("http://127.0.0.1:5005", "3", "ab") == "http://127.0.0.1:5005/#/experiments/3/runs/ab?workflowType=machine_learning"
-    assert run_url("https://u:p@mlflow.example.com/", "3", "ab") == "https://***@mlflow.example.com/#/experiments/3/runs/ab?workflowType=machine_learning"
-    assert run_url("sqlite:///mlflow.db", "3", "ab") == "http://127.0.0.1:5000/#/experiments/3/runs/ab?workflowType=machine_learning"
+def test_run_url_points_at_the_server_or_the_local_ui(tmp_path, monkeypatch):
+    view = "?workflowType=machine_learning"  # MLflow 3.17's model-training view, whatever the browser chose last
+    assert run_url("http://127.0.0.1:5005", "3", "ab") == f"http://127.0.0.1:5005/#/experiments/3/runs/ab{view}"
+    # a link carries no credentials, and works where the browser signs in
+    assert run_url("https://u:p@mlflow.example.com/", "3", "ab") == f"https://mlflow.example.com/#/experiments/3/runs/ab{view}"
+    assert run_url("sqlite:///mlflow.db", "3", "ab") == f"http://127.0.0.1:5000/#/experiments/3/runs/ab{view}"
     assert run_url("sqlite:///mlflow.db", None, "ab") is None
-    assert ui_command("sqlite:///x.db") == "mlflow ui --backend-store-uri sqlite:///x.db"
+    # the store's command serves it where its links point (the port is the link's), from any directory
+    monkeypatch.chdir(tmp_path)
+    assert ui_command("sqlite:///x.db") == f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/x.db --port 5000"
+    assert ui_command("sqlite:////srv/x.db?timeout=20") == "mlflow ui --backend-store-uri 'sqlite:////srv/x.db?timeout=20' --port 5000"
+    assert ui_command("sqlite:////home/a b/.meshflow/mlflow.db") == \
+        "mlflow ui --backend-store-uri 'sqlite:////home/a b/.meshflow/mlflow.db' --port 5000"
     assert ui_command("http://h:5000") is None
+
+
+def test_tracking_ui_url_makes_every_link_and_the_serve_command():
+    ui, x = "http://127.0.0.1:5055/", "sqlite:////srv/x.db"
+    assert run_url(x, "3", "ab", ui) == "http://127.0.0.1:5055/#/experiments/3/runs/ab?workflowType=machine_learning"
+    assert ui_command(x, ui) == "mlflow ui --backend-store-uri sqlite:////srv/x.db --port 5055"
+    assert ui_command(x, "https://mlflow.example.com") == "mlflow ui --backend-store-uri sqlite:////srv/x.db"
+    # a server reached at one address and shown at another (a port-forward): the link is the UI's
+    assert run_url("http://mlflow:5000", "3", "ab", "http://localhost:5000").startswith("http://localhost:5000/#/")
+    assert ui_command("http://mlflow:5000", "http://localhost:5000") is None
+    cfg = _cfg("train.seq_len=8", "train.global_batch_size=2", f"tracking.tracking_uri={x}",
+               f"tracking.ui_url={ui}")
+    tracker = type("Run", (), {"run_id": "ab", "experiment_id": "3"})()
+    text = summary(cfg, {"losses": [3.0], "step_times": [1.0], "tokens_per_step": 16}, tracker, wall_s=1.0)
+    assert ("  mlflow run: http://127.0.0.1:5055/#/experiments/3/runs/ab?workflowType=machine_learning  "
+            "(serve it: mlflow ui --backend-store-uri sqlite:////srv/x.db --port 5055)") in text.splitlines()
+
+
+def test_the_default_store_is_the_users_not_the_working_directorys(monkeypatch, tmp_path):
+    from trainer.config.tracking_schema import default_tracking_uri, meshflow_home
+
+    monkeypatch.setenv("MESHFLOW_HOME", str(tmp_path / "mf"))
+    assert default_tracking_uri() == f"sqlite:///{tmp_path}/mf/mlflow.db"
+    assert _cfg().tracking.tracking_uri == f"sqlite:///{tmp_path}/mf/mlflow.db"  # what a composed run gets
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MESHFLOW_HOME", "rel")  # made absolute: the same store from every directory
+    assert meshflow_home() == tmp_path / "rel"
+    monkeypatch.delenv("MESHFLOW_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "alice"))
+    assert default_tracking_uri() == f"sqlite:///{tmp_path}/alice/.meshflow/mlflow.db"
+    # a store of one's own stays one override away, as the dashboards' command names it
+    assert _cfg("tracking.tracking_uri=sqlite:///mlflow.db").tracking.tracking_uri == "sqlite:///mlflow.db"
+    assert not (tmp_path / "alice").exists() and not (tmp_path / "rel").exists()  # composing writes nothing
 
 
 def test_dataset_identity_names_source_and_digest(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from parallel.errors import ConfigError
-from service.mlflow_runs import MlflowRuns
+from service.mlflow_runs import MlflowRuns, ui_notice
 
 
 def test_runs_reuse_the_experiment_looked_up_once_and_notice_its_deletion(tmp_path, monkeypatch):
@@ -48,3 +48,20 @@ def test_a_local_sqlite_store_is_switched_to_wal_and_others_are_left_alone(tmp_p
     assert MlflowClient(tracking_uri=runs.tracking_uri).get_run(run_id).info.experiment_id == experiment_id
     assert not use_wal("http://127.0.0.1:5000") and not use_wal("postgresql://u@h/db")
     assert not use_wal("sqlite:///:memory:")
+
+
+def test_every_job_gets_a_run_link_built_from_the_store_the_jobs_use(tmp_path):
+    """``mlflow_ui_url`` is filled whatever the settings: the service's own UI URL, else the tracking
+    server, else where the command ``python -m api`` prints at start serves a database store."""
+    view = "?workflowType=machine_learning"
+    local = MlflowRuns(f"sqlite:///{tmp_path}/mlflow.db")
+    assert local.ui_link("1", "ab") == f"http://127.0.0.1:5000/#/experiments/1/runs/ab{view}"
+    assert local.ui_link("1", None) is None
+    assert local.ui_command() == f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db --port 5000"
+    assert ui_notice(local.tracking_uri, None) == (
+        f"MLflow: job run links point at http://127.0.0.1:5000; serve the jobs' store there with: {local.ui_command()}")
+    server = MlflowRuns("http://svc:pw@mlflow:5000")  # a link never carries the service's credentials
+    assert server.ui_link("1", "ab") == f"http://mlflow:5000/#/experiments/1/runs/ab{view}"
+    assert server.ui_command() is None and ui_notice(server.tracking_uri, None) == "MLflow: job run links point at http://mlflow:5000"
+    forwarded = MlflowRuns("http://mlflow:5000", "http://localhost:5001/")  # the UI as the users reach it
+    assert forwarded.ui_link("1", "ab") == f"http://localhost:5001/#/experiments/1/runs/ab{view}"

@@ -154,10 +154,13 @@ class _Tracker:
     run_id = "4f2a"
 
     def __init__(self):
-        self.metrics, self.artifacts = {}, []
+        self.metrics, self.summary, self.artifacts = {}, {}, []
 
     def log_metrics(self, metrics, step):
         self.metrics.update(metrics)
+
+    def log_summary(self, values):
+        self.summary.update(values)
 
     def log_artifact(self, path, artifact_dir=None):
         self.artifacts.append((path.name, artifact_dir))
@@ -199,9 +202,10 @@ def test_recorder_on_one_device_times_forward_backward_and_optimizer_and_wraps_o
     assert abs(clock["wall_minus_monotonic_us"] / 1e6 - (time.time() - time.monotonic())) < 1
 
 
-def test_run_pictures_log_artifacts_metrics_and_print_paths(compose, tmp_path, monkeypatch):
+def test_run_pictures_log_artifacts_the_bubble_and_print_paths(compose, tmp_path, monkeypatch):
     """What the loop calls after its last step: files, MLflow artifacts under pictures/, the
-    bubble metrics with a pipeline (a stand-in recorder holding a two-rank 1F1B timeline)."""
+    bubble with a pipeline (a stand-in recorder holding a two-rank 1F1B timeline): once-per-run
+    numbers, logged as the run's params (its overview), not as one-point metric charts."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a direct train() call draws (then removes)
     cfg = compose("+parallel=pp", "mesh=[2]", "tracking=none")
     recorder = type("Recorded", (), {"events": _predicted("1F1B", 2, 1, 4), "clock": lambda self: {}})()
@@ -209,8 +213,9 @@ def test_run_pictures_log_artifacts_metrics_and_print_paths(compose, tmp_path, m
     paths = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress, out_dir=tmp_path / "pictures")
     assert set(paths) == {"timeline trace", "timeline picture"}
     assert sorted(tracker.artifacts) == [("timeline.json", "pictures"), ("timeline.png", "pictures")]
-    assert tracker.metrics == {"pipeline_bubble": pytest.approx(0.2), "pipeline_bubble_theory": pytest.approx(0.2),
+    assert tracker.summary == {"pipeline_bubble": pytest.approx(0.2), "pipeline_bubble_theory": pytest.approx(0.2),
                                "pipeline_bubble_predicted": pytest.approx(0.2)}
+    assert tracker.metrics == {}
     assert progress.lines[0].startswith(f"pictures: timeline {paths['timeline picture']} ")
     assert open(paths["timeline picture"], "rb").read(8) == PNG_SIGNATURE
     assert paths["timeline picture"] == str(tmp_path / "pictures" / "timeline.png")
@@ -225,7 +230,7 @@ def test_run_pictures_log_artifacts_metrics_and_print_paths(compose, tmp_path, m
         pm.forward_backward(torch.randn(2, 8), torch.randn(2, 4), loss_fn)
     assert set(timeline_pictures(recorder, compose("tracking=none"), tracker=tracker, progress=_Progress(),
                                  out_dir=tmp_path / "one")) == {"timeline trace", "timeline picture"}
-    assert tracker.metrics == {} and len(tracker.artifacts) == 2
+    assert tracker.metrics == tracker.summary == {} and len(tracker.artifacts) == 2
 
 
 @pytest.mark.parametrize("schedule, expected", [("InterleavedZeroBubble", 1 / 25), ("ZBV", None)])

@@ -111,6 +111,47 @@ def test_metrics_one_batch_per_step(cfg: TrackingConfig, client: MlflowClient, m
     assert sorted(m.step for m in client.get_metric_history(tracker.run_id, "lr")) == [1, 2, 3]
 
 
+def test_once_per_run_numbers_are_params_not_one_point_charts(cfg: TrackingConfig, client: MlflowClient,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    tracker = MLflowTracker(cfg)
+    tracker.log_summary({"pipeline_bubble": 0.188349, "predicted_peak_memory_mb": 56.25, "checkpoint_bytes": 4096})
+    run = client.get_run(tracker.run_id)
+    assert run.data.params == {"pipeline_bubble": "0.1883", "predicted_peak_memory_mb": "56.25", "checkpoint_bytes": "4096"}
+    assert run.data.metrics == {}  # the run's overview lists them; no chart of one point
+    # A restarted attempt attaches to the run and measures again: MLflow keeps a param's first value,
+    # the attempt goes on, new numbers are added and the kept ones named.
+    again = MLflowTracker(cfg, run_id=tracker.run_id)
+    with caplog.at_level("WARNING", logger="trainer.tracking.mlflow_tracker"):
+        again.log_summary({"pipeline_bubble": 0.2, "predicted_peak_memory_mb": 56.25, "checkpoint_seconds": 0.5})
+    params = client.get_run(tracker.run_id).data.params
+    assert (params["pipeline_bubble"], params["checkpoint_seconds"]) == ("0.1883", "0.5")
+    assert "pipeline_bubble" in caplog.text and "predicted_peak_memory_mb" not in caplog.text
+
+
+def test_a_sqlite_store_keeps_artifacts_beside_it_whichever_directory_a_run_starts_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One store for every directory (the default ``~/.meshflow/mlflow.db``): a new experiment's
+    artifacts go to ``mlartifacts/`` beside the file, not to ``./mlruns`` of the first run's
+    directory, so a later run from elsewhere still logs after that directory is gone."""
+    home = tmp_path / "home" / ".meshflow"  # not there yet: the first run makes it
+    uri = f"sqlite:///{home}/mlflow.db"
+    for name in ("first", "second"):
+        work = tmp_path / name
+        work.mkdir()
+        monkeypatch.chdir(work)
+        tracker = MLflowTracker(TrackingConfig(tracking_uri=uri, experiment="shared", run_name=name))
+        tracker.log_artifact_text(name, "note.txt")
+        monkeypatch.chdir(tmp_path)
+        assert sorted(p.name for p in work.iterdir()) == []  # nothing in the working directory
+        work.rmdir()
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("shared")
+    assert experiment.artifact_location == (home / "mlartifacts" / "shared").as_uri()
+    runs = {run.info.run_name: run.info.run_id for run in client.search_runs([experiment.experiment_id])}
+    assert Path(client.download_artifacts(runs["second"], "note.txt", str(tmp_path))).read_text() == "second"
+    assert (home / "mlartifacts" / "shared" / runs["first"] / "artifacts" / "note.txt").read_text() == "first"
+
+
 def test_artifact_text_and_tags(cfg: TrackingConfig, client: MlflowClient, tmp_path: Path) -> None:
     tracker = MLflowTracker(cfg)
     tracker.log_artifact_text("mesh: [2, 2]\n", "config/resolved.yaml")

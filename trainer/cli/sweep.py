@@ -27,6 +27,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.config.tracking_schema import default_tracking_uri
 from trainer.launch import launcher as launch
 from trainer.tracking.credentials import connect_uri
 from trainer.tracking.mlflow_tracker import get_or_create_experiment
@@ -59,6 +60,7 @@ class SweepParentRun(Callback):
         self._run_id: str | None = None
         self._experiment_id: str | None = None
         self._tracking_uri = ""
+        self._ui_url: str | None = None
         self._jobs: list[dict[str, Any]] = []
         self._fixed: set[str] = set()
         self._maximize = False
@@ -79,7 +81,8 @@ class SweepParentRun(Callback):
             return
         from mlflow.tracking import MlflowClient
 
-        self._tracking_uri = tracking.get("tracking_uri", "sqlite:///mlflow.db")
+        self._tracking_uri = tracking.get("tracking_uri") or default_tracking_uri()
+        self._ui_url = tracking.get("ui_url")
         self._client = MlflowClient(tracking_uri=connect_uri(self._tracking_uri))
         self._experiment_id = get_or_create_experiment(self._client, tracking.get("experiment", "meshflow"))
         sweep = OmegaConf.to_container(config.hydra.overrides, resolve=False)
@@ -154,7 +157,7 @@ class SweepParentRun(Callback):
         if best := self.winner():
             how = "highest" if self._maximize else "lowest"
             objective = " (Optuna's objective)" if self._sweeper == "optuna" else ""
-            url = run_url(self._tracking_uri, self._experiment_id, best["run_id"]) if best["run_id"] else None
+            url = run_url(self._tracking_uri, self._experiment_id, best["run_id"], self._ui_url) if best["run_id"] else None
             lines.append(f"sweep: best job {best['job']} ({' '.join(best['swept']) or 'the command line only'}): "
                          f"final loss {best['final_loss']:.4f}{objective}, the {how} of {len(jobs)}" + (f"; run {url}" if url else ""))
         return "\n".join(lines)

@@ -38,6 +38,7 @@ from trainer.config.model_schema import (  # noqa: F401 - re-exported: callers n
     ModelConfig,
     RopeScaling,
 )
+from trainer.config.tracking_schema import TrackingConfig
 
 # ------------------------------------------------------------------ model, data: model_schema, data_schema
 
@@ -74,38 +75,6 @@ class OptimConfig(_Section):
 # -------------------------------------------------------------------------- tracking
 
 
-class TrackingConfig(_Section):
-    backend: Literal["mlflow", "none"] = Field("mlflow", description="`mlflow` logs one run per job; `none` logs nothing.")
-    tracking_uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (file, sqlite, or http server).")
-    experiment: str = Field("meshflow", min_length=1, description="MLflow experiment name.")
-    run_name: str | None = Field(None, description="MLflow run name; null names it after the preset and the mesh "
-                                 "(`3d-2x2x2`).")
-    tags: dict[str, str] = Field(
-        default_factory=dict, description="Extra MLflow run tags (`+tracking.tags.team=nlp`); the CLI and the "
-        "control plane set `preset` to the config group the run came from.")
-    run_id: str | None = Field(
-        None, description="Log into this existing MLflow run instead of creating one (set by the control plane)."
-    )
-    pictures: bool = Field(
-        True, description="Draw the pipeline timeline (Chrome trace + PNG) and the placement picture, log them as "
-        "MLflow artifacts under `pictures/` and print their paths; false skips both.")
-    # Every step adds an event per micro-batch, stage and pass to the trace and the picture, kept in memory
-    # until the end: 1000 steps is 500x the default, far more than a picture can show.
-    timeline_steps: int = Field(
-        2, ge=1, le=1000, description="Optimizer steps the measured pipeline timeline records (the run's last ones, "
-        "so start-up is not in the picture); at most 1000.")
-    system_metrics: bool = Field(
-        True, description="Record MLflow's system metrics (CPU, memory, disk, network; GPU with pynvml) on the "
-        "main rank every `system_metrics_interval` seconds.")
-    # A sample reads CPU, memory, disk, network and GPU counters and logs them: faster than once a second
-    # spends the main rank's CPU and floods the store; slower than an hour records next to nothing.
-    system_metrics_interval: float = Field(10.0, ge=1, le=3600, description="Seconds between system-metric "
-                                           "samples; from 1 to 3600.")
-    log_model: bool = Field(
-        True, description="When the run saved a checkpoint: the last one's weights as `model/model.safetensors` "
-        "in the MLflow run (python -m trainer.export's file; train.init_from starts a run from it).")
-
-
 # ----------------------------------------------------------------------------- train
 
 
@@ -116,7 +85,8 @@ class CheckpointConfig(_Section):
     # a run that needs its whole history saves less often.
     keep: int = Field(3, ge=1, le=1000, description="Keep the newest K checkpoints, delete older ones; at most 1000.")
     resume: str = Field("none", min_length=1, description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
-    save_final: bool = Field(False, description="Also save after the last step.")
+    save_final: bool = Field(True, description="Also save after the last step: what `python -m trainer.export` and "
+                             "`python -m trainer.generate` read, and the MLflow run's `model/` artifact. false: only `every`'s saves.")
 
 
 class TrainConfig(_Section):

@@ -72,7 +72,7 @@ def _launch_tracked(cfg: RunConfig, began: float) -> int:
     # One run per job: node 0's launcher owns it (another node's would make a second one).
     tracker = make_tracker(cfg.tracking, is_main=cfg.launch.node_rank == 0, run_id=cfg.tracking.run_id,
                            run_name=run_name(cfg))
-    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id)
+    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id, cfg.tracking.ui_url)
     if url:  # start-up says what it is doing: the run's page exists from now on
         print(f"mlflow run: {url}", flush=True)
     try:

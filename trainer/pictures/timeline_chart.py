@@ -217,12 +217,12 @@ def timeline_pictures(recorder: Any, cfg: Any, *, tracker: Any, progress: Any,
     """After the loop, on every rank (a collective): gather the recorded steps; rank 0 draws them
     into ``out_dir`` (the launcher's folder beside the run's logs; None: a temporary directory,
     removed after the upload, and no paths are returned), logs both files as MLflow artifacts under
-    ``pictures/`` and, with a pipeline, the bubble as metrics. Returns ``{"timeline picture": path,
-    "timeline trace": path}`` on rank 0, ``{}`` elsewhere or when nothing was recorded."""
+    ``pictures/`` and, with a pipeline, the bubble as params (one number per run, in the overview).
+    Returns ``{"timeline picture": path, "timeline trace": path}`` on rank 0, ``{}`` elsewhere or when
+    nothing was recorded."""
     events = gather_events(recorder)
     if not events:
         return {}
-    last_step = max(e["step"] for e in events)
     steps = sorted({e["step"] for e in events})
     pipeline = cfg.parallel.pipeline if cfg.parallel is not None else None
     if pipeline is not None:
@@ -233,7 +233,7 @@ def timeline_pictures(recorder: Any, cfg: Any, *, tracker: Any, progress: Any,
         metrics = {"pipeline_bubble": summary["measured"], "pipeline_bubble_predicted": summary["predicted"]}
         if summary["theory"] is not None:
             metrics["pipeline_bubble_theory"] = summary["theory"]
-        tracker.log_metrics(metrics, step=last_step)
+        tracker.log_summary(metrics)  # once per run: the overview's params, not one-point charts
     else:
         summary, title = None, f"no pipeline, steps {steps[0]}-{steps[-1]}: forward + backward and optimizer per rank"
     bubble = f"; {bubble_text(summary)}" if summary else ""

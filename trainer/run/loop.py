@@ -118,7 +118,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         except Exception as err:  # noqa: BLE001 - a model the meta device cannot run is trained, not predicted
             progress.log(f"memory: no prediction ({type(err).__name__}: {str(err)[:100]})")
         else:
-            tracker.log_metrics({"predicted_peak_memory_mb": predicted}, step=0)
+            tracker.log_summary({"predicted_peak_memory_mb": predicted})  # one number: the overview, not a chart
             progress.log(f"memory: predicted peak {predicted:,.0f} MiB per rank")
     pm = build_parallel_model(cfg, device)
     # LoRA: only the adapters train; frozen base weights get no gradient and no AdamW state.
@@ -210,7 +210,11 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             seconds = time.perf_counter() - began_save
             if rank == 0:
                 nbytes = checkpoint_bytes(saved)["total"]
-                tracker.log_metrics({"checkpoint_seconds": seconds, "checkpoint_bytes": nbytes}, step=step)
+                figures = {"checkpoint_seconds": seconds, "checkpoint_bytes": nbytes}
+                if ckpt.every:  # periodic saves: a chart; the final save alone: one number of the run
+                    tracker.log_metrics(figures, step=step)
+                else:
+                    tracker.log_summary(figures)
                 tracker.set_tag("latest_checkpoint", str(saved.resolve()))
                 progress.log(f"checkpoint {saved} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)")
             result.last_checkpoint = str(saved.resolve())

@@ -7,7 +7,8 @@ made acceptable to MLflow here (its limits, its characters), so a config can alw
         tracker = make_tracker(cfg.tracking, is_main=rank == 0)
         with run_lifecycle(tracker):
             tracker.log_params(cfg.model_dump(mode="json"))
-            tracker.log_metrics({"loss": 2.3}, step=1)
+            tracker.log_metrics({"loss": 2.3}, step=1)            # a series: a chart
+            tracker.log_summary({"pipeline_bubble": 0.19})        # once per run: the overview's params
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # an experiment with no runs yet (or with traces) opens in the GenAI view.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
+ARTIFACTS_DIR = "mlartifacts"  # beside a SQLite store's file: its experiments' run artifacts
 
 # MLflow's limits (mlflow.utils.validation), repeated so NullTracker users need not import mlflow.
 MAX_PARAMS_PER_BATCH = 100
@@ -89,16 +91,43 @@ def readable_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, st
     return flat
 
 
+def summary_value(value: float) -> str:
+    """A once-per-run number as a param: an int as it is, a float to 4 decimals (``0.1883``, ``56.25``)."""
+    return str(value) if isinstance(value, int) else str(round(float(value), 4))
+
+
 # --------------------------------------------------------------------------- MLflow
+
+
+def sqlite_file(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` store (None for any other store, or SQLite in memory)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path = tracking_uri.removeprefix("sqlite:///").partition("?")[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def experiment_artifacts(root: Path, experiment: str) -> str:
+    """``<root>/<experiment name, made a file name>`` as a file URI. Names that differ only in odd
+    characters share a directory; their runs (one directory per run id) do not collide."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", experiment).lstrip(".") or "_"
+    return (root.absolute() / name).as_uri()
 
 
 def get_or_create_experiment(client: Any, name: str, artifact_location: str | None = None) -> str:
     """The id of MLflow experiment ``name`` in ``client``'s store, created when missing (also when
     another process creates it at the same moment); :class:`TrackingError` if it is deleted.
-    ``artifact_location``: where a new experiment's runs keep their artifacts (null: the store's
-    default, which for a database store is ``./mlruns`` below the creating process's directory)."""
+    ``artifact_location``: where a new experiment's runs keep their artifacts; null: for a SQLite
+    store, ``mlartifacts/<name>`` beside its file (MLflow's own default, ``./mlruns`` below whichever
+    directory the first run started in, breaks every later run once that directory is gone); for a
+    server, its own setting. The SQLite file's directory is made when missing (the first run's
+    ``~/.meshflow``)."""
     from mlflow.exceptions import MlflowException
 
+    database = sqlite_file(client.tracking_uri)
+    if database is not None:
+        database.parent.mkdir(parents=True, exist_ok=True)
+        artifact_location = artifact_location or experiment_artifacts(database.parent / ARTIFACTS_DIR, name)
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         try:
@@ -189,6 +218,21 @@ class MLflowTracker:
         batch = [Metric(_mlflow_key(k), float(v), now_ms, step) for k, v in metrics.items()]
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
             self._client.log_batch(self._run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH])
+
+    @uninterrupted
+    def log_summary(self, values: Mapping[str, float]) -> None:
+        """Numbers a run has once (the pipeline bubble, the predicted peak memory) as params, which the
+        run's overview lists, rather than as metrics, which MLflow draws as one-point charts. A param
+        keeps its first value: a restarted attempt that measures again keeps the first one's."""
+        from mlflow.entities import Param
+
+        given = {_mlflow_key(key): summary_value(value) for key, value in values.items()}
+        existing = self._client.get_run(self._run_id).data.params
+        if kept := sorted(key for key, value in given.items() if existing.get(key, value) != value):
+            log.warning("kept the values MLflow has of %s (a param is written once)", ", ".join(kept))
+        fresh = [Param(key, value) for key, value in given.items() if key not in existing]
+        if fresh:
+            self._client.log_batch(self._run_id, params=fresh)
 
     @uninterrupted
     def log_artifact_text(self, text: str, name: str) -> None:

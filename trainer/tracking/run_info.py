@@ -3,7 +3,7 @@
     name = run_name(cfg)                  # "3d-2x2x2" (preset and mesh), or tracking.run_name
     tags = run_tags(cfg)                  # mesh, dims, preset, world_size, model, precision, git_commit, user, host
     tracker.log_params(public_config(cfg.model_dump(mode="json")))   # never the tracking URI
-    print(run_url(cfg.tracking.tracking_uri, experiment_id, run_id))
+    print(run_url(cfg.tracking.tracking_uri, experiment_id, run_id, cfg.tracking.ui_url))
 
 ``public_config`` is the one door to MLflow for the config: it drops the tracking URI and run id
 (a database URL may carry a password), masks the password part of any URL, and blanks every
@@ -16,14 +16,18 @@ import getpass
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from trainer.config.schema import RunConfig
+from trainer.config.tracking_schema import DEFAULT_UI_URL
+from trainer.tracking.credentials import strip_credentials
 
 PRESET_TAG = "preset"
 MODEL_TRAINING_VIEW = "workflowType=machine_learning"
@@ -149,19 +153,44 @@ def git_commit() -> str | None:
 # ------------------------------------------------------------------------------------ UI link
 
 
+def is_server(tracking_uri: str) -> bool:
+    """Whether the store is an MLflow server (``http(s)://``), which is its own UI."""
+    return tracking_uri.startswith(("http://", "https://"))
+
+
+def ui_base(tracking_uri: str, ui_url: str | None = None) -> str:
+    """The MLflow UI that shows ``tracking_uri``'s runs: ``ui_url`` (``tracking.ui_url``, the service's
+    ``mlflow_ui_url``) when given, else the server itself, else where ``mlflow ui`` serves a local store
+    (http://127.0.0.1:5000). Never with a user or password: a link carries none."""
+    base = ui_url or (tracking_uri if is_server(tracking_uri) else DEFAULT_UI_URL)
+    return strip_credentials(base).rstrip("/")
+
+
 def run_url(tracking_uri: str, experiment_id: str | None, run_id: str | None, ui_url: str | None = None) -> str | None:
-    """Where the run's page is: on the tracking server itself for an http(s) URI, else on
-    ``ui_url`` (the ``mlflow ui`` a user starts on a local store; default 127.0.0.1:5000)."""
+    """The run's page on :func:`ui_base`, in the model-training view (None without both ids)."""
     if not (experiment_id and run_id):
         return None
-    base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else (ui_url or "http://127.0.0.1:5000")
-    # MLflow 3.17's UI starts in its GenAI view whatever the experiment's kind tag says; the
-    # parameter opens the run in the model-training view.
-    return f"{redact(base).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
+    # MLflow 3.17's UI picks its view from `workflowType` in the URL, else the browser's remembered
+    # choice (GenAI at first), whatever the experiment's mlflow.experimentKind tag says: a link says it.
+    return f"{ui_base(tracking_uri, ui_url)}/#/experiments/{experiment_id}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
 
 
-def ui_command(tracking_uri: str) -> str | None:
-    """The command that serves a local store's UI (None for a server, which is its own UI)."""
-    if tracking_uri.startswith(("http://", "https://")):
+def ui_command(tracking_uri: str, ui_url: str | None = None) -> str | None:
+    """The command that serves a local store where its links point: ``mlflow ui --backend-store-uri
+    <the store> --port <the link's port>`` (no ``--port`` when the link names none, e.g. a proxy's
+    https URL), from any directory (a relative SQLite path is made absolute); None for a server,
+    which is its own UI."""
+    if is_server(tracking_uri):
         return None
-    return f"mlflow ui --backend-store-uri {redact(tracking_uri)}"
+    port = urlsplit(ui_base(tracking_uri, ui_url)).port
+    store = shlex.quote(redact(_from_anywhere(tracking_uri)))
+    return f"mlflow ui --backend-store-uri {store}" + (f" --port {port}" if port else "")
+
+
+def _from_anywhere(tracking_uri: str) -> str:
+    """``sqlite:///mlflow.db`` -> ``sqlite:////work/run/mlflow.db``: the store this process opens,
+    named the same from every directory. Other URIs as they are."""
+    path, sep, query = tracking_uri.removeprefix("sqlite:///").partition("?")
+    if not tracking_uri.startswith("sqlite:///") or not path or path == ":memory:" or Path(path).is_absolute():
+        return tracking_uri
+    return f"sqlite:///{Path(path).absolute()}{sep}{query}"

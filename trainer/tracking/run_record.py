@@ -176,9 +176,9 @@ def summary(cfg: RunConfig, outcome: dict[str, Any], tracker: Tracker, *, wall_s
     best = min(range(len(losses)), key=losses.__getitem__)
     lines.append(f"  wall time {wall_s:.1f} s | final loss {losses[-1]:.4f} | best {losses[best]:.4f} at step {first + best + 1}")
     lines.append("  " + " | ".join(_speeds(outcome, first, last)))
-    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id)
+    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id, cfg.tracking.ui_url)
     if url:
-        serve = ui_command(cfg.tracking.tracking_uri)
+        serve = ui_command(cfg.tracking.tracking_uri, cfg.tracking.ui_url)
         lines.append(f"  mlflow run: {url}" + (f"  (serve it: {serve})" if serve else ""))
     if outcome.get("last_checkpoint"):
         lines.append(f"  last checkpoint: {outcome['last_checkpoint']}")

@@ -52,6 +52,8 @@ class Tracker(Protocol):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
 
+    def log_summary(self, values: Mapping[str, float]) -> None: ...
+
     def log_artifact_text(self, text: str, name: str) -> None: ...
 
     def log_artifact(self, path: str | Path, artifact_dir: str | None = None) -> None: ...
@@ -75,6 +77,9 @@ class NullTracker:
         pass
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_summary(self, values: Mapping[str, float]) -> None:
         pass
 
     def log_artifact_text(self, text: str, name: str) -> None:

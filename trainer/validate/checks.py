@@ -20,6 +20,7 @@ import platform
 import shutil
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -301,7 +302,7 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
 
 
 def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
-    issues = check_launch(cfg)
+    issues = check_launch(cfg) + _check_ui_url(cfg.tracking.ui_url)
     for path, seed in (("train.seed", cfg.train.seed), ("data.seed", getattr(cfg.data, "seed", 0))):
         if not -(2**63) <= seed < 2**64:  # torch's manual_seed range: training seeds torch with it
             issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits",
@@ -325,6 +326,23 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
             issues.append(ConfigIssue("mesh", f"{cfg.world_size} workers but only {torch.cuda.device_count()} GPUs per host",
                                       "use a smaller mesh or more hosts (launch.nnodes)"))
     return issues
+
+
+def _check_ui_url(url: str | None) -> list[ConfigIssue]:
+    """``tracking.ui_url`` is a web address the printed run links start with (and its port the one
+    the printed ``mlflow ui`` command serves on)."""
+    if url is None:
+        return []
+    try:
+        parts = urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number, or out of range
+        usable = False
+    if usable:
+        return []
+    return [ConfigIssue("tracking.ui_url", f"{url!r} is not an http(s) URL with a host (and a port from 1 to 65535)",
+                        "write it as a URL, e.g. tracking.ui_url=http://127.0.0.1:5000, or tracking.ui_url=null "
+                        "(links to the tracking server, or to http://127.0.0.1:5000 for a local store)")]
 
 
 def _check_compile(cfg: RunConfig) -> list[ConfigIssue]:
