@@ -17,6 +17,7 @@ from trainer.cli.help import print_help
 from trainer.cli.sweep import SweepParentRun, fixed_keys
 from trainer.config.compose import compose_dict
 from trainer.config.schema import RunConfig
+from trainer.config.tracking_schema import default_tracking_uri
 from trainer.launch.console import CONFIG_ARTIFACT, _OneWarningEach, config_changes, config_text, show_config
 from trainer.run.metrics import Progress, format_eta, format_metrics
 from trainer.tracking.tracker import NullTracker
@@ -137,7 +138,8 @@ def test_help_shows_every_keys_default():
     lines = {line.split(":")[0].strip(): line for line in out.getvalue().splitlines() if ": " in line}
     assert lines["train.steps"].endswith("(default: 100) [>= 1, <= 100000000]")
     assert "(default: 0.003) [> 0]" in lines["optim.lr"] and "(default: [0.9, 0.95])" in lines["optim.betas"]
-    assert "(default: null)" in lines["mesh"] and "(default: sqlite:///mlflow.db)" in lines["tracking.tracking_uri"]
+    assert "(default: null)" in lines["mesh"]
+    assert f"(default: {default_tracking_uri()})" in lines["tracking.tracking_uri"]  # this user's store
     assert "(default: true)" in lines["train.print_config"] and "(default: 30" in lines["train.progress_every_s"]
     assert "(default: {})" in lines["tracking.tags"] and "(default: logs)" in lines["launch.log_dir"]
     assert "(required)" in lines["parallel.dims"]
