@@ -3,7 +3,7 @@ agree on what they report, every log path printed exists, the config's changes c
 progress lines come off a terminal, a warning every worker raises shows once, a sweep names each
 job's overrides and ends with a table and the winner, and an in-process job's peak memory is its own.
 
-    pytest tests/e2e/test_console.py -q
+    pytest tests/e2e/test_console_runs.py -q
 """
 
 from __future__ import annotations
