@@ -4,7 +4,10 @@ See :func:`trainer.launch.launcher.main`."""
 
 import sys
 
-from trainer.launch.launcher import main
-
 if __name__ == "__main__":
+    if sys.argv[1:] and not sys.argv[1].startswith("-"):
+        # A job's log has a line from its first second: the imports below (torch, MLflow) take several.
+        print(f"launching {sys.argv[1]}", flush=True)
+    from trainer.launch.launcher import main  # start-up: after the line above
+
     sys.exit(main())

@@ -97,12 +97,18 @@ def config_text(changes: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def show_config(cfg: RunConfig, tracker: Tracker) -> None:
-    """Print the config's changes (``train.print_config``) and log them as ``config_changes.yaml``."""
-    changes = config_changes(cfg)
+def show_config(cfg: RunConfig, tracker: Tracker | None = None) -> None:
+    """Print the config's changes (``train.print_config``); with a ``tracker``, also log them as
+    ``config_changes.yaml`` (:func:`log_config_changes`)."""
     if cfg.train.print_config:
-        print(config_text(changes), flush=True)
-    tracker.log_artifact_text(yaml.safe_dump(changes, sort_keys=False), CONFIG_ARTIFACT)
+        print(config_text(config_changes(cfg)), flush=True)
+    if tracker is not None:
+        log_config_changes(cfg, tracker)
+
+
+def log_config_changes(cfg: RunConfig, tracker: Tracker) -> None:
+    """The config's changes as the run's ``config_changes.yaml``, whatever ``train.print_config`` says."""
+    tracker.log_artifact_text(yaml.safe_dump(config_changes(cfg), sort_keys=False), CONFIG_ARTIFACT)
 
 
 # `<file>:<line>: <Category>Warning: <message>`, as Python's warnings module prints it

@@ -26,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from trainer.config.schema import RunConfig, TrackingConfig
-from trainer.launch.console import one_warning_each, show_config
+from trainer.launch.console import log_config_changes, one_warning_each, show_config
 from trainer.launch.processes import START_METHOD, cheap_method_names, worker_server
 from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
 from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous
@@ -69,6 +69,8 @@ def worker_preload(tracking: TrackingConfig | dict) -> tuple[str, ...]:
 def _launch_tracked(cfg: RunConfig, began: float) -> int:
     """:func:`launch` inside the workers' server: the MLflow run, the training, the summary."""
     global LAST_OUTCOME
+    if cfg.launch.node_rank == 0:  # node 0 shows the run, as it owns its MLflow run: first, what runs
+        show_config(cfg)
     # One run per job: node 0's launcher owns it (another node's would make a second one).
     tracker = make_tracker(cfg.tracking, is_main=cfg.launch.node_rank == 0, run_id=cfg.tracking.run_id,
                            run_name=run_name(cfg))
@@ -77,8 +79,8 @@ def _launch_tracked(cfg: RunConfig, began: float) -> int:
         print(f"mlflow run: {url}", flush=True)
     try:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
-            if cfg.launch.node_rank == 0:  # node 0 shows the run, as it owns its MLflow run
-                show_config(cfg, tracker)
+            if cfg.launch.node_rank == 0:
+                log_config_changes(cfg, tracker)
             rdzv_id = rendezvous_id(cfg)
             with _worker_logs(cfg) as log_base:
                 pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)),
