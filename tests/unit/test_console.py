@@ -188,3 +188,11 @@ def test_a_single_run_passes_the_sweep_callback_by(capsys):
     sweep.on_job_start(OmegaConf.create({"hydra": {"job": {"num": "???"}, "overrides": {"task": []}}}))
     sweep.on_job_end(OmegaConf.create({}), job_return=None)
     assert capsys.readouterr().out == "" and sweep._jobs == []
+
+
+def test_config_changes_with_placements_are_yaml():
+    """Placements are objects (Shard(1)), not YAML: the changes show them as the config writes them."""
+    cfg = RunConfig.model_validate(compose_dict(["+examples=unordered_rank_ids"]))
+    text = config_text(config_changes(cfg))
+    assert "  parallel: {dims: [x, y], placements: {w0: {x: Shard(1)}, w1: {x: Shard(0), y: Shard(1)}}}" in text.splitlines()
+    assert yaml.safe_load(yaml.safe_dump(config_changes(cfg)))["mesh"] == [[2, 4, 5], [0, 1, 3]]

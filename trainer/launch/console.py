@@ -73,8 +73,10 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+        return {str(k): _plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)  # e.g. a placement, Shard(1): written as the config writes it
 
 
 def _drop_empty(node: dict[str, Any]) -> dict[str, Any]:
