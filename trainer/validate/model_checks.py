@@ -19,6 +19,7 @@ from trainer.models import build_model, decoder_config
 from trainer.models.custom import CustomModelError, resolve_builder
 from trainer.models.lora import LoRAError
 from trainer.planner.memory.budget import check_memory
+from trainer.validate.context_checks import check_context_model
 
 _DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files", "chat"), "hf": ("text", "synthetic", "files", "chat"),
                   "mlp": ("regression",), "custom": ("text", "synthetic", "files", "chat")}
@@ -54,7 +55,7 @@ def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple
                             check_glob=lambda *glob: _check_heads(decoder, *glob, sp=_sequence_parallel(cfg, glob[0])))
     except ConfigError as err:
         plan, plan_issues = None, err.issues
-    issues += plan_issues
+    issues += plan_issues + check_context_model(cfg, model)
     if cfg.parallel is not None:
         if cfg.parallel.activation_checkpointing != "none" and cfg.model.arch == "mlp":
             issues.append(ConfigIssue("parallel.activation_checkpointing",
