@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         pipeline=pp,
         device=device,
         placement_report=report,
-        autocast=_autocast_dtype(precision, plan.data_parallel or plan.context_parallel),
+        autocast=_autocast_dtype(precision, plan.param_data_parallel),
         pp_group=mesh.get_group(pp.dim) if pp is not None else None,
         replicas=mesh.size() // plan.pp_size,
         ties=ties,
@@ -150,10 +150,9 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
              block_fqns=layout.blocks)
     if compile:
         apply_compile(part, block_fqns=layout.blocks)
-    dp = layout.data_parallel
-    if dp is not None or cp is not None:  # cp ranks average gradients and shard parameters as dp ranks do
-        apply_data_parallel(part, mesh, mode=dp.mode if dp is not None else "fsdp",
-                            dim_names=list(layout.param_dp_dim_names), block_fqns=layout.blocks,
+    dp = layout.param_data_parallel  # cp ranks average gradients and shard parameters as dp ranks do
+    if dp is not None:
+        apply_data_parallel(part, mesh, mode=dp.mode, dim_names=list(dp.dim_names), block_fqns=layout.blocks,
                             pipelined=pipelined, precision=precision)
     if init is not None:
         _materialize(part, device, init, tied)

@@ -143,12 +143,14 @@ class ParallelPlan:
         return self.mesh.size(self.context_parallel.dim) if self.context_parallel else 1
 
     @property
-    def param_dp_dim_names(self) -> tuple[str, ...]:
-        """The axes data parallelism wraps parameters over: the dp axes, then the cp axis (its ranks
-        hold other tokens of the same rows, so they average gradients like dp ranks and shard
-        parameters like them)."""
-        dp = self.data_parallel.dim_names if self.data_parallel else ()
-        return dp + ((self.context_parallel.dim,) if self.context_parallel else ())
+    def param_data_parallel(self) -> DataParallelSpec | None:
+        """Data parallelism as it wraps the parameters: the dp axes, then the cp axis, whose ranks hold
+        other tokens of the same rows, so they average gradients like dp ranks and shard parameters
+        like them (FSDP over cp alone when there is no dp). Without cp: ``data_parallel``."""
+        cp, dp = self.context_parallel, self.data_parallel
+        if cp is None:
+            return dp
+        return DataParallelSpec(dp.mode if dp is not None else "fsdp", (dp.dim_names if dp is not None else ()) + (cp.dim,))
 
     @property
     def pp_size(self) -> int:

@@ -22,6 +22,11 @@ CASES: dict[str, Bad] = {
         ["+parallel=cp", "mesh=[4]", "train.seq_len=100"], "train.seq_len",
         ["100 tokens do not cut into 2 x cp = 8 equal chunks", "a head and a tail chunk"],
         ["multiple of 8", "train.seq_len=96"]),
+    "cp/sequence-parallel-on-a-cp-share": bad(
+        ["+parallel=3d_cp", "mesh=[1,2,4]", "parallel.tensor_parallel.sequence_parallel=true", "train.seq_len=36",
+         "model.n_kv_heads=4"],
+        "train.seq_len", ["36 tokens (18 per cp rank) do not split evenly over the sequence-parallel axis 'tp' of size 4"],
+        ["multiple of 8", "train.seq_len=32"]),
     "cp/with-a-pipeline": bad(
         ["+parallel=3d", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
         "parallel.context_parallel", ["with a pipeline is not built yet"],
@@ -63,13 +68,13 @@ def test_cp_preset_splits_sequences_over_four_ranks_that_shard_parameters():
     cfg, plan = _validated("+parallel=cp")
     assert cfg.mesh_shape == (4,) and cfg.parallel.dims == ["cp"] and cfg.dp_size == 1
     assert (cfg.parallel.context_parallel.dim, cfg.parallel.context_parallel.method) == ("cp", "ring")
-    assert plan.cp_size == 4 and plan.data_parallel is None and plan.param_dp_dim_names == ("cp",)
+    assert plan.cp_size == 4 and plan.data_parallel is None and plan.param_data_parallel.dim_names == ("cp",)
 
 
 def test_fsdp_cp_preset_folds_cp_into_the_fsdp_mesh():
     cfg, plan = _validated("+parallel=fsdp_cp", "mesh=[2,4]")
     assert cfg.parallel.dims == ["dp", "cp"] and (cfg.dp_size, plan.cp_size) == (2, 4)
-    assert plan.data_parallel.mode == "fsdp" and plan.param_dp_dim_names == ("dp", "cp")
+    assert plan.data_parallel.mode == "fsdp" and plan.param_data_parallel.dim_names == ("dp", "cp")
 
 
 def test_3d_cp_preset_is_dp_cp_tp():

@@ -135,6 +135,7 @@ SUITES = {
         ("attention_cp4", attention_check),
         ("cp4_ring", trained("synthetic", ["+parallel=cp", "mesh=[4]"])),
         ("fsdp_cp", trained("synthetic", ["+parallel=fsdp_cp", "mesh=[2,2]"])),
+        ("cp_tp_sp", trained("synthetic", ["+parallel=3d_cp", "mesh=[1,2,2]", "parallel.tensor_parallel.sequence_parallel=true"])),
     ],
     "two_rank_slow": [
         ("cp2_allgather", trained("synthetic", ["+parallel=cp", "mesh=[2]", "parallel.context_parallel.method=allgather"])),

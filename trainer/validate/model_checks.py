@@ -82,13 +82,18 @@ def _check_sequence_shards(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIss
         return []
     axes = {axis for layout in plan.layouts.values() for axis, p in layout.input.items() if p.is_shard and p.dim == 1}
     issues = []
+    cp = plan.cp_size  # each rank's share of a row is what sequence parallelism splits
     for axis in sorted(axes):
         size = plan.mesh.size(axis)
-        if cfg.train.seq_len % size:
-            fit = size * max(1, round(cfg.train.seq_len / size))
-            issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens do not split evenly over the "
+        if cp > 1 and cfg.train.seq_len % (2 * cp):
+            continue  # reported as a cp split (trainer.validate.context_checks)
+        if (cfg.train.seq_len // cp) % size:
+            step = math.lcm(2 * cp, cp * size) if cp > 1 else size
+            fit = step * max(1, round(cfg.train.seq_len / step))
+            held = f" ({cfg.train.seq_len // cp} per cp rank)" if cp > 1 else ""
+            issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens{held} do not split evenly over the "
                                       f"sequence-parallel axis {axis!r} of size {size}",
-                                      f"use a multiple of {size}, e.g. train.seq_len={fit}"))
+                                      f"use a multiple of {step}, e.g. train.seq_len={fit}"))
     return issues
 
 
