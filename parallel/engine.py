@@ -142,7 +142,7 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if layout.placements or layout.layouts:
         heads.entries += find_head_parameters(part, classify(part, layout.placements, layout.layouts).col, mesh).entries
         report = apply_placements(part, mesh, placements=layout.placements, layouts=layout.layouts)
-    cp = layout.context_parallel
+    cp = layout.context_parallel if layout.cp_size > 1 else None  # one cp rank: whole rows, plain attention
     if cp is not None and not apply_context_parallel(part, mesh, dim=cp.dim, method=cp.method):
         raise ValueError(f"context parallelism over {cp.dim!r}: no module of {type(part).__name__} attends over a "
                          "split sequence (none declares a context_parallel attribute)")

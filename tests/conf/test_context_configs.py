@@ -27,6 +27,9 @@ CASES: dict[str, Bad] = {
          "model.n_kv_heads=4"],
         "train.seq_len", ["36 tokens (18 per cp rank) do not split evenly over the sequence-parallel axis 'tp' of size 4"],
         ["multiple of 8", "train.seq_len=32"]),
+    "cp/with-compile": bad(
+        ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
+        ["torch.compile with context parallelism is not built yet"], ["train.compile=false", "parallel.context_parallel=null"]),
     "cp/with-a-pipeline": bad(
         ["+parallel=3d", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
         "parallel.context_parallel", ["with a pipeline is not built yet"],

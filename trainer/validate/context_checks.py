@@ -23,12 +23,13 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
     """The config's side: sequence length, and the layouts cp is not built with (no model needed)."""
     par = cfg.parallel
     cp = par.context_parallel if par is not None else None
-    if cp is None or cp.dim not in par.dims:  # an unknown axis is reported with the others' axes
+    # An unknown axis, or dims that do not match the mesh, are reported with the other axes' issues.
+    if cp is None or cp.dim not in par.dims or cfg.mesh is None or len(par.dims) != len(cfg.mesh_shape):
         return []
     issues = []
     size = cfg.axis_size(cp.dim)
     chunks = 2 * size
-    if cfg.train.seq_len % chunks:
+    if size > 1 and cfg.train.seq_len % chunks:
         fit = chunks * max(1, cfg.train.seq_len // chunks)
         issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens do not cut into 2 x cp = {chunks} equal "
                                   f"chunks: each of the {size} cp ranks holds a head and a tail chunk of every row, so "
@@ -40,6 +41,11 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
                                   "rank's chunks of the micro-batches between them, which the schedules do not",
                                   f"train without the pipeline ({override('parallel.pipeline', None)}) or without "
                                   f"context parallelism ({drop_cp})"))
+    if cfg.train.compile:
+        issues.append(ConfigIssue("train.compile", "torch.compile with context parallelism is not built yet: the ring's "
+                                  "hops and its skipped blocks would break every block's graph",
+                                  f"set {override('train.compile', False)}, or train without context parallelism "
+                                  f"({drop_cp})"))
     dp = par.data_parallel
     if dp is not None and dp.mode == "hsdp":
         issues.append(ConfigIssue(PATH, "hsdp with context parallelism is not built yet: the cp ranks shard parameters "
