@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.context.attention import context_attention, visible
+from parallel.context.attention import context_attention, ring_alone, visible
 from parallel.context.layout import ContextShard, shard_sequence, token_index, unshard_sequence
 from parallel.mesh import submesh
 
@@ -37,5 +37,5 @@ def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, *, dim: str, met
     return found
 
 
-__all__ = ["ContextShard", "apply_context_parallel", "context_attention", "shard_sequence", "supports_context_parallel",
-           "token_index", "unshard_sequence", "visible"]
+__all__ = ["ContextShard", "apply_context_parallel", "context_attention", "ring_alone", "shard_sequence",
+           "supports_context_parallel", "token_index", "unshard_sequence", "visible"]

@@ -141,6 +141,24 @@ def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs,
     return out.view(bsz, heads, tl, dim).to(q.dtype)
 
 
+def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int, scale: float | None = None) -> torch.Tensor:
+    """The ring's arithmetic on one process, with its own K/V (a copy each step, as a received block)
+    standing in for each of ``blocks`` blocks, unmasked and nothing sent: what a cp rank's ring saves
+    for backward, for a memory model's pass on the meta device. Not attention over anything real."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    bsz, heads, tl, dim = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    grouped = q.to(acc).view(bsz, k.shape[1], heads // k.shape[1], tl, dim)
+    kv = torch.stack((k, v))
+    mask = torch.ones(1, 1, 1, tl, k.shape[2], dtype=torch.bool, device=q.device)
+    out = lse = None
+    for _ in range(blocks):
+        kv = kv.clone()
+        block_out, block_lse = _block(grouped, kv[0].to(acc)[:, :, None], kv[1].to(acc)[:, :, None], mask, scale)
+        out, lse = (block_out, block_lse) if out is None else _merge(out, lse, block_out, block_lse)
+    return out.view(bsz, heads, tl, dim).to(q.dtype)
+
+
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over one K/V block: the block's normalised output and the
