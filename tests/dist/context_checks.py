@@ -12,6 +12,7 @@ launch per world size (``dist_harness``):
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,13 @@ def trained(data: str, extra: list[str]):
     def check(*, rank: int, world_size: int) -> dict:
         from trainer.run.loop import train
 
-        cfg = validate_config(compose_dict(overrides(data, extra)))
-        result = train(cfg, tracker=NullTracker(), progress=NullProgress(), rank=rank)
-        return {"losses": result.losses}
+        began = time.perf_counter()
+        # The model-aware checks and the memory prediction (a meta pass each) are test_context_configs.py's.
+        cfg = validate_config(compose_dict(overrides(data, extra)), check_model=False)
+        validated = time.perf_counter()
+        result = train(cfg, tracker=NullTracker(), progress=NullProgress(), rank=rank, predicted_peak_mib=0.0)
+        return {"losses": result.losses, "validate_s": validated - began, "train_s": time.perf_counter() - validated,
+                "step_s": result.step_times}
 
     return check
 
@@ -110,6 +115,7 @@ def _one_case(shard: ContextShard, dtype: torch.dtype, seed: int, shape: tuple, 
 def attention_check(*, rank: int, world_size: int) -> dict:
     """The largest difference from full attention (outputs and q/k/v gradients) per dtype, over
     both methods, every shape and mask in fp64 and one shape's masks in fp32 (rounding only)."""
+    began = time.perf_counter()
     worst: dict[str, float] = {"float64": 0.0, "float32": 0.0}
     cases = 0
     for method in ("ring", "allgather"):
@@ -121,7 +127,7 @@ def attention_check(*, rank: int, world_size: int) -> dict:
                     error = _one_case(shard, dtype, 100 * shape_index + 10 * causal + packed, shape, causal, packed)
                     worst[name] = max(worst[name], error)
                     cases += 1
-    return {"worst": worst, "cases": cases}
+    return {"worst": worst, "cases": cases, "seconds": time.perf_counter() - began}
 
 
 # The default run: the attention property check and the layouts of the acceptance (one launch per world size);
