@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-ContextMethod = str  # "ring" | "allgather" (parallel.config.ContextParallelMethod)
+from parallel.config import ContextParallelMethod
 
 
 def token_index(seq_len: int, *, cp_rank: int, cp_size: int) -> torch.Tensor:
@@ -59,7 +59,7 @@ class ContextShard:
     group: dist.ProcessGroup = field(repr=False)
     rank: int
     size: int
-    method: ContextMethod = "ring"
+    method: ContextParallelMethod = "ring"
 
     def token_index(self, local_len: int, *, rank: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
         """The true positions of the ``local_len`` tokens cp rank ``rank`` (default: this one) holds."""
