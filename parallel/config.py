@@ -65,6 +65,21 @@ class TensorParallelConfig(Section):
     sequence_parallel: bool = Field(False, description="Also run the block norms on sequence shards (Shard(1)).")
 
 
+ContextParallelMethod = Literal["ring", "allgather"]
+
+
+class ContextParallelConfig(Section):
+    """``parallel.context_parallel``: every sequence split over a mesh axis (:mod:`parallel.context`)."""
+
+    dim: str = Field("cp", description="Mesh axis name each sequence is split over: cp rank i holds the i-th and the "
+                     "(2 cp - 1 - i)-th of 2 cp equal chunks of every row, so causal attention costs every rank the "
+                     "same. Its ranks also shard the parameters, as more data-parallel ranks (FSDP over dp x cp).")
+    method: ContextParallelMethod = Field(
+        "ring", description="How attention sees the whole sequence: ring = K/V blocks passed around the cp ranks, "
+        "partial results merged by their log-sum-exp (two blocks alive at a time); allgather = K/V of the whole "
+        "sequence gathered once per layer (one collective, the full K/V alive per layer). Both are exact.")
+
+
 class LayoutConfig(Section):
     input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
     output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
@@ -167,6 +182,9 @@ class ParallelConfig(LayoutSection):
         None, description="Let the planner choose the layout: `+parallel=auto mesh=[N]` gives only this section; "
         "the fastest layout predicted to fit replaces it before validation, and keeps it as a record of the search.")
     pipeline: PipelineConfig | None = Field(None, description="Pipeline parallelism; null = none.")
+    context_parallel: ContextParallelConfig | None = Field(
+        None, description="Context parallelism: each sequence split over a mesh axis, attention exact (built-in and "
+        "Hugging Face Llama-family models); null = every rank holds whole sequences.")
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="Recompute activations in backward: none, every block (full), or every n-th (selective)."
     )

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import SPLIT_BACKWARD_SCHEDULES, Precision
+from parallel.context import apply_context_parallel
 from parallel.mesh import axis_rank, build_mesh, submesh
 from parallel.model import ParallelModel
 from parallel.pipeline.schedule import split_stages
@@ -111,11 +112,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         mesh=mesh,
         dp_rank=axis_rank(mesh, dp_names),
         dp_size=plan.dp_size,
+        cp_rank=axis_rank(mesh, plan.context_parallel.dim) if plan.context_parallel else 0,
+        cp_size=plan.cp_size,
         stage_indices=[index for index, _ in stages],
         pipeline=pp,
         device=device,
         placement_report=report,
-        autocast=_autocast_dtype(precision, plan.data_parallel),
+        autocast=_autocast_dtype(precision, plan.param_data_parallel),
         pp_group=mesh.get_group(pp.dim) if pp is not None else None,
         replicas=mesh.size() // plan.pp_size,
         ties=ties,
@@ -128,9 +131,9 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
                       init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
                       heads: HeadGradients) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
-    tensor parallel -> activation checkpointing -> compile -> data parallel -> (``init``: a meta
-    part) allocate and initialise this rank's shards. Returns tensor parallelism's report and adds
-    the part's per-head parameters to ``heads`` (:mod:`parallel.sharding.head_params`). A tied
+    tensor parallel -> context parallel -> activation checkpointing -> compile -> data parallel
+    (over the dp and cp axes) -> (``init``: a meta part) allocate and initialise this rank's shards.
+    Returns tensor parallelism's report and adds the part's per-head parameters to ``heads`` (:mod:`parallel.sharding.head_params`). A tied
     parameter (input and output embeddings) stays one parameter throughout (:mod:`parallel.sharding.ties`)."""
     report: dict[str, str] = {}
     tied = tied_groups(part)
@@ -139,11 +142,15 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if layout.placements or layout.layouts:
         heads.entries += find_head_parameters(part, classify(part, layout.placements, layout.layouts).col, mesh).entries
         report = apply_placements(part, mesh, placements=layout.placements, layouts=layout.layouts)
+    cp = layout.context_parallel if layout.cp_size > 1 else None  # one cp rank: whole rows, plain attention
+    if cp is not None and not apply_context_parallel(part, mesh, dim=cp.dim, method=cp.method):
+        raise ValueError(f"context parallelism over {cp.dim!r}: no module of {type(part).__name__} attends over a "
+                         "split sequence (none declares a context_parallel attribute)")
     apply_ac(part, mode=layout.activation_checkpointing, every=layout.activation_checkpointing_every,
              block_fqns=layout.blocks)
     if compile:
         apply_compile(part, block_fqns=layout.blocks)
-    dp = layout.data_parallel
+    dp = layout.param_data_parallel  # cp ranks average gradients and shard parameters as dp ranks do
     if dp is not None:
         apply_data_parallel(part, mesh, mode=dp.mode, dim_names=list(dp.dim_names), block_fqns=layout.blocks,
                             pipelined=pipelined, precision=precision)

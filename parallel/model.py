@@ -38,6 +38,8 @@ class ParallelModel:
         mesh: the device mesh, or ``None`` on one device.
         dp_rank, dp_size: this rank's data-parallel coordinate and the dp degree: the data
             loader gives each dp rank its share; tp and pp ranks of one replica get the same.
+        cp_rank, cp_size: this rank's context-parallel coordinate and the cp degree: each cp rank
+            gets its chunks of the same rows (:func:`parallel.context.shard_sequence`).
         is_last_stage: whether this rank computes the loss (always true without a pipeline).
         replicas: how many ranks hold this rank's stage (the world without a pipeline).
         placement_report: ``{module FQN: style}`` from tensor parallelism, per stage.
@@ -52,6 +54,8 @@ class ParallelModel:
         mesh: DeviceMesh | None,
         dp_rank: int = 0,
         dp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
         stage_indices: Sequence[int] = (0,),
         pipeline: PipelineSpec | None = None,
         device: torch.device | str = "cpu",
@@ -68,6 +72,7 @@ class ParallelModel:
         self.model_parts = model_parts
         self.mesh = mesh
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.stage_indices = list(stage_indices)
         num_stages = pipeline.num_stages if pipeline is not None else 1
         self.num_stages = num_stages

@@ -115,7 +115,8 @@ def param_slices(plan: ParallelPlan, param_shapes: Mapping[str, Sequence[int]]) 
         shape = tuple(int(n) for n in shape)
         stage = stage_of(fqn)
         layout = plan.pipeline.stages[stage].layout if plan.pipeline is not None and plan.pipeline.stages else plan
-        axes, grid, dp = layout.placements.get(fqn, {}), grids[stage], layout.data_parallel
+        # param_data_parallel: the cp ranks shard parameters with the dp ranks (FSDP over dp x cp).
+        axes, grid, dp = layout.placements.get(fqn, {}), grids[stage], layout.param_data_parallel
         key = (shape, tuple(sorted((a, repr(p)) for a, p in axes.items())), grid.dim_names, grid.shape,
                (dp.mode, dp.dim_names) if dp is not None else None)
         if key not in cache:

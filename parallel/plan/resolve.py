@@ -27,7 +27,7 @@ from torch import nn
 from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.layout import resolve_layout
-from parallel.plan.spec import DataParallelSpec, GlobCheck, MeshSpec, ParallelPlan, PipelineSpec
+from parallel.plan.spec import ContextParallelSpec, DataParallelSpec, GlobCheck, MeshSpec, ParallelPlan, PipelineSpec
 from parallel.plan.stages import resolve_stages
 from parallel.plan.units import block_units, check_boundaries, pipeline_units, stage_boundaries, stage_ranks
 
@@ -52,13 +52,14 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     issues += check_boundaries(parallel, mesh_spec, units)
     if issues:
         raise ConfigError(issues)
-    dp = parallel.data_parallel
+    dp, cp = parallel.data_parallel, parallel.context_parallel
     return ParallelPlan(
         mesh=mesh_spec,
         units=units,
         blocks=blocks,
         data_parallel=DataParallelSpec(dp.mode, tuple(dp.dim_names)) if dp else None,
         pipeline=_pipeline_spec(parallel, mesh_spec, model, units),
+        context_parallel=ContextParallelSpec(cp.dim, cp.method) if cp else None,
         placements=MappingProxyType(placements),
         layouts=MappingProxyType(layouts),
         activation_checkpointing=parallel.activation_checkpointing,

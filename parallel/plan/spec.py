@@ -69,6 +69,14 @@ class DataParallelSpec:
 
 
 @dataclass(frozen=True)
+class ContextParallelSpec:
+    """Every sequence split over the mesh axis ``dim``; attention by ``method`` (ring | allgather)."""
+
+    dim: str
+    method: str
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     """The schedule and the resolved stage split: the units of each stage and its pp rank."""
 
@@ -120,6 +128,7 @@ class ParallelPlan:
     blocks: tuple[str, ...] = ()
     data_parallel: DataParallelSpec | None = None
     pipeline: PipelineSpec | None = None
+    context_parallel: ContextParallelSpec | None = None
     placements: Mapping[str, AxisSpecs] = field(default_factory=dict)
     layouts: Mapping[str, LayoutSpec] = field(default_factory=dict)
     activation_checkpointing: str = "none"
@@ -128,6 +137,20 @@ class ParallelPlan:
     @property
     def dp_size(self) -> int:
         return self.mesh.size(self.data_parallel.dim_names) if self.data_parallel else 1
+
+    @property
+    def cp_size(self) -> int:
+        return self.mesh.size(self.context_parallel.dim) if self.context_parallel else 1
+
+    @property
+    def param_data_parallel(self) -> DataParallelSpec | None:
+        """Data parallelism as it wraps the parameters: the dp axes, then the cp axis, whose ranks hold
+        other tokens of the same rows, so they average gradients like dp ranks and shard parameters
+        like them (FSDP over cp alone when there is no dp). Without cp: ``data_parallel``."""
+        cp, dp = self.context_parallel, self.data_parallel
+        if cp is None:
+            return dp
+        return DataParallelSpec(dp.mode if dp is not None else "fsdp", (dp.dim_names if dp is not None else ()) + (cp.dim,))
 
     @property
     def pp_size(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from test_bad_configs import Bad, bad
+from test_context_configs import CASES as CONTEXT_CASES
 
 def _mistral_with_a_window() -> str:
     """A Mistral config.json (no weights: validation reads the config) whose attention slides over 16 tokens."""
@@ -48,6 +49,7 @@ _CHAT_DATA = ["model=gpt_debug", "data=chat", f"data.tokenizer={_CHAT}/tok", f"d
 _EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
 
 MORE: dict[str, Bad] = {
+    **CONTEXT_CASES,
     "more/data-files-without-paths": bad(["data=files"], "data.paths", ["names no files"]),
     "more/auto-with-rank-ids": bad(["+parallel=auto", "mesh=[[0,1],[2,3]]"], "mesh", ["not explicit rank ids"]),
     "more/rdzv-not-host-port": bad(["launch.rdzv_endpoint=nohost"], "launch.rdzv_endpoint", ["not host:port"]),

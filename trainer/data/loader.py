@@ -9,6 +9,9 @@ see exactly the samples one rank would have seen::
 
     loader = GlobalBatchLoader(source, global_batch_size=16, dp_rank=rank, dp_size=2, seed=0)
     inputs, targets = loader.next_batch()        # [8, ...] each: this rank's half
+
+With context parallelism (``cp_size > 1``) the ranks of one dp rank get the same rows, each its
+chunks of every row (:func:`parallel.context.shard_sequence`): ``[8, seq_len / cp]`` each.
     saved = loader.state_dict()                  # {"next_sample": 16, ...}
 """
 
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parallel.context import shard_sequence
 from trainer.data.base import Source, derive_seed
 
 # Permutations kept in memory: the current epoch's and the next, since one batch may span both.
@@ -35,9 +39,12 @@ class GlobalBatchLoader:
         dp_rank: this rank's index among the data-parallel ranks, in [0, dp_size).
         dp_size: number of data-parallel ranks; must divide ``global_batch_size``.
         seed: seed of the data order (``train.seed``).
+        cp_rank, cp_size: this rank's place among the context-parallel ranks: each row is cut into
+            ``2 * cp_size`` chunks and this rank gets chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``.
     """
 
-    def __init__(self, source: Source, *, global_batch_size: int, dp_rank: int, dp_size: int, seed: int) -> None:
+    def __init__(self, source: Source, *, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 cp_rank: int = 0, cp_size: int = 1) -> None:
         if len(source) < 1:
             raise ValueError("the data source is empty: no samples to load")
         if global_batch_size < 1:
@@ -54,6 +61,7 @@ class GlobalBatchLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.next_sample = 0
         self._permutations: dict[int, Tensor] = {}
 
@@ -91,7 +99,8 @@ class GlobalBatchLoader:
 
     def next_batch(self) -> tuple[Tensor, ...]:
         """This rank's slice of the next global batch, stacked: ``[local_batch_size, ...]`` each
-        (inputs, targets, and the positions of packed documents where the source has them).
+        (inputs, targets, and the positions of packed documents where the source has them); with
+        context parallelism, this cp rank's chunks of each row's tokens.
 
         Advances the position by the whole global batch, as every rank does, so the ranks
         stay in step without communicating.
@@ -99,7 +108,8 @@ class GlobalBatchLoader:
         first = self.next_sample + self.dp_rank * self.local_batch_size
         samples = [self.source[i] for i in self.source_indices(first, self.local_batch_size)]
         self.next_sample += self.global_batch_size
-        return tuple(torch.stack(column) for column in zip(*samples))
+        return tuple(shard_sequence(torch.stack(column), dim=1, cp_rank=self.cp_rank, cp_size=self.cp_size)
+                     for column in zip(*samples))
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         return self

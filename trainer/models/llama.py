@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.context import ContextShard, context_attention
 from trainer.config.schema import LlamaConfig, LoRAConfig, RopeScaling
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
 from trainer.models.lora import adapter_init, apply_lora
@@ -147,6 +148,9 @@ class Attention(nn.Module):
         # Applied to each head: with the heads split over tp, each rank's gradient is its heads' share
         # (parallel.sharding.head_params sums them).
         self.head_parameters = ("q_norm.weight", "k_norm.weight") if cfg.qk_norm else ()
+        # Set by parallel.context.apply_context_parallel when each sequence is split over cp ranks: this
+        # rank then holds some of every row's tokens and attends over all of them (exactly).
+        self.context_parallel: ContextShard | None = None
         # Non-persistent: derived from the config, so kept out of checkpoints; allocated on the
         # ambient device (meta included) and filled by reset_rope().
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, self.head_dim // 2), persistent=False)
@@ -162,10 +166,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``positions [B, T]`` (packed documents): rotary angles at each token's own position, and
-        attention within its document only (:func:`document_mask`); ``None``: ``0 .. T-1``, causal."""
+        attention within its document only (:func:`document_mask`); ``None``: ``0 .. T-1``, causal.
+        Under context parallelism ``x`` holds this rank's tokens of each row (:mod:`parallel.context`):
+        rotary angles and the mask follow each token's true position in the row."""
         bsz, seqlen, _ = x.shape
-        if seqlen > self.max_seq_len:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.max_seq_len}")
+        cp = self.context_parallel
+        index = cp.token_index(seqlen, device=x.device) if cp is not None else None  # true positions in the row
+        if seqlen * (cp.size if cp is not None else 1) > self.max_seq_len:
+            raise ValueError(f"sequence length {seqlen * (cp.size if cp else 1)} exceeds max_seq_len {self.max_seq_len}")
         n = self._names
         # -1: the local head count, whatever share of the heads this rank's weights hold.
         q = getattr(self, n.q)(x).view(bsz, seqlen, -1, self.head_dim)
@@ -173,11 +181,18 @@ class Attention(nn.Module):
         v = getattr(self, n.v)(x).view(bsz, seqlen, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if positions is None:
-            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        else:
+        if positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        elif index is not None:
+            cos, sin = self.rope_cos[index], self.rope_sin[index]
+        else:
+            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         q, k = apply_rope(q, cos, sin, n.rope), apply_rope(k, cos, sin, n.rope)
+        if cp is not None:  # K/V travel with their kv heads only; a document is known by where it starts
+            doc = index - positions if positions is not None else None
+            out = context_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), shard=cp, q_index=index,
+                                    doc=doc)
+            return getattr(self, n.o)(out.transpose(1, 2).reshape(bsz, seqlen, -1))
         # Query head i reads kv head i // n_rep; sharding heads contiguously keeps groups whole.
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:

@@ -98,8 +98,9 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     stage_of = {unit: s for s, group in enumerate(groups) for unit in group}
     bounds = pp.boundaries if pp else []
 
-    # ddp shards over no axis (size 1); fsdp / zero2 over every dp axis, hsdp over its inner one.
-    shard_dp = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
+    # ddp shards over no axis (size 1); fsdp / zero2 over every dp axis (and cp), hsdp over its inner one.
+    dp = plan.param_data_parallel
+    shard_dp = plan.mesh.size(dp.shard_dim_names) if dp else 1
     stage_params = [0] * num_stages
     stage_local = [0.0] * num_stages
     stage_trainable = [0.0] * num_stages  # frozen weights (LoRA's base) have no gradient nor AdamW state
@@ -140,6 +141,17 @@ def _stage_numbers(cfg: RunConfig, plan: ParallelPlan) -> PlanNumbers:
     return replace(views[0], per_pp_rank=[numbers.per_pp_rank[i] for i, numbers in enumerate(views)], comm=comm)
 
 
+def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int) -> float:
+    """Elements of K and V each cp rank sends per step (times the compute precision's bytes): per layer,
+    its K/V block (its tokens, its tp share of the kv heads) to each of the other cp - 1 ranks in
+    forward (ring hops, or the all-gather's), and their gradients back in backward (hops, or a
+    reduce-scatter): the same volume for both methods."""
+    cp = plan.cp_size
+    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    block = 2 * rows * (cfg.train.seq_len // cp) * decoder.num_kv_heads / tp * decoder.head_width
+    return 2 * decoder.n_layers * (cp - 1) * block
+
+
 def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]) -> dict[str, float]:
     """Bytes each rank sends per optimizer step on each mesh axis (ring collectives)."""
     par = cfg.parallel
@@ -147,17 +159,22 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
     if par is None:
         return out
     local = max(r.params for r in per_rank) * BYTES
-    if dp := par.data_parallel:
-        n = cfg.dp_size
+    cp = plan.cp_size
+    if dp := plan.param_data_parallel:  # the cp ranks reduce gradients (and gather parameters) with the dp ranks
+        n = plan.mesh.size(dp.dim_names)
         ring = 2 * (n - 1) / n
         # ddp: all-reduce of grads; fsdp: all-gather fwd + all-gather bwd + reduce-scatter;
         # zero2: one all-gather + reduce-scatter; each all-gather/reduce-scatter moves (n-1)/n.
         factor = {"ddp": ring, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n, "hsdp": 3 * (n - 1) / n}[dp.mode]
         out[",".join(dp.dim_names)] = factor * local * cfg.train.grad_accum ** (dp.mode == "fsdp")
-    tokens = cfg.train.global_batch_size // max(1, cfg.dp_size) * cfg.train.seq_len
+    rows = cfg.train.global_batch_size // max(1, cfg.dp_size)
+    tokens = rows * cfg.train.seq_len // cp  # a cp rank holds 1/cp of every row
     if (decoder := decoder_config(cfg.model)) is not None:
-        act = tokens * decoder.dim * (2 if cfg.train.precision == "bf16" else BYTES)  # activations in compute precision
+        elem = 2 if cfg.train.precision == "bf16" else BYTES  # activations in compute precision
+        act = tokens * decoder.dim * elem
         layers_per_rank = decoder.n_layers / cfg.pp_size
+        if par.context_parallel is not None and cp > 1:
+            out[f"{par.context_parallel.dim} K/V"] = kv_bytes(cfg, plan, decoder, rows) * elem
         for axis in {a for axes in plan.placements.values() for a in axes}:
             n = cfg.axis_size(axis)
             # Megatron: 2 all-reduces per block forward and 2 backward.

@@ -132,7 +132,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     # One loader batch is one accumulation batch; the loader position is global, so a resume
     # on another dp size continues at the same sample.
     loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,
-                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
+                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed, cp_rank=pm.cp_rank, cp_size=pm.cp_size)
     loss_fn = loss_fn_for(cfg.model, masked=hasattr(source, "target_count"))
     result = TrainResult()
     ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer, tied=pm.tied_names)
@@ -254,7 +254,8 @@ def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, dev
     time (a fresh loader at position 0), split over the dp ranks as training batches are."""
     t = cfg.train
     loader = GlobalBatchLoader(val_source, global_batch_size=t.global_batch_size // t.grad_accum,
-                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed)
+                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed, cp_rank=pm.cp_rank,
+                               cp_size=pm.cp_size)
     pm.train(False)
     try:
         losses = []
@@ -269,9 +270,11 @@ def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, dev
 
 def _count_targets(loss_fn, loader: GlobalBatchLoader, samples: int) -> None:
     """Give a :class:`TargetMeanLoss` the mean target count per row of the next ``samples`` global
-    samples (a no-op for other losses: every target counts)."""
+    samples (a no-op for other losses: every target counts). With context parallelism a rank holds
+    1 / cp of each row: the count per rank's share of a row, so that the mean of the ranks' losses
+    is the sum over every target of the full rows divided once by their count."""
     if isinstance(loss_fn, TargetMeanLoss):
-        loss_fn.tokens_per_row = max(1, loader.target_tokens(samples)) / samples
+        loss_fn.tokens_per_row = max(1, loader.target_tokens(samples)) / samples / loader.cp_size
 
 
 def _on(device: torch.device, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -29,6 +29,7 @@ from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import has_mallopt
+from trainer.validate.context_checks import check_context
 from trainer.validate.hardware_checks import check_hardware, plans_elsewhere
 from trainer.validate.model_checks import check_against_model
 from trainer.validate.schema_issues import schema_issues
@@ -85,7 +86,7 @@ def _check_run(cfg: RunConfig) -> list[ConfigIssue]:
     par = cfg.parallel
     if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
         issues += _check_batch(cfg)  # axis sizes (dp size) are only defined once dims match the mesh
-    issues += _check_misc(cfg)
+    issues += _check_misc(cfg) + check_context(cfg)
     if cfg.train.compile:
         issues += _check_compile(cfg)
     return issues
@@ -181,6 +182,9 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         issues += _check_own_axis("pipeline", pp.dim, par.dims, role, "the pipeline")
         role[pp.dim] = "pipeline"
         issues += _check_schedule(pp, cfg.pp_size)  # the plan's stage split reads stages_per_rank
+    if cp := par.context_parallel:
+        issues += _check_own_axis("context_parallel", cp.dim, par.dims, role, "context parallelism")
+        role[cp.dim] = "context_parallel"
     if tp := par.tensor_parallel:
         issues += _check_own_axis("tensor_parallel", tp.dim, par.dims, role, "tensor parallelism")
     issues += _check_placements(par, role)
@@ -190,8 +194,10 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
     for name, size in zip(par.dims, shape):
         if size > 1 and name not in used:
             issues.append(ConfigIssue(format_path("parallel", "dims", par.dims.index(name)),
-                                      f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline, tensor_parallel or placement names it)",
-                                      "name it in data_parallel, pipeline, tensor_parallel or placements, or set its mesh size to 1"))
+                                      f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline, "
+                                      "context_parallel, tensor_parallel or placement names it)",
+                                      "name it in data_parallel, pipeline, context_parallel, tensor_parallel or "
+                                      "placements, or set its mesh size to 1"))
     return issues
 
 

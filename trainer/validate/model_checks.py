@@ -19,6 +19,7 @@ from trainer.models import build_model, decoder_config
 from trainer.models.custom import CustomModelError, resolve_builder
 from trainer.models.lora import LoRAError
 from trainer.planner.memory.budget import check_memory
+from trainer.validate.context_checks import check_context_model
 
 _DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files", "chat"), "hf": ("text", "synthetic", "files", "chat"),
                   "mlp": ("regression",), "custom": ("text", "synthetic", "files", "chat")}
@@ -54,7 +55,7 @@ def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple
                             check_glob=lambda *glob: _check_heads(decoder, *glob, sp=_sequence_parallel(cfg, glob[0])))
     except ConfigError as err:
         plan, plan_issues = None, err.issues
-    issues += plan_issues
+    issues += plan_issues + check_context_model(cfg, model)
     if cfg.parallel is not None:
         if cfg.parallel.activation_checkpointing != "none" and cfg.model.arch == "mlp":
             issues.append(ConfigIssue("parallel.activation_checkpointing",
@@ -81,13 +82,18 @@ def _check_sequence_shards(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIss
         return []
     axes = {axis for layout in plan.layouts.values() for axis, p in layout.input.items() if p.is_shard and p.dim == 1}
     issues = []
+    cp = plan.cp_size  # each rank's share of a row is what sequence parallelism splits
     for axis in sorted(axes):
         size = plan.mesh.size(axis)
-        if cfg.train.seq_len % size:
-            fit = size * max(1, round(cfg.train.seq_len / size))
-            issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens do not split evenly over the "
+        if cp > 1 and cfg.train.seq_len % (2 * cp):
+            continue  # reported as a cp split (trainer.validate.context_checks)
+        if (cfg.train.seq_len // cp) % size:
+            step = math.lcm(2 * cp, cp * size) if cp > 1 else size
+            fit = step * max(1, round(cfg.train.seq_len / step))
+            held = f" ({cfg.train.seq_len // cp} per cp rank)" if cp > 1 else ""
+            issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens{held} do not split evenly over the "
                                       f"sequence-parallel axis {axis!r} of size {size}",
-                                      f"use a multiple of {size}, e.g. train.seq_len={fit}"))
+                                      f"use a multiple of {step}, e.g. train.seq_len={fit}"))
     return issues
 
 

@@ -63,12 +63,12 @@ def on_cuda(cfg: RunConfig) -> bool:
 
 
 def fsdp(plan: ParallelPlan) -> bool:  # FSDP2 shards parameters (one rank: no data parallelism at all)
-    dp = plan.data_parallel
+    dp = plan.param_data_parallel  # cp ranks shard parameters as dp ranks
     return dp is not None and dp.mode != "ddp" and plan.mesh.world_size > 1
 
 
 def replicated(plan: ParallelPlan) -> bool:  # ddp: FSDP2's replicate, the whole model (or stage) one unit
-    dp = plan.data_parallel
+    dp = plan.param_data_parallel
     return dp is not None and dp.mode == "ddp" and plan.mesh.world_size > 1
 
 
@@ -143,7 +143,7 @@ def gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list
     if not fsdp(plan):
         return local * 0.5 if half else 0.0
     block = max((sum(b) for b in blocks), default=0.0)
-    if plan.data_parallel.mode == "zero2":
+    if plan.param_data_parallel.mode == "zero2":
         return local * pdt + block * (pdt + 1.0)
     return root * pdt + 3 * block * pdt
 

@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parallel.context import ring_alone
 from parallel.plan.spec import ParallelPlan, owning_unit
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
@@ -137,6 +138,23 @@ class AttentionKernel(TorchFunctionMode):
         if func is torch._C._nn.scaled_dot_product_attention:  # what F.scaled_dot_product_attention is
             return self.kernel(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan) -> Callable[..., torch.Tensor]:
+    """Context parallelism: a rank's queries over the whole row, by the ring's arithmetic over cp blocks
+    (:func:`parallel.context.ring_alone`) or by ``kernel`` over K/V repeated to the row (the all-gather's)."""
+    cp = plan.cp_size
+    if cp == 1:
+        return kernel
+
+    def attend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if plan.context_parallel.method == "ring":
+            return ring_alone(q, k, v, blocks=cp, scale=scale)
+        k, v = k.repeat(1, 1, cp, 1), v.repeat(1, 1, cp, 1)
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+        return kernel(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+    return attend
 
 
 def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
@@ -242,7 +260,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
             units[owner] += storage.nbytes() * share()
         return t
 
-    seq = cfg.train.seq_len
+    seq = cfg.train.seq_len // plan.cp_size  # a cp rank holds 1/cp of every row
     if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
         x = torch.empty(micro_batch, cfg.model.in_features, device="meta")
         y = torch.empty(micro_batch, cfg.model.out_features, device="meta")
@@ -250,7 +268,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         x = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
     census = _Census(model, share)
-    with AttentionKernel(attention), census:
+    with AttentionKernel(_over_the_row(attention, plan)), census:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
             # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
@@ -300,14 +318,14 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     t = cfg.train
     micro = cfg.micro_batch_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
-    key = (tp, micro, t.precision, bool(plan.layouts), attention)
+    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size)
     if cache is None or key not in cache:
         saved = saved_activations(cfg, plan, micro, model=model, attention=attention)
         if cache is not None:
             cache[key] = saved
     else:
         saved = cache[key]
-    pp, dp = plan.pipeline, plan.data_parallel
+    pp, dp = plan.pipeline, plan.param_data_parallel  # cp ranks shard parameters as dp ranks
     stage_units = pp.stage_units if pp else (tuple(plan.units),)
     wrapped = checkpointed(plan)
     shard = plan.mesh.size(dp.shard_dim_names) if dp is not None else 1

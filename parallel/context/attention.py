@@ -1,0 +1,178 @@
+"""Exact attention over a sequence split across a ``cp`` mesh axis (see :mod:`parallel.context.layout`).
+
+Each rank holds its queries, keys and values for its share of the tokens; every query must still
+see every key the full-sequence mask allows. Two ways, chosen by ``parallel.context_parallel.method``:
+
+* ``allgather``: the ranks all-gather K/V once per layer and run ``scaled_dot_product_attention``
+  of their queries against the whole sequence, masked by true positions. Simple; K/V of the full
+  sequence live on every rank for the layer.
+* ``ring``: K/V blocks travel around the ring of cp ranks, one hop per step; each rank attends its
+  queries to the block it holds and merges the partial results by their log-sum-exp (online
+  softmax), so only two blocks are alive at a time. A block nothing may see (a later rank's head
+  under a causal mask) is skipped.
+
+Both are differentiable end to end: K/V travel through autograd-aware communication (the ring's
+backward sends the K/V gradients the other way round; the all-gather's is a reduce-scatter), so the
+backward is the exact gradient of full attention, whatever the mask.
+
+Why not ``torch.distributed.tensor.experimental.context_parallel``: in torch 2.13 it reroutes the
+CUDA SDPA kernels (flash, efficient, cuDNN) only; on CPU, SDPA runs
+``aten._scaled_dot_product_flash_attention_for_cpu``, for which it has no ring and DTensor no
+sharding rule ("does not have a sharding strategy registered"), and it cannot mask packed
+documents. The tests and the CPU workers need both, so the ring is written here.
+
+    out = context_attention(q, k, v, shard=shard, q_index=shard.token_index(q.shape[2]))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_gather_single_autograd
+
+from parallel.context.layout import ContextShard
+
+
+class _RingPass(torch.autograd.Function):
+    """Send a tensor to the next rank of the cp ring and receive the previous rank's; in backward,
+    the gradient goes the other way round (to the previous rank, from the next)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _shift(x, group, step=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _shift(grad, ctx.group, step=-1), None
+
+
+def _shift(x: torch.Tensor, group: dist.ProcessGroup, *, step: int) -> torch.Tensor:
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    received = torch.empty_like(x)
+    x = x.contiguous()
+    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=(rank + step) % size),
+           dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - step) % size)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+def visible(q_index: torch.Tensor, k_index: torch.Tensor, *, causal: bool, q_doc: torch.Tensor | None = None,
+            k_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B or 1, Tq, Tk]`` boolean: which keys each query may see, from true token positions
+    (``q_index [Tq]``, ``k_index [Tk]``) and, for packed documents, each token's document
+    (``q_doc [B, Tq]``, ``k_doc [B, Tk]``: the position its document starts at)."""
+    mask = (k_index[None, :] <= q_index[:, None]) if causal else torch.ones(
+        len(q_index), len(k_index), dtype=torch.bool, device=q_index.device)
+    mask = mask[None]
+    if q_doc is not None:
+        mask = mask & (q_doc[:, :, None] == k_doc[:, None, :])
+    return mask
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shard: ContextShard,
+                      q_index: torch.Tensor, causal: bool = True, doc: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, equal to full attention.
+
+    Args:
+        q: ``[B, H, Tl, D]`` this rank's queries; ``k``, ``v``: ``[B, Hkv, Tl, D]`` its keys and values,
+            ``H`` a multiple of ``Hkv`` (grouped-query heads: query head ``h`` reads kv head ``h // (H / Hkv)``).
+        shard: the cp group and method (:class:`~parallel.context.layout.ContextShard`).
+        q_index: ``[Tl]`` the true positions of this rank's tokens (``shard.token_index(Tl)``).
+        causal: mask keys after each query (by true position).
+        doc: ``[B, Tl]`` packed documents: the true position each token's document starts at; a
+            query sees only keys of its own document.
+        scale: the softmax scale; default ``1 / sqrt(D)``, as ``scaled_dot_product_attention``.
+    Returns ``[B, H, Tl, D]`` in ``q``'s dtype.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    docs = _gather_plain(doc, shard) if doc is not None else None
+    if shard.method == "allgather":
+        return _allgather_attention(q, k, v, shard=shard, q_index=q_index, causal=causal, doc=doc, docs=docs, scale=scale)
+    return _ring_attention(q, k, v, shard=shard, q_index=q_index, causal=causal, doc=doc, docs=docs, scale=scale)
+
+
+def _gather_plain(x: torch.Tensor, shard: ContextShard) -> list[torch.Tensor]:
+    """Every cp rank's ``x`` (no gradient: document starts are integers)."""
+    parts = [torch.empty_like(x) for _ in range(shard.size)]
+    dist.all_gather(parts, x.contiguous(), group=shard.group)
+    return parts
+
+
+def _allgather_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs, scale) -> torch.Tensor:
+    tl = q.shape[2]
+    # One message for K and V; autograd's backward of the gather is a reduce-scatter of their gradients.
+    kv = all_gather_single_autograd(torch.stack((k, v)).contiguous(), 3, shard.group)
+    k_all, v_all = kv[0], kv[1]
+    k_index = torch.cat([shard.token_index(tl, rank=r, device=q.device) for r in range(shard.size)])
+    k_doc = torch.cat(docs, dim=1) if docs is not None else None
+    mask = visible(q_index, k_index, causal=causal, q_doc=doc, k_doc=k_doc)[:, None]
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)
+
+
+def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs, scale) -> torch.Tensor:
+    bsz, heads, tl, dim = q.shape
+    kv_heads = k.shape[1]
+    # Grouped heads: [B, Hkv, rep, Tl, D] against [B, Hkv, 1, Tk, D], so K/V travel un-repeated.
+    # fp32 at least: the scores and the exp-sums of a bf16 run are accumulated as SDPA's kernels do.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    grouped = q.to(acc).view(bsz, kv_heads, heads // kv_heads, tl, dim)
+    kv = torch.stack((k, v))
+    out = lse = None
+    for step in range(shard.size):
+        source = (shard.rank - step) % shard.size  # whose K/V this rank holds at this step
+        if step:
+            kv = _RingPass.apply(kv, shard.group)
+        k_index = shard.token_index(tl, rank=source, device=q.device)
+        mask = visible(q_index, k_index, causal=causal, q_doc=doc, k_doc=docs[source] if docs is not None else None)
+        if step and not bool(mask.any()):  # step 0 (its own block) always holds every query's own key
+            continue
+        block_out, block_lse = _block(grouped, kv[0].to(acc)[:, :, None], kv[1].to(acc)[:, :, None],
+                                      mask[:, None, None], scale)
+        out, lse = (block_out, block_lse) if out is None else _merge(out, lse, block_out, block_lse)
+    return out.view(bsz, heads, tl, dim).to(q.dtype)
+
+
+def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int, scale: float | None = None) -> torch.Tensor:
+    """The ring's arithmetic on one process, with its own K/V (a copy each step, as a received block)
+    standing in for each of ``blocks`` blocks, unmasked and nothing sent: what a cp rank's ring saves
+    for backward, for a memory model's pass on the meta device. Not attention over anything real."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    bsz, heads, tl, dim = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    grouped = q.to(acc).view(bsz, k.shape[1], heads // k.shape[1], tl, dim)
+    kv = torch.stack((k, v))
+    mask = torch.ones(1, 1, 1, tl, k.shape[2], dtype=torch.bool, device=q.device)
+    out = lse = None
+    for _ in range(blocks):
+        kv = kv.clone()
+        block_out, block_lse = _block(grouped, kv[0].to(acc)[:, :, None], kv[1].to(acc)[:, :, None], mask, scale)
+        out, lse = (block_out, block_lse) if out is None else _merge(out, lse, block_out, block_lse)
+    return out.view(bsz, heads, tl, dim).to(q.dtype)
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` over one K/V block: the block's normalised output and the
+    log-sum-exp of each query's scores (``-inf`` where the block holds no key it may see)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = scores.logsumexp(dim=-1, keepdim=True)
+    # A query seeing nothing here: exp(-inf - 0) = 0 weights, not NaN (its lse stays -inf and weighs 0 in the merge).
+    probs = (scores - lse.masked_fill(lse.isneginf(), 0.0)).exp()
+    return probs @ v, lse
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two normalised partial softmax outputs as one: each weighed by its share of the total exp-sum."""
+    total = torch.logaddexp(lse, block_lse)
+    return out * (lse - total).exp() + block_out * (block_lse - total).exp(), total

@@ -1,0 +1,97 @@
+"""``parallel.context_parallel`` in configs: the presets ``cp``, ``fsdp_cp`` and ``3d_cp`` hold what they say,
+and every refusal of a cp layout names its path, its reason and a fix that works as printed (the cases
+join the catalogue that :mod:`test_printed_fixes` applies: :data:`CASES` is in ``fix_catalogue.MORE``).
+
+Run: ``python -m pytest tests/conf/test_context_configs.py -q``
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_bad_configs import Bad, assert_bad, bad
+
+from parallel.plan.resolve import resolve_plan
+from trainer.config.compose import compose_dict
+from trainer.models import build_model
+from trainer.validate.checks import validate_config
+
+_EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
+
+CASES: dict[str, Bad] = {
+    "cp/seq-len-not-in-2cp-chunks": bad(
+        ["+parallel=cp", "mesh=[4]", "train.seq_len=100"], "train.seq_len",
+        ["100 tokens do not cut into 2 x cp = 8 equal chunks", "a head and a tail chunk"],
+        ["multiple of 8", "train.seq_len=96"]),
+    "cp/sequence-parallel-on-a-cp-share": bad(
+        ["+parallel=3d_cp", "mesh=[1,2,4]", "parallel.tensor_parallel.sequence_parallel=true", "train.seq_len=36",
+         "model.n_kv_heads=4"],
+        "train.seq_len", ["36 tokens (18 per cp rank) do not split evenly over the sequence-parallel axis 'tp' of size 4"],
+        ["multiple of 8", "train.seq_len=32"]),
+    "cp/with-compile": bad(
+        ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
+        ["torch.compile with context parallelism is not built yet"], ["train.compile=false", "parallel.context_parallel=null"]),
+    "cp/with-a-pipeline": bad(
+        ["+parallel=3d", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
+        "parallel.context_parallel", ["with a pipeline is not built yet"],
+        ["parallel.pipeline=null", "parallel.context_parallel=null"]),
+    "cp/with-hsdp": bad(
+        ["+parallel=hsdp_tp", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
+        "parallel.context_parallel", ["hsdp with context parallelism is not built yet"],
+        ["'parallel.data_parallel={dim: dp_shard, mode: fsdp}'", "parallel.context_parallel=null"]),
+    "cp/custom-module": bad(
+        ["+parallel=cp", "mesh=[2]", *_EMBEDDING], "parallel.context_parallel",
+        ["model.arch custom: no module of Embedding attends over a split sequence", "context_parallel attribute"],
+        ["parallel.context_parallel=null 'parallel.data_parallel={dim: cp, mode: fsdp}'"]),
+    "cp/mlp-beside-dp": bad(
+        ["+parallel=fsdp_cp", "model=mlp", "data=regression"], "parallel.context_parallel",
+        ["model.arch mlp: no module of MatmulMLP"], ["parallel.context_parallel=null 'mesh=[2,1]'"]),
+    "cp/axis-not-in-dims": bad(
+        ["+parallel=cp", "parallel.context_parallel.dim=sp"], "parallel.context_parallel.dim",
+        ["axis 'sp' is not in parallel.dims ['cp']"]),
+    "cp/axis-is-the-dp-axis": bad(
+        ["+parallel=fsdp_cp", "parallel.context_parallel.dim=dp"], "parallel.context_parallel.dim",
+        ["axis 'dp' is already the data-parallel axis"], ["give context parallelism its own mesh axis"]),
+    "cp/parameters-placed-on-cp": bad(
+        ["+parallel=cp", "mesh=[2]", "+parallel.placements={layers.*.mlp.w2.weight: {cp: Shard(0)}}"],
+        'parallel.placements["layers.*.mlp.w2.weight"].cp', ["the context_parallel axis"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_a_cp_refusal_names_path_reason_and_fix(case: Bad):
+    assert_bad(case)
+
+
+def _validated(*overrides: str):
+    cfg = validate_config(compose_dict(list(overrides)))
+    return cfg, resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+
+
+def test_cp_preset_splits_sequences_over_four_ranks_that_shard_parameters():
+    cfg, plan = _validated("+parallel=cp")
+    assert cfg.mesh_shape == (4,) and cfg.parallel.dims == ["cp"] and cfg.dp_size == 1
+    assert (cfg.parallel.context_parallel.dim, cfg.parallel.context_parallel.method) == ("cp", "ring")
+    assert plan.cp_size == 4 and plan.data_parallel is None and plan.param_data_parallel.dim_names == ("cp",)
+
+
+def test_fsdp_cp_preset_folds_cp_into_the_fsdp_mesh():
+    cfg, plan = _validated("+parallel=fsdp_cp", "mesh=[2,4]")
+    assert cfg.parallel.dims == ["dp", "cp"] and (cfg.dp_size, plan.cp_size) == (2, 4)
+    assert plan.data_parallel.mode == "fsdp" and plan.param_data_parallel.dim_names == ("dp", "cp")
+
+
+def test_3d_cp_preset_is_dp_cp_tp():
+    cfg, plan = _validated("+parallel=3d_cp")
+    assert cfg.mesh_shape == (2, 2, 2) and cfg.parallel.dims == ["dp", "cp", "tp"]
+    assert (cfg.dp_size, plan.cp_size, cfg.axis_size("tp")) == (2, 2, 2)
+    assert {axis: str(p) for axis, p in plan.placements["layers.0.attn.wq.weight"].items()} == {"tp": "Shard(0)"}
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_both_methods_validate_on_hugging_face_names(method, tmp_path):
+    from tests.hf_assets import write_tiny_llama
+
+    write_tiny_llama(tmp_path)
+    cfg, plan = _validated("+parallel=cp", "mesh=[2]", "model=hf", f"model.path={tmp_path}",
+                           f"parallel.context_parallel.method={method}", "train.seq_len=64")
+    assert plan.context_parallel.method == method

@@ -1,0 +1,155 @@
+"""Checks of context parallelism (``parallel.context_parallel``), run inside the worker processes of one
+launch per world size (``dist_harness``):
+
+* ``attention``: :func:`parallel.context.context_attention` (ring and all-gather) against full
+  attention on the whole sequence, outputs and the gradients of q, k and v, in fp64 and fp32, over
+  shapes (heads, kv heads, lengths, batch), causal and not, with packed documents and without;
+  the cp size is the world's (2 or 4).
+* ``trained``: the trainer's own loop (:func:`trainer.run.loop.train`: config, loader, model, steps)
+  on a cp layout; the parent compares the losses with one device's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parallel.context import ContextShard, context_attention, shard_sequence
+from trainer.config.compose import compose_dict
+from trainer.run.metrics import NullProgress
+from trainer.tracking.tracker import NullTracker
+from trainer.validate.checks import validate_config
+
+STEPS = 5
+# gpt_debug: 4 layers, 4 query heads over 2 kv heads; 256 tokens, so each of 2 x cp chunks holds 32 or more.
+BASE = ["model=gpt_debug", "train.seq_len=256", "train.global_batch_size=2", f"train.steps={STEPS}", "tracking=none",
+        "train.checkpoint.save_final=false", "tracking.pictures=false", "train.eval_at_start=false", "optim.lr=1e-3",
+        "optim.warmup_steps=0"]
+DATA_ENV = "MESHFLOW_TEST_CP_DATA_DIR"  # set by the parent test: docs.jsonl, and a chat model/ and chats.jsonl
+
+# (batch, heads, kv heads, tokens per chunk of 2 x cp, head dim): whole heads, grouped heads, one kv head.
+SHAPES = [(2, 4, 4, 4, 8), (1, 4, 2, 8, 16), (2, 6, 2, 3, 8), (1, 2, 1, 16, 4)]
+# (causal, packed documents): the decoder's two cases, and attention that sees the whole row.
+MASKS = [(True, False), (True, True), (False, False)]
+
+
+def overrides(data: str, extra: list[str]) -> list[str]:
+    """``synthetic`` rows; ``packed`` documents (byte tokens, positions restarting at each); ``chat``: the tiny
+    Hugging Face Llama on packed conversations whose targets are masked but the assistant's (uneven counts)."""
+    root = os.environ.get(DATA_ENV, "")
+    if data == "chat":
+        return ["model=hf", f"model.path={root}/model", "data=chat", f"data.paths=[{root}/chats.jsonl]",
+                "train.seq_len=64", "train.global_batch_size=4", *BASE[3:], *extra]  # 4 rows: uneven target counts
+    rows = {"synthetic": ["data=synthetic", "data.num_tokens=65536"],
+            "packed": ["data=files", f"data.paths=[{root}/docs.jsonl]", "data.packing=true"]}[data]
+    return [*BASE, *rows, *extra]
+
+
+def trained(data: str, extra: list[str]):
+    """A check: the trainer's loop on ``data`` under ``extra``; its losses, as every rank reports them."""
+
+    def check(*, rank: int, world_size: int) -> dict:
+        from trainer.run.loop import train
+
+        began = time.perf_counter()
+        # The model-aware checks and the memory prediction (a meta pass each) are test_context_configs.py's.
+        cfg = validate_config(compose_dict(overrides(data, extra)), check_model=False)
+        validated = time.perf_counter()
+        result = train(cfg, tracker=NullTracker(), progress=NullProgress(), rank=rank, predicted_peak_mib=0.0)
+        return {"losses": result.losses, "validate_s": validated - began, "train_s": time.perf_counter() - validated,
+                "step_s": result.step_times}
+
+    return check
+
+
+def _documents(batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """``[batch, seq_len]`` positions of packed documents: each row cut at a few random places (row 0 not at all)."""
+    positions = torch.arange(seq_len).repeat(batch, 1)
+    for row in range(1, batch):
+        for cut in sorted(torch.randperm(seq_len - 1, generator=generator)[:3].add(1).tolist()):
+            positions[row, cut:] = torch.arange(seq_len - cut)
+    return positions
+
+
+def _full(q, k, v, *, causal: bool, doc: torch.Tensor | None) -> torch.Tensor:
+    """Attention over the whole sequence on one process: SDPA with the mask spelled out."""
+    seq_len = q.shape[2]
+    index = torch.arange(seq_len)
+    mask = (index[None, :] <= index[:, None]) if causal else torch.ones(seq_len, seq_len, dtype=torch.bool)
+    mask = mask[None, None]
+    if doc is not None:
+        mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
+
+
+def _one_case(shard: ContextShard, dtype: torch.dtype, seed: int, shape: tuple, causal: bool, packed: bool) -> float:
+    """The largest difference from full attention of the output and the q, k, v gradients."""
+    batch, heads, kv_heads, chunk, dim = shape
+    g = torch.Generator().manual_seed(seed)  # every rank draws the same full tensors, then takes its chunks
+    seq_len = 2 * shard.size * chunk
+    q = torch.randn(batch, heads, seq_len, dim, generator=g, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, seq_len, dim, generator=g, dtype=dtype) for _ in range(2))
+    grad_out = torch.randn(batch, heads, seq_len, dim, generator=g, dtype=dtype)
+    # A document is known by the position it starts at.
+    doc = torch.arange(seq_len) - _documents(batch, seq_len, g) if packed else None
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = _full(*full, causal=causal, doc=doc)
+    (expected * grad_out).sum().backward()
+
+    def mine(t: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        return shard_sequence(t, dim=dim, cp_rank=shard.rank, cp_size=shard.size)
+
+    local = [mine(t).clone().requires_grad_() for t in (q, k, v)]
+    out = context_attention(*local, shard=shard, q_index=shard.token_index(2 * chunk), causal=causal,
+                            doc=mine(doc, 1) if doc is not None else None)
+    (out * mine(grad_out)).sum().backward()
+    pairs = [(out, expected)] + [(a.grad, b.grad) for a, b in zip(local, full)]
+    return max(float((a - mine(b)).abs().max()) for a, b in pairs)
+
+
+def attention_check(*, rank: int, world_size: int) -> dict:
+    """The largest difference from full attention (outputs and q/k/v gradients) per dtype, over
+    both methods, every shape and mask in fp64 and one shape's masks in fp32 (rounding only)."""
+    began = time.perf_counter()
+    worst: dict[str, float] = {"float64": 0.0, "float32": 0.0}
+    cases = 0
+    for method in ("ring", "allgather"):
+        shard = ContextShard(group=dist.group.WORLD, rank=rank, size=world_size, method=method)
+        for dtype, shapes in ((torch.float64, SHAPES), (torch.float32, SHAPES[1:2])):
+            name = str(dtype).removeprefix("torch.")
+            for shape_index, shape in enumerate(shapes):
+                for causal, packed in MASKS:
+                    error = _one_case(shard, dtype, 100 * shape_index + 10 * causal + packed, shape, causal, packed)
+                    worst[name] = max(worst[name], error)
+                    cases += 1
+    return {"worst": worst, "cases": cases, "seconds": time.perf_counter() - began}
+
+
+# The default run: the attention property check and the layouts of the acceptance (one launch per world size);
+# the rest (all-gather, packed documents, chat) in the slow pass, one more launch per world size.
+SUITES = {
+    "two_rank": [
+        ("attention_cp2", attention_check),
+        ("cp2_ring", trained("synthetic", ["+parallel=cp", "mesh=[2]"])),
+    ],
+    "four_rank": [
+        ("attention_cp4", attention_check),
+        ("cp4_ring", trained("synthetic", ["+parallel=cp", "mesh=[4]"])),
+        ("fsdp_cp", trained("synthetic", ["+parallel=fsdp_cp", "mesh=[2,2]"])),
+        ("cp_tp_sp", trained("synthetic", ["+parallel=3d_cp", "mesh=[1,2,2]", "parallel.tensor_parallel.sequence_parallel=true"])),
+    ],
+    "two_rank_slow": [
+        ("cp2_allgather", trained("synthetic", ["+parallel=cp", "mesh=[2]", "parallel.context_parallel.method=allgather"])),
+        ("cp2_packed", trained("packed", ["+parallel=cp", "mesh=[2]"])),
+        ("cp2_chat", trained("chat", ["+parallel=cp", "mesh=[2]"])),
+    ],
+    "four_rank_slow": [
+        ("cp4_packed_allgather", trained("packed", ["+parallel=cp", "mesh=[4]", "parallel.context_parallel.method=allgather"])),
+        ("fsdp_cp_chat", trained("chat", ["+parallel=fsdp_cp", "mesh=[2,2]"])),
+    ],
+}

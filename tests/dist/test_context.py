@@ -1,0 +1,102 @@
+"""Context parallelism on cp [2], cp [4], fsdp x cp [2, 2] and cp x tp [2, 2] with sequence parallelism (fp32): the first five losses of the
+trainer's loop equal one device's (rel 1e-5) at 256 tokens on the 4-layer gpt_debug (grouped heads),
+ring and all-gather, on plain rows, on packed documents, and on chat rows whose targets are masked
+(the loss the mean over every target of the full rows); and the cp attention equals full attention,
+outputs and gradients, over shapes, causal and not, with documents and without.
+
+    pytest tests/dist/test_context.py -q             # two launches: 2 and 4 processes (ring, fsdp x cp)
+    pytest tests/dist/test_context.py -q -m slow     # two more: all-gather, packed documents, chat
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from context_checks import DATA_ENV, SUITES, overrides
+from dist_harness import SuiteResults, max_rel
+
+WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "two_rank_slow": 2, "four_rank_slow": 4}
+LOSS_REL_TOL = 1e-5
+# fp64 inputs are computed in fp64 throughout: only the order of additions differs from one device.
+ATTENTION_TOL = {"float64": 1e-12, "float32": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Documents of 5 to 60 words (several to a 256-byte row), and a chat model with its conversations."""
+    import json
+    import random
+
+    from tests.hf_assets import WORDS, conversations, write_chat_tokenizer, write_chats, write_tiny_llama
+
+    root = tmp_path_factory.mktemp("cp-data")
+    rng = random.Random(3)
+    docs = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))} for _ in range(200)]
+    (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    write_chat_tokenizer(root / "model", vocab_size=400)
+    write_tiny_llama(root / "model", vocab_size=416)
+    write_chats(root / "chats.jsonl", conversations(40, seed=5, words=(1, 4)))
+    os.environ[DATA_ENV] = str(root)
+    yield root
+    os.environ.pop(DATA_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def references(data_dir):
+    """One device's losses on each kind of data (the same loop), each computed when first asked for."""
+    from trainer.config.compose import compose_dict
+    from trainer.run.loop import train
+    from trainer.run.metrics import NullProgress
+    from trainer.tracking.tracker import NullTracker
+    from trainer.validate.checks import validate_config
+
+    cache: dict[str, list[float]] = {}
+
+    def losses(data: str) -> list[float]:
+        if data not in cache:
+            cfg = validate_config(compose_dict(overrides(data, [])), check_model=False)
+            cache[data] = train(cfg, tracker=NullTracker(), progress=NullProgress(), predicted_peak_mib=0.0).losses
+        return cache[data]
+
+    return losses
+
+
+@pytest.fixture(scope="module")
+def results(data_dir, tmp_path_factory):
+    return SuiteResults(SUITES, WORLD_SIZE, checks="context_checks", tmp=tmp_path_factory)
+
+
+def _data(check: str) -> str:
+    return next((d for d in ("packed", "chat") if d in check), "synthetic")
+
+
+def _parity(suites: list[str]) -> list[str]:
+    return [name for suite in suites for name, _ in SUITES[suite] if not name.startswith("attention")]
+
+
+@pytest.mark.parametrize("check", _parity(["two_rank", "four_rank"]))
+def test_cp_losses_equal_one_device(check, results, references):
+    _assert_parity(check, results, references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", _parity(["two_rank_slow", "four_rank_slow"]))
+def test_cp_allgather_documents_and_chat_equal_one_device(check, results, references):
+    _assert_parity(check, results, references)
+
+
+def _assert_parity(check: str, results, references) -> None:
+    expected = references(_data(check))
+    assert len(expected) == 5 and len(set(expected)) == 5
+    for r in results(check):
+        assert max_rel(r["losses"], expected) <= LOSS_REL_TOL, (r["losses"], expected)
+
+
+@pytest.mark.parametrize("check", ["attention_cp2", "attention_cp4"])
+def test_cp_attention_equals_full_attention(check, results):
+    for r in results(check):
+        assert r["cases"] == 2 * (4 + 1) * 3  # methods x (fp64 shapes + one fp32 shape) x masks
+        for dtype, worst in r["worst"].items():
+            assert worst <= ATTENTION_TOL[dtype], (dtype, worst)

@@ -1,0 +1,74 @@
+"""Validation of ``parallel.context_parallel`` (each sequence split over a mesh axis, :mod:`parallel.context`):
+what the split needs of the config, and what it needs of the model.
+
+* ``train.seq_len`` cuts into ``2 x cp`` equal chunks (each cp rank holds a head and a tail chunk);
+* the model has an attention that attends over a split sequence (the built-in and Hugging Face
+  Llama-family decoders); a custom module or the MLP is refused with the reason;
+* what is not built yet is refused with a fix that drops one of the two: a pipeline with cp,
+  hsdp with cp (its replicate x shard mesh would need the cp axis folded into the shard axis).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from parallel.context import supports_context_parallel
+from parallel.errors import ConfigIssue, override
+from trainer.config.schema import RunConfig
+
+PATH = "parallel.context_parallel"
+
+
+def check_context(cfg: RunConfig) -> list[ConfigIssue]:
+    """The config's side: sequence length, and the layouts cp is not built with (no model needed)."""
+    par = cfg.parallel
+    cp = par.context_parallel if par is not None else None
+    # An unknown axis, or dims that do not match the mesh, are reported with the other axes' issues.
+    if cp is None or cp.dim not in par.dims or cfg.mesh is None or len(par.dims) != len(cfg.mesh_shape):
+        return []
+    issues = []
+    size = cfg.axis_size(cp.dim)
+    chunks = 2 * size
+    if size > 1 and cfg.train.seq_len % chunks:
+        fit = chunks * max(1, cfg.train.seq_len // chunks)
+        issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens do not cut into 2 x cp = {chunks} equal "
+                                  f"chunks: each of the {size} cp ranks holds a head and a tail chunk of every row, so "
+                                  "that causal attention costs every rank the same",
+                                  f"use a multiple of {chunks}, e.g. {override('train.seq_len', fit)}"))
+    drop_cp = override(PATH, None)
+    if par.pipeline is not None:
+        issues.append(ConfigIssue(PATH, "context parallelism with a pipeline is not built yet: stages would pass each "
+                                  "rank's chunks of the micro-batches between them, which the schedules do not",
+                                  f"train without the pipeline ({override('parallel.pipeline', None)}) or without "
+                                  f"context parallelism ({drop_cp})"))
+    if cfg.train.compile:
+        issues.append(ConfigIssue("train.compile", "torch.compile with context parallelism is not built yet: the ring's "
+                                  "hops and its skipped blocks would break every block's graph",
+                                  f"set {override('train.compile', False)}, or train without context parallelism "
+                                  f"({drop_cp})"))
+    dp = par.data_parallel
+    if dp is not None and dp.mode == "hsdp":
+        issues.append(ConfigIssue(PATH, "hsdp with context parallelism is not built yet: the cp ranks shard parameters "
+                                  "with the dp ranks, which needs the cp axis folded into hsdp's shard axis",
+                                  f"shard over one dp axis ({override('parallel.data_parallel', {'dim': dp.dim_names[-1], 'mode': 'fsdp'})}) "
+                                  f"or train without context parallelism ({drop_cp})"))
+    return issues
+
+
+def check_context_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
+    """The model's side: some module of ``model`` (built on meta) attends over a split sequence."""
+    par = cfg.parallel
+    cp = par.context_parallel if par is not None else None
+    if cp is None or supports_context_parallel(model):
+        return []
+    # The cp ranks can still train: as data-parallel ranks (or, beside a dp axis, not at all).
+    if par.data_parallel is None:
+        fix = f"{override(PATH, None)} {override('parallel.data_parallel', {'dim': cp.dim, 'mode': 'fsdp'})}"
+    else:
+        shape = [1 if name == cp.dim else size for name, size in zip(par.dims, cfg.mesh_shape)]
+        fix = f"{override(PATH, None)} {override('mesh', shape)}"
+    return [ConfigIssue(PATH, f"model.arch {cfg.model.arch}: no module of {type(model).__name__} attends over a split "
+                        "sequence. Context parallelism needs an attention that takes its rank's chunks of every row and "
+                        "sees the whole row (the built-in and Hugging Face Llama-family decoders have one); a module "
+                        "opts in by declaring a context_parallel attribute and calling "
+                        "parallel.context.context_attention", f"use the cp ranks for data instead: {fix}")]
