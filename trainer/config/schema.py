@@ -36,6 +36,7 @@ from trainer.config.model_schema import (  # noqa: F401 - re-exported: callers n
     LoRAConfig,
     MLPConfig,
     ModelConfig,
+    MoEConfig,
     RopeScaling,
 )
 from trainer.config.tracking_schema import TrackingConfig

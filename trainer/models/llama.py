@@ -31,6 +31,7 @@ from torch import nn
 from trainer.config.schema import LlamaConfig, LoRAConfig, RopeScaling
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
 from trainer.models.lora import adapter_init, apply_lora
+from trainer.models.moe import GroupedExperts, MoE
 
 
 class Names(NamedTuple):
@@ -215,7 +216,12 @@ class TransformerBlock(nn.Module):
         self.add_module(names.attn_norm, RMSNorm(cfg.dim, cfg.norm_eps))
         self.add_module(names.attn, Attention(cfg, names))
         self.add_module(names.mlp_norm, RMSNorm(cfg.dim, cfg.norm_eps))
-        self.add_module(names.mlp, FeedForward(cfg.dim, cfg.ffn_hidden_dim, names))
+        if cfg.moe is None:
+            self.add_module(names.mlp, FeedForward(cfg.dim, cfg.ffn_hidden_dim, names))
+        else:
+            hidden = cfg.moe.hidden_dim or cfg.ffn_hidden_dim
+            shared = FeedForward(cfg.dim, hidden * cfg.moe.num_shared_experts, names) if cfg.moe.num_shared_experts else None
+            self.add_module(names.mlp, MoE(cfg.dim, cfg.ffn_hidden_dim, cfg.moe, shared=shared))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         n = self._names
@@ -324,6 +330,8 @@ class Transformer(nn.Module):
             return adapter
         if isinstance(module, nn.RMSNorm):
             return "ones", 0.0
+        if isinstance(module, GroupedExperts):  # w2 projects back into the residual stream, as a down projection
+            return "normal", self.cfg.init_std / (math.sqrt(2 * self.cfg.n_layers) if fqn.endswith(".w2") else 1.0)
         if isinstance(module, nn.Linear) and fqn.endswith(".bias"):
             return "zeros", 0.0
         if isinstance(module, (nn.Linear, nn.Embedding)):
