@@ -311,17 +311,27 @@ class Transformer(nn.Module):
         blocks = self.pieces[1] + ".*"
         col, row = {axis: "Shard(0)"}, {axis: "Shard(1)"}
         if n == MESHFLOW_NAMES:  # the globs the built-in presets always wrote
-            placements = {f"{blocks}.attn.w[qkv].weight": col, f"{blocks}.attn.wo.weight": row,
-                          f"{blocks}.mlp.w[13].weight": col, f"{blocks}.mlp.w2.weight": row}
+            placements = {f"{blocks}.attn.w[qkv].weight": col, f"{blocks}.attn.wo.weight": row}
+            mlp = {f"{blocks}.mlp.w[13].weight": col, f"{blocks}.mlp.w2.weight": row}
         else:
             placements = {f"{blocks}.{n.attn}.{p}.weight": col for p in (n.q, n.k, n.v)}
             placements[f"{blocks}.{n.attn}.{n.o}.weight"] = row
-            placements |= {f"{blocks}.{n.mlp}.{p}.weight": col for p in (n.gate, n.up)}
-            placements[f"{blocks}.{n.mlp}.{n.down}.weight"] = row
+            mlp = {f"{blocks}.{n.mlp}.{p}.weight": col for p in (n.gate, n.up)}
+            mlp[f"{blocks}.{n.mlp}.{n.down}.weight"] = row
+        if self.cfg.moe is None:  # experts are no column/row pairs (validation refuses tp of an MoE model)
+            placements |= mlp
         if self.cfg.qkv_bias:  # a column-parallel layer's bias is split like its output rows
             placements |= {f"{blocks}.{n.attn}.{p}.bias": col for p in (n.q, n.k, n.v)}
         layouts = {f"{blocks}.{norm}": {"input": {axis: "Shard(1)"}} for norm in (n.attn_norm, n.mlp_norm)}
         return placements, (layouts if sequence_parallel else {})
+
+    def expert_modules(self) -> list[str]:
+        """The modules of stacked experts (every parameter ``[num_experts, ...]``) an expert-parallel
+        axis splits: each block's ``mlp.experts`` with ``model.moe``, none for the dense MLP."""
+        if self.cfg.moe is None:
+            return []
+        n = self.names
+        return [name for name, _ in self.named_modules() if name.endswith(f".{n.mlp}.experts")]
 
     def _init_rule(self, fqn: str) -> tuple[InitKind, float]:
         module_name = fqn.rpartition(".")[0]

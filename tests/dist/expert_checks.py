@@ -1,0 +1,70 @@
+"""Checks of the mixture-of-experts model ``gpt_moe`` on expert-parallel layouts, inside the worker
+processes of one launch per world size (``dist_harness``).
+
+Each check takes the trainer's road: the config composed from overrides and validated, the model
+built on meta, sharded and given the seed's values per rank (:func:`build_parallel_model`), the
+training loss with the balance loss added (:func:`with_aux_loss`); then ``STEPS`` steps on the
+batches of ``dist_checks`` with AdamW, as the loop does. It reports the losses, the balance losses
+and the gradient norms every rank sees, and where the experts' weights are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dist_checks import GRAD_CLIP, batches, make_optimizer
+from trainer.config.compose import compose_dict
+from trainer.models import decoder_config, loss_fn_for
+from trainer.models.moe import with_aux_loss
+from trainer.run.build import build_parallel_model
+from trainer.validate.checks import validate_config
+
+BASE = ["model=gpt_moe", "data=synthetic", "train.seq_len=32", "train.global_batch_size=8"]
+
+
+def run_config(overrides: list[str]):
+    """The validated RunConfig of ``gpt_moe`` under ``overrides`` (none: one device)."""
+    return validate_config(compose_dict([*BASE, *overrides]))
+
+
+def train_moe(cfg) -> dict:
+    """``STEPS`` steps of ``cfg``'s model on this rank's share of each batch: the losses (balance
+    loss included, with its weight), the unweighted balance losses and the pre-clip gradient norms."""
+    pm = build_parallel_model(cfg, torch.device("cpu"))
+    decoder = decoder_config(cfg.model)
+    loss_fn = with_aux_loss(loss_fn_for(decoder), pm.model_parts, cfg.model)
+    optimizer = make_optimizer(pm.parameters())
+    losses, aux, norms = [], [], []
+    for inputs, targets in batches(decoder):
+        per = inputs.shape[0] // pm.dp_size
+        share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+        loss = pm.forward_backward(inputs[share], targets[share], loss_fn)
+        norms.append(pm.clip_grad_norm_(GRAD_CLIP))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(pm.reduce_loss(loss))
+        aux.append(pm.reduce_loss(loss_fn.aux))
+    w1 = dict(pm.named_parameters())["layers.0.mlp.experts.w1"]
+    where = ({"placements": [repr(p) for p in w1.placements], "mesh_dims": list(w1.device_mesh.mesh_dim_names),
+              "local_shape": list(w1.to_local().shape)} if isinstance(w1, DTensor) else {})
+    return {"losses": losses, "aux": aux, "grad_norms": norms, "dp_size": pm.dp_size, "w1": where}
+
+
+def expert_check(overrides: list[str]):
+    def check(*, rank: int, world_size: int) -> dict:
+        return train_moe(run_config(overrides))
+
+    return check
+
+
+SUITES = {
+    "two_rank": [
+        ("ep", expert_check(["+parallel=ep", "mesh=[2]"])),
+        ("fsdp", expert_check(["+parallel=fsdp", "mesh=[2]"])),  # experts sharded by FSDP, no ep axis
+    ],
+    "four_rank": [
+        ("fsdp_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]"])),
+        ("ep4", expert_check(["+parallel=ep", "mesh=[4]"])),
+    ],
+}

@@ -1,0 +1,49 @@
+"""The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], and
+fsdp [2] (experts sharded by FSDP alone) give one device's first 5 losses, balance losses and
+gradient norms (fp32, rel 1e-5), with the experts' weights ``Shard(0)`` over ep.
+
+    pytest tests/dist/test_experts.py -q      # two launches: 2 and 4 processes
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import SuiteResults, max_rel
+from expert_checks import SUITES, run_config, train_moe
+
+WORLD_SIZE = {"two_rank": 2, "four_rank": 4}
+CHECKS = [name for checks in SUITES.values() for name, _ in checks]
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One device, the same road (build, the loss with the balance loss, the steps)."""
+    return train_moe(run_config([]))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return SuiteResults(SUITES, WORLD_SIZE, checks="expert_checks", tmp=tmp_path_factory)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_losses_and_balance_losses_equal_one_device(check, results, reference):
+    assert 1.0 < min(reference["aux"]) < 2.0  # the balance loss is at work: about 1, never 0
+    for r in results(check):
+        print(f"{check}: max rel losses {max_rel(r['losses'], reference['losses']):.1e}, aux "
+              f"{max_rel(r['aux'], reference['aux']):.1e}, grad norms {max_rel(r['grad_norms'], reference['grad_norms']):.1e}")
+        assert max_rel(r["losses"], reference["losses"]) <= REL, (r["losses"], reference["losses"])
+        assert max_rel(r["aux"], reference["aux"]) <= REL, (r["aux"], reference["aux"])
+        assert max_rel(r["grad_norms"], reference["grad_norms"]) <= REL, (r["grad_norms"], reference["grad_norms"])
+
+
+@pytest.mark.parametrize("check, placements, mesh_dims, local_experts",
+                         [("ep", ["Shard(dim=0)"], ["ep"], 4), ("ep4", ["Shard(dim=0)"], ["ep"], 2),
+                          ("fsdp_ep", ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], ["dp", "ep"], 2)])
+def test_experts_are_split_over_ep(check, placements, mesh_dims, local_experts, results):
+    for r in results(check):
+        assert r["w1"]["mesh_dims"] == mesh_dims and r["w1"]["placements"] == placements, r["w1"]
+        assert r["w1"]["local_shape"][0] == local_experts, r["w1"]
+        assert r["dp_size"] == {"ep": 2, "ep4": 4, "fsdp_ep": 4}[check]  # ep splits the batch
