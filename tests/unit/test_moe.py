@@ -144,3 +144,36 @@ def test_gpt_moe_counts_total_and_active_parameters_and_initialises_like_one_dev
         assert torch.equal(p, q), name
     w2, w1 = model.layers["0"].mlp.experts.w2, model.layers["0"].mlp.experts.w1
     assert float(w2.std()) < float(w1.std())  # the residual projection is scaled down, as a dense down projection
+
+
+class _Metrics:
+    """A tracker that keeps the metrics the loop logs (the rest: a NullTracker's nothing)."""
+
+    def __init__(self) -> None:
+        from trainer.tracking.tracker import NullTracker
+
+        self.null, self.logged = NullTracker(), {}
+
+    def log_metrics(self, metrics, step: int) -> None:
+        self.logged[step] = dict(metrics)
+
+    def __getattr__(self, name: str):
+        return getattr(self.null, name)
+
+
+def test_the_loop_trains_on_the_balance_loss_and_logs_it(tmp_path):
+    """The training loop's steps: ``loss`` is the language-model loss plus the weighted balance loss, and
+    ``aux_loss`` (unweighted) is a metric of its own; evaluation reports the language-model loss alone."""
+    from trainer.config.schema import RunConfig
+    from trainer.run.loop import train
+    from trainer.run.metrics import NullProgress
+
+    cfg = RunConfig.model_validate(compose_dict([
+        "model=gpt_moe", "model.n_layers=1", "data=synthetic", "train.steps=2", "train.log_every=1", "tracking=none",
+        "train.seq_len=16", "train.global_batch_size=2", "train.checkpoint.save_final=false", "tracking.pictures=false",
+        f"train.checkpoint.dir={tmp_path}"]))
+    tracker = _Metrics()
+    result = train(cfg, tracker=tracker, progress=NullProgress())
+    assert len(result.aux_losses) == 2 and all(1.0 <= a < 2.0 for a in result.aux_losses)
+    assert [tracker.logged[s]["aux_loss"] for s in (1, 2)] == result.aux_losses
+    assert [tracker.logged[s]["loss"] for s in (1, 2)] == result.losses
