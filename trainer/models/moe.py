@@ -85,7 +85,7 @@ def grouped_mm(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, *, 
     ``torch._grouped_mm`` (True) or the loop (False); None = the grouped kernel where it works for
     this device, dtype and shape (:func:`grouped_mm_works`) and autocast is off, else the loop."""
     if grouped is None:
-        grouped = (not torch.is_autocast_enabled(x.device.type) and x.dtype == weights.dtype
+        grouped = (x.device.type != "meta" and not torch.is_autocast_enabled(x.device.type) and x.dtype == weights.dtype
                    and grouped_mm_works(x.device.type, x.dtype, weights.shape[2], weights.shape[1]))
     if grouped:
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
@@ -147,7 +147,8 @@ class MoE(nn.Module):
         choices = experts.flatten()
         # Stable: an expert's rows keep token order, so one device and every layout see the same order.
         order = choices.argsort(stable=True)
-        counts = torch.bincount(choices, minlength=self.cfg.num_experts)
+        counts = _balanced_counts(choices.numel(), self.cfg.num_experts) if choices.is_meta \
+            else torch.bincount(choices, minlength=self.cfg.num_experts)
         out_sorted = self.experts(flat[order // self.cfg.top_k], counts)
         # Back to (token, choice) order: each token sums its choices in one fixed order on every layout.
         out = out_sorted[order.argsort()]
@@ -155,6 +156,14 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(bsz, seqlen, dim)
+
+
+def _balanced_counts(rows: int, num_experts: int) -> torch.Tensor:
+    """Rows per expert when ``rows`` choices spread evenly: the shapes a planner's pass on the meta
+    device (which has no values to route by) gives the experts."""
+    counts = torch.full((num_experts,), rows // num_experts)
+    counts[: rows % num_experts] += 1
+    return counts
 
 
 def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

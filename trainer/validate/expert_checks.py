@@ -31,6 +31,9 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
             issues.append(ConfigIssue("model.moe.num_experts", f"{moe.num_experts} experts do not split over the "
                                       f"expert-parallel axis {ep.dim!r} of size {size}",
                                       f"use an {ep.dim} size dividing {moe.num_experts}, or model.moe.num_experts={fit}"))
+    if moe is not None and cfg.train.compile:
+        issues.append(ConfigIssue("train.compile", "torch.compile of a mixture-of-experts model is not tested yet "
+                                  "(its routing has data-dependent shapes)", "train.compile=false"))
     if par is None or (moe is None and ep is None):
         return issues
     what = "expert parallelism" if moe is None else "a mixture-of-experts model"
@@ -56,7 +59,4 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
     if par.activation_checkpointing != "none":
         issues.append(ConfigIssue("parallel.activation_checkpointing", "activation checkpointing of a "
                                   "mixture-of-experts model is not tested yet", "parallel.activation_checkpointing=none"))
-    if cfg.train.compile:
-        issues.append(ConfigIssue("train.compile", "torch.compile of a mixture-of-experts model is not tested yet "
-                                  "(its routing has data-dependent shapes)", "train.compile=false"))
     return issues
