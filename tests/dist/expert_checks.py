@@ -66,5 +66,6 @@ SUITES = {
     "four_rank": [
         ("fsdp_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]"])),
         ("ep4", expert_check(["+parallel=ep", "mesh=[4]"])),
+        ("zero2_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=zero2"])),
     ],
 }

@@ -1,5 +1,5 @@
-"""The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], and
-fsdp [2] (experts sharded by FSDP alone) give one device's first 5 losses, balance losses and
+"""The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], zero2 x ep
+[2, 2], and fsdp [2] (experts sharded by FSDP alone) give one device's first 5 losses, balance losses and
 gradient norms (fp32, rel 1e-5), with the experts' weights ``Shard(0)`` over ep.
 
     pytest tests/dist/test_experts.py -q      # two launches: 2 and 4 processes

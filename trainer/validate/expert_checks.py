@@ -1,9 +1,9 @@
 """Mixture-of-experts models and the expert-parallel axis: what is built, and the refusals (path,
 reason, fix) of what is not yet, before any worker starts.
 
-Built: a model with ``model.moe`` on one device, on data parallelism (ddp, fsdp, zero2, hsdp), and
-with ``parallel.expert_parallel`` alone or beside fsdp / zero2 over other axes; each equals one
-device (``tests/dist/test_experts.py``). Refused: what would need the balance loss or the dispatch
+Built: a model with ``model.moe`` on one device and on data parallelism (its experts are plain
+parameters there; fsdp is checked), and with ``parallel.expert_parallel`` alone or beside fsdp / zero2
+over other axes; each equals one device (``tests/dist/test_experts.py``). Refused: what would need the balance loss or the dispatch
 to cross what they do not cross yet (pipeline stages, tensor-parallel shards), and the wrappers not
 tested with the dispatch (activation checkpointing, torch.compile). That an ep axis needs a model
 with experts is the plan's check (:mod:`parallel.plan.resolve`): it knows the model's modules.
