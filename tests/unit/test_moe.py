@@ -177,6 +177,11 @@ def test_the_loop_trains_on_the_balance_loss_and_logs_it(tmp_path):
     assert len(result.aux_losses) == 2 and all(1.0 <= a < 2.0 for a in result.aux_losses)
     assert [tracker.logged[s]["aux_loss"] for s in (1, 2)] == result.aux_losses
     assert [tracker.logged[s]["loss"] for s in (1, 2)] == result.losses
+    # Rows per expert: 2 sequences x 16 tokens x top 2 spread over 8 experts, so a mean of 8 per expert.
+    for step in (1, 2):
+        low, high, ratio = (tracker.logged[step][k] for k in ("tokens_per_expert_min", "tokens_per_expert_max",
+                                                              "expert_imbalance"))
+        assert 0 <= low <= 8 <= high <= 64 and ratio == pytest.approx(high / 8)
 
 
 def test_export_to_hugging_face_refuses_the_moe_model_rather_than_drop_its_experts(tmp_path):

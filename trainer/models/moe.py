@@ -129,7 +129,8 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype, in_dim: int, out_dim:
 class MoE(nn.Module):
     """Router, routed experts, optional shared experts. ``forward(x [B, T, dim])`` also leaves this
     call's balance loss in ``aux_loss`` (a scalar with its graph), which the training loss adds
-    (:class:`WithAuxLoss`)."""
+    (:class:`WithAuxLoss`), and its rows per expert in ``tokens_per_expert`` (this rank's tokens'
+    choices, before any dispatch)."""
 
     def __init__(self, dim: int, hidden_dim: int, cfg: MoEConfig, shared: nn.Module | None = None) -> None:
         super().__init__()
@@ -138,6 +139,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, dim, cfg.hidden_dim or hidden_dim)
         self.shared = shared
         self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
@@ -149,6 +151,7 @@ class MoE(nn.Module):
         order = choices.argsort(stable=True)
         counts = _balanced_counts(choices.numel(), self.cfg.num_experts) if choices.is_meta \
             else torch.bincount(choices, minlength=self.cfg.num_experts)
+        self.tokens_per_expert = counts.detach()
         out_sorted = self.experts(flat[order // self.cfg.top_k], counts)
         # Back to (token, choice) order: each token sums its choices in one fixed order on every layout.
         out = out_sorted[order.argsort()]
@@ -194,7 +197,8 @@ def expert_parameter_count(model: nn.Module) -> tuple[int, int]:
 class WithAuxLoss:
     """The training loss of an MoE model: ``loss(output, targets) + aux_loss_weight * aux``, ``aux``
     the mean of the balance losses its MoE blocks left in this forward (:class:`MoE`). ``aux`` keeps
-    that value, detached, for the metrics; ``base`` is the loss without it (evaluation).
+    that value, detached, for the metrics, and ``load`` the rows each expert got, per block (the mean
+    over the blocks of their ``tokens_per_expert``); ``base`` is the loss without it (evaluation).
 
     The blocks are those of ``model_parts`` (this rank's parts): each part's forward ran just before
     the loss, so the values are this forward's."""
@@ -203,12 +207,14 @@ class WithAuxLoss:
         self.base, self.weight = base, weight
         self.blocks = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
         self.aux: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not self.blocks:
             raise ValueError("no MoE block ran on this rank: its parts hold none")
         aux = torch.stack([block.aux_loss for block in self.blocks]).mean()
         self.aux = aux.detach()
+        self.load = torch.stack([block.tokens_per_expert for block in self.blocks]).double().mean(dim=0)
         loss = self.base(output, targets)
         return loss + self.weight * aux if self.weight else loss
 

@@ -169,7 +169,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     for step in range(start + 1, t.steps + 1):
         began = time.perf_counter()
         with recorder.step(step, record=step >= record_from):
-            local_loss = local_aux = None
+            local_loss = local_aux = load = None
             _count_targets(eval_loss_fn, loader, t.global_batch_size)  # the step's (every accumulation batch's)
             for _ in range(t.grad_accum):
                 inputs, targets, positions = _on(device, loader.next_batch())
@@ -179,6 +179,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                 if isinstance(loss_fn, WithAuxLoss):  # this rank's balance loss (every rank computes one)
                     aux = loss_fn.aux / t.grad_accum
                     local_aux = aux if local_aux is None else local_aux + aux
+                    load = loss_fn.load if load is None else load + loss_fn.load
             with recorder.mark("optimizer"):
                 grad_norm = pm.clip_grad_norm_(t.grad_clip)
                 lr = scheduler.get_last_lr()[0]
@@ -193,6 +194,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         if local_aux is not None:  # the balance loss, unweighted: its own metric (the loss includes it, weighted)
             figures["aux_loss"] = pm.reduce_loss(local_aux)
             result.aux_losses.append(figures["aux_loss"])
+            figures.update(expert_load(_summed(load, pm)))
         window.add(step, **figures)
 
         if step % t.log_every == 0 or step == t.steps:
@@ -323,6 +325,26 @@ def _per_rank(value: float, pm: ParallelModel, device: torch.device) -> list[flo
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [float(v) for v in everyone]
+
+
+def expert_load(tokens_per_expert: torch.Tensor) -> dict[str, float]:
+    """The step's rows per expert (summed over the batch, averaged over the MoE blocks) as metrics: the
+    least and most loaded expert's, and the imbalance max / mean (1 = balanced)."""
+    mean = float(tokens_per_expert.mean())
+    return {"tokens_per_expert_min": float(tokens_per_expert.min()), "tokens_per_expert_max": float(tokens_per_expert.max()),
+            "expert_imbalance": float(tokens_per_expert.max()) / mean if mean else 1.0}
+
+
+def _summed(value: torch.Tensor, pm: ParallelModel) -> torch.Tensor:
+    """``value`` summed over every rank (a collective): each rank routes its own rows of the batch
+    (pipelines and tensor parallelism, which would repeat them, are refused with experts)."""
+    if pm.mesh is None:
+        return value
+    import torch.distributed as dist
+
+    total = value.clone()
+    dist.all_reduce(total)
+    return total
 
 
 def _rng_state() -> dict:
