@@ -1,16 +1,19 @@
 """The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], zero2 x ep
 [2, 2], and fsdp [2] (experts sharded by FSDP alone) give one device's first 5 losses, balance losses and
-gradient norms (fp32, rel 1e-5), with the experts' weights ``Shard(0)`` over ep.
+gradient norms (fp32, rel 1e-5), with the experts' weights ``Shard(0)`` over ep; and one device resumes
+an ep [2] checkpoint on one device's losses.
 
     pytest tests/dist/test_experts.py -q      # two launches: 2 and 4 processes
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dist_harness import SuiteResults, max_rel
-from expert_checks import SUITES, run_config, train_moe
+from expert_checks import OUT_ENV, SUITES, run_config, train_moe
 
 WORLD_SIZE = {"two_rank": 2, "four_rank": 4}
 CHECKS = [name for checks in SUITES.values() for name, _ in checks]
@@ -24,8 +27,27 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def checkpoints(tmp_path_factory):
+    """Where the ``ep`` check saves its checkpoint; the path reaches the workers by env."""
+    path = tmp_path_factory.mktemp("expert-ckpts")
+    os.environ[OUT_ENV] = str(path)
+    yield path
+    os.environ.pop(OUT_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, checkpoints):
     return SuiteResults(SUITES, WORLD_SIZE, checks="expert_checks", tmp=tmp_path_factory)
+
+
+def test_one_device_resumes_an_ep_checkpoint_on_one_devices_losses(results, reference, checkpoints):
+    """ep [2] saved after step 2 (experts Shard(0) over ep); one device reads it back and trains steps
+    3 to 5: one device's losses and balance losses, as if it had never stopped."""
+    results("ep")  # the launch that saved it
+    resumed = train_moe(run_config([]), resume=str(checkpoints / "step_00000002"))
+    assert len(resumed["losses"]) == 3
+    assert max_rel(resumed["losses"], reference["losses"][2:]) <= REL, (resumed["losses"], reference["losses"])
+    assert max_rel(resumed["aux"], reference["aux"][2:]) <= REL
 
 
 @pytest.mark.parametrize("check", CHECKS)
