@@ -74,13 +74,12 @@ def test_refusals_name_the_path_the_reason_and_the_fix():
         "model.moe.top_k: each token goes to 9 experts but there are only 8 (use top_k <= num_experts, "
         "e.g. model.moe.top_k=8)")
     issues = _issues("model=gpt_moe", "+parallel=3d")
-    assert set(issues) == {"parallel.pipeline", "parallel.tensor_parallel"}, issues  # the plan's mlp globs are not the MoE's
+    assert set(issues) == {"parallel.pipeline"}, issues  # the family plan splits the attention only: no mlp globs
     assert "train without a pipeline: parallel.pipeline=null" in issues["parallel.pipeline"]
 
 
 def test_placements_on_an_moe_model_are_refused_not_ignored():
     raw = compose_dict(["model=gpt_moe", "+parallel=tp"])
-    raw["parallel"]["tensor_parallel"] = None
     raw["parallel"]["placements"] = {"layers.*.mlp.experts.w1": {"tp": "Shard(1)"}}
     with pytest.raises(ConfigError) as refused:
         validate_with_plan(raw)

@@ -141,8 +141,7 @@ def _experts_preset(preset: str) -> bool:
 
 # What the mixture-of-experts model is refused on until it is built there (tests/conf/fix_catalogue.py has the fixes).
 MOE_REFUSED = {"pp": "parallel.pipeline", "pp_stages": "parallel.pipeline", "3d": "parallel.pipeline",
-               "tp": "parallel.tensor_parallel", "tp_sp": "parallel.tensor_parallel", "2d": "parallel.tensor_parallel",
-               "hsdp_tp": "parallel.tensor_parallel"}
+               "tp_sp": "parallel.tensor_parallel.sequence_parallel"}
 
 
 @pytest.mark.parametrize("preset", PARALLEL)

@@ -58,10 +58,17 @@ def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None) 
         if step == save_after:
             save_checkpoint(os.environ[OUT_ENV], step, model=merged_module(pm.model_parts), optimizer=optimizer,
                             extra={"step": step}, keep=1, tied=pm.tied_names)
-    w1 = dict(pm.named_parameters())["layers.0.mlp.experts.w1"]
-    where = ({"placements": [repr(p) for p in w1.placements], "mesh_dims": list(w1.device_mesh.mesh_dim_names),
-              "local_shape": list(w1.to_local().shape)} if isinstance(w1, DTensor) else {})
-    return {"losses": losses, "aux": aux, "grad_norms": norms, "dp_size": pm.dp_size, "w1": where}
+    named = dict(pm.named_parameters())
+    return {"losses": losses, "aux": aux, "grad_norms": norms, "dp_size": pm.dp_size,
+            "w1": _where(named["layers.0.mlp.experts.w1"]), "wq": _where(named["layers.0.attn.wq.weight"])}
+
+
+def _where(param: torch.Tensor) -> dict:
+    """A DTensor parameter's placements, mesh axes and local shape ({} for a plain tensor)."""
+    if not isinstance(param, DTensor):
+        return {}
+    return {"placements": [repr(p) for p in param.placements], "mesh_dims": list(param.device_mesh.mesh_dim_names),
+            "local_shape": list(param.to_local().shape)}
 
 
 def expert_check(overrides: list[str], **options):
@@ -75,10 +82,14 @@ SUITES = {
     "two_rank": [
         ("ep", expert_check(["+parallel=ep", "mesh=[2]"], save_after=2)),  # and a checkpoint one device resumes
         ("fsdp", expert_check(["+parallel=fsdp", "mesh=[2]"])),  # experts sharded by FSDP, no ep axis
+        ("tp", expert_check(["+parallel=tp", "mesh=[2]"])),  # attention split over tp, the MoE on every tp rank
     ],
     "four_rank": [
         ("fsdp_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]"])),
         ("ep4", expert_check(["+parallel=ep", "mesh=[4]"])),
+        ("ep_tp", expert_check(["+parallel=ep", "mesh=[2,2]", "parallel.dims=[ep,tp]",
+                                "parallel.tensor_parallel={dim: tp}"])),
+        ("2d", expert_check(["+parallel=2d", "mesh=[2,2]"])),  # fsdp x tp, no ep axis
         ("zero2_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=zero2"])),
     ],
 }

@@ -1,5 +1,5 @@
 """The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], zero2 x ep
-[2, 2], and fsdp [2] (experts sharded by FSDP alone) give one device's first 5 losses, balance losses and
+[2, 2], ep x tp [2, 2], and without ep: fsdp [2] (experts sharded by FSDP alone), tp [2] and fsdp x tp [2, 2] give one device's first 5 losses, balance losses and
 gradient norms (fp32, rel 1e-5), with the experts' weights ``Shard(0)`` over ep; and one device resumes
 an ep [2] checkpoint on one device's losses.
 
@@ -69,3 +69,10 @@ def test_experts_are_split_over_ep(check, placements, mesh_dims, local_experts, 
         assert r["w1"]["mesh_dims"] == mesh_dims and r["w1"]["placements"] == placements, r["w1"]
         assert r["w1"]["local_shape"][0] == local_experts, r["w1"]
         assert r["dp_size"] == {"ep": 2, "ep4": 4, "fsdp_ep": 4}[check]  # ep splits the batch
+
+
+def test_ep_beside_tp_splits_attention_over_tp_and_experts_over_ep(results):
+    for r in results("ep_tp"):
+        assert r["w1"]["mesh_dims"] == ["ep"] and r["w1"]["placements"] == ["Shard(dim=0)"], r["w1"]
+        assert r["wq"]["mesh_dims"] == ["ep", "tp"] and r["wq"]["placements"] == ["Replicate()", "Shard(dim=0)"], r["wq"]
+        assert r["dp_size"] == 2

@@ -1,18 +1,31 @@
 """Mixture-of-experts models and the expert-parallel axis: what is built, and the refusals (path,
 reason, fix) of what is not yet, before any worker starts.
 
-Built: a model with ``model.moe`` on one device and on data parallelism (its experts are plain
-parameters there; fsdp is checked), and with ``parallel.expert_parallel`` alone or beside fsdp / zero2
-over other axes; each equals one device (``tests/dist/test_experts.py``). Refused: what would need the balance loss or the dispatch
-to cross what they do not cross yet (pipeline stages, tensor-parallel shards), and the wrappers not
-tested with the dispatch (activation checkpointing, torch.compile). That an ep axis needs a model
+Built: a model with ``model.moe`` on one device, on data parallelism (its experts are plain
+parameters there; fsdp is checked) and on tensor parallelism of its attention (tp, fsdp x tp), and
+with ``parallel.expert_parallel`` alone, beside fsdp / zero2 or beside tp; each equals one device
+(``tests/dist/test_experts.py``). Refused: what would need the balance loss or the dispatch to cross
+what they do not cross yet (pipeline stages, sequence shards, the experts' own placements), the
+wrappers not tested with the dispatch (activation checkpointing, torch.compile), and ep x tp x dp. That an ep axis needs a model
 with experts is the plan's check (:mod:`parallel.plan.resolve`): it knows the model's modules.
 """
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 from parallel.errors import ConfigIssue
 from trainer.config.schema import LlamaConfig, RunConfig
+
+
+# A block's MoE parameters and modules, as globs meet them (the attention's placements stay the user's).
+_MLP = "layers.0.mlp"
+_MOE_NAMES = {
+    "placements": [f"{_MLP}.router.gate.weight", *(f"{_MLP}.experts.w{i}" for i in (1, 2, 3)),
+                   *(f"{_MLP}.shared.w{i}.weight" for i in (1, 2, 3))],
+    "layouts": [_MLP, f"{_MLP}.router", f"{_MLP}.router.gate", f"{_MLP}.experts", f"{_MLP}.shared",
+                *(f"{_MLP}.shared.w{i}" for i in (1, 2, 3))],
+}
 
 
 def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
@@ -47,15 +60,21 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
                                   "parallel.data_parallel.mode=fsdp"))
     if moe is None:
         return issues
-    if par.tensor_parallel is not None:
-        issues.append(ConfigIssue("parallel.tensor_parallel", "tensor parallelism of a mixture-of-experts model is not "
-                                  "built yet (the router and the experts would see shards of the tokens' features)",
-                                  "parallel.tensor_parallel=null, and use data or expert parallelism"))
-    for glob in list(par.placements) + list(par.layouts):
-        section = "placements" if glob in par.placements else "layouts"
-        issues.append(ConfigIssue(f'parallel.{section}["{glob}"]', "placements and layouts of a mixture-of-experts "
-                                  "model's parameters are not built yet (its experts are placed by "
-                                  "parallel.expert_parallel)", "remove this glob, and use data or expert parallelism"))
+    if ep is not None and par.tensor_parallel is not None and par.data_parallel is not None:
+        issues.append(ConfigIssue("parallel.data_parallel", "expert and tensor parallelism beside data parallelism, "
+                                  "all three at once, are not tested yet (two of them are: ep x tp, fsdp x ep, fsdp x tp)",
+                                  "parallel.data_parallel=null, and give its axis size 1"))
+    if par.tensor_parallel is not None and par.tensor_parallel.sequence_parallel:
+        issues.append(ConfigIssue("parallel.tensor_parallel.sequence_parallel", "sequence parallelism of a "
+                                  "mixture-of-experts model is not built yet (the router would see the sequence's "
+                                  "shards as a DTensor)", "parallel.tensor_parallel.sequence_parallel=false"))
+    for section, globs in (("placements", par.placements), ("layouts", par.layouts)):
+        for glob in globs:
+            if any(fnmatchcase(name, glob) for name in _MOE_NAMES[section]):
+                issues.append(ConfigIssue(f'parallel.{section}["{glob}"]', "placements and layouts of a "
+                                          "mixture-of-experts block (router, experts, shared experts) are not built yet "
+                                          "(its experts are placed by parallel.expert_parallel)",
+                                          "remove this glob, and use data or expert parallelism"))
     if par.activation_checkpointing != "none":
         issues.append(ConfigIssue("parallel.activation_checkpointing", "activation checkpointing of a "
                                   "mixture-of-experts model is not tested yet", "parallel.activation_checkpointing=none"))
