@@ -8,8 +8,8 @@
     print(pm.reduce_loss(loss))                               # the global mean, on every rank
 
 Order of application, as torchtitan does it: split into pipeline stages -> tensor parallel
-(placements, layouts) -> expert parallel (experts ``Shard(0)``, all-to-all around them) -> activation checkpointing -> torch.compile per block (``compile=True``)
--> data parallel -> (a meta model only) allocate this rank's shards and initialise them. The
+(placements, layouts) -> expert parallel (experts ``Shard(0)``, all-to-all around them) -> activation
+checkpointing -> torch.compile per block (``compile=True``) -> data parallel -> (a meta model only) allocate this rank's shards and initialise them. The
 model is either built and initialised in full on every rank, or built on the ``meta`` device and
 initialised after sharding (``parallelize(meta_model, plan, device=..., init=lambda part:
 part.init_weights(seed))``); because the initial values depend only on (seed, FQN, shape), both
@@ -129,8 +129,8 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
                       init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
                       heads: HeadGradients) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
-    tensor parallel -> expert parallel -> activation checkpointing -> compile -> data parallel -> (``init``: a meta
-    part) allocate and initialise this rank's shards. Returns tensor parallelism's report and adds
+    tensor parallel -> expert parallel -> activation checkpointing -> compile -> data parallel -> (``init``:
+    a meta part) allocate and initialise this rank's shards. Returns tensor parallelism's report and adds
     the part's per-head parameters to ``heads`` (:mod:`parallel.sharding.head_params`). A tied
     parameter (input and output embeddings) stays one parameter throughout (:mod:`parallel.sharding.ties`)."""
     report: dict[str, str] = {}
