@@ -92,4 +92,7 @@ SUITES = {
         ("2d", expert_check(["+parallel=2d", "mesh=[2,2]"])),  # fsdp x tp, no ep axis
         ("zero2_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=zero2"])),
     ],
+    "eight_rank": [  # slow: 8 processes
+        ("3d_ep", expert_check(["+parallel=3d_ep"])),
+    ],
 }

@@ -1,9 +1,11 @@
 """The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], zero2 x ep
-[2, 2], ep x tp [2, 2], and without ep: fsdp [2] (experts sharded by FSDP alone), tp [2] and fsdp x tp [2, 2] give one device's first 5 losses, balance losses and
+[2, 2], ep x tp [2, 2], fsdp x ep x tp [2, 2, 2] (``3d_ep``, slow: 8 processes), and without ep: fsdp [2]
+(experts sharded by FSDP alone), tp [2] and fsdp x tp [2, 2] give one device's first 5 losses, balance losses and
 gradient norms (fp32, rel 1e-5), with the experts' weights ``Shard(0)`` over ep; and one device resumes
 an ep [2] checkpoint on one device's losses.
 
-    pytest tests/dist/test_experts.py -q      # two launches: 2 and 4 processes
+    pytest tests/dist/test_experts.py -q              # two launches: 2 and 4 processes
+    pytest tests/dist/test_experts.py -q -m slow      # 3d_ep: 8 processes
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import pytest
 from dist_harness import SuiteResults, max_rel
 from expert_checks import OUT_ENV, SUITES, run_config, train_moe
 
-WORLD_SIZE = {"two_rank": 2, "four_rank": 4}
-CHECKS = [name for checks in SUITES.values() for name, _ in checks]
+WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
+CHECKS = [pytest.param(name, marks=pytest.mark.slow) if suite == "eight_rank" else name
+          for suite, checks in SUITES.items() for name, _ in checks]
 REL = 1e-5
 
 
@@ -69,6 +72,14 @@ def test_experts_are_split_over_ep(check, placements, mesh_dims, local_experts, 
         assert r["w1"]["mesh_dims"] == mesh_dims and r["w1"]["placements"] == placements, r["w1"]
         assert r["w1"]["local_shape"][0] == local_experts, r["w1"]
         assert r["dp_size"] == {"ep": 2, "ep4": 4, "fsdp_ep": 4}[check]  # ep splits the batch
+
+
+@pytest.mark.slow
+def test_3d_ep_splits_attention_over_tp_experts_over_ep_and_shards_over_dp(results):
+    for r in results("3d_ep"):
+        assert r["w1"]["mesh_dims"] == ["dp", "ep"] and r["w1"]["local_shape"][0] == 2, r["w1"]
+        assert r["wq"]["mesh_dims"][-1] == "tp" and r["wq"]["placements"][-1] == "Shard(dim=0)", r["wq"]
+        assert r["dp_size"] == 4
 
 
 def test_ep_beside_tp_splits_attention_over_tp_and_experts_over_ep(results):

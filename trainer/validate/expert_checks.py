@@ -3,10 +3,10 @@ reason, fix) of what is not yet, before any worker starts.
 
 Built: a model with ``model.moe`` on one device, on data parallelism (its experts are plain
 parameters there; fsdp is checked) and on tensor parallelism of its attention (tp, fsdp x tp), and
-with ``parallel.expert_parallel`` alone, beside fsdp / zero2 or beside tp; each equals one device
-(``tests/dist/test_experts.py``). Refused: what would need the balance loss or the dispatch to cross
-what they do not cross yet (pipeline stages, sequence shards, the experts' own placements), the
-wrappers not tested with the dispatch (activation checkpointing, torch.compile), and ep x tp x dp. That an ep axis needs a model
+with ``parallel.expert_parallel`` alone, beside fsdp / zero2, beside tp, or beside both; each equals one
+device (``tests/dist/test_experts.py``). Refused: what would need the balance loss or the dispatch to
+cross what they do not cross yet (pipeline stages, sequence shards, the experts' own placements), and
+the wrappers not tested with the dispatch (activation checkpointing, torch.compile). That an ep axis needs a model
 with experts is the plan's check (:mod:`parallel.plan.resolve`): it knows the model's modules.
 """
 
@@ -60,10 +60,6 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
                                   "parallel.data_parallel.mode=fsdp"))
     if moe is None:
         return issues
-    if ep is not None and par.tensor_parallel is not None and par.data_parallel is not None:
-        issues.append(ConfigIssue("parallel.data_parallel", "expert and tensor parallelism beside data parallelism, "
-                                  "all three at once, are not tested yet (two of them are: ep x tp, fsdp x ep, fsdp x tp)",
-                                  "parallel.data_parallel=null, and give its axis size 1"))
     if par.tensor_parallel is not None and par.tensor_parallel.sequence_parallel:
         issues.append(ConfigIssue("parallel.tensor_parallel.sequence_parallel", "sequence parallelism of a "
                                   "mixture-of-experts model is not built yet (the router would see the sequence's "
