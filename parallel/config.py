@@ -80,6 +80,15 @@ class ContextParallelConfig(Section):
         "sequence gathered once per layer (one collective, the full K/V alive per layer). Both are exact.")
 
 
+class ExpertParallelConfig(Section):
+    """Expert parallelism: a mixture-of-experts model's stacked experts split ``Shard(0)`` over the axis ``dim``,
+    each token sent to the rank holding its expert and back by all-to-all. The axis also splits the batch, as a
+    data-parallel axis does: the other parameters are replicated over it (or, with data_parallel mode fsdp or
+    zero2, sharded over it with the dp axes)."""
+
+    dim: str = Field("ep", description="Mesh axis name the experts are split over (and the batch with them).")
+
+
 class LayoutConfig(Section):
     input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
     output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
@@ -185,6 +194,9 @@ class ParallelConfig(LayoutSection):
     context_parallel: ContextParallelConfig | None = Field(
         None, description="Context parallelism: each sequence split over a mesh axis, attention exact (built-in and "
         "Hugging Face Llama-family models); null = every rank holds whole sequences.")
+    expert_parallel: ExpertParallelConfig | None = Field(
+        None, description="Expert parallelism for a mixture-of-experts model (`+parallel=ep`): experts Shard(0) over "
+        "this axis, tokens moved to them and back by all-to-all; null = none.")
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="Recompute activations in backward: none, every block (full), or every n-th (selective)."
     )

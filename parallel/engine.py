@@ -8,8 +8,8 @@
     print(pm.reduce_loss(loss))                               # the global mean, on every rank
 
 Order of application, as torchtitan does it: split into pipeline stages -> tensor parallel
-(placements, layouts) -> activation checkpointing -> torch.compile per block (``compile=True``)
--> data parallel -> (a meta model only) allocate this rank's shards and initialise them. The
+(placements, layouts) -> expert parallel (experts ``Shard(0)``, all-to-all around them) -> activation
+checkpointing -> torch.compile per block (``compile=True``) -> data parallel -> (a meta model only) allocate this rank's shards and initialise them. The
 model is either built and initialised in full on every rank, or built on the ``meta`` device and
 initialised after sharding (``parallelize(meta_model, plan, device=..., init=lambda part:
 part.init_weights(seed))``); because the initial values depend only on (seed, FQN, shape), both
@@ -45,7 +45,8 @@ from parallel.pipeline.ties import StageTies, holders_on_mesh
 from parallel.plan.spec import ParallelPlan
 from parallel.sharding.activation_checkpointing import apply_ac
 from parallel.sharding.compile import apply_compile
-from parallel.sharding.data_parallel import apply_data_parallel
+from parallel.sharding.data_parallel import apply_data_parallel, replicate_beside_experts
+from parallel.sharding.expert_parallel import apply_expert_parallel, divide_expert_grads
 from parallel.sharding.head_params import HeadGradients, find_head_parameters
 from parallel.sharding.tensor_parallel import apply_placements
 from parallel.sharding.ties import retie, tied_groups
@@ -106,7 +107,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     if pp is not None and groups:
         ties = StageTies.build(groups, [part for _, part in stages], holders_on_mesh(groups, plan, mesh), pairing="shards")
         ties.copy_values()
-    dp_names = list(plan.data_parallel.dim_names) if plan.data_parallel is not None else []
+    dp_names = list(plan.batch_dim_names)  # the batch's axes: data parallel, expert parallel
     return ParallelModel(
         model_parts=[part for _, part in stages],
         mesh=mesh,
@@ -131,8 +132,8 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
                       init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
                       heads: HeadGradients) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
-    tensor parallel -> context parallel -> activation checkpointing -> compile -> data parallel
-    (over the dp and cp axes) -> (``init``: a meta part) allocate and initialise this rank's shards.
+    tensor parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> data
+    parallel (over the dp and cp axes) -> (``init``: a meta part) allocate and initialise this rank's shards.
     Returns tensor parallelism's report and adds the part's per-head parameters to ``heads`` (:mod:`parallel.sharding.head_params`). A tied
     parameter (input and output embeddings) stays one parameter throughout (:mod:`parallel.sharding.ties`)."""
     report: dict[str, str] = {}
@@ -146,6 +147,9 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if cp is not None and not apply_context_parallel(part, mesh, dim=cp.dim, method=cp.method):
         raise ValueError(f"context parallelism over {cp.dim!r}: no module of {type(part).__name__} attends over a "
                          "split sequence (none declares a context_parallel attribute)")
+    ep = layout.expert_parallel
+    experts = [] if ep is None or mesh is None else apply_expert_parallel(part, mesh, axis=ep.dim,
+                                                                          module_fqns=ep.modules)
     apply_ac(part, mode=layout.activation_checkpointing, every=layout.activation_checkpointing_every,
              block_fqns=layout.blocks)
     if compile:
@@ -153,10 +157,15 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     dp = layout.param_data_parallel  # cp ranks average gradients and shard parameters as dp ranks do
     if dp is not None:
         apply_data_parallel(part, mesh, mode=dp.mode, dim_names=list(dp.dim_names), block_fqns=layout.blocks,
-                            pipelined=pipelined, precision=precision)
+                            pipelined=pipelined, precision=precision, experts=experts,
+                            ep_dim=ep.dim if ep is not None else None)
+    elif experts:
+        replicate_beside_experts(part, mesh, ep_dim=ep.dim, experts=experts)
     if init is not None:
         _materialize(part, device, init, tied)
     retie(part, tied)
+    if experts and dp is None:  # data parallelism divides their gradients by dp x ep; here ep alone
+        divide_expert_grads(experts, mesh[ep.dim].size())
     return report
 
 

@@ -27,7 +27,8 @@ from torch import nn
 from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.layout import resolve_layout
-from parallel.plan.spec import ContextParallelSpec, DataParallelSpec, GlobCheck, MeshSpec, ParallelPlan, PipelineSpec
+from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, MeshSpec,
+                                 ParallelPlan, PipelineSpec)
 from parallel.plan.stages import resolve_stages
 from parallel.plan.units import block_units, check_boundaries, pipeline_units, stage_boundaries, stage_ranks
 
@@ -50,6 +51,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     issues: list[ConfigIssue] = []
     placements, layouts = resolve_layout(parallel, ("parallel",), mesh_spec, model, issues, check_glob=check_glob)
     issues += check_boundaries(parallel, mesh_spec, units)
+    experts = _expert_parallel_spec(parallel, model, issues)
     if issues:
         raise ConfigError(issues)
     dp, cp = parallel.data_parallel, parallel.context_parallel
@@ -64,7 +66,25 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         layouts=MappingProxyType(layouts),
         activation_checkpointing=parallel.activation_checkpointing,
         activation_checkpointing_every=parallel.activation_checkpointing_every,
+        expert_parallel=experts,
     )
+
+
+def _expert_parallel_spec(parallel: ParallelConfig, model: nn.Module, issues: list[ConfigIssue]) -> ExpertParallelSpec | None:
+    """The model's modules of stacked experts, as its ``expert_modules()`` names them (a method of its
+    root module, like the named tensor-parallel plans); a model without experts cannot use the axis."""
+    ep = parallel.expert_parallel
+    if ep is None:
+        return None
+    provider = getattr(model, "expert_modules", None)
+    modules = tuple(provider()) if provider is not None else ()
+    if not modules:
+        issues.append(ConfigIssue("parallel.expert_parallel", f"model {type(model).__name__} has no experts to split "
+                                  f"over axis {ep.dim!r} (a mixture-of-experts model names its stacked experts)",
+                                  "use a mixture-of-experts model, e.g. model=gpt_moe, or remove the ep axis "
+                                  "(a preset without parallel.expert_parallel)"))
+        return None
+    return ExpertParallelSpec(ep.dim, modules)
 
 
 

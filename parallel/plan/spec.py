@@ -77,6 +77,16 @@ class ContextParallelSpec:
 
 
 @dataclass(frozen=True)
+class ExpertParallelSpec:
+    """Experts split over the mesh axis ``dim``: ``modules`` are the model's modules of stacked experts
+    (every parameter ``[num_experts, ...]``), each split ``Shard(0)`` with the all-to-all dispatch
+    around its forward (:mod:`parallel.sharding.expert_parallel`)."""
+
+    dim: str
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     """The schedule and the resolved stage split: the units of each stage and its pp rank."""
 
@@ -133,10 +143,18 @@ class ParallelPlan:
     layouts: Mapping[str, LayoutSpec] = field(default_factory=dict)
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 2
+    expert_parallel: ExpertParallelSpec | None = None
+
+    @property
+    def batch_dim_names(self) -> tuple[str, ...]:
+        """The axes the batch is split over: the data-parallel ones, then the expert-parallel one."""
+        dp = self.data_parallel.dim_names if self.data_parallel else ()
+        return (*dp, *((self.expert_parallel.dim,) if self.expert_parallel else ()))
 
     @property
     def dp_size(self) -> int:
-        return self.mesh.size(self.data_parallel.dim_names) if self.data_parallel else 1
+        """Ranks the batch is split over (the data-parallel axes and the expert-parallel one)."""
+        return self.mesh.size(self.batch_dim_names)
 
     @property
     def cp_size(self) -> int:

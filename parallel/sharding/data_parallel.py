@@ -41,6 +41,8 @@ def apply_data_parallel(
     block_fqns: Sequence[str] = (),
     pipelined: bool = False,
     precision: Precision = "fp32",
+    experts: Sequence[nn.Module] = (),
+    ep_dim: str | None = None,
 ) -> nn.Module:
     """Wrap ``module`` (the model or one pipeline stage) for data parallelism over the mesh
     axes ``dim_names``; returns it (modified in place).
@@ -57,6 +59,11 @@ def apply_data_parallel(
         precision: ``bf16`` gathers parameters in bf16 and computes in bf16, while the sharded
             master weights (and so the optimizer state) stay fp32 and gradients are reduced in
             fp32 (FSDP2's ``MixedPrecisionPolicy``; ``ddp`` is FSDP2's replicate, so the same).
+        experts, ep_dim: modules of experts split over the expert-parallel axis ``ep_dim``
+            (:mod:`parallel.sharding.expert_parallel`), which splits the batch too. As torchtitan
+            does, each is its own FSDP unit over the dp axes only, its gradients divided by dp x ep
+            (every rank's tokens reach them); everything else is sharded over dp x ep. ``fsdp`` and
+            ``zero2`` only.
     """
     dim_names = list(dim_names)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
@@ -68,6 +75,15 @@ def apply_data_parallel(
     # hsdp keeps its two axes as a 2-D mesh: FSDP2 replicates over the first, shards over the second.
     dp_mesh = submesh(mesh, dim_names, flatten=mode != "hsdp")
     reshard = mode != "zero2" and not pipelined
+    if experts:
+        if mode not in ("fsdp", "zero2") or ep_dim is None:
+            raise ValueError(f"experts split over an expert-parallel axis compose with fsdp and zero2, not {mode}")
+        for unit in experts:
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            # A sum divided afterwards: gloo has no pre-scaled sum for the divide factor to use.
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(float(dp_mesh.size() * mesh[ep_dim].size()))
+        dp_mesh = submesh(mesh, [*dim_names, ep_dim])
     modules = dict(module.named_modules())
     for fqn in block_fqns:
         if fqn in modules:
@@ -76,3 +92,14 @@ def apply_data_parallel(
     # of backward: keeping them gathered saves an all-gather for nothing.
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     return module
+
+
+def replicate_beside_experts(module: nn.Module, mesh: DeviceMesh, *, ep_dim: str, experts: Sequence[nn.Module]) -> nn.Module:
+    """Without data parallelism, the expert-parallel axis ``ep_dim`` still splits the batch: every
+    parameter but the experts' is replicated over it, its gradients averaged (FSDP2's ``replicate``, as
+    ``ddp``); the experts, split over it, are left to :mod:`parallel.sharding.expert_parallel`.
+    bf16 compute comes from autocast here (the engine's, as without data parallelism)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    ignored = {p for unit in experts for p in unit.parameters()}
+    return replicate(module, mesh=submesh(mesh, ep_dim), ignored_params=ignored)

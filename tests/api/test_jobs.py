@@ -168,7 +168,8 @@ def test_job_json_is_the_resolved_config(preset, tmp_path):
     from service.submit import resolve_config
     from trainer.config.schema import RunConfig
 
-    cfg, plan = resolve_config(overrides=[f"+parallel={preset}"], document=None, workspace=tmp_path,
+    experts = ["model=gpt_moe"] if preset.endswith("ep") else []  # an ep axis needs a model with experts
+    cfg, plan = resolve_config(overrides=[f"+parallel={preset}", *experts], document=None, workspace=tmp_path,
                                workdir=tmp_path / "job", tracking_uri="sqlite:///x.db", run_id=None)
     assert plan.mesh.world_size == cfg.world_size
     path = write_job_config(tmp_path, cfg.model_dump(mode="json"))

@@ -94,6 +94,23 @@ MORE: dict[str, Bad] = {
     "more/batch-and-heads-in-one-round": bad(  # independent issues come together (issue 30)
         ["+parallel=3d", "mesh=[2,2,4]", "train.global_batch_size=3"],
         'parallel.tensor_parallel.plan[megatron]["layers.*.attn.wo.weight"].tp', ["split by heads"]),
+    # Mixture of experts and the ep axis (issue 31): what is built, and what is refused until it is.
+    "moe/ep-without-experts": bad(["+parallel=ep"], "parallel.expert_parallel", ["has no experts"], ["model=gpt_moe"]),
+    "moe/top-k-above-the-experts": bad(["model=gpt_moe", "model.moe.top_k=9"], "model.moe.top_k", ["only 8"],
+                                       ["model.moe.top_k=8"]),
+    "moe/experts-not-divisible-by-ep": bad(["model=gpt_moe", "+parallel=ep", "model.moe.num_experts=6"],
+                                           "model.moe.num_experts", ["6 experts do not split", "size 4"],
+                                           ["model.moe.num_experts=8"]),
+    "moe/on-a-pipeline": bad(["model=gpt_moe", "+parallel=pp"], "parallel.pipeline", ["not built yet"],
+                             ["parallel.pipeline=null"]),
+    "moe/ep-beside-ddp": bad(["model=gpt_moe", "+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=ddp"],
+                             "parallel.data_parallel.mode", ["fsdp or zero2, not ddp"], ["parallel.data_parallel.mode=fsdp"]),
+    "moe/sequence-parallel": bad(["model=gpt_moe", "+parallel=tp_sp"], "parallel.tensor_parallel.sequence_parallel",
+                                 ["not built yet"], ["parallel.tensor_parallel.sequence_parallel=false"]),
+    "moe/activation-checkpointing": bad(["model=gpt_moe", "+parallel=fsdp", "parallel.activation_checkpointing=full"],
+                                        "parallel.activation_checkpointing", ["not tested yet"],
+                                        ["parallel.activation_checkpointing=none"]),
+    "moe/compile": bad(["model=gpt_moe", "train.compile=true"], "train.compile", ["not tested yet"], ["train.compile=false"]),
     # Knobs that spend disk, CPU, time or memory have ceilings (issue 36); the fix is the ceiling itself.
     "ceiling/checkpoints-kept": bad(["train.checkpoint.keep=1000000", "train.checkpoint.every=1"],
                                     "train.checkpoint.keep", ["less than or equal to 1000"], ["train.checkpoint.keep=1000"]),
@@ -193,4 +210,5 @@ PROSE: dict[str, tuple[str, str]] = {
     "transition table over": ("model_checks.py", "how many symbols, or which order, is the user's choice"),
     "is set as well as data.val_paths": ("model_checks.py", "which split to keep is the user's choice"),
     "its tensors are too large": ("model_checks.py", "model sizes of the user's choice"),
+    "remove this glob, and use data or expert": ("expert_checks.py", "the user's own placement globs"),
 }

@@ -309,7 +309,7 @@ CASES: dict[str, Bad] = {
         "parallel.activation_checkpointing", ["model mlp has no transformer blocks"], ["none"]),
     "parallel/axis-used-by-nothing": bad(
         ["+parallel=2d"], "parallel.dims[1]", ["axis 'tp' of size 2 is used by nothing"],
-        ["data_parallel, pipeline, context_parallel, tensor_parallel or placements", "mesh size to 1"],
+        ["data_parallel, pipeline, context_parallel, tensor_parallel, expert_parallel or placements", "mesh size to 1"],
         edit=put("parallel", "tensor_parallel", None)),
     "train/checkpoint-every-past-steps": bad(
         ["train.steps=200", "train.checkpoint.every=500"], "train.checkpoint.every",

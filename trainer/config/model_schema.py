@@ -67,6 +67,31 @@ class LoRAConfig(_Section):
         return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
 
 
+class MoEConfig(_Section):
+    """A mixture of experts in place of each block's MLP: a router scores every token against
+    ``num_experts`` SwiGLU experts and sends it to its ``top_k`` best (token choice, dropless: no
+    capacity limit, no token dropped), the experts' outputs weighted by the scores and summed."""
+
+    num_experts: int = Field(8, ge=1, le=4096, description="Routed experts per block, stored stacked "
+                             "(`layers.<i>.mlp.experts.w1` is `[num_experts, hidden, dim]`), so a placement can shard "
+                             "dim 0 (`parallel.expert_parallel`); at most 4096.")
+    top_k: int = Field(2, ge=1, description="Experts each token is sent to; at most num_experts.")
+    hidden_dim: int | None = Field(None, ge=1, description="Hidden width of one expert's SwiGLU; null = "
+                                   "model.ffn_hidden_dim.")
+    score_func: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router scores from the gate's logits: softmax over the experts (Mixtral, Qwen3-MoE) "
+        "or an independent sigmoid per expert (DeepSeek-V3).")
+    norm_topk_prob: bool = Field(True, description="Rescale each token's top_k scores to sum to 1 before weighting "
+                                 "the experts' outputs; false = the raw scores.")
+    aux_loss_weight: float = Field(
+        0.01, ge=0, description="Weight of the load-balancing loss added to the training loss (logged as aux_loss, "
+        "unweighted). It is computed per sequence and averaged over sequences and blocks: "
+        "num_experts * sum_e f_e * P_e, f_e the share of the sequence's top_k choices that went to expert e and P_e "
+        "its mean normalised score over the sequence; 1 when balanced. 0 = not added (still logged).")
+    num_shared_experts: int = Field(0, ge=0, le=64, description="Experts every token goes through besides the routed "
+                                    "ones (one SwiGLU of num_shared_experts x hidden_dim, `mlp.shared`); 0 = none.")
+
+
 class LlamaConfig(_Section):
     """A Llama-style decoder; the defaults are the tiny `gpt_debug` preset (trains in minutes on a CPU)."""
 
@@ -94,6 +119,8 @@ class LlamaConfig(_Section):
         "original_max_position_embeddings); null = plain RoPE.")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (`model.lora.rank=16` turns "
                              "them on); rank 0 = full fine-tuning.")
+    moe: MoEConfig | None = Field(None, description="A mixture of experts in place of every block's MLP "
+                                  "(num_experts, top_k, ...; `model=gpt_moe`); null = the dense SwiGLU MLP.")
 
     @property
     def num_kv_heads(self) -> int:

@@ -36,6 +36,7 @@ from trainer.config.model_schema import (  # noqa: F401 - re-exported: callers n
     LoRAConfig,
     MLPConfig,
     ModelConfig,
+    MoEConfig,
     RopeScaling,
 )
 from trainer.config.tracking_schema import TrackingConfig
@@ -221,11 +222,14 @@ class RunConfig(_Section):
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks the batch is split over (with per-stage layouts: the lanes)."""
+        """Ranks the batch is split over: the data-parallel axes and the expert-parallel one (with
+        per-stage layouts: the lanes)."""
         if (stages := self.stages) and stages[0].ranks:
             return len(stages[0].rank_list)
         dp = self.parallel.data_parallel if self.parallel else None
-        return math.prod(self.axis_size(n) for n in dp.dim_names) if dp else 1
+        ep = self.parallel.expert_parallel if self.parallel else None
+        return math.prod(self.axis_size(n) for n in dp.dim_names) * (self.axis_size(ep.dim) if ep else 1) if dp \
+            else (self.axis_size(ep.dim) if ep else 1)
 
     @property
     def pp_size(self) -> int:

@@ -76,6 +76,9 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *, tok
             if (source / name).is_file():
                 shutil.copy(source / name, out / name)
     elif isinstance(model_cfg, LlamaConfig):
+        if model_cfg.moe is not None:
+            raise ValueError("the built-in mixture-of-experts model has no Hugging Face layout here yet; export it as "
+                             "safetensors (--format safetensors)")
         if model_cfg.qkv_bias or model_cfg.qk_norm or model_cfg.head_dim not in (None, model_cfg.dim // model_cfg.n_heads):
             raise ValueError("the built-in Llama exports to Llama's layout, which has no qkv_bias, qk_norm or free "
                              "head_dim; export it as safetensors (--format safetensors)")

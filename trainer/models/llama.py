@@ -32,6 +32,7 @@ from parallel.context import ContextShard, context_attention
 from trainer.config.schema import LlamaConfig, LoRAConfig, RopeScaling
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
 from trainer.models.lora import adapter_init, apply_lora
+from trainer.models.moe import GroupedExperts, MoE
 
 
 class Names(NamedTuple):
@@ -230,7 +231,12 @@ class TransformerBlock(nn.Module):
         self.add_module(names.attn_norm, RMSNorm(cfg.dim, cfg.norm_eps))
         self.add_module(names.attn, Attention(cfg, names))
         self.add_module(names.mlp_norm, RMSNorm(cfg.dim, cfg.norm_eps))
-        self.add_module(names.mlp, FeedForward(cfg.dim, cfg.ffn_hidden_dim, names))
+        if cfg.moe is None:
+            self.add_module(names.mlp, FeedForward(cfg.dim, cfg.ffn_hidden_dim, names))
+        else:
+            hidden = cfg.moe.hidden_dim or cfg.ffn_hidden_dim
+            shared = FeedForward(cfg.dim, hidden * cfg.moe.num_shared_experts, names) if cfg.moe.num_shared_experts else None
+            self.add_module(names.mlp, MoE(cfg.dim, cfg.ffn_hidden_dim, cfg.moe, shared=shared))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         n = self._names
@@ -320,17 +326,27 @@ class Transformer(nn.Module):
         blocks = self.pieces[1] + ".*"
         col, row = {axis: "Shard(0)"}, {axis: "Shard(1)"}
         if n == MESHFLOW_NAMES:  # the globs the built-in presets always wrote
-            placements = {f"{blocks}.attn.w[qkv].weight": col, f"{blocks}.attn.wo.weight": row,
-                          f"{blocks}.mlp.w[13].weight": col, f"{blocks}.mlp.w2.weight": row}
+            placements = {f"{blocks}.attn.w[qkv].weight": col, f"{blocks}.attn.wo.weight": row}
+            mlp = {f"{blocks}.mlp.w[13].weight": col, f"{blocks}.mlp.w2.weight": row}
         else:
             placements = {f"{blocks}.{n.attn}.{p}.weight": col for p in (n.q, n.k, n.v)}
             placements[f"{blocks}.{n.attn}.{n.o}.weight"] = row
-            placements |= {f"{blocks}.{n.mlp}.{p}.weight": col for p in (n.gate, n.up)}
-            placements[f"{blocks}.{n.mlp}.{n.down}.weight"] = row
+            mlp = {f"{blocks}.{n.mlp}.{p}.weight": col for p in (n.gate, n.up)}
+            mlp[f"{blocks}.{n.mlp}.{n.down}.weight"] = row
+        if self.cfg.moe is None:  # experts are no column/row pairs (validation refuses tp of an MoE model)
+            placements |= mlp
         if self.cfg.qkv_bias:  # a column-parallel layer's bias is split like its output rows
             placements |= {f"{blocks}.{n.attn}.{p}.bias": col for p in (n.q, n.k, n.v)}
         layouts = {f"{blocks}.{norm}": {"input": {axis: "Shard(1)"}} for norm in (n.attn_norm, n.mlp_norm)}
         return placements, (layouts if sequence_parallel else {})
+
+    def expert_modules(self) -> list[str]:
+        """The modules of stacked experts (every parameter ``[num_experts, ...]``) an expert-parallel
+        axis splits: each block's ``mlp.experts`` with ``model.moe``, none for the dense MLP."""
+        if self.cfg.moe is None:
+            return []
+        n = self.names
+        return [name for name, _ in self.named_modules() if name.endswith(f".{n.mlp}.experts")]
 
     def _init_rule(self, fqn: str) -> tuple[InitKind, float]:
         module_name = fqn.rpartition(".")[0]
@@ -339,6 +355,8 @@ class Transformer(nn.Module):
             return adapter
         if isinstance(module, nn.RMSNorm):
             return "ones", 0.0
+        if isinstance(module, GroupedExperts):  # w2 projects back into the residual stream, as a down projection
+            return "normal", self.cfg.init_std / (math.sqrt(2 * self.cfg.n_layers) if fqn.endswith(".w2") else 1.0)
         if isinstance(module, nn.Linear) and fqn.endswith(".bias"):
             return "zeros", 0.0
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -101,24 +101,34 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     # ddp shards over no axis (size 1); fsdp / zero2 over every dp axis (and cp), hsdp over its inner one.
     dp = plan.param_data_parallel
     shard_dp = plan.mesh.size(dp.shard_dim_names) if dp else 1
+    # Expert parallelism: experts split over ep (then dp-sharded over dp), the rest dp-sharded over dp x ep too.
+    ep = plan.expert_parallel
+    ep_size = plan.mesh.size(ep.dim) if ep is not None else 1
+    experts = tuple(f"{m}." for m in ep.modules) if ep is not None else ()
+    rest_dp = shard_dp * (ep_size if shard_dp > 1 or (dp and dp.mode != "ddp") else 1)
     stage_params = [0] * num_stages
     stage_local = [0.0] * num_stages
+    stage_sharded = [0.0] * num_stages
     stage_trainable = [0.0] * num_stages  # frozen weights (LoRA's base) have no gradient nor AdamW state
     for fqn, numel, trainable in parameter_list(model):
         axes = plan.placements.get(fqn, {})
         tp_div = math.prod(plan.mesh.size(a) for a, pl in axes.items() if pl.is_shard)
+        expert = bool(experts) and fqn.startswith(experts)
+        tp_div *= ep_size if expert else 1
+        dp_div = shard_dp if expert or not experts else rest_dp
         s = stage_of[plan.unit_of(fqn)]
         stage_params[s] += numel
         stage_local[s] += numel / tp_div
-        stage_trainable[s] += numel / tp_div if trainable else 0.0
+        stage_sharded[s] += numel / tp_div / dp_div
+        stage_trainable[s] += numel / tp_div / dp_div if trainable else 0.0
 
     spr = pp.stages_per_rank if pp else 1
     per_rank = []
     for r in range(cfg.pp_size):
         stages = [s for s in range(num_stages) if owner[s] == r]
         local = sum(stage_local[s] for s in stages)
-        sharded = local / shard_dp  # weights, gradients and each AdamW moment
-        trained = sum(stage_trainable[s] for s in stages) / shard_dp
+        sharded = sum(stage_sharded[s] for s in stages)  # weights, gradients and each AdamW moment
+        trained = sum(stage_trainable[s] for s in stages)
         per_rank.append(RankHoldings(pp_rank=r, stages=stages, params=int(local), param_bytes=sharded * BYTES,
                                      grad_bytes=trained * BYTES, optim_bytes=2 * trained * BYTES))
 
@@ -181,4 +191,10 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
             out[axis] = 4 * layers_per_rank * act * 2 * (n - 1) / n
         if pp := par.pipeline:
             out[pp.dim] = 2 * act * pp.stages_per_rank  # activations forward + gradients backward
+        if (ep := par.expert_parallel) is not None and decoder.moe is not None:
+            n = cfg.axis_size(ep.dim)
+            # Every token's top_k rows out to the experts' ranks and back, forward and backward (the
+            # gradients retrace them): 4 all-to-alls per MoE block, (n-1)/n of the rows leaving the rank
+            # when routing is balanced.
+            out[ep.dim] = 4 * decoder.n_layers * act * decoder.moe.top_k * (n - 1) / n
     return out

@@ -21,6 +21,8 @@ from typing import Any
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
+from trainer.models import build_model, count_parameters
+from trainer.models.moe import expert_parameter_count
 from trainer.pictures.placement import write_placement
 from trainer.pictures.timeline_chart import bubble_text, write_predicted_timeline
 from trainer.planner.memory.budget import memory_budget
@@ -36,6 +38,10 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
     against, as plain JSON values: what the dry run prints and REST's plan endpoint returns."""
     numbers = plan_numbers(cfg, plan)
     report = asdict(numbers)
+    model = build_model(cfg.model, device="meta")
+    total, (experts, active_experts) = count_parameters(model), expert_parameter_count(model)
+    # A token goes through top_k of each block's experts: the parameters a token's forward uses.
+    report["parameters"] = {"total": total, "active": total - experts + active_experts, "experts": experts}
     budget, source = memory_budget(cfg)
     try:
         estimates = predict_memory(cfg, plan)
@@ -68,6 +74,12 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
         by_rank = ", ".join(f"{r}->{plan.mesh.rank_id(r)}" for r in range(plan.mesh.world_size))
         lines.append(f"rank ids {plan.mesh.rank_ids}: each worker runs on the device (CPU: the core) its id names; "
                      f"torch rank -> id by row-major position: {by_rank}")
+    params = n["parameters"]
+    if params["experts"]:
+        lines.append(f"parameters: {params['total']:,} in all, {params['active']:,} active per token "
+                     f"(experts: {params['experts']:,}, of which each token uses top_k of num_experts)")
+    else:
+        lines.append(f"parameters: {params['total']:,}")
     if n["boundaries"]:
         lines.append(f"pipeline: stages begin at {n['boundaries']}; parameters per stage {n['stage_params']}; "
                      f"bubble {n['bubble']:.1%}")

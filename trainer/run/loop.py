@@ -33,6 +33,7 @@ from trainer.models import TargetMeanLoss, decoder_config, loss_fn_for
 from trainer.models.fingerprint import check_fingerprints, model_fingerprints
 from trainer.models.hf import weight_files
 from trainer.models.init import canonical_fqn
+from trainer.models.moe import WithAuxLoss, with_aux_loss
 from trainer.pictures.timeline_chart import timeline_pictures
 from trainer.planner.memory.budget import predicted_peak_mib as budgeted_peak_mib
 from trainer.planner.memory.host import unmap_freed_memory
@@ -50,6 +51,7 @@ class TrainResult:
     first_step: int = 0
     val_loss: float | None = None  # the last evaluation's, when there is a validation split
     step_times: list[float] = field(default_factory=list)  # seconds per optimizer step, this run's steps
+    aux_losses: list[float] = field(default_factory=list)  # an MoE model's balance loss per step (unweighted)
     tokens_per_step: int = 0
     last_checkpoint: str | None = None
     pictures: dict[str, str] = field(default_factory=dict)  # rank 0: timeline_trace, timeline_png -> file
@@ -133,7 +135,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     # on another dp size continues at the same sample.
     loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,
                                dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed, cp_rank=pm.cp_rank, cp_size=pm.cp_size)
-    loss_fn = loss_fn_for(cfg.model, masked=hasattr(source, "target_count"))
+    # An MoE model trains on its loss plus its weighted balance loss; evaluation is on its loss alone.
+    loss_fn = with_aux_loss(loss_fn_for(cfg.model, masked=hasattr(source, "target_count")), pm.model_parts, cfg.model)
+    eval_loss_fn = getattr(loss_fn, "base", loss_fn)
     result = TrainResult()
     ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer, tied=pm.tied_names)
     frozen = frozen_names(pm)  # LoRA's base: from model.path, train.init_from or the seed again, not the checkpoint
@@ -160,18 +164,22 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     recorder = TimelineRecorder(pm)  # the last timeline_steps steps: start-up is not in the picture
     record_from = t.steps - cfg.tracking.timeline_steps + 1 if cfg.tracking.pictures else t.steps + 1
     if val_source is not None and _eval_at_start(cfg, resumed=start > 0):  # a baseline before any update
-        _log_val(evaluate(pm, val_source, cfg, loss_fn, device), start, cfg, tracker, progress)
+        _log_val(evaluate(pm, val_source, cfg, eval_loss_fn, device), start, cfg, tracker, progress)
     progress.start(total=t.steps, completed=start, every_s=t.progress_every_s)
     for step in range(start + 1, t.steps + 1):
         began = time.perf_counter()
         with recorder.step(step, record=step >= record_from):
-            local_loss = None
-            _count_targets(loss_fn, loader, t.global_batch_size)  # the step's (every accumulation batch's)
+            local_loss = local_aux = load = None
+            _count_targets(eval_loss_fn, loader, t.global_batch_size)  # the step's (every accumulation batch's)
             for _ in range(t.grad_accum):
                 inputs, targets, positions = _on(device, loader.next_batch())
                 loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum, positions=positions)
                 if loss is not None:
                     local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
+                if isinstance(loss_fn, WithAuxLoss):  # this rank's balance loss (every rank computes one)
+                    aux = loss_fn.aux / t.grad_accum
+                    local_aux = aux if local_aux is None else local_aux + aux
+                    load = loss_fn.load if load is None else load + loss_fn.load
             with recorder.mark("optimizer"):
                 grad_norm = pm.clip_grad_norm_(t.grad_clip)
                 lr = scheduler.get_last_lr()[0]
@@ -182,7 +190,12 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         step_time = time.perf_counter() - began
         result.losses.append(loss_value)
         result.step_times.append(step_time)
-        window.add(step, loss=loss_value, grad_norm=grad_norm, step_time_s=step_time)
+        figures = {"loss": loss_value, "grad_norm": grad_norm, "step_time_s": step_time}
+        if local_aux is not None:  # the balance loss, unweighted: its own metric (the loss includes it, weighted)
+            figures["aux_loss"] = pm.reduce_loss(local_aux)
+            result.aux_losses.append(figures["aux_loss"])
+            figures.update(expert_load(_summed(load, pm)))
+        window.add(step, **figures)
 
         if step % t.log_every == 0 or step == t.steps:
             peaks = _per_rank(meter.peak_mb(), pm, device)
@@ -195,7 +208,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         progress.advance(step, loss=loss_value, tokens_per_s=tokens_per_step / step_time, tokens=tokens_per_step,
                          step_time_s=step_time)
         if val_source is not None and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
-            result.val_loss = evaluate(pm, val_source, cfg, loss_fn, device)
+            result.val_loss = evaluate(pm, val_source, cfg, eval_loss_fn, device)
             _log_val(result.val_loss, step, cfg, tracker, progress)
 
         ckpt = t.checkpoint
@@ -315,6 +328,26 @@ def _per_rank(value: float, pm: ParallelModel, device: torch.device) -> list[flo
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [float(v) for v in everyone]
+
+
+def expert_load(tokens_per_expert: torch.Tensor) -> dict[str, float]:
+    """The step's rows per expert (summed over the batch, averaged over the MoE blocks) as metrics: the
+    least and most loaded expert's, and the imbalance max / mean (1 = balanced)."""
+    mean = float(tokens_per_expert.mean())
+    return {"tokens_per_expert_min": float(tokens_per_expert.min()), "tokens_per_expert_max": float(tokens_per_expert.max()),
+            "expert_imbalance": float(tokens_per_expert.max()) / mean if mean else 1.0}
+
+
+def _summed(value: torch.Tensor, pm: ParallelModel) -> torch.Tensor:
+    """``value`` summed over every rank (a collective): each rank routes its own rows of the batch
+    (pipelines and tensor parallelism, which would repeat them, are refused with experts)."""
+    if pm.mesh is None:
+        return value
+    import torch.distributed as dist
+
+    total = value.clone()
+    dist.all_reduce(total)
+    return total
 
 
 def _rng_state() -> dict:

@@ -30,6 +30,7 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import has_mallopt
 from trainer.validate.context_checks import check_context
+from trainer.validate.expert_checks import check_experts
 from trainer.validate.hardware_checks import check_hardware, plans_elsewhere
 from trainer.validate.model_checks import check_against_model
 from trainer.validate.schema_issues import schema_issues
@@ -86,7 +87,7 @@ def _check_run(cfg: RunConfig) -> list[ConfigIssue]:
     par = cfg.parallel
     if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
         issues += _check_batch(cfg)  # axis sizes (dp size) are only defined once dims match the mesh
-    issues += _check_misc(cfg) + check_context(cfg)
+    issues += _check_misc(cfg) + check_context(cfg) + check_experts(cfg)
     if cfg.train.compile:
         issues += _check_compile(cfg)
     return issues
@@ -187,6 +188,9 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         role[cp.dim] = "context_parallel"
     if tp := par.tensor_parallel:
         issues += _check_own_axis("tensor_parallel", tp.dim, par.dims, role, "tensor parallelism")
+    if ep := par.expert_parallel:
+        issues += _check_own_axis("expert_parallel", ep.dim, par.dims, role, "expert parallelism")
+        role[ep.dim] = "expert_parallel"
     issues += _check_placements(par, role)
     used = set(role) | {a for p in par.placements.values() for a in p}
     used |= {par.tensor_parallel.dim} if par.tensor_parallel else set()
@@ -195,9 +199,9 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         if size > 1 and name not in used:
             issues.append(ConfigIssue(format_path("parallel", "dims", par.dims.index(name)),
                                       f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline, "
-                                      "context_parallel, tensor_parallel or placement names it)",
-                                      "name it in data_parallel, pipeline, context_parallel, tensor_parallel or "
-                                      "placements, or set its mesh size to 1"))
+                                      "context_parallel, tensor_parallel, expert_parallel or placement names it)",
+                                      "name it in data_parallel, pipeline, context_parallel, tensor_parallel, "
+                                      "expert_parallel or placements, or set its mesh size to 1"))
     return issues
 
 

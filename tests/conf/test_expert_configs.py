@@ -1,0 +1,87 @@
+"""Mixture-of-experts configs: the ``ep`` and ``fsdp_ep`` presets say what they should, the plan knows
+the experts and the batch's axes, the dry run counts total and active parameters, and what is not built
+yet is refused with the path, the reason and a fix (the fixes themselves run in ``test_printed_fixes``
+through ``fix_catalogue``'s ``moe/`` cases).
+
+Run: ``python -m pytest tests/conf/test_expert_configs.py -q``
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel.errors import ConfigError
+from trainer.config.compose import compose_dict
+from trainer.planner.report import describe_plan, plan_report
+from trainer.validate.checks import validate_with_plan
+
+
+def _validated(*overrides: str):
+    return validate_with_plan(compose_dict(list(overrides)))
+
+
+def _issues(*overrides: str) -> dict[str, str]:
+    with pytest.raises(ConfigError) as refused:
+        _validated(*overrides)
+    return {i.path: str(i) for i in refused.value.issues}
+
+
+def test_the_ep_preset_splits_the_experts_and_the_batch():
+    cfg, plan = _validated("model=gpt_moe", "+parallel=ep")
+    assert cfg.mesh_shape == (4,) and cfg.parallel.dims == ["ep"] and cfg.parallel.data_parallel is None
+    assert cfg.parallel.expert_parallel.dim == "ep" and cfg.dp_size == plan.dp_size == 4
+    assert plan.expert_parallel.modules == tuple(f"layers.{i}.mlp.experts" for i in range(4))
+    assert plan.batch_dim_names == ("ep",) and plan.placements == {}
+
+
+def test_the_fsdp_ep_preset_shards_over_dp_and_splits_experts_over_ep():
+    cfg, plan = _validated("model=gpt_moe", "+parallel=fsdp_ep")
+    assert cfg.mesh_shape == (2, 4) and cfg.parallel.dims == ["dp", "ep"]
+    assert (cfg.parallel.data_parallel.dim, cfg.parallel.data_parallel.mode) == ("dp", "fsdp")
+    assert plan.batch_dim_names == ("dp", "ep") and cfg.dp_size == plan.dp_size == 8
+
+
+def test_the_dry_run_counts_total_and_active_parameters():
+    cfg, plan = _validated("model=gpt_moe", "+parallel=fsdp_ep", "mesh=[2,2]", "dry_run=true")
+    report = plan_report(cfg, plan)
+    moe, dim, layers = cfg.model.moe, cfg.model.dim, cfg.model.n_layers
+    experts = layers * moe.num_experts * 3 * dim * moe.hidden_dim
+    params = report["parameters"]
+    assert params["experts"] == experts
+    assert params["total"] - params["active"] == experts - experts * moe.top_k // moe.num_experts
+    # Each rank holds the non-expert parameters and its 8 / 2 experts (before FSDP shards them).
+    assert report["per_pp_rank"][0]["params"] == params["total"] - experts + experts // 2
+    assert report["comm"]["ep"] > 0
+    text = describe_plan(cfg, plan, pictures_dir=None, report=report)
+    assert f"parameters: {params['total']:,} in all, {params['active']:,} active per token" in text
+
+
+def test_a_dense_model_shows_one_parameter_count():
+    cfg, plan = _validated("+parallel=fsdp", "dry_run=true")
+    report = plan_report(cfg, plan)
+    assert report["parameters"]["experts"] == 0 and report["parameters"]["active"] == report["parameters"]["total"]
+
+
+def test_refusals_name_the_path_the_reason_and_the_fix():
+    assert _issues("+parallel=ep")["parallel.expert_parallel"] == (
+        "parallel.expert_parallel: model Transformer has no experts to split over axis 'ep' (a mixture-of-experts "
+        "model names its stacked experts) (use a mixture-of-experts model, e.g. model=gpt_moe, or remove the ep axis "
+        "(a preset without parallel.expert_parallel))")
+    assert _issues("model=gpt_moe", "+parallel=ep", "model.moe.num_experts=6")["model.moe.num_experts"] == (
+        "model.moe.num_experts: 6 experts do not split over the expert-parallel axis 'ep' of size 4 "
+        "(use an ep size dividing 6, or model.moe.num_experts=8)")
+    assert _issues("model=gpt_moe", "model.moe.top_k=9")["model.moe.top_k"] == (
+        "model.moe.top_k: each token goes to 9 experts but there are only 8 (use top_k <= num_experts, "
+        "e.g. model.moe.top_k=8)")
+    issues = _issues("model=gpt_moe", "+parallel=3d")
+    assert set(issues) == {"parallel.pipeline"}, issues  # the family plan splits the attention only: no mlp globs
+    assert "train without a pipeline: parallel.pipeline=null" in issues["parallel.pipeline"]
+
+
+def test_placements_on_an_moe_model_are_refused_not_ignored():
+    raw = compose_dict(["model=gpt_moe", "+parallel=tp"])
+    raw["parallel"]["placements"] = {"layers.*.mlp.experts.w1": {"tp": "Shard(1)"}}
+    with pytest.raises(ConfigError) as refused:
+        validate_with_plan(raw)
+    paths = {i.path for i in refused.value.issues}
+    assert 'parallel.placements["layers.*.mlp.experts.w1"]' in paths, paths

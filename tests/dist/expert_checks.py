@@ -1,0 +1,98 @@
+"""Checks of the mixture-of-experts model ``gpt_moe`` on expert-parallel layouts, inside the worker
+processes of one launch per world size (``dist_harness``).
+
+Each check takes the trainer's road: the config composed from overrides and validated, the model
+built on meta, sharded and given the seed's values per rank (:func:`build_parallel_model`), the
+training loss with the balance loss added (:func:`with_aux_loss`); then ``STEPS`` steps on the
+batches of ``dist_checks`` with AdamW, as the loop does. It reports the losses, the balance losses
+and the gradient norms every rank sees, and where the experts' weights are.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dist_checks import GRAD_CLIP, batches, make_optimizer
+from trainer.checkpoint.dcp import load_checkpoint, merged_module, save_checkpoint
+from trainer.config.compose import compose_dict
+from trainer.models import decoder_config, loss_fn_for
+from trainer.models.moe import with_aux_loss
+from trainer.run.build import build_parallel_model
+from trainer.validate.checks import validate_config
+
+OUT_ENV = "MESHFLOW_TEST_EXPERTS_OUT"  # set by the parent test
+BASE = ["model=gpt_moe", "data=synthetic", "train.seq_len=32", "train.global_batch_size=8"]
+
+
+def run_config(overrides: list[str]):
+    """The validated RunConfig of ``gpt_moe`` under ``overrides`` (none: one device)."""
+    return validate_config(compose_dict([*BASE, *overrides]))
+
+
+def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None) -> dict:
+    """``STEPS`` steps of ``cfg``'s model on this rank's share of each batch: the losses (balance
+    loss included, with its weight), the unweighted balance losses and the pre-clip gradient norms.
+    ``save_after``: also save a checkpoint after that step into ``$MESHFLOW_TEST_EXPERTS_OUT``;
+    ``resume``: start from that checkpoint (the steps after its own)."""
+    pm = build_parallel_model(cfg, torch.device("cpu"))
+    decoder = decoder_config(cfg.model)
+    loss_fn = with_aux_loss(loss_fn_for(decoder), pm.model_parts, cfg.model)
+    optimizer = make_optimizer(pm.parameters())
+    first = 0
+    if resume is not None:
+        first = int(load_checkpoint(resume, model=merged_module(pm.model_parts), optimizer=optimizer,
+                                    tied=pm.tied_names)["step"])
+    losses, aux, norms = [], [], []
+    for step, (inputs, targets) in enumerate(batches(decoder)[first:], start=first + 1):
+        per = inputs.shape[0] // pm.dp_size
+        share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+        loss = pm.forward_backward(inputs[share], targets[share], loss_fn)
+        norms.append(pm.clip_grad_norm_(GRAD_CLIP))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(pm.reduce_loss(loss))
+        aux.append(pm.reduce_loss(loss_fn.aux))
+        if step == save_after:
+            save_checkpoint(os.environ[OUT_ENV], step, model=merged_module(pm.model_parts), optimizer=optimizer,
+                            extra={"step": step}, keep=1, tied=pm.tied_names)
+    named = dict(pm.named_parameters())
+    return {"losses": losses, "aux": aux, "grad_norms": norms, "dp_size": pm.dp_size,
+            "w1": _where(named["layers.0.mlp.experts.w1"]), "wq": _where(named["layers.0.attn.wq.weight"])}
+
+
+def _where(param: torch.Tensor) -> dict:
+    """A DTensor parameter's placements, mesh axes and local shape ({} for a plain tensor)."""
+    if not isinstance(param, DTensor):
+        return {}
+    return {"placements": [repr(p) for p in param.placements], "mesh_dims": list(param.device_mesh.mesh_dim_names),
+            "local_shape": list(param.to_local().shape)}
+
+
+def expert_check(overrides: list[str], **options):
+    def check(*, rank: int, world_size: int) -> dict:
+        return train_moe(run_config(overrides), **options)
+
+    return check
+
+
+SUITES = {
+    "two_rank": [
+        ("ep", expert_check(["+parallel=ep", "mesh=[2]"], save_after=2)),  # and a checkpoint one device resumes
+        ("fsdp", expert_check(["+parallel=fsdp", "mesh=[2]"])),  # experts sharded by FSDP, no ep axis
+        ("tp", expert_check(["+parallel=tp", "mesh=[2]"])),  # attention split over tp, the MoE on every tp rank
+    ],
+    "four_rank": [
+        ("fsdp_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]"])),
+        ("ep4", expert_check(["+parallel=ep", "mesh=[4]"])),
+        ("ep_tp", expert_check(["+parallel=ep", "mesh=[2,2]", "parallel.dims=[ep,tp]",
+                                "parallel.tensor_parallel={dim: tp}"])),
+        ("2d", expert_check(["+parallel=2d", "mesh=[2,2]"])),  # fsdp x tp, no ep axis
+        ("zero2_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=zero2"])),
+    ],
+    "eight_rank": [  # slow: 8 processes
+        ("3d_ep", expert_check(["+parallel=3d_ep"])),
+    ],
+}

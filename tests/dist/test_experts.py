@@ -1,0 +1,89 @@
+"""The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], zero2 x ep
+[2, 2], ep x tp [2, 2], fsdp x ep x tp [2, 2, 2] (``3d_ep``, slow: 8 processes), and without ep: fsdp [2]
+(experts sharded by FSDP alone), tp [2] and fsdp x tp [2, 2] give one device's first 5 losses, balance losses and
+gradient norms (fp32, rel 1e-5), with the experts' weights ``Shard(0)`` over ep; and one device resumes
+an ep [2] checkpoint on one device's losses.
+
+    pytest tests/dist/test_experts.py -q              # two launches: 2 and 4 processes
+    pytest tests/dist/test_experts.py -q -m slow      # 3d_ep: 8 processes
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dist_harness import SuiteResults, max_rel
+from expert_checks import OUT_ENV, SUITES, run_config, train_moe
+
+WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
+CHECKS = [pytest.param(name, marks=pytest.mark.slow) if suite == "eight_rank" else name
+          for suite, checks in SUITES.items() for name, _ in checks]
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One device, the same road (build, the loss with the balance loss, the steps)."""
+    return train_moe(run_config([]))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Where the ``ep`` check saves its checkpoint; the path reaches the workers by env."""
+    path = tmp_path_factory.mktemp("expert-ckpts")
+    os.environ[OUT_ENV] = str(path)
+    yield path
+    os.environ.pop(OUT_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, checkpoints):
+    return SuiteResults(SUITES, WORLD_SIZE, checks="expert_checks", tmp=tmp_path_factory)
+
+
+def test_one_device_resumes_an_ep_checkpoint_on_one_devices_losses(results, reference, checkpoints):
+    """ep [2] saved after step 2 (experts Shard(0) over ep); one device reads it back and trains steps
+    3 to 5: one device's losses and balance losses, as if it had never stopped."""
+    results("ep")  # the launch that saved it
+    resumed = train_moe(run_config([]), resume=str(checkpoints / "step_00000002"))
+    assert len(resumed["losses"]) == 3
+    assert max_rel(resumed["losses"], reference["losses"][2:]) <= REL, (resumed["losses"], reference["losses"])
+    assert max_rel(resumed["aux"], reference["aux"][2:]) <= REL
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_losses_and_balance_losses_equal_one_device(check, results, reference):
+    assert 1.0 < min(reference["aux"]) < 2.0  # the balance loss is at work: about 1, never 0
+    for r in results(check):
+        print(f"{check}: max rel losses {max_rel(r['losses'], reference['losses']):.1e}, aux "
+              f"{max_rel(r['aux'], reference['aux']):.1e}, grad norms {max_rel(r['grad_norms'], reference['grad_norms']):.1e}")
+        assert max_rel(r["losses"], reference["losses"]) <= REL, (r["losses"], reference["losses"])
+        assert max_rel(r["aux"], reference["aux"]) <= REL, (r["aux"], reference["aux"])
+        assert max_rel(r["grad_norms"], reference["grad_norms"]) <= REL, (r["grad_norms"], reference["grad_norms"])
+
+
+@pytest.mark.parametrize("check, placements, mesh_dims, local_experts",
+                         [("ep", ["Shard(dim=0)"], ["ep"], 4), ("ep4", ["Shard(dim=0)"], ["ep"], 2),
+                          ("fsdp_ep", ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"], ["dp", "ep"], 2)])
+def test_experts_are_split_over_ep(check, placements, mesh_dims, local_experts, results):
+    for r in results(check):
+        assert r["w1"]["mesh_dims"] == mesh_dims and r["w1"]["placements"] == placements, r["w1"]
+        assert r["w1"]["local_shape"][0] == local_experts, r["w1"]
+        assert r["dp_size"] == {"ep": 2, "ep4": 4, "fsdp_ep": 4}[check]  # ep splits the batch
+
+
+@pytest.mark.slow
+def test_3d_ep_splits_attention_over_tp_experts_over_ep_and_shards_over_dp(results):
+    for r in results("3d_ep"):
+        assert r["w1"]["mesh_dims"] == ["dp", "ep"] and r["w1"]["local_shape"][0] == 2, r["w1"]
+        assert r["wq"]["mesh_dims"][-1] == "tp" and r["wq"]["placements"][-1] == "Shard(dim=0)", r["wq"]
+        assert r["dp_size"] == 4
+
+
+def test_ep_beside_tp_splits_attention_over_tp_and_experts_over_ep(results):
+    for r in results("ep_tp"):
+        assert r["w1"]["mesh_dims"] == ["ep"] and r["w1"]["placements"] == ["Shard(dim=0)"], r["w1"]
+        assert r["wq"]["mesh_dims"] == ["ep", "tp"] and r["wq"]["placements"] == ["Replicate()", "Shard(dim=0)"], r["wq"]
+        assert r["dp_size"] == 2

@@ -1,0 +1,77 @@
+"""Mixture-of-experts models and the expert-parallel axis: what is built, and the refusals (path,
+reason, fix) of what is not yet, before any worker starts.
+
+Built: a model with ``model.moe`` on one device, on data parallelism (its experts are plain
+parameters there; fsdp is checked) and on tensor parallelism of its attention (tp, fsdp x tp), and
+with ``parallel.expert_parallel`` alone, beside fsdp / zero2, beside tp, or beside both; each equals one
+device (``tests/dist/test_experts.py``). Refused: what would need the balance loss or the dispatch to
+cross what they do not cross yet (pipeline stages, sequence shards, the experts' own placements), and
+the wrappers not tested with the dispatch (activation checkpointing, torch.compile). That an ep axis needs a model
+with experts is the plan's check (:mod:`parallel.plan.resolve`): it knows the model's modules.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from parallel.errors import ConfigIssue
+from trainer.config.schema import LlamaConfig, RunConfig
+
+
+# A block's MoE parameters and modules, as globs meet them (the attention's placements stay the user's).
+_MLP = "layers.0.mlp"
+_MOE_NAMES = {
+    "placements": [f"{_MLP}.router.gate.weight", *(f"{_MLP}.experts.w{i}" for i in (1, 2, 3)),
+                   *(f"{_MLP}.shared.w{i}.weight" for i in (1, 2, 3))],
+    "layouts": [_MLP, f"{_MLP}.router", f"{_MLP}.router.gate", f"{_MLP}.experts", f"{_MLP}.shared",
+                *(f"{_MLP}.shared.w{i}" for i in (1, 2, 3))],
+}
+
+
+def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
+    """The ``model.moe`` section against itself and the layout, and the ep axis against the layout."""
+    moe = cfg.model.moe if isinstance(cfg.model, LlamaConfig) else None
+    par = cfg.parallel
+    issues = []
+    if moe is not None and moe.top_k > moe.num_experts:
+        issues.append(ConfigIssue("model.moe.top_k", f"each token goes to {moe.top_k} experts but there are only "
+                                  f"{moe.num_experts}", f"use top_k <= num_experts, e.g. model.moe.top_k={moe.num_experts}"))
+    ep = par.expert_parallel if par is not None else None
+    if ep is not None and moe is not None and ep.dim in par.dims and len(par.dims) == len(cfg.mesh_shape):
+        size = cfg.axis_size(ep.dim)
+        if moe.num_experts % size:
+            fit = size * -(-moe.num_experts // size)
+            issues.append(ConfigIssue("model.moe.num_experts", f"{moe.num_experts} experts do not split over the "
+                                      f"expert-parallel axis {ep.dim!r} of size {size}",
+                                      f"use an {ep.dim} size dividing {moe.num_experts}, or model.moe.num_experts={fit}"))
+    if moe is not None and cfg.train.compile:
+        issues.append(ConfigIssue("train.compile", "torch.compile of a mixture-of-experts model is not tested yet "
+                                  "(its routing has data-dependent shapes)", "train.compile=false"))
+    if par is None or (moe is None and ep is None):
+        return issues
+    what = "expert parallelism" if moe is None else "a mixture-of-experts model"
+    if par.pipeline is not None:
+        issues.append(ConfigIssue("parallel.pipeline", f"{what} on a pipeline is not built yet (the balance loss of "
+                                  "earlier stages' experts does not reach the last stage's loss)",
+                                  "train without a pipeline: parallel.pipeline=null"))
+    if ep is not None and par.data_parallel is not None and par.data_parallel.mode not in ("fsdp", "zero2"):
+        issues.append(ConfigIssue("parallel.data_parallel.mode", f"expert parallelism composes with data_parallel "
+                                  f"mode fsdp or zero2, not {par.data_parallel.mode} yet",
+                                  "parallel.data_parallel.mode=fsdp"))
+    if moe is None:
+        return issues
+    if par.tensor_parallel is not None and par.tensor_parallel.sequence_parallel:
+        issues.append(ConfigIssue("parallel.tensor_parallel.sequence_parallel", "sequence parallelism of a "
+                                  "mixture-of-experts model is not built yet (the router would see the sequence's "
+                                  "shards as a DTensor)", "parallel.tensor_parallel.sequence_parallel=false"))
+    for section, globs in (("placements", par.placements), ("layouts", par.layouts)):
+        for glob in globs:
+            if any(fnmatchcase(name, glob) for name in _MOE_NAMES[section]):
+                issues.append(ConfigIssue(f'parallel.{section}["{glob}"]', "placements and layouts of a "
+                                          "mixture-of-experts block (router, experts, shared experts) are not built yet "
+                                          "(its experts are placed by parallel.expert_parallel)",
+                                          "remove this glob, and use data or expert parallelism"))
+    if par.activation_checkpointing != "none":
+        issues.append(ConfigIssue("parallel.activation_checkpointing", "activation checkpointing of a "
+                                  "mixture-of-experts model is not tested yet", "parallel.activation_checkpointing=none"))
+    return issues
