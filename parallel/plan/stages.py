@@ -100,7 +100,7 @@ def check_stage_ranks(stages: Sequence[StageConfig], world_size: int) -> list[Co
         for rank in stage.rank_list:
             if not 0 <= rank < world_size:
                 issues.append(ConfigIssue(path, f"rank {rank} does not exist: the mesh has ranks 0..{world_size - 1}",
-                                          f"use ranks below {world_size}, or a larger mesh, e.g. mesh=[{rank + 1}]"))
+                                          f"use ranks below {world_size} (a larger mesh would leave ranks in no stage)"))
             elif rank in owner:
                 issues.append(ConfigIssue(path, f"rank {rank} is also in stage {owner[rank]}" if owner[rank] != index
                                           else f"rank {rank} is listed twice", "give every rank to exactly one stage"))

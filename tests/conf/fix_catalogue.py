@@ -44,7 +44,7 @@ def _chat_assets(template: str | None = None) -> str:
 _FORGETFUL = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}{{ m.role }}: {{ m.content }}\n"
               "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 _CHAT = _chat_assets(_FORGETFUL)
-_CHAT_DATA = ["model=gpt_debug", "data=chat", f"data.tokenizer={_CHAT}/tok", f"data.paths=[{_CHAT}/chats.jsonl]"]
+_CHAT_DATA = ["model=gpt_debug", "model.vocab_size=512", "data=chat", f"data.tokenizer={_CHAT}/tok", f"data.paths=[{_CHAT}/chats.jsonl]"]
 
 _EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
 

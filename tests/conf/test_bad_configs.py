@@ -144,7 +144,7 @@ CASES: dict[str, Bad] = {
     # --------------------------------------------------------------------------------- mesh
     "mesh/zero-size": bad(["+parallel=dp", "mesh=[0]"], "mesh[0]", ["must be >= 1", "got 0"], ["positive"]),
     "mesh/negative-size": bad(["+parallel=2d", "mesh=[2,-1]"], "mesh[1]", ["must be >= 1", "got -1"], ["positive"]),
-    "mesh/empty": bad(["+parallel=dp", "mesh=[]"], "mesh", ["is empty"], ["one size per axis", "null"]),
+    "mesh/empty": bad(["+parallel=dp", "mesh=[]"], "mesh", ["is empty"], ["one size per axis", "mesh=[2]", "null"]),
     "mesh/non-rectangular-ids": bad(
         ["+parallel=2d", "mesh=[[0,1],[2]]"], "mesh", ["rectangular", "mesh[1] has 1 entries, expected 2"],
         ["same length"]),
@@ -161,7 +161,7 @@ CASES: dict[str, Bad] = {
         ["+parallel=dp", "parallel.dims=[d-p]", "parallel.data_parallel.dim=d-p"], "parallel.dims[0]",
         ["'d-p' is not a valid axis name"], ["identifier"]),
     "mesh/mesh-without-parallel": bad(
-        ["mesh=[2]"], "mesh", ["[2] has 2 devices", "no parallel section"], ["+parallel="]),
+        ["mesh=[2]"], "mesh", ["[2] has 2 devices", "no parallel section"], ["+parallel=fsdp"]),
     "mesh/parallel-without-mesh": bad(
         ["+parallel=dp", "mesh=null"], "mesh", ["parallel section needs a mesh"], ["mesh=[2]"]),
     "mesh/explicit-ids-on-several-hosts": bad(
@@ -317,7 +317,8 @@ CASES: dict[str, Bad] = {
     "train/compile-with-zero-bubble-schedule": bad(
         ["+parallel=pp", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2", "train.compile=true"],
         "train.compile", ["parallel.pipeline.schedule ZBV", "re-runs its whole backward"],
-        ["parallel.pipeline.schedule=1F1B", "train.compile=false"]),
+        ["parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1",
+         "train.compile=false"]),
     "launch/node-rank-not-below-nnodes": bad(
         ["launch.node_rank=1"], "launch.node_rank", ["1 is not below launch.nnodes 1"], ["from 0 to 0"]),
     "launch/nnodes-does-not-divide-world": bad(
@@ -334,7 +335,7 @@ CASES: dict[str, Bad] = {
     "fixed/mesh-size-bool": bad(  # was accepted: True counted as an axis of size 1
         ["+parallel=2d"], "mesh[0]", ["must be an int, got True"], edit=put("mesh", [True, 2])),
     "fixed/mesh-size-float": bad(  # was reported as a malformed explicit-rank-id list
-        ["+parallel=dp", "mesh=[2.0]"], "mesh[0]", ["must be an int, got 2.0"], ["mesh=[2,2]"]),
+        ["+parallel=dp", "mesh=[2.0]"], "mesh[0]", ["must be an int, got 2.0"], ["mesh=[2]"]),
     "fixed/hsdp-same-axis-twice": bad(  # was accepted, with dp size 4 on a mesh of 2
         ["+parallel=dp", "parallel.data_parallel.mode=hsdp", "parallel.data_parallel.dim=[dp,dp]"],
         "parallel.data_parallel.dim", ["names axis 'dp' twice"], ["two different axes"]),

@@ -27,6 +27,10 @@ CASES: dict[str, Bad] = {
          "model.n_kv_heads=4"],
         "train.seq_len", ["36 tokens (18 per cp rank) do not split evenly over the sequence-parallel axis 'tp' of size 4"],
         ["multiple of 8", "train.seq_len=32"]),
+    "cp/with-experts": bad(
+        ["+parallel=cp", "mesh=[2]", "model=gpt_moe"], "parallel.context_parallel",
+        ["mixture-of-experts model with context parallelism is not built yet"],
+        ["parallel.context_parallel=null 'parallel.data_parallel={dim: cp, mode: fsdp}'"]),
     "cp/with-compile": bad(
         ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
         ["torch.compile with context parallelism is not built yet"], ["train.compile=false", "parallel.context_parallel=null"]),

@@ -59,7 +59,7 @@ CASES: dict[str, Bad] = {
     "batch-rows-do-not-split-over-lanes": bad(["+parallel=pp_stages", "train.global_batch_size=12"],
                                               "train.global_batch_size", ["dp size 2 x microbatches 4"], ["multiple of 8"]),
     "explicit-rank-ids-with-stages": bad(["+parallel=pp_stages", "mesh=[[0,1],[2,3]]", "parallel.dims=[pp,x]"], "mesh",
-                                         ["stages already say"], ["mesh=[4]"]),
+                                         ["stages already say"], ["mesh=[2,2]"]),
     "stage-tp-splits-heads": bad(["+parallel=pp_stages", "mesh=[8]"],
                                  'parallel.pipeline.stages[1].tensor_parallel.plan[megatron]["layers.*.attn.w[qkv].weight"].tp',
                                  ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["use a tp size dividing 2"],

@@ -50,7 +50,7 @@ def validate_with_plan(raw: dict[str, Any], *, check_model: bool = True) -> tupl
         cfg = RunConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(schema_issues(err, raw)) from None
-    issues = _check_mesh(cfg.mesh)
+    issues = _check_mesh(cfg.mesh, cfg.parallel)
     if issues:  # every later check reads the mesh's shape
         raise ConfigError(issues)
     axis_issues = _check_axes(cfg)
@@ -69,7 +69,7 @@ def validate_with_plan(raw: dict[str, Any], *, check_model: bool = True) -> tupl
 
 def check_structure(cfg: RunConfig) -> list[ConfigIssue]:
     """Cross-field checks that need no model: mesh, axes, schedules, batch arithmetic."""
-    return _check_mesh(cfg.mesh) or _check_axes(cfg) + _check_run(cfg)
+    return _check_mesh(cfg.mesh, cfg.parallel) or _check_axes(cfg) + _check_run(cfg)
 
 
 def _check_axes(cfg: RunConfig) -> list[ConfigIssue]:
@@ -93,17 +93,19 @@ def _check_run(cfg: RunConfig) -> list[ConfigIssue]:
     return issues
 
 
-def _check_mesh(mesh: Any) -> list[ConfigIssue]:
+def _check_mesh(mesh: Any, par: Any) -> list[ConfigIssue]:
     if mesh is None:
         return []
+    # the example fix has one size per axis the layout names (two without a layout), so it runs as printed
+    example = f"mesh=[{','.join(['2'] * (len(par.dims) if par is not None else 2))}]"
     if not mesh:
-        return [ConfigIssue("mesh", "is empty", "give one size per axis, e.g. mesh=[2,2], or null for one device")]
+        return [ConfigIssue("mesh", "is empty", f"give one size per axis, e.g. {example}, or null for one device")]
     if not any(isinstance(x, list) for x in mesh):  # a shape: one size per axis
         issues = []
         for i, x in enumerate(mesh):
             if isinstance(x, bool) or not isinstance(x, int):
                 issues.append(ConfigIssue(format_path("mesh", i), f"axis size must be an int, got {x!r}",
-                                          "give one positive int per axis, e.g. mesh=[2,2]"))
+                                          f"give one positive int per axis, e.g. {example}"))
             elif x < 1:
                 issues.append(ConfigIssue(format_path("mesh", i), f"axis size must be >= 1, got {x}", "use a positive size"))
         return issues
@@ -146,8 +148,10 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
     par, shape = cfg.parallel, cfg.mesh_shape
     if par is None:
         if cfg.world_size > 1:
+            preset = {1: "+parallel=fsdp", 2: "+parallel=2d", 3: "+parallel=3d"}.get(len(shape))  # one with as many axes
+            example = f"e.g. {preset}" if preset else f"one naming {len(shape)} axes"
             return [ConfigIssue("mesh", f"{list(shape)} has {cfg.world_size} devices but there is no parallel section",
-                                "add a preset, e.g. +parallel=3d or +parallel=fsdp, or drop mesh for one device")]
+                                f"add a preset, {example}, or drop mesh for one device")]
         return []
     if cfg.mesh is None:
         return [ConfigIssue("mesh", "the parallel section needs a mesh",
@@ -366,7 +370,8 @@ def _check_compile(cfg: RunConfig) -> list[ConfigIssue]:
             "autograd node, so the weight pass re-runs its whole backward; and in torch 2.13 the graph retained for it can get "
             "wrong gradients (Inductor's FX graph cache may serve a backward compiled with donated buffers, which "
             "overwrites the saved activations)",
-            "to compile, use parallel.pipeline.schedule=1F1B or parallel.pipeline.schedule=Interleaved1F1B; "
+            "to compile, use parallel.pipeline.schedule=Interleaved1F1B, or "
+            "parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1; "
             "or set train.compile=false"))
     return issues
 

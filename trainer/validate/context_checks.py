@@ -35,11 +35,15 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
                                   f"chunks: each of the {size} cp ranks holds a head and a tail chunk of every row, so "
                                   "that causal attention costs every rank the same",
                                   f"use a multiple of {chunks}, e.g. {override('train.seq_len', fit)}"))
-    drop_cp = override(PATH, None)
+    drop_cp = without_cp(cfg)
+    if cfg.model.arch == "llama" and getattr(cfg.model, "moe", None) is not None:
+        issues.append(ConfigIssue(PATH, "a mixture-of-experts model with context parallelism is not built yet: its "
+                                  "balance loss is taken per whole sequence, and a cp rank holds only chunks of each",
+                                  f"train without context parallelism ({drop_cp})"))
     if par.pipeline is not None:
         issues.append(ConfigIssue(PATH, "context parallelism with a pipeline is not built yet: stages would pass each "
                                   "rank's chunks of the micro-batches between them, which the schedules do not",
-                                  f"train without the pipeline ({override('parallel.pipeline', None)}) or without "
+                                  f"train without the pipeline ({without_pipeline(cfg)}) or without "
                                   f"context parallelism ({drop_cp})"))
     if cfg.train.compile:
         issues.append(ConfigIssue("train.compile", "torch.compile with context parallelism is not built yet: the ring's "
@@ -55,6 +59,26 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
     return issues
 
 
+def without_pipeline(cfg: RunConfig) -> str:
+    """The overrides that train ``cfg`` without its pipeline, as typed: the pp axis shrinks to size 1
+    with it (an axis of several ranks that no role names is refused)."""
+    par = cfg.parallel
+    shape = [1 if name == par.pipeline.dim else size for name, size in zip(par.dims, cfg.mesh_shape)]
+    return f"{override('parallel.pipeline', None)} {override('mesh', shape)}"
+
+
+def without_cp(cfg: RunConfig) -> str:
+    """The overrides that train ``cfg`` without context parallelism, as typed: the cp ranks become
+    data-parallel ranks (fsdp over the cp axis) when there is no dp axis, else the cp axis shrinks
+    to size 1 (an axis of several ranks that no role names is refused)."""
+    par = cfg.parallel
+    cp = par.context_parallel
+    if par.data_parallel is None:
+        return f"{override(PATH, None)} {override('parallel.data_parallel', {'dim': cp.dim, 'mode': 'fsdp'})}"
+    shape = [1 if name == cp.dim else size for name, size in zip(par.dims, cfg.mesh_shape)]
+    return f"{override(PATH, None)} {override('mesh', shape)}"
+
+
 def check_context_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
     """The model's side: some module of ``model`` (built on meta) attends over a split sequence."""
     par = cfg.parallel
@@ -62,11 +86,7 @@ def check_context_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
     if cp is None or supports_context_parallel(model):
         return []
     # The cp ranks can still train: as data-parallel ranks (or, beside a dp axis, not at all).
-    if par.data_parallel is None:
-        fix = f"{override(PATH, None)} {override('parallel.data_parallel', {'dim': cp.dim, 'mode': 'fsdp'})}"
-    else:
-        shape = [1 if name == cp.dim else size for name, size in zip(par.dims, cfg.mesh_shape)]
-        fix = f"{override(PATH, None)} {override('mesh', shape)}"
+    fix = without_cp(cfg)
     return [ConfigIssue(PATH, f"model.arch {cfg.model.arch}: no module of {type(model).__name__} attends over a split "
                         "sequence. Context parallelism needs an attention that takes its rank's chunks of every row and "
                         "sees the whole row (the built-in and Hugging Face Llama-family decoders have one); a module "

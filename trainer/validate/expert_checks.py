@@ -16,6 +16,7 @@ from fnmatch import fnmatchcase
 
 from parallel.errors import ConfigIssue
 from trainer.config.schema import LlamaConfig, RunConfig
+from trainer.validate.context_checks import without_pipeline
 
 
 # A block's MoE parameters and modules, as globs meet them (the attention's placements stay the user's).
@@ -53,7 +54,7 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
     if par.pipeline is not None:
         issues.append(ConfigIssue("parallel.pipeline", f"{what} on a pipeline is not built yet (the balance loss of "
                                   "earlier stages' experts does not reach the last stage's loss)",
-                                  "train without a pipeline: parallel.pipeline=null"))
+                                  f"train without a pipeline: {without_pipeline(cfg)}"))
     if ep is not None and par.data_parallel is not None and par.data_parallel.mode not in ("fsdp", "zero2"):
         issues.append(ConfigIssue("parallel.data_parallel.mode", f"expert parallelism composes with data_parallel "
                                   f"mode fsdp or zero2, not {par.data_parallel.mode} yet",

@@ -105,12 +105,28 @@ def _check_memory(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
         return []
 
 
+# Data kinds that read the user's own files: a fix naming them alone would be refused for want of files.
+_FILE_KINDS = ("files", "chat")
+
+
+def _data_fix(kinds: list[str]) -> str:
+    """``use data=text or data=synthetic``, then the kinds that need the user's files, with an example path."""
+    ready = [k for k in kinds if k not in _FILE_KINDS]
+    files = [k for k in kinds if k in _FILE_KINDS]
+    fix = f"use data={' or data='.join(ready)}" if ready else "use"
+    if files:
+        fix += f"{',' if ready else ''} or your own files: " + ", ".join(
+            f"data={k} 'data.paths=[/data/corpus/*.jsonl]'" for k in files)
+        fix += " (chat data also needs data.tokenizer)" if "chat" in files else ""
+    return fix
+
+
 def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
     d, t = cfg.data, cfg.train
     issues = []
     if d.kind not in _DATA_FOR_ARCH[cfg.model.arch]:
         issues.append(ConfigIssue("data.kind", f"model {cfg.model.arch} cannot train on {d.kind} data",
-                                  f"use data={' or data='.join(_DATA_FOR_ARCH[cfg.model.arch])}"))
+                                  _data_fix(_DATA_FOR_ARCH[cfg.model.arch])))
     has_val_split = bool(getattr(d, "val_fraction", 0) or getattr(d, "val_paths", None))
     if t.eval_every and not has_val_split:
         issues.append(ConfigIssue("train.eval_every", f"evaluates every {t.eval_every} steps, but data.kind: {d.kind} "

@@ -16,13 +16,18 @@ from trainer.config.schema import RunConfig
 ONE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
 
+def _plain_shape(cfg: RunConfig) -> tuple[int, ...]:
+    """The rank ids' shape when it has an axis per name of parallel.dims, else the world's size."""
+    return cfg.mesh_shape if len(cfg.parallel.dims) == len(cfg.mesh_shape) else (cfg.world_size,)
+
+
 def check_stages(cfg: RunConfig) -> list[ConfigIssue]:
     par = cfg.parallel
     pp = par.pipeline
     issues = []
     if not all(isinstance(x, int) for x in cfg.mesh):
         issues.append(ConfigIssue("mesh", "explicit rank ids with parallel.pipeline.stages: the stages already say "
-                                  "which ranks hold what", f"give the mesh as the world's size, e.g. mesh=[{cfg.world_size}]"))
+                                  "which ranks hold what", f"give the mesh as its shape, mesh=[{','.join(map(str, _plain_shape(cfg)))}]"))
     for key in ("data_parallel", "tensor_parallel", "placements", "layouts"):
         if getattr(par, key):
             issues.append(ConfigIssue(f"parallel.{key}", "with parallel.pipeline.stages each stage has its own layout; "
