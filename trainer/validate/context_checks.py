@@ -62,9 +62,7 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
 def without_pipeline(cfg: RunConfig) -> str:
     """The overrides that train ``cfg`` without its pipeline, as typed: the pp axis shrinks to size 1
     with it (an axis of several ranks that no role names is refused)."""
-    par = cfg.parallel
-    shape = [1 if name == par.pipeline.dim else size for name, size in zip(par.dims, cfg.mesh_shape)]
-    return f"{override('parallel.pipeline', None)} {override('mesh', shape)}"
+    return f"{override('parallel.pipeline', None)} {_mesh_without(cfg, cfg.parallel.pipeline.dim)}"
 
 
 def without_cp(cfg: RunConfig) -> str:
@@ -75,8 +73,13 @@ def without_cp(cfg: RunConfig) -> str:
     cp = par.context_parallel
     if par.data_parallel is None:
         return f"{override(PATH, None)} {override('parallel.data_parallel', {'dim': cp.dim, 'mode': 'fsdp'})}"
-    shape = [1 if name == cp.dim else size for name, size in zip(par.dims, cfg.mesh_shape)]
-    return f"{override(PATH, None)} {override('mesh', shape)}"
+    return f"{override(PATH, None)} {_mesh_without(cfg, cp.dim)}"
+
+
+def _mesh_without(cfg: RunConfig, axis: str) -> str:
+    """``mesh=[...]`` with ``axis`` shrunk to size 1, the other axes as they are."""
+    shape = [1 if name == axis else size for name, size in zip(cfg.parallel.dims, cfg.mesh_shape)]
+    return override("mesh", shape)
 
 
 def check_context_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
