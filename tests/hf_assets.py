@@ -27,6 +27,34 @@ def write_tiny_llama(path, *, seed: int = 0, vocab_size: int = 256, model_type: 
     model.save_pretrained(path)
 
 
+def write_tiny_moe(path, *, model_type: str = "qwen3_moe", seed: int = 0, vocab_size: int = 512) -> None:
+    """A 2-layer mixture-of-experts model as transformers writes it (one tensor per expert): dim 64, 6
+    attention heads over 2 kv heads of width 16, 4 experts of width 48, each token to 2 of them.
+    ``model_type`` qwen3_moe (per-head q/k norms, made non-trivial here; norm_topk_prob false, the
+    config's default) or mixtral (top-k weights always rescaled). ``output_router_logits`` with a
+    ``router_aux_loss_coef`` of 0.02: the trainer adds its balance loss (weight 0.04). The routers' weights are drawn wide
+    (std 0.5) so that each token's choices are clear-cut, not decided by rounding."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.02)
+    if model_type == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, num_experts=4, intermediate_size=96, moe_intermediate_size=48)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=4,
+                                                                           intermediate_size=48))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):
+                param.normal_(0.0, 0.5)
+            elif "q_norm" in name or "k_norm" in name:
+                param.normal_(1.0, 0.5)
+    model.save_pretrained(path)
+
+
 def write_tied_llama(path, *, seed: int = 0, vocab_size: int = 256) -> None:
     """A SmolLM2-shaped tiny Llama: input and output embeddings tied (``tie_word_embeddings``), 9
     attention heads over 3 key/value heads (head_dim 8), rope_theta 100000, 2 layers."""

@@ -3,7 +3,8 @@ tokenizer files of the source directory, when there are any), loadable with
 ``transformers.AutoModelForCausalLM.from_pretrained``.
 
 A model from ``model=hf`` already has Hugging Face's names and rotary convention: its tensors
-go out unchanged, beside the source directory's own ``config.json``. The built-in Llama
+go out unchanged, beside the source directory's own ``config.json`` (a mixture of experts' stacked
+weights split back into the files' one tensor per expert: :mod:`trainer.models.hf_moe`). The built-in Llama
 (``model=gpt_debug`` ...) is renamed piece by piece, and its ``wq`` / ``wk`` rows are permuted
 per head from Meta's interleaved rotary pairs ``(2i, 2i+1)`` to Hugging Face's halves
 ``(i, i + D/2)``: attention scores are dot products, unchanged when q and k are permuted alike,
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from trainer.config.schema import HFModelConfig, LlamaConfig
+from trainer.models.hf import hf_named_state
 from trainer.models.llama import HF_NAMES, MESHFLOW_NAMES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -69,7 +71,7 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *, tok
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(model_cfg, HFModelConfig):
-        tensors = dict(state)
+        tensors = hf_named_state(state, model_cfg.path)  # a mixture of experts: one tensor per expert again
         source = Path(model_cfg.path)
         shutil.copy(source / "config.json", out / "config.json")
         for name in TOKENIZER_FILES:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig
+from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig, MoEConfig
 from trainer.models.custom import build_custom_model
 from trainer.models.init import canonical_fqn, init_named_parameters, init_parameter, stable_seed
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
@@ -119,6 +119,20 @@ def decoder_config(cfg: ModelCfg) -> LlamaConfig | None:
     return cfg if isinstance(cfg, LlamaConfig) else None
 
 
+def moe_config(cfg: ModelCfg) -> MoEConfig | None:
+    """The decoder's mixture of experts: ``model.moe``, or what a Hugging Face directory's config.json
+    says (qwen3_moe, mixtral); None for a dense decoder, another model, or a directory whose config.json
+    is refused (``model.path``'s check says why)."""
+    if isinstance(cfg, HFModelConfig):
+        from trainer.models.hf import HFModelError, read_hf_config  # optional: transformers, the hf extra
+
+        try:
+            return read_hf_config(cfg.path)[0].moe
+        except HFModelError:
+            return None
+    return cfg.moe if isinstance(cfg, LlamaConfig) else None
+
+
 def loss_fn_for(cfg: ModelCfg, *, masked: bool = False) -> LossFn:
     """The training loss of ``cfg.arch`` (a custom model names its own): ``loss(output, targets) -> scalar`` (mean).
     ``masked``: the data marks targets that do not count (chat): a :class:`TargetMeanLoss`."""
@@ -152,6 +166,7 @@ __all__ = [
     "lm_loss",
     "loss_fn_for",
     "meta_initializer",
+    "moe_config",
     "mse_loss",
     "stable_seed",
 ]

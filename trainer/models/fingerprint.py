@@ -15,7 +15,7 @@ stored them when it was saved.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -93,12 +93,14 @@ def file_fingerprints(files: Iterable[Path | str]) -> dict[str, Fingerprint]:
     return out
 
 
-def source_fingerprints(files: list[Path | str]) -> dict[str, Fingerprint]:
-    """:func:`file_fingerprints`, read by rank 0 only and sent to every rank (a collective when a
-    process group is up)."""
+def source_fingerprints(files: list[Path | str], *, read: Callable[[], dict[str, Fingerprint]] | None = None
+                        ) -> dict[str, Fingerprint]:
+    """:func:`file_fingerprints` (or ``read()``: the files' under the model's names, where they name
+    them otherwise), read by rank 0 only and sent to every rank (a collective when a process group is up)."""
+    read = read or (lambda: file_fingerprints(files))
     if not (dist.is_available() and dist.is_initialized()):
-        return file_fingerprints(files)
-    box = [file_fingerprints(files) if dist.get_rank() == 0 else None]
+        return read()
+    box = [read() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

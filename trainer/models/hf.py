@@ -4,7 +4,8 @@
     model.state_dict().keys()   # model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ...
 
 A Llama-family ``config.json`` (``model_type`` llama, mistral, qwen2 or qwen3: one layout, give
-or take Qwen2's q/k/v biases and Qwen3's per-head q/k norms) becomes a
+or take Qwen2's q/k/v biases and Qwen3's per-head q/k norms; qwen3_moe and mixtral put a mixture of
+experts in place of every MLP, :mod:`trainer.models.hf_moe`) becomes a
 :class:`~trainer.config.schema.LlamaConfig` and a :class:`~trainer.models.llama.Transformer` with
 ``layout="hf"``, whose parameter names and rotary convention are ``LlamaForCausalLM``'s: the
 checkpoint loads key for key, the logits equal transformers' own, and every layout the engine
@@ -20,22 +21,18 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from trainer.config.schema import HFModelConfig, LlamaConfig
+from trainer.config.schema import HFModelConfig, LlamaConfig, MoEConfig
+from trainer.models.fingerprint import Fingerprint, file_fingerprints
+from trainer.models.hf_moe import MOE_MODEL_TYPES, HFModelError, file_keys, hf_state, is_stacked, key_files, \
+    moe_fields, read_stacked, stacked_fingerprint
 from trainer.models.llama import Transformer
 from trainer.models.lora import is_adapter
 
-# The Llama layout and its kin: Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms and a free head_dim.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The Llama layout and its kin: Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms and a free head_dim;
+# Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's) a mixture of experts in every block.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 # Plain RoPE, and Llama 3.x's frequency adjustment; linear, dynamic, yarn and longrope are refused.
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-class HFModelError(ValueError):
-    """The directory is not a model this source can build: ``reason`` and ``fix`` for the validator."""
-
-    def __init__(self, reason: str, fix: str) -> None:
-        super().__init__(f"{reason} ({fix})")
-        self.reason, self.fix = reason, fix
 
 
 def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
@@ -54,7 +51,8 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
     kind = hf.get("model_type")
     if kind not in SUPPORTED_MODEL_TYPES:
         raise HFModelError(f"model_type {kind!r} in {str(config_file)!r} is not supported",
-                           f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)} (the Llama layout)")
+                           f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)} (the Llama layout, dense or "
+                           "with a mixture of experts)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise HFModelError(f"rope settings {rope!r} in {str(config_file)!r} are not an object", "give a valid config.json")
@@ -67,6 +65,7 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
         ("mlp_bias", bool(hf.get("mlp_bias"))),
         ("use_sliding_window", bool(hf.get("use_sliding_window"))),
     ]
+    moe = moe_fields(hf, kind, str(config_file)) if kind in MOE_MODEL_TYPES else None  # refusals: HFModelError
     try:
         cfg = LlamaConfig(
             dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
@@ -74,8 +73,9 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
             ffn_hidden_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
             norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             init_std=hf.get("initializer_range", 0.02), head_dim=hf.get("head_dim"),
-            qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+            qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe"),
             rope_scaling=_llama3_scaling(rope, hf) if rope_type == "llama3" else None,
+            moe=MoEConfig(**moe) if moe is not None else None,
         )
     except ValidationError as err:  # each bad value named by its LlamaConfig field, on one line
         bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
@@ -101,11 +101,11 @@ def _llama3_scaling(rope: dict, hf: dict) -> dict:
 
 
 def sliding_window(path: str) -> int | None:
-    """The window of a Mistral checkpoint's sliding-window attention (``sliding_window`` in
+    """The window of a Mistral or Mixtral checkpoint's sliding-window attention (``sliding_window`` in
     config.json; null on Mistral 0.2 and later), or None. Qwen's ``use_sliding_window`` is refused
     by :func:`read_hf_config`."""
     hf = json.loads((Path(path) / "config.json").read_text())
-    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    window = hf.get("sliding_window") if hf.get("model_type") in ("mistral", "mixtral") else None
     return int(window) if isinstance(window, int) and window > 0 else None
 
 
@@ -134,33 +134,86 @@ def load_hf_sharded(parts: list[torch.nn.Module], path: str) -> None:
     """Fill this rank's (sharded, split) model parts from the directory's safetensors through DCP's
     Hugging Face reader: every rank asks for the pieces its DTensor shards and pipeline stages
     hold and the reader slices them out of the files, so no rank materialises the whole
-    checkpoint. Collective: every rank of the job calls it."""
+    checkpoint. A mixture of experts' stacked weights are read expert by expert, each rank only
+    its experts' slices (:func:`trainer.models.hf_moe.read_stacked`). Collective: every rank of the
+    job calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    _, tied = read_hf_config(path)
+    kind, num_experts, tied = _layout(path)
     reader = HuggingFaceStorageReader(path)
     in_files = set(reader.read_metadata().state_dict_metadata)
     state: dict[str, torch.Tensor] = {}
     for part in parts:
         state.update(part.state_dict())
-    # LoRA adapters are not in the base model's files: they start from the seed.
-    missing = sorted(k for k in state if k not in in_files and not (tied and k == "lm_head.weight") and not is_adapter(k))
+    state = {k: v for k, v in state.items() if not is_adapter(k)}  # LoRA adapters start from the seed
+    keys = {k: file_keys(k, kind, num_experts) for k in state}
+    missing = sorted(key for k, ks in keys.items() for key in ks if key not in in_files and not (tied and k == "lm_head.weight"))
     if missing:
         raise HFModelError(f"the safetensors weights do not fit config.json: missing {missing[:4]}",
                            "give the weights saved with this config.json")
-    dcp.load({k: v for k, v in state.items() if k in in_files}, storage_reader=reader)
+    # The router's gate under its name in the files: DCP loads into the tensor the dict holds.
+    dcp.load({keys[k][0]: v for k, v in state.items() if not is_stacked(k) and keys[k][0] in in_files},
+             storage_reader=reader)
+    stacked = {k: (keys[k], v) for k, v in state.items() if is_stacked(k)}
+    if stacked:
+        read_stacked(stacked, key_files(weight_files(path)))
 
 
 def load_hf_weights(model: Transformer, files: list[Path], *, tied: bool) -> None:
+    """Load the safetensors ``files`` of a model directory into the whole ``model`` (one process); a
+    mixture of experts' per-expert tensors stacked into its ``experts.w*``."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}  # derived tables, rebuilt by the model
+    kind, num_experts, _ = _layout(str(Path(files[0]).parent))
+    if kind in MOE_MODEL_TYPES:  # the files' names to the model's: the router renamed, the experts stacked
+        for name in model.state_dict():
+            keys = file_keys(name, kind, num_experts)
+            if keys != [name] and all(k in state for k in keys):
+                tensors = [state.pop(k) for k in keys]
+                state[name] = torch.stack(tensors) if is_stacked(name) else tensors[0]
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (tied and k == "lm_head.weight") and not is_adapter(k)]
     if missing or unexpected:
         raise HFModelError(f"the safetensors weights do not fit config.json: missing {missing[:4]}, unexpected "
                            f"{unexpected[:4]}", "give the weights saved with this config.json")
+
+
+def hf_fingerprints(path: str) -> dict[str, Fingerprint]:
+    """The fingerprints (:mod:`trainer.models.fingerprint`) of the directory's weights under the model's
+    parameter names: a stacked expert weight's computed from its experts' tensors."""
+    files = weight_files(path)
+    raw = file_fingerprints(files)
+    kind, num_experts, _ = _layout(path)
+    if kind not in MOE_MODEL_TYPES:
+        return raw
+    where = key_files(files)
+    layers = read_hf_config(path)[0].n_layers
+    names = [f"model.layers.{i}.mlp.{w}" for i in range(layers) for w in ("router.gate.weight", "experts.w1",
+                                                                          "experts.w2", "experts.w3")]
+    out = dict(raw)  # the files' own names too: the model has none of its experts' and routers'
+    for name in names:
+        keys = file_keys(name, kind, num_experts)
+        if is_stacked(name) and all(k in where for k in keys):
+            out[name] = stacked_fingerprint(keys, where)
+        elif keys != [name] and keys[0] in raw:
+            out[name] = raw[keys[0]]
+    return out
+
+
+def hf_named_state(state: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+    """The whole model's ``state`` under the names of the directory's files (a mixture of experts' stacked
+    weights split into one tensor per expert, the router's gate renamed): what transformers loads."""
+    kind, num_experts, _ = _layout(path)
+    return hf_state(state, kind, num_experts)
+
+
+def _layout(path: str) -> tuple[str, int, bool]:
+    """``(model_type, routed experts per block or 0, tie_word_embeddings)`` of the directory ``path``."""
+    cfg, tied = read_hf_config(path)
+    kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    return kind, cfg.moe.num_experts if cfg.moe is not None else 0, tied

@@ -13,7 +13,7 @@ from trainer.config.schema import HFModelConfig, RunConfig
 from trainer.export.weights import check_weights_fit, load_weights
 from trainer.models import build_model, meta_initializer
 from trainer.models.fingerprint import check_fingerprints, source_fingerprints
-from trainer.models.hf import load_hf_sharded, weight_files
+from trainer.models.hf import hf_fingerprints, load_hf_sharded, weight_files
 
 
 def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
@@ -64,4 +64,5 @@ def check_loaded(pm: ParallelModel, cfg: RunConfig) -> None:
     if cfg.train.init_from:
         check_fingerprints(pm, source_fingerprints([cfg.train.init_from]), what="train.init_from")
     elif isinstance(cfg.model, HFModelConfig) and (files := weight_files(cfg.model.path)):
-        check_fingerprints(pm, source_fingerprints(files), what="model.path")
+        path = cfg.model.path  # a mixture of experts' files name each expert apart: hf_fingerprints stacks them
+        check_fingerprints(pm, source_fingerprints(files, read=lambda: hf_fingerprints(path)), what="model.path")

@@ -15,6 +15,7 @@ from torch import nn
 from parallel.context import supports_context_parallel
 from parallel.errors import ConfigIssue, override
 from trainer.config.schema import RunConfig
+from trainer.models import moe_config
 
 PATH = "parallel.context_parallel"
 
@@ -36,7 +37,7 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
                                   "that causal attention costs every rank the same",
                                   f"use a multiple of {chunks}, e.g. {override('train.seq_len', fit)}"))
     drop_cp = without_cp(cfg)
-    if cfg.model.arch == "llama" and getattr(cfg.model, "moe", None) is not None:
+    if moe_config(cfg.model) is not None:
         issues.append(ConfigIssue(PATH, "a mixture-of-experts model with context parallelism is not built yet: its "
                                   "balance loss is taken per whole sequence, and a cp rank holds only chunks of each",
                                   f"train without context parallelism ({drop_cp})"))

@@ -16,35 +16,45 @@ from fnmatch import fnmatchcase
 
 from parallel.errors import ConfigIssue
 from trainer.config.schema import LlamaConfig, RunConfig
+from trainer.models import moe_config
 from trainer.validate.context_checks import without_pipeline
 
 
 # A block's MoE parameters and modules, as globs meet them (the attention's placements stay the user's).
-_MLP = "layers.0.mlp"
+# The built-in names and a Hugging Face model's (model.layers.0.mlp...).
+_MLPS = ("layers.0.mlp", "model.layers.0.mlp")
 _MOE_NAMES = {
-    "placements": [f"{_MLP}.router.gate.weight", *(f"{_MLP}.experts.w{i}" for i in (1, 2, 3)),
-                   *(f"{_MLP}.shared.w{i}.weight" for i in (1, 2, 3))],
-    "layouts": [_MLP, f"{_MLP}.router", f"{_MLP}.router.gate", f"{_MLP}.experts", f"{_MLP}.shared",
-                *(f"{_MLP}.shared.w{i}" for i in (1, 2, 3))],
+    "placements": [name for mlp in _MLPS for name in (f"{mlp}.router.gate.weight", *(f"{mlp}.experts.w{i}" for i in (1, 2, 3)),
+                                                       *(f"{mlp}.shared.w{i}.weight" for i in (1, 2, 3)))],
+    "layouts": [name for mlp in _MLPS for name in (mlp, f"{mlp}.router", f"{mlp}.router.gate", f"{mlp}.experts",
+                                                    f"{mlp}.shared", *(f"{mlp}.shared.w{i}" for i in (1, 2, 3)))],
 }
 
 
 def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
-    """The ``model.moe`` section against itself and the layout, and the ep axis against the layout."""
-    moe = cfg.model.moe if isinstance(cfg.model, LlamaConfig) else None
+    """The model's mixture of experts (``model.moe``, or a Hugging Face directory's config.json) against
+    itself and the layout, and the ep axis against the layout."""
+    moe = moe_config(cfg.model)
+    # A Hugging Face model's experts are its config.json's: reported at model.path, changed there.
+    built_in = isinstance(cfg.model, LlamaConfig)
     par = cfg.parallel
     issues = []
     if moe is not None and moe.top_k > moe.num_experts:
-        issues.append(ConfigIssue("model.moe.top_k", f"each token goes to {moe.top_k} experts but there are only "
-                                  f"{moe.num_experts}", f"use top_k <= num_experts, e.g. model.moe.top_k={moe.num_experts}"))
+        issues.append(ConfigIssue("model.moe.top_k" if built_in else "model.path",
+                                  f"{'' if built_in else '(config.json) '}each token goes to {moe.top_k} experts but "
+                                  f"there are only {moe.num_experts}", f"use top_k <= num_experts, e.g. model.moe.top_k="
+                                  f"{moe.num_experts}" if built_in else "give a config.json with num_experts_per_tok <= "
+                                  "its experts"))
     ep = par.expert_parallel if par is not None else None
     if ep is not None and moe is not None and ep.dim in par.dims and len(par.dims) == len(cfg.mesh_shape):
         size = cfg.axis_size(ep.dim)
         if moe.num_experts % size:
             fit = size * -(-moe.num_experts // size)
-            issues.append(ConfigIssue("model.moe.num_experts", f"{moe.num_experts} experts do not split over the "
+            issues.append(ConfigIssue("model.moe.num_experts" if built_in else "model.path",
+                                      f"{moe.num_experts} experts do not split over the "
                                       f"expert-parallel axis {ep.dim!r} of size {size}",
-                                      f"use an {ep.dim} size dividing {moe.num_experts}, or model.moe.num_experts={fit}"))
+                                      f"use an {ep.dim} size dividing {moe.num_experts}"
+                                      + (f", or model.moe.num_experts={fit}" if built_in else "")))
     if moe is not None and cfg.train.compile:
         issues.append(ConfigIssue("train.compile", "torch.compile of a mixture-of-experts model is not tested yet "
                                   "(its routing has data-dependent shapes)", "train.compile=false"))
