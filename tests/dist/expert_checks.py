@@ -32,14 +32,15 @@ def run_config(overrides: list[str]):
     return validate_config(compose_dict([*BASE, *overrides]))
 
 
-def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None) -> dict:
+def train_moe(cfg, *, save_after: int | None = None, save_under: str = "", resume: str | None = None) -> dict:
     """``STEPS`` steps of ``cfg``'s model on this rank's share of each batch: the losses (balance
     loss included, with its weight), the unweighted balance losses and the pre-clip gradient norms.
-    ``save_after``: also save a checkpoint after that step into ``$MESHFLOW_TEST_EXPERTS_OUT``;
+    ``save_after``: also save a checkpoint after that step into ``$MESHFLOW_TEST_EXPERTS_OUT`` (its
+    folder ``save_under``);
     ``resume``: start from that checkpoint (the steps after its own)."""
     pm = build_parallel_model(cfg, torch.device("cpu"))
     decoder = decoder_config(cfg.model)
-    loss_fn = with_aux_loss(loss_fn_for(decoder), pm.model_parts, cfg.model)
+    loss_fn = with_aux_loss(loss_fn_for(decoder), pm.model_parts, decoder)  # a Hugging Face MoE's: its config.json
     optimizer = make_optimizer(pm.parameters())
     first = 0
     if resume is not None:
@@ -56,11 +57,13 @@ def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None) 
         losses.append(pm.reduce_loss(loss))
         aux.append(pm.reduce_loss(loss_fn.aux))
         if step == save_after:
-            save_checkpoint(os.environ[OUT_ENV], step, model=merged_module(pm.model_parts), optimizer=optimizer,
-                            extra={"step": step}, keep=1, tied=pm.tied_names)
-    named = dict(pm.named_parameters())
+            save_checkpoint(os.path.join(os.environ[OUT_ENV], save_under), step, model=merged_module(pm.model_parts), optimizer=optimizer,
+                            extra={"step": step, "model_config": cfg.model.model_dump(mode="json")}, keep=1,
+                            tied=pm.tied_names)
+    named = {name.removeprefix("model."): p for name, p in pm.named_parameters()}  # a Hugging Face model's too
     return {"losses": losses, "aux": aux, "grad_norms": norms, "dp_size": pm.dp_size,
-            "w1": _where(named["layers.0.mlp.experts.w1"]), "wq": _where(named["layers.0.attn.wq.weight"])}
+            "w1": _where(named["layers.0.mlp.experts.w1"]),
+            "wq": _where(named.get("layers.0.attn.wq.weight", named.get("layers.0.self_attn.q_proj.weight")))}
 
 
 def _where(param: torch.Tensor) -> dict:
