@@ -145,10 +145,11 @@ class MLPConfig(_Section):
 
 class HFModelConfig(_Section):
     arch: Literal["hf"] = Field("hf", description="A Hugging Face causal LM from a local directory (Llama family: "
-                                "Llama, Mistral, Qwen2, Qwen3).")
+                                "Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Mixtral).")
     path: str | None = Field(
         None,
-        description="Directory with the model's config.json (model_type llama, mistral, qwen2 or qwen3), plus *.safetensors weights "
+        description="Directory with the model's config.json (model_type llama, mistral, qwen2, qwen3, or with a mixture "
+        "of experts qwen3_moe or mixtral), plus *.safetensors weights "
         "when present (random init from the config when absent). Nothing is downloaded.",
     )
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (`model.lora.rank=16` turns "
