@@ -82,3 +82,33 @@ def test_the_files_name_each_expert_and_the_stack_splits_back_into_them(kind, ro
     stack = torch.arange(4 * 6, dtype=torch.float32).view(4, 3, 2)
     out = hf_state({"model.layers.3.mlp.experts.w3": stack, "model.norm.weight": torch.ones(2)}, kind, 4)
     assert torch.equal(out[expert1_up], stack[1]) and len(out) == 5 and "model.norm.weight" in out
+
+
+@pytest.mark.parametrize("config", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
+def test_weights_written_in_the_files_names_load_stacked_and_fingerprint_as_the_stacks(tmp_path, config):
+    """A model's state written under the files' names (as an export writes it) loads back stacked into
+    another one; the files' fingerprints, under the model's names, are the model's own, and an
+    expert's rows swapped in the file show."""
+    from safetensors.torch import save_file
+
+    from trainer.config.schema import HFModelConfig
+    from trainer.models.fingerprint import mismatches, module_fingerprints
+    from trainer.models.hf import build_hf_model, hf_fingerprints, hf_named_state
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = build_hf_model(HFModelConfig(path=str(tmp_path)), seed=1)  # no weights yet: the seed's
+    files = hf_named_state(source.state_dict(), str(tmp_path))
+    assert len(files) == len(source.state_dict()) + 2 * 3 * (config["num_local_experts"] - 1)
+    save_file({k: v.contiguous() for k, v in files.items()}, str(tmp_path / "model.safetensors"))
+    loaded = build_hf_model(HFModelConfig(path=str(tmp_path)), seed=2)
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in loaded.state_dict().items())
+    want = module_fingerprints(source)
+    assert not mismatches(want, hf_fingerprints(str(tmp_path)), [])
+    assert {k for k in want if "experts" in k or "router" in k} <= set(hf_fingerprints(str(tmp_path)))
+
+    block = "mlp" if config["model_type"] == "qwen3_moe" else "block_sparse_moe"
+    up = "up_proj" if config["model_type"] == "qwen3_moe" else "w3"
+    first, second = (f"model.layers.1.{block}.experts.{e}.{up}.weight" for e in (0, 1))
+    files[first], files[second] = files[second], files[first]
+    save_file({k: v.contiguous() for k, v in files.items()}, str(tmp_path / "model.safetensors"))
+    assert mismatches(want, hf_fingerprints(str(tmp_path)), []) == ["model.layers.1.mlp.experts.w3"]
