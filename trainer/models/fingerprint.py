@@ -80,15 +80,17 @@ def module_fingerprints(module: torch.nn.Module) -> dict[str, Fingerprint]:
     return {canonical_fqn(name): fingerprint(p) for name, p in module.named_parameters(remove_duplicate=False)}
 
 
-def file_fingerprints(files: Iterable[Path | str]) -> dict[str, Fingerprint]:
-    """The fingerprints of every tensor in safetensors ``files`` (read one tensor at a time)."""
+def file_fingerprints(files: Iterable[Path | str], *, skip: Callable[[str], bool] = lambda key: False
+                      ) -> dict[str, Fingerprint]:
+    """The fingerprints of every tensor in safetensors ``files`` (read one tensor at a time), but
+    those whose key ``skip`` says."""
     from safetensors import safe_open
 
     out = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if "rotary_emb" not in key:  # derived tables, rebuilt by the model
+                if "rotary_emb" not in key and not skip(key):  # rotary tables: derived, rebuilt by the model
                     out[key] = fingerprint(f.get_tensor(key))
     return out
 

@@ -185,23 +185,23 @@ def load_hf_weights(model: Transformer, files: list[Path], *, tied: bool) -> Non
 
 def hf_fingerprints(path: str) -> dict[str, Fingerprint]:
     """The fingerprints (:mod:`trainer.models.fingerprint`) of the directory's weights under the model's
-    parameter names: a stacked expert weight's computed from its experts' tensors."""
+    parameter names: a stacked expert weight's computed from its experts' tensors (each read once)."""
     files = weight_files(path)
-    raw = file_fingerprints(files)
     kind, num_experts, _ = _layout(path)
     if kind not in MOE_MODEL_TYPES:
-        return raw
-    where = key_files(files)
+        return file_fingerprints(files)
     layers = read_hf_config(path)[0].n_layers
-    names = [f"model.layers.{i}.mlp.{w}" for i in range(layers) for w in ("router.gate.weight", "experts.w1",
-                                                                          "experts.w2", "experts.w3")]
-    out = dict(raw)  # the files' own names too: the model has none of its experts' and routers'
-    for name in names:
-        keys = file_keys(name, kind, num_experts)
-        if is_stacked(name) and all(k in where for k in keys):
-            out[name] = stacked_fingerprint(keys, where)
-        elif keys != [name] and keys[0] in raw:
-            out[name] = raw[keys[0]]
+    keys = {name: file_keys(name, kind, num_experts) for name in (
+        f"model.layers.{i}.mlp.{w}" for i in range(layers) for w in ("router.gate.weight", "experts.w1", "experts.w2",
+                                                                    "experts.w3"))}
+    per_expert = {key for name, ks in keys.items() if is_stacked(name) for key in ks}
+    out = file_fingerprints(files, skip=per_expert.__contains__)  # those count in their stack's
+    where = key_files(files)
+    for name, ks in keys.items():
+        if is_stacked(name) and all(k in where for k in ks):
+            out[name] = stacked_fingerprint(ks, where)
+        elif not is_stacked(name) and ks[0] in out:
+            out[name] = out.pop(ks[0])
     return out
 
 
