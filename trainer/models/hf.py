@@ -169,7 +169,7 @@ def load_hf_weights(model: Transformer, files: list[Path], *, tied: bool) -> Non
     for file in files:
         state.update(load_file(str(file)))
     state = {k: v for k, v in state.items() if "rotary_emb" not in k}  # derived tables, rebuilt by the model
-    kind, num_experts, _ = _layout(str(Path(files[0]).parent))
+    kind, num_experts, _ = _layout(str(Path(files[0]).parent)) if files else ("", 0, False)
     if kind in MOE_MODEL_TYPES:  # the files' names to the model's: the router renamed, the experts stacked
         for name in model.state_dict():
             keys = file_keys(name, kind, num_experts)
