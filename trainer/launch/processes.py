@@ -21,6 +21,8 @@ gives it the same name from the frame itself.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -64,6 +66,11 @@ def worker_server(also_preload: tuple[str, ...] = ()) -> Iterator[None]:
             if _users == 0:
                 # The server keeps the environment it started with: the next launch starts its own.
                 # (multiprocessing has no public way to stop it; _stop is what its own tests use.)
+                # It is killed first: asked politely it would finish its imports before it reads the
+                # request, 5 CPU-seconds spent for nothing when the config was refused before any
+                # worker started. Its workers, if any, have ended with the launch.
+                if (pid := forkserver._forkserver._forkserver_pid) is not None:
+                    os.kill(pid, signal.SIGKILL)
                 forkserver._forkserver._stop()
 
 

@@ -47,6 +47,7 @@ from parallel.plan.spec import ParallelPlan, owning_unit
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
+from trainer.planner.memory.pass_cache import PASSES, pass_key
 from trainer.planner.memory.layout import (
     checkpointed,
     fsdp2,
@@ -291,21 +292,8 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
     ``attention``: the meta pass's attention kernel (see :func:`saved_activations`); default
     :func:`flash_attention_for_cpu`, the fused kernel a CPU run uses."""
     # A launch prices its config up to three times (the validation's budget check, plan.txt, the
-    # prediction rank 0 prints), each a meta pass of the model: the same config's answer is kept.
-    # (The plan is resolved from the config, so the config alone names the answer.)
-    recent = model is None and cache is None and attention is flash_attention_for_cpu
-    key = cfg.model_dump_json() if recent else None
-    if key is not None and key in _RECENT:
-        return list(_RECENT[key])
-    estimates = _predict_memory(cfg, plan, model=model, cache=cache, attention=attention)
-    if key is not None:
-        if len(_RECENT) >= 16:  # a planner or a sweep prices many configs: keep the latest few
-            _RECENT.pop(next(iter(_RECENT)))
-        _RECENT[key] = estimates
-    return list(estimates)
-
-
-_RECENT: dict[str, list[MemoryEstimate]] = {}
+    # prediction rank 0 prints): the meta pass, the costly part, is counted once (pass_cache).
+    return _predict_memory(cfg, plan, model=model, cache=cache, attention=attention)
 
 
 def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | None,
@@ -319,6 +307,8 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     micro = cfg.micro_batch_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size)
+    if cache is None and model is None and (shared := pass_key(cfg, plan, micro, attention)) is not None:
+        cache, key = PASSES, shared  # one process validating many configs of a model (pass_cache)
     if cache is None or key not in cache:
         saved = saved_activations(cfg, plan, micro, model=model, attention=attention)
         if cache is not None:
