@@ -67,12 +67,15 @@ def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIss
         return []
     limit, source = settings.rank_memory_limit(workers_per_node(raw))
     sent = launch.get("memory_budget_gb")
+    # Written and printed rounded down: a budget read back from a job, or typed from the fix, is not
+    # above the limit by a rounding.
+    written = math.floor(limit / GIB * 1000) / 1000
     if isinstance(sent, (int, float)) and not isinstance(sent, bool) and sent * GIB > limit:
         return [ConfigIssue("launch.memory_budget_gb", f"{sent} GiB per rank is above this service's limit of "
-                            f"{limit / GIB:.2f} GiB ({source})",
-                            f"leave launch.memory_budget_gb out, or give at most {limit / GIB:.2f}")]
+                            f"{written} GiB ({source})",
+                            f"leave launch.memory_budget_gb out, or give at most {written}")]
     if sent is None:
-        launch["memory_budget_gb"] = round(limit / GIB, 3)
+        launch["memory_budget_gb"] = written
     return []
 
 

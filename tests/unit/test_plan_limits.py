@@ -104,3 +104,22 @@ def test_a_plan_runs_in_a_pool_worker_and_one_past_the_time_limit_is_refused(set
         assert again.pid in validator.worker_pids()
     finally:
         validator.stop()
+
+
+@pytest.mark.parametrize("limit_gb", [21.18696, 4.0, 0.0015])
+def test_the_budget_written_and_the_fix_printed_are_within_the_limit(limit_gb):
+    """A limit that rounds up at 3 decimals (21.18696 -> 21.187): the budget the service writes, sent
+    back as it is (a config read from GET /v1/jobs/{id}), and the value the refusal's fix names are
+    both accepted; anything above the limit is still refused."""
+    from service.limits import cap_memory_budget
+
+    settings = Settings(capacity=0, max_rank_memory_gb=limit_gb)
+    written = {"mesh": [1]}
+    assert cap_memory_budget(written, settings) == []
+    budget = written["launch"]["memory_budget_gb"]
+    assert budget <= limit_gb and limit_gb - budget < 1e-3
+    assert cap_memory_budget({"mesh": [1], "launch": {"memory_budget_gb": budget}}, settings) == []
+    (refused,) = cap_memory_budget({"mesh": [1], "launch": {"memory_budget_gb": limit_gb + 0.01}}, settings)
+    printed = float(refused.fix.rsplit(" ", 1)[1])
+    assert printed == budget
+    assert cap_memory_budget({"mesh": [1], "launch": {"memory_budget_gb": printed}}, settings) == []
