@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from timing import Deadline, scaled, slowness
 
@@ -50,6 +51,14 @@ def worker_pids(proc: subprocess.Popen, lines: list[str], *, until: str, timeout
         if line.startswith(until) and ranks:
             return ranks
     raise AssertionError(f"workers did not start within {deadline.seconds_scaled:.0f} s:\n" + "".join(lines))
+
+
+def pytest_configure(config) -> None:
+    """One torch thread in the test process, as the trainer's workers run (trainer.launch.worker): the
+    references and in-process runs here are tiny, and with one thread per core their OpenMP threads
+    spin against the workers and servers the tests start (the 150-step entropy run took 124
+    CPU-seconds with 2 threads beside other work, 13 with one)."""
+    torch.set_num_threads(1)
 
 
 def pytest_report_header() -> str:
