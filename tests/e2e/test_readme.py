@@ -131,14 +131,17 @@ def _readme_uses_the_checkpoint(cwd: Path, run, losses: list[float]) -> None:
 
 
 def test_plain_trainer_command_runs_one_device(tmp_path):
-    out, client, run = _user_run(tmp_path, [], timeout=600)
-    assert "done: steps 1..100" in out.stdout
+    """``python -m trainer`` with every default but the length (20 of its 100 steps: the 100-step
+    learning curve is the README main command's, in the slow pass): one device, the user's MLflow
+    store, pictures, the final checkpoint and its weights in the run."""
+    out, client, run = _user_run(tmp_path, ["train.steps=20"], timeout=300)
+    assert "done: steps 1..20" in out.stdout
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
-    assert len(losses) == 10 and losses[-1] < 3.5, losses
+    assert len(losses) == 2 and losses[-1] < losses[0] - 1.0, losses  # logged every 10 steps; 5.0 -> 3.8 here
     _assert_pictures(client, run, out.stdout)  # one device: forward + backward and optimizer, no bubble
     assert "pipeline_bubble" not in run.data.params and "pipeline_bubble" not in run.data.metrics
     # the final checkpoint (train.checkpoint.save_final) and its weights in the run
-    assert (tmp_path / "work" / "checkpoints" / "step_00000100" / "COMPLETE").is_file()
+    assert (tmp_path / "work" / "checkpoints" / "step_00000020" / "COMPLETE").is_file()
     assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
 
 
