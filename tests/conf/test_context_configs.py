@@ -34,10 +34,6 @@ CASES: dict[str, Bad] = {
     "cp/with-compile": bad(
         ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
         ["torch.compile with context parallelism is not built yet"], ["train.compile=false", "parallel.context_parallel=null"]),
-    "cp/with-a-pipeline": bad(
-        ["+parallel=3d", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
-        "parallel.context_parallel", ["with a pipeline is not built yet"],
-        ["parallel.pipeline=null", "parallel.context_parallel=null"]),
     "cp/with-hsdp": bad(
         ["+parallel=hsdp_tp", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
         "parallel.context_parallel", ["hsdp with context parallelism is not built yet"],

@@ -39,7 +39,7 @@ def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None) 
     ``resume``: start from that checkpoint (the steps after its own)."""
     pm = build_parallel_model(cfg, torch.device("cpu"))
     decoder = decoder_config(cfg.model)
-    loss_fn = with_aux_loss(loss_fn_for(decoder), pm.model_parts, cfg.model)
+    loss_fn = with_aux_loss(loss_fn_for(decoder), pm.model_parts, cfg.model, pipelined=pm.pipelined)
     optimizer = make_optimizer(pm.parameters())
     first = 0
     if resume is not None:
@@ -54,17 +54,18 @@ def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None) 
         optimizer.step()
         optimizer.zero_grad()
         losses.append(pm.reduce_loss(loss))
-        aux.append(pm.reduce_loss(loss_fn.aux))
+        aux.append(pm.reduce_loss(loss_fn.take()[0]))
         if step == save_after:
             save_checkpoint(os.environ[OUT_ENV], step, model=merged_module(pm.model_parts), optimizer=optimizer,
                             extra={"step": step}, keep=1, tied=pm.tied_names)
     named = dict(pm.named_parameters())
     return {"losses": losses, "aux": aux, "grad_norms": norms, "dp_size": pm.dp_size,
-            "w1": _where(named["layers.0.mlp.experts.w1"]), "wq": _where(named["layers.0.attn.wq.weight"])}
+            "w1": _where(named.get("layers.0.mlp.experts.w1")), "wq": _where(named.get("layers.0.attn.wq.weight"))}
 
 
-def _where(param: torch.Tensor) -> dict:
-    """A DTensor parameter's placements, mesh axes and local shape ({} for a plain tensor)."""
+def _where(param: torch.Tensor | None) -> dict:
+    """A DTensor parameter's placements, mesh axes and local shape ({} for a plain tensor, or one another
+    pipeline stage holds)."""
     if not isinstance(param, DTensor):
         return {}
     return {"placements": [repr(p) for p in param.placements], "mesh_dims": list(param.device_mesh.mesh_dim_names),
