@@ -32,10 +32,10 @@ def run_config(overrides: list[str]):
     return validate_config(compose_dict([*BASE, *overrides]))
 
 
-def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None) -> dict:
+def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None, out_dir: str | None = None) -> dict:
     """``STEPS`` steps of ``cfg``'s model on this rank's share of each batch: the losses (balance
     loss included, with its weight), the unweighted balance losses and the pre-clip gradient norms.
-    ``save_after``: also save a checkpoint after that step into ``$MESHFLOW_TEST_EXPERTS_OUT``;
+    ``save_after``: also save a checkpoint after that step into ``out_dir`` (default ``$MESHFLOW_TEST_EXPERTS_OUT``);
     ``resume``: start from that checkpoint (the steps after its own)."""
     pm = build_parallel_model(cfg, torch.device("cpu"))
     decoder = decoder_config(cfg.model)
@@ -56,7 +56,7 @@ def train_moe(cfg, *, save_after: int | None = None, resume: str | None = None) 
         losses.append(pm.reduce_loss(loss))
         aux.append(pm.reduce_loss(loss_fn.take()[0]))
         if step == save_after:
-            save_checkpoint(os.environ[OUT_ENV], step, model=merged_module(pm.model_parts), optimizer=optimizer,
+            save_checkpoint(out_dir or os.environ[OUT_ENV], step, model=merged_module(pm.model_parts), optimizer=optimizer,
                             extra={"step": step}, keep=1, tied=pm.tied_names)
     named = dict(pm.named_parameters())
     return {"losses": losses, "aux": aux, "grad_norms": norms, "dp_size": pm.dp_size,
@@ -72,12 +72,18 @@ def _where(param: torch.Tensor | None) -> dict:
             "local_shape": list(param.to_local().shape)}
 
 
-def expert_check(overrides: list[str], **options):
+def expert_check(overrides: list[str], *, out_dir: str | None = None, resume: str | None = None, **options):
+    """A check: :func:`train_moe` under ``overrides``; ``out_dir``: save into that folder of
+    ``$MESHFLOW_TEST_EXPERTS_OUT``, ``resume``: a checkpoint's path relative to it."""
     def check(*, rank: int, world_size: int) -> dict:
-        return train_moe(run_config(overrides), **options)
+        root = os.environ.get(OUT_ENV, "")
+        return train_moe(run_config(overrides), out_dir=os.path.join(root, out_dir or ""),
+                         resume=os.path.join(root, resume) if resume else None, **options)
 
     return check
 
+
+_PP_EP = ["+parallel=pp", "mesh=[2,2]", "parallel.dims=[pp,ep]", "+parallel.expert_parallel={dim: ep}"]
 
 SUITES = {
     "two_rank": [
@@ -95,5 +101,17 @@ SUITES = {
     ],
     "eight_rank": [  # slow: 8 processes
         ("3d_ep", expert_check(["+parallel=3d_ep"])),
+    ],
+    # Slow: a pipeline's stages each add their blocks' balance loss (pp x ep [2, 2], three schedules).
+    "four_rank_slow": [
+        ("pp_ep", expert_check([*_PP_EP, "parallel.pipeline.microbatches=2"])),
+        ("pp_ep_gpipe", expert_check([*_PP_EP, "parallel.pipeline.schedule=GPipe"])),
+        ("pp_ep_interleaved", expert_check([*_PP_EP, "parallel.pipeline.schedule=Interleaved1F1B",
+                                            "parallel.pipeline.stages_per_rank=2"])),
+    ],
+    # Slow: an ep [2] checkpoint read back on fsdp [2] (and, by the parent, on one device).
+    "two_rank_slow": [
+        ("ep_saves", expert_check(["+parallel=ep", "mesh=[2]"], save_after=2, out_dir="ep_saves")),
+        ("fsdp_resumes_ep", expert_check(["+parallel=fsdp", "mesh=[2]"], resume="ep_saves/step_00000002")),
     ],
 }
