@@ -13,7 +13,8 @@ from test_bad_configs import Bad, assert_bad, bad
 from parallel.plan.resolve import resolve_plan
 from trainer.config.compose import compose_dict
 from trainer.models import build_model
-from trainer.validate.checks import validate_config
+from trainer.planner.numbers import plan_numbers
+from trainer.validate.checks import validate_config, validate_with_plan
 
 _EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
 
@@ -63,7 +64,11 @@ def test_a_cp_refusal_names_path_reason_and_fix(case: Bad):
 
 
 def _validated(*overrides: str):
-    cfg = validate_config(compose_dict(list(overrides)))
+    return _planned(compose_dict(list(overrides)))
+
+
+def _planned(raw: dict):
+    cfg = validate_config(raw)
     return cfg, resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
 
 
@@ -95,3 +100,14 @@ def test_both_methods_validate_on_hugging_face_names(method, tmp_path):
     cfg, plan = _validated("+parallel=cp", "mesh=[2]", "model=hf", f"model.path={tmp_path}",
                            f"parallel.context_parallel.method={method}", "train.seq_len=64")
     assert plan.context_parallel.method == method
+
+
+def test_a_pipeline_with_cp_is_built_and_each_stage_sends_its_own_layers_k_v():
+    """pp x cp [2, 2] validates (tests/dist/test_context.py trains it): a pp rank rings K/V for its stage's layers
+    only, half of what cp [2] alone sends."""
+    raw = compose_dict(["+parallel=pp", "mesh=[2,2]", "parallel.dims=[pp,cp]", "+parallel.context_parallel={dim: cp}",
+                        "parallel.pipeline.microbatches=2"])
+    cfg, plan = validate_with_plan(raw)
+    assert plan.cp_size == 2 and plan.pipeline.num_stages == 2
+    alone_cfg, alone_plan = _planned({**raw, "mesh": [2], "parallel": {**raw["parallel"], "dims": ["cp"], "pipeline": None}})
+    assert plan_numbers(cfg, plan).comm["cp K/V"] == pytest.approx(plan_numbers(alone_cfg, alone_plan).comm["cp K/V"] / 2)
