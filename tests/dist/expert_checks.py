@@ -101,6 +101,10 @@ SUITES = {
     ],
     "eight_rank": [  # slow: 8 processes
         ("3d_ep", expert_check(["+parallel=3d_ep"])),
+        ("3d", expert_check(["+parallel=3d"])),  # fsdp x pp x tp, no ep: each stage's blocks add their balance loss
+        ("pp_ep_tp", expert_check(["+parallel=pp", "mesh=[2,2,2]", "parallel.dims=[pp,ep,tp]",
+                                   "+parallel.expert_parallel={dim: ep}", "+parallel.tensor_parallel={dim: tp}",
+                                   "parallel.pipeline.microbatches=2"])),
     ],
     # Slow: a pipeline's stages each add their blocks' balance loss (pp x ep [2, 2], three schedules).
     "four_rank_slow": [
