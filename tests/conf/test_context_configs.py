@@ -35,6 +35,10 @@ CASES: dict[str, Bad] = {
     "cp/with-compile": bad(
         ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
         ["torch.compile with context parallelism is not built yet"], ["train.compile=false", "parallel.context_parallel=null"]),
+    "cp/on-per-stage-layouts": bad(
+        ["+parallel=pp_stages", "mesh=[2,2]", "parallel.dims=[pp,cp]", "+parallel.context_parallel={dim: cp}"],
+        "parallel.context_parallel", ["on per-stage layouts (parallel.pipeline.stages) is not built yet"],
+        ["parallel.pipeline.stages=null"]),
     "cp/with-hsdp": bad(
         ["+parallel=hsdp_tp", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
         "parallel.context_parallel", ["hsdp with context parallelism is not built yet"],
