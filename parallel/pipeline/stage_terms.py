@@ -26,7 +26,9 @@ class _CarryTerm(torch.autograd.Function):
     def forward(ctx, output: torch.Tensor, term: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         ctx.term_meta = (term.shape, term.dtype, term.device)
-        return output.view_as(output)
+        # A copy, not a view: the zero-bubble schedules detach a stage's outputs in place after their input
+        # pass, which a view refuses. The original is freed once it is copied (nothing saves it for backward).
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:

@@ -76,12 +76,12 @@ def test_refusals_name_the_path_the_reason_and_the_fix():
     assert _issues("model=gpt_moe", "model.moe.top_k=9")["model.moe.top_k"] == (
         "model.moe.top_k: each token goes to 9 experts but there are only 8 (use top_k <= num_experts, "
         "e.g. model.moe.top_k=8)")
-    issues = _issues("model=gpt_moe", "+parallel=3d", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2")
-    assert set(issues) == {"parallel.pipeline.schedule"}, issues  # the family plan splits the attention only: no mlp globs
-    assert issues["parallel.pipeline.schedule"] == (
-        "parallel.pipeline.schedule: a mixture-of-experts model on the zero-bubble schedule ZBV is not built yet: it "
-        "splits each backward into an input and a weight pass, which the experts' all-to-all and the balance loss each "
-        "stage's output carries are not tested with (parallel.pipeline.schedule=Interleaved1F1B)")
+    _validated("model=gpt_moe", "+parallel=3d")  # built: the family plan splits the attention only, no mlp globs
+    issues = _issues("model=gpt_moe", "+parallel=pp_stages")
+    assert issues["parallel.pipeline.stages"] == (
+        "parallel.pipeline.stages: a mixture-of-experts model on per-stage layouts is not built yet (one layout for "
+        "every stage is: parallel.expert_parallel, data and tensor parallelism beside the pipeline) "
+        "(parallel.pipeline.stages=null)")
 
 
 def test_placements_on_an_moe_model_are_refused_not_ignored():

@@ -106,12 +106,14 @@ SUITES = {
                                    "+parallel.expert_parallel={dim: ep}", "+parallel.tensor_parallel={dim: tp}",
                                    "parallel.pipeline.microbatches=2"])),
     ],
-    # Slow: a pipeline's stages each add their blocks' balance loss (pp x ep [2, 2], three schedules).
+    # Slow: a pipeline's stages each add their blocks' balance loss (pp x ep [2, 2], four schedules).
     "four_rank_slow": [
         ("pp_ep", expert_check([*_PP_EP, "parallel.pipeline.microbatches=2"])),
         ("pp_ep_gpipe", expert_check([*_PP_EP, "parallel.pipeline.schedule=GPipe"])),
         ("pp_ep_interleaved", expert_check([*_PP_EP, "parallel.pipeline.schedule=Interleaved1F1B",
                                             "parallel.pipeline.stages_per_rank=2"])),
+        # Zero bubble: each backward split into an input and a weight pass, the carried term in the first.
+        ("pp_ep_zbv", expert_check([*_PP_EP, "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2"])),
     ],
     # Slow: an ep [2] checkpoint read back on fsdp [2] (and, by the parent, on one device).
     "two_rank_slow": [

@@ -1,6 +1,6 @@
 """The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], zero2 x ep
-[2, 2], ep x tp [2, 2], fsdp x ep x tp [2, 2, 2] (``3d_ep``, slow: 8 processes), pp x ep [2, 2] on 1F1B, GPipe
-and Interleaved1F1B, pp x ep x tp and fsdp x pp x tp (``3d``) [2, 2, 2] (slow), and without ep: fsdp [2] (experts sharded by FSDP alone), tp [2] and fsdp x tp
+[2, 2], ep x tp [2, 2], fsdp x ep x tp [2, 2, 2] (``3d_ep``, slow: 8 processes), pp x ep [2, 2] on 1F1B, GPipe,
+Interleaved1F1B and ZBV, pp x ep x tp and fsdp x pp x tp (``3d``) [2, 2, 2] (slow), and without ep: fsdp [2] (experts sharded by FSDP alone), tp [2] and fsdp x tp
 [2, 2] give one device's first 5 losses, balance losses and gradient norms (fp32, rel 1e-5), with the experts'
 weights ``Shard(0)`` over ep; and one device (and, slow, fsdp [2]) resumes an ep [2] checkpoint on one device's
 losses.

@@ -4,11 +4,11 @@ reason, fix) of what is not yet, before any worker starts.
 Built: a model with ``model.moe`` on one device, on data parallelism (its experts are plain
 parameters there; fsdp is checked) and on tensor parallelism of its attention (tp, fsdp x tp), and
 with ``parallel.expert_parallel`` alone, beside fsdp / zero2, beside tp, or beside both; each equals one
-device (``tests/dist/test_experts.py``); on a pipeline too (1F1B, GPipe, interleaved), beside ep or not: each
+device (``tests/dist/test_experts.py``); on a pipeline too (every schedule), beside ep or not: each
 stage adds its blocks' balance loss to the objective (:mod:`parallel.pipeline.stage_terms`). Refused:
 what would need the balance loss or the dispatch to cross what they do not cross yet (sequence shards,
-the experts' own placements, the zero-bubble schedules' split backward, per-stage layouts), and the
-wrappers not tested with the dispatch (activation checkpointing, torch.compile). That an ep axis needs a model
+the experts' own placements, per-stage layouts), and the wrappers not tested with the dispatch
+(activation checkpointing, torch.compile). That an ep axis needs a model
 with experts is the plan's check (:mod:`parallel.plan.resolve`): it knows the model's modules.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from parallel.config import SPLIT_BACKWARD_SCHEDULES
 from parallel.errors import ConfigIssue, override
 from trainer.config.schema import LlamaConfig, RunConfig
 
@@ -54,11 +53,6 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
         return issues
     what = "expert parallelism" if moe is None else "a mixture-of-experts model"
     pp = par.pipeline
-    if pp is not None and pp.schedule in SPLIT_BACKWARD_SCHEDULES:
-        issues.append(ConfigIssue("parallel.pipeline.schedule", f"{what} on the zero-bubble schedule {pp.schedule} is "
-                                  "not built yet: it splits each backward into an input and a weight pass, which the "
-                                  "experts' all-to-all and the balance loss each stage's output carries are not tested with",
-                                  "parallel.pipeline.schedule=Interleaved1F1B"))
     if pp is not None and pp.stages:
         issues.append(ConfigIssue("parallel.pipeline.stages", f"{what} on per-stage layouts is not built yet (one "
                                   "layout for every stage is: parallel.expert_parallel, data and tensor parallelism "
