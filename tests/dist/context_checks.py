@@ -158,5 +158,7 @@ SUITES = {
         ("pp_cp_packed_interleaved", trained("packed", [*_PP_CP, "parallel.pipeline.microbatches=2",
                                                         "parallel.pipeline.schedule=Interleaved1F1B",
                                                         "parallel.pipeline.stages_per_rank=2"])),
+        ("pp_cp_zbv", trained("synthetic", [*_PP_CP, "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=ZBV",
+                                            "parallel.pipeline.stages_per_rank=2"])),
     ],
 }

@@ -197,7 +197,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             figures["aux_loss"] = pm.reduce_loss(local_aux)
             result.aux_losses.append(figures["aux_loss"])
             if load is None:  # a pipeline rank whose stages hold no MoE block still joins the sum
-                load = torch.zeros(cfg.model.moe.num_experts, dtype=torch.float64)
+                load = torch.zeros(cfg.model.moe.num_experts, dtype=torch.float64, device=device)
             figures.update(expert_load(_summed(load, pm)))
         window.add(step, **figures)
 
