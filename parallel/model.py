@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from parallel.pipeline.schedule import build_schedule
+from parallel.pipeline.stage_terms import carry_term
 from parallel.pipeline.ties import StageTies
 from parallel.plan.spec import PipelineSpec
 from parallel.sharding.head_params import HeadGradients
@@ -85,6 +86,9 @@ class ParallelModel:
         self._schedule = None
         self._loss_fn: LossFn | None = None
         self._loss_factor = 1.0
+        self._stage_term: Callable[[nn.Module], torch.Tensor | None] | None = None
+        self._term_total: torch.Tensor | None = None  # this call's stage terms, scaled as the losses
+        self._inferring = False  # the schedule's metadata inference is running
         self.pp_size = num_stages // pipeline.stages_per_rank if pipeline is not None else 1
         self._pp_group = pp_group
         self.replicas = replicas  # ranks holding each stage (the last stage's all hold a loss)
@@ -107,6 +111,12 @@ class ParallelModel:
         and ``targets`` only on the last's. Returns the detached, unscaled mean loss on ranks
         holding the last stage, else ``None``. ``positions``: packed documents' positions, given to
         every stage's forward (every rank passes them).
+
+        With a pipeline, ``loss_fn`` may also have a ``stage_term(module)`` method: a loss term of a
+        stage's own modules after its forward (a scalar with its graph, or ``None``), such as an MoE
+        block's balance loss, added to the objective on that stage (:mod:`parallel.pipeline.stage_terms`);
+        the value returned then includes this rank's terms too (on every rank that has some), so that
+        :meth:`reduce_loss` gives the whole objective.
         """
         if self._pipeline is None:
             (model,) = self.model_parts
@@ -155,17 +165,25 @@ class ParallelModel:
         # scale_grads, which would also rescale gradients accumulated by earlier calls), and by the
         # lanes it is split over between stages of their own layouts (parallel.pipeline.stage_io).
         self._loss_fn, self._loss_factor = loss_fn, loss_scale / microbatches / self._lanes
+        self._stage_term, self._term_total = getattr(loss_fn, "stage_term", None), None
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first_stage else ()
         target = targets if self.is_last_stage else None
         run = self.schedule.step if backward else self.schedule.eval
         # Keyword inputs are split into micro-batches like the inputs and reach every stage.
         run(*args, target=target, losses=losses, return_outputs=False, **_extra(positions))
+        terms, self._stage_term, self._term_total = self._term_total, None, None
         if not self.is_last_stage:
-            return None
+            return None if terms is None else terms * self._lanes / loss_scale
         # Micro-batches are equal slices, so the batch mean is the mean of their means:
         # sum(loss_i * scale / M / lanes) / (scale / lanes).
-        return torch.stack([loss.detach() for loss in losses]).sum() * self._lanes / loss_scale
+        total = torch.stack([loss.detach() for loss in losses]).sum()
+        return (total if terms is None else total + terms) * self._lanes / loss_scale
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether this model runs a pipeline schedule (its parts are stages)."""
+        return self._pipeline is not None
 
     @property
     def schedule(self) -> Any:
@@ -184,11 +202,44 @@ class ParallelModel:
                 device=self._device,
                 stage_to_group_rank=self._stage_to_group_rank,
             )
+            for part in self.model_parts:
+                part.register_forward_hook(self._carry_stage_term)
+            self._skip_terms_in_metadata_inference(self._schedule)
         return self._schedule
+
+    def _skip_terms_in_metadata_inference(self, schedule: Any) -> None:
+        """Torch's schedules infer the shapes between stages by running each stage (and its loss and
+        backward) once on a micro-batch or on empty tensors, at their first step and after a switch between
+        evaluation and training, all in ``_initialize_pp_stages`` (torch 2.13); a stage term of that run
+        is no term of the objective, so the hook leaves it out."""
+        initialize = getattr(schedule, "_initialize_pp_stages", None)
+        if initialize is None:
+            return
+
+        def without_terms(*args: Any, **kwargs: Any) -> Any:
+            self._inferring = True
+            try:
+                return initialize(*args, **kwargs)
+            finally:
+                self._inferring = False
+
+        schedule._initialize_pp_stages = without_terms
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The schedule holds this function; the user's loss and factor are set per call.
         return self._loss_fn(output, target) * self._loss_factor
+
+    def _carry_stage_term(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        """Forward hook of every stage module: its output carries the loss's term of that stage's modules
+        (``loss_fn.stage_term``), scaled as the micro-batch's loss is, so its gradient flows on this stage."""
+        if self._stage_term is None or self._inferring or not torch.is_grad_enabled():
+            return None
+        term = self._stage_term(module)
+        if term is None:
+            return None
+        value = term.detach() * self._loss_factor
+        self._term_total = value if self._term_total is None else self._term_total + value
+        return carry_term(output, term, self._loss_factor)
 
     # -- parameters and gradients ----------------------------------------------------
 

@@ -13,7 +13,8 @@ from test_bad_configs import Bad, assert_bad, bad
 from parallel.plan.resolve import resolve_plan
 from trainer.config.compose import compose_dict
 from trainer.models import build_model
-from trainer.validate.checks import validate_config
+from trainer.planner.numbers import plan_numbers
+from trainer.validate.checks import validate_config, validate_with_plan
 
 _EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
 
@@ -34,10 +35,10 @@ CASES: dict[str, Bad] = {
     "cp/with-compile": bad(
         ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
         ["torch.compile with context parallelism is not built yet"], ["train.compile=false", "parallel.context_parallel=null"]),
-    "cp/with-a-pipeline": bad(
-        ["+parallel=3d", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
-        "parallel.context_parallel", ["with a pipeline is not built yet"],
-        ["parallel.pipeline=null", "parallel.context_parallel=null"]),
+    "cp/on-per-stage-layouts": bad(
+        ["+parallel=pp_stages", "mesh=[2,2]", "parallel.dims=[pp,cp]", "+parallel.context_parallel={dim: cp}"],
+        "parallel.context_parallel", ["on per-stage layouts (parallel.pipeline.stages) is not built yet"],
+        ["parallel.pipeline.stages=null"]),
     "cp/with-hsdp": bad(
         ["+parallel=hsdp_tp", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
         "parallel.context_parallel", ["hsdp with context parallelism is not built yet"],
@@ -99,3 +100,18 @@ def test_both_methods_validate_on_hugging_face_names(method, tmp_path):
     cfg, plan = _validated("+parallel=cp", "mesh=[2]", "model=hf", f"model.path={tmp_path}",
                            f"parallel.context_parallel.method={method}", "train.seq_len=64")
     assert plan.context_parallel.method == method
+
+
+def test_a_pipeline_with_cp_is_built_and_each_stage_sends_its_own_layers_k_v():
+    """pp x cp [2, 2] validates (tests/dist/test_context.py trains it): a pp rank rings K/V for its stage's layers
+    only, half of what cp [2] alone sends."""
+    raw = compose_dict(["+parallel=pp", "mesh=[2,2]", "parallel.dims=[pp,cp]", "+parallel.context_parallel={dim: cp}",
+                        "parallel.pipeline.microbatches=2"])
+    cfg, plan = validate_with_plan(raw)
+    assert plan.cp_size == 2 and plan.pipeline.num_stages == 2
+    alone = validate_config({**raw, "mesh": [2], "parallel": {**raw["parallel"], "dims": ["cp"], "pipeline": None}},
+                            check_model=False)
+    model = build_model(cfg.model, device="meta")
+    alone_plan = resolve_plan(alone.parallel, alone.mesh, model)
+    staged, alone_kv = plan_numbers(cfg, plan, model=model).comm, plan_numbers(alone, alone_plan, model=model).comm
+    assert staged["cp K/V"] == pytest.approx(alone_kv["cp K/V"] / 2)

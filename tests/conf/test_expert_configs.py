@@ -11,9 +11,12 @@ from __future__ import annotations
 import pytest
 
 from parallel.errors import ConfigError
+from parallel.plan.resolve import resolve_plan
 from trainer.config.compose import compose_dict
+from trainer.models import build_model
+from trainer.planner.numbers import plan_numbers
 from trainer.planner.report import describe_plan, plan_report
-from trainer.validate.checks import validate_with_plan
+from trainer.validate.checks import validate_config, validate_with_plan
 
 
 def _validated(*overrides: str):
@@ -73,9 +76,12 @@ def test_refusals_name_the_path_the_reason_and_the_fix():
     assert _issues("model=gpt_moe", "model.moe.top_k=9")["model.moe.top_k"] == (
         "model.moe.top_k: each token goes to 9 experts but there are only 8 (use top_k <= num_experts, "
         "e.g. model.moe.top_k=8)")
-    issues = _issues("model=gpt_moe", "+parallel=3d")
-    assert set(issues) == {"parallel.pipeline"}, issues  # the family plan splits the attention only: no mlp globs
-    assert "train without a pipeline: parallel.pipeline=null" in issues["parallel.pipeline"]
+    _validated("model=gpt_moe", "+parallel=3d")  # built: the family plan splits the attention only, no mlp globs
+    issues = _issues("model=gpt_moe", "+parallel=pp_stages")
+    assert issues["parallel.pipeline.stages"] == (
+        "parallel.pipeline.stages: a mixture-of-experts model on per-stage layouts is not built yet (one layout for "
+        "every stage is: parallel.expert_parallel, data and tensor parallelism beside the pipeline) "
+        "(parallel.pipeline.stages=null)")
 
 
 def test_placements_on_an_moe_model_are_refused_not_ignored():
@@ -85,3 +91,20 @@ def test_placements_on_an_moe_model_are_refused_not_ignored():
         validate_with_plan(raw)
     paths = {i.path for i in refused.value.issues}
     assert 'parallel.placements["layers.*.mlp.experts.w1"]' in paths, paths
+
+
+def test_a_pipeline_with_experts_is_built_and_each_stage_prices_its_own_blocks():
+    """pp x ep [2, 2] validates (1F1B, GPipe, interleaved: tests/dist/test_experts.py trains them), and a pp rank
+    holds half the experts of its own blocks and sends the all-to-all of those blocks only (against ep [2])."""
+    raw = compose_dict(["model=gpt_moe", "+parallel=pp", "mesh=[2,2]", "parallel.dims=[pp,ep]",
+                        "+parallel.expert_parallel={dim: ep}"])
+    cfg, plan = validate_with_plan(raw)
+    assert plan.batch_dim_names == ("ep",) and cfg.dp_size == 2 and plan.pipeline.num_stages == 2
+    alone_cfg = validate_config({**raw, "mesh": [2], "parallel": {**raw["parallel"], "dims": ["ep"], "pipeline": None}},
+                                check_model=False)
+    model = build_model(cfg.model, device="meta")
+    staged = plan_numbers(cfg, plan, model=model)
+    alone = plan_numbers(alone_cfg, resolve_plan(alone_cfg.parallel, alone_cfg.mesh, model), model=model)
+    assert staged.comm["ep"] == pytest.approx(alone.comm["ep"] / 2)
+    # The stages split the one rank's parameters (experts halved by ep): a tied embedding is counted twice.
+    assert sum(r.params for r in staged.per_pp_rank) - alone.per_pp_rank[0].params in (0, cfg.model.vocab_size * cfg.model.dim)

@@ -130,6 +130,8 @@ def attention_check(*, rank: int, world_size: int) -> dict:
     return {"worst": worst, "cases": cases, "seconds": time.perf_counter() - began}
 
 
+_PP_CP = ["+parallel=pp", "mesh=[2,2]", "parallel.dims=[pp,cp]", "+parallel.context_parallel={dim: cp}"]
+
 # The default run: the attention property check and the layouts of the acceptance (one launch per world size);
 # the rest (all-gather, packed documents, chat) in the slow pass, one more launch per world size.
 SUITES = {
@@ -151,5 +153,12 @@ SUITES = {
     "four_rank_slow": [
         ("cp4_packed_allgather", trained("packed", ["+parallel=cp", "mesh=[4]", "parallel.context_parallel.method=allgather"])),
         ("fsdp_cp_chat", trained("chat", ["+parallel=fsdp_cp", "mesh=[2,2]"])),
+        # pp x cp [2, 2]: every stage holds its cp rank's chunks of each micro-batch's rows.
+        ("pp_cp", trained("synthetic", [*_PP_CP, "parallel.pipeline.microbatches=2"])),
+        ("pp_cp_packed_interleaved", trained("packed", [*_PP_CP, "parallel.pipeline.microbatches=2",
+                                                        "parallel.pipeline.schedule=Interleaved1F1B",
+                                                        "parallel.pipeline.stages_per_rank=2"])),
+        ("pp_cp_zbv", trained("synthetic", [*_PP_CP, "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=ZBV",
+                                            "parallel.pipeline.stages_per_rank=2"])),
     ],
 }

@@ -32,15 +32,16 @@ def run_config(overrides: list[str]):
     return validate_config(compose_dict([*BASE, *overrides]))
 
 
-def train_moe(cfg, *, save_after: int | None = None, save_under: str = "", resume: str | None = None) -> dict:
+def train_moe(cfg, *, save_after: int | None = None, save_under: str = "", resume: str | None = None,
+              out_dir: str | None = None) -> dict:
     """``STEPS`` steps of ``cfg``'s model on this rank's share of each batch: the losses (balance
     loss included, with its weight), the unweighted balance losses and the pre-clip gradient norms.
-    ``save_after``: also save a checkpoint after that step into ``$MESHFLOW_TEST_EXPERTS_OUT`` (its
-    folder ``save_under``);
+    ``save_after``: also save a checkpoint after that step into ``out_dir`` (default
+    ``$MESHFLOW_TEST_EXPERTS_OUT``), in its folder ``save_under``;
     ``resume``: start from that checkpoint (the steps after its own)."""
     pm = build_parallel_model(cfg, torch.device("cpu"))
-    decoder = decoder_config(cfg.model)
-    loss_fn = with_aux_loss(loss_fn_for(decoder), pm.model_parts, decoder)  # a Hugging Face MoE's: its config.json
+    decoder = decoder_config(cfg.model)  # a Hugging Face MoE's: its config.json
+    loss_fn = with_aux_loss(loss_fn_for(decoder), pm.model_parts, decoder, pipelined=pm.pipelined)
     optimizer = make_optimizer(pm.parameters())
     first = 0
     if resume is not None:
@@ -55,31 +56,39 @@ def train_moe(cfg, *, save_after: int | None = None, save_under: str = "", resum
         optimizer.step()
         optimizer.zero_grad()
         losses.append(pm.reduce_loss(loss))
-        aux.append(pm.reduce_loss(loss_fn.aux))
+        aux.append(pm.reduce_loss(loss_fn.take()[0]))
         if step == save_after:
-            save_checkpoint(os.path.join(os.environ[OUT_ENV], save_under), step, model=merged_module(pm.model_parts), optimizer=optimizer,
+            save_checkpoint(os.path.join(out_dir or os.environ[OUT_ENV], save_under), step,
+                            model=merged_module(pm.model_parts), optimizer=optimizer,
                             extra={"step": step, "model_config": cfg.model.model_dump(mode="json")}, keep=1,
                             tied=pm.tied_names)
     named = {name.removeprefix("model."): p for name, p in pm.named_parameters()}  # a Hugging Face model's too
     return {"losses": losses, "aux": aux, "grad_norms": norms, "dp_size": pm.dp_size,
-            "w1": _where(named["layers.0.mlp.experts.w1"]),
+            "w1": _where(named.get("layers.0.mlp.experts.w1")),  # None on a stage without block 0
             "wq": _where(named.get("layers.0.attn.wq.weight", named.get("layers.0.self_attn.q_proj.weight")))}
 
 
-def _where(param: torch.Tensor) -> dict:
-    """A DTensor parameter's placements, mesh axes and local shape ({} for a plain tensor)."""
+def _where(param: torch.Tensor | None) -> dict:
+    """A DTensor parameter's placements, mesh axes and local shape ({} for a plain tensor, or one another
+    pipeline stage holds)."""
     if not isinstance(param, DTensor):
         return {}
     return {"placements": [repr(p) for p in param.placements], "mesh_dims": list(param.device_mesh.mesh_dim_names),
             "local_shape": list(param.to_local().shape)}
 
 
-def expert_check(overrides: list[str], **options):
+def expert_check(overrides: list[str], *, out_dir: str | None = None, resume: str | None = None, **options):
+    """A check: :func:`train_moe` under ``overrides``; ``out_dir``: save into that folder of
+    ``$MESHFLOW_TEST_EXPERTS_OUT``, ``resume``: a checkpoint's path relative to it."""
     def check(*, rank: int, world_size: int) -> dict:
-        return train_moe(run_config(overrides), **options)
+        root = os.environ.get(OUT_ENV, "")
+        return train_moe(run_config(overrides), out_dir=os.path.join(root, out_dir or ""),
+                         resume=os.path.join(root, resume) if resume else None, **options)
 
     return check
 
+
+_PP_EP = ["+parallel=pp", "mesh=[2,2]", "parallel.dims=[pp,ep]", "+parallel.expert_parallel={dim: ep}"]
 
 SUITES = {
     "two_rank": [
@@ -97,5 +106,23 @@ SUITES = {
     ],
     "eight_rank": [  # slow: 8 processes
         ("3d_ep", expert_check(["+parallel=3d_ep"])),
+        ("3d", expert_check(["+parallel=3d"])),  # fsdp x pp x tp, no ep: each stage's blocks add their balance loss
+        ("pp_ep_tp", expert_check(["+parallel=pp", "mesh=[2,2,2]", "parallel.dims=[pp,ep,tp]",
+                                   "+parallel.expert_parallel={dim: ep}", "+parallel.tensor_parallel={dim: tp}",
+                                   "parallel.pipeline.microbatches=2"])),
+    ],
+    # Slow: a pipeline's stages each add their blocks' balance loss (pp x ep [2, 2], four schedules).
+    "four_rank_slow": [
+        ("pp_ep", expert_check([*_PP_EP, "parallel.pipeline.microbatches=2"])),
+        ("pp_ep_gpipe", expert_check([*_PP_EP, "parallel.pipeline.schedule=GPipe"])),
+        ("pp_ep_interleaved", expert_check([*_PP_EP, "parallel.pipeline.schedule=Interleaved1F1B",
+                                            "parallel.pipeline.stages_per_rank=2"])),
+        # Zero bubble: each backward split into an input and a weight pass, the carried term in the first.
+        ("pp_ep_zbv", expert_check([*_PP_EP, "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2"])),
+    ],
+    # Slow: an ep [2] checkpoint read back on fsdp [2] (and, by the parent, on one device).
+    "two_rank_slow": [
+        ("ep_saves", expert_check(["+parallel=ep", "mesh=[2]"], save_after=2, out_dir="ep_saves")),
+        ("fsdp_resumes_ep", expert_check(["+parallel=fsdp", "mesh=[2]"], resume="ep_saves/step_00000002")),
     ],
 }

@@ -1,4 +1,5 @@
-"""Context parallelism on cp [2], cp [4], fsdp x cp [2, 2] and cp x tp [2, 2] with sequence parallelism (fp32): the first five losses of the
+"""Context parallelism on cp [2], cp [4], fsdp x cp [2, 2], cp x tp [2, 2] with sequence parallelism and (slow) pp x cp
+[2, 2] on 1F1B, Interleaved1F1B and ZBV (fp32): the first five losses of the
 trainer's loop equal one device's (rel 1e-5) at 256 tokens on the 4-layer gpt_debug (grouped heads),
 ring and all-gather, on plain rows, on packed documents, and on chat rows whose targets are masked
 (the loss the mean over every target of the full rows); and the cp attention equals full attention,

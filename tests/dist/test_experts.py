@@ -1,11 +1,12 @@
 """The mixture-of-experts model ``gpt_moe`` on expert parallel: ep [2], ep [4], fsdp x ep [2, 2], zero2 x ep
-[2, 2], ep x tp [2, 2], fsdp x ep x tp [2, 2, 2] (``3d_ep``, slow: 8 processes), and without ep: fsdp [2]
-(experts sharded by FSDP alone), tp [2] and fsdp x tp [2, 2] give one device's first 5 losses, balance losses and
-gradient norms (fp32, rel 1e-5), with the experts' weights ``Shard(0)`` over ep; and one device resumes
-an ep [2] checkpoint on one device's losses.
+[2, 2], ep x tp [2, 2], fsdp x ep x tp [2, 2, 2] (``3d_ep``, slow: 8 processes), pp x ep [2, 2] on 1F1B, GPipe,
+Interleaved1F1B and ZBV, pp x ep x tp and fsdp x pp x tp (``3d``) [2, 2, 2] (slow), and without ep: fsdp [2] (experts sharded by FSDP alone), tp [2] and fsdp x tp
+[2, 2] give one device's first 5 losses, balance losses and gradient norms (fp32, rel 1e-5), with the experts'
+weights ``Shard(0)`` over ep; and one device (and, slow, fsdp [2]) resumes an ep [2] checkpoint on one device's
+losses.
 
     pytest tests/dist/test_experts.py -q              # two launches: 2 and 4 processes
-    pytest tests/dist/test_experts.py -q -m slow      # 3d_ep: 8 processes
+    pytest tests/dist/test_experts.py -q -m slow      # 3d_ep: 8 processes; pipelines: 4; the fsdp resume: 2
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import pytest
 from dist_harness import SuiteResults, max_rel
 from expert_checks import OUT_ENV, SUITES, run_config, train_moe
 
-WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
-CHECKS = [pytest.param(name, marks=pytest.mark.slow) if suite == "eight_rank" else name
-          for suite, checks in SUITES.items() for name, _ in checks]
+WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8, "four_rank_slow": 4, "two_rank_slow": 2}
+SLOW = {"eight_rank", "four_rank_slow", "two_rank_slow"}
+RESUMED = {"fsdp_resumes_ep"}  # steps 3 to 5 only: its own test
+CHECKS = [pytest.param(name, marks=pytest.mark.slow) if suite in SLOW else name
+          for suite, checks in SUITES.items() for name, _ in checks if name not in RESUMED]
 REL = 1e-5
 
 
@@ -53,6 +56,20 @@ def test_one_device_resumes_an_ep_checkpoint_on_one_devices_losses(results, refe
     assert max_rel(resumed["aux"], reference["aux"][2:]) <= REL
 
 
+@pytest.mark.slow
+def test_fsdp_and_one_device_resume_an_ep_checkpoint_on_one_devices_losses(results, reference, checkpoints):
+    """ep [2] saved after step 2 and read back on fsdp [2] (in the same launch) and on one device: both train
+    steps 3 to 5 on one device's losses and balance losses."""
+    fsdp = results("fsdp_resumes_ep")
+    alone = train_moe(run_config([]), resume=str(checkpoints / "ep_saves" / "step_00000002"))
+    for r in [*fsdp, alone]:
+        print(f"resumed: max rel losses {max_rel(r['losses'], reference['losses'][2:]):.1e}, "
+              f"aux {max_rel(r['aux'], reference['aux'][2:]):.1e}")
+        assert len(r["losses"]) == 3
+        assert max_rel(r["losses"], reference["losses"][2:]) <= REL, (r["losses"], reference["losses"])
+        assert max_rel(r["aux"], reference["aux"][2:]) <= REL, (r["aux"], reference["aux"])
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_losses_and_balance_losses_equal_one_device(check, results, reference):
     assert 1.0 < min(reference["aux"]) < 2.0  # the balance loss is at work: about 1, never 0
@@ -80,6 +97,14 @@ def test_3d_ep_splits_attention_over_tp_experts_over_ep_and_shards_over_dp(resul
         assert r["w1"]["mesh_dims"] == ["dp", "ep"] and r["w1"]["local_shape"][0] == 2, r["w1"]
         assert r["wq"]["mesh_dims"][-1] == "tp" and r["wq"]["placements"][-1] == "Shard(dim=0)", r["wq"]
         assert r["dp_size"] == 4
+
+
+@pytest.mark.slow
+def test_pipeline_stages_hold_their_own_blocks_experts_split_over_ep(results):
+    for r in results("pp_ep"):  # 1F1B over 2 stages: layers.0 on the first, its experts Shard(0) over ep
+        assert r["dp_size"] == 2
+        assert r["w1"] == {} or (r["w1"]["mesh_dims"] == ["ep"] and r["w1"]["local_shape"][0] == 4), r["w1"]
+    assert sum(r["w1"] != {} for r in results("pp_ep")) == 2  # the first stage's two ep ranks
 
 
 def test_ep_beside_tp_splits_attention_over_tp_and_experts_over_ep(results):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from trainer.config.compose import compose_dict
 from trainer.config.schema import LlamaConfig, MoEConfig
 from trainer.models import build_model, count_parameters, lm_loss
+from parallel.pipeline.stage_terms import carry_term
 from trainer.models.moe import MoE, balance_loss, expert_parameter_count, grouped_mm, grouped_mm_works, with_aux_loss
 
 GROUPED = pytest.mark.skipif(not grouped_mm_works("cpu", torch.float32, 16, 8),
@@ -128,6 +129,30 @@ def test_aux_loss_joins_the_training_loss_with_its_weight():
     torch.testing.assert_close(total, lm_loss(logits, tokens[:, 1:]) + cfg.moe.aux_loss_weight * aux)
     assert float(loss_fn.aux) == pytest.approx(float(aux)) and 1.0 <= float(aux) < 2.0
     assert with_aux_loss(lm_loss, [model], LlamaConfig()) is lm_loss  # a dense model: the loss as it was
+
+
+def test_a_pipelined_stage_adds_its_blocks_balance_loss_through_its_output():
+    """On a pipeline the loss is the language model's alone, and each stage's output carries its blocks'
+    weighted balance loss (parallel.pipeline.stage_terms): the gradients are the one-device loss's, and
+    take() gives the balance loss over the micro-batches (two here, of one sequence each)."""
+    cfg = LlamaConfig(**compose_dict(["model=gpt_moe", "model.moe.aux_loss_weight=0.5"])["model"])
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
+    alone = with_aux_loss(lm_loss, [model], cfg)
+    alone(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    aux, _ = alone.take()
+    model.zero_grad()
+    staged = with_aux_loss(lm_loss, [model], cfg, pipelined=True)
+    for row in range(2):  # two micro-batches, each scaled by 1 / 2 as the engine does
+        out = carry_term(model(tokens[row:row + 1, :-1]), staged.stage_term(model), 0.5)
+        (staged(out, tokens[row:row + 1, 1:]) * 0.5).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert expected["layers.0.mlp.router.gate.weight"].abs().sum() > 0
+    staged_aux, load = staged.take()
+    torch.testing.assert_close(staged_aux, aux)
+    assert float(load.sum()) == 2 * 8 * cfg.moe.top_k and staged.take()[1] is None  # every row's choices; then cleared
 
 
 def test_gpt_moe_counts_total_and_active_parameters_and_initialises_like_one_device():

@@ -196,32 +196,81 @@ def expert_parameter_count(model: nn.Module) -> tuple[int, int]:
 
 class WithAuxLoss:
     """The training loss of an MoE model: ``loss(output, targets) + aux_loss_weight * aux``, ``aux``
-    the mean of the balance losses its MoE blocks left in this forward (:class:`MoE`). ``aux`` keeps
-    that value, detached, for the metrics, and ``load`` the rows each expert got, per block (the mean
-    over the blocks of their ``tokens_per_expert``); ``base`` is the loss without it (evaluation).
+    the mean of the balance losses its MoE blocks left in this forward (:class:`MoE`) over the model's
+    ``num_blocks`` blocks; ``base`` is the loss without it (evaluation).
 
-    The blocks are those of ``model_parts`` (this rank's parts): each part's forward ran just before
-    the loss, so the values are this forward's."""
+    The blocks are those of ``model_parts`` (this rank's parts), whose forward ran just before the
+    loss. On a pipeline (``pipelined``) the loss is ``base`` alone, on the last stage, and each stage's
+    blocks add their share through :meth:`stage_term`, which the engine calls after every stage
+    forward and whose gradient flows on that stage (:mod:`parallel.pipeline.stage_terms`).
 
-    def __init__(self, base, model_parts: list[nn.Module], weight: float) -> None:
-        self.base, self.weight = base, weight
+    :meth:`take` gives the figures of the forwards since the last call and starts afresh: this rank's
+    share of the balance loss (detached, unweighted; the mean over ranks of the ranks' shares summed over
+    stages is one device's value) and of the rows each expert got, per block.
+    """
+
+    def __init__(self, base, model_parts: list[nn.Module], weight: float, *, num_blocks: int | None = None,
+                 pipelined: bool = False) -> None:
+        self.base, self.weight, self.pipelined = base, weight, pipelined
         self.blocks = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
-        self.aux: torch.Tensor | None = None
-        self.load: torch.Tensor | None = None
+        self.num_blocks = num_blocks or len(self.blocks)
+        # Parts holding blocks: each runs once per micro-batch, so their forwards count the micro-batches.
+        self._parts = sum(any(isinstance(m, MoE) for m in part.modules()) for part in model_parts)
+        self._aux_sum: torch.Tensor | None = None  # the blocks' balance losses, summed over blocks and forwards
+        self._load_sum: torch.Tensor | None = None
+        self._forwards = 0
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.base(output, targets)
+        if self.pipelined:
+            return loss
         if not self.blocks:
             raise ValueError("no MoE block ran on this rank: its parts hold none")
-        aux = torch.stack([block.aux_loss for block in self.blocks]).mean()
-        self.aux = aux.detach()
-        self.load = torch.stack([block.tokens_per_expert for block in self.blocks]).double().mean(dim=0)
-        loss = self.base(output, targets)
+        aux = self._record(self.blocks) / self.num_blocks
         return loss + self.weight * aux if self.weight else loss
 
+    def stage_term(self, part: nn.Module) -> torch.Tensor | None:
+        """The weighted balance loss of ``part``'s blocks after its forward (a pipeline stage's share of the
+        objective's term), or ``None`` when it holds none."""
+        blocks = [m for m in part.modules() if isinstance(m, MoE)]
+        if not blocks:
+            return None
+        return self.weight * self._record(blocks) / self.num_blocks
 
-def with_aux_loss(loss_fn, model_parts: list[nn.Module], model_cfg) -> object:
-    """``loss_fn`` with the model's balance loss added when it has MoE blocks, else ``loss_fn``."""
+    def _record(self, blocks: list[MoE]) -> torch.Tensor:
+        """The sum of ``blocks``' balance losses (with its graph), its value and their loads kept for :meth:`take`."""
+        aux = torch.stack([block.aux_loss for block in blocks]).sum()
+        load = torch.stack([block.tokens_per_expert for block in blocks]).double().sum(dim=0)
+        self._aux_sum = aux.detach() if self._aux_sum is None else self._aux_sum + aux.detach()
+        self._load_sum = load if self._load_sum is None else self._load_sum + load
+        self._forwards += 1
+        return aux
+
+    @property
+    def aux(self) -> torch.Tensor | None:
+        """This rank's share of the balance loss over the forwards since :meth:`take` (their mean over micro-batches)."""
+        if self._aux_sum is None:
+            return None
+        return self._aux_sum / (self.num_blocks * self._microbatches)
+
+    @property
+    def _microbatches(self) -> int:
+        return max(1, self._forwards // max(1, self._parts))
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(aux, load)`` since the last call, then cleared: this rank's share of the balance loss (0 for a
+        rank whose stages hold no block) and of the rows per expert, per block (``None`` without blocks)."""
+        aux = self.aux if self._aux_sum is not None else torch.zeros((), dtype=torch.float64)
+        load = None if self._load_sum is None else self._load_sum / self.num_blocks
+        self._aux_sum = self._load_sum = None
+        self._forwards = 0
+        return aux, load
+
+
+def with_aux_loss(loss_fn, model_parts: list[nn.Module], model_cfg, *, pipelined: bool = False) -> object:
+    """``loss_fn`` with the model's balance loss added when it has MoE blocks (one per layer), else ``loss_fn``.
+    ``pipelined``: the parts are pipeline stages, whose terms reach the objective through ``stage_term``."""
     moe = getattr(model_cfg, "moe", None)
     if moe is None:
         return loss_fn
-    return WithAuxLoss(loss_fn, model_parts, moe.aux_loss_weight)
+    return WithAuxLoss(loss_fn, model_parts, moe.aux_loss_weight, num_blocks=model_cfg.n_layers, pipelined=pipelined)

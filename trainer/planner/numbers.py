@@ -155,11 +155,11 @@ def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int) -> float:
     """Elements of K and V each cp rank sends per step (times the compute precision's bytes): per layer,
     its K/V block (its tokens, its tp share of the kv heads) to each of the other cp - 1 ranks in
     forward (ring hops, or the all-gather's), and their gradients back in backward (hops, or a
-    reduce-scatter): the same volume for both methods."""
+    reduce-scatter): the same volume for both methods. A pipeline rank does it for its stages' layers only."""
     cp = plan.cp_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     block = 2 * rows * (cfg.train.seq_len // cp) * decoder.num_kv_heads / tp * decoder.head_width
-    return 2 * decoder.n_layers * (cp - 1) * block
+    return 2 * decoder.n_layers / cfg.pp_size * (cp - 1) * block
 
 
 def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]) -> dict[str, float]:
@@ -194,7 +194,7 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
         if (ep := par.expert_parallel) is not None and decoder.moe is not None:
             n = cfg.axis_size(ep.dim)
             # Every token's top_k rows out to the experts' ranks and back, forward and backward (the
-            # gradients retrace them): 4 all-to-alls per MoE block, (n-1)/n of the rows leaving the rank
-            # when routing is balanced.
-            out[ep.dim] = 4 * decoder.n_layers * act * decoder.moe.top_k * (n - 1) / n
+            # gradients retrace them): 4 all-to-alls per MoE block of this rank's stages, (n-1)/n of the
+            # rows leaving the rank when routing is balanced.
+            out[ep.dim] = 4 * layers_per_rank * act * decoder.moe.top_k * (n - 1) / n
     return out

@@ -137,7 +137,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                                dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed, cp_rank=pm.cp_rank, cp_size=pm.cp_size)
     # An MoE model trains on its loss plus its weighted balance loss; evaluation is on its loss alone.
     loss_fn = with_aux_loss(loss_fn_for(cfg.model, masked=hasattr(source, "target_count")), pm.model_parts,
-                            decoder_config(cfg.model))  # a Hugging Face MoE's from its config.json
+                            decoder_config(cfg.model), pipelined=pm.pipelined)  # a Hugging Face MoE's from its config.json
     eval_loss_fn = getattr(loss_fn, "base", loss_fn)
     result = TrainResult()
     ckpt_kwargs = dict(model=merged_module(pm.model_parts), optimizer=optimizer, tied=pm.tied_names)
@@ -177,10 +177,11 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                 loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / t.grad_accum, positions=positions)
                 if loss is not None:
                     local_loss = loss / t.grad_accum if local_loss is None else local_loss + loss / t.grad_accum
-                if isinstance(loss_fn, WithAuxLoss):  # this rank's balance loss (every rank computes one)
-                    aux = loss_fn.aux / t.grad_accum
-                    local_aux = aux if local_aux is None else local_aux + aux
-                    load = loss_fn.load if load is None else load + loss_fn.load
+                if isinstance(loss_fn, WithAuxLoss):  # this rank's share of the balance loss (every rank has one)
+                    aux, rows = loss_fn.take()
+                    local_aux = aux / t.grad_accum if local_aux is None else local_aux + aux / t.grad_accum
+                    if rows is not None:
+                        load = rows if load is None else load + rows
             with recorder.mark("optimizer"):
                 grad_norm = pm.clip_grad_norm_(t.grad_clip)
                 lr = scheduler.get_last_lr()[0]
@@ -195,6 +196,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         if local_aux is not None:  # the balance loss, unweighted: its own metric (the loss includes it, weighted)
             figures["aux_loss"] = pm.reduce_loss(local_aux)
             result.aux_losses.append(figures["aux_loss"])
+            if load is None:  # a pipeline rank whose stages hold no MoE block still joins the sum
+                load = torch.zeros(cfg.model.moe.num_experts, dtype=torch.float64, device=device)
             figures.update(expert_load(_summed(load, pm)))
         window.add(step, **figures)
 
@@ -340,15 +343,15 @@ def expert_load(tokens_per_expert: torch.Tensor) -> dict[str, float]:
 
 
 def _summed(value: torch.Tensor, pm: ParallelModel) -> torch.Tensor:
-    """``value`` summed over every rank (a collective): each rank routes its own rows of the batch
-    (pipelines and tensor parallelism, which would repeat them, are refused with experts)."""
+    """``value`` summed over every rank (a collective): each rank routes its own rows of the batch through
+    its own stages' blocks; the ranks that repeat them (tensor parallelism) count once."""
     if pm.mesh is None:
         return value
     import torch.distributed as dist
 
     total = value.clone()
     dist.all_reduce(total)
-    return total
+    return total / (pm.replicas // (pm.dp_size * pm.cp_size))
 
 
 def _rng_state() -> dict:

@@ -4,8 +4,10 @@ what the split needs of the config, and what it needs of the model.
 * ``train.seq_len`` cuts into ``2 x cp`` equal chunks (each cp rank holds a head and a tail chunk);
 * the model has an attention that attends over a split sequence (the built-in and Hugging Face
   Llama-family decoders); a custom module or the MLP is refused with the reason;
-* what is not built yet is refused with a fix that drops one of the two: a pipeline with cp,
-  hsdp with cp (its replicate x shard mesh would need the cp axis folded into the shard axis).
+* what is not built yet is refused with a fix that drops one of the two: hsdp with cp (its replicate x
+  shard mesh would need the cp axis folded into the shard axis), torch.compile, a mixture of experts,
+  per-stage layouts. A pipeline with cp is built: every stage holds its cp rank's chunks of each
+  micro-batch's rows.
 """
 
 from __future__ import annotations
@@ -41,11 +43,10 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue(PATH, "a mixture-of-experts model with context parallelism is not built yet: its "
                                   "balance loss is taken per whole sequence, and a cp rank holds only chunks of each",
                                   f"train without context parallelism ({drop_cp})"))
-    if par.pipeline is not None:
-        issues.append(ConfigIssue(PATH, "context parallelism with a pipeline is not built yet: stages would pass each "
-                                  "rank's chunks of the micro-batches between them, which the schedules do not",
-                                  f"train without the pipeline ({without_pipeline(cfg)}) or without "
-                                  f"context parallelism ({drop_cp})"))
+    if par.pipeline is not None and par.pipeline.stages:
+        issues.append(ConfigIssue(PATH, "context parallelism on per-stage layouts (parallel.pipeline.stages) is not "
+                                  "built yet: a stage's own layout has no cp axis (one layout for every stage has)",
+                                  f"one layout for every stage: {override('parallel.pipeline.stages', None)}"))
     if cfg.train.compile:
         issues.append(ConfigIssue("train.compile", "torch.compile with context parallelism is not built yet: the ring's "
                                   "hops and its skipped blocks would break every block's graph",
@@ -58,12 +59,6 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
                                   f"shard over one dp axis ({override('parallel.data_parallel', {'dim': dp.dim_names[-1], 'mode': 'fsdp'})}) "
                                   f"or train without context parallelism ({drop_cp})"))
     return issues
-
-
-def without_pipeline(cfg: RunConfig) -> str:
-    """The overrides that train ``cfg`` without its pipeline, as typed: the pp axis shrinks to size 1
-    with it (an axis of several ranks that no role names is refused)."""
-    return f"{override('parallel.pipeline', None)} {_mesh_without(cfg, cfg.parallel.pipeline.dim)}"
 
 
 def without_cp(cfg: RunConfig) -> str:

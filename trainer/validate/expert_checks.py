@@ -4,9 +4,11 @@ reason, fix) of what is not yet, before any worker starts.
 Built: a model with ``model.moe`` on one device, on data parallelism (its experts are plain
 parameters there; fsdp is checked) and on tensor parallelism of its attention (tp, fsdp x tp), and
 with ``parallel.expert_parallel`` alone, beside fsdp / zero2, beside tp, or beside both; each equals one
-device (``tests/dist/test_experts.py``). Refused: what would need the balance loss or the dispatch to
-cross what they do not cross yet (pipeline stages, sequence shards, the experts' own placements), and
-the wrappers not tested with the dispatch (activation checkpointing, torch.compile). That an ep axis needs a model
+device (``tests/dist/test_experts.py``); on a pipeline too (every schedule), beside ep or not: each
+stage adds its blocks' balance loss to the objective (:mod:`parallel.pipeline.stage_terms`). Refused:
+what would need the balance loss or the dispatch to cross what they do not cross yet (sequence shards,
+the experts' own placements, per-stage layouts), and the wrappers not tested with the dispatch
+(activation checkpointing, torch.compile). That an ep axis needs a model
 with experts is the plan's check (:mod:`parallel.plan.resolve`): it knows the model's modules.
 """
 
@@ -14,10 +16,9 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from parallel.errors import ConfigIssue
+from parallel.errors import ConfigIssue, override
 from trainer.config.schema import LlamaConfig, RunConfig
 from trainer.models import moe_config
-from trainer.validate.context_checks import without_pipeline
 
 
 # A block's MoE parameters and modules, as globs meet them (the attention's placements stay the user's).
@@ -61,10 +62,11 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
     if par is None or (moe is None and ep is None):
         return issues
     what = "expert parallelism" if moe is None else "a mixture-of-experts model"
-    if par.pipeline is not None:
-        issues.append(ConfigIssue("parallel.pipeline", f"{what} on a pipeline is not built yet (the balance loss of "
-                                  "earlier stages' experts does not reach the last stage's loss)",
-                                  f"train without a pipeline: {without_pipeline(cfg)}"))
+    pp = par.pipeline
+    if pp is not None and pp.stages:
+        issues.append(ConfigIssue("parallel.pipeline.stages", f"{what} on per-stage layouts is not built yet (one "
+                                  "layout for every stage is: parallel.expert_parallel, data and tensor parallelism "
+                                  "beside the pipeline)", f"{override('parallel.pipeline.stages', None)}"))
     if ep is not None and par.data_parallel is not None and par.data_parallel.mode not in ("fsdp", "zero2"):
         issues.append(ConfigIssue("parallel.data_parallel.mode", f"expert parallelism composes with data_parallel "
                                   f"mode fsdp or zero2, not {par.data_parallel.mode} yet",
