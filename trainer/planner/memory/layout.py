@@ -148,6 +148,16 @@ def gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list
     return root * pdt + 3 * block * pdt
 
 
+def expert_share(plan: ParallelPlan, numbers, saved: dict) -> float:
+    """The share of the meta pass's parameters (every expert of every block) the largest rank holds, and so
+    of the gradients its backward makes: 1 without expert parallelism; with it, a rank holds 1/ep of the
+    experts (``numbers``: :func:`trainer.planner.numbers.plan_numbers`; ``saved``: the meta pass's)."""
+    if plan.expert_parallel is None:
+        return 1.0
+    meta = sum(sum(unit) for unit in saved["unit_params"].values()) / 4.0  # fp32 bytes -> parameters
+    return max(r.params for r in numbers.per_pp_rank) / meta if meta else 1.0
+
+
 def checkpointed(plan: ParallelPlan) -> set[str]:
     if plan.activation_checkpointing == "full":
         return set(plan.blocks)

@@ -47,16 +47,8 @@ from parallel.plan.spec import ParallelPlan, owning_unit
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
-from trainer.planner.memory.layout import (
-    checkpointed,
-    fsdp2,
-    gathered,
-    in_flight_peak,
-    on_cuda,
-    passes_in_flight,
-    replicate_reduce,
-    stage_reduce,
-)
+from trainer.planner.memory.layout import (checkpointed, expert_share, fsdp2, gathered, in_flight_peak, on_cuda,
+                                           passes_in_flight, replicate_reduce, stage_reduce)
 from trainer.planner.numbers import GIB, plan_numbers, stage_views
 
 
@@ -334,6 +326,7 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     # activations and the census gives both at its worst moment, FSDP keeping 1/shard once reduce-scattered.
     accumulates = pp is not None or t.grad_accum > 1
     keep = 0.0 if accumulates else 1.0 / shard if dp is not None and dp.mode != "ddp" else 1.0
+    keep *= expert_share(plan, numbers, saved)  # ep: the meta pass holds every expert's gradient, a rank 1/ep of them
     # A pipelined stage accumulates its micro-batches' gradients (FSDP2's unsharded: in_flight_peak);
     # FSDP2's sharded ones appear only as the stage's final reduce frees those, so beside the
     # activations they are there only from an earlier accumulation step.
