@@ -21,7 +21,7 @@ from typing import Any
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, count_parameters, decoder_config
+from trainer.models import build_model, count_parameters, moe_config
 from trainer.models.moe import expert_parameter_count
 from trainer.pictures.placement import write_placement
 from trainer.pictures.timeline_chart import bubble_text, write_predicted_timeline
@@ -42,7 +42,7 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
     total, (experts, active_experts) = count_parameters(model), expert_parameter_count(model)
     # A token goes through top_k of each block's experts: the parameters a token's forward uses.
     report["parameters"] = {"total": total, "active": total - experts + active_experts, "experts": experts}
-    report["experts"] = expert_report(cfg, plan, numbers) if experts else None
+    report["experts"] = expert_report(cfg, plan, numbers) if experts and moe_config(cfg.model) else None
     budget, source = memory_budget(cfg)
     try:
         estimates = predict_memory(cfg, plan)
@@ -65,7 +65,7 @@ def expert_report(cfg: RunConfig, plan: ParallelPlan, numbers) -> dict:
     """A mixture of experts' lines of the plan: the balance loss's weight, the experts' bytes per pp rank
     (weights + grads + AdamW, after ep and dp sharding) and the bytes each rank's dispatch and combine
     all-to-alls send per step on the ep axis (0 without ep)."""
-    moe = decoder_config(cfg.model).moe
+    moe = moe_config(cfg.model)
     ep = plan.expert_parallel
     return {"num_experts": moe.num_experts, "top_k": moe.top_k, "aux_loss_weight": moe.aux_loss_weight,
             "ep_axis": ep.dim if ep else None, "ep_size": plan.mesh.size(ep.dim) if ep else 1,
