@@ -287,11 +287,12 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     """What each section's own checks depend on, so that one failure rejects every candidate that
     shares it without validating again (symmetry: of 21,206 layouts of 4096 ranks, 17,714 fail
     for a tp degree that does not split the heads or a pipeline the batch or model cannot fill).
-    tensor_parallel: its degree (heads, shapes); pipeline: its section and the dp, pp, ep, tp sizes."""
+    tensor_parallel: its degree (heads, shapes) and the ep size beside it; pipeline: its section and the
+    dp, pp, ep, tp sizes."""
     sizes = dict(zip(c.parallel["dims"], c.mesh))
     dp = math.prod(s for a, s in sizes.items() if a.startswith("dp"))
     pipeline = c.parallel.get("pipeline")
-    return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1)),
+    return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1)),
             "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),
                          tuple(sorted(pipeline.items())) if pipeline else None)}
 
