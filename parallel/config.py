@@ -181,6 +181,8 @@ class AutoPlanConfig(Section):
         "null = the run's train.precision only, since precision changes the losses, not just the speed.")
     tensor_parallel: bool = Field(True, description="Consider the model family's Megatron tensor-parallel plan.")
     pipeline: bool = Field(True, description="Consider pipeline parallelism (boundaries: auto).")
+    expert_parallel: bool = Field(True, description="Consider expert parallelism for a model with experts (sizes "
+                                  "dividing model.moe.num_experts; never for a dense model).")
     show: int = Field(20, ge=1, description="Rows of the ranking the dry run prints (all are in auto_plan.json).")
     prune: bool = Field(True, description="Skip the layouts whose lower bound exceeds the best time found (they cannot "
                         "win); false predicts every valid layout, so the whole ranking is exact (slower).")

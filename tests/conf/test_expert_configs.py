@@ -54,15 +54,26 @@ def test_the_dry_run_counts_total_and_active_parameters():
     assert params["total"] - params["active"] == experts - experts * moe.top_k // moe.num_experts
     # Each rank holds the non-expert parameters and its 8 / 2 experts (before FSDP shards them).
     assert report["per_pp_rank"][0]["params"] == params["total"] - experts + experts // 2
-    assert report["comm"]["ep"] > 0
+    # The experts' weights, gradients and AdamW moments per rank: 1/ep of them, then FSDP over dp (16 bytes each).
+    e = report["experts"]
+    assert e["expert_bytes_per_pp_rank"] == [experts / 2 / 2 * 16] and e["aux_loss_weight"] == moe.aux_loss_weight
+    # Dispatch + combine, forward + backward: 4 all-to-alls per block of a rank's tokens' top_k rows (fp32),
+    # half of them leaving the rank on ep 2.
+    tokens = cfg.train.global_batch_size // 4 * cfg.train.seq_len
+    assert e["all_to_all_bytes"] == report["comm"]["ep all-to-all"] == 4 * layers * tokens * moe.top_k * dim * 4 / 2
     text = describe_plan(cfg, plan, pictures_dir=None, report=report)
     assert f"parameters: {params['total']:,} in all, {params['active']:,} active per token" in text
+    assert (f"split over ep (2 ranks, 4 experts each); router balance loss weight (model.moe.aux_loss_weight) "
+            f"{moe.aux_loss_weight:g}") in text
+    assert (f"experts per rank (weights + grads + AdamW): {experts / 4 * 16 / 2**20:.2f} MiB by pp rank; all-to-all "
+            f"on ep: {e['all_to_all_bytes'] / 2**20:.2f} MiB sent per rank and step") in text
 
 
 def test_a_dense_model_shows_one_parameter_count():
     cfg, plan = _validated("+parallel=fsdp", "dry_run=true")
     report = plan_report(cfg, plan)
     assert report["parameters"]["experts"] == 0 and report["parameters"]["active"] == report["parameters"]["total"]
+    assert report["experts"] is None
 
 
 def test_refusals_name_the_path_the_reason_and_the_fix():

@@ -21,10 +21,17 @@ from trainer.config.compose import compose_dict
 from trainer.models import decoder_config, loss_fn_for
 from trainer.models.moe import with_aux_loss
 from trainer.run.build import build_parallel_model
+from trainer.run.loop import train
+from trainer.run.metrics import NullProgress
+from trainer.tracking.tracker import NullTracker
 from trainer.validate.checks import validate_config
 
 OUT_ENV = "MESHFLOW_TEST_EXPERTS_OUT"  # set by the parent test
 BASE = ["model=gpt_moe", "data=synthetic", "train.seq_len=32", "train.global_batch_size=8"]
+# Wide experts (12.6M of the model's 12.7M parameters), a small batch: memory the experts' state decides.
+MEMORY = ["model=gpt_moe", "model.moe.hidden_dim=2048", "data=synthetic", "train.seq_len=64", "train.global_batch_size=8",
+          "train.steps=4", "tracking=none", "tracking.pictures=false", "train.checkpoint.save_final=false",
+          "train.eval_at_start=false"]
 
 
 def run_config(overrides: list[str]):
@@ -69,12 +76,28 @@ def train_moe(cfg, *, save_after: int | None = None, save_under: str = "", resum
 
 
 def _where(param: torch.Tensor | None) -> dict:
-    """A DTensor parameter's placements, mesh axes and local shape ({} for a plain tensor, or one another
+    """A DTensor parameter's placements, mesh axes, local shape and the rows of the whole tensor its local
+    shard is (found by value: every rank gathers the whole; {} for a plain tensor, or one another
     pipeline stage holds)."""
     if not isinstance(param, DTensor):
         return {}
+    full, local = param.full_tensor(), param.to_local()
+    n = local.shape[0]
+    start = next((s for s in range(full.shape[0] - n + 1) if torch.equal(full[s:s + n], local)), None) if n else 0
     return {"placements": [repr(p) for p in param.placements], "mesh_dims": list(param.device_mesh.mesh_dim_names),
-            "local_shape": list(param.to_local().shape)}
+            "local_shape": list(local.shape), "rows": None if start is None else [start, start + n]}
+
+
+def memory_check(overrides: list[str]):
+    """The trainer's loop (:func:`trainer.run.loop.train`) on ``MEMORY``'s wide experts under ``overrides``:
+    the peak memory it measured (the largest rank's, after the last step), which the parent holds against
+    the plan's prediction."""
+    def check(*, rank: int, world_size: int) -> dict:
+        cfg = validate_config(compose_dict([*MEMORY, *overrides]), check_model=False)
+        result = train(cfg, tracker=NullTracker(), progress=NullProgress(), rank=rank, predicted_peak_mib=0.0)
+        return {"peak_memory_mb": result.peak_memory_mb, "losses": result.losses}
+
+    return check
 
 
 def expert_check(overrides: list[str], *, out_dir: str | None = None, resume: str | None = None, **options):
@@ -105,6 +128,7 @@ SUITES = {
         ("zero2_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=zero2"])),
     ],
     "eight_rank": [  # slow: 8 processes
+        ("ep8_memory", memory_check(["+parallel=ep", "mesh=[8]"])),  # first: what the processes hold is its own
         ("3d_ep", expert_check(["+parallel=3d_ep"])),
         ("3d", expert_check(["+parallel=3d"])),  # fsdp x pp x tp, no ep: each stage's blocks add their balance loss
         ("pp_ep_tp", expert_check(["+parallel=pp", "mesh=[2,2,2]", "parallel.dims=[pp,ep,tp]",

@@ -11,6 +11,9 @@ from trainer.planner.auto.plan import plan_layouts, resolve_auto
 from trainer.planner.auto.search import Search
 from trainer.planner.cost.calibration import Calibration, Fit
 from trainer.planner.forecast.pricing import HostPricing
+from trainer.planner.memory.predict import predict_memory
+from trainer.planner.numbers import plan_numbers
+from trainer.validate.checks import validate_with_plan
 
 CAL = Calibration(host="h", device="cpu:test", workers=8, matmul={"fp32": Fit(1e-5, 1e10)},
                   elementwise=Fit(2e-6, 5e9),
@@ -106,3 +109,28 @@ def test_the_winner_is_an_ordinary_config(monkeypatch):
     assert cfg.world_size == 4 and cfg.parallel.dims and cfg.parallel.auto is not None
     ranking = auto_plan.ranking_for(cfg, calibration=CAL)
     assert ranking.winner.parallel["dims"] == list(cfg.parallel.dims)
+
+
+@pytest.mark.slow  # 2.7 s: a search with meta passes of an MoE model
+def test_experts_are_split_over_ep_where_that_is_fastest_and_never_for_a_dense_model():
+    """gpt_moe with wide experts (3.1M of its 3.2M parameters) on 4 ranks: ep4 holds a quarter of the experts
+    and moves tokens by all-to-all (a few MiB) instead of all-reducing or gathering every expert (ten times
+    that with ddp or fsdp), and wins; ep composes with fsdp only (no ddp x ep). A dense model is never given an ep axis."""
+    raw = _raw("model=gpt_moe", "model.moe.hidden_dim=1024", "model.n_layers=2", "mesh=[4]", "+parallel.auto.tensor_parallel=false",
+               "+parallel.auto.pipeline=false", "+parallel.auto.data_parallel_modes=[ddp,fsdp]",
+               "+parallel.auto.activation_checkpointing=[none]")
+    result = plan_layouts(raw, calibration=CAL)
+    assert sorted(c.label for c in result.candidates) == ["dp2(fsdp) x ep2", "dp4(ddp)", "dp4(fsdp)", "ep4"]
+    winner = result.winner
+    assert (winner.label, winner.status, winner.mesh) == ("ep4", "chosen", [4])
+    assert winner.parallel["dims"] == ["ep"] and winner.parallel["expert_parallel"] == {"dim": "ep"}
+    cfg, plan = validate_with_plan({**raw, "mesh": winner.mesh, "parallel": winner.parallel})  # as resolve_auto does
+    # The search prices the traffic the dry run reports on ep: 4 all-to-alls per block of the rank's tokens'
+    # top_k rows (3/4 leave the rank), and the all-reduce of the gradients beside the experts'.
+    comm = plan_numbers(cfg, plan).comm
+    assert winner.traffic == {"ep": pytest.approx(comm["ep all-to-all"] + comm["ep"])} and comm["ep all-to-all"] > 0
+    assert winner.peak_bytes == max(e.total for e in predict_memory(cfg, plan))
+    dense = _raw("mesh=[8]")
+    search = Search(dense, RunConfig.model_validate({**dense, "mesh": None, "parallel": None}), AutoPlanConfig(), 8,
+                    HostPricing(CAL))
+    assert search._ep_sizes(8) == [1] and not any("ep" in c.parallel["dims"] for c in search.layouts())

@@ -91,7 +91,7 @@ def test_fsdp_sends_one_and_a_half_times_ddps_gradient_bytes_per_block():
     units = list(plan_fsdp.units)
     ddp = comm_ops(cfg_ddp, plan_ddp, units, params, 8)
     fsdp = comm_ops(cfg_fsdp, plan_fsdp, units, params, 8)
-    total = sum(n for n, _ in params.values())
+    total = sum(n for n, *_ in params.values())
     assert [(op.op, op.nbytes, op.count) for op in ddp] == [("all_reduce", 4 * total, 1)]
     assert sum(op.sent_bytes for op in ddp) == pytest.approx(4 * total)  # 2 (g-1)/g = 1 for g = 2
     block = params["layers.0"][0] * 4

@@ -78,3 +78,16 @@ def test_dry_run_writes_the_picture_unless_switched_off(tmp_path, monkeypatch, c
     (tmp_path / "meshflow-plan" / "placement.png").unlink()
     _write_pictures(cfg, plan)
     assert capsys.readouterr().out == "" and not (tmp_path / "meshflow-plan" / "placement.png").exists()
+
+
+def test_experts_are_drawn_split_over_ep_then_dp():
+    """fsdp x ep [2, 2] (rank = 2 dp + ep): an expert stack is Shard(0) over ep, then FSDP's Shard(0) over dp
+    cuts each ep rank's half, as the engine places it (tests/dist/test_experts.py holds the real shards);
+    every other parameter is FSDP-sharded over dp x ep flattened."""
+    cfg, plan = _plan("model=gpt_moe", "+parallel=fsdp_ep", "mesh=[2,2]")
+    groups = placement_report(cfg, plan)[1]["groups"]
+    (experts,), (gate,) = groups["layers.*.mlp.experts.w1"], groups["layers.*.mlp.router.gate.weight"]
+    assert experts["placements"] == {"dp": "Shard(0)", "ep": "Shard(0)"}
+    assert {r: s[0] for r, s in experts["ranks"].items()} == {"0": [0, 2], "1": [4, 6], "2": [2, 4], "3": [6, 8]}
+    assert gate["placements"] == {"dp_ep": "Shard(0)"}
+    assert {r: s[0] for r, s in gate["ranks"].items()} == {"0": [0, 2], "1": [2, 4], "2": [4, 6], "3": [6, 8]}

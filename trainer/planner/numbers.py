@@ -33,6 +33,8 @@ class RankHoldings:
     param_bytes: float
     grad_bytes: float
     optim_bytes: float
+    expert_bytes: float = 0.0  # of the three above, the experts' (a mixture of experts: its weights, grads, AdamW)
+    expert_params: int = 0  # of ``params``, the experts' (after ep, before dp sharding)
 
     @property
     def state_bytes(self) -> float:
@@ -110,6 +112,8 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     stage_local = [0.0] * num_stages
     stage_sharded = [0.0] * num_stages
     stage_trainable = [0.0] * num_stages  # frozen weights (LoRA's base) have no gradient nor AdamW state
+    stage_experts = [0.0] * num_stages  # the experts' weights + gradients + AdamW moments, in parameters
+    stage_expert_local = [0.0] * num_stages
     for fqn, numel, trainable in parameter_list(model):
         axes = plan.placements.get(fqn, {})
         tp_div = math.prod(plan.mesh.size(a) for a, pl in axes.items() if pl.is_shard)
@@ -121,6 +125,9 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
         stage_local[s] += numel / tp_div
         stage_sharded[s] += numel / tp_div / dp_div
         stage_trainable[s] += numel / tp_div / dp_div if trainable else 0.0
+        if fqn.startswith(experts):
+            stage_experts[s] += numel / tp_div / dp_div * (4 if trainable else 1)
+            stage_expert_local[s] += numel / tp_div
 
     spr = pp.stages_per_rank if pp else 1
     per_rank = []
@@ -130,7 +137,9 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
         sharded = sum(stage_sharded[s] for s in stages)  # weights, gradients and each AdamW moment
         trained = sum(stage_trainable[s] for s in stages)
         per_rank.append(RankHoldings(pp_rank=r, stages=stages, params=int(local), param_bytes=sharded * BYTES,
-                                     grad_bytes=trained * BYTES, optim_bytes=2 * trained * BYTES))
+                                     grad_bytes=trained * BYTES, optim_bytes=2 * trained * BYTES,
+                                     expert_bytes=sum(stage_experts[s] for s in stages) * BYTES,
+                                     expert_params=int(sum(stage_expert_local[s] for s in stages))))
 
     m = cfg.num_microbatches
     # (p-1)/(m+p-1), over v for interleaving; the zero-bubble schedules' own (parallel.pipeline.order).
@@ -177,6 +186,10 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
         # zero2: one all-gather + reduce-scatter; each all-gather/reduce-scatter moves (n-1)/n.
         factor = {"ddp": ring, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n, "hsdp": 3 * (n - 1) / n}[dp.mode]
         out[",".join(dp.dim_names)] = factor * local * cfg.train.grad_accum ** (dp.mode == "fsdp")
+    elif (ep := plan.expert_parallel) is not None and (n := plan.mesh.size(ep.dim)) > 1:
+        # ep alone splits the batch: the parameters beside the experts are replicated over it, gradients all-reduced.
+        rest = max(r.params - r.expert_params for r in per_rank) * BYTES
+        out[ep.dim] = 2 * (n - 1) / n * rest
     rows = cfg.train.global_batch_size // max(1, cfg.dp_size)
     tokens = rows * cfg.train.seq_len // cp  # a cp rank holds 1/cp of every row
     if (decoder := decoder_config(cfg.model)) is not None:
@@ -196,5 +209,5 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
             # Every token's top_k rows out to the experts' ranks and back, forward and backward (the
             # gradients retrace them): 4 all-to-alls per MoE block of this rank's stages, (n-1)/n of the
             # rows leaving the rank when routing is balanced.
-            out[ep.dim] = 4 * layers_per_rank * act * decoder.moe.top_k * (n - 1) / n
+            out[f"{ep.dim} all-to-all"] = 4 * layers_per_rank * act * decoder.moe.top_k * (n - 1) / n
     return out

@@ -21,7 +21,7 @@ from typing import Any
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, count_parameters
+from trainer.models import build_model, count_parameters, moe_config
 from trainer.models.moe import expert_parameter_count
 from trainer.pictures.placement import write_placement
 from trainer.pictures.timeline_chart import bubble_text, write_predicted_timeline
@@ -42,6 +42,7 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
     total, (experts, active_experts) = count_parameters(model), expert_parameter_count(model)
     # A token goes through top_k of each block's experts: the parameters a token's forward uses.
     report["parameters"] = {"total": total, "active": total - experts + active_experts, "experts": experts}
+    report["experts"] = expert_report(cfg, plan, numbers) if experts and moe_config(cfg.model) else None
     budget, source = memory_budget(cfg)
     try:
         estimates = predict_memory(cfg, plan)
@@ -58,6 +59,32 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
                              "microbatches_in_flight": e.in_flight} for e in estimates]
     report["memory_budget"] = {"bytes": budget, "source": source}
     return report
+
+
+def expert_report(cfg: RunConfig, plan: ParallelPlan, numbers) -> dict:
+    """A mixture of experts' lines of the plan: the balance loss's weight, the experts' bytes per pp rank
+    (weights + grads + AdamW, after ep and dp sharding) and the bytes each rank's dispatch and combine
+    all-to-alls send per step on the ep axis (0 without ep)."""
+    moe = moe_config(cfg.model)
+    ep = plan.expert_parallel
+    return {"num_experts": moe.num_experts, "top_k": moe.top_k, "aux_loss_weight": moe.aux_loss_weight,
+            "ep_axis": ep.dim if ep else None, "ep_size": plan.mesh.size(ep.dim) if ep else 1,
+            "all_to_all_bytes": numbers.comm.get(f"{ep.dim} all-to-all", 0.0) if ep else 0.0,
+            "expert_bytes_per_pp_rank": [r.expert_bytes for r in numbers.per_pp_rank]}
+
+
+def _expert_lines(e: dict) -> list[str]:
+    mib = 2**20
+    where = (f"split over {e['ep_axis']} ({e['ep_size']} ranks, {e['num_experts'] // e['ep_size']} experts each)"
+             if e["ep_axis"] else "no ep axis: every rank runs every expert")
+    lines = [f"experts: {e['num_experts']} per block, top_k {e['top_k']}, {where}; router balance loss weight "
+             f"(model.moe.aux_loss_weight) {e['aux_loss_weight']:g}"]
+    if e["ep_axis"]:
+        per_rank = ", ".join(f"{b / mib:.2f}" for b in e["expert_bytes_per_pp_rank"])
+        lines.append(f"experts per rank (weights + grads + AdamW): {per_rank} MiB by pp rank; all-to-all on "
+                     f"{e['ep_axis']}: {e['all_to_all_bytes'] / mib:.2f} MiB sent per rank and step (dispatch + "
+                     "combine, forward + backward, balanced routing)")
+    return lines
 
 
 def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | None = PLAN_PICTURES,
@@ -80,6 +107,8 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
                      f"(experts: {params['experts']:,}, of which each token uses top_k of num_experts)")
     else:
         lines.append(f"parameters: {params['total']:,}")
+    if n.get("experts"):
+        lines += _expert_lines(n["experts"])
     if n["boundaries"]:
         lines.append(f"pipeline: stages begin at {n['boundaries']}; parameters per stage {n['stage_params']}; "
                      f"bubble {n['bubble']:.1%}")

@@ -63,23 +63,35 @@ class Search:
         acs = [a for a in k.activation_checkpointing if a == "none" or self.decoder is not None]
         for tp in (divisors(self.world) if tp_ok else [1]):
             for pp in (divisors(self.world // tp) if k.pipeline else [1]):
-                dp = self.world // tp // pp
-                for dp_name, dp_section in self._dp_options(dp):
-                    for pp_name, pipeline in self._pipelines(pp, dp):
-                        for ac in acs:
-                            for precision in precisions:
-                                yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ac, precision)
+                for ep in self._ep_sizes(self.world // tp // pp):
+                    dp = self.world // tp // pp // ep
+                    for dp_name, dp_section in self._dp_options(dp, ep):
+                        for pp_name, pipeline in self._pipelines(pp, dp * ep):
+                            for ac in acs:
+                                for precision in precisions:
+                                    yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac,
+                                                          precision)
+
+    def _ep_sizes(self, ranks: int) -> list[int]:
+        """Expert-parallel sizes: 1, and for a model with experts every divisor of ``ranks`` that splits
+        its experts evenly (a dense model: 1 only)."""
+        moe = self.decoder.moe if self.decoder is not None else None
+        if moe is None or not self.knobs.expert_parallel or not hasattr(self.model, "expert_modules"):
+            return [1]
+        return [e for e in divisors(ranks) if moe.num_experts % e == 0]
 
     def _bf16(self) -> bool:
         if isinstance(self.pricing, ProfilePricing):
             return "bf16" in self.pricing.profile.peak_tflops
         return bf16_supported(_device(self.base))
 
-    def _dp_options(self, dp: int) -> Iterator[tuple[str, dict | None]]:
+    def _dp_options(self, dp: int, ep: int = 1) -> Iterator[tuple[str, dict | None]]:
         if dp == 1:
             yield "", None
             return
         for mode in self.knobs.data_parallel_modes:
+            if ep > 1 and mode not in ("fsdp", "zero2"):  # experts over ep compose with sharded data parallelism
+                continue
             if mode == "hsdp":
                 for replicate in divisors(dp)[1:-1]:
                     yield f"dp{replicate}x{dp // replicate}(hsdp)", {"dim": ["dp_replicate", "dp_shard"], "mode": "hsdp"}
@@ -102,7 +114,7 @@ class Search:
                     yield name, {"dim": "pp", "schedule": schedule, "microbatches": m, "stages_per_rank": spr,
                                  "boundaries": "auto"}
 
-    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ac, precision) -> Candidate:
+    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac, precision) -> Candidate:
         dims, mesh = [], []
         if dp_section is not None:
             sizes = [(a, s) for a, s in (zip(dp_section["dim"], _hsdp_sizes(dp_name)) if dp_section["mode"] == "hsdp"
@@ -111,6 +123,8 @@ class Search:
             mesh += [s for _, s in sizes]
         if pipeline is not None:
             dims.append("pp"), mesh.append(pp)
+        if ep > 1:
+            dims.append("ep"), mesh.append(ep)
         if tp > 1:
             dims.append("tp"), mesh.append(tp)
         parallel: dict[str, Any] = {"dims": dims or ["dp"], "activation_checkpointing": ac}
@@ -120,9 +134,12 @@ class Search:
             parallel["data_parallel"] = {"dim": "dp", "mode": "ddp"}
         if pipeline is not None:
             parallel["pipeline"] = pipeline
+        if ep > 1:
+            parallel["expert_parallel"] = {"dim": "ep"}
         if tp > 1:
             parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron"}
-        label = " x ".join(p for p in (dp_name, pp_name, f"tp{tp}" if tp > 1 else "") if p) or "one rank"
+        label = " x ".join(p for p in (dp_name, pp_name, f"ep{ep}" if ep > 1 else "", f"tp{tp}" if tp > 1 else "")
+                           if p) or "one rank"
         label += (", AC full" if ac == "full" else "") + (", bf16" if precision == "bf16" else "")
         return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision)
 
@@ -174,7 +191,7 @@ class Search:
     # ------------------------------------------------------------------ prediction
 
     def params(self, plan: ParallelPlan) -> dict:
-        key = plan.mesh.size([a for axes in plan.placements.values() for a in axes])
+        key = (self.params_key(plan), plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
         if key not in self._params:
             self._params[key] = unit_params(plan, self.model)
         return self._params[key]
@@ -270,12 +287,13 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     """What each section's own checks depend on, so that one failure rejects every candidate that
     shares it without validating again (symmetry: of 21,206 layouts of 4096 ranks, 17,714 fail
     for a tp degree that does not split the heads or a pipeline the batch or model cannot fill).
-    tensor_parallel: its degree (heads, shapes); pipeline: its section and the dp, pp, tp sizes."""
+    tensor_parallel: its degree (heads, shapes) and the ep size beside it; pipeline: its section and the
+    dp, pp, ep, tp sizes."""
     sizes = dict(zip(c.parallel["dims"], c.mesh))
     dp = math.prod(s for a, s in sizes.items() if a.startswith("dp"))
     pipeline = c.parallel.get("pipeline")
-    return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1)),
-            "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("tp", 1),
+    return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1)),
+            "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),
                          tuple(sorted(pipeline.items())) if pipeline else None)}
 
 

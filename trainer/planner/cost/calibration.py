@@ -73,7 +73,9 @@ class Calibration:
         steps (g - 1), bandwidth with the share each rank sends ((g - 1) / g)."""
         if group_size <= 1:
             return 0.0
-        fits = self.collectives.get(op) or self.collectives["all_reduce"]  # an odd worker count has no pairs
+        # all_to_all is not probed: each rank sends (g-1)/g of its buffer, as in a ring reduce-scatter.
+        fits = self.collectives.get(op) or self.collectives.get("reduce_scatter" if op == "all_to_all" else op) \
+            or self.collectives["all_reduce"]  # an odd worker count has no pairs
         if group_size in fits:
             return fits[group_size].time(nbytes)
         near = min(fits, key=lambda g: abs(g - group_size))

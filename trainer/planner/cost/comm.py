@@ -5,9 +5,10 @@
         op.axis, op.op, op.group_size, op.nbytes, op.count, op.seconds(calibration)
 
 Megatron tp all-reduces of activations, dp's gradient all-reduce or FSDP's all-gathers and
-reduce-scatters per FSDP unit, pp sends; each priced by the calibrated fit of its op and group
-size (:meth:`trainer.planner.cost.calibration.Calibration.collective_time`). :mod:`trainer.planner.cost.model` adds them
-to the step's compute (no overlap on CPU).
+reduce-scatters per FSDP unit, pp sends, ep's all-to-alls of the tokens routed to experts; each
+priced by the calibrated fit of its op and group size
+(:meth:`trainer.planner.cost.calibration.Calibration.collective_time`). :mod:`trainer.planner.cost.model`
+adds them to the step's compute (no overlap on CPU).
 """
 
 from __future__ import annotations
@@ -38,22 +39,29 @@ class CommOp:
     def sent_bytes(self) -> float:
         """Bytes this rank sends in the step (ring algorithms), as the dry run's traffic counts them."""
         g = self.group_size
-        share = {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g}
+        share = {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g,
+                 "all_to_all": (g - 1) / g}
         return share.get(self.op, 1.0) * self.nbytes * self.count
 
     def seconds(self, cal: Calibration) -> float:
         return self.count * cal.collective_time(self.op, self.group_size, self.nbytes)
 
 
-def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, int]]:
-    """Per pipeline unit: ``(tp-local parameter count, parameter tensors)`` of one rank."""
-    out: dict[str, list] = {u: [0.0, 0] for u in plan.units}
+def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, int, float]]:
+    """Per pipeline unit: ``(tp- and ep-local parameter count, parameter tensors, of which experts)``
+    of one rank (experts split over ep: each rank holds 1/ep of them)."""
+    out: dict[str, list] = {u: [0.0, 0, 0.0] for u in plan.units}
+    ep = plan.expert_parallel
+    experts = tuple(f"{m}." for m in ep.modules) if ep is not None else ()
     for fqn, p in model.named_parameters():
         unit = plan.unit_of(fqn)
         div = math.prod(plan.mesh.size(a) for a, pl in plan.placements.get(fqn, {}).items() if pl.is_shard)
-        out[unit][0] += p.numel() / div
+        expert = bool(experts) and fqn.startswith(experts)
+        local = p.numel() / div / (plan.mesh.size(ep.dim) if expert else 1)
+        out[unit][0] += local
         out[unit][1] += 1
-    return {u: (v[0], v[1]) for u, v in out.items()}
+        out[unit][2] += local if expert else 0.0
+    return {u: (v[0], v[1], v[2]) for u, v in out.items()}
 
 
 def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[str, tuple[float, int]],
@@ -66,6 +74,9 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
     cdt = 2 if t.precision == "bf16" else 4  # activations and gathered parameters in the compute dtype
     if (dp := plan.data_parallel) is not None:
         ops += _dp_ops(dp, plan, held, params, cdt, passes=t.grad_accum)
+    elif (ep := plan.expert_parallel) is not None:  # ep alone: the rest replicated over it, gradients all-reduced
+        rest = sum(params[u][0] - params[u][2] for u in held)
+        ops.append(CommOp(ep.dim, "all_reduce", plan.mesh.size(ep.dim), 4.0 * rest, t.grad_accum))
     decoder = decoder_config(cfg.model)
     act = micro_batch * t.seq_len * (decoder.dim if decoder else 0) * cdt
     tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
@@ -76,6 +87,12 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
             ops.append(CommOp(axis, "all_reduce", g, act, count))
     if pp is not None and plan.pp_size > 1:
         ops.append(CommOp(pp.dim, "send_recv", 2, act, 2 * pp.stages_per_rank * m * t.grad_accum))
+    if (ep := plan.expert_parallel) is not None and decoder is not None and decoder.moe is not None:
+        # Each MoE block sends its tokens' top_k rows out to the experts' ranks and back, forward and
+        # backward (the gradients retrace them); a checkpointed block's forward twice.
+        moe_blocks = sum(plan.unit_of(fqn) in held for fqn in ep.modules)
+        count = (4 + 2 * (plan.activation_checkpointing == "full")) * moe_blocks * m * t.grad_accum
+        ops.append(CommOp(ep.dim, "all_to_all", plan.mesh.size(ep.dim), act * decoder.moe.top_k, count))
     return [op for op in ops if op.count > 0 and op.group_size > 1]
 
 
@@ -96,10 +113,15 @@ def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, pas
         return [CommOp(axis, "all_reduce", plan.mesh.size(dp.dim_names), 4.0 * sum(numel), passes)]
     shard_axis = dp.dim_names[-1] if dp.mode == "hsdp" else axis
     g = plan.mesh.size(dp.shard_dim_names)
-    fsdp_units = [params[u][0] for u in held if u in plan.blocks]
-    fsdp_units.append(sum(params[u][0] for u in held if u not in plan.blocks))  # the root
     gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2
     ops = []
+    if (ep := plan.expert_parallel) is not None:  # experts: FSDP units of their own over dp; the rest over dp x ep
+        experts = [params[u][2] for u in held if params[u][2]]
+        ops += [op for n in experts for op in (CommOp(axis, "all_gather", g, n * cdt, gathers * passes),
+                                               CommOp(axis, "reduce_scatter", g, n * 4.0, passes))]
+        shard_axis, g = f"{axis},{ep.dim}", g * plan.mesh.size(ep.dim)
+    fsdp_units = [params[u][0] - params[u][2] for u in held if u in plan.blocks]
+    fsdp_units.append(sum(params[u][0] - params[u][2] for u in held if u not in plan.blocks))  # the root
     for index, n in enumerate(fsdp_units):
         root = index == len(fsdp_units) - 1  # stays gathered from forward to backward
         ops.append(CommOp(shard_axis, "all_gather", g, n * cdt, (1 if root else gathers) * passes))

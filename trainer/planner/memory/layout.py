@@ -148,6 +148,22 @@ def gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list
     return root * pdt + 3 * block * pdt
 
 
+def expert_split(plan: ParallelPlan) -> tuple[int, tuple[str, ...]]:
+    """``(ep size, the expert modules' FQN prefixes)``: ``(1, ())`` without expert parallelism."""
+    ep = plan.expert_parallel
+    return (plan.mesh.size(ep.dim), tuple(f"{m}." for m in ep.modules)) if ep is not None else (1, ())
+
+
+def expert_share(plan: ParallelPlan, numbers) -> float:
+    """The share of the meta pass's parameters (every expert of every block, at tp-local shapes) the
+    largest rank holds, and so of the gradients its backward makes: 1 without expert parallelism; with
+    it, a rank holds 1/ep of the experts (``numbers``: :func:`trainer.planner.numbers.plan_numbers`)."""
+    ep, _ = expert_split(plan)
+    rank = max(numbers.per_pp_rank, key=lambda r: r.params)
+    every = rank.params + rank.expert_params * (ep - 1)
+    return rank.params / every if every else 1.0
+
+
 def checkpointed(plan: ParallelPlan) -> set[str]:
     if plan.activation_checkpointing == "full":
         return set(plan.blocks)

@@ -48,16 +48,8 @@ from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
 from trainer.planner.memory.pass_cache import PASSES, pass_key
-from trainer.planner.memory.layout import (
-    checkpointed,
-    fsdp2,
-    gathered,
-    in_flight_peak,
-    on_cuda,
-    passes_in_flight,
-    replicate_reduce,
-    stage_reduce,
-)
+from trainer.planner.memory.layout import (checkpointed, expert_share, expert_split, fsdp2, gathered, in_flight_peak, on_cuda,
+                                           passes_in_flight, replicate_reduce, stage_reduce)
 from trainer.planner.numbers import GIB, plan_numbers, stage_views
 
 
@@ -217,7 +209,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     """One forward and backward of ``micro_batch`` sequences on the meta device: ``{"units": {unit:
     bytes saved for backward}, "block_inputs": {block: bytes}, "timeline": [(activations and
     temporaries, gradients) after each op], "forward_ops": n, "unit_params": {unit: [fp32 bytes of
-    each tp-local parameter]}, "largest_trainable": fp32 bytes of the largest parameter that trains}``
+    each tp- and ep-local parameter]}, "largest_trainable": fp32 bytes of the largest parameter that trains}``
     (the last unit also holds the loss's; frozen weights, LoRA's base, get no gradient here either). ``attention``: what the
     pass runs for ``F.scaled_dot_product_attention`` (its arguments), in this thread only
     (:class:`AttentionKernel`); default :func:`flash_attention_for_cpu`, what a CPU run saves."""
@@ -226,10 +218,12 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     _local_shapes(model, plan)
     unit_params: dict[str, list[float]] = defaultdict(list)
     trainable: list[float] = [0.0]
+    ep, experts = expert_split(plan)  # the pass runs every expert; a rank holds (and FSDP gathers) 1/ep of them
     for fqn, p in model.named_parameters():
-        unit_params[owning_unit(fqn, plan.units) or ""].append(p.numel() * 4.0)
+        nbytes = p.numel() * 4.0 / (ep if fqn.startswith(experts) else 1)
+        unit_params[owning_unit(fqn, plan.units) or ""].append(nbytes)
         if p.requires_grad:
-            trainable.append(p.numel() * 4.0)
+            trainable.append(nbytes)
     if cfg.train.precision == "bf16":
         model.to(torch.bfloat16)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -306,7 +300,7 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     t = cfg.train
     micro = cfg.micro_batch_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
-    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size)
+    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size, expert_split(plan))
     if cache is None and model is None and (shared := pass_key(cfg, plan, micro, attention)) is not None:
         cache, key = PASSES, shared  # one process validating many configs of a model (pass_cache)
     if cache is None or key not in cache:
@@ -324,6 +318,7 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     # activations and the census gives both at its worst moment, FSDP keeping 1/shard once reduce-scattered.
     accumulates = pp is not None or t.grad_accum > 1
     keep = 0.0 if accumulates else 1.0 / shard if dp is not None and dp.mode != "ddp" else 1.0
+    keep *= expert_share(plan, numbers)  # ep: the meta pass makes every expert's gradient, a rank 1/ep of them
     # A pipelined stage accumulates its micro-batches' gradients (FSDP2's unsharded: in_flight_peak);
     # FSDP2's sharded ones appear only as the stage's final reduce frees those, so beside the
     # activations they are there only from an earlier accumulation step.
