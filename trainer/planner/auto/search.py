@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from parallel.config import INTERLEAVED_SCHEDULES, AutoPlanConfig
+from parallel.context import supports_context_parallel
 from parallel.errors import ConfigError
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import ParallelPlan
@@ -62,24 +63,37 @@ class Search:
         precisions = [p for p in (k.precisions or [t.precision]) if p == "fp32" or self._bf16()]
         acs = [a for a in k.activation_checkpointing if a == "none" or self.decoder is not None]
         for tp in (divisors(self.world) if tp_ok else [1]):
-            for pp in (divisors(self.world // tp) if k.pipeline else [1]):
-                dp = self.world // tp // pp
-                for dp_name, dp_section in self._dp_options(dp):
-                    for pp_name, pipeline in self._pipelines(pp, dp):
-                        for ac in acs:
-                            for precision in precisions:
-                                yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ac, precision)
+            for cp in self._cp_sizes(self.world // tp):
+                # A pipeline with cp is not built: cp layouts are dp x cp x tp.
+                for pp in (divisors(self.world // tp) if k.pipeline and cp == 1 else [1]):
+                    dp = self.world // tp // pp // cp
+                    for dp_name, dp_section in self._dp_options(dp, hsdp=cp == 1):
+                        for pp_name, pipeline in self._pipelines(pp, dp):
+                            for ac in acs:
+                                for precision in precisions:
+                                    yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ac,
+                                                          precision, cp=cp)
+
+    def _cp_sizes(self, ranks: int) -> list[int]:
+        """The cp sizes to consider: 1, and from ``knobs.context_parallel_from`` tokens on every divisor of
+        ``ranks`` that cuts the rows into ``2 x cp`` chunks, for a model whose attention takes a split sequence."""
+        start, seq_len = self.knobs.context_parallel_from, self.base.train.seq_len
+        if start is None or seq_len < start or not supports_context_parallel(self.model):
+            return [1]
+        return [cp for cp in divisors(ranks) if seq_len % (2 * cp) == 0]
 
     def _bf16(self) -> bool:
         if isinstance(self.pricing, ProfilePricing):
             return "bf16" in self.pricing.profile.peak_tflops
         return bf16_supported(_device(self.base))
 
-    def _dp_options(self, dp: int) -> Iterator[tuple[str, dict | None]]:
+    def _dp_options(self, dp: int, *, hsdp: bool = True) -> Iterator[tuple[str, dict | None]]:
         if dp == 1:
             yield "", None
             return
         for mode in self.knobs.data_parallel_modes:
+            if mode == "hsdp" and not hsdp:  # hsdp with cp is not built
+                continue
             if mode == "hsdp":
                 for replicate in divisors(dp)[1:-1]:
                     yield f"dp{replicate}x{dp // replicate}(hsdp)", {"dim": ["dp_replicate", "dp_shard"], "mode": "hsdp"}
@@ -102,13 +116,15 @@ class Search:
                     yield name, {"dim": "pp", "schedule": schedule, "microbatches": m, "stages_per_rank": spr,
                                  "boundaries": "auto"}
 
-    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ac, precision) -> Candidate:
+    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ac, precision, cp=1) -> Candidate:
         dims, mesh = [], []
         if dp_section is not None:
             sizes = [(a, s) for a, s in (zip(dp_section["dim"], _hsdp_sizes(dp_name)) if dp_section["mode"] == "hsdp"
                                          else [("dp", dp)])]
             dims += [a for a, _ in sizes]
             mesh += [s for _, s in sizes]
+        if cp > 1:
+            dims.append("cp"), mesh.append(cp)
         if pipeline is not None:
             dims.append("pp"), mesh.append(pp)
         if tp > 1:
@@ -122,7 +138,10 @@ class Search:
             parallel["pipeline"] = pipeline
         if tp > 1:
             parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron"}
-        label = " x ".join(p for p in (dp_name, pp_name, f"tp{tp}" if tp > 1 else "") if p) or "one rank"
+        if cp > 1:
+            parallel["context_parallel"] = {"dim": "cp", "method": "ring"}
+        label = " x ".join(p for p in (dp_name, f"cp{cp}" if cp > 1 else "", pp_name, f"tp{tp}" if tp > 1 else "")
+                           if p) or "one rank"
         label += (", AC full" if ac == "full" else "") + (", bf16" if precision == "bf16" else "")
         return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision)
 
@@ -204,7 +223,7 @@ class Search:
 
     def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
         micro = cfg.micro_batch_size
-        key = (self.params_key(plan), micro, cfg.train.precision)
+        key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size)
         if key not in self._costs:
             self._costs[key] = self.pricing.unit_costs(cfg, plan, micro, self.model)
         step = self.pricing.step(cfg, plan, self._costs[key], self.model, self.params(plan))
@@ -270,11 +289,11 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     """What each section's own checks depend on, so that one failure rejects every candidate that
     shares it without validating again (symmetry: of 21,206 layouts of 4096 ranks, 17,714 fail
     for a tp degree that does not split the heads or a pipeline the batch or model cannot fill).
-    tensor_parallel: its degree (heads, shapes); pipeline: its section and the dp, pp, tp sizes."""
+    tensor_parallel: its degree and the cp size (heads, shapes); pipeline: its section and the dp, pp, tp sizes."""
     sizes = dict(zip(c.parallel["dims"], c.mesh))
     dp = math.prod(s for a, s in sizes.items() if a.startswith("dp"))
     pipeline = c.parallel.get("pipeline")
-    return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1)),
+    return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("cp", 1)),  # cp: tp of a row's share
             "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("tp", 1),
                          tuple(sorted(pipeline.items())) if pipeline else None)}
 
