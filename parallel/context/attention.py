@@ -9,7 +9,8 @@ see every key the full-sequence mask allows. Two ways, chosen by ``parallel.cont
 * ``ring``: K/V blocks travel around the ring of cp ranks, one hop per step; each rank attends its
   queries to the block it holds and merges the partial results by their log-sum-exp (online
   softmax), so only two blocks are alive at a time. A block nothing may see (a later rank's head
-  under a causal mask) is skipped.
+  under a causal mask) is skipped. On CPU each block runs torch's fused kernel inside one autograd
+  Function that keeps nothing per block (:mod:`parallel.context.ring`).
 
 Both are differentiable end to end: K/V travel through autograd-aware communication (the ring's
 backward sends the K/V gradients the other way round; the all-gather's is a reduce-scatter), so the
