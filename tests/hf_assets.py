@@ -5,15 +5,17 @@ from __future__ import annotations
 import torch
 
 
-def write_tiny_llama(path, *, seed: int = 0, vocab_size: int = 256, model_type: str = "llama") -> None:
+def write_tiny_llama(path, *, seed: int = 0, vocab_size: int = 256, model_type: str = "llama", **config) -> None:
     """A 4-layer Llama-family model (dim 64, GQA 4/2 heads, ffn 172) with random weights, saved as
     transformers saves models. ``model_type`` qwen2 adds q/k/v biases (made non-zero here, so a
-    lost bias shows), qwen3 per-head q/k norms and a head_dim (24) that is not dim / heads."""
+    lost bias shows), qwen3 per-head q/k norms and a head_dim (24) that is not dim / heads.
+    ``config``: other config.json values (e.g. ``num_attention_heads=9, hidden_size=72, tie_word_embeddings=True``)."""
     import transformers
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    common.update(config)
     if model_type == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif model_type == "qwen2":

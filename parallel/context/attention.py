@@ -9,7 +9,8 @@ see every key the full-sequence mask allows. Two ways, chosen by ``parallel.cont
 * ``ring``: K/V blocks travel around the ring of cp ranks, one hop per step; each rank attends its
   queries to the block it holds and merges the partial results by their log-sum-exp (online
   softmax), so only two blocks are alive at a time. A block nothing may see (a later rank's head
-  under a causal mask) is skipped.
+  under a causal mask) is skipped. On CPU each block runs torch's fused kernel inside one autograd
+  Function that keeps nothing per block (:mod:`parallel.context.ring`).
 
 Both are differentiable end to end: K/V travel through autograd-aware communication (the ring's
 backward sends the K/V gradients the other way round; the all-gather's is a reduce-scatter), so the
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from parallel.context.layout import ContextShard
+from parallel.context.ring import fused_ring, fused_ring_supported
 
 
 class _RingPass(torch.autograd.Function):
@@ -119,6 +121,53 @@ def _allgather_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, 
 
 
 def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs, scale) -> torch.Tensor:
+    tl = q.shape[2]
+
+    def seen(step: int) -> torch.Tensor:
+        """``[B or 1, Tl, Tl]``: which keys of the block held at ``step`` each query may see."""
+        source = (shard.rank - step) % shard.size  # whose K/V this rank holds at this step
+        return visible(q_index, shard.token_index(tl, rank=source, device=q.device), causal=causal, q_doc=doc,
+                       k_doc=docs[source] if docs is not None else None)
+
+    if not fused_ring_supported(q):
+        return _ring_by_blocks(q, k, v, shard=shard, seen=seen, scale=scale)
+
+    def mask(step: int):
+        if doc is None and (not causal or step == 0):  # the whole block, or its own (positions rise: the triangle)
+            return "causal" if causal else None
+        if doc is None:  # causal: from the positions alone, no Tl x Tl mask made
+            return _causal_block(q_index, shard.token_index(tl, rank=(shard.rank - step) % shard.size, device=q.device))
+        block = seen(step)  # packed documents: the block's mask, made for this step and dropped after it
+        # Step 0 (its own block) always holds every query's own key, so only a later block is skipped.
+        if step and not bool(block.any()):
+            return "skip"
+        return None if bool(block.all()) else block
+
+    return fused_ring(q, k, v, masks=mask, send=lambda x: _RingPass.apply(x, shard.group), steps=shard.size,
+                      scale=scale)
+
+
+def _causal_block(q_index: torch.Tensor, k_index: torch.Tensor):
+    """The ring's :data:`~parallel.context.ring.BlockMask` of a causal block from rising positions: a
+    query sees a prefix of the keys (those at or before it). Under the balanced split every other
+    rank's block is a rectangle, all queries over the head chunk or the tail queries over all keys:
+    ``(queries, keys)`` slices; any other staircase, the boolean mask."""
+    seen = torch.searchsorted(k_index, q_index, right=True)  # how many keys each query sees
+    counts = seen.unique()
+    if counts.tolist() == [0]:
+        return "skip"
+    if counts.tolist() == [len(k_index)]:
+        return None
+    if len(counts) == 1 or (len(counts) == 2 and int(counts[0]) == 0):
+        rows = (seen > 0).nonzero().flatten()
+        if len(rows) == int(rows[-1]) - int(rows[0]) + 1:
+            return slice(int(rows[0]), int(rows[-1]) + 1), slice(0, int(counts[-1]))
+    return visible(q_index, k_index, causal=True)
+
+
+def _ring_by_blocks(q, k, v, *, shard: ContextShard, seen, scale) -> torch.Tensor:
+    """The ring by plain tensor operations, autograd through every block (it keeps each block's
+    scores for backward): the path of devices :func:`fused_ring_supported` does not cover."""
     bsz, heads, tl, dim = q.shape
     kv_heads = k.shape[1]
     # Grouped heads: [B, Hkv, rep, Tl, D] against [B, Hkv, 1, Tk, D], so K/V travel un-repeated.
@@ -128,11 +177,9 @@ def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs,
     kv = torch.stack((k, v))
     out = lse = None
     for step in range(shard.size):
-        source = (shard.rank - step) % shard.size  # whose K/V this rank holds at this step
         if step:
             kv = _RingPass.apply(kv, shard.group)
-        k_index = shard.token_index(tl, rank=source, device=q.device)
-        mask = visible(q_index, k_index, causal=causal, q_doc=doc, k_doc=docs[source] if docs is not None else None)
+        mask = seen(step)
         if step and not bool(mask.any()):  # step 0 (its own block) always holds every query's own key
             continue
         block_out, block_lse = _block(grouped, kv[0].to(acc)[:, :, None], kv[1].to(acc)[:, :, None],
@@ -141,22 +188,17 @@ def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs,
     return out.view(bsz, heads, tl, dim).to(q.dtype)
 
 
-def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int, scale: float | None = None) -> torch.Tensor:
+def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int, causal: bool = False,
+               scale: float | None = None) -> torch.Tensor:
     """The ring's arithmetic on one process, with its own K/V (a copy each step, as a received block)
-    standing in for each of ``blocks`` blocks, unmasked and nothing sent: what a cp rank's ring saves
-    for backward, for a memory model's pass on the meta device. Not attention over anything real."""
+    standing in for each of ``blocks`` blocks, nothing sent: what a cp rank's ring saves for backward
+    and makes at its worst moment, for a memory and time model's pass on the meta device. Unmasked;
+    ``causal``: with the shapes a causal mask gives the balanced split (the own block's triangle, then
+    every query over half of each other block's keys). Not attention over anything real."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    bsz, heads, tl, dim = q.shape
-    acc = torch.promote_types(q.dtype, torch.float32)
-    grouped = q.to(acc).view(bsz, k.shape[1], heads // k.shape[1], tl, dim)
-    kv = torch.stack((k, v))
-    mask = torch.ones(1, 1, 1, tl, k.shape[2], dtype=torch.bool, device=q.device)
-    out = lse = None
-    for _ in range(blocks):
-        kv = kv.clone()
-        block_out, block_lse = _block(grouped, kv[0].to(acc)[:, :, None], kv[1].to(acc)[:, :, None], mask, scale)
-        out, lse = (block_out, block_lse) if out is None else _merge(out, lse, block_out, block_lse)
-    return out.view(bsz, heads, tl, dim).to(q.dtype)
+    half = slice(0, k.shape[2] // 2)
+    return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal else None,
+                      send=lambda x: x.clone(), steps=blocks, scale=scale)
 
 
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

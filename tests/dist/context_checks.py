@@ -31,6 +31,12 @@ BASE = ["model=gpt_debug", "train.seq_len=256", "train.global_batch_size=2", f"t
         "optim.warmup_steps=0"]
 DATA_ENV = "MESHFLOW_TEST_CP_DATA_DIR"  # set by the parent test: docs.jsonl, and a chat model/ and chats.jsonl
 
+# The memory check: cp [4], 2 rows of 16,384 tokens, 3 steps (the peak settles from step 2 on). Attention
+# over the row is what the plan has to get right there: scores kept for backward would be 2 rows x 4
+# heads x 4,096 x 16,384 fp32 a layer, 2 GiB, ten times everything else. (At 8,192 tokens the
+# prediction is 17% over: the distributed runtime's 46 MiB, measured on 25M models, is 15-22 MiB here.)
+MEMORY = ["+parallel=cp", "mesh=[4]", "model.max_seq_len=16384", "train.seq_len=16384", "train.steps=3"]
+
 # (batch, heads, kv heads, tokens per chunk of 2 x cp, head dim): whole heads, grouped heads, one kv head.
 SHAPES = [(2, 4, 4, 4, 8), (1, 4, 2, 8, 16), (2, 6, 2, 3, 8), (1, 2, 1, 16, 4)]
 # (causal, packed documents): the decoder's two cases, and attention that sees the whole row.
@@ -39,11 +45,14 @@ MASKS = [(True, False), (True, True), (False, False)]
 
 def overrides(data: str, extra: list[str]) -> list[str]:
     """``synthetic`` rows; ``packed`` documents (byte tokens, positions restarting at each); ``chat``: the tiny
-    Hugging Face Llama on packed conversations whose targets are masked but the assistant's (uneven counts)."""
+    Hugging Face Llama on packed conversations whose targets are masked but the assistant's (uneven counts);
+    ``qwen2``: synthetic rows through a tiny Hugging Face Qwen2 of a checkpoint's awkward shapes."""
     root = os.environ.get(DATA_ENV, "")
     if data == "chat":
         return ["model=hf", f"model.path={root}/model", "data=chat", f"data.paths=[{root}/chats.jsonl]",
                 "train.seq_len=64", "train.global_batch_size=4", *BASE[3:], *extra]  # 4 rows: uneven target counts
+    if data == "qwen2":  # a checkpoint's shapes: 9 query heads over 3 kv heads (width 8), q/k/v biases, tied embeddings
+        return ["model=hf", f"model.path={root}/qwen2", "data=synthetic", "data.num_tokens=65536", *BASE[1:], *extra]
     rows = {"synthetic": ["data=synthetic", "data.num_tokens=65536"],
             "packed": ["data=files", f"data.paths=[{root}/docs.jsonl]", "data.packing=true"]}[data]
     return [*BASE, *rows, *extra]
@@ -61,7 +70,7 @@ def trained(data: str, extra: list[str]):
         validated = time.perf_counter()
         result = train(cfg, tracker=NullTracker(), progress=NullProgress(), rank=rank, predicted_peak_mib=0.0)
         return {"losses": result.losses, "validate_s": validated - began, "train_s": time.perf_counter() - validated,
-                "step_s": result.step_times}
+                "step_s": result.step_times, "peak_mib": result.peak_memory_mb}
 
     return check
 
@@ -149,8 +158,10 @@ SUITES = {
         ("cp2_allgather", trained("synthetic", ["+parallel=cp", "mesh=[2]", "parallel.context_parallel.method=allgather"])),
         ("cp2_packed", trained("packed", ["+parallel=cp", "mesh=[2]"])),
         ("cp2_chat", trained("chat", ["+parallel=cp", "mesh=[2]"])),
+        ("cp2_qwen2", trained("qwen2", ["+parallel=cp", "mesh=[2]"])),
     ],
     "four_rank_slow": [
+        ("memory_cp4", trained("synthetic", MEMORY)),  # first: the worker's memory floor is read before any other check
         ("cp4_packed_allgather", trained("packed", ["+parallel=cp", "mesh=[4]", "parallel.context_parallel.method=allgather"])),
         ("fsdp_cp_chat", trained("chat", ["+parallel=fsdp_cp", "mesh=[2,2]"])),
         # pp x cp [2, 2]: every stage holds its cp rank's chunks of each micro-batch's rows.

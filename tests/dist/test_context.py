@@ -6,7 +6,8 @@ ring and all-gather, on plain rows, on packed documents, and on chat rows whose 
 outputs and gradients, over shapes, causal and not, with documents and without.
 
     pytest tests/dist/test_context.py -q             # two launches: 2 and 4 processes (ring, fsdp x cp)
-    pytest tests/dist/test_context.py -q -m slow     # two more: all-gather, packed documents, chat
+    pytest tests/dist/test_context.py -q -m slow     # two more: all-gather, packed documents, chat, and cp [4]'s
+                                                     # peak memory at 16,384 tokens within 10% of the plan's
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 
 import pytest
 
-from context_checks import DATA_ENV, SUITES, overrides
+from context_checks import DATA_ENV, MEMORY, SUITES, overrides
 from dist_harness import SuiteResults, max_rel
 
 WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "two_rank_slow": 2, "four_rank_slow": 4}
@@ -26,7 +27,8 @@ ATTENTION_TOL = {"float64": 1e-12, "float32": 1e-5}
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """Documents of 5 to 60 words (several to a 256-byte row), and a chat model with its conversations."""
+    """Documents of 5 to 60 words (several to a 256-byte row), a chat model with its conversations, and a
+    Qwen2 of 9 query heads over 3 kv heads with tied embeddings."""
     import json
     import random
 
@@ -39,6 +41,8 @@ def data_dir(tmp_path_factory):
     write_chat_tokenizer(root / "model", vocab_size=400)
     write_tiny_llama(root / "model", vocab_size=416)
     write_chats(root / "chats.jsonl", conversations(40, seed=5, words=(1, 4)))
+    write_tiny_llama(root / "qwen2", model_type="qwen2", hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+                     tie_word_embeddings=True)
     os.environ[DATA_ENV] = str(root)
     yield root
     os.environ.pop(DATA_ENV, None)
@@ -70,11 +74,11 @@ def results(data_dir, tmp_path_factory):
 
 
 def _data(check: str) -> str:
-    return next((d for d in ("packed", "chat") if d in check), "synthetic")
+    return next((d for d in ("packed", "chat", "qwen2") if d in check), "synthetic")
 
 
 def _parity(suites: list[str]) -> list[str]:
-    return [name for suite in suites for name, _ in SUITES[suite] if not name.startswith("attention")]
+    return [name for suite in suites for name, _ in SUITES[suite] if not name.startswith(("attention", "memory"))]
 
 
 @pytest.mark.parametrize("check", _parity(["two_rank", "four_rank"]))
@@ -101,3 +105,19 @@ def test_cp_attention_equals_full_attention(check, results):
         assert r["cases"] == 2 * (4 + 1) * 3  # methods x (fp64 shapes + one fp32 shape) x masks
         for dtype, worst in r["worst"].items():
             assert worst <= ATTENTION_TOL[dtype], (dtype, worst)
+
+
+@pytest.mark.slow
+def test_cp4_peak_memory_is_within_10_percent_of_the_plan(results):
+    """The resident peak per worker (the largest rank's, step 3) against the plan's prediction for the same config."""
+    from parallel.plan.resolve import resolve_plan
+    from trainer.config.compose import compose_dict
+    from trainer.models import build_model
+    from trainer.planner.memory.predict import predict_memory
+    from trainer.validate.checks import validate_config
+
+    cfg = validate_config(compose_dict(overrides("synthetic", MEMORY)), check_model=False)
+    plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    predicted = max(e.total for e in predict_memory(cfg, plan)) / 2**20
+    for r in results("memory_cp4"):
+        assert abs(r["peak_mib"] / predicted - 1) <= 0.10, (r["peak_mib"], predicted)

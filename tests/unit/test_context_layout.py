@@ -60,3 +60,14 @@ def test_merging_blocks_by_log_sum_exp_is_softmax_over_all_of_them(blocks):
     k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(2))
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
     assert torch.allclose(ring_alone(q, k, v, blocks=blocks), expected, rtol=0, atol=1e-12)
+
+
+def test_under_a_causal_mask_every_other_ranks_block_is_a_rectangle():
+    from parallel.context.attention import _causal_block
+
+    queries = token_index(16, cp_rank=1, cp_size=4)  # 2 3 12 13
+    assert _causal_block(queries, token_index(16, cp_rank=0, cp_size=4)) == (slice(0, 4), slice(0, 2))  # keys 0 1 14 15
+    assert _causal_block(queries, token_index(16, cp_rank=2, cp_size=4)) == (slice(2, 4), slice(0, 4))  # keys 4 5 10 11
+    staircase = _causal_block(torch.arange(4), torch.arange(4))  # not the balanced split's: the mask itself
+    assert staircase.tolist() == [torch.ones(4, 4, dtype=torch.bool).tril().tolist()]
+    assert _causal_block(torch.arange(2), torch.arange(2, 4)) == "skip"

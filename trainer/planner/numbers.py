@@ -160,15 +160,20 @@ def _stage_numbers(cfg: RunConfig, plan: ParallelPlan) -> PlanNumbers:
     return replace(views[0], per_pp_rank=[numbers.per_pp_rank[i] for i, numbers in enumerate(views)], comm=comm)
 
 
-def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int) -> float:
-    """Elements of K and V each cp rank sends per step (times the compute precision's bytes): per layer,
-    its K/V block (its tokens, its tp share of the kv heads) to each of the other cp - 1 ranks in
-    forward (ring hops, or the all-gather's), and their gradients back in backward (hops, or a
-    reduce-scatter): the same volume for both methods. A pipeline rank does it for its stages' layers only."""
+def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int, elem: int) -> float:
+    """Bytes of K and V (and their gradients) each cp rank sends per step, K/V in ``elem`` bytes: per
+    layer, its K/V block (its tokens, its tp share of the kv heads). The ring passes a block one hop at
+    each of ``cp - 1`` steps in forward and again in backward, where each block's gradient (fp32)
+    travels with it and takes one more hop home (``cp`` hops); the all-gather sends its block to the
+    ``cp - 1`` others in forward and their gradients back in the reduce-scatter. A pipeline rank does
+    it for its stages' layers only."""
     cp = plan.cp_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     block = 2 * rows * (cfg.train.seq_len // cp) * decoder.num_kv_heads / tp * decoder.head_width
-    return 2 * decoder.n_layers / cfg.pp_size * (cp - 1) * block
+    hops = 2 * (cp - 1) * block * elem
+    if plan.context_parallel.method == "ring":
+        hops += cp * block * 4
+    return decoder.n_layers / cfg.pp_size * hops
 
 
 def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]) -> dict[str, float]:
@@ -197,7 +202,7 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
         act = tokens * decoder.dim * elem
         layers_per_rank = decoder.n_layers / cfg.pp_size
         if par.context_parallel is not None and cp > 1:
-            out[f"{par.context_parallel.dim} K/V"] = kv_bytes(cfg, plan, decoder, rows) * elem
+            out[f"{par.context_parallel.dim} K/V"] = kv_bytes(cfg, plan, decoder, rows, elem)
         for axis in {a for axes in plan.placements.values() for a in axes}:
             n = cfg.axis_size(axis)
             # Megatron: 2 all-reduces per block forward and 2 backward.

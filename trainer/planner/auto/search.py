@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from parallel.config import INTERLEAVED_SCHEDULES, AutoPlanConfig
+from parallel.context import supports_context_parallel
 from parallel.errors import ConfigError
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import ParallelPlan
@@ -62,15 +63,17 @@ class Search:
         precisions = [p for p in (k.precisions or [t.precision]) if p == "fp32" or self._bf16()]
         acs = [a for a in k.activation_checkpointing if a == "none" or self.decoder is not None]
         for tp in (divisors(self.world) if tp_ok else [1]):
-            for pp in (divisors(self.world // tp) if k.pipeline else [1]):
-                for ep in self._ep_sizes(self.world // tp // pp):
-                    dp = self.world // tp // pp // ep
-                    for dp_name, dp_section in self._dp_options(dp, ep):
-                        for pp_name, pipeline in self._pipelines(pp, dp * ep):
-                            for ac in acs:
-                                for precision in precisions:
-                                    yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac,
-                                                          precision)
+            for cp in self._cp_sizes(self.world // tp):
+                # A pipeline with cp, and experts with cp, are not searched: cp layouts are dp x cp x tp.
+                for pp in (divisors(self.world // tp) if k.pipeline and cp == 1 else [1]):
+                    for ep in (self._ep_sizes(self.world // tp // pp) if cp == 1 else [1]):
+                        dp = self.world // tp // pp // cp // ep
+                        for dp_name, dp_section in self._dp_options(dp, ep, hsdp=cp == 1):
+                            for pp_name, pipeline in self._pipelines(pp, dp * ep):
+                                for ac in acs:
+                                    for precision in precisions:
+                                        yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep,
+                                                              ac, precision, cp=cp)
 
     def _ep_sizes(self, ranks: int) -> list[int]:
         """Expert-parallel sizes: 1, and for a model with experts every divisor of ``ranks`` that splits
@@ -80,17 +83,26 @@ class Search:
             return [1]
         return [e for e in divisors(ranks) if moe.num_experts % e == 0]
 
+    def _cp_sizes(self, ranks: int) -> list[int]:
+        """The cp sizes to consider: 1, and from ``knobs.context_parallel_from`` tokens on every divisor of
+        ``ranks`` that cuts the rows into ``2 x cp`` chunks, for a model whose attention takes a split sequence."""
+        start, seq_len = self.knobs.context_parallel_from, self.base.train.seq_len
+        if start is None or seq_len < start or not supports_context_parallel(self.model):
+            return [1]
+        return [cp for cp in divisors(ranks) if seq_len % (2 * cp) == 0]
+
     def _bf16(self) -> bool:
         if isinstance(self.pricing, ProfilePricing):
             return "bf16" in self.pricing.profile.peak_tflops
         return bf16_supported(_device(self.base))
 
-    def _dp_options(self, dp: int, ep: int = 1) -> Iterator[tuple[str, dict | None]]:
+    def _dp_options(self, dp: int, ep: int = 1, *, hsdp: bool = True) -> Iterator[tuple[str, dict | None]]:
         if dp == 1:
             yield "", None
             return
         for mode in self.knobs.data_parallel_modes:
             if ep > 1 and mode not in ("fsdp", "zero2"):  # experts over ep compose with sharded data parallelism
+            if mode == "hsdp" and not hsdp:  # hsdp with cp is not built
                 continue
             if mode == "hsdp":
                 for replicate in divisors(dp)[1:-1]:
@@ -114,13 +126,15 @@ class Search:
                     yield name, {"dim": "pp", "schedule": schedule, "microbatches": m, "stages_per_rank": spr,
                                  "boundaries": "auto"}
 
-    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac, precision) -> Candidate:
+    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac, precision, cp=1) -> Candidate:
         dims, mesh = [], []
         if dp_section is not None:
             sizes = [(a, s) for a, s in (zip(dp_section["dim"], _hsdp_sizes(dp_name)) if dp_section["mode"] == "hsdp"
                                          else [("dp", dp)])]
             dims += [a for a, _ in sizes]
             mesh += [s for _, s in sizes]
+        if cp > 1:
+            dims.append("cp"), mesh.append(cp)
         if pipeline is not None:
             dims.append("pp"), mesh.append(pp)
         if ep > 1:
@@ -138,7 +152,10 @@ class Search:
             parallel["expert_parallel"] = {"dim": "ep"}
         if tp > 1:
             parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron"}
-        label = " x ".join(p for p in (dp_name, pp_name, f"ep{ep}" if ep > 1 else "", f"tp{tp}" if tp > 1 else "")
+        if cp > 1:
+            parallel["context_parallel"] = {"dim": "cp", "method": "ring"}
+        label = " x ".join(p for p in (dp_name, f"cp{cp}" if cp > 1 else "", pp_name, f"ep{ep}" if ep > 1 else "",
+                                       f"tp{tp}" if tp > 1 else "")
                            if p) or "one rank"
         label += (", AC full" if ac == "full" else "") + (", bf16" if precision == "bf16" else "")
         return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision)
@@ -221,7 +238,7 @@ class Search:
 
     def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
         micro = cfg.micro_batch_size
-        key = (self.params_key(plan), micro, cfg.train.precision)
+        key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size)
         if key not in self._costs:
             self._costs[key] = self.pricing.unit_costs(cfg, plan, micro, self.model)
         step = self.pricing.step(cfg, plan, self._costs[key], self.model, self.params(plan))
@@ -287,12 +304,12 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     """What each section's own checks depend on, so that one failure rejects every candidate that
     shares it without validating again (symmetry: of 21,206 layouts of 4096 ranks, 17,714 fail
     for a tp degree that does not split the heads or a pipeline the batch or model cannot fill).
-    tensor_parallel: its degree (heads, shapes) and the ep size beside it; pipeline: its section and the
-    dp, pp, ep, tp sizes."""
+    tensor_parallel: its degree (heads, shapes) and the ep and cp sizes beside it (cp: tp of a row's share);
+    pipeline: its section and the dp, pp, ep, tp sizes."""
     sizes = dict(zip(c.parallel["dims"], c.mesh))
     dp = math.prod(s for a, s in sizes.items() if a.startswith("dp"))
     pipeline = c.parallel.get("pipeline")
-    return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1)),
+    return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1), sizes.get("cp", 1)),
             "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),
                          tuple(sorted(pipeline.items())) if pipeline else None)}
 

@@ -72,13 +72,16 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
     t, pp = cfg.train, plan.pipeline
     m = pp.num_microbatches if pp else 1
     cdt = 2 if t.precision == "bf16" else 4  # activations and gathered parameters in the compute dtype
-    if (dp := plan.data_parallel) is not None:
+    if (dp := plan.param_data_parallel) is not None:  # cp ranks shard and reduce parameters as dp ranks
         ops += _dp_ops(dp, plan, held, params, cdt, passes=t.grad_accum)
     elif (ep := plan.expert_parallel) is not None:  # ep alone: the rest replicated over it, gradients all-reduced
         rest = sum(params[u][0] - params[u][2] for u in held)
         ops.append(CommOp(ep.dim, "all_reduce", plan.mesh.size(ep.dim), 4.0 * rest, t.grad_accum))
     decoder = decoder_config(cfg.model)
-    act = micro_batch * t.seq_len * (decoder.dim if decoder else 0) * cdt
+    act = micro_batch * t.seq_len // plan.cp_size * (decoder.dim if decoder else 0) * cdt
+    if (cp := plan.context_parallel) is not None and plan.cp_size > 1 and decoder is not None:
+        ops += _kv_ops(cp, plan, decoder, micro_batch * t.seq_len // plan.cp_size, cdt,
+                       layers=sum(u in plan.blocks for u in held) * m * t.grad_accum)
     tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
     blocks = [u for u in held if u in plan.blocks]
     for axis in tp_axes:
@@ -94,6 +97,19 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
         count = (4 + 2 * (plan.activation_checkpointing == "full")) * moe_blocks * m * t.grad_accum
         ops.append(CommOp(ep.dim, "all_to_all", plan.mesh.size(ep.dim), act * decoder.moe.top_k, count))
     return [op for op in ops if op.count > 0 and op.group_size > 1]
+
+
+def _kv_ops(cp, plan: ParallelPlan, decoder, tokens: int, cdt: int, layers: int) -> list[CommOp]:
+    """A cp rank's K/V traffic for ``layers`` block passes of ``tokens`` tokens (its share of the rows):
+    the ring sends its K/V block one hop at each of ``cp - 1`` steps in forward, again in backward, and
+    the blocks' gradients (fp32) ``cp`` hops; the all-gather gathers K/V in forward and reduce-scatters
+    their gradients in backward."""
+    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    g = plan.cp_size
+    block = 2 * tokens * decoder.num_kv_heads / tp * decoder.head_width  # K and V elements
+    if cp.method == "allgather":
+        return [CommOp(cp.dim, "all_gather", g, g * block * cdt, layers), CommOp(cp.dim, "reduce_scatter", g, g * block * cdt, layers)]
+    return [CommOp(cp.dim, "send_recv", 2, block * cdt, 2 * (g - 1) * layers), CommOp(cp.dim, "send_recv", 2, block * 4.0, g * layers)]
 
 
 def tp_all_reduces_per_block(plan: ParallelPlan) -> int:

@@ -57,6 +57,7 @@ from trainer.planner.cost.reference import rank_units, with_reference_costs
 from trainer.planner.memory.predict import (  # the memory model's meta-pass helpers
     AttentionKernel,
     _local_shapes,
+    _over_the_row,
     flash_attention_for_cpu,
 )
 
@@ -184,9 +185,10 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
         x = torch.empty(micro_batch, cfg.model.in_features, device="meta")
         y = torch.empty(micro_batch, cfg.model.out_features, device="meta")
     else:
-        x = torch.zeros(micro_batch, cfg.train.seq_len, dtype=torch.long, device="meta")
-        y = torch.zeros(micro_batch, cfg.train.seq_len, dtype=torch.long, device="meta")
-    with AttentionKernel(flash_attention_for_cpu), mode(lambda: (state["unit"], state["phase"])):
+        # A cp rank's 1/cp of every row, its queries over the whole row in attention (the ring's kernels).
+        x = torch.zeros(micro_batch, cfg.train.seq_len // plan.cp_size, dtype=torch.long, device="meta")
+        y = torch.zeros(micro_batch, cfg.train.seq_len // plan.cp_size, dtype=torch.long, device="meta")
+    with AttentionKernel(_over_the_row(flash_attention_for_cpu, plan)), mode(lambda: (state["unit"], state["phase"])):
         out = model(x)
         state["unit"] = plan.units[-1]
         loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
@@ -325,7 +327,8 @@ def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, par
                micro: int) -> tuple[float, dict[str, float], float, dict[str, float]]:
     """``(seconds, comm seconds per axis, optimizer seconds, bytes sent per axis)`` of the pp rank
     that spends the longest outside compute: communicating (no overlap) and in its optimizer step."""
-    shard = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
+    dp = plan.param_data_parallel  # cp ranks shard the optimizer state as dp ranks
+    shard = plan.mesh.size(dp.shard_dim_names) if dp else 1
     waits = []
     for held in rank_units(plan):
         comm: dict[str, float] = defaultdict(float)

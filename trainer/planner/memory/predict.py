@@ -142,7 +142,7 @@ def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan) -> Ca
 
     def attend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if plan.context_parallel.method == "ring":
-            return ring_alone(q, k, v, blocks=cp, scale=scale)
+            return ring_alone(q, k, v, blocks=cp, causal=is_causal, scale=scale)
         k, v = k.repeat(1, 1, cp, 1), v.repeat(1, 1, cp, 1)
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
         return kernel(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
