@@ -102,6 +102,7 @@ class Search:
             return
         for mode in self.knobs.data_parallel_modes:
             if ep > 1 and mode not in ("fsdp", "zero2"):  # experts over ep compose with sharded data parallelism
+                continue
             if mode == "hsdp" and not hsdp:  # hsdp with cp is not built
                 continue
             if mode == "hsdp":
