@@ -116,6 +116,8 @@ def test_a_pipeline_with_experts_is_built_and_each_stage_prices_its_own_blocks()
     model = build_model(cfg.model, device="meta")
     staged = plan_numbers(cfg, plan, model=model)
     alone = plan_numbers(alone_cfg, resolve_plan(alone_cfg.parallel, alone_cfg.mesh, model), model=model)
-    assert staged.comm["ep"] == pytest.approx(alone.comm["ep"] / 2)
+    assert staged.comm["ep all-to-all"] == pytest.approx(alone.comm["ep all-to-all"] / 2)
+    # the gradient all-reduce of the parameters beside the experts: a stage's own, about half (the embeddings aside)
+    assert 0.3 * alone.comm["ep"] < staged.comm["ep"] < 0.7 * alone.comm["ep"]
     # The stages split the one rank's parameters (experts halved by ep): a tied embedding is counted twice.
     assert sum(r.params for r in staged.per_pp_rank) - alone.per_pp_rank[0].params in (0, cfg.model.vocab_size * cfg.model.dim)
