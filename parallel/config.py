@@ -186,7 +186,7 @@ class AutoPlanConfig(Section):
     # Short rows gain nothing from a split but K/V traffic, and each cp size is a meta pass more.
     context_parallel_from: int | None = Field(
         2048, ge=2, description="Consider context parallelism (each sequence split over a cp axis, ring attention; "
-        "not with a pipeline or hsdp) when train.seq_len is at least this; null = never.")
+        "not with a pipeline) when train.seq_len is at least this; null = never.")
     show: int = Field(20, ge=1, description="Rows of the ranking the dry run prints (all are in auto_plan.json).")
     prune: bool = Field(True, description="Skip the layouts whose lower bound exceeds the best time found (they cannot "
                         "win); false predicts every valid layout, so the whole ranking is exact (slower).")

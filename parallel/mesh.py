@@ -125,6 +125,21 @@ def submesh(mesh: DeviceMesh, names: str | Sequence[str], *, flatten: bool = Tru
     return cache[key]
 
 
+def hsdp_mesh(mesh: DeviceMesh, names: Sequence[str]) -> DeviceMesh:
+    """HSDP's 2-D mesh of ``names`` = ``[replicate_axis, shard_axis, *more]``: the replicate axis, then
+    the shard axes flattened into one (a cp axis folded into the shard axis: ``dp_shard_cp``)."""
+    replicate, *shard = names
+    if len(shard) == 1:
+        return submesh(mesh, names, flatten=False)
+    key = (*names, "hsdp")
+    cache = _SUBMESHES.setdefault(mesh, {})
+    if key not in cache:
+        # Slicing a flattened axis from the root mesh is deprecated in torch: the two 1-D meshes are
+        # joined instead (their layouts index the same root mesh).
+        cache[key] = DeviceMesh._concatenate([submesh(mesh, replicate), submesh(mesh, shard)])
+    return cache[key]
+
+
 def _submesh(mesh: DeviceMesh, names: list[str], *, flatten: bool) -> DeviceMesh:
     unknown = [n for n in names if n not in (mesh.mesh_dim_names or ())]
     if unknown:

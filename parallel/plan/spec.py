@@ -64,8 +64,9 @@ class DataParallelSpec:
 
     @property
     def shard_dim_names(self) -> tuple[str, ...]:
-        """The axes parameters are sharded over: all dp axes (fsdp, zero2), hsdp's inner one, none for ddp."""
-        return {"ddp": (), "hsdp": self.dim_names[-1:]}.get(self.mode, self.dim_names)
+        """The axes parameters are sharded over: all dp axes (fsdp, zero2), hsdp's after its replicate axis
+        (its shard axis, and a cp axis folded in), none for ddp."""
+        return {"ddp": (), "hsdp": self.dim_names[1:]}.get(self.mode, self.dim_names)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from parallel.config import DataParallelMode, Precision
-from parallel.mesh import submesh
+from parallel.mesh import hsdp_mesh, submesh
 
 
 def apply_data_parallel(
@@ -72,8 +72,9 @@ def apply_data_parallel(
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         return replicate(module, mesh=submesh(mesh, dim_names), mp_policy=mp)
-    # hsdp keeps its two axes as a 2-D mesh: FSDP2 replicates over the first, shards over the second.
-    dp_mesh = submesh(mesh, dim_names, flatten=mode != "hsdp")
+    # hsdp keeps its two axes as a 2-D mesh: FSDP2 replicates over the first, shards over the second
+    # (with context parallelism, the shard axis and the cp axis flattened into one).
+    dp_mesh = hsdp_mesh(mesh, dim_names) if mode == "hsdp" else submesh(mesh, dim_names)
     reshard = mode != "zero2" and not pipelined
     if experts:
         if mode not in ("fsdp", "zero2") or ep_dim is None:

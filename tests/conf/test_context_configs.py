@@ -39,10 +39,6 @@ CASES: dict[str, Bad] = {
         ["+parallel=pp_stages", "mesh=[2,2]", "parallel.dims=[pp,cp]", "+parallel.context_parallel={dim: cp}"],
         "parallel.context_parallel", ["on per-stage layouts (parallel.pipeline.stages) is not built yet"],
         ["parallel.pipeline.stages=null"]),
-    "cp/with-hsdp": bad(
-        ["+parallel=hsdp_tp", "+parallel.context_parallel={dim: tp}", "parallel.tensor_parallel=null"],
-        "parallel.context_parallel", ["hsdp with context parallelism is not built yet"],
-        ["'parallel.data_parallel={dim: dp_shard, mode: fsdp}'", "parallel.context_parallel=null"]),
     "cp/custom-module": bad(
         ["+parallel=cp", "mesh=[2]", *_EMBEDDING], "parallel.context_parallel",
         ["model.arch custom: no module of Embedding attends over a split sequence", "context_parallel attribute"],
@@ -83,6 +79,19 @@ def test_fsdp_cp_preset_folds_cp_into_the_fsdp_mesh():
     cfg, plan = _validated("+parallel=fsdp_cp", "mesh=[2,4]")
     assert cfg.parallel.dims == ["dp", "cp"] and (cfg.dp_size, plan.cp_size) == (2, 4)
     assert plan.data_parallel.mode == "fsdp" and plan.param_data_parallel.dim_names == ("dp", "cp")
+
+
+def test_hsdp_folds_cp_into_its_shard_axis():
+    """hsdp x cp [2, 2, 2]: replicated over dp_replicate, sharded over dp_shard x cp (4 ranks), so a rank
+    holds a quarter of the parameters; the rows split over the two dp axes only."""
+    cfg, plan = _validated("+parallel=hsdp", "mesh=[2,2,2]", "parallel.dims=[dp_replicate,dp_shard,cp]",
+                           "+parallel.context_parallel={dim: cp}")
+    dp = plan.param_data_parallel
+    assert (dp.mode, dp.dim_names, dp.shard_dim_names) == ("hsdp", ("dp_replicate", "dp_shard", "cp"), ("dp_shard", "cp"))
+    assert (cfg.dp_size, plan.cp_size) == (4, 2)
+    model = build_model(cfg.model, device="meta")
+    held = plan_numbers(cfg, plan, model=model).per_pp_rank[0].param_bytes / 4  # fp32
+    assert held == pytest.approx(sum(p.numel() for p in model.parameters()) / 4, rel=0.01)
 
 
 def test_3d_cp_preset_is_dp_cp_tp():

@@ -171,5 +171,8 @@ SUITES = {
                                                         "parallel.pipeline.stages_per_rank=2"])),
         ("pp_cp_zbv", trained("synthetic", [*_PP_CP, "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=ZBV",
                                             "parallel.pipeline.stages_per_rank=2"])),
+        # hsdp x cp [2, 1, 2]: replicated over dp_replicate, sharded over dp_shard x cp flattened (2 ranks).
+        ("hsdp_cp", trained("synthetic", ["+parallel=hsdp", "mesh=[2,1,2]", "parallel.dims=[dp_replicate,dp_shard,cp]",
+                                          "+parallel.context_parallel={dim: cp}"])),
     ],
 }

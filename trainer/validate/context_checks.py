@@ -4,10 +4,9 @@ what the split needs of the config, and what it needs of the model.
 * ``train.seq_len`` cuts into ``2 x cp`` equal chunks (each cp rank holds a head and a tail chunk);
 * the model has an attention that attends over a split sequence (the built-in and Hugging Face
   Llama-family decoders); a custom module or the MLP is refused with the reason;
-* what is not built yet is refused with a fix that drops one of the two: hsdp with cp (its replicate x
-  shard mesh would need the cp axis folded into the shard axis), torch.compile, a mixture of experts,
-  per-stage layouts. A pipeline with cp is built: every stage holds its cp rank's chunks of each
-  micro-batch's rows.
+* what is not built yet is refused with a fix that drops one of the two: torch.compile, a mixture of
+  experts, per-stage layouts. A pipeline with cp is built (every stage holds its cp rank's chunks of each
+  micro-batch's rows), and so is hsdp (the cp axis folded into its shard axis).
 """
 
 from __future__ import annotations
@@ -52,12 +51,6 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
                                   "hops and its skipped blocks would break every block's graph",
                                   f"set {override('train.compile', False)}, or train without context parallelism "
                                   f"({drop_cp})"))
-    dp = par.data_parallel
-    if dp is not None and dp.mode == "hsdp":
-        issues.append(ConfigIssue(PATH, "hsdp with context parallelism is not built yet: the cp ranks shard parameters "
-                                  "with the dp ranks, which needs the cp axis folded into hsdp's shard axis",
-                                  f"shard over one dp axis ({override('parallel.data_parallel', {'dim': dp.dim_names[-1], 'mode': 'fsdp'})}) "
-                                  f"or train without context parallelism ({drop_cp})"))
     return issues
 
 

@@ -68,7 +68,7 @@ class Search:
                 for pp in (divisors(self.world // tp) if k.pipeline and cp == 1 else [1]):
                     for ep in (self._ep_sizes(self.world // tp // pp) if cp == 1 else [1]):
                         dp = self.world // tp // pp // cp // ep
-                        for dp_name, dp_section in self._dp_options(dp, ep, hsdp=cp == 1):
+                        for dp_name, dp_section in self._dp_options(dp, ep):
                             for pp_name, pipeline in self._pipelines(pp, dp * ep):
                                 for ac in acs:
                                     for precision in precisions:
@@ -96,14 +96,12 @@ class Search:
             return "bf16" in self.pricing.profile.peak_tflops
         return bf16_supported(_device(self.base))
 
-    def _dp_options(self, dp: int, ep: int = 1, *, hsdp: bool = True) -> Iterator[tuple[str, dict | None]]:
+    def _dp_options(self, dp: int, ep: int = 1) -> Iterator[tuple[str, dict | None]]:
         if dp == 1:
             yield "", None
             return
         for mode in self.knobs.data_parallel_modes:
             if ep > 1 and mode not in ("fsdp", "zero2"):  # experts over ep compose with sharded data parallelism
-                continue
-            if mode == "hsdp" and not hsdp:  # hsdp with cp is not built
                 continue
             if mode == "hsdp":
                 for replicate in divisors(dp)[1:-1]:

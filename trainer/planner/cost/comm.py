@@ -127,7 +127,7 @@ def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, pas
     numel = [params[u][0] for u in held]
     if dp.mode == "ddp":
         return [CommOp(axis, "all_reduce", plan.mesh.size(dp.dim_names), 4.0 * sum(numel), passes)]
-    shard_axis = dp.dim_names[-1] if dp.mode == "hsdp" else axis
+    shard_axis = ",".join(dp.shard_dim_names) if dp.mode == "hsdp" else axis
     g = plan.mesh.size(dp.shard_dim_names)
     gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2
     ops = []
