@@ -165,7 +165,7 @@ def _causal_block(q_index: torch.Tensor, k_index: torch.Tensor):
     return visible(q_index, k_index, causal=True)
 
 
-def _ring_by_blocks(q, k, v, *, shard: ContextShard, seen, scale) -> torch.Tensor:
+def _ring_by_blocks(q, k, v, *, shard: ContextShard, seen, scale, send=None) -> torch.Tensor:
     """The ring by plain tensor operations, autograd through every block (it keeps each block's
     scores for backward): the path of devices :func:`fused_ring_supported` does not cover."""
     bsz, heads, tl, dim = q.shape
@@ -178,9 +178,10 @@ def _ring_by_blocks(q, k, v, *, shard: ContextShard, seen, scale) -> torch.Tenso
     out = lse = None
     for step in range(shard.size):
         if step:
-            kv = _RingPass.apply(kv, shard.group)
+            kv = send(kv) if send is not None else _RingPass.apply(kv, shard.group)
         mask = seen(step)
-        if step and not bool(mask.any()):  # step 0 (its own block) always holds every query's own key
+        # Step 0 (its own block) always holds every query's own key; a meta pass (ring_alone) sees all.
+        if step and mask.device.type != "meta" and not bool(mask.any()):
             continue
         block_out, block_lse = _block(grouped, kv[0].to(acc)[:, :, None], kv[1].to(acc)[:, :, None],
                                       mask[:, None, None], scale)
@@ -189,13 +190,19 @@ def _ring_by_blocks(q, k, v, *, shard: ContextShard, seen, scale) -> torch.Tenso
 
 
 def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int, causal: bool = False,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, fused: bool = True) -> torch.Tensor:
     """The ring's arithmetic on one process, with its own K/V (a copy each step, as a received block)
     standing in for each of ``blocks`` blocks, nothing sent: what a cp rank's ring saves for backward
     and makes at its worst moment, for a memory and time model's pass on the meta device. Unmasked;
     ``causal``: with the shapes a causal mask gives the balanced split (the own block's triangle, then
-    every query over half of each other block's keys). Not attention over anything real."""
+    every query over half of each other block's keys). ``fused=False``: the block-by-block path a
+    device without the fused ring runs (CUDA: every block's scores kept for backward). Not attention
+    over anything real."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if not fused:
+        every = torch.ones(1, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+        alone = ContextShard(rank=0, size=blocks, group=None)
+        return _ring_by_blocks(q, k, v, shard=alone, seen=lambda step: every, scale=scale, send=lambda x: x.clone())
     half = slice(0, k.shape[2] // 2)
     return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal else None,
                       send=lambda x: x.clone(), steps=blocks, scale=scale)

@@ -13,6 +13,7 @@ from test_bad_configs import Bad, assert_bad, bad
 from parallel.plan.resolve import resolve_plan
 from trainer.config.compose import compose_dict
 from trainer.models import build_model
+from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import plan_numbers
 from trainer.validate.checks import validate_config, validate_with_plan
 
@@ -124,3 +125,14 @@ def test_a_pipeline_with_cp_is_built_and_each_stage_sends_its_own_layers_k_v():
     alone_plan = resolve_plan(alone.parallel, alone.mesh, model)
     staged, alone_kv = plan_numbers(cfg, plan, model=model).comm, plan_numbers(alone, alone_plan, model=model).comm
     assert staged["cp K/V"] == pytest.approx(alone_kv["cp K/V"] / 2)
+
+
+def test_a_cuda_run_is_priced_with_the_ring_it_runs():
+    """The fused ring runs on CPU only (parallel/context/ring.py); on CUDA the ring goes block by block
+    and autograd keeps every block's scores: a GPU profile's prediction counts them, a CPU run's not."""
+    row = ["+parallel=cp", "mesh=[4]", "train.seq_len=2048", "model.max_seq_len=2048", "train.global_batch_size=4"]
+    (cpu,) = predict_memory(*validate_with_plan(compose_dict([*row, "tracking=none"])))
+    (gpu,) = predict_memory(*validate_with_plan(compose_dict([*row, "hardware=h100_sxm", "dry_run=true", "tracking=none"])))
+    # one block's fp32 scores: 4 rows x 4 heads x 256 queries x 256 keys, 4 blocks, 4 layers, kept at least once
+    scores = 4 * 4 * 256 * 256 * 4 * 4 * 4.0
+    assert gpu.activations - cpu.activations > scores

@@ -133,16 +133,18 @@ class AttentionKernel(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan) -> Callable[..., torch.Tensor]:
+def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan, *,
+                  fused: bool = True) -> Callable[..., torch.Tensor]:
     """Context parallelism: a rank's queries over the whole row, by the ring's arithmetic over cp blocks
-    (:func:`parallel.context.ring_alone`) or by ``kernel`` over K/V repeated to the row (the all-gather's)."""
+    (:func:`parallel.context.ring_alone`; ``fused=False``: block by block, as CUDA runs it) or by
+    ``kernel`` over K/V repeated to the row (the all-gather's)."""
     cp = plan.cp_size
     if cp == 1:
         return kernel
 
     def attend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if plan.context_parallel.method == "ring":
-            return ring_alone(q, k, v, blocks=cp, causal=is_causal, scale=scale)
+            return ring_alone(q, k, v, blocks=cp, causal=is_causal, scale=scale, fused=fused)
         k, v = k.repeat(1, 1, cp, 1), v.repeat(1, 1, cp, 1)
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
         return kernel(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
@@ -263,7 +265,8 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         x = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
     census = _Census(model, share)
-    with AttentionKernel(_over_the_row(attention, plan)), census:
+    # The fused ring runs on CPU only (parallel.context.ring): a CUDA run keeps every block's scores.
+    with AttentionKernel(_over_the_row(attention, plan, fused=not on_cuda(cfg))), census:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
             # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
