@@ -69,11 +69,10 @@ def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIss
     sent = launch.get("memory_budget_gb")
     # Written and printed rounded down: a budget read back from a job, or typed from the fix, is not
     # above the limit by a rounding.
-    written = math.floor(limit / GIB * 1000) / 1000
+    written, shown = math.floor(limit / GIB * 1000) / 1000, f"{math.floor(limit / GIB * 100) / 100:.2f}"
     if isinstance(sent, (int, float)) and not isinstance(sent, bool) and sent * GIB > limit:
         return [ConfigIssue("launch.memory_budget_gb", f"{sent} GiB per rank is above this service's limit of "
-                            f"{written} GiB ({source})",
-                            f"leave launch.memory_budget_gb out, or give at most {written}")]
+                            f"{shown} GiB ({source})", f"leave launch.memory_budget_gb out, or give at most {shown}")]
     if sent is None:
         launch["memory_budget_gb"] = written
     return []
