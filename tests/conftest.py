@@ -53,6 +53,18 @@ def worker_pids(proc: subprocess.Popen, lines: list[str], *, until: str, timeout
     raise AssertionError(f"workers did not start within {deadline.seconds_scaled:.0f} s:\n" + "".join(lines))
 
 
+TORCH_THREADS = torch.get_num_threads()  # torch's own choice, before pytest_configure sets one
+
+
+@pytest.fixture
+def torch_default_threads():
+    """torch's own thread count for one test: what a one-device ``python -m trainer`` trains with (in its
+    own process, no worker), for a test that continues such a run in this process bit for bit."""
+    torch.set_num_threads(TORCH_THREADS)
+    yield
+    torch.set_num_threads(1)
+
+
 def pytest_configure(config) -> None:
     """One torch thread in the test process, as the trainer's workers run (trainer.launch.worker): the
     references and in-process runs here are tiny, and with one thread per core their OpenMP threads

@@ -143,10 +143,6 @@ SUITES = {
                                             "parallel.pipeline.stages_per_rank=2"])),
         # Zero bubble: each backward split into an input and a weight pass, the carried term in the first.
         ("pp_ep_zbv", expert_check([*_PP_EP, "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2"])),
-        # hsdp x ep [2, 1, 2]: experts HSDP over the dp axes, the rest replicated over dp_replicate and
-        # sharded over dp_shard x ep.
-        ("hsdp_ep", expert_check(["+parallel=hsdp", "mesh=[2,1,2]", "parallel.dims=[dp_replicate,dp_shard,ep]",
-                                  "+parallel.expert_parallel={dim: ep}"])),
     ],
     # Slow: an ep [2] checkpoint read back on fsdp [2] (and, by the parent, on one device).
     "two_rank_slow": [

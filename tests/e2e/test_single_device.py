@@ -55,7 +55,7 @@ def test_synthetic_learns_toward_entropy_floor(compose):
 
 
 @pytest.mark.slow
-def test_sigterm_kills_run_keeps_checkpoint_and_resume_matches(tmp_path, compose):
+def test_sigterm_kills_run_keeps_checkpoint_and_resume_matches(tmp_path, compose, torch_default_threads):
     """SIGTERM mid-run: exit 143, MLflow run KILLED, last checkpoint intact; resume=auto then
     continues with exactly the losses of an uninterrupted run."""
     from mlflow.tracking import MlflowClient
