@@ -78,7 +78,7 @@ def apply_data_parallel(
     reshard = mode != "zero2" and not pipelined
     if experts:
         # hsdp: the experts' gradient scale over HSDP's two reductions is not right yet (their norm is
-        # 0.2% off one device's), so the validator refuses it.
+        # 0.2-0.4% off one device's), so the validator refuses it.
         if mode not in ("fsdp", "zero2") or ep_dim is None:
             raise ValueError(f"experts split over an expert-parallel axis compose with fsdp and zero2, not {mode}")
         for unit in experts:
