@@ -108,11 +108,10 @@ def test_cp_attention_equals_full_attention(check, results):
 
 
 @pytest.mark.slow
-def test_cp4_peak_memory_is_the_plans_within_10_percent_above_and_15_below(results):
+def test_cp4_peak_memory_is_the_plans_within_10_percent(results):
     """The resident peak per worker (the largest rank's, step 3) against the plan's prediction for the same
-    config: never more than 10% above it (the run fits what the plan promised), and at most 15% below
-    (measured 0.94 and 0.89 of it: the plan over-counts the distributed runtime's memory, 46 MiB
-    measured on 25M-parameter models against 15-22 here)."""
+    config, within 10% both ways: never much above it (the run fits what the plan promised), nor far below
+    (a plan that over-counts refuses runs that fit). Measured 0.96-1.01 of it (286-306 MiB for 303)."""
     from parallel.plan.resolve import resolve_plan
     from trainer.config.compose import compose_dict
     from trainer.models import build_model
@@ -123,4 +122,4 @@ def test_cp4_peak_memory_is_the_plans_within_10_percent_above_and_15_below(resul
     plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
     predicted = max(e.total for e in predict_memory(cfg, plan)) / 2**20
     for r in results("memory_cp4"):
-        assert 0.85 <= r["peak_mib"] / predicted <= 1.10, (r["peak_mib"], predicted)
+        assert 0.90 <= r["peak_mib"] / predicted <= 1.10, (r["peak_mib"], predicted)

@@ -9,7 +9,8 @@ separate them:
 * Heap holes are the whole gap. Run with ``MALLOC_MMAP_THRESHOLD_=131072`` (glibc then serves
   every block from 128 KiB up with its own mmap and unmaps it on free, so no hole stays
   resident), a rank's peak is the live tensors :mod:`trainer.planner.memory.predict` predicts plus 39-51 MiB
-  (25M: fsdp [2] 397 MiB for 358 live, fsdp [8] 170 for 119, dp x tp [2, 2] 250 for 207), against
+  (25M: fsdp [2] 397 MiB for 358 live, fsdp [8] 170 for 119, dp x tp [2, 2] 250 for 207; 15-32 MiB
+  when re-measured on 2026-11-27: :data:`RUNTIME_DISTRIBUTED`), against
   545-714 MiB with glibc's default dynamic threshold. (Not the default: that threshold costs one
   process ~40% more CPU time per step in page faults, measured on the 25M Llama.)
 * The process groups are not: a script that only builds a mesh of [2], [4], [8], [2, 2] or
@@ -47,10 +48,15 @@ MMAP_FROM = 32 * MIB
 
 # Resident at the peak beyond the live tensors when no heap hole stays resident (measured with the
 # fixed mmap threshold above): one process, the batch, the autograd engine's and the loop's buffers;
-# several, also FSDP's and DTensor's per-module state and the code pages first run after the floor
-# (file-backed resident +12 MiB on fsdp [8]), 39-51 MiB on fsdp [2], [8] and dp x tp [2, 2] (25M).
+# several, also FSDP's and DTensor's per-module state and the code pages first run after the floor.
+# Measured 2026-11-27 (launch.unmap_freed_memory, 3 steps, the largest rank's peak less the live
+# tensors predicted): 21-32 MiB on fsdp [2], [4], [8] of gpt_debug and the 25M Llama, on fsdp [4] of
+# 2 layers of width 512 and of 16 of width 64, and 15-24 on cp [2], [4], [8] of gpt_debug at 4,096
+# and 16,384 tokens; median 23, no trend with the ranks, layers or width. (The 39-51 MiB measured on
+# 25M models in November's bench runs no longer reproduce: 25M fsdp [8] measured 151 MiB for its
+# 166 then.)
 RUNTIME_SINGLE = 10 * MIB
-RUNTIME_DISTRIBUTED = 46 * MIB
+RUNTIME_DISTRIBUTED = 24 * MIB
 # Resident growth of importing torch.distributed.pipelining after trainer.run.loop (27 MiB anonymous:
 # the modules' objects; 3 MiB file-backed: their code), which a pipelined worker does on its first
 # step. Most of it is torch._dynamo, which an FSDP2 or DTensor step imports too: after one FSDP2
