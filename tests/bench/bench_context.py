@@ -1,7 +1,7 @@
 """Context parallelism on 8 workers: the longest sequence each cp size trains under a memory budget,
 tokens/s at a fixed length, and the K/V bytes a cp rank sends against the plan's.
 
-    python tests/bench/bench_context.py              # 751 s on 2 cores shared with other jobs (load 10-13)
+    python tests/bench/bench_context.py              # 393-751 s on 2 cores shared with other jobs
     python tests/bench/bench_context.py --cp 2 8     # some cp sizes
 
 The model is gpt_debug (4 layers, dim 64, 4 query heads over 2 kv heads, fp32), the workers 8, the
@@ -18,20 +18,19 @@ cp 1 is fsdp [8], cp 2 fsdp x cp [4, 2], cp 4 [2, 4], cp 8 cp [8] (FSDP over dp 
   apart) with ``bench_parallel``'s counter; the plan's figure is ``trainer.planner.numbers``'s
   ``cp K/V`` traffic.
 
-Recorded 2026-11-27 on the 2-core machine, load average 10-13 from other jobs the whole time (so
-tokens/s is noise-bound; memory is not), budget 0.15 GiB per worker, bisection in steps of 1,024::
+Recorded 2026-11-27 on the 2-core machine, load average 5-7 from other jobs the whole time (so
+tokens/s is noise-bound; memory is not), budget 0.15 GiB per worker, bisection in steps of 1,024 (393 s)::
 
      cp rows longest seq_len trained predicted MiB peak MiB tokens/s  K/V MiB plan MiB
-      1    8           2,048     yes           126       90    3,070     0.00     0.00
-      2    4           6,144     yes           152      134    1,694     8.00     8.00
-      4    2          12,288     yes           152      130    2,448    10.00    10.00
-      8    1          24,576     yes           152      133    1,813    11.00    11.00
+      1    8           3,072     yes           144      122    4,060     0.00     0.00
+      2    4           7,168     yes           147      146    4,534     8.00     8.00
+      4    2          14,336     yes           147      150    5,010    10.00    10.00
+      8    1          29,696     yes           152      153    2,919    11.00    11.00
 
 Each row trained its 3 steps at its longest length under the budget; a rank's tokens are ``8 / cp``
-rows of ``seq_len / cp``, so the longest row doubles with cp (for cp 1, 3,072 is already over the
-budget and the bisection steps by 1,024). The prediction is 13-29% over at these small peaks: its distributed runtime term (46 MiB,
-measured on 25M models) is about 20 MiB on gpt_debug (cp [4] at 16,384 tokens, where it matters
-less, is within 6%). The K/V bytes counted equal the plan's.
+rows of ``seq_len / cp``, so the longest row doubles with cp. The measured peak is within 2% of the
+prediction for cp 2-8 (cp 1, fsdp [8] at 3,072 tokens, is 15% under it). The K/V bytes counted equal
+the plan's.
 """
 
 from __future__ import annotations
