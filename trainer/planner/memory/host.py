@@ -16,10 +16,9 @@ separate them:
 * The process groups are not: a script that only builds a mesh of [2], [4], [8], [2, 2] or
   [2, 2, 2] ranks and runs one collective on every axis grows 2-3 MiB per rank above the floor
   (the default group exists before the floor is read; a sub-group adds three threads).
-* A pipeline's runtime is larger by an import: torch builds the schedule on the first step, after
-  the floor, and ``torch.distributed.pipelining`` pulls in ``torch._dynamo``, ``torch._inductor``
-  and ``torch.onnx`` (224 modules). 3d (dp x pp x tp [2, 2, 2], 25M) measured 263-294 MiB in four
-  runs as the bench runs it, 241-243 in two with that package imported before the floor.
+* A pipeline's import is not: torch builds the schedule on the first step, after the floor, and
+  ``torch.distributed.pipelining`` pulls in ``torch._dynamo``, ``torch._inductor`` and ``torch.onnx``
+  (224 modules, 30 MiB), but the workers' fork server preloads those (:func:`runtime`).
 * ``launch.unmap_freed_memory`` sets that threshold for a run (``mallopt``, from 128 KiB): fsdp [8]
   then measured 166 / 408 MiB per rank (25M / 100M) for 165 / 387 predicted as live tensors plus
   the runtime, against 543 / 1,567 MiB with the default heap.
@@ -57,12 +56,6 @@ MMAP_FROM = 32 * MIB
 # 166 then.)
 RUNTIME_SINGLE = 10 * MIB
 RUNTIME_DISTRIBUTED = 24 * MIB
-# Resident growth of importing torch.distributed.pipelining after trainer.run.loop (27 MiB anonymous:
-# the modules' objects; 3 MiB file-backed: their code), which a pipelined worker does on its first
-# step. Most of it is torch._dynamo, which an FSDP2 or DTensor step imports too: after one FSDP2
-# step the same import adds 1 MiB, and pipelined dp / tp layouts measure the distributed runtime
-# alone (43-46 MiB above their live peak, 25M, dp2 x pp4 ddp / fsdp and pp4 x tp2, unmapped).
-RUNTIME_PIPELINE_IMPORT = 30 * MIB
 
 # Heap holes around the memory a step allocates and frees (activations, gradients, temporaries): the
 # freed chunks stay resident and are reused only by requests that fit, so from the second step on the
@@ -130,12 +123,12 @@ def unmap_freed_memory() -> None:
 
 
 def runtime(plan: ParallelPlan) -> float:
-    """The process's own resident bytes above its floor: the constants above. A pipeline pays its
-    import only where nothing else brought ``torch._dynamo`` in first: FSDP2 and DTensor import it
-    on their first step, and the distributed runtime above was measured with them."""
-    base = RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
-    first_import = plan.pipeline is not None and plan.data_parallel is None and not plan.placements
-    return base + (RUNTIME_PIPELINE_IMPORT if first_import else 0.0)
+    """The process's own resident bytes above its floor: the constants above, whatever the layout. A
+    pipeline's first step imports ``torch.distributed.pipelining``, after the floor, but that adds 1 MiB
+    (measured) now that the workers' fork server preloads ``torch._dynamo``, ``torch._inductor`` and
+    ``torch.onnx`` with it (:data:`trainer.launch.processes.PRELOAD`); pipelined runs measured 21-26 MiB
+    above their live tensors (gpt_debug pp [2], the 25M Llama pp [4], unmapped)."""
+    return RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
 
 
 def fsdp_heap_buffers(cfg: RunConfig, plan: ParallelPlan, blocks: list[list[float]]) -> tuple[list[float], float]:
