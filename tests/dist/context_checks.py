@@ -186,6 +186,10 @@ SUITES = {
                                       "+parallel.context_parallel={dim: cp}"])),
         ("moe_fsdp_ep_cp", trained("moe", ["+parallel=fsdp_ep", "mesh=[1,2,2]", "parallel.dims=[dp,ep,cp]",
                                            "+parallel.context_parallel={dim: cp}"])),
+        # pp x cp [2, 2]: each stage's blocks add their balance loss through the stage's output (stage_term).
+        ("moe_pp_cp", trained("moe", [*_PP_CP, "parallel.pipeline.microbatches=2"])),
+        ("moe_pp_cp_zbv", trained("moe", [*_PP_CP, "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=ZBV",
+                                          "parallel.pipeline.stages_per_rank=2"])),
         # hsdp x cp [2, 1, 2]: replicated over dp_replicate, sharded over dp_shard x cp flattened (2 ranks).
         ("hsdp_cp", trained("synthetic", ["+parallel=hsdp", "mesh=[2,1,2]", "parallel.dims=[dp_replicate,dp_shard,cp]",
                                           "+parallel.context_parallel={dim: cp}"])),
