@@ -186,6 +186,8 @@ SUITES = {
                                       "+parallel.context_parallel={dim: cp}"])),
         ("moe_fsdp_ep_cp", trained("moe", ["+parallel=fsdp_ep", "mesh=[1,2,2]", "parallel.dims=[dp,ep,cp]",
                                            "+parallel.context_parallel={dim: cp}"])),
+        # cp x tp [2, 2]: Megatron attention and dense parts over tp, the MoE blocks replicated over it.
+        ("moe_cp_tp", trained("moe", ["+parallel=3d_cp", "mesh=[1,2,2]"])),
         # pp x cp [2, 2]: each stage's blocks add their balance loss through the stage's output (stage_term).
         ("moe_pp_cp", trained("moe", [*_PP_CP, "parallel.pipeline.microbatches=2"])),
         ("moe_pp_cp_zbv", trained("moe", [*_PP_CP, "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=ZBV",

@@ -2,7 +2,7 @@
 [2, 2] on 1F1B, Interleaved1F1B and ZBV (fp32): the first five losses of the
 trainer's loop equal one device's (rel 1e-5) at 256 tokens on the 4-layer gpt_debug (grouped heads)
 and, with its balance losses and gradient norms, on the mixture of experts gpt_moe (cp [2], fsdp x cp [2, 2]; slow:
-ep x cp [2, 2], fsdp x ep x cp [1, 2, 2], pp x cp [2, 2] on 1F1B and ZBV),
+ep x cp [2, 2], fsdp x ep x cp [1, 2, 2], cp x tp [2, 2], pp x cp [2, 2] on 1F1B and ZBV),
 ring and all-gather, on plain rows, on packed documents, and on chat rows whose targets are masked
 (the loss the mean over every target of the full rows); and the cp attention equals full attention,
 outputs and gradients, over shapes, causal and not, with documents and without.
