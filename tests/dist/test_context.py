@@ -91,7 +91,7 @@ def test_cp_losses_equal_one_device(check, results, references):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", _parity(["two_rank_slow", "four_rank_slow"]))
-def test_cp_allgather_documents_and_chat_equal_one_device(check, results, references):
+def test_cp_allgather_documents_chat_and_experts_layouts_equal_one_device(check, results, references):
     _assert_parity(check, results, references)
 
 
