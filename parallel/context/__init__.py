@@ -5,9 +5,11 @@
 
 The engine is model-agnostic: a module supports context parallelism by declaring an attribute
 ``context_parallel = None`` and, when it holds a :class:`ContextShard`, attending over the whole
-sequence with :func:`context_attention` (the built-in Llama-family attention does). Parameters are
-not split over cp: the cp ranks shard them as more data-parallel ranks (FSDP over dp x cp, as
-torchtitan folds cp into its fsdp mesh), see :func:`parallel.engine.parallelize`.
+sequence with :func:`context_attention` (the built-in Llama-family attention does); a mixture of
+experts declares one too and sums its balance loss's per-sequence statistics over the cp ranks
+(:func:`sum_over_context`). Parameters are not split over cp: the cp ranks shard them as more
+data-parallel ranks (FSDP over dp x cp, as torchtitan folds cp into its fsdp mesh), see
+:func:`parallel.engine.parallelize`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.context.attention import context_attention, ring_alone, visible
 from parallel.context.layout import ContextShard, shard_sequence, token_index, unshard_sequence
+from parallel.context.reduce import sum_over_context
 from parallel.mesh import submesh
 
 
@@ -38,4 +41,4 @@ def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, *, dim: str, met
 
 
 __all__ = ["ContextShard", "apply_context_parallel", "context_attention", "ring_alone", "shard_sequence",
-           "supports_context_parallel", "token_index", "unshard_sequence", "visible"]
+           "sum_over_context", "supports_context_parallel", "token_index", "unshard_sequence", "visible"]

@@ -86,7 +86,8 @@ def apply_data_parallel(
             # A sum divided afterwards: gloo has no pre-scaled sum for the divide factor to use.
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(float(dp_mesh.size() * mesh[ep_dim].size()))
-        dp_mesh = submesh(mesh, [*dim_names, ep_dim])
+        # In the mesh's order (a device mesh slices its axes in order): a cp axis may follow the ep axis.
+        dp_mesh = submesh(mesh, sorted([*dim_names, ep_dim], key=list(mesh.mesh_dim_names).index))
     modules = dict(module.named_modules())
     for fqn in block_fqns:
         if fqn in modules:

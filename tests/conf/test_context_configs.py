@@ -29,10 +29,6 @@ CASES: dict[str, Bad] = {
          "model.n_kv_heads=4"],
         "train.seq_len", ["36 tokens (18 per cp rank) do not split evenly over the sequence-parallel axis 'tp' of size 4"],
         ["multiple of 8", "train.seq_len=32"]),
-    "cp/with-experts": bad(
-        ["+parallel=cp", "mesh=[2]", "model=gpt_moe"], "parallel.context_parallel",
-        ["mixture-of-experts model with context parallelism is not built yet"],
-        ["parallel.context_parallel=null 'parallel.data_parallel={dim: cp, mode: fsdp}'"]),
     "cp/with-compile": bad(
         ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
         ["torch.compile with context parallelism is not built yet"], ["train.compile=false", "parallel.context_parallel=null"]),
@@ -93,6 +89,23 @@ def test_hsdp_folds_cp_into_its_shard_axis():
     model = build_model(cfg.model, device="meta")
     held = plan_numbers(cfg, plan, model=model).per_pp_rank[0].param_bytes / 4  # fp32
     assert held == pytest.approx(sum(p.numel() for p in model.parameters()) / 4, rel=0.01)
+
+
+@pytest.mark.parametrize("layout", [["+parallel=cp", "mesh=[2]"], ["+parallel=fsdp_cp", "mesh=[2,2]"],
+                                    ["+parallel=ep", "mesh=[2,2]", "parallel.dims=[ep,cp]", "+parallel.context_parallel={dim: cp}"]],
+                         ids=["cp", "fsdp_cp", "ep_cp"])
+def test_a_mixture_of_experts_with_cp_is_built_and_planned(layout):
+    """gpt_moe on cp layouts validates with the model-side checks (tests/dist/test_context.py trains them) and the
+    memory model counts a cp rank's share of each row: cp [2]'s activations are fsdp [2]'s on the same batch (a rank
+    holds half of its tokens either way; the CPU ring keeps no scores)."""
+    row = ["model=gpt_moe", "train.seq_len=256", "tracking=none"]
+    cfg, plan = validate_with_plan(compose_dict([*row, *layout]))
+    assert plan.cp_size == 2 and "cp" in plan.param_data_parallel.dim_names
+    assert (plan.expert_parallel is not None) == ("ep" in cfg.parallel.dims)
+    if layout[0] == "+parallel=cp":
+        (cp,) = predict_memory(cfg, plan)
+        (fsdp,) = predict_memory(*validate_with_plan(compose_dict([*row, "+parallel=fsdp", "mesh=[2]"])))
+        assert cp.activations == pytest.approx(fsdp.activations, rel=0.05), (cp.activations, fsdp.activations)
 
 
 def test_3d_cp_preset_is_dp_cp_tp():

@@ -141,8 +141,7 @@ def _experts_preset(preset: str) -> bool:
 
 # What the mixture-of-experts model is refused on until it is built there (tests/conf/fix_catalogue.py has the fixes).
 MOE_REFUSED = {"pp_stages": "parallel.pipeline.stages",
-               "tp_sp": "parallel.tensor_parallel.sequence_parallel",
-               **dict.fromkeys(["cp", "fsdp_cp", "3d_cp"], "parallel.context_parallel")}
+               "tp_sp": "parallel.tensor_parallel.sequence_parallel"}
 
 
 @pytest.mark.parametrize("preset", PARALLEL)

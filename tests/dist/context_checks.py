@@ -6,7 +6,8 @@ launch per world size (``dist_harness``):
   shapes (heads, kv heads, lengths, batch), causal and not, with packed documents and without;
   the cp size is the world's (2 or 4).
 * ``trained``: the trainer's own loop (:func:`trainer.run.loop.train`: config, loader, model, steps)
-  on a cp layout; the parent compares the losses with one device's.
+  on a cp layout; the parent compares the losses with one device's (and, for the mixture of experts
+  ``gpt_moe``, the balance losses and the gradient norms).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ STEPS = 5
 BASE = ["model=gpt_debug", "train.seq_len=256", "train.global_batch_size=2", f"train.steps={STEPS}", "tracking=none",
         "train.checkpoint.save_final=false", "tracking.pictures=false", "train.eval_at_start=false", "optim.lr=1e-3",
         "optim.warmup_steps=0"]
+# gpt_moe (8 experts, top 2) with its balance loss weighted 1, not the preset's 0.01, so that its gradient weighs:
+# a balance-loss gradient not summed over the cp ranks (1 / cp of it) moved cp [2]'s gradient norms by 8% (by 6e-4 at 0.01).
+MOE = ["model=gpt_moe", "model.moe.aux_loss_weight=1.0"]
 DATA_ENV = "MESHFLOW_TEST_CP_DATA_DIR"  # set by the parent test: docs.jsonl, and a chat model/ and chats.jsonl
 
 # The memory check: cp [4], 2 rows of 16,384 tokens, 3 steps (the peak settles from step 2 on). Attention
@@ -46,8 +50,11 @@ MASKS = [(True, False), (True, True), (False, False)]
 def overrides(data: str, extra: list[str]) -> list[str]:
     """``synthetic`` rows; ``packed`` documents (byte tokens, positions restarting at each); ``chat``: the tiny
     Hugging Face Llama on packed conversations whose targets are masked but the assistant's (uneven counts);
-    ``qwen2``: synthetic rows through a tiny Hugging Face Qwen2 of a checkpoint's awkward shapes."""
+    ``qwen2``: synthetic rows through a tiny Hugging Face Qwen2 of a checkpoint's awkward shapes; ``moe``: synthetic
+    rows through the mixture of experts ``gpt_moe``."""
     root = os.environ.get(DATA_ENV, "")
+    if data == "moe":
+        return [*MOE, *BASE[1:], "data=synthetic", "data.num_tokens=65536", *extra]
     if data == "chat":
         return ["model=hf", f"model.path={root}/model", "data=chat", f"data.paths=[{root}/chats.jsonl]",
                 "train.seq_len=64", "train.global_batch_size=4", *BASE[3:], *extra]  # 4 rows: uneven target counts
@@ -69,7 +76,8 @@ def trained(data: str, extra: list[str]):
         cfg = validate_config(compose_dict(overrides(data, extra)), check_model=False)
         validated = time.perf_counter()
         result = train(cfg, tracker=NullTracker(), progress=NullProgress(), rank=rank, predicted_peak_mib=0.0)
-        return {"losses": result.losses, "validate_s": validated - began, "train_s": time.perf_counter() - validated,
+        return {"losses": result.losses, "aux_losses": result.aux_losses, "grad_norms": result.grad_norms,
+                "validate_s": validated - began, "train_s": time.perf_counter() - validated,
                 "step_s": result.step_times, "peak_mib": result.peak_memory_mb}
 
     return check
@@ -147,11 +155,13 @@ SUITES = {
     "two_rank": [
         ("attention_cp2", attention_check),
         ("cp2_ring", trained("synthetic", ["+parallel=cp", "mesh=[2]"])),
+        ("moe_cp2", trained("moe", ["+parallel=cp", "mesh=[2]"])),
     ],
     "four_rank": [
         ("attention_cp4", attention_check),
         ("cp4_ring", trained("synthetic", ["+parallel=cp", "mesh=[4]"])),
         ("fsdp_cp", trained("synthetic", ["+parallel=fsdp_cp", "mesh=[2,2]"])),
+        ("moe_fsdp_cp", trained("moe", ["+parallel=fsdp_cp", "mesh=[2,2]"])),
         ("cp_tp_sp", trained("synthetic", ["+parallel=3d_cp", "mesh=[1,2,2]", "parallel.tensor_parallel.sequence_parallel=true"])),
     ],
     "two_rank_slow": [
@@ -171,6 +181,17 @@ SUITES = {
                                                         "parallel.pipeline.stages_per_rank=2"])),
         ("pp_cp_zbv", trained("synthetic", [*_PP_CP, "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=ZBV",
                                             "parallel.pipeline.stages_per_rank=2"])),
+        # ep x cp [2, 2]: the experts split over ep, every other parameter sharded over ep x cp; and with an fsdp axis.
+        ("moe_ep_cp", trained("moe", ["+parallel=ep", "mesh=[2,2]", "parallel.dims=[ep,cp]",
+                                      "+parallel.context_parallel={dim: cp}"])),
+        ("moe_fsdp_ep_cp", trained("moe", ["+parallel=fsdp_ep", "mesh=[1,2,2]", "parallel.dims=[dp,ep,cp]",
+                                           "+parallel.context_parallel={dim: cp}"])),
+        # cp x tp [2, 2]: Megatron attention and dense parts over tp, the MoE blocks replicated over it.
+        ("moe_cp_tp", trained("moe", ["+parallel=3d_cp", "mesh=[1,2,2]"])),
+        # pp x cp [2, 2]: each stage's blocks add their balance loss through the stage's output (stage_term).
+        ("moe_pp_cp", trained("moe", [*_PP_CP, "parallel.pipeline.microbatches=2"])),
+        ("moe_pp_cp_zbv", trained("moe", [*_PP_CP, "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=ZBV",
+                                          "parallel.pipeline.stages_per_rank=2"])),
         # hsdp x cp [2, 1, 2]: replicated over dp_replicate, sharded over dp_shard x cp flattened (2 ranks).
         ("hsdp_cp", trained("synthetic", ["+parallel=hsdp", "mesh=[2,1,2]", "parallel.dims=[dp_replicate,dp_shard,cp]",
                                           "+parallel.context_parallel={dim: cp}"])),

@@ -1,6 +1,8 @@
 """Context parallelism on cp [2], cp [4], fsdp x cp [2, 2], cp x tp [2, 2] with sequence parallelism and (slow) pp x cp
 [2, 2] on 1F1B, Interleaved1F1B and ZBV (fp32): the first five losses of the
-trainer's loop equal one device's (rel 1e-5) at 256 tokens on the 4-layer gpt_debug (grouped heads),
+trainer's loop equal one device's (rel 1e-5) at 256 tokens on the 4-layer gpt_debug (grouped heads)
+and, with its balance losses and gradient norms, on the mixture of experts gpt_moe (cp [2], fsdp x cp [2, 2]; slow:
+ep x cp [2, 2], fsdp x ep x cp [1, 2, 2], cp x tp [2, 2], pp x cp [2, 2] on 1F1B and ZBV),
 ring and all-gather, on plain rows, on packed documents, and on chat rows whose targets are masked
 (the loss the mean over every target of the full rows); and the cp attention equals full attention,
 outputs and gradients, over shapes, causal and not, with documents and without.
@@ -57,15 +59,16 @@ def references(data_dir):
     from trainer.tracking.tracker import NullTracker
     from trainer.validate.checks import validate_config
 
-    cache: dict[str, list[float]] = {}
+    cache: dict[str, dict[str, list[float]]] = {}
 
-    def losses(data: str) -> list[float]:
+    def figures(data: str) -> dict[str, list[float]]:
         if data not in cache:
             cfg = validate_config(compose_dict(overrides(data, [])), check_model=False)
-            cache[data] = train(cfg, tracker=NullTracker(), progress=NullProgress(), predicted_peak_mib=0.0).losses
+            result = train(cfg, tracker=NullTracker(), progress=NullProgress(), predicted_peak_mib=0.0)
+            cache[data] = {"losses": result.losses, "aux_losses": result.aux_losses, "grad_norms": result.grad_norms}
         return cache[data]
 
-    return losses
+    return figures
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def results(data_dir, tmp_path_factory):
 
 
 def _data(check: str) -> str:
-    return next((d for d in ("packed", "chat", "qwen2") if d in check), "synthetic")
+    return next((d for d in ("packed", "chat", "qwen2", "moe") if d in check), "synthetic")
 
 
 def _parity(suites: list[str]) -> list[str]:
@@ -88,15 +91,19 @@ def test_cp_losses_equal_one_device(check, results, references):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", _parity(["two_rank_slow", "four_rank_slow"]))
-def test_cp_allgather_documents_and_chat_equal_one_device(check, results, references):
+def test_cp_allgather_documents_chat_and_experts_layouts_equal_one_device(check, results, references):
     _assert_parity(check, results, references)
 
 
 def _assert_parity(check: str, results, references) -> None:
+    """The losses, and for the mixture of experts the balance losses and the gradient norms (its balance loss's
+    gradient reaches each cp rank's tokens), equal one device's on every rank."""
     expected = references(_data(check))
-    assert len(expected) == 5 and len(set(expected)) == 5
-    for r in results(check):
-        assert max_rel(r["losses"], expected) <= LOSS_REL_TOL, (r["losses"], expected)
+    figures = ["losses", "aux_losses", "grad_norms"] if _data(check) == "moe" else ["losses"]
+    for figure in figures:
+        assert len(expected[figure]) == 5 and len(set(expected[figure])) == 5, (figure, expected[figure])
+        for r in results(check):
+            assert max_rel(r[figure], expected[figure]) <= LOSS_REL_TOL, (figure, r[figure], expected[figure])
 
 
 @pytest.mark.parametrize("check", ["attention_cp2", "attention_cp4"])

@@ -1,7 +1,8 @@
 """The mixture-of-experts block on one process: the grouped matmul (``torch._grouped_mm`` and the loop)
 equals a plain per-expert loop, forward and backward; the block equals a token-by-token reference;
 the balance loss is 1 when balanced and is the mean of its sequences' (so any split of a batch
-between whole sequences averages back to it); the aux loss joins the training loss with its weight.
+between whole sequences averages back to it), and the per-sequence statistics of a sequence's cp shares
+summed give its loss and gradient; the aux loss joins the training loss with its weight.
 
     python -m pytest tests/unit/test_moe.py -q
 """
@@ -16,7 +17,9 @@ from trainer.config.compose import compose_dict
 from trainer.config.schema import LlamaConfig, MoEConfig
 from trainer.models import build_model, count_parameters, lm_loss
 from parallel.pipeline.stage_terms import carry_term
-from trainer.models.moe import MoE, balance_loss, expert_parameter_count, grouped_mm, grouped_mm_works, with_aux_loss
+from parallel.context import shard_sequence
+from trainer.models.moe import (MoE, balance_from_statistics, balance_loss, expert_parameter_count, grouped_mm,
+                                grouped_mm_works, sequence_statistics, with_aux_loss)
 
 GROUPED = pytest.mark.skipif(not grouped_mm_works("cpu", torch.float32, 16, 8),
                              reason="torch._grouped_mm does not run on this CPU build")
@@ -116,6 +119,28 @@ def test_balance_loss_is_one_when_balanced_and_the_mean_of_its_sequences():
     experts = torch.rand(8, 6, 4, generator=g).argsort(-1)[..., :2]
     halves = [balance_loss(p, e) for p, e in zip(probs.chunk(4), experts.chunk(4))]
     torch.testing.assert_close(balance_loss(probs, experts), torch.stack(halves).mean())
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_cp_ranks_statistics_summed_give_the_whole_sequences_balance_loss(cp):
+    """What a cp rank computes before the all-reduce: its head and tail chunks' choice counts and score sums; summed
+    over the ranks and divided by the whole length, the loss and its gradient are one device's."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 8 * cp, 6, generator=g, requires_grad=True)
+    experts = torch.rand(3, 8 * cp, 6, generator=g).argsort(-1)[..., :2]
+    whole = balance_loss(logits.softmax(-1), experts)
+    (want,) = torch.autograd.grad(whole, logits)
+    shares = [sequence_statistics(shard_sequence(logits.softmax(-1), dim=1, cp_rank=r, cp_size=cp),
+                                  shard_sequence(experts, dim=1, cp_rank=r, cp_size=cp)) for r in range(cp)]
+    counts, score_sums = (torch.stack(s).sum(dim=0) for s in zip(*shares))
+    split = balance_from_statistics(counts, score_sums, seq_len=8 * cp, top_k=2)
+    (got,) = torch.autograd.grad(split, logits)
+    torch.testing.assert_close(split, whole, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    assert 0.5 < float(whole) < 2.0 and not counts.requires_grad and float(counts.sum()) == 3 * 8 * cp * 2
+    # One rank's statistics alone (as if the sum were skipped) give another loss: the sum is what makes it whole.
+    alone = balance_from_statistics(*shares[0], seq_len=8, top_k=2)
+    assert abs(float(alone) - float(whole)) > 1e-3
 
 
 def test_aux_loss_joins_the_training_loss_with_its_weight():

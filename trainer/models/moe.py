@@ -15,6 +15,11 @@ The load-balancing loss is computed **per sequence** and averaged over the batch
 (DeepSeek-V3's sequence-wise balance loss): every statistic it reads belongs to one sequence, and
 every layout (data, expert or pipeline micro-batch splits) cuts a batch between whole sequences
 into equal parts, so the mean over ranks of their means is one device's value, with no collective.
+Context parallelism cuts every sequence instead: a cp rank holds ``1 / cp`` of each row's tokens, so
+the block (which declares ``context_parallel``, set to the cp group's :class:`ContextShard` by
+:func:`parallel.context.apply_context_parallel`, as the attention is) sums each row's choice counts
+and score sums over the cp ranks (:func:`parallel.context.sum_over_context`, the sums with their
+gradient) and every cp rank holds the whole rows' balance loss.
 
     python -m pytest tests/unit/test_moe.py -q
 """
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.context import ContextShard, sum_over_context
 from trainer.config.schema import MoEConfig
 
 
@@ -140,12 +146,16 @@ class MoE(nn.Module):
         self.shared = shared
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        # Set by parallel.context.apply_context_parallel when each sequence is split over cp ranks: the
+        # balance loss then sums its per-sequence statistics over them.
+        self.context_parallel: ContextShard | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
         probs, experts, weights = self.router(flat)
-        self.aux_loss = balance_loss(probs.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1))
+        self.aux_loss = balance_loss(probs.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1),
+                                     context=self.context_parallel)
         choices = experts.flatten()
         # Stable: an expert's rows keep token order, so one device and every layout see the same order.
         order = choices.argsort(stable=True)
@@ -169,17 +179,39 @@ def _balanced_counts(rows: int, num_experts: int) -> torch.Tensor:
     return counts
 
 
-def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def balance_loss(probs: torch.Tensor, experts: torch.Tensor, *, context: ContextShard | None = None) -> torch.Tensor:
     """The sequence-wise load-balancing loss: ``probs [B, T, E]`` (normalised scores), ``experts
     [B, T, k]`` (the choices). Per sequence, ``E * sum_e f_e * P_e`` with ``f_e`` the share of its
     ``T * k`` choices that went to ``e`` (no gradient) and ``P_e`` the mean score of ``e`` over its
-    tokens; the mean over sequences. 1 when every sequence spreads its choices and scores evenly."""
-    bsz, seqlen, num_experts = probs.shape
+    tokens; the mean over sequences. 1 when every sequence spreads its choices and scores evenly.
+
+    ``context``: the rows are this cp rank's ``T`` tokens of sequences of ``T * cp``; the statistics are
+    summed over the cp ranks first (a collective), so every cp rank returns the whole sequences' loss."""
+    counts, score_sums = sequence_statistics(probs, experts)
+    seqlen = probs.shape[1]
+    if context is not None and context.size > 1:
+        counts, score_sums = sum_over_context(counts, context), sum_over_context(score_sums, context)
+        seqlen *= context.size
+    return balance_from_statistics(counts, score_sums, seq_len=seqlen, top_k=experts.shape[-1])
+
+
+def sequence_statistics(probs: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`balance_loss` reads of each sequence, as sums over its tokens (so the shares of a split
+    sequence add up): ``(counts [B, E]`` its choices per expert, no gradient; ``score_sums [B, E])`` its
+    tokens' scores summed per expert."""
+    bsz, _, num_experts = probs.shape
     chosen = experts.reshape(bsz, -1)
-    share = torch.zeros(bsz, num_experts, dtype=probs.dtype, device=probs.device)
-    share.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
-    share = share / chosen.shape[1]
-    return (num_experts * (share * probs.mean(dim=1)).sum(dim=-1)).mean()
+    counts = torch.zeros(bsz, num_experts, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(1, chosen, torch.ones_like(chosen, dtype=probs.dtype))
+    return counts, probs.sum(dim=1)
+
+
+def balance_from_statistics(counts: torch.Tensor, score_sums: torch.Tensor, *, seq_len: int, top_k: int) -> torch.Tensor:
+    """The balance loss of sequences of ``seq_len`` tokens, ``top_k`` choices each, from their
+    :func:`sequence_statistics` (whole sequences' sums)."""
+    num_experts = counts.shape[-1]
+    share = counts / (seq_len * top_k)
+    return (num_experts * (share * (score_sums / seq_len)).sum(dim=-1)).mean()
 
 
 def expert_parameter_count(model: nn.Module) -> tuple[int, int]:

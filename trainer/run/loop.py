@@ -52,6 +52,7 @@ class TrainResult:
     val_loss: float | None = None  # the last evaluation's, when there is a validation split
     step_times: list[float] = field(default_factory=list)  # seconds per optimizer step, this run's steps
     aux_losses: list[float] = field(default_factory=list)  # an MoE model's balance loss per step (unweighted)
+    grad_norms: list[float] = field(default_factory=list)  # the gradient norm per step, before clipping
     tokens_per_step: int = 0
     last_checkpoint: str | None = None
     pictures: dict[str, str] = field(default_factory=dict)  # rank 0: timeline_trace, timeline_png -> file
@@ -192,6 +193,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         step_time = time.perf_counter() - began
         result.losses.append(loss_value)
         result.step_times.append(step_time)
+        result.grad_norms.append(float(grad_norm))
         figures = {"loss": loss_value, "grad_norm": grad_norm, "step_time_s": step_time}
         if local_aux is not None:  # the balance loss, unweighted: its own metric (the loss includes it, weighted)
             figures["aux_loss"] = pm.reduce_loss(local_aux)

@@ -4,9 +4,10 @@ what the split needs of the config, and what it needs of the model.
 * ``train.seq_len`` cuts into ``2 x cp`` equal chunks (each cp rank holds a head and a tail chunk);
 * the model has an attention that attends over a split sequence (the built-in and Hugging Face
   Llama-family decoders); a custom module or the MLP is refused with the reason;
-* what is not built yet is refused with a fix that drops one of the two: torch.compile, a mixture of
-  experts, per-stage layouts. A pipeline with cp is built (every stage holds its cp rank's chunks of each
-  micro-batch's rows), and so is hsdp (the cp axis folded into its shard axis).
+* what is not built yet is refused with a fix that drops one of the two: torch.compile, per-stage layouts.
+  A pipeline with cp is built (every stage holds its cp rank's chunks of each micro-batch's rows), and so is
+  hsdp (the cp axis folded into its shard axis), and a mixture of experts, expert parallel or not (its balance
+  loss sums each row's statistics over the cp ranks, :mod:`trainer.models.moe`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from torch import nn
 from parallel.context import supports_context_parallel
 from parallel.errors import ConfigIssue, override
 from trainer.config.schema import RunConfig
-from trainer.models import moe_config
 
 PATH = "parallel.context_parallel"
 
@@ -38,10 +38,6 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
                                   "that causal attention costs every rank the same",
                                   f"use a multiple of {chunks}, e.g. {override('train.seq_len', fit)}"))
     drop_cp = without_cp(cfg)
-    if moe_config(cfg.model) is not None:
-        issues.append(ConfigIssue(PATH, "a mixture-of-experts model with context parallelism is not built yet: its "
-                                  "balance loss is taken per whole sequence, and a cp rank holds only chunks of each",
-                                  f"train without context parallelism ({drop_cp})"))
     if par.pipeline is not None and par.pipeline.stages:
         issues.append(ConfigIssue(PATH, "context parallelism on per-stage layouts (parallel.pipeline.stages) is not "
                                   "built yet: a stage's own layout has no cp axis (one layout for every stage has)",
