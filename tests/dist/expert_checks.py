@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dist_checks import GRAD_CLIP, batches, make_optimizer
+from parallel.context import shard_sequence
 from trainer.checkpoint.dcp import load_checkpoint, merged_module, save_checkpoint
 from trainer.config.compose import compose_dict
 from trainer.models import decoder_config, loss_fn_for
@@ -58,7 +59,10 @@ def train_moe(cfg, *, save_after: int | None = None, save_under: str = "", resum
     for step, (inputs, targets) in enumerate(batches(decoder)[first:], start=first + 1):
         per = inputs.shape[0] // pm.dp_size
         share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-        loss = pm.forward_backward(inputs[share], targets[share], loss_fn)
+        inputs, targets = inputs[share], targets[share]
+        if pm.cp_size > 1:  # each cp rank its head and tail chunks of the same rows, as the data loader cuts them
+            inputs, targets = (shard_sequence(x, dim=1, cp_rank=pm.cp_rank, cp_size=pm.cp_size) for x in (inputs, targets))
+        loss = pm.forward_backward(inputs, targets, loss_fn)
         norms.append(pm.clip_grad_norm_(GRAD_CLIP))
         optimizer.step()
         optimizer.zero_grad()

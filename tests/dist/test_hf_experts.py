@@ -1,7 +1,7 @@
 """Hugging Face mixture-of-experts checkpoints: a tiny Qwen3-MoE and a tiny Mixtral written with
 transformers here (2 layers, 4 experts, top 2, 6 heads over 2 kv heads). Their step-0 logits equal
 transformers' on one device and on ep [2] (experts ``Shard(0)``, each rank reading only its experts);
-ep [2]'s first 5 losses, balance losses and gradient norms equal one device's (fp32, rel 1e-5); and the
+ep [2]'s and cp [2]'s first 5 losses, balance losses and gradient norms equal one device's (fp32, rel 1e-5); and the
 ep [2] checkpoint, exported with ``--format hf``, loads in transformers with the trainer's logits.
 
     pytest tests/dist/test_hf_experts.py -q -m slow      # one launch of 2 processes
@@ -73,6 +73,19 @@ def test_ep_losses_equal_one_device(kind, folders, results):
         assert max_rel(r["aux"], reference["aux"]) <= REL, (r["aux"], reference["aux"])
         assert max_rel(r["grad_norms"], reference["grad_norms"]) <= REL, (r["grad_norms"], reference["grad_norms"])
         assert r["w1"]["placements"] == ["Shard(dim=0)"] and r["w1"]["local_shape"][0] == 2, r["w1"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cp_losses_equal_one_device(kind, folders, results):
+    """The checkpoint on cp [2]: each row split over the two ranks, the balance loss's per-row statistics
+    summed over them."""
+    reference = train_moe(run_config(kind, []))
+    for r in results(f"{kind}_cp"):
+        print(f"{kind} cp [2]: max rel losses {max_rel(r['losses'], reference['losses']):.1e}, aux "
+              f"{max_rel(r['aux'], reference['aux']):.1e}, grad norms {max_rel(r['grad_norms'], reference['grad_norms']):.1e}")
+        assert max_rel(r["losses"], reference["losses"]) <= REL, (r["losses"], reference["losses"])
+        assert max_rel(r["aux"], reference["aux"]) <= REL, (r["aux"], reference["aux"])
+        assert max_rel(r["grad_norms"], reference["grad_norms"]) <= REL, (r["grad_norms"], reference["grad_norms"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
