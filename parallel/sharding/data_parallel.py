@@ -62,8 +62,9 @@ def apply_data_parallel(
         experts, ep_dim: modules of experts split over the expert-parallel axis ``ep_dim``
             (:mod:`parallel.sharding.expert_parallel`), which splits the batch too. As torchtitan
             does, each is its own FSDP unit over the dp axes only, its gradients divided by dp x ep
-            (every rank's tokens reach them); everything else is sharded over dp x ep. ``fsdp`` and
-            ``zero2`` only.
+            (every rank's tokens reach them); everything else is sharded over dp x ep (``hsdp``: the
+            experts HSDP over its two axes, the rest replicated over its replicate axis and sharded over
+            its shard axis x ep). Not ``ddp``.
     """
     dim_names = list(dim_names)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
@@ -77,17 +78,19 @@ def apply_data_parallel(
     dp_mesh = hsdp_mesh(mesh, dim_names) if mode == "hsdp" else submesh(mesh, dim_names)
     reshard = mode != "zero2" and not pipelined
     if experts:
-        # hsdp: the experts' gradient scale over HSDP's two reductions is not right yet (their norm is
-        # 0.2-0.4% off one device's), so the validator refuses it.
-        if mode not in ("fsdp", "zero2") or ep_dim is None:
-            raise ValueError(f"experts split over an expert-parallel axis compose with fsdp and zero2, not {mode}")
+        if ep_dim is None:
+            raise ValueError("experts split over an expert-parallel axis need that axis (ep_dim)")
         for unit in experts:
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-            # A sum divided afterwards: gloo has no pre-scaled sum for the divide factor to use.
-            unit.set_force_sum_reduction_for_comms(True)
+            # A sum divided afterwards (gloo has no pre-scaled sum for the divide factor to use), but not
+            # where the reduce-scatter has one rank: torch 2.13 then divides by the factor as it copies
+            # and again after the (hsdp: replicate axis's) all-reduce, gradients factor^2 too small;
+            # without the forced sum it divides once and sums over the replicate axis.
+            unit.set_force_sum_reduction_for_comms(dp_mesh.size(dp_mesh.ndim - 1) > 1)
             unit.set_gradient_divide_factor(float(dp_mesh.size() * mesh[ep_dim].size()))
         # In the mesh's order (a device mesh slices its axes in order): a cp axis may follow the ep axis.
-        dp_mesh = submesh(mesh, sorted([*dim_names, ep_dim], key=list(mesh.mesh_dim_names).index))
+        in_order = sorted([*dim_names[mode == "hsdp":], ep_dim], key=list(mesh.mesh_dim_names).index)
+        dp_mesh = hsdp_mesh(mesh, [dim_names[0], *in_order]) if mode == "hsdp" else submesh(mesh, in_order)
     modules = dict(module.named_modules())
     for fqn in block_fqns:
         if fqn in modules:

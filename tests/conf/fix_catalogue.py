@@ -104,7 +104,7 @@ MORE: dict[str, Bad] = {
     "moe/per-stage-layouts": bad(["model=gpt_moe", "+parallel=pp_stages"], "parallel.pipeline.stages",
                                  ["per-stage layouts is not built yet"], ["parallel.pipeline.stages=null"]),
     "moe/ep-beside-ddp": bad(["model=gpt_moe", "+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=ddp"],
-                             "parallel.data_parallel.mode", ["fsdp or zero2, not ddp"], ["parallel.data_parallel.mode=fsdp"]),
+                             "parallel.data_parallel.mode", ["fsdp, zero2 or hsdp, not ddp"], ["parallel.data_parallel.mode=fsdp"]),
     "moe/sequence-parallel": bad(["model=gpt_moe", "+parallel=tp_sp"], "parallel.tensor_parallel.sequence_parallel",
                                  ["not built yet"], ["parallel.tensor_parallel.sequence_parallel=false"]),
     "moe/activation-checkpointing": bad(["model=gpt_moe", "+parallel=fsdp", "parallel.activation_checkpointing=full"],

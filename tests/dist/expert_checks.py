@@ -117,11 +117,16 @@ def expert_check(overrides: list[str], *, out_dir: str | None = None, resume: st
 
 _PP_EP = ["+parallel=pp", "mesh=[2,2]", "parallel.dims=[pp,ep]", "+parallel.expert_parallel={dim: ep}"]
 
+_HSDP_EP = ["+parallel=hsdp", "parallel.dims=[dp_replicate,dp_shard,ep]", "+parallel.expert_parallel={dim: ep}"]
+
 SUITES = {
     "two_rank": [
         ("ep", expert_check(["+parallel=ep", "mesh=[2]"], save_after=2)),  # and a checkpoint one device resumes
         ("fsdp", expert_check(["+parallel=fsdp", "mesh=[2]"])),  # experts sharded by FSDP, no ep axis
         ("tp", expert_check(["+parallel=tp", "mesh=[2]"])),  # attention split over tp, the MoE on every tp rank
+        # A dp axis of one rank: torch 2.13's FSDP2 divides a one-rank reduce-scatter's gradients by the
+        # divide factor twice under a forced sum (parallel.sharding.data_parallel does not force it there).
+        ("fsdp_ep1", expert_check(["+parallel=fsdp_ep", "mesh=[1,2]"])),
     ],
     "four_rank": [
         ("fsdp_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]"])),
@@ -130,6 +135,9 @@ SUITES = {
                                 "parallel.tensor_parallel={dim: tp}"])),
         ("2d", expert_check(["+parallel=2d", "mesh=[2,2]"])),  # fsdp x tp, no ep axis
         ("zero2_ep", expert_check(["+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=zero2"])),
+        # hsdp: the experts HSDP over [dp_replicate, dp_shard] (its shard axis one rank here), the rest
+        # replicated over dp_replicate and sharded over dp_shard x ep
+        ("hsdp_ep", expert_check([*_HSDP_EP, "mesh=[2,1,2]"])),
     ],
     "eight_rank": [  # slow: 8 processes
         ("ep8_memory", memory_check(["+parallel=ep", "mesh=[8]"])),  # first: what the processes hold is its own
@@ -141,6 +149,7 @@ SUITES = {
     ],
     # Slow: a pipeline's stages each add their blocks' balance loss (pp x ep [2, 2], four schedules).
     "four_rank_slow": [
+        ("hsdp_ep_sharded", expert_check([*_HSDP_EP, "mesh=[1,2,2]"])),  # hsdp's shard axis of two ranks
         ("pp_ep", expert_check([*_PP_EP, "parallel.pipeline.microbatches=2"])),
         ("pp_ep_gpipe", expert_check([*_PP_EP, "parallel.pipeline.schedule=GPipe"])),
         ("pp_ep_interleaved", expert_check([*_PP_EP, "parallel.pipeline.schedule=Interleaved1F1B",
