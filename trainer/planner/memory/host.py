@@ -56,6 +56,11 @@ MMAP_FROM = 32 * MIB
 # 166 then.)
 RUNTIME_SINGLE = 10 * MIB
 RUNTIME_DISTRIBUTED = 24 * MIB
+# An expert-parallel rank holds more beside its live tensors than a dense one, not itemised yet (the
+# all-to-all's buffers, of sizes that change with the routing, are the likely part): gpt_moe ep [8]
+# (experts 2048 wide, 4 steps) measured 80 MiB unmapped for 73 predicted with the runtime above (7 more),
+# 96-101 MiB with the default heap for 83 (13-18 more). The middle of the two:
+RUNTIME_EXPERT_PARALLEL = 12 * MIB
 
 # Heap holes around the memory a step allocates and frees (activations, gradients, temporaries): the
 # freed chunks stay resident and are reused only by requests that fit, so from the second step on the
@@ -123,12 +128,13 @@ def unmap_freed_memory() -> None:
 
 
 def runtime(plan: ParallelPlan) -> float:
-    """The process's own resident bytes above its floor: the constants above, whatever the layout. A
+    """The process's own resident bytes above its floor: the constants above (an ep rank's extra too). A
     pipeline's first step imports ``torch.distributed.pipelining``, after the floor, but that adds 1 MiB
     (measured) now that the workers' fork server preloads ``torch._dynamo``, ``torch._inductor`` and
     ``torch.onnx`` with it (:data:`trainer.launch.processes.PRELOAD`); pipelined runs measured 21-26 MiB
     above their live tensors (gpt_debug pp [2], the 25M Llama pp [4], unmapped)."""
-    return RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
+    base = RUNTIME_DISTRIBUTED if plan.mesh.world_size > 1 else RUNTIME_SINGLE
+    return base + (RUNTIME_EXPERT_PARALLEL if plan.expert_parallel is not None else 0.0)
 
 
 def fsdp_heap_buffers(cfg: RunConfig, plan: ParallelPlan, blocks: list[list[float]]) -> tuple[list[float], float]:
