@@ -97,6 +97,16 @@ def test_experts_are_split_over_ep(check, placements, mesh_dims, local_experts, 
         assert r["dp_size"] == {"ep": 2, "ep4": 4, "fsdp_ep": 4}[check]  # ep splits the batch
 
 
+def test_hsdp_replicates_over_its_replicate_axis_and_shards_the_rest_over_dp_shard_x_ep(results):
+    """hsdp x ep [2, 1, 2]: an expert stack Replicate over dp_replicate and Shard(0) over ep (4 of 8 experts),
+    the attention Replicate over dp_replicate and sharded over dp_shard x ep flattened (32 of 64 rows)."""
+    for r in results("hsdp_ep"):
+        assert r["w1"]["mesh_dims"] == ["dp_replicate", "dp_shard", "ep"] and r["w1"]["local_shape"][0] == 4
+        assert r["w1"]["placements"][0] == "Replicate()" and r["w1"]["placements"][-1] == "Shard(dim=0)"
+        assert r["wq"] == {**r["wq"], "mesh_dims": ["dp_replicate", "dp_shard_ep"],
+                           "placements": ["Replicate()", "Shard(dim=0)"], "local_shape": [32, 64]}
+
+
 def test_the_placement_picture_shows_the_shards_each_rank_holds(results):
     """fsdp x ep [2, 2]: the rows of the whole tensor each rank's shard is (found by value) are the rows the
     placement table (``placement.json``, the picture) says it holds, for an expert stack and the attention."""
