@@ -89,8 +89,9 @@ def apply_data_parallel(
             unit.set_force_sum_reduction_for_comms(dp_mesh.size(dp_mesh.ndim - 1) > 1)
             unit.set_gradient_divide_factor(float(dp_mesh.size() * mesh[ep_dim].size()))
         # In the mesh's order (a device mesh slices its axes in order): a cp axis may follow the ep axis.
-        in_order = sorted([*dim_names[mode == "hsdp":], ep_dim], key=list(mesh.mesh_dim_names).index)
-        dp_mesh = hsdp_mesh(mesh, [dim_names[0], *in_order]) if mode == "hsdp" else submesh(mesh, in_order)
+        replicate, shard = (dim_names[:1], dim_names[1:]) if mode == "hsdp" else ([], dim_names)
+        shard = sorted([*shard, ep_dim], key=list(mesh.mesh_dim_names).index)
+        dp_mesh = hsdp_mesh(mesh, [*replicate, *shard]) if mode == "hsdp" else submesh(mesh, shard)
     modules = dict(module.named_modules())
     for fqn in block_fqns:
         if fqn in modules:
