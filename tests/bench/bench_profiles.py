@@ -122,7 +122,9 @@ def predict_row(row: published.PublishedRun) -> dict:
     began = time.monotonic()
     step = predict_on_profile(cfg, plan, cfg.hardware, model=model)
     try:
-        peak = max(e.total for e in predict_memory(cfg, plan, model=model)) / GIB
+        # torchtitan's memory column is torch.cuda.max_memory_reserved: the caching allocator's peak,
+        # without the CUDA context and NCCL's buffers (MemoryEstimate.reserved).
+        peak = max(e.reserved for e in predict_memory(cfg, plan, model=model)) / GIB
     except Exception as err:  # noqa: BLE001 - the meta pass of a stage layout the memory model cannot run
         peak = math.nan
         print(f"  {row.name}: no memory prediction ({type(err).__name__}: {err})", file=sys.stderr)

@@ -67,6 +67,8 @@ class MemoryParts:
     reduce: float = 0.0  # the gradient reduce's peak after backward (ddp; a pipelined FSDP stage)
     runtime: float = 0.0  # CPU: the process groups and runtime beyond the live tensors; a GPU profile: CUDA, NCCL
     allocator: float = 0.0  # CPU: glibc's heap holes; a GPU profile: the caching allocator's slack
+    head: float = 0.0  # of the activations, the units after the last block's: final norm, output head, logits, loss
+    recompute: float = 0.0  # of the activations, a checkpointed block's recomputed ones (when beyond the head's)
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,50 @@ class MemoryEstimate:
         return self.live + self.process
 
     @property
+    def reserved(self) -> float:
+        """On a GPU, what the caching allocator holds at the peak (the live tensors and its slack): what
+        ``torch.cuda.max_memory_reserved`` reports, and torchtitan's memory column; :attr:`total` adds the
+        CUDA context and NCCL's buffers, which CUDA allocates outside it. On CPU, the resident peak less
+        the runtime."""
+        return self.live + self.parts.allocator
+
+    @property
     def process(self) -> float:
         """What the process holds beyond its live tensors: on CPU its runtime and heap holes; on a
         hardware profile's GPU the CUDA context, NCCL's buffers and the caching allocator's slack."""
         return self.parts.runtime + self.parts.allocator
+
+    @property
+    def phase(self) -> str:
+        """The moment of the step the peak is at: ``backward`` (its worst moment, the activations all
+        there), ``gradient reduce`` (ddp's or a pipelined stage's, after backward) or ``optimizer step``."""
+        p = self.parts
+        backward = self.gathered + self.activations + p.transient + p.stage_grads + (self.grads if p.accumulates else 0.0)
+        moments = {"backward": backward, "gradient reduce": p.reduce, "optimizer step": self.grads + p.step_temporaries}
+        return max(moments, key=moments.__getitem__)
+
+    def terms(self) -> dict[str, float]:
+        """The peak as named terms in bytes that add up to :attr:`total`, each one a user can act on
+        (docs/planning.md, "Memory"): the state every moment holds, then the peak moment's own
+        (:attr:`phase`), then what the process holds beyond its tensors. Terms of other moments are 0."""
+        p, phase = self.parts, self.phase
+        out = dict.fromkeys(MEMORY_TERMS, 0.0)
+        out.update(weights=self.params, optimizer_state=self.optimizer, runtime=p.runtime, allocator_slack=p.allocator)
+        if phase == "backward":
+            out.update(gathered_parameters=self.gathered, activations=self.activations - p.head - p.recompute,
+                       recompute=p.recompute, logits_and_loss=p.head, backward_transient=p.transient,
+                       gradients=p.stage_grads + (self.grads if p.accumulates else 0.0))
+        elif phase == "gradient reduce":
+            out.update(gradient_reduce_buffers=p.reduce)
+        else:
+            out.update(gradients=self.grads, optimizer_step_temporaries=p.step_temporaries)
+        return out
+
+
+# The names of :meth:`MemoryEstimate.terms`, in the order plan.json and the dry run's text give them.
+MEMORY_TERMS = ("weights", "optimizer_state", "gradients", "gathered_parameters", "activations", "recompute",
+                "logits_and_loss", "backward_transient", "gradient_reduce_buffers", "optimizer_step_temporaries",
+                "runtime", "allocator_slack")
 
 
 def flash_attention_for_cpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -230,7 +272,8 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         model.to(torch.bfloat16)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     sp_norms = {name for name, layout in plan.layouts.items() if any(p.is_shard for p in layout.input.values())}
-    tp = plan.mesh.size([a for axes in plan.placements.values() for a in axes])
+    # Each tensor-parallel axis once: a list naming an axis per placement would multiply its size as many times.
+    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     current: list[str] = []
     units: dict[str, float] = defaultdict(float)
     inputs: dict[str, float] = {}
@@ -244,7 +287,10 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     def _enter(name: str, args: tuple) -> None:
         current.append(name)
         if name in plan.blocks and args and isinstance(args[0], torch.Tensor):
-            inputs[name] = args[0].numel() * args[0].element_size()
+            # Sequence parallel keeps the residual stream between blocks sequence-sharded
+            # (parallel.sharding.tensor_parallel._scatter_gather_runs): a checkpointed block keeps 1/tp of its input.
+            sp_block = any(n.startswith(f"{name}.") for n in sp_norms)
+            inputs[name] = args[0].numel() * args[0].element_size() / (tp if sp_block else 1)
 
     def share() -> float:  # sequence parallel: a norm runs on this rank's sequence shard
         return 1 / tp if any(c in sp_norms for c in current) else 1.0
@@ -342,6 +388,11 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
                 recompute = max(recompute, full)
             else:
                 acts += full
+        # The head (final norm, output, loss: the units after the last block) runs backward first, at the
+        # transient's worst moment when its vocabulary-wide logits dominate; a checkpointed block recomputes
+        # its activations later, once the head's saved tensors are freed: only what exceeds those adds up.
+        head = sum(saved["units"].get(u, 0.0) for u in _after_blocks(plan, held))
+        recompute = max(0.0, recompute - head)
         in_flight = passes_in_flight(plan, r)
         blocks = [saved["unit_params"].get(u, []) for u in held if u in plan.blocks]
         root = sum(sum(saved["unit_params"].get(u, [])) for u in held if u not in plan.blocks)
@@ -357,11 +408,13 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
                 stage_grads = trained * (0.5 if t.precision == "bf16" else 1.0)
             held_acts, held_grads = in_flight_peak(plan, in_flight, acts / chunks, stage_grads, chunks,
                                                    accumulated=t.grad_accum > 1 and not pipelined_fsdp)
+            head *= held_acts / acts if acts else 0.0  # the head's passes in flight, as the rest's
         estimate = MemoryEstimate(
             pp_rank=r, params=rank_numbers.param_bytes, grads=rank_numbers.grad_bytes,
             optimizer=rank_numbers.optim_bytes, gathered=gathered(cfg, plan, local, blocks, root),
             activations=held_acts + recompute, in_flight=in_flight,
             parts=MemoryParts(accumulates=sharded_grads_in_backward, stage_grads=held_grads, micro_batch=micro,
+                              head=head, recompute=recompute,
                               step_activations=(acts + recompute) * (pp.num_microbatches if pp else 1),
                               transient=transient,
                               step_temporaries=4.0 * saved["largest_trainable"] / shard))
@@ -386,3 +439,11 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
                 gpu.nccl_gib if plan.mesh.world_size > 1 else 0.0)) * GIB, allocator=gpu.allocator_slack * estimate.live))
         out.append(estimate)
     return out
+
+
+def _after_blocks(plan: ParallelPlan, held: list[str]) -> list[str]:
+    """Of the units a rank holds, those after the model's last block (final norm, output head, loss)."""
+    if not plan.blocks:
+        return []
+    last = plan.units.index(plan.blocks[-1]) if plan.blocks[-1] in plan.units else len(plan.units)
+    return [u for u in held if u in plan.units and plan.units.index(u) > last]
