@@ -83,15 +83,18 @@ def _run(raw: dict, sweeping: bool) -> float | None:
         text, summary = dry_run_report(cfg, plan)
         print(text)
         _write_pictures(cfg, plan)
-        if not summary["fits"]:
+        if summary["memory_verdict"] == "does not fit":  # within the measured error: the report's warning, no refusal
             hint = ("the memory table above says which ranks; fewer bytes per rank: fsdp, tp, pp, activation "
                     "checkpointing, or more devices")
             if cfg.hardware.is_host and summary["memory_budget_gib"] <= 0:
                 hint = (f"{cfg.world_size // cfg.launch.nnodes} workers share this host's memory; to plan a cluster "
                         "you do not have, name its hardware and nodes, e.g. hardware=h100_sxm "
                         f"launch.nnodes={max(1, cfg.world_size // 8)}")
+            beyond = (f" by more than the prediction's measured error of {summary['memory_margin']['measured_error']:.0%}"
+                      if summary["memory_margin"]["measured_error"] else "")
             _refused_at_launch(cfg, f"launch.memory_budget_gb: predicted peak {summary['peak_memory_gib_per_device']:.2f} "
-                                    f"GiB per device exceeds the budget of {summary['memory_budget_gib']:.2f} GiB ({hint})")
+                                    f"GiB per device exceeds the budget of {summary['memory_budget_gib']:.2f} GiB{beyond} "
+                                    f"({hint})")
         return
     code = launch(cfg)
     if not sweeping:

@@ -25,9 +25,9 @@ from trainer.models import build_model, count_parameters, moe_config
 from trainer.models.moe import expert_parameter_count
 from trainer.pictures.placement import write_placement
 from trainer.pictures.timeline_chart import bubble_text, write_predicted_timeline
-from trainer.planner.memory.budget import memory_budget
+from trainer.planner.memory.budget import memory_budget, memory_verdict
 from trainer.planner.memory.predict import predict_memory
-from trainer.planner.numbers import plan_numbers
+from trainer.planner.numbers import GIB, plan_numbers
 
 PLAN_PICTURES = Path("meshflow-plan")  # the dry run's pictures: in the working directory, beside mlflow.db
 
@@ -55,8 +55,9 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
         report["memory"] = [{"pp_rank": e.pp_rank, "peak_bytes": e.total, "param_bytes": e.params,
                              "grad_bytes": e.grads, "optim_bytes": e.optimizer, "gathered_bytes": e.gathered,
                              "activation_bytes": e.activations, "backward_bytes": e.parts.transient,
-                             "process_bytes": e.process,
-                             "microbatches_in_flight": e.in_flight} for e in estimates]
+                             "process_bytes": e.process, "reserved_bytes": e.reserved,
+                             "microbatches_in_flight": e.in_flight, "peak_phase": e.phase,
+                             "terms_bytes": e.terms()} for e in estimates]
     report["memory_budget"] = {"bytes": budget, "source": source}
     return report
 
@@ -131,9 +132,14 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
     lines.append(f"(peak, {cfg.train.precision}: weights + grads + AdamW + gathered + the larger of backward's worst moment "
                  "(activations + what backward adds) and the optimizer step's; process: the runtime and, on CPU, "
                  "glibc's heap holes)")
-    worst = max(m["peak_bytes"] for m in n["memory"])
-    verdict = "fits" if worst <= budget["bytes"] else "does NOT fit (a run is refused: see launch.memory_budget_gb)"
-    lines.append(f"memory budget {budget['bytes'] / mib:,.0f} MiB per rank ({budget['source']}): {verdict}")
+    worst = max(n["memory"], key=lambda m: m["peak_bytes"])
+    if "terms_bytes" in worst:
+        terms = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in worst["terms_bytes"].items() if v)
+        lines.append(f"peak of pp rank {worst['pp_rank']} by term (GiB, at {worst['peak_phase']}): {terms}")
+    verdict = memory_verdict(cfg, worst["peak_bytes"])
+    said = {"fits": "fits", "may not fit": f"may not fit, within the prediction's measured error ({verdict.margin()})",
+            "does not fit": "does NOT fit (a run is refused: see launch.memory_budget_gb)"}[verdict.status]
+    lines.append(f"memory budget {budget['bytes'] / mib:,.0f} MiB per rank ({budget['source']}): {said}")
     if cfg.tracking.pictures and pictures_dir is not None and plan.pipeline is not None:
         try:
             paths, summary = write_predicted_timeline(plan, pictures_dir)

@@ -28,7 +28,7 @@ from trainer.planner.calibration.probe import bf16_supported
 from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import unit_costs
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
-from trainer.planner.memory.budget import memory_budget
+from trainer.planner.memory.budget import memory_budget, memory_margin
 from trainer.planner.memory.layout import on_cuda
 from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import GIB, plan_numbers
@@ -47,6 +47,10 @@ class Search:
         self.model = build_model(base.model, device="meta")  # the only model this search builds
         self.decoder = decoder_config(base.model)
         self.budget, self.budget_source = memory_budget(base.model_copy(update={"mesh": [world]}))
+        # As the validator: a GPU profile's layout is dropped only beyond the prediction's measured error
+        # (trainer.planner.memory.budget); within it, it is kept and ranked, its margin in its reason.
+        self.margin = memory_margin(base)
+        self.limit = self.budget * (1 + self.margin)
         self._costs: dict = {}
         self._memory: dict = {}
         self._params: dict = {}
@@ -228,11 +232,11 @@ class Search:
         a layout they alone overflow is refused before its passes are traced or priced (a 175B model
         on 8 ranks: every layout in seconds rather than minutes)."""
         floor = max(r.state_bytes for r in plan_numbers(cfg, plan, model=self.model).per_pp_rank)
-        if floor <= self.budget:
+        if floor <= self.limit:
             return False
         c.peak_bytes, c.status = floor, "does not fit"
         c.reason = (f"does not fit: {floor / GIB:.2f} GiB of weights, gradients and optimizer state alone "
-                    f"> {self.budget / GIB:.2f} GiB budget")
+                    f"> {self.budget / GIB:.2f} GiB budget{self._beyond()}")
         return True
 
     def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
@@ -246,11 +250,17 @@ class Search:
                      "unitemized": step.overhead_s,
                      **{f"comm {axis}": s for axis, s in step.comm_s.items()}}
         c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=self._memory))
-        if c.peak_bytes > self.budget:
+        if c.peak_bytes > self.limit:
             c.status = "does not fit"
-            c.reason = f"does not fit: {c.peak_bytes / GIB:.2f} GiB > {self.budget / GIB:.2f} GiB budget"
+            c.reason = f"does not fit: {c.peak_bytes / GIB:.2f} GiB > {self.budget / GIB:.2f} GiB budget{self._beyond()}"
         else:
             c.status = "slower"
+            if c.peak_bytes > self.budget:
+                c.memory_note = (f"may not fit: {c.peak_bytes / GIB:.2f} GiB, {c.peak_bytes / self.budget - 1:+.0%} over "
+                                 f"the {self.budget / GIB:.2f} GiB budget, within the {self.margin:.0%} measured error")
+
+    def _beyond(self) -> str:
+        return f" + {self.margin:.0%} measured error" if self.margin else ""
 
     @staticmethod
     def params_key(plan: ParallelPlan) -> int:
@@ -287,6 +297,9 @@ class Search:
             predicted[0].status, predicted[0].reason = "chosen", "chosen: fastest predicted to fit"
             for c in predicted[1:]:
                 c.reason = slower_reason(c, predicted[0])
+            for c in predicted:
+                if c.memory_note:
+                    c.reason += f"; {c.memory_note}"
         rest = [c for _, c, _, _ in valid if c.status in ("does not fit", "pruned")] + overflowing
         rest.sort(key=lambda c: (c.status != "does not fit", c.step_s or c.lower_bound_s or 0.0, c.peak_bytes or 0.0))
         return predicted + rest + invalid

@@ -6,7 +6,12 @@
 Keys (the interface scripts and tests read): ``step_time_s``, ``tokens_per_s_per_device``,
 ``model_flops_utilization`` (the step's model FLOPs, recomputation excluded, over the devices'
 datasheet peak; null on this host, whose peak no datasheet states), ``peak_memory_gib_per_device``
-(the max over ranks, runtime included), ``memory_budget_gib``, ``fits``, ``axes`` (per mesh axis:
+(the max over ranks, runtime included), ``memory_budget_gib``, ``fits`` (the peak within the budget),
+``memory_terms_gib`` (the worst rank's peak by named term, adding up to the peak: see
+:meth:`trainer.planner.memory.predict.MemoryEstimate.terms`, and ``peak_phase``, the moment it is at),
+``memory_verdict`` (``fits``, ``may not fit``: above the budget within the prediction's measured error on
+the published rows, a warning; ``does not fit``: a refusal), ``memory_margin`` (that error, the rows it
+was measured on, the peak above which a layout is refused, and the warning's text), ``axes`` (per mesh axis:
 the link it rides, its group, the bytes a rank sends per step, the seconds its collectives take and
 the seconds left on the critical path), ``hardware``, ``nnodes``, ``devices``, ``parts_s`` and a
 ``note`` when something could not be predicted.
@@ -27,6 +32,7 @@ from trainer.models import build_model
 from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.links import group_link
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
+from trainer.planner.memory.budget import PUBLISHED_MEMORY_ROWS, memory_verdict
 from trainer.planner.memory.layout import on_cuda
 from trainer.planner.numbers import GIB, MIB
 from trainer.planner.report import PLAN_PICTURES, describe_plan, plan_report
@@ -51,14 +57,21 @@ def _host_calibration(cfg: RunConfig):
 def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
     """The prediction's JSON (see the module docstring); ``report``: the memory of ``plan_report``."""
     hw = cfg.hardware
-    peak = max(m["peak_bytes"] for m in report["memory"])
+    worst = max(report["memory"], key=lambda m: m["peak_bytes"])
+    peak = worst["peak_bytes"]
     budget = report["memory_budget"]["bytes"]
+    verdict = memory_verdict(cfg, peak)
     out: dict = {"hardware": hw.name, "nnodes": cfg.launch.nnodes, "devices": cfg.world_size,
                  "devices_per_node": max(1, cfg.world_size // cfg.launch.nnodes),  # the ranks one node runs
                  "step_time_s": None, "tokens_per_s": None, "tokens_per_s_per_device": None,
                  "model_flops_utilization": None, "peak_memory_gib_per_device": peak / GIB,
-                 "memory_budget_gib": budget / GIB, "fits": peak <= budget, "parts_s": {}, "axes": {},
-                 "note": report.get("memory_note")}
+                 "memory_budget_gib": budget / GIB, "fits": peak <= budget, "memory_verdict": verdict.status,
+                 "memory_margin": {"measured_error": verdict.error, "published_rows": PUBLISHED_MEMORY_ROWS if verdict.error
+                                   else 0, "refused_above_gib": verdict.limit / GIB, "warning": verdict.warning()},
+                 "memory_terms_gib": None, "parts_s": {}, "axes": {}, "note": report.get("memory_note")}
+    if "terms_bytes" in worst:  # None where the activations could not be predicted (the note says why)
+        out["memory_terms_gib"] = {"pp_rank": worst["pp_rank"], "peak_phase": worst["peak_phase"],
+                                   **{k: v / GIB for k, v in worst["terms_bytes"].items()}}
     if hw.is_host:
         calibration = _host_calibration(cfg)
         if calibration is None:
@@ -129,7 +142,10 @@ def summary_lines(summary: dict) -> list[str]:
                 if "link" in a else ""
             lines.append(f"  {axis}{link}: {a['sent_bytes_per_step'] / MIB:,.1f} MiB sent per step, "
                          f"{a['seconds']:.3g} s of collectives, {a['exposed_s']:.3g} s exposed")
-    verdict = "fits" if summary["fits"] else "does NOT fit"
+    verdict = {"fits": "fits", "may not fit": "may not fit (within the prediction's measured error: goes on)",
+               "does not fit": "does NOT fit"}[summary["memory_verdict"]]
     lines.append(f"  peak memory {summary['peak_memory_gib_per_device']:.2f} GiB per device (max over ranks) of "
                  f"{summary['memory_budget_gib']:.2f} GiB: {verdict}")
+    if summary["memory_margin"]["warning"]:
+        lines.append(f"  {summary['memory_margin']['warning']}")
     return lines
