@@ -134,3 +134,24 @@ def test_experts_are_split_over_ep_where_that_is_fastest_and_never_for_a_dense_m
     search = Search(dense, RunConfig.model_validate({**dense, "mesh": None, "parallel": None}), AutoPlanConfig(), 8,
                     HostPricing(CAL))
     assert search._ep_sizes(8) == [1] and not any("ep" in c.parallel["dims"] for c in search.layouts())
+
+
+def test_a_gpu_profile_keeps_layouts_within_the_measured_error_and_drops_those_beyond():
+    """As the validator (trainer.planner.memory.budget): on a GPU profile a layout over the budget is
+    dropped only beyond the prediction's measured error; within it, it is ranked, its reason says so."""
+    from trainer.planner.memory.budget import PUBLISHED_MEMORY_ERROR
+
+    profile = ["hardware=h100_sxm", "launch.nnodes=1", "mesh=[2]", *NARROW]
+    peaks = [c.peak_bytes for c in plan_layouts(_raw(*profile)).candidates if c.peak_bytes]
+    within = max(peaks) / (1 + PUBLISHED_MEMORY_ERROR / 2) / 2**30  # every layout above it, within its error
+    assert min(peaks) / 2**30 > within
+    kept = plan_layouts(_raw(*profile, f"launch.memory_budget_gb={within}"))
+    assert kept.winner.status == "chosen"
+    ranked = [c for c in kept.candidates if c.status in ("chosen", "slower")]
+    assert len(ranked) == len(peaks) and all("may not fit:" in c.reason and
+                                             f"within the {PUBLISHED_MEMORY_ERROR:.0%} measured error" in c.reason
+                                             for c in ranked)
+    beyond = min(peaks) / (1 + PUBLISHED_MEMORY_ERROR) / 1.01 / 2**30
+    dropped = plan_layouts(_raw(*profile, f"launch.memory_budget_gb={beyond}"))
+    assert all(c.status == "does not fit" and f"+ {PUBLISHED_MEMORY_ERROR:.0%} measured error" in c.reason
+               for c in dropped.candidates if c.peak_bytes)
