@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_profiles  # noqa: E402
 import published  # noqa: E402
 
+from parallel.config import TensorParallelConfig  # noqa: E402
 from parallel.plan.resolve import resolve_plan  # noqa: E402
 from trainer.config.compose import compose_dict  # noqa: E402
 from trainer.config.schema import RunConfig  # noqa: E402
@@ -63,8 +64,20 @@ def test_the_8b_fsdp_row_is_not_refused_on_its_h100s():
     _no_refusal(next(r for r in EXPRESSIBLE if r.name == "torchtitan-8b-fsdp8"))
 
 
+# torchtitan shards the output head and the loss over tp (loss parallel, its default with tp): without
+# it here the 8B tp8 rows' whole-vocabulary fp32 logits at 12 x 8192 tokens (47 GiB, and backward's
+# gradients of them) put them beyond the error. The engine's loss parallel (issue 48) brings them in.
+_NEEDS_LOSS_PARALLEL = "loss_parallel" not in TensorParallelConfig.model_fields
+
+
+def _expected(row: published.PublishedRun):
+    if _NEEDS_LOSS_PARALLEL and row.layout.tp > 1 and row.name.startswith("torchtitan-8b"):
+        return pytest.param(row, marks=pytest.mark.xfail(reason="needs loss parallel over tp", strict=True))
+    return row
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("row", EXPRESSIBLE, ids=[r.name for r in EXPRESSIBLE])
+@pytest.mark.parametrize("row", [_expected(r) for r in EXPRESSIBLE], ids=[r.name for r in EXPRESSIBLE])
 def test_no_published_row_is_refused_for_memory_on_its_hardware(row):
     _no_refusal(row)
 
@@ -98,3 +111,23 @@ def test_a_profile_budget_is_the_memory_cuda_shows():
     # An H100 SXM "80 GB" shows 85,017,493,504 bytes (tests/bench/results/h100_sxm_2026-11-26_a.json).
     verdict = memory_verdict(_profile_cfg(), 0.0)
     assert verdict.budget == pytest.approx(85_017_493_504, rel=1e-4)
+
+
+def test_a_launch_within_the_error_warns_with_the_margin_and_goes_on(capsys):
+    row = next(r for r in EXPRESSIBLE if r.name == "torchtitan-8b-fsdp8")
+    cfg, plan = _row(row)
+    peak = max(e.total for e in predict_memory(cfg, plan))
+    budget_gb = peak / GIB / (1 + PUBLISHED_MEMORY_ERROR / 2)
+    tight = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"memory_budget_gb": budget_gb})})
+    assert check_memory(tight, plan) == []
+    err = capsys.readouterr().err
+    assert f"warning: memory may not fit: predicted {peak / GIB:.2f} GiB, budget {budget_gb:.2f} GiB" in err
+    assert f"measured error {PUBLISHED_MEMORY_ERROR:.0%} on {PUBLISHED_MEMORY_ROWS} published rows" in err
+    beyond = cfg.model_copy(update={"launch": cfg.launch.model_copy(
+        update={"memory_budget_gb": peak / GIB / (1 + PUBLISHED_MEMORY_ERROR) / 1.01})})
+    [issue] = check_memory(beyond, plan)
+    assert issue.path == "launch.memory_budget_gb" and "beyond the prediction's measured error of 60%" in issue.reason
+    # The fix names changes predicted not to be refused: full checkpointing brings the 8B row in.
+    assert "parallel.activation_checkpointing=full" in issue.fix
+    fixed = beyond.model_copy(update={"parallel": beyond.parallel.model_copy(update={"activation_checkpointing": "full"})})
+    assert check_memory(fixed, resolve_plan(fixed.parallel, fixed.mesh, build_model(fixed.model, device="meta"))) == []
