@@ -186,6 +186,13 @@ class PlanRank(BaseModel):
     process_bytes: float = Field(0.0, description="Bytes of the worker's runtime and, on CPU, of glibc's heap holes.")
     peak_bytes: float = Field(0.0, description="Predicted peak bytes per rank: weights + grads + AdamW + gathered + the "
                               "larger of (activations + backward) and the optimizer step's temporaries + process.")
+    peak_phase: str | None = Field(None, description="The moment of the step the peak is at: backward, gradient reduce "
+                                   "or optimizer step; null where the activations could not be predicted.")
+    terms_bytes: dict[str, float] | None = Field(None, description="The peak by named term (weights, optimizer_state, "
+                                                 "gradients, gathered_parameters, activations, recompute, logits_and_loss, "
+                                                 "backward_transient, gradient_reduce_buffers, optimizer_step_temporaries, "
+                                                 "runtime, allocator_slack), adding up to peak_bytes (docs/planning.md, "
+                                                 "Memory); null where the activations could not be predicted.")
 
 
 class PlanPictures(BaseModel):

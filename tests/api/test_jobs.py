@@ -117,6 +117,9 @@ def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
         body = plan.json()
         assert body["world_size"] == 8 and body["mesh_shape"] == [2, 2, 2] and body["dims"] == ["dp", "pp", "tp"]
         assert body["stage_boundaries"] == ["layers.2"] and len(body["per_pp_rank"]) == 2
+        for rank in body["per_pp_rank"]:  # the peak by named term (docs/planning.md, Memory)
+            assert rank["peak_phase"] in ("backward", "gradient reduce", "optimizer step")
+            assert sum(rank["terms_bytes"].values()) == pytest.approx(rank["peak_bytes"]) and rank["terms_bytes"]["weights"] > 0
         assert body["config"]["parallel"]["tensor_parallel"] == {"dim": "tp", "plan": "megatron", "sequence_parallel": False}
         by_overrides = bob.post("/v1/plans", json={"overrides": ["+parallel=3d", "mesh=[2,2,2]"]}).json()
         assert by_overrides["per_pp_rank"] == body["per_pp_rank"]

@@ -57,8 +57,10 @@ def test_the_state_and_gathered_terms_are_the_hand_computed_ones(plan_json):
     # FSDP2 keeps the root's parameters gathered (bf16) through forward and backward, and early in
     # backward one block, the next one prefetched and the all-gather buffer it is copied from.
     assert terms["gathered_parameters"] == pytest.approx((ROOT + 3 * BLOCK) * 2 / GIB, rel=1e-6)
-    # No accumulation: the gradients made in backward are in its transient, the sharded ones come after.
-    assert terms["gradients"] == 0 and terms["optimizer_step_temporaries"] == 0
+    # On a GPU the sharded fp32 gradients stay reserved for FSDP2's reduce-scatter stream, which made
+    # them, from one step to the next: they are there at backward's worst moment.
+    assert terms["gradients"] == pytest.approx(PARAMS * 4 / 8 / GIB, rel=1e-6)
+    assert terms["optimizer_step_temporaries"] == 0
 
 
 def test_the_logits_and_the_gpu_runtime_are_named(plan_json):

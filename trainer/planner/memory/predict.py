@@ -48,7 +48,7 @@ from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
 from trainer.planner.memory.pass_cache import PASSES, pass_key
-from trainer.planner.memory.layout import (checkpointed, expert_share, expert_split, fsdp2, gathered, in_flight_peak, on_cuda,
+from trainer.planner.memory.layout import (checkpointed, expert_share, expert_split, fsdp, fsdp2, gathered, in_flight_peak, on_cuda,
                                            passes_in_flight, replicate_reduce, stage_reduce)
 from trainer.planner.numbers import GIB, plan_numbers, stage_views
 
@@ -365,14 +365,20 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     # With accumulation (grad_accum, a pipeline's micro-batches) earlier passes' gradients are all there
     # beside later activations (MemoryEstimate.live adds them); else backward makes them as it frees
     # activations and the census gives both at its worst moment, FSDP keeping 1/shard once reduce-scattered.
-    accumulates = pp is not None or t.grad_accum > 1
+    # On a GPU, FSDP2 allocates each block's reduce-scatter output, of which the sharded gradients are
+    # views, on its reduce-scatter stream (torch.distributed.fsdp's foreach_reduce), and the caching
+    # allocator reuses a freed block only for the stream it was allocated on: from the second step on,
+    # the gradients the optimizer step freed stay reserved for that stream through the next forward and
+    # backward's worst moment, where this step's gradients are made again in the same blocks.
+    stream_held = on_cuda(cfg) and fsdp(plan) and pp is None
+    accumulates = pp is not None or t.grad_accum > 1 or stream_held
     keep = 0.0 if accumulates else 1.0 / shard if dp is not None and dp.mode != "ddp" else 1.0
     keep *= expert_share(plan, numbers)  # ep: the meta pass makes every expert's gradient, a rank 1/ep of them
     # A pipelined stage accumulates its micro-batches' gradients (FSDP2's unsharded: in_flight_peak);
     # FSDP2's sharded ones appear only as the stage's final reduce frees those, so beside the
     # activations they are there only from an earlier accumulation step.
     pipelined_fsdp = pp is not None and fsdp2(plan)
-    sharded_grads_in_backward = t.grad_accum > 1 and (pipelined_fsdp or pp is None)
+    sharded_grads_in_backward = (t.grad_accum > 1 and (pipelined_fsdp or pp is None)) or stream_held
     backward = saved["timeline"][saved["forward_ops"]:] or [(0.0, 0.0)]
     transient = max(0.0, max(a + keep * g for a, g in backward) - sum(saved["units"].values()))
     cpu = not on_cuda(cfg)
