@@ -79,11 +79,11 @@ def memory_budget(cfg: RunConfig) -> tuple[float, str]:
 
 
 def describe_estimate(e: MemoryEstimate) -> str:
-    p = e.parts
-    return (f"weights {e.params / GIB:.2f} + grads {e.grads / GIB:.2f} + AdamW {e.optimizer / GIB:.2f} + gathered "
-            f"{e.gathered / GIB:.2f} + activations {e.activations / GIB:.2f} GiB ({e.in_flight} micro-batch pass"
-            f"{'es' if e.in_flight != 1 else ''} in flight) + backward {p.transient / GIB:.2f} + process "
-            f"{e.process / GIB:.2f} GiB")
+    """The peak by named term (:meth:`MemoryEstimate.terms`), the zero ones left out:
+    ``weights 3.74 + optimizer state 7.48 + ... GiB at backward, 1 micro-batch pass in flight`` (MiB below 1 GiB)."""
+    scale, unit = (GIB, "GiB") if e.total >= GIB else (2**20, "MiB")  # a small model's terms in MiB
+    terms = " + ".join(f"{name.replace('_', ' ')} {value / scale:.2f}" for name, value in e.terms().items() if value)
+    return f"{terms} {unit} at {e.phase}, {e.in_flight} micro-batch pass{'es' if e.in_flight != 1 else ''} in flight"
 
 
 @dataclass(frozen=True)
