@@ -3,6 +3,7 @@
     python tests/bench/bench_profiles.py                       # every row the engine can express
     python tests/bench/bench_profiles.py --planner megatron2021  # also the auto-planner's own choice per row
     python tests/bench/bench_profiles.py --check gpu_check.json  # a step measured by gpu_profile_check.py
+    python tests/bench/bench_profiles.py --memory-terms        # the rows that publish memory, term by term
 
 For each row of :mod:`published` (tests/bench/published.py) the row's model, batch and layout are
 written as this project's config (``hardware=<the row's profile>``, ``launch.nnodes``, the mesh
@@ -209,12 +210,30 @@ def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def memory_terms(row: published.PublishedRun) -> str:
+    """The row's predicted peak by named term (GiB, the worst rank's: MemoryEstimate.terms) beside the
+    published memory, which torchtitan reads as torch.cuda.max_memory_reserved (MemoryEstimate.reserved)."""
+    cfg = row_config(row)
+    model = build_model(cfg.model, device="meta")
+    worst = max(predict_memory(cfg, resolve_plan(cfg.parallel, cfg.mesh, model), model=model), key=lambda e: e.total)
+    terms = ", ".join(f"{k} {v / GIB:.2f}" for k, v in worst.terms().items() if v)
+    published_gib = row.reported.peak_memory_gib
+    return (f"{row.name}: {terms} (at {worst.phase}); reserved {worst.reserved / GIB:.1f} GiB against {published_gib} "
+            f"published ({worst.reserved / GIB / published_gib - 1:+.1%}); total {worst.total / GIB:.1f} GiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="", help="only rows whose name starts with this")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--planner", default="", help="also run the auto-planner on the rows whose name starts with this")
+    parser.add_argument("--memory-terms", action="store_true", help="the rows that publish memory, term by term")
     args = parser.parse_args()
+    if args.memory_terms:
+        for row in published.rows():
+            if row.name.startswith(args.rows) and unsupported(row) is None and row.reported.peak_memory_gib:
+                print(memory_terms(row), flush=True)
+        return
     if args.planner:
         for row in published.rows():
             if row.name.startswith(args.planner) and unsupported(row) is None:
