@@ -294,7 +294,9 @@ class Search:
                 best = min(best, c.step_s)
         predicted = sorted((c for _, c, _, _ in valid if c.status == "slower"), key=lambda c: c.step_s)
         if predicted:
-            predicted[0].status, predicted[0].reason = "chosen", "chosen: fastest predicted to fit"
+            predicted[0].status = "chosen"
+            predicted[0].reason = ("chosen: fastest within the prediction's measured error of the budget"
+                                   if predicted[0].memory_note else "chosen: fastest predicted to fit")
             for c in predicted[1:]:
                 c.reason = slower_reason(c, predicted[0])
             for c in predicted:
