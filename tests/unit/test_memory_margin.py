@@ -97,7 +97,7 @@ def test_the_verdict_warns_within_the_margin_and_refuses_beyond():
     assert within.status == "may not fit" and not within.refused
     assert within.limit == pytest.approx(budget * (1 + PUBLISHED_MEMORY_ERROR))
     line = within.warning()
-    assert f"budget 10.00 GiB" in line and f"measured error {PUBLISHED_MEMORY_ERROR:.0%} on " \
+    assert "budget 10.00 GiB" in line and f"measured error {PUBLISHED_MEMORY_ERROR:.0%} on " \
         f"{PUBLISHED_MEMORY_ROWS} published rows" in line and "may not fit" in line
     assert memory_verdict(cfg, budget * (1 + PUBLISHED_MEMORY_ERROR) * 1.01).refused
 
