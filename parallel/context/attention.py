@@ -39,29 +39,22 @@ from parallel.context.layout import ContextShard
 from parallel.context.ring import fused_ring
 
 
-class _RingPass(torch.autograd.Function):
-    """Send a tensor to the next rank of the cp ring and receive the previous rank's; in backward,
-    the gradient goes the other way round (to the previous rank, from the next)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, group, step=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _shift(grad, ctx.group, step=-1), None
-
-
-def _shift(x: torch.Tensor, group: dist.ProcessGroup, *, step: int) -> torch.Tensor:
+def _start_shift(x: torch.Tensor, group: dist.ProcessGroup):
+    """Start sending ``x`` to the next rank of the cp ring and receiving the previous rank's; returns
+    a function that waits for both and gives what was received (the fused ring computes meanwhile)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(x)
     x = x.contiguous()
-    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=(rank + step) % size),
-           dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - step) % size)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
+    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % size),
+           dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size)]
+    works = dist.batch_isend_irecv(ops)
+
+    def wait() -> torch.Tensor:
+        for work in works:
+            work.wait()
+        return received
+
+    return wait
 
 
 def visible(q_index: torch.Tensor, k_index: torch.Tensor, *, causal: bool, q_doc: torch.Tensor | None = None,
@@ -141,7 +134,7 @@ def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs,
             return "skip"
         return None if bool(block.all()) else block
 
-    return fused_ring(q, k, v, masks=mask, send=lambda x: _RingPass.apply(x, shard.group), steps=shard.size,
+    return fused_ring(q, k, v, masks=mask, send=lambda x: _start_shift(x, shard.group), steps=shard.size,
                       scale=scale)
 
 
@@ -180,7 +173,7 @@ def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int
     half = slice(0, k.shape[2] // 2)
     if not merged or blocks <= 2:
         return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal else None,
-                          send=lambda x: x.clone(), steps=blocks, scale=scale)
+                          send=lambda x: (lambda c=x.clone(): c), steps=blocks, scale=scale)
     own, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
     keys = half if causal else slice(None)
     k_rest, v_rest = (x[:, :, keys].repeat(1, 1, blocks - 1, 1) for x in (k, v))

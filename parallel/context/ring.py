@@ -23,7 +23,7 @@ The kernel, per block (:func:`kernel_for`):
 * Anything else (fp32 on CUDA, a boolean mask there: packed documents): the same arithmetic by plain
   tensor operations, one block's scores alive while it is computed and none kept (:func:`_math_forward`).
 
-    out = fused_ring(q, k, v, masks=lambda step: None, send=lambda x: x.clone(), steps=4, scale=0.25)
+    out = fused_ring(q, k, v, masks=lambda step: None, send=lambda x: (lambda c=x.clone(): c), steps=4, scale=0.25)
 """
 
 from __future__ import annotations
@@ -45,12 +45,22 @@ _CUDA_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backwa
 BlockMask = Callable[[int], "torch.Tensor | tuple[slice, slice] | str | None"]
 
 
+# ``send(x)`` starts passing ``x`` to the next rank and receiving the previous rank's; it returns
+# a function that waits for the hop and gives what was received.
+Send = Callable[[torch.Tensor], Callable[[], torch.Tensor]]
+
+
 def fused_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masks: BlockMask,
-               send: Callable[[torch.Tensor], torch.Tensor], steps: int, scale: float) -> torch.Tensor:
+               send: Send, steps: int, scale: float) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, Tq, D]`` over ``steps`` K/V blocks: this rank's ``k``, ``v``
     ``[B, Hkv, Tk, D]`` and, at each later step, the block ``send`` receives for the one it passes on
     (the previous rank's). ``masks(step)`` is the step's :data:`BlockMask`. Returns ``[B, H, Tq, D]``
-    in ``q``'s dtype, differentiable in q, k and v (``send`` must be the same in backward)."""
+    in ``q``'s dtype, differentiable in q, k and v (``send`` must be the same in backward).
+
+    Each hop runs while a block is computed: a block is passed on as its attention starts (forward
+    and backward), and the K/V gradients of a block go on as the next block's backward starts, waited
+    for only when that block's gradients are added to them; only the last hop home is waited for
+    with nothing to compute (what :func:`trainer.planner.cost.comm.ring_exposed_s` prices)."""
     return _FusedRing.apply(q, k, v, masks, send, steps, scale)
 
 
@@ -61,9 +71,12 @@ class _FusedRing(torch.autograd.Function):
         kv = torch.stack((k, v))
         out = torch.zeros_like(q, dtype=acc)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        pending = None
         for step in range(steps):
             if step:
-                kv = send(kv)
+                kv = pending()
+            if step < steps - 1:
+                pending = send(kv)  # on its way to the next rank while this rank computes on it
             mask = masks(step)
             if isinstance(mask, str) and mask == "skip":
                 continue
@@ -89,21 +102,29 @@ class _FusedRing(torch.autograd.Function):
         kv = torch.stack((k, v))
         dq = torch.zeros_like(q, dtype=acc)
         dkv = torch.zeros_like(kv, dtype=acc)  # the gradient of the block held, travelling with it
+        kv_next = dkv_next = None
         for step in range(ctx.steps):
             if step:
-                kv, dkv = ctx.send(kv), ctx.send(dkv)
+                kv = kv_next()
+            if step < ctx.steps - 1:
+                kv_next = ctx.send(kv)
             mask = ctx.masks(step)
-            if isinstance(mask, str) and mask == "skip":
-                continue
             rows, cols, mask = _slices(mask)
-            _, backward = kernel_for(q, mask)
-            dq_block, dk_block, dv_block = backward(grad[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                    out[:, :, rows], lse[:, :, rows], mask, ctx.scale)
-            dq[:, :, rows] += dq_block
-            dkv[0, :, :, cols] += dk_block
-            dkv[1, :, :, cols] += dv_block
+            block = None
+            if not (isinstance(mask, str) and mask == "skip"):
+                _, backward = kernel_for(q, mask)
+                block = backward(grad[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                 out[:, :, rows], lse[:, :, rows], mask, ctx.scale)
+            if step:  # the held block's gradient so far, sent on by the rank that held it last step
+                dkv = dkv_next()
+            if block is not None:
+                dq[:, :, rows] += block[0]
+                dkv[0, :, :, cols] += block[1]
+                dkv[1, :, :, cols] += block[2]
+            if ctx.steps > 1:
+                dkv_next = ctx.send(dkv)  # after the last step a rank holds the next rank's block's: one more hop home
         if ctx.steps > 1:
-            dkv = ctx.send(dkv)  # after the last step a rank holds the next rank's block's: one more hop home
+            dkv = dkv_next()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 

@@ -21,7 +21,7 @@ def _inputs(heads=4, kv_heads=2, tokens=6, width=8):
 
 
 def _run(q, k, v, masks, steps=3):
-    out = fused_ring(q, k, v, masks=masks, send=lambda x: x.roll(1, dims=3), steps=steps, scale=0.3)
+    out = fused_ring(q, k, v, masks=masks, send=lambda x: (lambda r=x.roll(1, dims=3): r), steps=steps, scale=0.3)
     grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum(),
                                 (q, k, v))
     return out, grads
