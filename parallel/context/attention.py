@@ -170,13 +170,19 @@ def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int
     time model's pass at cp 512 runs 2 kernels a layer rather than 512; it leaves out the skipped
     calls' launches and merges, and holds ``blocks - 1`` blocks at once: no memory model's)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    half = slice(0, k.shape[2] // 2)
-    if not merged or blocks <= 2:
+    tokens = k.shape[2]
+    half = slice(0, tokens // 2)
+    if not merged or blocks <= 3:
         return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal else None,
                           send=lambda x: (lambda c=x.clone(): c), steps=blocks, scale=scale)
-    own, own_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+    # Merged: two steps, the second's block the received blocks' keys side by side (longer than the
+    # rank's own: a causal row's cp - 1 halves, cp - 1 > 2); the hop home gives back the own block's shape.
     keys = half if causal else slice(None)
-    k_rest, v_rest = (x[:, :, keys].repeat(1, 1, blocks - 1, 1) for x in (k, v))
-    rest, rest_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_rest, v_rest, 0.0, False, scale=scale)[:2]
-    total = torch.logaddexp(own_lse, rest_lse)
-    return (own * (own_lse - total).exp()[..., None] + rest * (rest_lse - total).exp()[..., None]).to(q.dtype)
+
+    def send(x):
+        if x.shape[3] == tokens:
+            return lambda c=x[:, :, :, keys].repeat(1, 1, 1, blocks - 1, 1): c
+        return lambda c=x[:, :, :, :tokens].clone(): c
+
+    return fused_ring(q, k, v, masks=lambda step: "causal" if causal and step == 0 else None, send=send, steps=2,
+                      scale=scale)

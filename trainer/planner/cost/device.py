@@ -42,6 +42,7 @@ pipeline bubble, plus what communication leaves exposed and the optimizer step:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import defaultdict
@@ -53,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from parallel.context import ring_alone
 from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan
 from trainer.config.hardware import HardwareProfile
@@ -63,6 +65,7 @@ from trainer.planner.cost.links import collective_seconds, group_link
 from trainer.planner.cost.model import _FLASH_CPU, StepTime, flash_flops, placed_params, unit_pass
 from trainer.planner.cost.reference import rank_units
 from trainer.planner.memory.layout import checkpointed
+from trainer.planner.memory.predict import RING_BLOCKS_PRICED
 
 # Views their schemas do not mark as aliases: no kernel runs.
 _FREE = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
@@ -192,7 +195,42 @@ def device_unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, spee
     costs: dict[str, DeviceCost] = defaultdict(DeviceCost)
     ring = plan.cp_size if plan.context_parallel is not None and plan.context_parallel.method == "ring" else 1
     unit_pass(cfg, plan, micro_batch, lambda where: _Pricer(costs, speed, where, ring=ring), model=model)
+    if ring > RING_BLOCKS_PRICED:  # the pass merged the received blocks: their steps' own work added here
+        forward, backward = _ring_steps_left_out(cfg, plan, micro_batch, speed)
+        for cost in costs.values():
+            if cost.attention_flops:  # a block: one attention, one ring
+                cost.forward_s += forward
+                cost.backward_s += backward
     return dict(costs)
+
+
+def _ring_steps_left_out(cfg: RunConfig, plan: ParallelPlan, micro: int, speed: DeviceSpeed) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of what the pass's merged ring (:data:`RING_BLOCKS_PRICED`) leaves
+    out of one block's ring: ``cp - 2`` received steps' launches and merges (their FLOPs are in the
+    merged call). One step's: a ring of 3 blocks less a ring of 2, priced on the rank's q, k, v with
+    attention's FLOPs free (a kernel call still costs its launch)."""
+    decoder = decoder_config(cfg.model)
+    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    tokens = cfg.train.seq_len // plan.cp_size
+    free = dataclasses.replace(speed, attention_flops=(math.inf, math.inf))
+
+    def priced(blocks: int) -> tuple[float, float]:
+        costs: dict[str, DeviceCost] = defaultdict(DeviceCost)
+        phase = ["forward"]
+        q = torch.empty(micro, decoder.n_heads // tp, tokens, decoder.head_width, device="meta", dtype=dtype,
+                        requires_grad=True)
+        k, v = (torch.empty(micro, max(1, decoder.num_kv_heads // tp), tokens, decoder.head_width, device="meta",
+                            dtype=dtype, requires_grad=True) for _ in range(2))
+        with _Pricer(costs, free, lambda: ("ring", phase[0])):
+            out = ring_alone(q, k, v, blocks=blocks, causal=True)
+            phase[0] = "backward"
+            out.backward(torch.empty_like(out))
+        return costs["ring"].forward_s, costs["ring"].backward_s
+
+    (f3, b3), (f2, b2) = priced(3), priced(2)  # a middle step: its block's hop on, its gradients' hop on
+    steps = plan.cp_size - 2
+    return steps * (f3 - f2), steps * (b3 - b2)
 
 
 @dataclass(frozen=True)
