@@ -142,3 +142,14 @@ def test_a_merged_rings_pass_prices_the_steps_it_leaves_out(monkeypatch):
         a, b = (sum(getattr(c, phase) for c in costs.values()) for costs in (merged, every))
         assert b <= a <= 1.05 * b
     assert sum(c.model_flops for c in merged.values()) == pytest.approx(sum(c.model_flops for c in every.values()))
+
+
+def test_hsdp_with_cp_is_prefetched_too():
+    """hsdp [2, 2] x cp [2]: the shard collectives ride dp_shard x cp (joined), prefetched as FSDP's;
+    only the last reduce-scatter and the replicate axis's all-reduce tail are exposed."""
+    cfg, plan = _plan("+parallel=hsdp", "mesh=[2,2,2]", "parallel.dims=[dp_replicate,dp_shard,cp]",
+                      "+parallel.context_parallel={dim: cp}")
+    step = predict_on_profile(cfg, plan, cfg.hardware)
+    key = "dp_replicate,dp_shard,cp"
+    assert step.exposed_s[key] < step.comm_s["dp_shard,cp"] / 5
+    assert "dp_shard,cp" not in step.exposed_s

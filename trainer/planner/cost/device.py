@@ -294,7 +294,8 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
     dp = plan.param_data_parallel  # FSDP over dp x cp: the cp ranks gather, reduce and shard as dp ranks
     shard = plan.mesh.size(dp.shard_dim_names) if dp else 1
     dp_axes = ",".join(dp.dim_names) if dp else None
-    dp_keys = {dp_axes, *dp.dim_names} if dp else set()  # joined, or one (hsdp)
+    # joined; hsdp's replicate axis and its shard axes (with a cp axis folded in: joined)
+    dp_keys = {dp_axes, *dp.dim_names, ",".join(dp.shard_dim_names)} if dp else set()
     step_s = _ring_step_s(cfg, plan, micro, speed)
     worst = None
     for rank, held in enumerate(rank_units(plan)):
