@@ -5,7 +5,9 @@
         op.axis, op.op, op.group_size, op.nbytes, op.count, op.seconds(calibration)
 
 Megatron tp all-reduces of activations, dp's gradient all-reduce or FSDP's all-gathers and
-reduce-scatters per FSDP unit, pp sends, ep's all-to-alls of the tokens routed to experts; each
+reduce-scatters per FSDP unit, pp sends, cp's K/V hops (the ring's; ``role`` "kv" / "kv_grad", which
+:func:`ring_exposed_s` sets against the attention blocks they overlap on a GPU profile) or all-gathers,
+ep's all-to-alls of the tokens routed to experts; each
 priced by the calibrated fit of its op and group size
 (:meth:`trainer.planner.cost.calibration.Calibration.collective_time`). :mod:`trainer.planner.cost.model`
 adds them to the step's compute (no overlap on CPU).

@@ -33,6 +33,10 @@ pipeline bubble, plus what communication leaves exposed and the optimizer step:
   after its last (torch's ``PipelineStage``): exposed;
 * pipeline sends and receives are asynchronous: in the steady state they hide behind other
   micro-batches' compute; the fill and the drain wait for ``2 (pp - 1)`` of them;
+* the cp ring's K/V hops travel while the ring's attention blocks compute: only what a hop takes
+  beyond its block's attention, and the K/V gradients' last hop home, are exposed
+  (:func:`trainer.planner.cost.comm.ring_exposed_s`); FSDP over dp x cp is FSDP like any other;
+  utilisation counts every cp rank's tokens;
 * AdamW is memory-bound: :data:`ADAMW_FOREACH_BYTES_PER_PARAM` per local parameter at the
   achieved HBM bandwidth (torch's foreach implementation, the default on CUDA, passes over the lists
   once per op).
@@ -171,7 +175,6 @@ class _Pricer(TorchDispatchMode):
             cost.forward_s += seconds
             cost.forward_flops += flops
         return out
-
 
     def _model_count(self, cost: DeviceCost, full: float, func, args, kwargs) -> float:
         """Utilisation's count of a forward attention call: its FLOPs unmasked. Under a causal cp ring
