@@ -9,8 +9,9 @@ see every key the full-sequence mask allows. Two ways, chosen by ``parallel.cont
 * ``ring``: K/V blocks travel around the ring of cp ranks, one hop per step; each rank attends its
   queries to the block it holds and merges the partial results by their log-sum-exp (online
   softmax), so only two blocks are alive at a time. A block nothing may see (a later rank's head
-  under a causal mask) is skipped. On CPU each block runs torch's fused kernel inside one autograd
-  Function that keeps nothing per block (:mod:`parallel.context.ring`).
+  under a causal mask) is skipped. Each block runs a fused attention kernel (CPU's flash kernel;
+  CUDA's flash kernel in bf16 / fp16) inside one autograd Function that keeps nothing per block
+  (:mod:`parallel.context.ring`).
 
 Both are differentiable end to end: K/V travel through autograd-aware communication (the ring's
 backward sends the K/V gradients the other way round; the all-gather's is a reduce-scatter), so the
@@ -35,32 +36,25 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from parallel.context.layout import ContextShard
-from parallel.context.ring import fused_ring, fused_ring_supported
+from parallel.context.ring import fused_ring
 
 
-class _RingPass(torch.autograd.Function):
-    """Send a tensor to the next rank of the cp ring and receive the previous rank's; in backward,
-    the gradient goes the other way round (to the previous rank, from the next)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, group, step=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _shift(grad, ctx.group, step=-1), None
-
-
-def _shift(x: torch.Tensor, group: dist.ProcessGroup, *, step: int) -> torch.Tensor:
+def _start_shift(x: torch.Tensor, group: dist.ProcessGroup):
+    """Start sending ``x`` to the next rank of the cp ring and receiving the previous rank's; returns
+    a function that waits for both and gives what was received (the fused ring computes meanwhile)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(x)
     x = x.contiguous()
-    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=(rank + step) % size),
-           dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - step) % size)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
+    ops = [dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % size),
+           dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size)]
+    works = dist.batch_isend_irecv(ops)
+
+    def wait() -> torch.Tensor:
+        for work in works:
+            work.wait()
+        return received
+
+    return wait
 
 
 def visible(q_index: torch.Tensor, k_index: torch.Tensor, *, causal: bool, q_doc: torch.Tensor | None = None,
@@ -129,9 +123,6 @@ def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs,
         return visible(q_index, shard.token_index(tl, rank=source, device=q.device), causal=causal, q_doc=doc,
                        k_doc=docs[source] if docs is not None else None)
 
-    if not fused_ring_supported(q):
-        return _ring_by_blocks(q, k, v, shard=shard, seen=seen, scale=scale)
-
     def mask(step: int):
         if doc is None and (not causal or step == 0):  # the whole block, or its own (positions rise: the triangle)
             return "causal" if causal else None
@@ -143,7 +134,7 @@ def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs,
             return "skip"
         return None if bool(block.all()) else block
 
-    return fused_ring(q, k, v, masks=mask, send=lambda x: _RingPass.apply(x, shard.group), steps=shard.size,
+    return fused_ring(q, k, v, masks=mask, send=lambda x: _start_shift(x, shard.group), steps=shard.size,
                       scale=scale)
 
 
@@ -165,63 +156,33 @@ def _causal_block(q_index: torch.Tensor, k_index: torch.Tensor):
     return visible(q_index, k_index, causal=True)
 
 
-def _ring_by_blocks(q, k, v, *, shard: ContextShard, seen, scale, send=None) -> torch.Tensor:
-    """The ring by plain tensor operations, autograd through every block (it keeps each block's
-    scores for backward): the path of devices :func:`fused_ring_supported` does not cover."""
-    bsz, heads, tl, dim = q.shape
-    kv_heads = k.shape[1]
-    # Grouped heads: [B, Hkv, rep, Tl, D] against [B, Hkv, 1, Tk, D], so K/V travel un-repeated.
-    # fp32 at least: the scores and the exp-sums of a bf16 run are accumulated as SDPA's kernels do.
-    acc = torch.promote_types(q.dtype, torch.float32)
-    grouped = q.to(acc).view(bsz, kv_heads, heads // kv_heads, tl, dim)
-    kv = torch.stack((k, v))
-    out = lse = None
-    for step in range(shard.size):
-        if step:
-            kv = send(kv) if send is not None else _RingPass.apply(kv, shard.group)
-        mask = seen(step)
-        # Step 0 (its own block) always holds every query's own key; a meta pass (ring_alone) sees all.
-        if step and mask.device.type != "meta" and not bool(mask.any()):
-            continue
-        block_out, block_lse = _block(grouped, kv[0].to(acc)[:, :, None], kv[1].to(acc)[:, :, None],
-                                      mask[:, None, None], scale)
-        out, lse = (block_out, block_lse) if out is None else _merge(out, lse, block_out, block_lse)
-    return out.view(bsz, heads, tl, dim).to(q.dtype)
-
-
 def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int, causal: bool = False,
-               scale: float | None = None, fused: bool = True) -> torch.Tensor:
+               scale: float | None = None, merged: bool = False) -> torch.Tensor:
     """The ring's arithmetic on one process, with its own K/V (a copy each step, as a received block)
     standing in for each of ``blocks`` blocks, nothing sent: what a cp rank's ring saves for backward
     and makes at its worst moment, for a memory and time model's pass on the meta device. Unmasked;
     ``causal``: with the shapes a causal mask gives the balanced split (the own block's triangle, then
-    every query over half of each other block's keys). ``fused=False``: the block-by-block path a
-    device without the fused ring runs (CUDA: every block's scores kept for backward). Not attention
-    over anything real."""
+    every query over half of each other block's keys). Not attention over anything real.
+
+    What the ring keeps and its worst moment do not grow with ``blocks`` (each step's block replaces
+    the last): a memory model counts ``min(cp, 3)`` blocks. ``merged``: the ``blocks - 1`` received
+    blocks as one kernel call over their keys side by side, the FLOPs of all of them in two calls (a
+    time model's pass at cp 512 runs 2 kernels a layer rather than 512; it leaves out the skipped
+    calls' launches and merges, and holds ``blocks - 1`` blocks at once: no memory model's)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if not fused:
-        every = torch.ones(1, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-        alone = ContextShard(rank=0, size=blocks, group=None)
-        return _ring_by_blocks(q, k, v, shard=alone, seen=lambda step: every, scale=scale, send=lambda x: x.clone())
-    half = slice(0, k.shape[2] // 2)
-    return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal else None,
-                      send=lambda x: x.clone(), steps=blocks, scale=scale)
+    tokens = k.shape[2]
+    half = slice(0, tokens // 2)
+    if not merged or blocks <= 3:
+        return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal else None,
+                          send=lambda x: (lambda c=x.clone(): c), steps=blocks, scale=scale)
+    # Merged: two steps, the second's block the received blocks' keys side by side (longer than the
+    # rank's own: a causal row's cp - 1 halves, cp - 1 > 2); the hop home gives back the own block's shape.
+    keys = half if causal else slice(None)
 
+    def send(x):
+        if x.shape[3] == tokens:
+            return lambda c=x[:, :, :, keys].repeat(1, 1, 1, blocks - 1, 1): c
+        return lambda c=x[:, :, :, :tokens].clone(): c
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``q`` over one K/V block: the block's normalised output and the
-    log-sum-exp of each query's scores (``-inf`` where the block holds no key it may see)."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = scores.logsumexp(dim=-1, keepdim=True)
-    # A query seeing nothing here: exp(-inf - 0) = 0 weights, not NaN (its lse stays -inf and weighs 0 in the merge).
-    probs = (scores - lse.masked_fill(lse.isneginf(), 0.0)).exp()
-    return probs @ v, lse
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two normalised partial softmax outputs as one: each weighed by its share of the total exp-sum."""
-    total = torch.logaddexp(lse, block_lse)
-    return out * (lse - total).exp() + block_out * (block_lse - total).exp(), total
+    return fused_ring(q, k, v, masks=lambda step: "causal" if causal and step == 0 else None, send=send, steps=2,
+                      scale=scale)

@@ -12,8 +12,8 @@ written as this project's config (``hardware=<the row's profile>``, ``launch.nno
 is set beside what the source reports: TFLOP/s per device counted with the source's own formula,
 or tokens/s per device, and peak memory where published. A GPT row (LayerNorm, GELU MLP of 4h)
 becomes the built-in Llama-family decoder with a SwiGLU MLP of 8h/3 (rounded to a multiple of 128,
-which tp splits evenly): the same matmul FLOPs and parameters within 1%. Rows the engine cannot express are listed with the reason (fp8 training, context
-parallelism). Nothing here is fitted to a row: the profiles' achieved rates come from kernel
+which tp splits evenly): the same matmul FLOPs and parameters within 1%. Rows the engine cannot express are listed with the reason (fp8 training); a cp row
+gets a ``cp`` axis (``parallel.context_parallel``, ring attention) between pp and tp. Nothing here is fitted to a row: the profiles' achieved rates come from kernel
 measurements or their cited sources; where a profile's constant was fitted to a row the profile
 says so, and that row is left out of the median.
 
@@ -48,8 +48,6 @@ MODES = {"ddp": "ddp", "zero1": "zero2", "fsdp": "fsdp"}  # zero1 (sharded optim
 def unsupported(row: published.PublishedRun) -> str | None:
     if row.layout.precision == "fp8":
         return "fp8 training is not modelled (the engine trains in fp32 or bf16)"
-    if row.layout.cp > 1:
-        return "no context parallelism (cp) axis yet"
     return None
 
 
@@ -70,12 +68,16 @@ def row_config(row: published.PublishedRun) -> RunConfig:
     dims, mesh = ["dp"], [lay.dp]
     if lay.pp > 1:
         dims, mesh = [*dims, "pp"], [*mesh, lay.pp]
+    if lay.cp > 1:  # inside pp, beside tp (torchtitan's mesh is [pp, dp, cp, tp])
+        dims, mesh = [*dims, "cp"], [*mesh, lay.cp]
     if lay.tp > 1:
         dims, mesh = [*dims, "tp"], [*mesh, lay.tp]
     parallel: dict = {"dims": dims, "data_parallel": {"dim": "dp", "mode": MODES[lay.data_parallel]},
                       "activation_checkpointing": checkpointing(row)}
     if lay.tp > 1:
         parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron", "sequence_parallel": lay.sequence_parallel}
+    if lay.cp > 1:  # the cp presets' axis: each row split over cp, ring attention
+        parallel["context_parallel"] = {"dim": "cp", "method": "ring"}
     if lay.pp > 1:
         micro = lay.micro_batch_size or 1
         v = lay.virtual_stages or 1
@@ -198,7 +200,7 @@ def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:
     for label, chosen in (("all rows", results), ("rows whose layout the source states in full", [
             r for r in results if r["stated"]])) + tuple((f"{group} rows", [r for r in results if r["row"].startswith(group)])
                                                          for group in ("megatron2021", "korthikanti", "megatron2024",
-                                                                       "torchtitan")):
+                                                                       "torchtitan", "llama3")):
         if not chosen:
             continue
         throughput = [abs(r["error"]) for r in chosen]

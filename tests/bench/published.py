@@ -405,6 +405,44 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
 )
 
 
+# --- Context parallelism in bf16: Llama 3 405B pre-training on H100 (Meta), one block of its own.
+LLAMA3_HERD = (
+    "Llama Team 2024, The Llama 3 Herd of Models, arXiv 2407.21783, Table 4 (scaling configurations "
+    "of Llama 3 405B pre-training), row '{row}', as transcribed from P. Balaji's SC'24 talk 'Herding "
+    "Llamas' in glennklockwood.com/garden/llama-3.1, section Hyperparameters (read 2026-11-29): GPUs, "
+    "TP, CP, PP, tokens per batch, TFLOP/s per GPU"
+)
+
+
+def _llama3_herd(row: str, devices: int, cp: int, seq: int, tflops: float) -> PublishedRun:
+    """A Table 4 row: Llama 3 405B (the torchtitan shape above), bf16 (the transcription: trained
+    in bfloat16), tp 8 and pp 16 as stated, dp the rest, 16M tokens a batch (2^24 / seq sequences)."""
+    tp, pp = 8, 16
+    return PublishedRun(
+        name=f"llama3-405b-{row}", source=LLAMA3_HERD.format(row=f"{devices} GPUs, CP {cp}"),
+        hardware="h100_sxm", model=replace(LLAMA31_405B, seq_len=seq),
+        layout=Layout(
+            devices=devices, nodes=devices // 8, tp=tp, pp=pp, dp=devices // (tp * pp * cp), cp=cp,
+            sequence_parallel=True, virtual_stages=None, micro_batch_size=None,
+            global_batch_size=2**24 // seq, precision="bf16", activation_checkpointing=None,
+            data_parallel="fsdp", pipeline_schedule="1F1B"),
+        reported=Reported(tflops_per_device=tflops, flops_kind="model",
+                          flops_formula="not stated in the transcription; the bench counts 6N + 12 l h s"),
+        notes="sequence length (not in the transcribed table): the paper's 8K initial stage and 128K "
+              "long-context stage (131,072 tokens), as ai-papers.xuzou.cn/papers/llama3_2024 summarises "
+              "the paper (read 2026-11-29), which also gives the GPUs: H100 at 700 W with 80 GB HBM3, 8 a "
+              "server on NVLink; micro-batch, pipeline schedule, checkpointing and the FSDP mode are not "
+              "in the sources read: 1F1B and FSDP are this bench's guesses",
+    )
+
+
+PUBLISHED_RUNS = PUBLISHED_RUNS + (
+    _llama3_herd("8k-gpus-cp1", 8192, 1, 8192, 430),
+    _llama3_herd("16k-gpus-cp1", 16384, 1, 8192, 400),
+    _llama3_herd("16k-gpus-cp16", 16384, 16, 131072, 380),
+)
+
+
 def rows(hardware: HardwareName | None = None) -> tuple[PublishedRun, ...]:
     """The published rows, or those measured on one hardware profile."""
     return tuple(r for r in PUBLISHED_RUNS if hardware is None or r.hardware == hardware)

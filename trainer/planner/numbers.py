@@ -165,12 +165,15 @@ def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int, elem: int) 
     layer, its K/V block (its tokens, its tp share of the kv heads). The ring passes a block one hop at
     each of ``cp - 1`` steps in forward and again in backward, where each block's gradient (fp32)
     travels with it and takes one more hop home (``cp`` hops); the all-gather sends its block to the
-    ``cp - 1`` others in forward and their gradients back in the reduce-scatter. A pipeline rank does
-    it for its stages' layers only."""
+    ``cp - 1`` others in forward and their gradients back in the reduce-scatter; a checkpointed block's
+    recomputed forward sends its K/V again. A pipeline rank does it for its stages' layers only."""
     cp = plan.cp_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     block = 2 * rows * (cfg.train.seq_len // cp) * decoder.num_kv_heads / tp * decoder.head_width
-    hops = 2 * (cp - 1) * block * elem
+    # A checkpointed block's forward runs again in backward, and its ring (or all-gather) with it.
+    ac, blocks = plan.activation_checkpointing, max(1, len(plan.blocks))
+    recomputed = 1.0 if ac == "full" else (blocks // plan.activation_checkpointing_every) / blocks if ac == "selective" else 0.0
+    hops = (2 + recomputed) * (cp - 1) * block * elem
     if plan.context_parallel.method == "ring":
         hops += cp * block * 4
     return decoder.n_layers / cfg.pp_size * hops

@@ -5,7 +5,9 @@
         op.axis, op.op, op.group_size, op.nbytes, op.count, op.seconds(calibration)
 
 Megatron tp all-reduces of activations, dp's gradient all-reduce or FSDP's all-gathers and
-reduce-scatters per FSDP unit, pp sends, ep's all-to-alls of the tokens routed to experts; each
+reduce-scatters per FSDP unit, pp sends, cp's K/V hops (the ring's; ``role`` "kv" / "kv_grad", which
+:func:`ring_exposed_s` sets against the attention blocks they overlap on a GPU profile) or all-gathers,
+ep's all-to-alls of the tokens routed to experts; each
 priced by the calibrated fit of its op and group size
 (:meth:`trainer.planner.cost.calibration.Calibration.collective_time`). :mod:`trainer.planner.cost.model`
 adds them to the step's compute (no overlap on CPU).
@@ -22,6 +24,7 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
 from trainer.planner.cost.calibration import Calibration
+from trainer.planner.memory.layout import checkpointed
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class CommOp:
     group_size: int
     nbytes: float
     count: float
+    role: str = ""  # "kv", "kv_grad": the cp ring's K/V hops and their gradients' (ring_exposed_s prices them)
 
     @property
     def sent_bytes(self) -> float:
@@ -80,8 +84,10 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
     decoder = decoder_config(cfg.model)
     act = micro_batch * t.seq_len // plan.cp_size * (decoder.dim if decoder else 0) * cdt
     if (cp := plan.context_parallel) is not None and plan.cp_size > 1 and decoder is not None:
+        blocks = [u for u in held if u in plan.blocks]
+        recomputed = len(checkpointed(plan) & set(blocks))  # a checkpointed block's forward runs its ring again
         ops += _kv_ops(cp, plan, decoder, micro_batch * t.seq_len // plan.cp_size, cdt,
-                       layers=sum(u in plan.blocks for u in held) * m * t.grad_accum)
+                       layers=len(blocks) * m * t.grad_accum, forwards=(len(blocks) + recomputed) * m * t.grad_accum)
     tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
     blocks = [u for u in held if u in plan.blocks]
     for axis in tp_axes:
@@ -99,17 +105,33 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
     return [op for op in ops if op.count > 0 and op.group_size > 1]
 
 
-def _kv_ops(cp, plan: ParallelPlan, decoder, tokens: int, cdt: int, layers: int) -> list[CommOp]:
-    """A cp rank's K/V traffic for ``layers`` block passes of ``tokens`` tokens (its share of the rows):
-    the ring sends its K/V block one hop at each of ``cp - 1`` steps in forward, again in backward, and
-    the blocks' gradients (fp32) ``cp`` hops; the all-gather gathers K/V in forward and reduce-scatters
-    their gradients in backward."""
+def _kv_ops(cp, plan: ParallelPlan, decoder, tokens: int, cdt: int, layers: int, forwards: int) -> list[CommOp]:
+    """A cp rank's K/V traffic for ``layers`` block passes of ``tokens`` tokens (its share of the rows),
+    ``forwards`` of them forward (a checkpointed block's twice): the ring sends its K/V block one hop at
+    each of ``cp - 1`` steps in forward, again in backward, and the blocks' gradients (fp32) ``cp``
+    hops; the all-gather gathers K/V in forward (a recomputed forward again) and reduce-scatters their
+    gradients in backward."""
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     g = plan.cp_size
     block = 2 * tokens * decoder.num_kv_heads / tp * decoder.head_width  # K and V elements
     if cp.method == "allgather":
-        return [CommOp(cp.dim, "all_gather", g, g * block * cdt, layers), CommOp(cp.dim, "reduce_scatter", g, g * block * cdt, layers)]
-    return [CommOp(cp.dim, "send_recv", 2, block * cdt, 2 * (g - 1) * layers), CommOp(cp.dim, "send_recv", 2, block * 4.0, g * layers)]
+        return [CommOp(cp.dim, "all_gather", g, g * block * cdt, forwards), CommOp(cp.dim, "reduce_scatter", g, g * block * cdt, layers)]
+    return [CommOp(cp.dim, "send_recv", 2, block * cdt, (g - 1) * (forwards + layers), role="kv"),
+            CommOp(cp.dim, "send_recv", 2, block * 4.0, g * layers, role="kv_grad")]
+
+
+def ring_exposed_s(cp: int, hop_s: float, grad_hop_s: float, forward_s: float, backward_s: float) -> tuple[float, float]:
+    """``(forward, backward)`` seconds one block pass's ring leaves exposed (``hop_s``: one K/V hop;
+    ``grad_hop_s``: one hop of their gradients; ``forward_s``, ``backward_s``: one block's attention,
+    i.e. one ring step's, forward and backward). As :func:`parallel.context.ring.fused_ring` runs it:
+    in forward each of the ``cp - 1`` hops travels while a block is computed; in backward the first
+    step's compute hides a K/V hop, the middle ``cp - 2`` steps' a K/V hop and the last step's gradients
+    together (one link, both ways at once), the last step's the gradients', and the gradients' last
+    hop home waits with nothing to hide behind."""
+    forward = (cp - 1) * max(0.0, hop_s - forward_s)
+    backward = (max(0.0, hop_s - backward_s) + (cp - 2) * max(0.0, hop_s + grad_hop_s - backward_s)
+                + max(0.0, grad_hop_s - backward_s) + grad_hop_s)
+    return forward, backward
 
 
 def tp_all_reduces_per_block(plan: ParallelPlan) -> int:

@@ -33,6 +33,10 @@ pipeline bubble, plus what communication leaves exposed and the optimizer step:
   after its last (torch's ``PipelineStage``): exposed;
 * pipeline sends and receives are asynchronous: in the steady state they hide behind other
   micro-batches' compute; the fill and the drain wait for ``2 (pp - 1)`` of them;
+* the cp ring's K/V hops travel while the ring's attention blocks compute: only what a hop takes
+  beyond its block's attention, and the K/V gradients' last hop home, are exposed
+  (:func:`trainer.planner.cost.comm.ring_exposed_s`); FSDP over dp x cp is FSDP like any other;
+  utilisation counts every cp rank's tokens;
 * AdamW is memory-bound: :data:`ADAMW_FOREACH_BYTES_PER_PARAM` per local parameter at the
   achieved HBM bandwidth (torch's foreach implementation, the default on CUDA, passes over the lists
   once per op).
@@ -42,6 +46,7 @@ pipeline bubble, plus what communication leaves exposed and the optimizer step:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import defaultdict
@@ -53,16 +58,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from parallel.context import ring_alone
 from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan
 from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
-from trainer.models import build_model
-from trainer.planner.cost.comm import comm_ops, unit_params
+from trainer.models import build_model, decoder_config
+from trainer.planner.cost.comm import comm_ops, ring_exposed_s, unit_params
 from trainer.planner.cost.links import collective_seconds, group_link
 from trainer.planner.cost.model import _FLASH_CPU, StepTime, flash_flops, placed_params, unit_pass
 from trainer.planner.cost.reference import rank_units
 from trainer.planner.memory.layout import checkpointed
+from trainer.planner.memory.predict import RING_BLOCKS_PRICED
 
 # Views their schemas do not mark as aliases: no kernel runs.
 _FREE = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
@@ -123,6 +130,7 @@ class DeviceCost:
     backward_flops: float = 0.0
     attention_flops: float = 0.0  # what the two lines above count for flash attention (causal half, recompute)
     attention_model_flops: float = 0.0  # the usual model count of it: 3 x its forward, causal or not
+    causal_ring: bool = False  # the unit's attention is a causal cp ring (its model count: the own block's)
 
     @property
     def model_flops(self) -> float:
@@ -133,9 +141,10 @@ class DeviceCost:
 class _Pricer(TorchDispatchMode):
     """Adds every op's predicted seconds on ``speed`` to ``costs[unit]``; views cost nothing."""
 
-    def __init__(self, costs: dict[str, DeviceCost], speed: DeviceSpeed, where) -> None:
+    def __init__(self, costs: dict[str, DeviceCost], speed: DeviceSpeed, where, *, ring: int = 1) -> None:
         super().__init__()
         self.costs, self.speed, self.where = costs, speed, where
+        self.ring = ring  # cp's ring size (1: none): see the model count below
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -145,7 +154,8 @@ class _Pricer(TorchDispatchMode):
             full, flops = flash_flops(func, args, kwargs)
             seconds = max(flops / self.speed.attention_flops[backward], self.speed.kernel_s)
             cost.attention_flops += flops
-            cost.attention_model_flops += 0.0 if backward else 3 * full
+            if not backward:
+                cost.attention_model_flops += 3 * self._model_count(cost, full, func, args, kwargs)
         elif func.overloadpacket in flop_registry:
             flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
             nbytes = _bytes(args, kwargs, out)
@@ -166,6 +176,17 @@ class _Pricer(TorchDispatchMode):
             cost.forward_flops += flops
         return out
 
+    def _model_count(self, cost: DeviceCost, full: float, func, args, kwargs) -> float:
+        """Utilisation's count of a forward attention call: its FLOPs unmasked. Under a causal cp ring
+        (the balanced split) the own block's call (causal) stands for the row, ``cp`` blocks of its
+        square; the other blocks' calls (half their keys each, or merged) count in it."""
+        if self.ring == 1:
+            return full
+        if flash_flops(func, args, kwargs)[1] < full:  # causal: the rank's own block
+            cost.causal_ring = True
+            return full * self.ring
+        return 0.0 if cost.causal_ring else full
+
 
 def _bytes(args, kwargs, out) -> float:
     return float(sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)))
@@ -175,8 +196,44 @@ def device_unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, spee
                       model: nn.Module | None = None) -> dict[str, DeviceCost]:
     """Per pipeline unit: predicted forward and backward seconds and FLOPs of one micro-batch."""
     costs: dict[str, DeviceCost] = defaultdict(DeviceCost)
-    unit_pass(cfg, plan, micro_batch, lambda where: _Pricer(costs, speed, where), model=model)
+    ring = plan.cp_size if plan.context_parallel is not None and plan.context_parallel.method == "ring" else 1
+    unit_pass(cfg, plan, micro_batch, lambda where: _Pricer(costs, speed, where, ring=ring), model=model)
+    if ring > RING_BLOCKS_PRICED:  # the pass merged the received blocks: their steps' own work added here
+        forward, backward = _ring_steps_left_out(cfg, plan, micro_batch, speed)
+        for cost in costs.values():
+            if cost.attention_flops:  # a block: one attention, one ring
+                cost.forward_s += forward
+                cost.backward_s += backward
     return dict(costs)
+
+
+def _ring_steps_left_out(cfg: RunConfig, plan: ParallelPlan, micro: int, speed: DeviceSpeed) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of what the pass's merged ring (:data:`RING_BLOCKS_PRICED`) leaves
+    out of one block's ring: ``cp - 2`` received steps' launches and merges (their FLOPs are in the
+    merged call). One step's: a ring of 3 blocks less a ring of 2, priced on the rank's q, k, v with
+    attention's FLOPs free (a kernel call still costs its launch)."""
+    decoder = decoder_config(cfg.model)
+    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    tokens = cfg.train.seq_len // plan.cp_size
+    free = dataclasses.replace(speed, attention_flops=(math.inf, math.inf))
+
+    def priced(blocks: int) -> tuple[float, float]:
+        costs: dict[str, DeviceCost] = defaultdict(DeviceCost)
+        phase = ["forward"]
+        q = torch.empty(micro, decoder.n_heads // tp, tokens, decoder.head_width, device="meta", dtype=dtype,
+                        requires_grad=True)
+        k, v = (torch.empty(micro, max(1, decoder.num_kv_heads // tp), tokens, decoder.head_width, device="meta",
+                            dtype=dtype, requires_grad=True) for _ in range(2))
+        with _Pricer(costs, free, lambda: ("ring", phase[0])):
+            out = ring_alone(q, k, v, blocks=blocks, causal=True)
+            phase[0] = "backward"
+            out.backward(torch.empty_like(out))
+        return costs["ring"].forward_s, costs["ring"].backward_s
+
+    (f3, b3), (f2, b2) = priced(3), priced(2)  # a middle step: its block's hop on, its gradients' hop on
+    steps = plan.cp_size - 2
+    return steps * (f3 - f2), steps * (b3 - b2)
 
 
 @dataclass(frozen=True)
@@ -224,7 +281,8 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     split = placed_params(plan)
     per_micro = sum(x.model_flops * (tp if split.get(u) else 1) for u, x in costs.items())
     sequences = t.global_batch_size
-    model_flops = per_micro * sequences / micro
+    # A cp rank's pass covers 1/cp of its micro-batch's tokens: the cp ranks together do the micro-batch.
+    model_flops = per_micro * plan.cp_size * sequences / micro
     return ProfileStep(total_s=total, compute_s=compute, bubble_s=span - compute, comm_s=comm, optimizer_s=optimizer,
                        traffic=traffic, tokens_per_step=sequences * t.seq_len, model_flops=model_flops,
                        devices=plan.mesh.world_size, peak_flops=profile.peak_flops(t.precision), exposed_s=exposed)
@@ -236,28 +294,39 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
     the pp rank whose communication and optimizer step leave the most on the critical path."""
     shape, names = plan.mesh.shape, plan.mesh.dim_names
     per_node = max(1, plan.mesh.world_size // cfg.launch.nnodes)  # the ranks one node runs (row-major)
-    shard = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
-    dp_axes = ",".join(plan.data_parallel.dim_names) if plan.data_parallel else None
-    dp_keys = {dp_axes, *plan.data_parallel.dim_names} if plan.data_parallel else set()  # joined, or one (hsdp)
+    dp = plan.param_data_parallel  # FSDP over dp x cp: the cp ranks gather, reduce and shard as dp ranks
+    shard = plan.mesh.size(dp.shard_dim_names) if dp else 1
+    dp_axes = ",".join(dp.dim_names) if dp else None
+    # joined; hsdp's replicate axis and its shard axes (with a cp axis folded in: joined)
+    dp_keys = {dp_axes, *dp.dim_names, ",".join(dp.shard_dim_names)} if dp else set()
+    step_s = _ring_step_s(cfg, plan, micro, speed)
     worst = None
     for rank, held in enumerate(rank_units(plan)):
         comm: dict[str, float] = defaultdict(float)
         exposed: dict[str, float] = defaultdict(float)
         traffic: dict[str, float] = defaultdict(float)
-        dp_s, tail = 0.0, 0.0
+        dp_s, tail, hops = 0.0, 0.0, {}
         for op in comm_ops(cfg, plan, held, params, micro):
             link = _link(shape, names, tuple(op.axis.split(",")), per_node)
             one = collective_seconds(profile, op.op, link, op.nbytes)
             comm[op.axis] += one * op.count
             traffic[op.axis] += op.sent_bytes
-            if op.op == "send_recv":
+            if op.role:  # the cp ring's hops: behind its attention blocks, below
+                hops[op.role] = (one, op.count)
+            elif op.op == "send_recv":
                 exposed[op.axis] += one * min(op.count, 2 * (plan.pp_size - 1) * cfg.train.grad_accum)
             elif op.axis in dp_keys:
                 dp_s += one * op.count
                 if op.op in ("reduce_scatter", "all_reduce"):
                     tail = max(tail, one)
-            else:  # tp: on the critical path
+            else:  # tp, the cp all-gather's K/V: on the critical path
                 exposed[op.axis] += one * op.count
+        if "kv" in hops:
+            g = plan.cp_size
+            (hop, count), (grad_hop, grad_count) = hops["kv"], hops["kv_grad"]
+            layers = grad_count / g  # block passes backward; forward: a checkpointed block's twice
+            forward, backward = ring_exposed_s(g, hop, grad_hop, *step_s)
+            exposed[plan.context_parallel.dim] += forward * (count / (g - 1) - layers) + backward * layers
         if dp_s:
             key = dp_axes or "dp"
             if plan.pipeline is not None:  # the stage gathers first and reduces last: nothing to hide behind
@@ -270,6 +339,20 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
         if worst is None or wait > worst[0]:
             worst = (wait, dict(comm), dict(exposed), dict(traffic), optimizer)
     return worst[1], worst[2], worst[3], worst[4]
+
+
+def _ring_step_s(cfg: RunConfig, plan: ParallelPlan, micro: int, speed: DeviceSpeed) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one cp ring step's attention: a rank's queries over one
+    block of keys (``seq / cp`` each), half of the square under the balanced causal split (the own
+    block's triangle; half of every other block's keys), backward 2.5 times forward (it recomputes
+    the scores) at the profile's attention rates, as the pass prices the ring's kernels."""
+    decoder = decoder_config(cfg.model)
+    if plan.cp_size == 1 or decoder is None:
+        return 0.0, 0.0
+    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    tokens = cfg.train.seq_len // plan.cp_size
+    flops = 4.0 * micro * decoder.n_heads / tp * tokens * tokens * decoder.head_width * 0.5
+    return flops / speed.attention_flops[0], 2.5 * flops / speed.attention_flops[1]
 
 
 @functools.lru_cache(maxsize=4096)

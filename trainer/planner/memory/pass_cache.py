@@ -6,7 +6,7 @@ same pass again and again under different layouts.
 
 :func:`pass_key` names everything :func:`trainer.planner.memory.predict.saved_activations` reads
 (the model's config, the row, the precision, the micro-batch, each tp-local shape, the units and
-blocks it counts in, the layouts that shard a norm's input, cp and ep, and whether the run is on CUDA); configs that agree on all
+blocks it counts in, the layouts that shard a norm's input, cp and ep); configs that agree on all
 of it get the same answer. A Hugging Face model is also what its ``config.json`` says: its text is
 part of the key.
 """
@@ -20,7 +20,6 @@ from pathlib import Path
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
-from trainer.planner.memory.layout import on_cuda
 
 
 def pass_key(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, attention: Callable) -> tuple | None:
@@ -37,8 +36,7 @@ def pass_key(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, attention: Ca
                             if any(p.is_shard for p in layout.input.values())))
     return (cfg.model.model_dump_json(), files, cfg.train.seq_len, cfg.train.precision, micro_batch, attention, placed,
             sp_norms, tuple(plan.units), tuple(plan.blocks), repr(plan.context_parallel), plan.cp_size,
-            repr(plan.expert_parallel), plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1,
-            on_cuda(cfg))  # the cp ring's path
+            repr(plan.expert_parallel), plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
 
 
 class PassCache:

@@ -175,18 +175,27 @@ class AttentionKernel(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# A time model's pass runs the ring's every block up to this cp size (each its kernel launches and
+# merge, as the ring runs them); beyond it, the received blocks as one call (ring_alone's ``merged``):
+# a pass of gpt_175b at cp 64 would otherwise dispatch 64 blocks' ops in each of 96 layers.
+RING_BLOCKS_PRICED = 8
+
+
 def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan, *,
-                  fused: bool = True) -> Callable[..., torch.Tensor]:
+                  memory: bool = False) -> Callable[..., torch.Tensor]:
     """Context parallelism: a rank's queries over the whole row, by the ring's arithmetic over cp blocks
-    (:func:`parallel.context.ring_alone`; ``fused=False``: block by block, as CUDA runs it) or by
-    ``kernel`` over K/V repeated to the row (the all-gather's)."""
+    (:func:`parallel.context.ring_alone`: every device runs the fused ring; ``memory``: 3 blocks at
+    most, which keep and peak at what cp blocks do) or by ``kernel`` over K/V repeated to the row (the
+    all-gather's)."""
     cp = plan.cp_size
     if cp == 1:
         return kernel
 
     def attend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if plan.context_parallel.method == "ring":
-            return ring_alone(q, k, v, blocks=cp, causal=is_causal, scale=scale, fused=fused)
+            if memory:
+                return ring_alone(q, k, v, blocks=min(cp, 3), causal=is_causal, scale=scale)
+            return ring_alone(q, k, v, blocks=cp, causal=is_causal, scale=scale, merged=cp > RING_BLOCKS_PRICED)
         k, v = k.repeat(1, 1, cp, 1), v.repeat(1, 1, cp, 1)
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
         return kernel(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
@@ -311,8 +320,8 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         x = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
     census = _Census(model, share)
-    # The fused ring runs on CPU only (parallel.context.ring): a CUDA run keeps every block's scores.
-    with AttentionKernel(_over_the_row(attention, plan, fused=not on_cuda(cfg))), census:
+    # Every device runs the fused ring (parallel.context.ring): q, k, v, the output and log-sum-exp kept.
+    with AttentionKernel(_over_the_row(attention, plan, memory=True)), census:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
             # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
