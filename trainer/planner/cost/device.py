@@ -141,6 +141,7 @@ class _Pricer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         unit, phase = self.where()
         cost, backward = self.costs[unit], phase == "backward"
+        share = self.where.share() if hasattr(self.where, "share") else 1.0  # sequence parallel: 1/tp of the rows
         if func in _FLASH_CPU:
             full, flops = flash_flops(func, args, kwargs)
             seconds = max(flops / self.speed.attention_flops[backward], self.speed.kernel_s)
@@ -155,7 +156,7 @@ class _Pricer(TorchDispatchMode):
         elif func.overloadpacket in _FREE:
             return out
         elif not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
-            flops, seconds = 0.0, self.speed.memory_s(_bytes(args, kwargs, out))
+            flops, seconds = 0.0, self.speed.memory_s(_bytes(args, kwargs, out) * share)
         else:
             return out
         if backward:
@@ -206,17 +207,19 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     costs = costs if costs is not None else device_unit_costs(cfg, plan, micro, speed, model=model)
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
     wrapped = checkpointed(plan)  # full: every block; selective: every n-th
-    busy = []
+    busy, per_micro = [], []
     for held in rank_units(plan):
         c = [costs.get(u, DeviceCost()) for u in held]
-        forward = sum(x.forward_s * (2 if u in wrapped else 1) for u, x in zip(held, c))
-        busy.append((forward + sum(x.backward_s for x in c)) * passes)
+        forward = sum(x.forward_s for x in c)
+        backward = sum(x.backward_s + (x.forward_s if u in wrapped else 0.0) for u, x in zip(held, c))
+        busy.append((forward + backward) * passes)
+        per_micro.append((forward, backward))
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
     compute = max(busy)
     span = compute / (1.0 - bubble) if bubble < 1 else math.inf
     params = params if params is not None else unit_params(plan, model)
-    comm, exposed, traffic, optimizer = _waits(cfg, plan, profile, params, micro, busy, speed)
+    comm, exposed, traffic, optimizer = _waits(cfg, plan, profile, params, micro, busy, speed, per_micro)
     total = span + sum(exposed.values()) + optimizer
     # Model FLOPs count each matmul once: a unit whose parameters tp splits did 1/tp of it on this rank;
     # a unit tp leaves whole (the Megatron plan's output head) did all of it on every tp rank.
@@ -231,20 +234,23 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
 
 
 def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params: dict, micro: int,
-           busy: list[float], speed: DeviceSpeed):
+           busy: list[float], speed: DeviceSpeed, per_micro: list[tuple[float, float]] | None = None):
     """``(comm seconds per axis, exposed seconds per axis, bytes sent per axis, optimizer seconds)`` of
-    the pp rank whose communication and optimizer step leave the most on the critical path."""
+    the pp rank whose communication and optimizer step leave the most on the critical path.
+    ``per_micro``: each pp rank's forward and backward seconds of one micro-batch (what a pipelined
+    stage's gathers and reduces can hide behind); ``None``: as much as there is (a lower bound)."""
     shape, names = plan.mesh.shape, plan.mesh.dim_names
     per_node = max(1, plan.mesh.world_size // cfg.launch.nnodes)  # the ranks one node runs (row-major)
     shard = plan.mesh.size(plan.data_parallel.shard_dim_names) if plan.data_parallel else 1
     dp_axes = ",".join(plan.data_parallel.dim_names) if plan.data_parallel else None
     dp_keys = {dp_axes, *plan.data_parallel.dim_names} if plan.data_parallel else set()  # joined, or one (hsdp)
-    worst = None
+    key = dp_axes or "dp"
+    ranks = []
     for rank, held in enumerate(rank_units(plan)):
         comm: dict[str, float] = defaultdict(float)
         exposed: dict[str, float] = defaultdict(float)
         traffic: dict[str, float] = defaultdict(float)
-        dp_s, tail = 0.0, 0.0
+        gathers, first, reduces, tail = 0.0, 0.0, 0.0, 0.0
         for op in comm_ops(cfg, plan, held, params, micro):
             link = _link(shape, names, tuple(op.axis.split(",")), per_node)
             one = collective_seconds(profile, op.op, link, op.nbytes)
@@ -253,23 +259,60 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
             if op.op == "send_recv":
                 exposed[op.axis] += one * min(op.count, 2 * (plan.pp_size - 1) * cfg.train.grad_accum)
             elif op.axis in dp_keys:
-                dp_s += one * op.count
-                if op.op in ("reduce_scatter", "all_reduce"):
+                if op.op == "all_gather":
+                    gathers += one * op.count
+                    first = max(first, one)
+                else:
+                    reduces += one * op.count
                     tail = max(tail, one)
-            else:  # tp: on the critical path
+            else:  # tp: the engine's tensor-parallel styles are synchronous, nothing overlaps them
                 exposed[op.axis] += one * op.count
-        if dp_s:
-            key = dp_axes or "dp"
-            if plan.pipeline is not None:  # the stage gathers first and reduces last: nothing to hide behind
-                exposed[key] += dp_s
-            else:  # prefetched / bucketed behind the passes' compute, the last reduce excepted
-                exposed[key] += max(dp_s - busy[rank], 0.0) + min(tail, dp_s)
+        if plan.pipeline is None and gathers + reduces:  # prefetched / bucketed behind compute, the last reduce excepted
+            dp_s = gathers + reduces
+            exposed[key] += max(dp_s - busy[rank], 0.0) + min(tail, dp_s)
         numel = sum(params[u][0] for u in held)
         optimizer = numel / shard * ADAMW_FOREACH_BYTES_PER_PARAM / speed.memory_bytes
-        wait = sum(exposed.values()) + optimizer
-        if worst is None or wait > worst[0]:
-            worst = (wait, dict(comm), dict(exposed), dict(traffic), optimizer)
-    return worst[1], worst[2], worst[3], worst[4]
+        ranks.append((comm, exposed, traffic, optimizer, gathers, first, reduces))
+    if plan.pipeline is not None and any(r[4] + r[6] for r in ranks):
+        dp_s = pipelined_dp_exposed([r[4:7] for r in ranks], per_micro, plan.pipeline.stages_per_rank)
+        for r in ranks:  # the whole pipeline waits for it: every rank's step ends with it
+            r[1][key] += dp_s * cfg.train.grad_accum
+    worst = max(ranks, key=lambda r: sum(r[1].values()) + r[3])
+    return dict(worst[0]), dict(worst[1]), dict(worst[2]), worst[3]
+
+
+def pipelined_dp_exposed(ranks: list[tuple[float, float, float]], per_micro: list[tuple[float, float]] | None,
+                         chunks: int) -> float:
+    """Seconds a pipeline's data-parallel collectives add to one accumulation pass, as torch 2.13's
+    pipelining runs FSDP2 and replicate. ``ranks``: per pp rank in order, ``(all-gather seconds,
+    its largest single all-gather, reduce seconds)``; ``per_micro``: per rank ``(forward, backward)``
+    seconds of one micro-batch over all its ``chunks`` stages (``None``: unbounded, a lower bound).
+
+    * Gathers: parameters stay gathered across micro-batches (``reshard_after_forward=False``), so a
+      stage gathers during its first micro-batch's forward, each unit's all-gather prefetched behind
+      the unit before it, and before that input arrives (NCCL's waits hold the stream, not the host):
+      rank ``r`` starts its first chunk's forward when rank ``r-1``'s is done and its own largest
+      gather is in, and ends it no sooner than all its gathers are. What this delays the fill by is exposed.
+    * Reduces: ``PipelineStage`` runs every backward without gradient sync and reduces a stage's
+      gradients after its last backward (``perform_reduce_grad``: every FSDP unit's reduce-scatter, or
+      replicate's all-reduce, then the compute stream waits for them). Nothing hides them behind the
+      last micro-batches' backward on the same rank (Megatron's overlap-grad-reduce would); only the
+      drain does: rank ``r`` finishes its last backward while ranks ``r-1 .. 0`` still run theirs
+      (one chunk each), so the step waits ``max_r(reduce_r - sum_{q<r} backward_q / chunks)``; rank 0's
+      reduce is always exposed.
+    """
+    reduce_wait, slack = 0.0, 0.0
+    for r, (_, _, reduces) in enumerate(ranks):
+        reduce_wait = max(reduce_wait, reduces - slack)
+        slack += math.inf if per_micro is None else per_micro[r][1] / chunks
+    if per_micro is None:
+        return reduce_wait
+    end, baseline = 0.0, 0.0
+    for (gathers, first, _), (forward, _) in zip(ranks, per_micro):
+        chunk = forward / chunks
+        end = max(max(end, first) + chunk, gathers)
+        baseline += chunk
+    return max(end - baseline, 0.0) + reduce_wait
 
 
 @functools.lru_cache(maxsize=4096)
