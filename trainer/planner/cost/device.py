@@ -26,11 +26,18 @@ pipeline bubble, plus what communication leaves exposed and the optimizer step:
 * each collective of :func:`trainer.planner.cost.comm.comm_ops` is priced on the link its mesh
   axes ride (:mod:`trainer.planner.cost.links`: NVLink inside a node, the NICs across nodes,
   hierarchical for a group that spans both);
-* tp's activation all-reduces sit on the critical path (exposed);
-* FSDP2 prefetches its all-gathers and reduce-scatters behind compute, as does ddp's bucketed
-  all-reduce behind backward: only what does not fit behind the passes' compute, plus the last
-  unit's reduce, is exposed. A pipelined stage gathers before its first micro-batch and reduces
-  after its last (torch's ``PipelineStage``): exposed;
+* tp's collectives sit on the critical path (exposed): the engine's tensor-parallel styles
+  (``torch.distributed.tensor.parallel``, in eager and in the per-block ``torch.compile``) wait for
+  each one before the next matmul; it has no async tensor parallelism (Inductor's
+  ``_micro_pipeline_tp`` over symmetric memory, which would overlap them), so nothing hides them.
+  With sequence parallelism each all-reduce is a reduce-scatter and an all-gather, and the blocks'
+  norms and residual adds work on the rank's 1/tp of the rows (:func:`trainer.planner.cost.model.unit_pass`);
+* FSDP2 prefetches its all-gathers and reduce-scatters behind compute: only what does not fit
+  behind the passes' compute, plus the last unit's reduce, is exposed (ddp is FSDP2's replicate on
+  the whole model, one unit: its one all-reduce comes after backward, all of it exposed). A pipelined
+  stage gathers during its first micro-batch and reduces after its last backward (torch's
+  ``PipelineStage.perform_reduce_grad``), which only the fill and the drain hide
+  (:func:`pipelined_dp_exposed`);
 * pipeline sends and receives are asynchronous: in the steady state they hide behind other
   micro-batches' compute; the fill and the drain wait for ``2 (pp - 1)`` of them;
 * AdamW is memory-bound: :data:`ADAMW_FOREACH_BYTES_PER_PARAM` per local parameter at the
