@@ -155,3 +155,24 @@ def test_sequence_parallel_norms_and_residual_adds_run_on_a_quarter_of_the_rows(
     assert seen[("forward", "silu")] == seen[("backward", "silu_backward")] == {1.0}
     plain = _shares("+parallel=tp", "mesh=[4]")
     assert set().union(*plain.values()) == {1.0}
+
+
+@pytest.mark.parametrize("extra", [
+    ["parallel.tensor_parallel.sequence_parallel=true"],
+    ["parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.stages_per_rank=2", "parallel.data_parallel.mode=zero2"],
+    ["parallel.data_parallel.mode=ddp", "parallel.activation_checkpointing=full"],
+])
+def test_the_lower_bound_stays_under_the_prediction_with_these_terms(extra):
+    """The planner prunes by :func:`lower_bound_on_profile`: sequence parallelism, an interleaved
+    pipeline's gathers and reduces, ddp in a pipeline must never push it above the prediction."""
+    from parallel.plan.spec import ParallelPlan
+    from trainer.planner.cost.device import lower_bound_on_profile
+    from trainer.planner.cost.model import unit_costs
+
+    cfg, plan = _plan("+parallel=3d", "launch.nnodes=2", "mesh=[4,2,2]", *extra)
+    model = build_model(cfg.model, device="meta")
+    one = ParallelPlan(units=plan.units, blocks=plan.blocks)
+    flops = sum(c.forward.matmul_flops + c.backward.matmul_flops for c in unit_costs(cfg, one, 1, model=model).values())
+    bound = lower_bound_on_profile(cfg, plan, cfg.hardware, unit_params(plan, model), flops)
+    step = predict_on_profile(cfg, plan, cfg.hardware, model=model)
+    assert 0 < bound <= step.total_s
