@@ -9,7 +9,10 @@
   shapes: every matmul's FLOPs (torch's own flop formulas; CPU flash attention by its two matmuls,
   halved when causal) and every other op's bytes read and written. Each call costs the
   calibration's per-call latency plus its size over the calibrated rate (:mod:`trainer.planner.calibration.probe`).
-  Activation checkpointing adds a checkpointed block's forward again to its backward.
+  Activation checkpointing adds a checkpointed block's forward again to its backward. With sequence
+  parallelism a block's norms and residual adds run on the rank's 1/tp of the rows: the pass tells
+  a pricer so (``where.share()``), forward and backward, and a hardware profile prices their bytes
+  at that share (:mod:`trainer.planner.cost.device`).
 * Communication per rank and step (:func:`trainer.planner.cost.comm.comm_ops`): Megatron tp all-reduces
   of activations, dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP
   unit, pp sends; each priced by the calibrated fit of its op and group size.
@@ -52,7 +55,7 @@ from parallel.plan.spec import ParallelPlan, owning_unit
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.cost.calibration import Calibration
-from trainer.planner.cost.comm import comm_ops, unit_params
+from trainer.planner.cost.comm import comm_ops, sequence_parallel_axes, unit_params
 from trainer.planner.cost.reference import rank_units, with_reference_costs
 from trainer.planner.memory.predict import (  # the memory model's meta-pass helpers
     AttentionKernel,
@@ -170,7 +173,7 @@ class _Where:
 
 def sequence_share(plan: ParallelPlan) -> float:
     """``1 / tp`` of the axes a sequence-parallel plan shards the blocks' norms' inputs over; 1 without."""
-    axes = {a for layout in plan.layouts.values() for a, pl in layout.input.items() if pl.is_shard}
+    axes = sequence_parallel_axes(plan)
     return 1.0 / plan.mesh.size(sorted(axes)) if axes else 1.0
 
 
