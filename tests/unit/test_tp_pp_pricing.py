@@ -88,7 +88,25 @@ def test_the_bubble_takes_the_chunks_each_rank_holds(schedule, v):
     assert sorted(u for units in held for u in units) == sorted(plan.units)
     bubble = 3 / (v * 8 + 3)
     step = predict_on_profile(cfg, plan, cfg.hardware)
-    assert step.bubble_s == pytest.approx(step.compute_s * bubble / (1 - bubble))
+    # The fill and drain pass the other ranks at their own pace: the bubble is b / (1 - b) of their mean
+    from trainer.planner.cost.device import DeviceSpeed, device_unit_costs
+
+    costs = device_unit_costs(cfg, plan, cfg.micro_batch_size, DeviceSpeed.of(cfg.hardware, "bf16"))
+    busy = sorted(8 * sum(costs[u].forward_s + costs[u].backward_s for u in units if u in costs) for units in held)
+    assert step.compute_s == pytest.approx(busy[-1])
+    assert step.bubble_s == pytest.approx(bubble / (1 - bubble) * sum(busy[:-1]) / 3)
+    assert step.bubble_s < step.compute_s * bubble / (1 - bubble)  # the head's rank is the busiest
+
+
+def test_the_bubble_of_unequal_stages_passes_each_rank_at_its_pace():
+    """1F1B over p = 3 ranks, m = 4: stages of 1, 1 and 2 s per micro-batch take (m-1) t_max + sum t_r
+    = 3 x 2 + 4 = 10 s, busiest 8 s: 2 s of bubble, (p-1)/m = 1/2 of the other ranks' mean (4 s)."""
+    from trainer.planner.cost.device import pipeline_bubble_s
+
+    b = 2 / (4 + 2)
+    assert pipeline_bubble_s([4.0, 4.0, 8.0], b) == pytest.approx(2.0)
+    assert pipeline_bubble_s([8.0, 8.0, 8.0], b) == pytest.approx(8.0 * b / (1 - b))  # equal: the theory
+    assert pipeline_bubble_s([8.0], 0.0) == 0.0
 
 
 def test_a_pipelined_stages_reduce_hides_only_behind_the_drain():

@@ -20,8 +20,9 @@ priced on the profile as it goes:
 * every other op by its bytes read and written at the achieved fraction of HBM bandwidth;
 * each kernel at least ``achieved.kernel_s`` (launch and the eager framework's dispatch).
 
-A step is the busiest pp rank's passes (a checkpointed block's forward twice) stretched by the
-pipeline bubble, plus what communication leaves exposed and the optimizer step:
+A step is the busiest pp rank's passes (a checkpointed block's forward twice) and the pipeline's
+bubble (:func:`pipeline_bubble_s`: the fill and drain at each stage's own pace), plus what
+communication leaves exposed and the optimizer step:
 
 * each collective of :func:`trainer.planner.cost.comm.comm_ops` is priced on the link its mesh
   axes ride (:mod:`trainer.planner.cost.links`: NVLink inside a node, the NICs across nodes,
@@ -224,7 +225,7 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
     compute = max(busy)
-    span = compute / (1.0 - bubble) if bubble < 1 else math.inf
+    span = compute + pipeline_bubble_s(busy, bubble) if bubble < 1 else math.inf
     params = params if params is not None else unit_params(plan, model)
     comm, exposed, traffic, optimizer = _waits(cfg, plan, profile, params, micro, busy, speed, per_micro)
     total = span + sum(exposed.values()) + optimizer
@@ -238,6 +239,22 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     return ProfileStep(total_s=total, compute_s=compute, bubble_s=span - compute, comm_s=comm, optimizer_s=optimizer,
                        traffic=traffic, tokens_per_step=sequences * t.seq_len, model_flops=model_flops,
                        devices=plan.mesh.world_size, peak_flops=profile.peak_flops(t.precision), exposed_s=exposed)
+
+
+def pipeline_bubble_s(busy: list[float], bubble: float) -> float:
+    """The seconds a pipeline idles beyond its busiest rank's ``max(busy)``, for a schedule whose bubble
+    fraction with equal stages is ``bubble`` (:func:`parallel.pipeline.order.expected_bubble`).
+
+    With equal stages of ``t`` per micro-batch, 1F1B takes ``(m + p - 1) t``: the steady state's
+    ``m t`` plus the fill and drain's ``(p - 1) t``, ``bubble / (1 - bubble)`` of the busy time. With
+    unequal stages the steady state goes at the busiest rank's pace but the fill and drain pass through
+    every other rank at its own: 1F1B takes ``(m - 1) t_max + sum_r t_r``. So the idle time is
+    ``bubble / (1 - bubble)`` times the mean of the other ranks' busy time, not the busiest's (the same
+    for equal stages; ``1 / v`` of it for v interleaved chunks, as the fraction already says)."""
+    if len(busy) < 2 or bubble <= 0:
+        return 0.0
+    others = sorted(busy)[:-1]
+    return bubble / (1.0 - bubble) * sum(others) / len(others)
 
 
 def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params: dict, micro: int,
