@@ -4,7 +4,8 @@
     for op in comm_ops(cfg, plan, held=plan.units, params=params, micro_batch=2):
         op.axis, op.op, op.group_size, op.nbytes, op.count, op.seconds(calibration)
 
-Megatron tp all-reduces of activations, dp's gradient all-reduce or FSDP's all-gathers and
+Megatron tp all-reduces of activations (with sequence parallelism, a reduce-scatter and an all-gather in
+place of each), dp's gradient all-reduce or FSDP's all-gathers and
 reduce-scatters per FSDP unit, pp sends, cp's K/V hops (the ring's; ``role`` "kv" / "kv_grad", which
 :func:`ring_exposed_s` sets against the attention blocks they overlap on a GPU profile) or all-gathers,
 ep's all-to-alls of the tokens routed to experts; each
@@ -90,10 +91,18 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
                        layers=len(blocks) * m * t.grad_accum, forwards=(len(blocks) + recomputed) * m * t.grad_accum)
     tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
     blocks = [u for u in held if u in plan.blocks]
+    sp_axes = sequence_parallel_axes(plan)
     for axis in tp_axes:
         if (g := plan.mesh.size(axis)) > 1 and decoder is not None:
-            count = tp_all_reduces_per_block(plan) * len(blocks) * m * t.grad_accum
-            ops.append(CommOp(axis, "all_reduce", g, act, count))
+            count = tp_collectives(plan, blocks) * m * t.grad_accum
+            if axis in sp_axes:  # each all-reduce's place taken by an all-gather and a reduce-scatter
+                # Each stage's run of blocks gathers its output (forward) and its first block's scatter
+                # of the input gathers the gradient (backward: DTensor's redistribute back to Replicate).
+                runs = (pp.stages_per_rank if pp is not None else 1) * m * t.grad_accum if blocks else 0
+                ops.append(CommOp(axis, "all_gather", g, act, count + 2 * runs))
+                ops.append(CommOp(axis, "reduce_scatter", g, act, count))
+            else:
+                ops.append(CommOp(axis, "all_reduce", g, act, count))
     if pp is not None and plan.pp_size > 1:
         ops.append(CommOp(pp.dim, "send_recv", 2, act, 2 * pp.stages_per_rank * m * t.grad_accum))
     if (ep := plan.expert_parallel) is not None and decoder is not None and decoder.moe is not None:
@@ -139,6 +148,26 @@ def tp_all_reduces_per_block(plan: ParallelPlan) -> int:
     row-parallel outputs in forward, their column-parallel inputs' gradients in backward; a
     checkpointed block's forward runs twice."""
     return 4 + 2 * (plan.activation_checkpointing == "full")
+
+
+def tp_collectives(plan: ParallelPlan, blocks: list[str]) -> int:
+    """The tp collectives of one kind that ``blocks`` run per micro-batch: four per block (attention's
+    and the MLP's row-parallel outputs in forward, their column-parallel inputs' gradients in
+    backward), two more for each block activation checkpointing wraps (its forward runs again).
+    Without sequence parallelism each is an all-reduce; with it each all-reduce becomes a
+    reduce-scatter of the row-parallel output into sequence shards and the next norm's all-gather
+    back (forward), and in backward the gather's gradient is reduce-scattered and the scatter's
+    gradient gathered: four all-gathers and four reduce-scatters per block, the same bytes on a ring
+    as four all-reduces (each half of one) in twice the calls."""
+    wrapped = checkpointed(plan)
+    return sum(4 + 2 * (b in wrapped) for b in blocks)
+
+
+def sequence_parallel_axes(plan: ParallelPlan) -> set[str]:
+    """The mesh axes over which the plan runs the blocks' norms on sequence shards: a layout whose
+    input is ``Shard`` on an axis of more than one rank (the engine's ``SequenceParallel``)."""
+    return {a for layout in plan.layouts.values() for a, pl in layout.input.items()
+            if pl.is_shard and plan.mesh.size(a) > 1}
 
 
 def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, passes: int) -> list[CommOp]:

@@ -20,17 +20,25 @@ priced on the profile as it goes:
 * every other op by its bytes read and written at the achieved fraction of HBM bandwidth;
 * each kernel at least ``achieved.kernel_s`` (launch and the eager framework's dispatch).
 
-A step is the busiest pp rank's passes (a checkpointed block's forward twice) stretched by the
-pipeline bubble, plus what communication leaves exposed and the optimizer step:
+A step is the busiest pp rank's passes (a checkpointed block's forward twice) and the pipeline's
+bubble (:func:`pipeline_bubble_s`: the fill and drain at each stage's own pace), plus what
+communication leaves exposed and the optimizer step:
 
 * each collective of :func:`trainer.planner.cost.comm.comm_ops` is priced on the link its mesh
   axes ride (:mod:`trainer.planner.cost.links`: NVLink inside a node, the NICs across nodes,
   hierarchical for a group that spans both);
-* tp's activation all-reduces sit on the critical path (exposed);
-* FSDP2 prefetches its all-gathers and reduce-scatters behind compute, as does ddp's bucketed
-  all-reduce behind backward: only what does not fit behind the passes' compute, plus the last
-  unit's reduce, is exposed. A pipelined stage gathers before its first micro-batch and reduces
-  after its last (torch's ``PipelineStage``): exposed;
+* tp's collectives sit on the critical path (exposed): the engine's tensor-parallel styles
+  (``torch.distributed.tensor.parallel``, in eager and in the per-block ``torch.compile``) wait for
+  each one before the next matmul; it has no async tensor parallelism (Inductor's
+  ``_micro_pipeline_tp`` over symmetric memory, which would overlap them), so nothing hides them.
+  With sequence parallelism each all-reduce is a reduce-scatter and an all-gather, and the blocks'
+  norms and residual adds work on the rank's 1/tp of the rows (:func:`trainer.planner.cost.model.unit_pass`);
+* FSDP2 prefetches its all-gathers and reduce-scatters behind compute: only what does not fit
+  behind the passes' compute, plus the last unit's reduce, is exposed (ddp is FSDP2's replicate on
+  the whole model, one unit: its one all-reduce comes after backward, all of it exposed). A pipelined
+  stage gathers during its first micro-batch and reduces after its last backward (torch's
+  ``PipelineStage.perform_reduce_grad``), which only the fill and the drain hide
+  (:func:`pipelined_dp_exposed`);
 * pipeline sends and receives are asynchronous: in the steady state they hide behind other
   micro-batches' compute; the fill and the drain wait for ``2 (pp - 1)`` of them;
 * the cp ring's K/V hops travel while the ring's attention blocks compute: only what a hop takes
@@ -150,6 +158,7 @@ class _Pricer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         unit, phase = self.where()
         cost, backward = self.costs[unit], phase == "backward"
+        share = self.where.share() if hasattr(self.where, "share") else 1.0  # sequence parallel: 1/tp of the rows
         if func in _FLASH_CPU:
             full, flops = flash_flops(func, args, kwargs)
             seconds = max(flops / self.speed.attention_flops[backward], self.speed.kernel_s)
@@ -165,7 +174,7 @@ class _Pricer(TorchDispatchMode):
         elif func.overloadpacket in _FREE:
             return out
         elif not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
-            flops, seconds = 0.0, self.speed.memory_s(_bytes(args, kwargs, out))
+            flops, seconds = 0.0, self.speed.memory_s(_bytes(args, kwargs, out) * share)
         else:
             return out
         if backward:
@@ -263,35 +272,55 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     costs = costs if costs is not None else device_unit_costs(cfg, plan, micro, speed, model=model)
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
     wrapped = checkpointed(plan)  # full: every block; selective: every n-th
-    busy = []
+    busy, per_micro = [], []
     for held in rank_units(plan):
         c = [costs.get(u, DeviceCost()) for u in held]
-        forward = sum(x.forward_s * (2 if u in wrapped else 1) for u, x in zip(held, c))
-        busy.append((forward + sum(x.backward_s for x in c)) * passes)
+        forward = sum(x.forward_s for x in c)
+        backward = sum(x.backward_s + (x.forward_s if u in wrapped else 0.0) for u, x in zip(held, c))
+        busy.append((forward + backward) * passes)
+        per_micro.append((forward, backward))
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
     compute = max(busy)
-    span = compute / (1.0 - bubble) if bubble < 1 else math.inf
+    span = compute + pipeline_bubble_s(busy, bubble) if bubble < 1 else math.inf
     params = params if params is not None else unit_params(plan, model)
-    comm, exposed, traffic, optimizer = _waits(cfg, plan, profile, params, micro, busy, speed)
+    comm, exposed, traffic, optimizer = _waits(cfg, plan, profile, params, micro, busy, speed, per_micro)
     total = span + sum(exposed.values()) + optimizer
     # Model FLOPs count each matmul once: a unit whose parameters tp splits did 1/tp of it on this rank;
     # a unit tp leaves whole (the Megatron plan's output head) did all of it on every tp rank.
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}))
     split = placed_params(plan)
-    per_micro = sum(x.model_flops * (tp if split.get(u) else 1) for u, x in costs.items())
+    flops_per_micro = sum(x.model_flops * (tp if split.get(u) else 1) for u, x in costs.items())
     sequences = t.global_batch_size
     # A cp rank's pass covers 1/cp of its micro-batch's tokens: the cp ranks together do the micro-batch.
-    model_flops = per_micro * plan.cp_size * sequences / micro
+    model_flops = flops_per_micro * plan.cp_size * sequences / micro
     return ProfileStep(total_s=total, compute_s=compute, bubble_s=span - compute, comm_s=comm, optimizer_s=optimizer,
                        traffic=traffic, tokens_per_step=sequences * t.seq_len, model_flops=model_flops,
                        devices=plan.mesh.world_size, peak_flops=profile.peak_flops(t.precision), exposed_s=exposed)
 
 
+def pipeline_bubble_s(busy: list[float], bubble: float) -> float:
+    """The seconds a pipeline idles beyond its busiest rank's ``max(busy)``, for a schedule whose bubble
+    fraction with equal stages is ``bubble`` (:func:`parallel.pipeline.order.expected_bubble`).
+
+    With equal stages of ``t`` per micro-batch, 1F1B takes ``(m + p - 1) t``: the steady state's
+    ``m t`` plus the fill and drain's ``(p - 1) t``, ``bubble / (1 - bubble)`` of the busy time. With
+    unequal stages the steady state goes at the busiest rank's pace but the fill and drain pass through
+    every other rank at its own: 1F1B takes ``(m - 1) t_max + sum_r t_r``. So the idle time is
+    ``bubble / (1 - bubble)`` times the mean of the other ranks' busy time, not the busiest's (the same
+    for equal stages; ``1 / v`` of it for v interleaved chunks, as the fraction already says)."""
+    if len(busy) < 2 or bubble <= 0:
+        return 0.0
+    others = sorted(busy)[:-1]
+    return bubble / (1.0 - bubble) * sum(others) / len(others)
+
+
 def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params: dict, micro: int,
-           busy: list[float], speed: DeviceSpeed):
+           busy: list[float], speed: DeviceSpeed, per_micro: list[tuple[float, float]] | None = None):
     """``(comm seconds per axis, exposed seconds per axis, bytes sent per axis, optimizer seconds)`` of
-    the pp rank whose communication and optimizer step leave the most on the critical path."""
+    the pp rank whose communication and optimizer step leave the most on the critical path.
+    ``per_micro``: each pp rank's forward and backward seconds of one micro-batch (what a pipelined
+    stage's gathers and reduces can hide behind); ``None``: as much as there is (a lower bound)."""
     shape, names = plan.mesh.shape, plan.mesh.dim_names
     per_node = max(1, plan.mesh.world_size // cfg.launch.nnodes)  # the ranks one node runs (row-major)
     dp = plan.param_data_parallel  # FSDP over dp x cp: the cp ranks gather, reduce and shard as dp ranks
@@ -299,13 +328,14 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
     dp_axes = ",".join(dp.dim_names) if dp else None
     # joined; hsdp's replicate axis and its shard axes (with a cp axis folded in: joined)
     dp_keys = {dp_axes, *dp.dim_names, ",".join(dp.shard_dim_names)} if dp else set()
+    key = dp_axes or "dp"
     step_s = _ring_step_s(cfg, plan, micro, speed)
-    worst = None
+    ranks = []
     for rank, held in enumerate(rank_units(plan)):
         comm: dict[str, float] = defaultdict(float)
         exposed: dict[str, float] = defaultdict(float)
         traffic: dict[str, float] = defaultdict(float)
-        dp_s, tail, hops = 0.0, 0.0, {}
+        gathers, first, reduces, tail, hops = 0.0, 0.0, 0.0, 0.0, {}
         for op in comm_ops(cfg, plan, held, params, micro):
             link = _link(shape, names, tuple(op.axis.split(",")), per_node)
             one = collective_seconds(profile, op.op, link, op.nbytes)
@@ -316,10 +346,13 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
             elif op.op == "send_recv":
                 exposed[op.axis] += one * min(op.count, 2 * (plan.pp_size - 1) * cfg.train.grad_accum)
             elif op.axis in dp_keys:
-                dp_s += one * op.count
-                if op.op in ("reduce_scatter", "all_reduce"):
+                if op.op == "all_gather":
+                    gathers += one * op.count
+                    first = max(first, one)
+                else:
+                    reduces += one * op.count
                     tail = max(tail, one)
-            else:  # tp, the cp all-gather's K/V: on the critical path
+            else:  # tp (the engine's tensor-parallel styles are synchronous), the cp all-gather's K/V
                 exposed[op.axis] += one * op.count
         if "kv" in hops:
             g = plan.cp_size
@@ -327,18 +360,52 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
             layers = grad_count / g  # block passes backward; forward: a checkpointed block's twice
             forward, backward = ring_exposed_s(g, hop, grad_hop, *step_s)
             exposed[plan.context_parallel.dim] += forward * (count / (g - 1) - layers) + backward * layers
-        if dp_s:
-            key = dp_axes or "dp"
-            if plan.pipeline is not None:  # the stage gathers first and reduces last: nothing to hide behind
-                exposed[key] += dp_s
-            else:  # prefetched / bucketed behind the passes' compute, the last reduce excepted
-                exposed[key] += max(dp_s - busy[rank], 0.0) + min(tail, dp_s)
+        if plan.pipeline is None and gathers + reduces:  # prefetched / bucketed behind compute, the last reduce excepted
+            dp_s = gathers + reduces
+            exposed[key] += max(dp_s - busy[rank], 0.0) + min(tail, dp_s)
         numel = sum(params[u][0] for u in held)
         optimizer = numel / shard * ADAMW_FOREACH_BYTES_PER_PARAM / speed.memory_bytes
-        wait = sum(exposed.values()) + optimizer
-        if worst is None or wait > worst[0]:
-            worst = (wait, dict(comm), dict(exposed), dict(traffic), optimizer)
-    return worst[1], worst[2], worst[3], worst[4]
+        ranks.append((comm, exposed, traffic, optimizer, gathers, first, reduces))
+    if plan.pipeline is not None and any(r[4] + r[6] for r in ranks):
+        dp_s = pipelined_dp_exposed([r[4:7] for r in ranks], per_micro, plan.pipeline.stages_per_rank)
+        for r in ranks:  # the whole pipeline waits for it: every rank's step ends with it
+            r[1][key] += dp_s * cfg.train.grad_accum
+    worst = max(ranks, key=lambda r: sum(r[1].values()) + r[3])
+    return dict(worst[0]), dict(worst[1]), dict(worst[2]), worst[3]
+
+
+def pipelined_dp_exposed(ranks: list[tuple[float, float, float]], per_micro: list[tuple[float, float]] | None,
+                         chunks: int) -> float:
+    """Seconds a pipeline's data-parallel collectives add to one accumulation pass, as torch 2.13's
+    pipelining runs FSDP2 and replicate. ``ranks``: per pp rank in order, ``(all-gather seconds,
+    its largest single all-gather, reduce seconds)``; ``per_micro``: per rank ``(forward, backward)``
+    seconds of one micro-batch over all its ``chunks`` stages (``None``: unbounded, a lower bound).
+
+    * Gathers: parameters stay gathered across micro-batches (``reshard_after_forward=False``), so a
+      stage gathers during its first micro-batch's forward, each unit's all-gather prefetched behind
+      the unit before it, and before that input arrives (NCCL's waits hold the stream, not the host):
+      rank ``r`` starts its first chunk's forward when rank ``r-1``'s is done and its own largest
+      gather is in, and ends it no sooner than all its gathers are. What this delays the fill by is exposed.
+    * Reduces: ``PipelineStage`` runs every backward without gradient sync and reduces a stage's
+      gradients after its last backward (``perform_reduce_grad``: every FSDP unit's reduce-scatter, or
+      replicate's all-reduce, then the compute stream waits for them). Nothing hides them behind the
+      last micro-batches' backward on the same rank (Megatron's overlap-grad-reduce would); only the
+      drain does: rank ``r`` finishes its last backward while ranks ``r-1 .. 0`` still run theirs
+      (one chunk each), so the step waits ``max_r(reduce_r - sum_{q<r} backward_q / chunks)``; rank 0's
+      reduce is always exposed.
+    """
+    reduce_wait, slack = 0.0, 0.0
+    for r, (_, _, reduces) in enumerate(ranks):
+        reduce_wait = max(reduce_wait, reduces - slack)
+        slack += math.inf if per_micro is None else per_micro[r][1] / chunks
+    if per_micro is None:
+        return reduce_wait
+    end, baseline = 0.0, 0.0
+    for (gathers, first, _), (forward, _) in zip(ranks, per_micro):
+        chunk = forward / chunks
+        end = max(max(end, first) + chunk, gathers)
+        baseline += chunk
+    return max(end - baseline, 0.0) + reduce_wait
 
 
 def _ring_step_s(cfg: RunConfig, plan: ParallelPlan, micro: int, speed: DeviceSpeed) -> tuple[float, float]:

@@ -9,7 +9,10 @@
   shapes: every matmul's FLOPs (torch's own flop formulas; CPU flash attention by its two matmuls,
   halved when causal) and every other op's bytes read and written. Each call costs the
   calibration's per-call latency plus its size over the calibrated rate (:mod:`trainer.planner.calibration.probe`).
-  Activation checkpointing adds a checkpointed block's forward again to its backward.
+  Activation checkpointing adds a checkpointed block's forward again to its backward. With sequence
+  parallelism a block's norms and residual adds run on the rank's 1/tp of the rows: the pass tells
+  a pricer so (``where.share()``), forward and backward, and a hardware profile prices their bytes
+  at that share (:mod:`trainer.planner.cost.device`).
 * Communication per rank and step (:func:`trainer.planner.cost.comm.comm_ops`): Megatron tp all-reduces
   of activations, dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP
   unit, pp sends; each priced by the calibrated fit of its op and group size.
@@ -52,7 +55,7 @@ from parallel.plan.spec import ParallelPlan, owning_unit
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.cost.calibration import Calibration
-from trainer.planner.cost.comm import comm_ops, unit_params
+from trainer.planner.cost.comm import comm_ops, sequence_parallel_axes, unit_params
 from trainer.planner.cost.reference import rank_units, with_reference_costs
 from trainer.planner.memory.predict import (  # the memory model's meta-pass helpers
     AttentionKernel,
@@ -153,6 +156,67 @@ class _Enter(torch.autograd.Function):
         return grad, None
 
 
+class _Where:
+    """``where()``: the ``(unit, phase)`` the op being dispatched belongs to; ``share()``: the share of
+    its work this rank does (``1 / tp`` inside a sequence-parallel block's norms and residual adds, which
+    run on the rank's sequence shard; 1 elsewhere)."""
+
+    def __init__(self, state: dict, shard: float) -> None:
+        self.state, self.shard = state, shard
+
+    def __call__(self) -> tuple[str, str]:
+        return self.state["unit"], self.state["phase"]
+
+    def share(self) -> float:
+        return self.shard if self.state["sharded"] else 1.0
+
+
+def sequence_share(plan: ParallelPlan) -> float:
+    """``1 / tp`` of the axes a sequence-parallel plan shards the blocks' norms' inputs over; 1 without."""
+    axes = sequence_parallel_axes(plan)
+    return 1.0 / plan.mesh.size(sorted(axes)) if axes else 1.0
+
+
+def _mark_sequence_shards(plan: ParallelPlan, modules: dict, state: dict) -> list:
+    """Hooks that set ``state["sharded"]`` while a sequence-parallel block runs on sequence shards, in
+    forward and (through identity autograd functions at the same boundaries) in backward: inside the
+    block, but outside its children other than the norms (attention and the MLP run on the gathered
+    sequence; the row-parallel outputs are reduce-scattered before the residual add)."""
+    if sequence_share(plan) == 1.0:
+        return []
+    norms = {name for name, layout in plan.layouts.items() if any(pl.is_shard for pl in layout.input.values())}
+    blocks = [b for b in plan.blocks if b in modules and any(n.startswith(f"{b}.") for n in norms)]
+
+    def mark(on: bool):
+        # backward leaves (enters) the region where forward entered (left) it
+        def forward_pre(_m, args):
+            state["sharded"] = on
+            return _marked(args, lambda: state.update(sharded=not on))
+
+        def forward(_m, _a, out):
+            state["sharded"] = not on
+            return _marked(out, lambda: state.update(sharded=on))
+        return forward_pre, forward
+
+    hooks = []
+    for block in blocks:
+        for module, on in [(modules[block], True)] + [(m, False) for name, m in modules[block].named_children()
+                                                      if f"{block}.{name}" not in norms]:
+            pre, post = mark(on)
+            hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    return hooks
+
+
+def _marked(value, setter):
+    """``value`` (a tensor, or a tuple whose first item is one) through :class:`_Enter`, whose
+    backward calls ``setter``; ``None`` (leave it as it is) when there is no tensor that needs a gradient."""
+    if isinstance(value, torch.Tensor):
+        return _Enter.apply(value, setter) if value.requires_grad else None
+    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor) and value[0].requires_grad:
+        return (_Enter.apply(value[0], setter), *value[1:])
+    return None
+
+
 def unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None
                ) -> dict[str, UnitCost]:
     """Forward and backward work of every pipeline unit for one micro-batch of ``micro_batch``
@@ -172,7 +236,7 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
     _local_shapes(model, plan)
     if cfg.train.precision == "bf16":
         model.to(torch.bfloat16)
-    state = {"unit": plan.units[-1], "phase": "forward"}  # the loss belongs to the last unit
+    state = {"unit": plan.units[-1], "phase": "forward", "sharded": False}  # the loss belongs to the last unit
     modules = dict(model.named_modules())
     hooks = []
     for unit in plan.units:
@@ -181,6 +245,7 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
             hooks.append(modules[unit].register_forward_hook(
                 lambda _m, _a, out, u=unit: _Enter.apply(out, lambda: state.update(unit=u))
                 if isinstance(out, torch.Tensor) and out.requires_grad else None))
+    hooks += _mark_sequence_shards(plan, modules, state)
     if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
         x = torch.empty(micro_batch, cfg.model.in_features, device="meta")
         y = torch.empty(micro_batch, cfg.model.out_features, device="meta")
@@ -188,7 +253,8 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
         # A cp rank's 1/cp of every row, its queries over the whole row in attention (the ring's kernels).
         x = torch.zeros(micro_batch, cfg.train.seq_len // plan.cp_size, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, cfg.train.seq_len // plan.cp_size, dtype=torch.long, device="meta")
-    with AttentionKernel(_over_the_row(flash_attention_for_cpu, plan)), mode(lambda: (state["unit"], state["phase"])):
+    where = _Where(state, sequence_share(plan))
+    with AttentionKernel(_over_the_row(flash_attention_for_cpu, plan)), mode(where):
         out = model(x)
         state["unit"] = plan.units[-1]
         loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
