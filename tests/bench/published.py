@@ -44,6 +44,10 @@ Sources, in the order of the table:
   heatmaps of the best layouts of 1.34B-80B Llama-style models on 1-64 nodes of 8 H100s: DP / TP /
   PP / accumulation / micro-batch / ZeRO stage, MFU and memory per cell; sequence 4096, batch 1M
   tokens). Rows and citations: ``published_rows/nanotron.py``.
+* NVIDIA/dgxc-benchmarking @35a9aec (v24.11.1): the BF16 "Expected Performance" tables of GPT-3
+  175B (TP 4, PP 8, VP 12), Nemotron-4 340B (TP 8, PP 8, VP 12) and Nemotron-4 15B (TP 4) on 16-2048
+  DGX H100 GPUs (step time, tokens/s, MFU); the rest of each layout from the recipe's Hydra file.
+  Rows and citations: ``published_rows/dgxc.py``.
 
 The dataclasses live in ``published_rows/schema.py`` and are re-exported here.
 
@@ -65,7 +69,7 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_rows import llm_foundry, nanotron  # noqa: E402
+from published_rows import dgxc, llm_foundry, nanotron  # noqa: E402
 from published_rows.schema import (  # noqa: E402,F401 - re-exported: the bench and tests use published.X
     A100_PEAK_DENSE_16BIT_TFLOPS, H100_PEAK_DENSE_BF16_TFLOPS, Arch, Checkpointing, DataParallelMode,
     FlopsKind, HardwareName, Layout, ModelShape, Precision, PublishedRun, Reported)
@@ -350,6 +354,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     *llm_foundry.ROWS,
     # --- Hugging Face nanotron, best layouts on 1-64 nodes of 8 H100s (published_rows/nanotron.py).
     *nanotron.ROWS,
+    # --- NVIDIA DGX Cloud recipes, Megatron tp x pp (interleaved) on DGX H100 (published_rows/dgxc.py).
+    *dgxc.ROWS,
 )
 
 
@@ -397,8 +403,8 @@ def parameter_count(model: ModelShape) -> int:
     """All parameters: Megatron's GPT (learned positions, biases, LayerNorms; its count leaves
     out the final LayerNorm) or Llama (RMSNorms, no biases); the output head once if untied."""
     embeddings = (1 if model.tied_output else 2) * model.vocab_size * model.dim
-    if model.arch == "gpt":
-        per_layer = 4 * model.dim**2 + 2 * model.dim * model.ffn_hidden_dim \
+    if model.arch == "gpt":  # q, k, v, out with the model's K/V heads (4 h^2 when all heads are K/V heads)
+        per_layer = matmul_params(replace(model, n_layers=1, vocab_size=0)) \
             + 9 * model.dim + model.ffn_hidden_dim  # biases (qkv, out, fc1, fc2) and 2 LayerNorms
         return model.n_layers * per_layer + embeddings + model.seq_len * model.dim
     norms = 2 * model.dim

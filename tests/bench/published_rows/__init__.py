@@ -5,4 +5,6 @@ assembles them into ``published.PUBLISHED_RUNS`` (see its docstring for every so
 * :mod:`published_rows.llm_foundry`: MosaicML llm-foundry's MPT throughput tables (FSDP).
 * :mod:`published_rows.nanotron`: Hugging Face nanotron's best layouts per model and cluster size
   (tensor x pipeline x data, H100, MFU and memory).
+* :mod:`published_rows.dgxc`: NVIDIA's DGX Cloud recipes, Megatron tensor x pipeline (interleaved)
+  on H100 (step time, tokens/s, MFU).
 """

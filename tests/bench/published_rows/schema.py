@@ -73,6 +73,7 @@ class Reported:
     flops_formula: str | None = None
     aggregate_pflops: float | None = None
     tokens_per_s_per_device: float | None = None
+    aggregate_tokens_per_s: float | None = None  # all devices together, where that is what is printed
     mfu: float | None = None  # fraction, model FLOPs over peak
     mfu_peak_tflops: float | None = None  # the per-device peak the source's MFU divides by
     hfu: float | None = None  # fraction, hardware FLOPs (recomputation included) over peak
