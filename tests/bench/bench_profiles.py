@@ -245,7 +245,8 @@ def medians(results: list[dict]) -> list[str]:
     groups = [("all rows", results), ("rows whose layout the source states in full", stated)]
     groups += [(f"fully-stated {name} rows", [r for r in stated if r["family"] == name]) for name in FAMILIES]
     groups += [(f"{source} rows", [r for r in results if r["row"].startswith(source)]) for source in SOURCES]
-    return [_median_line(label, chosen) for label, chosen in groups if chosen]
+    return [_median_line(label, chosen) if chosen else f"median |error| over {label}: no row predicted"
+            for label, chosen in groups]
 
 
 def main() -> None:
