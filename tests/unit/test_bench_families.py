@@ -47,7 +47,8 @@ def test_medians_by_family_over_the_fully_stated_rows():
     assert lines[0] == "median |error| over all rows: throughput 20.0% (4 rows), memory 20.0% (1 rows)"
     assert lines[1] == ("median |error| over rows whose layout the source states in full: throughput 10.0% "
                         "(3 rows), memory 20.0% (1 rows)")
-    assert lines[2] == "median |error| over fully-stated FSDP (data parallel only) rows: throughput 5.0% (1 rows), memory - (0 rows)"
+    assert lines[2] == ("median |error| over fully-stated FSDP (data parallel only) rows: throughput 5.0% (1 rows), "
+                        "memory - (0 rows)")
     assert lines[3] == "median |error| over fully-stated tp x pp rows: throughput 20.0% (2 rows), memory 20.0% (1 rows)"
     assert lines[4] == "median |error| over fully-stated cp rows: no row predicted"
     assert "median |error| over nanotron rows: throughput 20.0% (2 rows), memory 20.0% (1 rows)" in lines
