@@ -36,6 +36,21 @@ Sources, in the order of the table:
   torchtitan commit the benchmark names. TPS/GPU is torchtitan's "tokens per second per device":
   the global tokens per second divided by the number of GPUs.
 
+* MosaicML llm-foundry, ``scripts/train/benchmarking/README.md`` @5e85bd62: every sequence-2048
+  row of its four 16-bit tables (MPT 125M-70B, PyTorch FSDP FULL_SHARD / SHARD_GRAD_OP on 8-512
+  A100 40/80 GB and H100 GPUs; micro-batch, accumulation, checkpointing, tokens/s/GPU and MFU per
+  row). Rows and citations: ``published_rows/llm_foundry.py``.
+* Hugging Face nanotron, ``docs/benchmark_summary.svg`` @c2528430 (the Ultra-Scale Playbook's
+  heatmaps of the best layouts of 1.34B-80B Llama-style models on 1-64 nodes of 8 H100s: DP / TP /
+  PP / accumulation / micro-batch / ZeRO stage, MFU and memory per cell; sequence 4096, batch 1M
+  tokens). Rows and citations: ``published_rows/nanotron.py``.
+* NVIDIA/dgxc-benchmarking @35a9aec (v24.11.1): the BF16 "Expected Performance" tables of GPT-3
+  175B (TP 4, PP 8, VP 12), Nemotron-4 340B (TP 8, PP 8, VP 12) and Nemotron-4 15B (TP 4) on 16-2048
+  DGX H100 GPUs (step time, tokens/s, MFU); the rest of each layout from the recipe's Hydra file.
+  Rows and citations: ``published_rows/dgxc.py``.
+
+The dataclasses live in ``published_rows/schema.py`` and are re-exported here.
+
 FLOP counting (see :func:`megatron_flops_per_iteration` and :func:`model_flops_per_token`):
 Narayanan et al.'s TFLOP/s count the recomputed forward of full activation checkpointing, i.e. they
 are hardware FLOPs, ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` per iteration (their Eq. 3, Section
@@ -46,85 +61,18 @@ and their HFU for selective recomputation ``72 B s l h^2 (1 + s/(3h) + V/(12 l h
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
-from typing import Literal
+import sys
+from dataclasses import replace
+from pathlib import Path
 
-Arch = Literal["gpt", "llama"]
-HardwareName = Literal["a100_40g", "a100_80g", "h100_sxm", "h100_hbm2e", "h200", "b200"]
-Precision = Literal["bf16", "fp16", "fp8"]
-Checkpointing = Literal["full", "selective", "none"]
-DataParallelMode = Literal["ddp", "zero1", "fsdp"]
-FlopsKind = Literal["hardware", "model"]
+# published_rows/ sits beside this file, which the unit tests load by path (not as a package).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-A100_PEAK_DENSE_16BIT_TFLOPS = 312.0  # the peak both papers divide by (163 TFLOP/s = 52%)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer. ``gpt``: LayerNorm, GELU MLP, learned positions, biases,
-    ``llama``: RMSNorm, SwiGLU, RoPE, no biases."""
-
-    arch: Arch
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_hidden_dim: int
-    vocab_size: int
-    seq_len: int
-    params_billion: float  # as the source names or counts it
-    tied_output: bool = True  # output projection shares the input embedding (Megatron's default)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the run was spread: sizes multiply to ``devices``; batch sizes are in sequences."""
-
-    devices: int
-    nodes: int
-    tp: int
-    pp: int
-    dp: int
-    cp: int
-    sequence_parallel: bool
-    virtual_stages: int | None  # model chunks per pipeline rank (interleaved schedule); None: one
-    micro_batch_size: int | None  # None where the source does not state it
-    global_batch_size: int
-    precision: Precision
-    activation_checkpointing: Checkpointing | None  # None where the source does not state it
-    data_parallel: DataParallelMode
-    pipeline_schedule: str | None = None
-    compile: bool = False
-    float8: str | None = None  # torchao float8 recipe on the Linear layers, if any
-    async_tp: bool = False
-
-
-@dataclass(frozen=True)
-class Reported:
-    """What the source reports; ``None`` where it does not."""
-
-    tflops_per_device: float | None = None
-    flops_kind: FlopsKind | None = None
-    flops_formula: str | None = None
-    aggregate_pflops: float | None = None
-    tokens_per_s_per_device: float | None = None
-    mfu: float | None = None  # fraction, model FLOPs over peak
-    hfu: float | None = None  # fraction, hardware FLOPs (recomputation included) over peak
-    iteration_time_s: float | None = None
-    peak_memory_gib: float | None = None  # per device, the max over ranks
-
-
-@dataclass(frozen=True)
-class PublishedRun:
-    """One measured row and where it was read."""
-
-    name: str
-    source: str
-    hardware: HardwareName
-    model: ModelShape
-    layout: Layout
-    reported: Reported
-    notes: str = ""
+from published_rows import dgxc, llm_foundry, nanotron  # noqa: E402
+from published_rows.schema import (  # noqa: E402,F401 - re-exported: the bench and tests use published.X
+    A100_PEAK_DENSE_16BIT_TFLOPS, H100_PEAK_DENSE_BF16_TFLOPS, Arch, Checkpointing, DataParallelMode,
+    FlopsKind, HardwareName, Layout, ModelShape, Precision, PublishedRun, Reported)
 
 
 NARAYANAN = (
@@ -402,6 +350,12 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                notes="float8 with FSDP float8 all-gather and fp8 weight recomputed in backward")
         for nodes, tps, memory in ((4, 10938, 47.96), (8, 10753, 46.97))
     ),
+    # --- MosaicML llm-foundry, MPT on A100 / H100 with PyTorch FSDP (published_rows/llm_foundry.py).
+    *llm_foundry.ROWS,
+    # --- Hugging Face nanotron, best layouts on 1-64 nodes of 8 H100s (published_rows/nanotron.py).
+    *nanotron.ROWS,
+    # --- NVIDIA DGX Cloud recipes, Megatron tp x pp (interleaved) on DGX H100 (published_rows/dgxc.py).
+    *dgxc.ROWS,
 )
 
 
@@ -487,8 +441,8 @@ def parameter_count(model: ModelShape) -> int:
     """All parameters: Megatron's GPT (learned positions, biases, LayerNorms; its count leaves
     out the final LayerNorm) or Llama (RMSNorms, no biases); the output head once if untied."""
     embeddings = (1 if model.tied_output else 2) * model.vocab_size * model.dim
-    if model.arch == "gpt":
-        per_layer = 4 * model.dim**2 + 2 * model.dim * model.ffn_hidden_dim \
+    if model.arch == "gpt":  # q, k, v, out with the model's K/V heads (4 h^2 when all heads are K/V heads)
+        per_layer = matmul_params(replace(model, n_layers=1, vocab_size=0)) \
             + 9 * model.dim + model.ffn_hidden_dim  # biases (qkv, out, fc1, fc2) and 2 LayerNorms
         return model.n_layers * per_layer + embeddings + model.seq_len * model.dim
     norms = 2 * model.dim
