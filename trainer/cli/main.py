@@ -18,7 +18,7 @@ from parallel.errors import ConfigError
 from trainer.config.compose import CONF_DIR, register_defaults, to_plain, with_preset
 from trainer.config.schema import RunConfig
 from trainer.launch import launcher
-from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch, worker_preload
+from trainer.launch.launcher import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, launch, worker_preload
 from trainer.launch.processes import worker_server
 from trainer.pictures.placement import DRY_RUN_DIR, write_placement
 from trainer.planner.auto.plan import resolve_and_validate
@@ -83,14 +83,16 @@ def _run(raw: dict, sweeping: bool) -> float | None:
         text, summary = dry_run_report(cfg, plan)
         print(text)
         _write_pictures(cfg, plan)
-        if not summary["fits"]:
+        _failed_prediction(summary)
+        if summary["fits"] is False:
             hint = ("the memory table above says which ranks; fewer bytes per rank: fsdp, tp, pp, activation "
                     "checkpointing, or more devices")
             if cfg.hardware.is_host and summary["memory_budget_gib"] <= 0:
                 hint = (f"{cfg.world_size // cfg.launch.nnodes} workers share this host's memory; to plan a cluster "
                         "you do not have, name its hardware and nodes, e.g. hardware=h100_sxm "
                         f"launch.nnodes={max(1, cfg.world_size // 8)}")
-            _refused_at_launch(cfg, f"launch.memory_budget_gb: predicted peak {summary['peak_memory_gib_per_device']:.2f} "
+            peak = summary["peak_memory_gib_per_device"] or summary["memory_lower_bound_gib"]
+            _refused_at_launch(cfg, f"launch.memory_budget_gb: predicted peak {peak:.2f} "
                                     f"GiB per device exceeds the budget of {summary['memory_budget_gib']:.2f} GiB ({hint})")
         return
     code = launch(cfg)
@@ -136,10 +138,21 @@ def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
     if issues:
         print(ConfigError(err.issues + issues), file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    text, _ = dry_run_report(cfg, plan)
+    text, summary = dry_run_report(cfg, plan)
     print(text)
     _write_pictures(cfg, plan)
+    _failed_prediction(summary)
     _refused_at_launch(cfg, str(err))
+
+
+def _failed_prediction(summary: dict) -> None:
+    """A dry run whose memory or step prediction failed printed what it could; it exits 1, naming
+    what failed, so that neither a reader nor a script takes the rest for a whole prediction."""
+    if summary["errors"]:
+        failed = "\n".join(f"  {error}" for error in summary["errors"])
+        print(f"\nthe dry run's prediction failed (a bug of the planner for this layout, not of the config: "
+              f"please report it):\n{failed}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def _refused_at_launch(cfg: RunConfig, why: str) -> None:
