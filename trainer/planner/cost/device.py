@@ -9,16 +9,19 @@ Nothing here touches a GPU or starts a process: the model runs once on the meta 
 tp-local shapes (:func:`trainer.planner.cost.model.unit_pass`), and every op it dispatches is
 priced on the profile as it goes:
 
-* a matmul by a roofline, ``max(FLOPs / (peak x achieved x size x waves), bytes / (HBM x achieved))``:
+* a matmul by a roofline, ``max(FLOPs / (peak x achieved x waves) + fixed, bytes / (HBM x achieved))``:
   ``achieved`` is the fraction of the datasheet's peak a large GEMM reaches (the profile's
-  ``achieved.matmul``), ``size = F / (F + F_half)`` the curve over a GEMM's FLOPs F that smaller
-  ones fall on (``achieved.matmul_half_gflop``, from a sweep of decoder shapes), ``waves`` the wave quantisation of its output tiles over the SMs (a GEMM of
+  ``achieved.matmul``), ``fixed`` the time the size curve ``F / (F + F_half)`` of a sweep of decoder
+  shapes amounts to (``achieved.matmul_half_gflop`` at the bf16 rate it was measured at: 19 us on an
+  H100, in every precision), ``waves`` the wave quantisation of its output tiles over the SMs (a GEMM of
   ``tiles`` output tiles runs ``ceil(tiles / SMs)`` waves; the last one part-full), for the best of
   the tile shapes cuBLAS picks among, as NVIDIA's matmul performance guide describes;
 * flash attention by its FLOPs (``4 b h s_q s_k d``, half when causal; backward 2.5 times forward:
   it recomputes the scores) at the profile's achieved attention fraction of peak;
 * every other op by its bytes read and written at the achieved fraction of HBM bandwidth;
-* each kernel at least ``achieved.kernel_s`` (launch and the eager framework's dispatch).
+* each kernel at least ``achieved.kernel_s`` (launch and the eager framework's dispatch): a floor, not
+  a sum, since the host dispatches the next op while the device runs this one; each fixed cost counted
+  once, so a small model costs its kernels' count, never more than a larger one.
 
 A step is the busiest pp rank's passes (a checkpointed block's forward twice) stretched by the
 pipeline bubble, plus what communication leaves exposed and the optimizer step:
@@ -35,7 +38,7 @@ pipeline bubble, plus what communication leaves exposed and the optimizer step:
   micro-batches' compute; the fill and the drain wait for ``2 (pp - 1)`` of them;
 * AdamW is memory-bound: :data:`ADAMW_FOREACH_BYTES_PER_PARAM` per local parameter at the
   achieved HBM bandwidth (torch's foreach implementation, the default on CUDA, passes over the lists
-  once per op).
+  once per op), and at least one kernel per foreach op (:data:`ADAMW_FOREACH_OPS`).
 * ``train.compile=true`` (Inductor fuses each block's elementwise ops) leaves the profile's
   ``achieved.compiled_elementwise`` share of the elementwise time; matmuls and attention are unchanged.
 """
