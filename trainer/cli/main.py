@@ -64,7 +64,8 @@ def _starts_workers(raw: dict) -> bool:
 
 def _run(raw: dict, sweeping: bool) -> float | None:
     try:
-        cfg, plan, ranking = resolve_and_validate(raw)  # +parallel=auto: the rest of the road sees an ordinary config
+        # +parallel=auto: the rest of the road sees an ordinary config; the search says how far it is
+        cfg, plan, ranking = resolve_and_validate(raw, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ConfigError as err:
         if raw.get("dry_run") is True and all(i.path in _BATCH_PATHS for i in err.issues):
             _plan_despite_batch(raw, err)
