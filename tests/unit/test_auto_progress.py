@@ -93,3 +93,25 @@ def test_a_shared_resolution_equals_the_candidates_own(index):
     cfg, plan = valid[index % len(valid)]
     own = resolve_plan(cfg.parallel, cfg.mesh, search.model, check_glob=lambda *glob: _check_heads(search.decoder, *glob))
     assert plan == own
+
+
+@pytest.mark.parametrize("layout", [["mesh=[1]"], ["+parallel=tp", "mesh=[2]"], ["+parallel=3d", "mesh=[2,2,2]"]])
+def test_a_pass_over_two_alike_blocks_prices_every_block_exactly(layout):
+    """gpt_small's 8 blocks are alike: the search's two-block pass gives each unit the work of the
+    full model's pass, to the FLOP and the second."""
+    from parallel.config import AutoPlanConfig
+    from trainer.config.schema import RunConfig
+    from trainer.planner.cost.device import DeviceSpeed, device_unit_costs
+    from trainer.planner.forecast.pricing import pricing_for
+    from trainer.validate.checks import validate_with_plan
+
+    cfg, plan = validate_with_plan(compose_dict(["model=gpt_small", *layout, "hardware=h100_sxm", "dry_run=true"]))
+    search = search_module.Search(compose_dict(AUTO), cfg, AutoPlanConfig(), 8, pricing_for(cfg))
+    assert search._shallow() is not None and len(search._shallow().layers) == 2
+    speed = DeviceSpeed.of(cfg.hardware, cfg.train.precision)
+    full = device_unit_costs(cfg, plan, 4, speed, model=search.model)
+    cut = search.unit_costs(cfg, plan, 4, lambda c, p, m, model: device_unit_costs(c, p, m, speed, model=model))
+    assert sorted(cut) == sorted(full) and len(full) == 8 + 3  # the blocks, the embedding, the norm, the output
+    for unit, cost in full.items():
+        assert cut[unit].forward_s == pytest.approx(cost.forward_s, rel=1e-12)
+        assert cut[unit].backward_flops == pytest.approx(cost.backward_flops, rel=1e-12)

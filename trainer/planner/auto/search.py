@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch import nn
+
 from parallel.config import INTERLEAVED_SCHEDULES, AutoPlanConfig
 from parallel.context import supports_context_parallel
 from parallel.errors import ConfigError
@@ -36,6 +38,9 @@ from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
 from trainer.validate.model_checks import _check_heads
+
+
+SHALLOW_BLOCKS = 2  # the blocks a pass of alike blocks runs (Search._shallow)
 
 
 def divisors(n: int) -> list[int]:
@@ -82,6 +87,7 @@ class Search:
         self._params: dict = {}
         self._flops: dict = {}
         self._floors: dict = {}
+        self._shallow_model: nn.Module | None | bool = False  # not looked at yet (see _shallow)
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
         self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
 
@@ -262,7 +268,8 @@ class Search:
         """Matmul FLOPs of one whole sequence, forward, backward and any recompute (a tp=1 pass)."""
         if cfg.train.precision not in self._flops:  # one pass: the recompute is the blocks' forward again
             one = ParallelPlan(units=plan.units, blocks=plan.blocks)
-            self._flops[cfg.train.precision] = unit_costs(cfg, one, 1, model=self.model)
+            self._flops[cfg.train.precision] = self.unit_costs(
+                cfg, one, 1, lambda cfg, plan, micro, model: unit_costs(cfg, plan, micro, model=model))
             self.progress.count("meta passes")
         costs = self._flops[cfg.train.precision]
         recompute = plan.blocks if plan.activation_checkpointing == "full" else ()
@@ -289,11 +296,42 @@ class Search:
                     f"> {self.budget / GIB:.2f} GiB budget")
         return True
 
+    def _shallow(self) -> nn.Module | None:
+        """The model cut to :data:`SHALLOW_BLOCKS` blocks, when its blocks are alike (the built-in decoder:
+        the same modules and parameter shapes in every block), else None. The work of a block does not
+        depend on its depth, so a pass over two blocks prices every block of a 96-block model exactly."""
+        if self._shallow_model is False:
+            self._shallow_model = None
+            n = getattr(self.base.model, "n_layers", None)
+            blocks = [dict(self.model.named_modules()).get(f"layers.{i}") for i in range(n or 0)]
+            if n and n > SHALLOW_BLOCKS and self.base.model.arch == "llama" and all(b is not None for b in blocks):
+                alike = {tuple((name, type(m).__name__, tuple(p.shape) if (p := getattr(m, "weight", None)) is not None
+                                else None) for name, m in b.named_modules()) for b in blocks}
+                if len(alike) == 1:
+                    self._shallow_model = build_model(
+                        self.base.model.model_copy(update={"n_layers": SHALLOW_BLOCKS}), device="meta")
+        return self._shallow_model
+
+    def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, pricing) -> dict:
+        """``pricing(cfg, plan, micro, model)``'s work per unit, from a pass over two blocks where the model's
+        blocks are alike (:meth:`_shallow`): the last block's priced for every deeper one."""
+        shallow = self._shallow()
+        if shallow is None:
+            return pricing(cfg, plan, micro, self.model)
+        names = {name for name, _ in shallow.named_modules()} | {name for name, _ in shallow.named_parameters()}
+        cut = dataclasses.replace(
+            plan, units=tuple(u for u in plan.units if u in names), blocks=tuple(b for b in plan.blocks if b in names),
+            placements={fqn: axes for fqn, axes in plan.placements.items() if fqn in names},
+            layouts={name: layout for name, layout in plan.layouts.items() if name in names}, pipeline=None)
+        costs = pricing(cfg, cut, micro, shallow)
+        last = cut.blocks[-1]
+        return {u: costs[u if u in costs else last] for u in plan.units if u in costs or u in plan.blocks}
+
     def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
         micro = cfg.micro_batch_size
         key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size)
         if key not in self._costs:
-            self._costs[key] = self.pricing.unit_costs(cfg, plan, micro, self.model)
+            self._costs[key] = self.unit_costs(cfg, plan, micro, self.pricing.unit_costs)
             self.progress.count("meta passes")
         passes = len(self._memory)
         step = self.pricing.step(cfg, plan, self._costs[key], self.model, self.params(plan))
