@@ -27,6 +27,7 @@ class Candidate:
     peak_bytes: float | None = None
     parts_s: dict[str, float] = field(default_factory=dict)  # compute, bubble, comm <axis>, optimizer, unitemized
     traffic: dict[str, float] = field(default_factory=dict)  # bytes a rank sends per step, per axis
+    memory_skipped: bool = False  # priced for time only: slower than a layout already predicted to fit
 
 
 @dataclass

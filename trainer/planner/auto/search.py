@@ -87,6 +87,7 @@ class Search:
         self._params: dict = {}
         self._flops: dict = {}
         self._floors: dict = {}
+        self._axes: dict[int, tuple] = {}  # id(placements) -> (placements, the axes they name): see params_key
         self._shallow_model: nn.Module | None | bool = False  # not looked at yet (see _shallow)
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
         self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
@@ -327,7 +328,10 @@ class Search:
         last = cut.blocks[-1]
         return {u: costs[u if u in costs else last] for u in plan.units if u in costs or u in plan.blocks}
 
-    def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
+    def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan, *, memory: bool = True) -> None:
+        """The candidate's step time, and with ``memory`` its peak memory (a meta pass of the whole model
+        per tp size and micro-batch: the costly part). The search leaves memory out for a layout whose
+        step is no faster than one already predicted to fit: it cannot be chosen, fits or not."""
         micro = cfg.micro_batch_size
         key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size)
         if key not in self._costs:
@@ -339,6 +343,9 @@ class Search:
         c.parts_s = {"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
                      "unitemized": step.overhead_s,
                      **{f"comm {axis}": s for axis, s in step.comm_s.items()}}
+        if not memory:
+            c.status, c.memory_skipped = "slower", True
+            return
         c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=self._memory))
         self.progress.count("meta passes", len(self._memory) - passes)
         if c.peak_bytes > self.budget:
@@ -347,9 +354,13 @@ class Search:
         else:
             c.status = "slower"
 
-    @staticmethod
-    def params_key(plan: ParallelPlan) -> int:
-        return plan.mesh.size([a for axes in plan.placements.values() for a in axes])
+    def params_key(self, plan: ParallelPlan) -> int:
+        """The tp size: the product of the axes the placements name (asked of every candidate several
+        times; the candidates of one resolution share its placements, so their axes are found once)."""
+        placements = plan.placements
+        if id(placements) not in self._axes:  # the placements live in self._plans: their ids stay theirs
+            self._axes[id(placements)] = (placements, sorted({a for axes in placements.values() for a in axes}))
+        return plan.mesh.size(self._axes[id(placements)][1])
 
     # ------------------------------------------------------------------ the search
 
@@ -372,18 +383,26 @@ class Search:
                 overflowing.append(c)
                 progress.count("over the floor")
                 continue
-            c.lower_bound_s = self.pricing.lower_bound(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
+            # The compute floor first (no collective priced): the full bound only for a layout that may win.
+            c.lower_bound_s = self.pricing.compute_floor(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
             valid.append((c.lower_bound_s, c, cfg, plan))
             progress.count("bounded")
         progress.tick(f"pricing the {len(valid)} valid layouts, lowest bound first", force=True)
         valid.sort(key=lambda v: v[0])
         best = math.inf
-        for bound, c, cfg, plan in valid:
-            if bound > best and self.knobs.prune:
-                c.status, c.reason = "pruned", f"pruned: lower bound {bound * 1e3:.1f} ms > best {best * 1e3:.1f} ms"
+        for floor, c, cfg, plan in valid:
+            if floor <= best or not self.knobs.prune:
+                c.lower_bound_s = self.pricing.lower_bound(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
+            if c.lower_bound_s > best and self.knobs.prune:
+                c.status, c.reason = "pruned", (f"pruned: lower bound {c.lower_bound_s * 1e3:.1f} ms > best "
+                                                f"{best * 1e3:.1f} ms")
                 progress.count("pruned")
                 continue
-            self.predict(c, cfg, plan)
+            # Time first; the memory (the costly pass) only of a layout faster than the best that fits.
+            self.predict(c, cfg, plan, memory=not self.knobs.prune)
+            if c.memory_skipped and c.step_s < best:
+                c.memory_skipped = False
+                self.predict(c, cfg, plan)
             progress.count("priced")
             if c.status == "slower":
                 if c.step_s < best:
@@ -395,7 +414,8 @@ class Search:
         if predicted:
             predicted[0].status, predicted[0].reason = "chosen", "chosen: fastest predicted to fit"
             for c in predicted[1:]:
-                c.reason = slower_reason(c, predicted[0])
+                c.reason = slower_reason(c, predicted[0]) + ("; memory not predicted (it cannot be chosen)"
+                                                              if c.memory_skipped else "")
         rest = [c for _, c, _, _ in valid if c.status in ("does not fit", "pruned")] + overflowing
         rest.sort(key=lambda c: (c.status != "does not fit", c.step_s or c.lower_bound_s or 0.0, c.peak_bytes or 0.0))
         return predicted + rest + invalid
