@@ -147,7 +147,7 @@ def predict_row(row: published.PublishedRun) -> dict:
 def planner_row(row: published.PublishedRun, *, prune: bool = False) -> dict:
     """The auto-planner on the row's model, batch, devices and hardware: its choice against the paper's
     layout. The knobs give it the paper's micro-batch count and chunks per rank, both data-parallel
-    modes, both schedules, checkpointing on or off: it chooses the dp x pp x tp split and the rest.
+    modes, both schedules, checkpointing full, selective or none: it chooses the dp x pp x tp split and the rest.
     Without ``prune`` every layout is predicted, time and memory, so the paper's rank is exact; with it
     the search runs as a user's does, and a paper layout it pruned (its lower bound above the best, so
     slower than the pick) is ranked after the layouts predicted faster than its own step."""
@@ -158,7 +158,7 @@ def planner_row(row: published.PublishedRun, *, prune: bool = False) -> dict:
     m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
     raw.update(mesh=[lay.devices], parallel={"auto": {
         "data_parallel_modes": ["ddp", "fsdp"], "schedules": ["1F1B", "Interleaved1F1B"], "microbatches": [m],
-        "stages_per_rank": [lay.virtual_stages or 2], "activation_checkpointing": ["full", "none"],
+        "stages_per_rank": [lay.virtual_stages or 2], "activation_checkpointing": ["full", "selective", "none"],
         "precisions": ["bf16"], "prune": prune}})
     began = time.monotonic()
     ranking = plan_layouts(raw, progress=lambda line: print(f"  {row.name}: {line}", file=sys.stderr, flush=True))
@@ -188,7 +188,7 @@ def _paper_label(row: published.PublishedRun) -> str:
     if lay.tp > 1:
         parts.append(f"tp{lay.tp}")
     ac = checkpointing(row)
-    return " x ".join(parts) + (", AC full" if ac == "full" else "") + ", bf16"
+    return " x ".join(parts) + (f", AC {ac}" if ac != "none" else "") + ", bf16"
 
 
 def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:

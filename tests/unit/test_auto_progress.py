@@ -115,3 +115,22 @@ def test_a_pass_over_two_alike_blocks_prices_every_block_exactly(layout):
     for unit, cost in full.items():
         assert cut[unit].forward_s == pytest.approx(cost.forward_s, rel=1e-12)
         assert cut[unit].backward_flops == pytest.approx(cost.backward_flops, rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", [["mesh=[1]"], ["+parallel=fsdp", "mesh=[4]"], ["+parallel=3d", "mesh=[2,2,2]"],
+                                    ["+parallel=cp", "mesh=[2]", "train.seq_len=512"]])
+def test_the_two_block_memory_floor_is_below_the_full_prediction(layout):
+    """The floor has the saved activations of all 8 blocks exactly and leaves out backward's worst
+    moment: below the full prediction, by less than that moment's bytes."""
+    from parallel.config import AutoPlanConfig
+    from trainer.planner.forecast.pricing import pricing_for
+    from trainer.planner.memory.predict import predict_memory
+    from trainer.validate.checks import validate_with_plan
+
+    cfg, plan = validate_with_plan(compose_dict(["model=gpt_small", *layout, "hardware=h100_sxm", "dry_run=true"]))
+    search = search_module.Search(compose_dict(AUTO), cfg, AutoPlanConfig(), 8, pricing_for(cfg))
+    full = predict_memory(cfg, plan, model=search.model)
+    floor = search.memory_floor(cfg, plan)
+    worst = max(full, key=lambda e: e.total)
+    assert worst.total - worst.parts.transient * 1.2 < floor <= worst.total
+    assert floor > worst.params + worst.optimizer + worst.activations * 0.99

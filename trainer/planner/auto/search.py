@@ -28,19 +28,17 @@ from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
 from trainer.planner.auto.ranking import Candidate
+from trainer.planner.auto.shallow import Given, cut_plan, expand, memory_floor, shallow_model
 from trainer.planner.calibration.probe import bf16_supported
 from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import unit_costs
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget
 from trainer.planner.memory.layout import on_cuda
-from trainer.planner.memory.predict import predict_memory
+from trainer.planner.memory.predict import predict_memory, saved_activations
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
 from trainer.validate.model_checks import _check_heads
-
-
-SHALLOW_BLOCKS = 2  # the blocks a pass of alike blocks runs (Search._shallow)
 
 
 def divisors(n: int) -> list[int]:
@@ -89,6 +87,7 @@ class Search:
         self._floors: dict = {}
         self._axes: dict[int, tuple] = {}  # id(placements) -> (placements, the axes they name): see params_key
         self._shallow_model: nn.Module | None | bool = False  # not looked at yet (see _shallow)
+        self._floor_passes: dict = {}  # two-block memory passes (memory_floor)
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
         self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
 
@@ -194,7 +193,7 @@ class Search:
         label = " x ".join(p for p in (dp_name, f"cp{cp}" if cp > 1 else "", pp_name, f"ep{ep}" if ep > 1 else "",
                                        f"tp{tp}" if tp > 1 else "")
                            if p) or "one rank"
-        label += (", AC full" if ac == "full" else "") + (", bf16" if precision == "bf16" else "")
+        label += (f", AC {ac}" if ac != "none" else "") + (", bf16" if precision == "bf16" else "")
         return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision)
 
     # ------------------------------------------------------------------ validation
@@ -298,19 +297,9 @@ class Search:
         return True
 
     def _shallow(self) -> nn.Module | None:
-        """The model cut to :data:`SHALLOW_BLOCKS` blocks, when its blocks are alike (the built-in decoder:
-        the same modules and parameter shapes in every block), else None. The work of a block does not
-        depend on its depth, so a pass over two blocks prices every block of a 96-block model exactly."""
+        """The model cut to two blocks when its blocks are alike (:mod:`trainer.planner.auto.shallow`), else None."""
         if self._shallow_model is False:
-            self._shallow_model = None
-            n = getattr(self.base.model, "n_layers", None)
-            blocks = [dict(self.model.named_modules()).get(f"layers.{i}") for i in range(n or 0)]
-            if n and n > SHALLOW_BLOCKS and self.base.model.arch == "llama" and all(b is not None for b in blocks):
-                alike = {tuple((name, type(m).__name__, tuple(p.shape) if (p := getattr(m, "weight", None)) is not None
-                                else None) for name, m in b.named_modules()) for b in blocks}
-                if len(alike) == 1:
-                    self._shallow_model = build_model(
-                        self.base.model.model_copy(update={"n_layers": SHALLOW_BLOCKS}), device="meta")
+            self._shallow_model = shallow_model(self.base, self.model)
         return self._shallow_model
 
     def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, pricing) -> dict:
@@ -319,14 +308,22 @@ class Search:
         shallow = self._shallow()
         if shallow is None:
             return pricing(cfg, plan, micro, self.model)
-        names = {name for name, _ in shallow.named_modules()} | {name for name, _ in shallow.named_parameters()}
-        cut = dataclasses.replace(
-            plan, units=tuple(u for u in plan.units if u in names), blocks=tuple(b for b in plan.blocks if b in names),
-            placements={fqn: axes for fqn, axes in plan.placements.items() if fqn in names},
-            layouts={name: layout for name, layout in plan.layouts.items() if name in names}, pipeline=None)
-        costs = pricing(cfg, cut, micro, shallow)
-        last = cut.blocks[-1]
-        return {u: costs[u if u in costs else last] for u in plan.units if u in costs or u in plan.blocks}
+        return expand(pricing(cfg, cut_plan(plan, shallow), micro, shallow), plan)
+
+    def memory_floor(self, cfg: RunConfig, plan: ParallelPlan) -> float | None:
+        """A floor of the candidate's peak from a two-block pass (:func:`~trainer.planner.auto.shallow.memory_floor`:
+        the saved activations exact, backward's worst moment left out); None where the blocks are not alike."""
+        shallow = self._shallow()
+        if shallow is None or (plan.pipeline is not None and plan.pipeline.stages):
+            return None
+        cut = cut_plan(plan, shallow)
+        key = (self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, bool(plan.layouts),
+               plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
+        if key not in self._floor_passes:
+            self._floor_passes[key] = saved_activations(cfg, cut, cfg.micro_batch_size, model=shallow)
+            self.progress.count("meta passes")
+        given = Given(memory_floor(self._floor_passes[key], plan))
+        return max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=given))
 
     def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan, *, memory: bool = True) -> None:
         """The candidate's step time, and with ``memory`` its peak memory (a meta pass of the whole model
@@ -345,6 +342,12 @@ class Search:
                      **{f"comm {axis}": s for axis, s in step.comm_s.items()}}
         if not memory:
             c.status, c.memory_skipped = "slower", True
+            return
+        floor = self.memory_floor(cfg, plan)
+        if floor is not None and floor > self.budget:  # no full pass for a layout that does not fit even that
+            c.peak_bytes, c.status = floor, "does not fit"
+            c.reason = (f"does not fit: at least {floor / GIB:.2f} GiB (before backward's worst moment) > "
+                        f"{self.budget / GIB:.2f} GiB budget")
             return
         c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=self._memory))
         self.progress.count("meta passes", len(self._memory) - passes)
