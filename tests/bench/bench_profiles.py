@@ -146,8 +146,8 @@ def predict_row(row: published.PublishedRun) -> dict:
 
 def planner_row(row: published.PublishedRun, *, prune: bool = False) -> dict:
     """The auto-planner on the row's model, batch, devices and hardware: its choice against the paper's
-    layout. The knobs give it the paper's micro-batch count and chunks per rank, both data-parallel
-    modes, both schedules, checkpointing full, selective or none: it chooses the dp x pp x tp split and the rest.
+    layout. The knobs give it the paper's micro-batch count and chunks per rank, ddp, fsdp and zero2
+    (zero1's nearest), both schedules, checkpointing full, selective or none: it chooses the dp x pp x tp split and the rest.
     Without ``prune`` every layout is predicted, time and memory, so the paper's rank is exact; with it
     the search runs as a user's does, and a paper layout it pruned (its lower bound above the best, so
     slower than the pick) is ranked after the layouts predicted faster than its own step."""
@@ -157,7 +157,7 @@ def planner_row(row: published.PublishedRun, *, prune: bool = False) -> dict:
     raw = cfg.model_dump(mode="json")
     m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
     raw.update(mesh=[lay.devices], parallel={"auto": {
-        "data_parallel_modes": ["ddp", "fsdp"], "schedules": ["1F1B", "Interleaved1F1B"], "microbatches": [m],
+        "data_parallel_modes": ["ddp", "fsdp", "zero2"], "schedules": ["1F1B", "Interleaved1F1B"], "microbatches": [m],
         "stages_per_rank": [lay.virtual_stages or 2], "activation_checkpointing": ["full", "selective", "none"],
         "precisions": ["bf16"], "prune": prune}})
     began = time.monotonic()
