@@ -62,7 +62,9 @@ def expand(per_unit: dict, plan: ParallelPlan, *, blocks_only: bool = False) -> 
 def memory_floor(saved: dict, plan: ParallelPlan) -> dict:
     """A two-block :func:`~trainer.planner.memory.predict.saved_activations` answer for all of ``plan``'s
     blocks, less what backward adds at its worst moment (its timeline: one moment with nothing live)."""
-    return {"units": expand(saved["units"], plan), "block_inputs": expand(saved["block_inputs"], plan, blocks_only=True),
+    # Keys this does not know (the memory model may read more) keep the two blocks' values: less, still a floor.
+    return {**saved, "units": expand(saved["units"], plan),
+            "block_inputs": expand(saved["block_inputs"], plan, blocks_only=True),
             "unit_params": expand(saved["unit_params"], plan), "largest_trainable": saved["largest_trainable"],
             "timeline": [(0.0, 0.0)], "forward_ops": 0}
 
