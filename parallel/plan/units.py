@@ -7,6 +7,7 @@ A *unit* is a piece the model may be cut between, in forward order: `tok_embeddi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from torch import nn
@@ -81,6 +82,11 @@ def _unit_numel(model: nn.Module, modules: dict[str, nn.Module], unit: str) -> i
 def auto_boundaries(units: list[str], unit_params: list[int], num_stages: int) -> list[str]:
     """First unit of every stage but the first: contiguous stages whose largest parameter count
     is as small as it can be (the classic linear-partition dynamic programme; units are few)."""
+    return list(_linear_partition(tuple(units), tuple(unit_params), num_stages))
+
+
+@functools.lru_cache(maxsize=256)  # a planner cuts one model into the same stage counts for many layouts
+def _linear_partition(units: tuple[str, ...], unit_params: tuple[int, ...], num_stages: int) -> tuple[str, ...]:
     n = len(units)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot cut {n} units into {num_stages} stages")
@@ -102,7 +108,7 @@ def auto_boundaries(units: list[str], unit_params: list[int], num_stages: int) -
     for k in range(num_stages, 1, -1):
         i = cut[k][i]
         starts.append(i)
-    return [units[i] for i in reversed(starts)]
+    return tuple(units[i] for i in reversed(starts))
 
 
 def check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[str],

@@ -20,10 +20,15 @@ rules; a replicated ``B`` of a row-parallel Linear gets a ``Partial`` gradient, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from parallel.placements import PlacementSpec
+from parallel.sharding.tp_styles import AxisSpecs, classify
 
 ADAPTERS = ("lora_A", "lora_B")
 
@@ -62,6 +67,24 @@ class RowwiseParallelWithAdapters(RowwiseParallel):
         _distribute(module, device_mesh, own, self.src_data_rank)
 
 
+def adapter_placements(model: nn.Module, placements: Mapping[str, AxisSpecs]) -> dict[str, dict[str, PlacementSpec]]:
+    """The placements the styles above give the adapters of ``model`` (param FQN -> ``{axis:
+    placement}``, sharded ones only) under the resolved ``placements``, which name base weights alone:
+    a column-parallel Linear's ``lora_B`` ``Shard(0)``, a row-parallel one's ``lora_A`` ``Shard(1)``, on
+    the pair's axis. Every other adapter is replicated (a Linear on the DTensor path keeps plain
+    adapters). What a planner needs to give the adapters their tp-local shapes; empty without adapters."""
+    modules = dict(model.named_modules())
+    if not any(has_adapters(m) for m in modules.values()):
+        return {}
+    pairs = classify(model, placements, {})
+    out: dict[str, dict[str, PlacementSpec]] = {}
+    for names, adapter, dim in ((pairs.col, "lora_B", 0), (pairs.row, "lora_A", 1)):
+        for name, axis in names.items():
+            if has_adapters(modules[name]):
+                out[f"{name}.{adapter}.weight"] = {axis: PlacementSpec("shard", dim=dim)}
+    return out
+
+
 def colwise_style(module: nn.Module, **kwargs) -> ColwiseParallel:
     """The column-parallel style for ``module``: with adapters or torch's own."""
     return ColwiseParallelWithAdapters(**kwargs) if has_adapters(module) else ColwiseParallel(**kwargs)
@@ -72,5 +95,5 @@ def rowwise_style(module: nn.Module, **kwargs) -> RowwiseParallel:
     return RowwiseParallelWithAdapters(**kwargs) if has_adapters(module) else RowwiseParallel(**kwargs)
 
 
-__all__ = ["ColwiseParallelWithAdapters", "RowwiseParallelWithAdapters", "colwise_style", "has_adapters",
-           "rowwise_style"]
+__all__ = ["ColwiseParallelWithAdapters", "RowwiseParallelWithAdapters", "adapter_placements", "colwise_style",
+           "has_adapters", "rowwise_style"]

@@ -178,27 +178,35 @@ def predict_row(row: published.PublishedRun) -> dict:
             "seconds": time.monotonic() - began}
 
 
-def planner_row(row: published.PublishedRun) -> dict:
+def planner_row(row: published.PublishedRun, *, prune: bool = False) -> dict:
     """The auto-planner on the row's model, batch, devices and hardware: its choice against the paper's
-    layout. The knobs give it the paper's micro-batch count and chunks per rank, both data-parallel
-    modes, both schedules, checkpointing on or off: it chooses the dp x pp x tp split and the rest."""
+    layout. The knobs give it the paper's micro-batch count and chunks per rank, ddp, fsdp and zero2
+    (zero1's nearest), both schedules, checkpointing full, selective or none: it chooses the dp x pp x tp split and the rest.
+    Without ``prune`` every layout is predicted, time and memory, so the paper's rank is exact; with it
+    the search runs as a user's does, and a paper layout it pruned (its lower bound above the best, so
+    slower than the pick) is ranked after the layouts predicted faster than its own step."""
     from trainer.planner.auto.plan import plan_layouts
 
     cfg, lay = row_config(row), row.layout
     raw = cfg.model_dump(mode="json")
     m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
     raw.update(mesh=[lay.devices], parallel={"auto": {
-        "data_parallel_modes": ["ddp", "fsdp"], "schedules": ["1F1B", "Interleaved1F1B"], "microbatches": [m],
-        "stages_per_rank": [lay.virtual_stages or 2], "activation_checkpointing": ["full", "none"],
-        "precisions": ["bf16"], "prune": False}})  # every layout predicted: the paper's rank is exact
+        "data_parallel_modes": ["ddp", "fsdp", "zero2"], "schedules": ["1F1B", "Interleaved1F1B"], "microbatches": [m],
+        "stages_per_rank": [lay.virtual_stages or 2], "activation_checkpointing": ["full", "selective", "none"],
+        "precisions": ["bf16"], "prune": prune}})
     began = time.monotonic()
-    ranking = plan_layouts(raw)
+    ranking = plan_layouts(raw, progress=lambda line: print(f"  {row.name}: {line}", file=sys.stderr, flush=True))
     paper = _paper_label(row)
     ranked = [c for c in ranking.candidates if c.step_s is not None and c.status in ("chosen", "slower")]
-    position = next((i for i, c in enumerate(ranked, 1) if c.label == paper), None)
     mine = next((c for c in ranking.candidates if c.label == paper), None)
+    paper_step = mine.step_s if mine is not None and mine.step_s is not None else None
+    if paper_step is None and mine is not None and mine.status == "pruned":
+        paper_step = predict_row(row)["step_s"]  # the row's own layout as written (sequence parallel included)
+    position = next((i for i, c in enumerate(ranked, 1) if c.label == paper), None)
+    if position is None and mine is not None and mine.status == "pruned":
+        position = 1 + sum(c.step_s < paper_step for c in ranked)
     return {"row": row.name, "paper": paper, "paper_status": mine.status if mine else "not a candidate",
-            "paper_step_s": mine.step_s if mine else None, "paper_rank": position, "chosen": ranking.winner.label,
+            "paper_step_s": paper_step, "paper_rank": position, "chosen": ranking.winner.label,
             "chosen_step_s": ranking.winner.step_s, "top5": [c.label for c in ranked[:5]],
             "candidates": len(ranking.candidates), "seconds": time.monotonic() - began}
 
@@ -214,7 +222,7 @@ def _paper_label(row: published.PublishedRun) -> str:
     if lay.tp > 1:
         parts.append(f"tp{lay.tp}")
     ac = checkpointing(row)
-    return " x ".join(parts) + (", AC full" if ac == "full" else "") + ", bf16"
+    return " x ".join(parts) + (f", AC {ac}" if ac != "none" else "") + ", bf16"
 
 
 def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:
@@ -272,6 +280,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--planner", default="", help="also run the auto-planner on the rows whose name starts with this")
     parser.add_argument("--memory-terms", action="store_true", help="the rows that publish memory, term by term")
+    parser.add_argument("--prune", action="store_true", help="with --planner: prune as a user's search does (fast; "
+                        "the paper's rank then counts the layouts predicted faster than its own step)")
     args = parser.parse_args()
     if args.memory_terms:
         for row in published.rows():
@@ -281,7 +291,7 @@ def main() -> None:
     if args.planner:
         for row in published.rows():
             if row.name.startswith(args.planner) and unsupported(row) is None:
-                p = planner_row(row)
+                p = planner_row(row, prune=args.prune)
                 print(f"{p['row']}: {p['candidates']} layouts in {p['seconds']:.0f} s; paper {p['paper']} "
                       f"({p['paper_status']}, rank {p['paper_rank']}, {p['paper_step_s'] or math.nan:.2f} s); chosen "
                       f"{p['chosen']} ({p['chosen_step_s']:.2f} s); top 5: {'; '.join(p['top5'])}", flush=True)

@@ -21,7 +21,8 @@ LONG = ["mesh=[2]", *NARROW, "model.n_layers=2", "model.max_seq_len=4096", "trai
 
 
 def test_cp_is_chosen_when_no_layout_without_it_fits():
-    result = plan_layouts(_raw(*LONG, "launch.memory_budget_gb=0.08"), calibration=CAL)
+    # prune=false: every layout priced in full, so that tp2 (slower than cp2) says it does not fit
+    result = plan_layouts(_raw(*LONG, "launch.memory_budget_gb=0.08", "+parallel.auto.prune=false"), calibration=CAL)
     by_label = {c.label: c for c in result.candidates}
     assert result.winner.label == "cp2" and result.winner.status == "chosen"
     assert result.winner.parallel["context_parallel"] == {"dim": "cp", "method": "ring"}

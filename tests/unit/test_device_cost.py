@@ -37,6 +37,29 @@ def test_wave_quantisation_takes_the_best_tile():
     assert wave_efficiency(1, 8192, 8192, 132) > 0.95
 
 
+def test_a_small_gemm_costs_its_fixed_time_once_in_any_precision():
+    """A decoder's tiny GEMM (2048 x 64 x 64: 16.8 MFLOP) in fp32 on an H100: its FLOPs' time at the fp32
+    rate stretched by its waves, plus the size curve's fixed time (a time: the same in fp32 as in bf16),
+    not the fixed time stretched by the waves and by the fp32 rate (283 us / 0.24 = 1.2 ms before)."""
+    cfg, _ = _plan("hardware=h100_sxm")
+    fp32, bf16 = DeviceSpeed.of(cfg.hardware, "fp32"), DeviceSpeed.of(cfg.hardware, "bf16")
+    assert fp32.matmul_fixed_s == bf16.matmul_fixed_s == pytest.approx(15e9 / (989.5e12 * 0.79))
+    flops, wave = 2 * 2048 * 64 * 64, wave_efficiency(1, 2048, 64, 132)
+    assert wave == pytest.approx(32 / 132)  # the best tile: 32 of 64 x 128 on 132 SMs, one wave
+    by_hand = flops / (67e12 * 0.79 * wave) + 15e9 / (989.5e12 * 0.79)  # 1.3 us + 19.2 us
+    assert fp32.matmul_s(flops, 0.0, lambda sms: wave) == pytest.approx(by_hand)
+    assert 20e-6 < by_hand < 25e-6
+    # a GEMM too small for its fixed time still pays the kernel floor, not more
+    assert bf16.matmul_s(1.0, 0.0, lambda sms: 1.0) == pytest.approx(max(bf16.matmul_fixed_s, 11.1e-6))
+
+
+def test_the_optimizer_step_costs_its_bytes_or_one_kernel_per_foreach_op():
+    cfg, _ = _plan("hardware=h100_sxm")
+    speed = DeviceSpeed.of(cfg.hardware, "bf16")
+    assert speed.optimizer_s(1e9) == pytest.approx(1e9 * 92 / (3350e9 * 0.88))  # 31 ms: memory-bound
+    assert speed.optimizer_s(1e3) == pytest.approx(10 * 11.1e-6)  # a tiny model: 10 foreach kernels
+
+
 def test_a_matmul_costs_its_roofline_and_an_elementwise_op_its_bytes():
     cfg, _ = _plan("hardware=h100_sxm")
     speed = DeviceSpeed.of(cfg.hardware, "bf16")
@@ -52,8 +75,10 @@ def test_a_matmul_costs_its_roofline_and_an_elementwise_op_its_bytes():
         a.add(a)
     flops = 2 * 4096**3
     wave = wave_efficiency(1, 4096, 4096, cfg.hardware.sm_count)
-    size = flops / (flops + cfg.hardware.achieved.matmul_half_gflop * 1e9)  # smaller GEMMs reach less
-    mm = max(flops / (speed.matmul_flops * wave * size), 3 * 4096**2 * 2 / speed.memory_bytes)
+    # the size curve's fixed time: 15 GFLOP at the bf16 GEMM rate the sweep measured it at (19.2 us on an H100)
+    fixed = cfg.hardware.achieved.matmul_half_gflop * 1e9 / speed.matmul_flops
+    assert fixed == pytest.approx(15e9 / (989.5e12 * 0.79))
+    mm = max(flops / (speed.matmul_flops * wave) + fixed, 3 * 4096**2 * 2 / speed.memory_bytes)
     add = 3 * 4096**2 * 2 / speed.memory_bytes
     assert costs["u"].forward_s == pytest.approx(mm + add)
     assert costs["u"].forward_flops == flops

@@ -18,7 +18,7 @@ from parallel.errors import ConfigError
 from trainer.config.compose import CONF_DIR, register_defaults, to_plain, with_preset
 from trainer.config.schema import RunConfig
 from trainer.launch import launcher
-from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch, worker_preload
+from trainer.launch.launcher import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, launch, worker_preload
 from trainer.launch.processes import worker_server
 from trainer.pictures.placement import DRY_RUN_DIR, write_placement
 from trainer.planner.auto.plan import resolve_and_validate
@@ -64,7 +64,8 @@ def _starts_workers(raw: dict) -> bool:
 
 def _run(raw: dict, sweeping: bool) -> float | None:
     try:
-        cfg, plan, ranking = resolve_and_validate(raw)  # +parallel=auto: the rest of the road sees an ordinary config
+        # +parallel=auto: the rest of the road sees an ordinary config; the search says how far it is
+        cfg, plan, ranking = resolve_and_validate(raw, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ConfigError as err:
         if raw.get("dry_run") is True and all(i.path in _BATCH_PATHS for i in err.issues):
             _plan_despite_batch(raw, err)
@@ -83,6 +84,7 @@ def _run(raw: dict, sweeping: bool) -> float | None:
         text, summary = dry_run_report(cfg, plan)
         print(text)
         _write_pictures(cfg, plan)
+        _failed_prediction(summary)
         if summary["memory_verdict"] == "does not fit":  # within the measured error: the report's warning, no refusal
             hint = ("the memory table above says which ranks; fewer bytes per rank: fsdp, tp, pp, activation "
                     "checkpointing, or more devices")
@@ -90,9 +92,10 @@ def _run(raw: dict, sweeping: bool) -> float | None:
                 hint = (f"{cfg.world_size // cfg.launch.nnodes} workers share this host's memory; to plan a cluster "
                         "you do not have, name its hardware and nodes, e.g. hardware=h100_sxm "
                         f"launch.nnodes={max(1, cfg.world_size // 8)}")
+            peak = summary["peak_memory_gib_per_device"] or summary["memory_lower_bound_gib"]
             beyond = (f" by more than the prediction's measured error of {summary['memory_margin']['measured_error']:.0%}"
                       if summary["memory_margin"]["measured_error"] else "")
-            _refused_at_launch(cfg, f"launch.memory_budget_gb: predicted peak {summary['peak_memory_gib_per_device']:.2f} "
+            _refused_at_launch(cfg, f"launch.memory_budget_gb: predicted peak {peak:.2f} "
                                     f"GiB per device exceeds the budget of {summary['memory_budget_gib']:.2f} GiB{beyond} "
                                     f"({hint})")
         return
@@ -139,10 +142,21 @@ def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
     if issues:
         print(ConfigError(err.issues + issues), file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    text, _ = dry_run_report(cfg, plan)
+    text, summary = dry_run_report(cfg, plan)
     print(text)
     _write_pictures(cfg, plan)
+    _failed_prediction(summary)
     _refused_at_launch(cfg, str(err))
+
+
+def _failed_prediction(summary: dict) -> None:
+    """A dry run whose memory or step prediction failed printed what it could; it exits 1, naming
+    what failed, so that neither a reader nor a script takes the rest for a whole prediction."""
+    if summary["errors"]:
+        failed = "\n".join(f"  {error}" for error in summary["errors"])
+        print(f"\nthe dry run's prediction failed (a bug of the planner for this layout, not of the config: "
+              f"please report it):\n{failed}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 def _refused_at_launch(cfg: RunConfig, why: str) -> None:

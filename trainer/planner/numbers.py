@@ -14,6 +14,7 @@ from parallel.config import ParallelConfig
 from parallel.pipeline.order import expected_bubble
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import ParallelPlan
+from parallel.sharding.adapters import adapter_placements
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
 
@@ -76,6 +77,7 @@ def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, Par
 
 
 _PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ADAPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def parameter_list(model) -> list[tuple[str, int, bool]]:
@@ -84,6 +86,29 @@ def parameter_list(model) -> list[tuple[str, int, bool]]:
     if model not in _PARAMETERS:
         _PARAMETERS[model] = [(fqn, p.numel(), p.requires_grad) for fqn, p in model.named_parameters()]
     return _PARAMETERS[model]
+
+
+_UNITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _units_of(model, units: tuple[str, ...]) -> dict[str, str]:
+    """``{parameter FQN: its unit}`` for ``model`` cut into ``units`` (:meth:`ParallelPlan.unit_of` of each),
+    kept per model: a planner asks it of thousands of plans that share a handful of unit lists."""
+    known = _UNITS.setdefault(model, {})
+    if units not in known:
+        plan = ParallelPlan(units=units)
+        known[units] = {fqn: plan.unit_of(fqn) for fqn, _, _ in parameter_list(model)}
+    return known[units]
+
+
+def held_placements(model, plan: ParallelPlan) -> dict:
+    """``plan.placements`` (base weights only) with LoRA's adapters as the tp styles shard them
+    (:func:`parallel.sharding.adapters.adapter_placements`): what a rank's tp-local shapes follow."""
+    if model not in _ADAPTED:  # asked per candidate by a planner: the module walk once per model
+        _ADAPTED[model] = any(name.endswith(".lora_A") for name, _ in model.named_modules())
+    if not _ADAPTED[model]:
+        return plan.placements
+    return {**plan.placements, **adapter_placements(model, plan.placements)}
 
 
 def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbers:
@@ -114,13 +139,15 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     stage_trainable = [0.0] * num_stages  # frozen weights (LoRA's base) have no gradient nor AdamW state
     stage_experts = [0.0] * num_stages  # the experts' weights + gradients + AdamW moments, in parameters
     stage_expert_local = [0.0] * num_stages
+    placements = held_placements(model, plan)
+    unit_of = _units_of(model, plan.units)
     for fqn, numel, trainable in parameter_list(model):
-        axes = plan.placements.get(fqn, {})
+        axes = placements.get(fqn, {})
         tp_div = math.prod(plan.mesh.size(a) for a, pl in axes.items() if pl.is_shard)
         expert = bool(experts) and fqn.startswith(experts)
         tp_div *= ep_size if expert else 1
         dp_div = shard_dp if expert or not experts else rest_dp
-        s = stage_of[plan.unit_of(fqn)]
+        s = stage_of[unit_of[fqn]]
         stage_params[s] += numel
         stage_local[s] += numel / tp_div
         stage_sharded[s] += numel / tp_div / dp_div

@@ -5,6 +5,7 @@ the checkpoint to resume from)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -20,6 +21,8 @@ from trainer.models.custom import CustomModelError, resolve_builder
 from trainer.models.lora import LoRAError
 from trainer.planner.memory.budget import check_memory
 from trainer.validate.context_checks import check_context_model
+
+log = logging.getLogger(__name__)
 
 _DATA_FOR_ARCH = {"llama": ("text", "synthetic", "files", "chat"), "hf": ("text", "synthetic", "files", "chat"),
                   "mlp": ("regression",), "custom": ("text", "synthetic", "files", "chat")}
@@ -101,7 +104,10 @@ def _check_memory(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
     """Refuse a config predicted not to fit its per-rank memory budget (never starting a worker)."""
     try:
         return check_memory(cfg, plan)
-    except Exception:  # noqa: BLE001 - a model the meta device cannot run forward is not predicted, not refused
+    except Exception as err:  # noqa: BLE001 - not predicted is not refused (the layout may well train): said, loudly
+        log.warning("memory NOT checked against the budget: the prediction failed (%s: %s); the run starts "
+                    "unchecked (python -m trainer ... dry_run=true shows what was predicted)", type(err).__name__,
+                    str(err).strip().splitlines()[0][:160] if str(err).strip() else "no message")
         return []
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from parallel.config import AutoPlanConfig
 from parallel.errors import ConfigError, ConfigIssue
@@ -47,9 +48,11 @@ def is_auto(raw: dict) -> bool:
     return isinstance(par, dict) and par.get("auto") is not None and "dims" not in par
 
 
-def resolve_auto(raw: dict, *, calibration: Calibration | None = None) -> tuple[dict, AutoPlan]:
-    """``raw`` with the winner's mesh and parallel section (the knobs kept under ``parallel.auto``)."""
-    result = plan_layouts(raw, calibration=calibration)
+def resolve_auto(raw: dict, *, calibration: Calibration | None = None,
+                 progress: Callable[[str], None] | None = None) -> tuple[dict, AutoPlan]:
+    """``raw`` with the winner's mesh and parallel section (the knobs kept under ``parallel.auto``);
+    ``progress``: where the search's progress lines go (the CLI: the console)."""
+    result = plan_layouts(raw, calibration=calibration, progress=progress)
     if result.winner.status != "chosen":
         raise ConfigError([ConfigIssue("parallel.auto", f"no layout of {result.world_size} ranks is valid and predicted "
                                        f"to fit: {result.winner.reason}", "change the mesh, the batch or the knobs "
@@ -60,16 +63,16 @@ def resolve_auto(raw: dict, *, calibration: Calibration | None = None) -> tuple[
     return out, result
 
 
-def resolve_and_validate(raw: dict, *, check_model: bool = True
+def resolve_and_validate(raw: dict, *, check_model: bool = True, progress: Callable[[str], None] | None = None
                          ) -> tuple[RunConfig, ParallelPlan | None, AutoPlan | None]:
     """The one way a composed config becomes a run config (the CLI, ``train(config)`` and the
     control plane): ``+parallel=auto`` resolved to the planner's winner first (with ``check_model``;
     the probe of the host and the search take seconds), then validated like any hand-written config.
     Returns the config, its resolved plan (None without ``check_model``) and the ranking (None
-    unless the planner chose)."""
+    unless the planner chose). ``progress``: where the search says how far it is (the CLI: stderr)."""
     ranking = None
     if is_auto(raw) and check_model:
-        raw, ranking = resolve_auto(raw)
+        raw, ranking = resolve_auto(raw, progress=progress)
     cfg, plan = validate_with_plan(raw, check_model=check_model)
     return cfg, plan, ranking
 
@@ -109,8 +112,10 @@ def _knobs(raw: dict) -> AutoPlanConfig:
                                        "trainer --help for parallel.auto") for e in err.errors()]) from None
 
 
-def plan_layouts(raw: dict, *, calibration: Calibration | None = None) -> AutoPlan:
-    """Rank every candidate layout of ``raw``'s mesh (see the module docstring)."""
+def plan_layouts(raw: dict, *, calibration: Calibration | None = None,
+                 progress: Callable[[str], None] | None = None) -> AutoPlan:
+    """Rank every candidate layout of ``raw``'s mesh (see the module docstring); ``progress`` is told
+    what the search has done at the end of each phase and every few seconds within one."""
     began = time.monotonic()
     knobs = _knobs(raw)
     mesh = raw.get("mesh") or [1]
@@ -121,12 +126,13 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None) -> AutoPl
     base = RunConfig.model_validate({**raw, "mesh": None, "parallel": None})
     # start-up: the search imports DTensor and the cost model, the probe the training loop (about 2 s);
     # only +parallel=auto pays for them, not every validation of a hand-written layout.
-    from trainer.planner.auto.search import Search
+    from trainer.planner.auto.search import Progress, Search
     from trainer.planner.forecast.pricing import pricing_for
 
     if base.hardware.is_host:  # a profile prices without this host: nothing to probe
         calibration = calibration or host_calibration(base, world)
-    search = Search(raw, base, knobs, world, pricing_for(base, calibration=calibration))
+    search = Search(raw, base, knobs, world, pricing_for(base, calibration=calibration),
+                    progress=Progress(progress))
     candidates = search.run()
 
     return AutoPlan(world_size=world, budget_bytes=search.budget, budget_source=search.budget_source,

@@ -28,6 +28,7 @@ class Candidate:
     parts_s: dict[str, float] = field(default_factory=dict)  # compute, bubble, comm <axis>, optimizer, unitemized
     traffic: dict[str, float] = field(default_factory=dict)  # bytes a rank sends per step, per axis
     memory_note: str = ""  # a GPU profile's layout above the budget, within the prediction's measured error
+    memory_skipped: bool = False  # priced for time only: slower than a layout already predicted to fit
 
 
 @dataclass

@@ -13,24 +13,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from torch import nn
 
 from parallel.config import INTERLEAVED_SCHEDULES, AutoPlanConfig
 from parallel.context import supports_context_parallel
 from parallel.errors import ConfigError
 from parallel.plan.resolve import resolve_plan
-from parallel.plan.spec import ParallelPlan
+from parallel.plan.spec import DataParallelSpec, MeshSpec, ParallelPlan
+from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
 from trainer.planner.auto.ranking import Candidate
+from trainer.planner.auto.shallow import Given, cut_plan, expand, memory_floor, shallow_model
 from trainer.planner.calibration.probe import bf16_supported
 from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import unit_costs
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget, memory_margin
 from trainer.planner.memory.layout import on_cuda
-from trainer.planner.memory.predict import predict_memory
+from trainer.planner.memory.predict import predict_memory, saved_activations
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
 from trainer.validate.model_checks import _check_heads
@@ -40,10 +45,38 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class Progress:
+    """What the search has done so far, said through ``say`` (the CLI: a console line) at the end of each
+    phase and at most every ``every_s`` seconds within one: layouts considered, valid, over the memory
+    floor, priced, pruned, the meta passes run and the best so far. ``clock``: seconds, monotonic."""
+
+    def __init__(self, say: Callable[[str], None] | None, *, every_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.say, self.every_s, self.clock = say, every_s, clock
+        self.began = self.last = clock()
+        self.counts = dict.fromkeys(("considered", "invalid", "over the floor", "bounded", "priced", "pruned",
+                                     "meta passes"), 0)
+        self.best: Candidate | None = None
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counts[what] += n
+
+    def tick(self, phase: str, *, force: bool = False) -> None:
+        now = self.clock()
+        if self.say is None or (not force and now - self.last < self.every_s):
+            return
+        self.last = now
+        done = ", ".join(f"{n} {what}" for what, n in self.counts.items() if n)
+        best = (f"; best so far {self.best.label}: {self.best.step_s * 1e3:,.1f} ms a step"
+                if self.best is not None else "")
+        self.say(f"auto plan [{now - self.began:,.0f} s] {phase}: {done or 'starting'}{best}")
+
+
 class Search:
     def __init__(self, raw: dict, base: RunConfig, knobs: AutoPlanConfig, world: int,
-                 pricing: HostPricing | ProfilePricing) -> None:
+                 pricing: HostPricing | ProfilePricing, *, progress: Progress | None = None) -> None:
         self.raw, self.base, self.knobs, self.world, self.pricing = raw, base, knobs, world, pricing
+        self.progress = progress or Progress(None)
         self.model = build_model(base.model, device="meta")  # the only model this search builds
         self.decoder = decoder_config(base.model)
         self.budget, self.budget_source = memory_budget(base.model_copy(update={"mesh": [world]}))
@@ -55,6 +88,10 @@ class Search:
         self._memory: dict = {}
         self._params: dict = {}
         self._flops: dict = {}
+        self._floors: dict = {}
+        self._axes: dict[int, tuple] = {}  # id(placements) -> (placements, the axes they name): see params_key
+        self._shallow_model: nn.Module | None | bool = False  # not looked at yet (see _shallow)
+        self._floor_passes: dict = {}  # two-block memory passes (memory_floor)
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
         self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
 
@@ -160,7 +197,7 @@ class Search:
         label = " x ".join(p for p in (dp_name, f"cp{cp}" if cp > 1 else "", pp_name, f"ep{ep}" if ep > 1 else "",
                                        f"tp{tp}" if tp > 1 else "")
                            if p) or "one rank"
-        label += (", AC full" if ac == "full" else "") + (", bf16" if precision == "bf16" else "")
+        label += (f", AC {ac}" if ac != "none" else "") + (", bf16" if precision == "bf16" else "")
         return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision)
 
     # ------------------------------------------------------------------ validation
@@ -189,15 +226,30 @@ class Search:
         return None
 
     def _resolve(self, cfg: RunConfig, c: Candidate) -> ParallelPlan:
-        """The candidate's plan; candidates that differ only in activation checkpointing (or precision)
-        share one resolution, the checkpointing set on a copy."""
-        section = {k: v for k, v in c.parallel.items() if k != "activation_checkpointing"}
-        key = (json.dumps(section, sort_keys=True), tuple(c.mesh))
+        """The candidate's plan. Resolving (matching the placement globs, cutting the pipeline) depends
+        only on the tp, pp, cp and ep sizes and the stages per rank: candidates that differ in the dp
+        size and mode, the schedule, the micro-batches, checkpointing or precision share one resolution,
+        their own mesh and those specs set on a copy (a 175B model on 512 ranks: 10,200 candidates,
+        about 100 resolutions of 0.1 s each instead of 5,100)."""
+        sizes = dict(zip(c.parallel["dims"], c.mesh))
+        pipeline = c.parallel.get("pipeline")
+        key = (sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1), sizes.get("ep", 1),
+               json.dumps({k: v for k, v in (pipeline or {}).items() if k not in ("schedule", "microbatches")},
+                          sort_keys=True), json.dumps(c.parallel.get("tensor_parallel"), sort_keys=True))
         if key not in self._plans:
             self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model,
                                             check_glob=lambda *glob: _check_heads(self.decoder, *glob))
-        return dataclasses.replace(self._plans[key], activation_checkpointing=cfg.parallel.activation_checkpointing,
-                                   activation_checkpointing_every=cfg.parallel.activation_checkpointing_every)
+        template, par = self._plans[key], cfg.parallel
+        dp = par.data_parallel
+        pp = template.pipeline
+        if pp is not None:
+            pp = dataclasses.replace(pp, schedule=par.pipeline.schedule, num_microbatches=par.pipeline.microbatches,
+                                     stage_ranks=tuple(stage_ranks(pp.num_stages, sizes["pp"],
+                                                                   schedule=par.pipeline.schedule)))
+        return dataclasses.replace(template, mesh=MeshSpec(tuple(c.mesh), tuple(par.dims)), pipeline=pp,
+                                   data_parallel=DataParallelSpec(dp.mode, tuple(dp.dim_names)) if dp else None,
+                                   activation_checkpointing=par.activation_checkpointing,
+                                   activation_checkpointing_every=par.activation_checkpointing_every)
 
     def _known_failure(self, c: Candidate, stage: str, keys: dict[str, tuple]) -> bool:
         """``c`` shares a section that failed ``stage`` (structure / plan) of the validation before:
@@ -218,20 +270,29 @@ class Search:
 
     def flops_per_sequence(self, cfg: RunConfig, plan: ParallelPlan) -> float:
         """Matmul FLOPs of one whole sequence, forward, backward and any recompute (a tp=1 pass)."""
-        key = (cfg.train.precision, plan.activation_checkpointing)
-        if key not in self._flops:
+        if cfg.train.precision not in self._flops:  # one pass: the recompute is the blocks' forward again
             one = ParallelPlan(units=plan.units, blocks=plan.blocks)
-            costs = unit_costs(cfg, one, 1, model=self.model)
-            recompute = plan.blocks if plan.activation_checkpointing == "full" else ()
-            self._flops[key] = sum(c.forward.matmul_flops + c.backward.matmul_flops for c in costs.values()) + sum(
-                costs[b].forward.matmul_flops for b in recompute if b in costs)
-        return self._flops[key]
+            self._flops[cfg.train.precision] = self.unit_costs(
+                cfg, one, 1, lambda cfg, plan, micro, model: unit_costs(cfg, plan, micro, model=model))
+            self.progress.count("meta passes")
+        costs = self._flops[cfg.train.precision]
+        recompute = plan.blocks if plan.activation_checkpointing == "full" else ()
+        return sum(c.forward.matmul_flops + c.backward.matmul_flops for c in costs.values()) + sum(
+            costs[b].forward.matmul_flops for b in recompute if b in costs)
 
     def overflows(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> bool:
         """Weights, gradients and optimizer state are a floor of any rank's memory and need no trace:
         a layout they alone overflow is refused before its passes are traced or priced (a 175B model
         on 8 ranks: every layout in seconds rather than minutes)."""
-        floor = max(r.state_bytes for r in plan_numbers(cfg, plan, model=self.model).per_pp_rank)
+        # What it depends on: the per-rank split (tp, pp, the stages' ranks, ep) and the dp sharding.
+        dp = plan.param_data_parallel
+        key = (self.params_key(plan), plan.pipeline.stage_units if plan.pipeline else None,
+               plan.pipeline.stage_ranks if plan.pipeline else None, plan.mesh.size(plan.expert_parallel.dim)
+               if plan.expert_parallel else 1, dp.mode if dp else None, plan.mesh.size(dp.shard_dim_names) if dp else 1,
+               plan.mesh.size(dp.dim_names) if dp else 1)
+        if key not in self._floors:
+            self._floors[key] = max(r.state_bytes for r in plan_numbers(cfg, plan, model=self.model).per_pp_rank)
+        floor = self._floors[key]
         if floor <= self.limit:
             return False
         c.peak_bytes, c.status = floor, "does not fit"
@@ -239,17 +300,61 @@ class Search:
                     f"> {self.budget / GIB:.2f} GiB budget{self._beyond()}")
         return True
 
-    def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
+    def _shallow(self) -> nn.Module | None:
+        """The model cut to two blocks when its blocks are alike (:mod:`trainer.planner.auto.shallow`), else None."""
+        if self._shallow_model is False:
+            self._shallow_model = shallow_model(self.base, self.model)
+        return self._shallow_model
+
+    def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, pricing) -> dict:
+        """``pricing(cfg, plan, micro, model)``'s work per unit, from a pass over two blocks where the model's
+        blocks are alike (:meth:`_shallow`): the last block's priced for every deeper one."""
+        shallow = self._shallow()
+        if shallow is None:
+            return pricing(cfg, plan, micro, self.model)
+        return expand(pricing(cfg, cut_plan(plan, shallow), micro, shallow), plan)
+
+    def memory_floor(self, cfg: RunConfig, plan: ParallelPlan) -> float | None:
+        """A floor of the candidate's peak from a two-block pass (:func:`~trainer.planner.auto.shallow.memory_floor`:
+        the saved activations exact, backward's worst moment left out); None where the blocks are not alike."""
+        shallow = self._shallow()
+        if shallow is None or (plan.pipeline is not None and plan.pipeline.stages):
+            return None
+        cut = cut_plan(plan, shallow)
+        key = (self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, bool(plan.layouts),
+               plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
+        if key not in self._floor_passes:
+            self._floor_passes[key] = saved_activations(cfg, cut, cfg.micro_batch_size, model=shallow)
+            self.progress.count("meta passes")
+        given = Given(memory_floor(self._floor_passes[key], plan))
+        return max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=given))
+
+    def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan, *, memory: bool = True) -> None:
+        """The candidate's step time, and with ``memory`` its peak memory (a meta pass of the whole model
+        per tp size and micro-batch: the costly part). The search leaves memory out for a layout whose
+        step is no faster than one already predicted to fit: it cannot be chosen, fits or not."""
         micro = cfg.micro_batch_size
         key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size)
         if key not in self._costs:
-            self._costs[key] = self.pricing.unit_costs(cfg, plan, micro, self.model)
+            self._costs[key] = self.unit_costs(cfg, plan, micro, self.pricing.unit_costs)
+            self.progress.count("meta passes")
+        passes = len(self._memory)
         step = self.pricing.step(cfg, plan, self._costs[key], self.model, self.params(plan))
         c.step_s, c.tokens_per_s, c.traffic = step.total_s, step.tokens_per_s, step.traffic
         c.parts_s = {"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
                      "unitemized": step.overhead_s,
                      **{f"comm {axis}": s for axis, s in step.comm_s.items()}}
+        if not memory:
+            c.status, c.memory_skipped = "slower", True
+            return
+        floor = self.memory_floor(cfg, plan)
+        if floor is not None and floor > self.limit:  # no full pass for a layout that does not fit even that
+            c.peak_bytes, c.status = floor, "does not fit"
+            c.reason = (f"does not fit: at least {floor / GIB:.2f} GiB (before backward's worst moment) > "
+                        f"{self.budget / GIB:.2f} GiB budget{self._beyond()}")
+            return
         c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=self._memory))
+        self.progress.count("meta passes", len(self._memory) - passes)
         if c.peak_bytes > self.limit:
             c.status = "does not fit"
             c.reason = f"does not fit: {c.peak_bytes / GIB:.2f} GiB > {self.budget / GIB:.2f} GiB budget{self._beyond()}"
@@ -262,9 +367,13 @@ class Search:
     def _beyond(self) -> str:
         return f" + {self.margin:.0%} measured error" if self.margin else ""
 
-    @staticmethod
-    def params_key(plan: ParallelPlan) -> int:
-        return plan.mesh.size([a for axes in plan.placements.values() for a in axes])
+    def params_key(self, plan: ParallelPlan) -> int:
+        """The tp size: the product of the axes the placements name (asked of every candidate several
+        times; the candidates of one resolution share its placements, so their axes are found once)."""
+        placements = plan.placements
+        if id(placements) not in self._axes:  # the placements live in self._plans: their ids stay theirs
+            self._axes[id(placements)] = (placements, sorted({a for axes in placements.values() for a in axes}))
+        return plan.mesh.size(self._axes[id(placements)][1])
 
     # ------------------------------------------------------------------ the search
 
@@ -272,33 +381,56 @@ class Search:
         valid: list[tuple[float, Candidate, RunConfig, ParallelPlan]] = []
         invalid: list[Candidate] = []
         overflowing: list[Candidate] = []
+        progress = self.progress
+        progress.tick("enumerating", force=True)
         for c in self.layouts():
+            progress.count("considered")
+            progress.tick("validating and bounding")
             checked = self.validate(c)
             if checked is None:
                 invalid.append(c)
+                progress.count("invalid")
                 continue
             cfg, plan = checked
             if self.overflows(c, cfg, plan):
                 overflowing.append(c)
+                progress.count("over the floor")
                 continue
-            c.lower_bound_s = self.pricing.lower_bound(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
+            # The compute floor first (no collective priced): the full bound only for a layout that may win.
+            c.lower_bound_s = self.pricing.compute_floor(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
             valid.append((c.lower_bound_s, c, cfg, plan))
+            progress.count("bounded")
+        progress.tick(f"pricing the {len(valid)} valid layouts, lowest bound first", force=True)
         valid.sort(key=lambda v: v[0])
         best = math.inf
-        for bound, c, cfg, plan in valid:
-            if bound > best and self.knobs.prune:
-                c.status, c.reason = "pruned", f"pruned: lower bound {bound * 1e3:.1f} ms > best {best * 1e3:.1f} ms"
+        for floor, c, cfg, plan in valid:
+            if floor <= best or not self.knobs.prune:
+                c.lower_bound_s = self.pricing.lower_bound(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
+            if c.lower_bound_s > best and self.knobs.prune:
+                c.status, c.reason = "pruned", (f"pruned: lower bound {c.lower_bound_s * 1e3:.1f} ms > best "
+                                                f"{best * 1e3:.1f} ms")
+                progress.count("pruned")
                 continue
-            self.predict(c, cfg, plan)
+            # Time first; the memory (the costly pass) only of a layout faster than the best that fits.
+            self.predict(c, cfg, plan, memory=not self.knobs.prune)
+            if c.memory_skipped and c.step_s < best:
+                c.memory_skipped = False
+                self.predict(c, cfg, plan)
+            progress.count("priced")
             if c.status == "slower":
+                if c.step_s < best:
+                    progress.best = c
                 best = min(best, c.step_s)
+            progress.tick("pricing")
+        progress.tick("done", force=True)
         predicted = sorted((c for _, c, _, _ in valid if c.status == "slower"), key=lambda c: c.step_s)
         if predicted:
             predicted[0].status = "chosen"
             predicted[0].reason = ("chosen: fastest within the prediction's measured error of the budget"
                                    if predicted[0].memory_note else "chosen: fastest predicted to fit")
             for c in predicted[1:]:
-                c.reason = slower_reason(c, predicted[0])
+                c.reason = slower_reason(c, predicted[0]) + ("; memory not predicted (it cannot be chosen)"
+                                                              if c.memory_skipped else "")
             for c in predicted:
                 if c.memory_note:
                     c.reason += f"; {c.memory_note}"

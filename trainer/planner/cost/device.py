@@ -9,16 +9,19 @@ Nothing here touches a GPU or starts a process: the model runs once on the meta 
 tp-local shapes (:func:`trainer.planner.cost.model.unit_pass`), and every op it dispatches is
 priced on the profile as it goes:
 
-* a matmul by a roofline, ``max(FLOPs / (peak x achieved x size x waves), bytes / (HBM x achieved))``:
+* a matmul by a roofline, ``max(FLOPs / (peak x achieved x waves) + fixed, bytes / (HBM x achieved))``:
   ``achieved`` is the fraction of the datasheet's peak a large GEMM reaches (the profile's
-  ``achieved.matmul``), ``size = F / (F + F_half)`` the curve over a GEMM's FLOPs F that smaller
-  ones fall on (``achieved.matmul_half_gflop``, from a sweep of decoder shapes), ``waves`` the wave quantisation of its output tiles over the SMs (a GEMM of
+  ``achieved.matmul``), ``fixed`` the time the size curve ``F / (F + F_half)`` of a sweep of decoder
+  shapes amounts to (``achieved.matmul_half_gflop`` at the bf16 rate it was measured at: 19 us on an
+  H100, in every precision), ``waves`` the wave quantisation of its output tiles over the SMs (a GEMM of
   ``tiles`` output tiles runs ``ceil(tiles / SMs)`` waves; the last one part-full), for the best of
   the tile shapes cuBLAS picks among, as NVIDIA's matmul performance guide describes;
 * flash attention by its FLOPs (``4 b h s_q s_k d``, half when causal; backward 2.5 times forward:
   it recomputes the scores) at the profile's achieved attention fraction of peak;
 * every other op by its bytes read and written at the achieved fraction of HBM bandwidth;
-* each kernel at least ``achieved.kernel_s`` (launch and the eager framework's dispatch).
+* each kernel at least ``achieved.kernel_s`` (launch and the eager framework's dispatch): a floor, not
+  a sum, since the host dispatches the next op while the device runs this one; each fixed cost counted
+  once, so a small model costs its kernels' count, never more than a larger one.
 
 A step is the busiest pp rank's passes (a checkpointed block's forward twice) and the pipeline's
 bubble (:func:`pipeline_bubble_s`: the fill and drain at each stage's own pace), plus what
@@ -47,7 +50,7 @@ communication leaves exposed and the optimizer step:
   utilisation counts every cp rank's tokens;
 * AdamW is memory-bound: :data:`ADAMW_FOREACH_BYTES_PER_PARAM` per local parameter at the
   achieved HBM bandwidth (torch's foreach implementation, the default on CUDA, passes over the lists
-  once per op).
+  once per op), and at least one kernel per foreach op (:data:`ADAMW_FOREACH_OPS`).
 * ``train.compile=true`` (Inductor fuses each block's elementwise ops) leaves the profile's
   ``achieved.compiled_elementwise`` share of the elementwise time; matmuls and attention are unchanged.
 """
@@ -87,6 +90,9 @@ _FREE = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
 # scale (8). Measured: 39.1 ms of multi_tensor_apply kernels per step for 1.16B parameters on an
 # H100 at 2.95 TB/s, i.e. 99 B per parameter (tests/bench/gpu_kernel_sweep.py).
 ADAMW_FOREACH_BYTES_PER_PARAM = 92
+# The foreach ops listed above (8 of AdamW, 2 of clipping): each launches at least one kernel however small
+# the model (torch/optim/adamw.py _multi_tensor_adamw; torch.nn.utils.clip_grad_norm_'s foreach norm and mul).
+ADAMW_FOREACH_OPS = 10
 TILES = ((128, 128), (128, 256), (256, 128), (64, 128), (128, 64))  # output tiles cuBLAS's Tensor Core kernels use
 
 
@@ -99,24 +105,36 @@ class DeviceSpeed:
     memory_bytes: float  # achieved HBM bytes/s of a streaming kernel
     kernel_s: float  # the least a kernel costs: launch and the framework's dispatch
     sms: int  # streaming multiprocessors: the wave quantisation's unit
-    matmul_half_flops: float = 0.0  # the GEMM size reaching half of matmul_flops
+    matmul_fixed_s: float = 0.0  # what every GEMM costs beyond its FLOPs' time (prologue, tail): the size curve
     fused: float = 1.0  # the share of elementwise time left when torch.compile fuses the blocks' ops
 
     @classmethod
     def of(cls, profile: HardwareProfile, precision: str, *, compiled: bool = False) -> DeviceSpeed:
         a = profile.achieved
         peak = profile.peak_flops(precision)
+        # The size curve F / (F + F_half) of the bf16 sweep is a fixed time per GEMM, F_half at the rate it
+        # was measured at: (F + F_half) / R = F / R + F_half / R. A time, not FLOPs: an fp32 GEMM does not
+        # pay 15x longer for its prologue because its FLOPs are 15x slower.
+        fixed = a.matmul_half_gflop * 1e9 / (profile.peak_flops("bf16") * a.matmul)
         return cls(matmul_flops=peak * a.matmul, attention_flops=(peak * a.attention_forward, peak * a.attention_backward),
                    memory_bytes=profile.memory_bandwidth_gb_s * 1e9 * a.memory, kernel_s=a.kernel_us * 1e-6,
-                   sms=profile.sm_count, matmul_half_flops=a.matmul_half_gflop * 1e9,
-                   fused=a.compiled_elementwise if compiled else 1.0)
+                   sms=profile.sm_count, matmul_fixed_s=fixed, fused=a.compiled_elementwise if compiled else 1.0)
 
     def matmul_s(self, flops: float, nbytes: float, tiles_of) -> float:
-        size = flops / (flops + self.matmul_half_flops) if flops > 0 else 1.0
-        return max(flops / (self.matmul_flops * tiles_of(self.sms) * size), nbytes / self.memory_bytes, self.kernel_s)
+        """A GEMM: its FLOPs over the rate its waves leave, plus the fixed time; at least its bytes' time
+        and the kernel floor. Each penalty applies once: wave quantisation stretches the FLOPs' time only
+        (the fixed time is per kernel, not per wave), and the kernel floor is a max, not a sum (the host
+        dispatches the next op while this one runs)."""
+        compute = flops / (self.matmul_flops * tiles_of(self.sms)) + self.matmul_fixed_s if flops > 0 else 0.0
+        return max(compute, nbytes / self.memory_bytes, self.kernel_s)
 
     def memory_s(self, nbytes: float) -> float:
         return self.fused * max(nbytes / self.memory_bytes, self.kernel_s)
+
+    def optimizer_s(self, numel: float) -> float:
+        """Foreach AdamW and the gradient clipping before it over ``numel`` local parameters: its bytes at
+        the HBM rate, at least one kernel per foreach op (:data:`ADAMW_FOREACH_OPS`)."""
+        return max(numel * ADAMW_FOREACH_BYTES_PER_PARAM / self.memory_bytes, ADAMW_FOREACH_OPS * self.kernel_s)
 
 
 def wave_efficiency(batch: int, m: int, n: int, sms: int) -> float:
@@ -364,7 +382,7 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
             dp_s = gathers + reduces
             exposed[key] += max(dp_s - busy[rank], 0.0) + min(tail, dp_s)
         numel = sum(params[u][0] for u in held)
-        optimizer = numel / shard * ADAMW_FOREACH_BYTES_PER_PARAM / speed.memory_bytes
+        optimizer = speed.optimizer_s(numel / shard)
         ranks.append((comm, exposed, traffic, optimizer, gathers, first, reduces))
     if plan.pipeline is not None and any(r[4] + r[6] for r in ranks):
         dp_s = pipelined_dp_exposed([r[4:7] for r in ranks], per_micro, plan.pipeline.stages_per_rank)

@@ -13,8 +13,11 @@ datasheet peak; null on this host, whose peak no datasheet states), ``peak_memor
 the published rows, a warning; ``does not fit``: a refusal), ``memory_margin`` (that error, the rows it
 was measured on, the peak above which a layout is refused, and the warning's text), ``axes`` (per mesh axis:
 the link it rides, its group, the bytes a rank sends per step, the seconds its collectives take and
-the seconds left on the critical path), ``hardware``, ``nnodes``, ``devices``, ``parts_s`` and a
-``note`` when something could not be predicted.
+the seconds left on the critical path), ``hardware``, ``nnodes``, ``devices``, ``parts_s``, a ``note``
+when there is no step time to give (this host not calibrated yet) and ``errors``: each prediction that
+failed, with its reason (the dry run prints the report and exits 1). A failed memory prediction leaves
+``peak_memory_gib_per_device`` null and ``fits`` null (false when even ``memory_lower_bound_gib``,
+weights + gradients + AdamW, exceeds the budget): never a peak nor a verdict it did not compute.
 
 On a hardware profile the step comes from :func:`trainer.planner.cost.device.predict_on_profile`;
 on this host from its cached calibration (``python -m trainer.calibrate mesh=[N]`` or a first
@@ -35,7 +38,7 @@ from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import PUBLISHED_MEMORY_ROWS, memory_verdict
 from trainer.planner.memory.layout import on_cuda
 from trainer.planner.numbers import GIB, MIB
-from trainer.planner.report import PLAN_PICTURES, describe_plan, plan_report
+from trainer.planner.report import PLAN_PICTURES, describe_plan, failure, plan_report
 
 PLAN_JSON = "plan.json"
 
@@ -60,16 +63,21 @@ def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
     worst = max(report["memory"], key=lambda m: m["peak_bytes"])
     peak = worst["peak_bytes"]
     budget = report["memory_budget"]["bytes"]
+    errors = [f"memory: {report['memory_note']}"] if report.get("memory_note") else []
     verdict = memory_verdict(cfg, peak)
+    # Not predicted: no peak and no verdict, only the lower bound (weights, gradients, AdamW); one beyond
+    # the budget does not fit whatever the activations are (beyond the measured error: refused).
     out: dict = {"hardware": hw.name, "nnodes": cfg.launch.nnodes, "devices": cfg.world_size,
                  "devices_per_node": max(1, cfg.world_size // cfg.launch.nnodes),  # the ranks one node runs
                  "step_time_s": None, "tokens_per_s": None, "tokens_per_s_per_device": None,
-                 "model_flops_utilization": None, "peak_memory_gib_per_device": peak / GIB,
-                 "memory_budget_gib": budget / GIB, "fits": peak <= budget, "memory_verdict": verdict.status,
+                 "model_flops_utilization": None, "peak_memory_gib_per_device": None if errors else peak / GIB,
+                 "memory_lower_bound_gib": peak / GIB if errors else None,
+                 "memory_budget_gib": budget / GIB, "fits": (False if peak > budget else None) if errors else peak <= budget,
+                 "memory_verdict": None if errors and verdict.status == "fits" else verdict.status,
                  "memory_margin": {"measured_error": verdict.error, "published_rows": PUBLISHED_MEMORY_ROWS if verdict.error
                                    else 0, "refused_above_gib": verdict.limit / GIB, "warning": verdict.warning()},
-                 "memory_terms_gib": None, "parts_s": {}, "axes": {}, "note": report.get("memory_note")}
-    if "terms_bytes" in worst:  # None where the activations could not be predicted (the note says why)
+                 "memory_terms_gib": None, "parts_s": {}, "axes": {}, "note": None, "errors": errors}
+    if "terms_bytes" in worst and not errors:
         out["memory_terms_gib"] = {"pp_rank": worst["pp_rank"], "peak_phase": worst["peak_phase"],
                                    **{k: v / GIB for k, v in worst["terms_bytes"].items()}}
     if hw.is_host:
@@ -84,8 +92,8 @@ def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
     model = build_model(cfg.model, device="meta")
     try:
         step = pricing.step(cfg, plan, pricing.unit_costs(cfg, plan, cfg.micro_batch_size, model), model)
-    except Exception as err:  # noqa: BLE001 - the memory and traffic above still describe the plan
-        out["note"] = f"no step time ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+    except Exception as err:  # noqa: BLE001 - recorded as an error: the dry run prints the rest and exits 1
+        out["errors"].append(f"step time: not predicted ({failure(err)})")
         return out
     out.update(step_time_s=step.total_s, tokens_per_s=step.tokens_per_s,
                tokens_per_s_per_device=step.tokens_per_s / cfg.world_size,
@@ -130,7 +138,7 @@ def summary_lines(summary: dict) -> list[str]:
     where = (f"hardware {summary['hardware']}, {summary['nnodes']} node(s) x {summary['devices_per_node']} devices"
              if summary["hardware"] != "this_host" else "this host")
     lines = [f"predicted on {where}:"]
-    if summary["step_time_s"] is None:
+    if summary["step_time_s"] is None and summary["note"]:
         lines.append(f"  {summary['note']}")
     else:
         mfu = summary["model_flops_utilization"]
@@ -142,10 +150,17 @@ def summary_lines(summary: dict) -> list[str]:
                 if "link" in a else ""
             lines.append(f"  {axis}{link}: {a['sent_bytes_per_step'] / MIB:,.1f} MiB sent per step, "
                          f"{a['seconds']:.3g} s of collectives, {a['exposed_s']:.3g} s exposed")
-    verdict = {"fits": "fits", "may not fit": "may not fit (within the prediction's measured error: goes on)",
-               "does not fit": "does NOT fit"}[summary["memory_verdict"]]
-    lines.append(f"  peak memory {summary['peak_memory_gib_per_device']:.2f} GiB per device (max over ranks) of "
-                 f"{summary['memory_budget_gib']:.2f} GiB: {verdict}")
+    if summary["peak_memory_gib_per_device"] is None:
+        verdict = "does NOT fit even that" if summary["fits"] is False else "not checked"
+        lines.append(f"  peak memory NOT predicted (the lower bound, weights + grads + AdamW: "
+                     f"{summary['memory_lower_bound_gib']:.2f} GiB per device of {summary['memory_budget_gib']:.2f} GiB: "
+                     f"{verdict})")
+    else:
+        verdict = {"fits": "fits", "may not fit": "may not fit (within the prediction's measured error: goes on)",
+                   "does not fit": "does NOT fit"}[summary["memory_verdict"]]
+        lines.append(f"  peak memory {summary['peak_memory_gib_per_device']:.2f} GiB per device (max over ranks) of "
+                     f"{summary['memory_budget_gib']:.2f} GiB: {verdict}")
     if summary["memory_margin"]["warning"]:
         lines.append(f"  {summary['memory_margin']['warning']}")
+    lines += [f"  prediction FAILED: {error}" for error in summary["errors"]]
     return lines

@@ -4,6 +4,7 @@
     costs = pricing.unit_costs(cfg, plan, micro, model)  # the meta pass, cached by a planner
     step = pricing.step(cfg, plan, costs, model)         # a StepTime
     bound = pricing.lower_bound(cfg, plan, params, flops_per_sequence)
+    floor = pricing.compute_floor(cfg, plan, params, flops_per_sequence)   # <= bound, no collective priced
 
 The auto-planner and the dry run ask one of these and never which: ``hardware=this_host`` (the
 default) prices with the probe of this host's workers (:mod:`trainer.planner.cost.model`), a GPU
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan
 from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
@@ -40,6 +42,10 @@ class HostPricing:
     def lower_bound(self, cfg: RunConfig, plan: ParallelPlan, params: dict, flops_per_sequence: float) -> float:
         return lower_bound_s(cfg, plan, self.calibration, params, flops_per_sequence)
 
+    def compute_floor(self, cfg: RunConfig, plan: ParallelPlan, params: dict, flops_per_sequence: float) -> float:
+        """A floor of :meth:`lower_bound` (here the bound itself: a host's meshes are small)."""
+        return self.lower_bound(cfg, plan, params, flops_per_sequence)
+
     def describe(self) -> str:
         from trainer.planner.calibration.probe import describe  # start-up: only a planner pays for it
 
@@ -60,6 +66,17 @@ class ProfilePricing:
 
     def lower_bound(self, cfg: RunConfig, plan: ParallelPlan, params: dict, flops_per_sequence: float) -> float:
         return lower_bound_on_profile(cfg, plan, self.profile, params, flops_per_sequence)
+
+    def compute_floor(self, cfg: RunConfig, plan: ParallelPlan, params: dict, flops_per_sequence: float) -> float:
+        """A floor of :meth:`lower_bound` that prices no collective: the step's FLOPs shared perfectly at the
+        fastest achieved rate, stretched by the bubble (what the bound starts from)."""
+        t, pp = cfg.train, plan.pipeline
+        speed = DeviceSpeed.of(self.profile, t.precision, compiled=t.compile)
+        compute = flops_per_sequence * t.global_batch_size / plan.mesh.world_size / max(speed.matmul_flops,
+                                                                                         *speed.attention_flops)
+        bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
+                                 microbatches=pp.num_microbatches) if pp else 0.0
+        return compute / (1.0 - bubble)
 
     def describe(self) -> str:
         p, a = self.profile, self.profile.achieved

@@ -50,7 +50,7 @@ from trainer.planner.memory.host import host_overhead, runtime
 from trainer.planner.memory.pass_cache import PASSES, pass_key
 from trainer.planner.memory.layout import (checkpointed, expert_share, expert_split, fsdp, fsdp2, gathered, in_flight_peak, on_cuda,
                                            passes_in_flight, replicate_reduce, stage_reduce)
-from trainer.planner.numbers import GIB, plan_numbers, stage_views
+from trainer.planner.numbers import GIB, held_placements, plan_numbers, stage_views
 
 
 @dataclass(frozen=True)
@@ -204,8 +204,9 @@ def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan, *,
 
 
 def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
-    """Give every tensor-parallel parameter of the meta ``model`` its local shape (in place)."""
-    for fqn, axes in plan.placements.items():
+    """Give every tensor-parallel parameter of the meta ``model`` its local shape (in place), LoRA's
+    adapters as their base's tp style shards them (:func:`~trainer.planner.numbers.held_placements`)."""
+    for fqn, axes in held_placements(model, plan).items():
         owner, _, name = fqn.rpartition(".")
         module = model.get_submodule(owner) if owner else model
         shape = list(getattr(module, name).shape)
