@@ -32,7 +32,7 @@ def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module
     nothing). Problems are appended to ``issues``."""
     params = {name: tuple(p.shape) for name, p in model.named_parameters() if only is None or name in only}
     modules = [name for name, _ in model.named_modules() if name and (only is None or name in only)]
-    family_placements, family_layouts = _family_plan(section, prefix, model, issues)
+    family_placements, family_layouts = _family_plan(section, prefix, model, mesh, issues)
     scope = {"scope": "the model"} if only is None else {"scope": f"this stage ({format_path(*prefix)})"}
     # Explicit globs first: what they place, the family's plan does not, so its issues on those
     # parameters (the ones an explicit glob was written to fix) are never raised.
@@ -179,7 +179,8 @@ def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[s
 # ---------------------------------------------------------------------- named plans
 
 
-def _family_plan(section: Any, prefix: tuple, model: nn.Module, issues: list[ConfigIssue]) -> tuple[list, list]:
+def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
+                 issues: list[ConfigIssue]) -> tuple[list, list]:
     """The model family's named tensor-parallel plan of a layout section (at ``prefix``) as
     ``(placement entries, layout entries)``, each entry ``(glob, value, path)``; explicit globs
     override them, parameter by parameter and module by module."""
@@ -193,7 +194,31 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, issues: list[Con
                                   f"write {format_path(*prefix, 'placements')} globs instead (and drop its tensor_parallel)"))
         return [], []
     placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
+    if tp.loss_parallel:
+        head = _vocab_parallel_head(model, tp, prefix, mesh, issues)
+        placements, layouts = {**placements, **head[0]}, {**layouts, **head[1]}
     where = f"{format_path(*prefix, 'tensor_parallel', 'plan')}[{tp.plan}]"
     return ([(glob, {axis: parse_placement(p) for axis, p in axes.items()}, f'{where}["{glob}"]')
              for glob, axes in placements.items()],
             [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
+
+
+def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpec,
+                         issues: list[ConfigIssue]) -> tuple[dict, dict]:
+    """Loss parallel's globs (the head column-parallel, its logits vocabulary shards), from the model's
+    ``vocab_parallel_plan``; none, with an issue, when the model has no such plan or its vocabulary does
+    not divide over the axis (uneven vocabulary shards are refused rather than padded: the fix turns loss
+    parallel off, which is what the engine did before it existed)."""
+    path, fix = format_path(*prefix, "tensor_parallel", "loss_parallel"), \
+        f"{format_path(*prefix, 'tensor_parallel', 'loss_parallel')}=false"
+    provider = getattr(model, "vocab_parallel_plan", None)
+    if provider is None:
+        issues.append(ConfigIssue(path, f"model {type(model).__name__} has no vocabulary-parallel head plan", fix))
+        return {}, {}
+    placements, layouts, vocab = provider(axis=tp.dim)
+    size = mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1
+    if vocab % size:
+        issues.append(ConfigIssue(path, f"the vocabulary ({vocab} tokens) is not divisible by the {tp.dim} size {size}, "
+                                  "so the output head cannot be split into equal vocabulary shards", fix))
+        return {}, {}
+    return placements, layouts

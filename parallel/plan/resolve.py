@@ -66,8 +66,15 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         layouts=MappingProxyType(layouts),
         activation_checkpointing=parallel.activation_checkpointing,
         activation_checkpointing_every=parallel.activation_checkpointing_every,
+        loss_parallel=_loss_parallel(parallel),
         expert_parallel=experts,
     )
+
+
+def _loss_parallel(section: Any) -> bool:
+    """Whether a layout section's head leaves its logits as vocabulary shards (its issues already raised)."""
+    tp = section.tensor_parallel
+    return tp is not None and tp.loss_parallel
 
 
 def _expert_parallel_spec(parallel: ParallelConfig, model: nn.Module, issues: list[ConfigIssue]) -> ExpertParallelSpec | None:

@@ -41,8 +41,8 @@ def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Ma
     placement}``) and ``layouts`` (module FQN -> :class:`~parallel.plan.spec.LayoutSpec`) touch.
     Entries for names ``module`` lacks (another pipeline stage's) are ignored."""
     modules = dict(module.named_modules())
-    params = {name for name, _ in module.named_parameters()}
-    specs = {fqn: axes for fqn, axes in placements.items() if fqn in params}
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    specs = {fqn: axes for fqn, axes in with_ties(module, placements).items() if fqn in params}
     layouts = {name: layout for name, layout in layouts.items() if name in modules}
     out = Classification()
     out.col, out.row = _megatron_pairs(modules, specs)
@@ -55,6 +55,21 @@ def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Ma
     handled = set(out.sp_norms) | set(out.owners)
     out.unsupported = [name for name, layout in layouts.items()
                        if name not in handled and non_replicate(layout.input) | non_replicate(layout.output)]
+    return out
+
+
+def with_ties(module: nn.Module, placements: Mapping[str, AxisSpecs]) -> dict[str, AxisSpecs]:
+    """``placements`` with every name of a tied parameter of ``module`` (an input embedding that is also
+    the output head) placed as its placed name: a plan names a tied parameter once, but every module
+    holding it must place it alike (each is distributed on its own, then tied again)."""
+    out = dict(placements)
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for group in names.values():
+        placed = next((out[n] for n in group if n in out), None)
+        if placed is not None and len(group) > 1:
+            out.update({n: placed for n in group if n not in out})
     return out
 
 

@@ -29,7 +29,7 @@ from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import unit_costs
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget
-from trainer.planner.memory.layout import on_cuda
+from trainer.planner.memory.layout import checkpointed, core_recomputed, on_cuda
 from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
@@ -156,7 +156,7 @@ class Search:
         label = " x ".join(p for p in (dp_name, f"cp{cp}" if cp > 1 else "", pp_name, f"ep{ep}" if ep > 1 else "",
                                        f"tp{tp}" if tp > 1 else "")
                            if p) or "one rank"
-        label += (", AC full" if ac == "full" else "") + (", bf16" if precision == "bf16" else "")
+        label += (f", AC {ac}" if ac != "none" else "") + (", bf16" if precision == "bf16" else "")
         return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision)
 
     # ------------------------------------------------------------------ validation
@@ -218,9 +218,11 @@ class Search:
         if key not in self._flops:
             one = ParallelPlan(units=plan.units, blocks=plan.blocks)
             costs = unit_costs(cfg, one, 1, model=self.model)
-            recompute = plan.blocks if plan.activation_checkpointing == "full" else ()
+            # A checkpointed block's forward runs again; under selective only its attention kernel's.
+            recompute = {b: costs[b].forward for b in checkpointed(plan) if b in costs}
+            recompute.update({b: costs[b].core for b in core_recomputed(plan) if b in costs})
             self._flops[key] = sum(c.forward.matmul_flops + c.backward.matmul_flops for c in costs.values()) + sum(
-                costs[b].forward.matmul_flops for b in recompute if b in costs)
+                w.matmul_flops for w in recompute.values())
         return self._flops[key]
 
     def overflows(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> bool:

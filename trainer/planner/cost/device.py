@@ -62,7 +62,7 @@ from trainer.planner.cost.comm import comm_ops, unit_params
 from trainer.planner.cost.links import collective_seconds, group_link
 from trainer.planner.cost.model import _FLASH_CPU, StepTime, flash_flops, placed_params, unit_pass
 from trainer.planner.cost.reference import rank_units
-from trainer.planner.memory.layout import checkpointed
+from trainer.planner.memory.layout import checkpointed, core_recomputed
 
 # Views their schemas do not mark as aliases: no kernel runs.
 _FREE = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
@@ -123,6 +123,7 @@ class DeviceCost:
     backward_flops: float = 0.0
     attention_flops: float = 0.0  # what the two lines above count for flash attention (causal half, recompute)
     attention_model_flops: float = 0.0  # the usual model count of it: 3 x its forward, causal or not
+    core_forward_s: float = 0.0  # of forward_s: the attention kernel's, which selective recomputation runs twice
 
     @property
     def model_flops(self) -> float:
@@ -146,6 +147,7 @@ class _Pricer(TorchDispatchMode):
             seconds = max(flops / self.speed.attention_flops[backward], self.speed.kernel_s)
             cost.attention_flops += flops
             cost.attention_model_flops += 0.0 if backward else 3 * full
+            cost.core_forward_s += 0.0 if backward else seconds
         elif func.overloadpacket in flop_registry:
             flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
             nbytes = _bytes(args, kwargs, out)
@@ -205,11 +207,12 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     speed = DeviceSpeed.of(profile, t.precision, compiled=t.compile)
     costs = costs if costs is not None else device_unit_costs(cfg, plan, micro, speed, model=model)
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
-    wrapped = checkpointed(plan)  # full: every block; selective: every n-th
+    wrapped, cores = checkpointed(plan), core_recomputed(plan)  # full: whole blocks; selective: attention cores
     busy = []
     for held in rank_units(plan):
         c = [costs.get(u, DeviceCost()) for u in held]
-        forward = sum(x.forward_s * (2 if u in wrapped else 1) for u, x in zip(held, c))
+        forward = sum(x.forward_s * (2 if u in wrapped else 1) + (x.core_forward_s if u in cores else 0.0)
+                      for u, x in zip(held, c))
         busy.append((forward + sum(x.backward_s for x in c)) * passes)
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0

@@ -48,7 +48,7 @@ from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
 from trainer.planner.memory.pass_cache import PASSES, pass_key
-from trainer.planner.memory.layout import (checkpointed, expert_share, expert_split, fsdp2, gathered, in_flight_peak, on_cuda,
+from trainer.planner.memory.layout import (checkpointed, core_recomputed, expert_share, expert_split, fsdp2, gathered, in_flight_peak, on_cuda,
                                            passes_in_flight, replicate_reduce, stage_reduce)
 from trainer.planner.numbers import GIB, plan_numbers, stage_views
 
@@ -233,6 +233,8 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     tp = plan.mesh.size([a for axes in plan.placements.values() for a in axes])
     current: list[str] = []
     units: dict[str, float] = defaultdict(float)
+    cores: dict[str, float] = defaultdict(float)  # of units: what the attention kernel saves beyond q, k, v
+    core_inputs: set[int] = set()  # while the kernel runs: its q, k, v storages (empty: not in the kernel)
     inputs: dict[str, float] = {}
     seen: set[int] = set()
     hooks = []
@@ -255,7 +257,18 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
             seen.add(storage._cdata)
             owner = next((c for c in current if c in plan.units), plan.units[-1])
             units[owner] += storage.nbytes() * share()
+            if core_inputs and storage._cdata not in core_inputs:
+                cores[owner] += storage.nbytes() * share()
         return t
+
+    def counted(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def core(q, k, v, *args, **kwargs):
+            core_inputs.update(t.untyped_storage()._cdata for t in (q, k, v))
+            try:
+                return kernel(q, k, v, *args, **kwargs)
+            finally:
+                core_inputs.clear()
+        return core
 
     seq = cfg.train.seq_len // plan.cp_size  # a cp rank holds 1/cp of every row
     if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
@@ -266,17 +279,17 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
     census = _Census(model, share)
     # The fused ring runs on CPU only (parallel.context.ring): a CUDA run keeps every block's scores.
-    with AttentionKernel(_over_the_row(attention, plan, fused=not on_cuda(cfg))), census:
+    with AttentionKernel(counted(_over_the_row(attention, plan, fused=not on_cuda(cfg)))), census:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
             # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
-            loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+            loss = loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
         forward_ops = len(census.timeline)
         if loss.requires_grad:
             loss.backward()
     for hook in hooks:
         hook.remove()
-    return {"units": dict(units), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
+    return {"units": dict(units), "cores": dict(cores), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
             "unit_params": dict(unit_params), "largest_trainable": max(trainable)}
 
 
@@ -303,7 +316,8 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     t = cfg.train
     micro = cfg.micro_batch_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
-    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size, expert_split(plan))
+    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size, expert_split(plan),
+           plan.loss_parallel, t.loss_chunk_tokens)
     if cache is None and model is None and (shared := pass_key(cfg, plan, micro, attention)) is not None:
         cache, key = PASSES, shared  # one process validating many configs of a model (pass_cache)
     if cache is None or key not in cache:
@@ -314,7 +328,7 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
         saved = cache[key]
     pp, dp = plan.pipeline, plan.param_data_parallel  # cp ranks shard parameters as dp ranks
     stage_units = pp.stage_units if pp else (tuple(plan.units),)
-    wrapped = checkpointed(plan)
+    wrapped, cores = checkpointed(plan), core_recomputed(plan)
     shard = plan.mesh.size(dp.shard_dim_names) if dp is not None else 1
     # With accumulation (grad_accum, a pipeline's micro-batches) earlier passes' gradients are all there
     # beside later activations (MemoryEstimate.live adds them); else backward makes them as it frees
@@ -340,6 +354,10 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
             if unit in wrapped:  # checkpointed: only the block's input is kept; recomputed in backward
                 acts += saved["block_inputs"].get(unit, 0.0)
                 recompute = max(recompute, full)
+            elif unit in cores:  # selective: the attention core's own saved tensors, one block's at a time
+                core = saved.get("cores", {}).get(unit, 0.0)
+                acts += full - core
+                recompute = max(recompute, core)
             else:
                 acts += full
         in_flight = passes_in_flight(plan, r)
