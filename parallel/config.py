@@ -69,8 +69,9 @@ class TensorParallelConfig(Section):
         True, description="Loss parallel (on by default, as torchtitan and Megatron-LM do): the output head is "
         "column-parallel over this axis (each rank holds vocab/tp rows of it; a tied input embedding is split "
         "alike), the logits stay vocabulary shards and the cross-entropy is computed on the shards "
-        "(torch's loss_parallel), so no rank holds the whole vocabulary's logits. The vocabulary must divide by "
-        "the axis size; false = the head replicated and the whole logits on every tp rank.")
+        "(torch's loss_parallel), so no rank holds the whole vocabulary's logits. A vocabulary that does not divide "
+        "by the axis size keeps the head whole, with a warning; false = the head replicated and the whole logits "
+        "on every tp rank.")
 
 
 ContextParallelMethod = Literal["ring", "allgather"]

@@ -8,6 +8,7 @@ and for each pipeline stage.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
@@ -206,19 +207,31 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
 def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpec,
                          issues: list[ConfigIssue]) -> tuple[dict, dict]:
     """Loss parallel's globs (the head column-parallel, its logits vocabulary shards), from the model's
-    ``vocab_parallel_plan``; none, with an issue, when the model has no such plan or its vocabulary does
-    not divide over the axis (uneven vocabulary shards are refused rather than padded: the fix turns loss
-    parallel off, which is what the engine did before it existed)."""
-    path, fix = format_path(*prefix, "tensor_parallel", "loss_parallel"), \
-        f"{format_path(*prefix, 'tensor_parallel', 'loss_parallel')}=false"
+    ``vocab_parallel_plan``; none, with an issue, when the model has no such plan. A vocabulary that does
+    not divide over the axis falls back to the replicated head with a warning (no refusal: loss parallel is
+    on by default, and a layout that trained before it existed, e.g. a 256-token vocabulary on tp 3, must
+    still train)."""
+    path = format_path(*prefix, "tensor_parallel", "loss_parallel")
     provider = getattr(model, "vocab_parallel_plan", None)
     if provider is None:
-        issues.append(ConfigIssue(path, f"model {type(model).__name__} has no vocabulary-parallel head plan", fix))
+        issues.append(ConfigIssue(path, f"model {type(model).__name__} has no vocabulary-parallel head plan",
+                                  f"{path}=false"))
         return {}, {}
     placements, layouts, vocab = provider(axis=tp.dim)
     size = mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1
     if vocab % size:
-        issues.append(ConfigIssue(path, f"the vocabulary ({vocab} tokens) is not divisible by the {tp.dim} size {size}, "
-                                  "so the output head cannot be split into equal vocabulary shards", fix))
+        warnings.warn(f"{path}: the vocabulary ({vocab} tokens) is not divisible by the {tp.dim} size {size}; the "
+                      f"output head stays whole on every {tp.dim} rank (no loss parallel). Pad the vocabulary to a "
+                      f"multiple of {size} to split it, or set {path}=false to silence this.", stacklevel=2)
         return {}, {}
     return placements, layouts
+
+
+def loss_parallel_applies(section: Any, mesh: MeshSpec, model: nn.Module) -> bool:
+    """Whether a layout section's head leaves its logits as vocabulary shards: loss parallel asked for on a
+    model with a vocabulary-parallel plan whose vocabulary divides over the axis."""
+    tp = section.tensor_parallel
+    provider = getattr(model, "vocab_parallel_plan", None)
+    if tp is None or not tp.loss_parallel or provider is None:
+        return False
+    return provider(axis=tp.dim)[2] % (mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1) == 0

@@ -26,7 +26,7 @@ from torch import nn
 
 from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
-from parallel.plan.layout import resolve_layout
+from parallel.plan.layout import loss_parallel_applies, resolve_layout
 from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, MeshSpec,
                                  ParallelPlan, PipelineSpec)
 from parallel.plan.stages import resolve_stages
@@ -66,15 +66,9 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         layouts=MappingProxyType(layouts),
         activation_checkpointing=parallel.activation_checkpointing,
         activation_checkpointing_every=parallel.activation_checkpointing_every,
-        loss_parallel=_loss_parallel(parallel),
+        loss_parallel=loss_parallel_applies(parallel, mesh_spec, model),
         expert_parallel=experts,
     )
-
-
-def _loss_parallel(section: Any) -> bool:
-    """Whether a layout section's head leaves its logits as vocabulary shards (its issues already raised)."""
-    tp = section.tensor_parallel
-    return tp is not None and tp.loss_parallel
 
 
 def _expert_parallel_spec(parallel: ParallelConfig, model: nn.Module, issues: list[ConfigIssue]) -> ExpertParallelSpec | None:
