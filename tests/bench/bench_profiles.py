@@ -72,7 +72,8 @@ def row_config(row: published.PublishedRun) -> RunConfig:
     if lay.tp > 1:
         dims, mesh = [*dims, "tp"], [*mesh, lay.tp]
     parallel: dict = {"dims": dims, "data_parallel": {"dim": "dp", "mode": MODES[lay.data_parallel]},
-                      "activation_checkpointing": checkpointing(row)}
+                      "activation_checkpointing": checkpointing(row),
+                      "activation_checkpointing_every": checkpointing_every(row)}
     if lay.tp > 1:
         parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron", "sequence_parallel": lay.sequence_parallel}
     if lay.pp > 1:
@@ -88,15 +89,21 @@ def row_config(row: published.PublishedRun) -> RunConfig:
 
 
 def checkpointing(row: published.PublishedRun) -> str:
-    """The row's activation checkpointing in this project's terms. Korthikanti et al.'s selective
-    recomputation recomputes only attention's core (the scores, softmax and dropout) in backward,
-    which flash attention does by itself here: ``none``. torchtitan's selective (per-op) policy
-    recomputes every other matmul and the elementwise ops of each block: about what checkpointing
-    every other block recomputes here, ``selective``."""
+    """The row's activation checkpointing in this project's terms. Korthikanti et al.'s (Megatron-LM's)
+    selective recomputation recomputes only attention's core in backward: this project's ``selective``.
+    torchtitan's selective (per-op) policy recomputes every other matmul and the elementwise ops of each
+    block: about what checkpointing every other block recomputes here, ``full`` with every 2
+    (:func:`checkpointing_every`)."""
     ac = row.layout.activation_checkpointing or "none"
-    if ac == "selective" and row.name.startswith("korthikanti"):
-        return "none"
+    if ac == "selective" and not row.name.startswith("korthikanti"):
+        return "full"
     return ac
+
+
+def checkpointing_every(row: published.PublishedRun) -> int:
+    """Every n-th block checkpointed under ``full``: 2 for torchtitan's per-op selective policy, else 1."""
+    ac = row.layout.activation_checkpointing or "none"
+    return 2 if ac == "selective" and not row.name.startswith("korthikanti") else 1
 
 
 def fully_stated(row: published.PublishedRun) -> bool:
@@ -179,8 +186,8 @@ def _paper_label(row: published.PublishedRun) -> str:
         parts.append(f"pp{lay.pp}({'Interleaved1F1B' if v > 1 else '1F1B'}{f' v{v}' if v > 1 else ''}, m{m})")
     if lay.tp > 1:
         parts.append(f"tp{lay.tp}")
-    ac = checkpointing(row)
-    return " x ".join(parts) + (", AC full" if ac == "full" else "") + ", bf16"
+    ac, every = checkpointing(row), checkpointing_every(row)
+    return " x ".join(parts) + (f", AC {ac}" if ac != "none" else "") + (f" every {every}" if every > 1 else "") + ", bf16"
 
 
 def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:

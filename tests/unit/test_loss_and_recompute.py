@@ -206,3 +206,36 @@ def test_selective_costs_the_attention_kernels_forward_again():
     passes = 1  # 2 sequences over 2 ranks, one micro-batch each
     assert steps["selective"] - steps["none"] == pytest.approx(core * passes, rel=1e-6)
     assert steps["full"] - steps["none"] == pytest.approx(forward * passes, rel=1e-6)
+
+
+def test_a_vocabulary_tp_does_not_divide_keeps_the_head_whole_with_a_warning():
+    """Loss parallel is on by default: tp [3] on gpt_small's 256 tokens falls back to the whole head (as
+    before loss parallel existed) and says so; tp [2] splits it, and false keeps it whole silently."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"vocabulary \(256 tokens\) is not divisible by the tp size 3"):
+        cfg, plan = _plan("+parallel=tp", "mesh=[3]", "model.n_heads=6", "model.n_kv_heads=3", "model.dim=384",
+              "model.ffn_hidden_dim=1032")
+    assert not plan.loss_parallel and "output.weight" not in plan.placements
+    cfg, plan = _plan("+parallel=tp", "mesh=[2]")
+    assert plan.loss_parallel and repr(plan.placements["output.weight"]["tp"]) == "Shard(0)"
+    assert repr(plan.layouts["output"].output["tp"]) == "Shard(2)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg, plan = _plan("+parallel=tp", "mesh=[3]", "model.n_heads=6", "model.n_kv_heads=3", "model.dim=384",
+                          "model.ffn_hidden_dim=1032", "parallel.tensor_parallel.loss_parallel=false")
+    assert not plan.loss_parallel
+
+
+def test_selective_with_every_n_is_refused_naming_full():
+    from parallel.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _plan("+parallel=fsdp", "mesh=[2]", "parallel.activation_checkpointing=selective",
+              "parallel.activation_checkpointing_every=2")
+    (issue,) = err.value.issues
+    assert issue.path == "parallel.activation_checkpointing_every"
+    assert issue.fix == "parallel.activation_checkpointing=full"
+    cfg, plan = _plan("+parallel=fsdp", "mesh=[2]", "parallel.activation_checkpointing=full",
+                      "parallel.activation_checkpointing_every=2")
+    assert plan.activation_checkpointing == "full" and plan.activation_checkpointing_every == 2

@@ -243,6 +243,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     progress.stop()
     if memory_rows:
         tracker.log_artifact_text(json.dumps(memory_rows, indent=1), "metrics/peak_memory_mb_per_rank.json")
+        last = memory_rows[-1]  # the console too: one line per run, each rank's figure beside the plan's prediction
+        progress.log("memory: measured peak per rank " + ", ".join(
+            f"{v:,.0f}" for k, v in last.items() if k.startswith("rank")) + f" MiB (step {last['step']})")
     return result
 
 
