@@ -196,7 +196,7 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
         return [], []
     placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
     if tp.loss_parallel:
-        head = _vocab_parallel_head(model, tp, prefix, mesh, issues)
+        head = _vocab_parallel_head(model, tp, prefix, mesh)
         placements, layouts = {**placements, **head[0]}, {**layouts, **head[1]}
     where = f"{format_path(*prefix, 'tensor_parallel', 'plan')}[{tp.plan}]"
     return ([(glob, {axis: parse_placement(p) for axis, p in axes.items()}, f'{where}["{glob}"]')
@@ -204,18 +204,16 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
             [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
 
 
-def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpec,
-                         issues: list[ConfigIssue]) -> tuple[dict, dict]:
+def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpec) -> tuple[dict, dict]:
     """Loss parallel's globs (the head column-parallel, its logits vocabulary shards), from the model's
-    ``vocab_parallel_plan``; none, with an issue, when the model has no such plan. A vocabulary that does
-    not divide over the axis falls back to the replicated head with a warning (no refusal: loss parallel is
-    on by default, and a layout that trained before it existed, e.g. a 256-token vocabulary on tp 3, must
-    still train)."""
+    ``vocab_parallel_plan``. A model without one, or a vocabulary that does not divide over the axis, keeps
+    the replicated head, with a warning (no refusal: loss parallel is on by default, and a layout that
+    trained before it existed, e.g. a 256-token vocabulary on tp 3, must still train)."""
     path = format_path(*prefix, "tensor_parallel", "loss_parallel")
     provider = getattr(model, "vocab_parallel_plan", None)
     if provider is None:
-        issues.append(ConfigIssue(path, f"model {type(model).__name__} has no vocabulary-parallel head plan",
-                                  f"{path}=false"))
+        warnings.warn(f"{path}: model {type(model).__name__} has no vocabulary-parallel head plan; its head stays "
+                      f"whole on every {tp.dim} rank (set {path}=false to silence this)", stacklevel=2)
         return {}, {}
     placements, layouts, vocab = provider(axis=tp.dim)
     size = mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1
