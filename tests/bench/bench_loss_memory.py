@@ -4,6 +4,7 @@ on tp [4] and fsdp [4], each feature off (before) and on (after).
 
     python tests/bench/bench_loss_memory.py                 # 9 runs, 10-20 minutes on 2 shared cores
     python tests/bench/bench_loss_memory.py --rows tp_before tp_all
+    python tests/bench/bench_loss_memory.py --replay tests/bench/data/loss_memory.rows.jsonl   # recorded, predicted now
 
 Each row is one ``python -m trainer`` run of 3 optimizer steps (synthetic data, no tracking, fp32) that
 prints the plan's per-rank peak before any worker starts (``memory: predicted peak ... MiB per rank``)
@@ -17,6 +18,7 @@ before loss parallel and [2048, 8192] after.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -86,15 +88,38 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def predict(name: str) -> float:
+    """The plan's per-rank peak (MiB) of a row by this checkout's code, without running anything."""
+    sys.path.insert(0, str(REPO))
+    from trainer.config.compose import compose_dict
+    from trainer.planner.memory.predict import predict_memory
+    from trainer.validate.checks import validate_with_plan
+
+    cfg, plan = validate_with_plan(compose_dict([*COMMON, *ROWS[name][1]]))
+    return max(e.total for e in predict_memory(cfg, plan)) / 2**20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    ap.add_argument("--record", type=Path, help="append each run's row (JSON lines) to this file")
+    ap.add_argument("--replay", type=Path, help="take the measured rows from this --record file instead of running "
+                    "them; the predicted column is this checkout's")
     args = ap.parse_args()
+    recorded = {}
+    if args.replay:
+        recorded = {r["name"]: r for r in map(json.loads, args.replay.read_text().splitlines()) if r.get("name")}
     rows = []
     for name in args.rows:
+        if name in recorded:
+            rows.append({**recorded[name], "predicted": predict(name)})
+            continue
         rows.append(run(name, args.timeout))
         print(f"{name}: {rows[-1].get('measured')} (predicted {rows[-1].get('predicted')})", file=sys.stderr, flush=True)
+        if args.record:
+            with args.record.open("a") as f:
+                f.write(json.dumps({k: v for k, v in rows[-1].items() if k != "error"}) + "\n")
     print(table(rows))
 
 
