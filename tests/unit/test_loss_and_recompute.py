@@ -174,7 +174,7 @@ def test_loss_parallel_and_chunks_shrink_the_logits_in_the_memory_pass():
     """tp [2], an 8192-token vocabulary, 1024 tokens: the head's vocabulary shard halves the saved fp32
     log-softmax on each rank. Chunked, what backward keeps is the logits' gradient in their own dtype
     (bf16: half of the fp32 log-softmax it replaces), and backward makes no [tokens, vocab] fp32 gradients
-    beside it (fp32: 22 MiB less at its worst moment, of 47)."""
+    beside it (fp32: 32.5 -> 24.1 MiB beyond the saved tensors at the worst moment)."""
     common = ("+parallel=tp", "mesh=[2]", "model.vocab_size=8192")
     runs = {(lp, chunk, prec): _plan(*common, f"parallel.tensor_parallel.loss_parallel={lp}",
                                      f"train.loss_chunk_tokens={chunk}", f"train.precision={prec}")
@@ -186,8 +186,10 @@ def test_loss_parallel_and_chunks_shrink_the_logits_in_the_memory_pass():
     shard = 2 * 512 * 8192 // 2  # tokens x this rank's vocabulary columns
     assert head["false", 0, "fp32"] - head["true", 0, "fp32"] == pytest.approx(shard * 4, rel=1e-3)
     assert head["true", 0, "bf16"] - head["true", 256, "bf16"] == pytest.approx(shard * 2, rel=1e-3)
-    assert transient["true", 0, "fp32"] - transient["true", 256, "fp32"] >= shard * 4
-    assert transient["true", 0, "bf16"] - transient["true", 256, "bf16"] >= shard * 4
+    # fp32: the chunked loss's forward holds the logits beside the gradient it makes (the worst moment there),
+    # the whole loss's backward the log-softmax's gradient and the logits' beside the saved log-softmax.
+    assert transient["true", 0, "fp32"] - transient["true", 256, "fp32"] >= shard * 4 / 2 * 0.99
+    assert transient["true", 0, "bf16"] - transient["true", 256, "bf16"] >= shard * 4 * 0.99
 
 
 def test_selective_costs_the_attention_kernels_forward_again():
