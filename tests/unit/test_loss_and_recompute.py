@@ -241,3 +241,24 @@ def test_selective_with_every_n_is_refused_naming_full():
     cfg, plan = _plan("+parallel=fsdp", "mesh=[2]", "parallel.activation_checkpointing=full",
                       "parallel.activation_checkpointing_every=2")
     assert plan.activation_checkpointing == "full" and plan.activation_checkpointing_every == 2
+
+
+def test_the_memory_pass_splits_a_tied_head_with_its_embedding(tmp_path):
+    """A Hugging Face model with tied embeddings (258 tokens, tp [3]): the pass's embedding and head are one
+    parameter of 86 rows, and the head's saved log-softmax is a third of the unsplit one's."""
+    from tests.hf_assets import write_tied_llama
+    from trainer.planner.memory.predict import _local_shapes
+
+    write_tied_llama(tmp_path, vocab_size=258)
+    heads = {}
+    for lp in ("true", "false"):
+        cfg, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={tmp_path}", "data=synthetic", "+parallel=tp",
+                                                     "mesh=[3]", "dry_run=true", "train.loss_chunk_tokens=0",
+                                                     f"parallel.tensor_parallel.loss_parallel={lp}"]))
+        model = build_model(cfg.model, device="meta")
+        _local_shapes(model, plan)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight.shape[0] == (86 if lp == "true" else 258)
+        heads[lp] = saved_activations(cfg, plan, cfg.micro_batch_size)["units"]["lm_head"]
+    tokens = cfg.micro_batch_size * cfg.train.seq_len
+    assert heads["false"] - heads["true"] == pytest.approx(tokens * (258 - 86) * 4, rel=1e-6)

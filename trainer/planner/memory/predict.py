@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 
 from parallel.context import ring_alone
 from parallel.plan.spec import ParallelPlan, owning_unit
+from parallel.sharding.tp_styles import with_ties
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
@@ -153,16 +154,21 @@ def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan, *,
 
 
 def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
-    """Give every tensor-parallel parameter of the meta ``model`` its local shape (in place)."""
-    for fqn, axes in plan.placements.items():
+    """Give every tensor-parallel parameter of the meta ``model`` its local shape (in place). A tied parameter
+    (the embedding that is also the head, split for loss parallel) stays one parameter under all its names."""
+    local: dict[int, nn.Parameter] = {}
+    for fqn, axes in with_ties(model, plan.placements).items():
         owner, _, name = fqn.rpartition(".")
         module = model.get_submodule(owner) if owner else model
-        shape = list(getattr(module, name).shape)
-        for axis, placement in axes.items():
-            if placement.is_shard:
-                dim = placement.dim % len(shape)
-                shape[dim] = math.ceil(shape[dim] / plan.mesh.size(axis))
-        setattr(module, name, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=getattr(module, name).requires_grad))
+        param = getattr(module, name)
+        if id(param) not in local:
+            shape = list(param.shape)
+            for axis, placement in axes.items():
+                if placement.is_shard:
+                    dim = placement.dim % len(shape)
+                    shape[dim] = math.ceil(shape[dim] / plan.mesh.size(axis))
+            local[id(param)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad)
+        setattr(module, name, local[id(param)])
 
 
 class _Census(TorchDispatchMode):
