@@ -49,7 +49,7 @@ from parallel.sharding.data_parallel import apply_data_parallel, replicate_besid
 from parallel.sharding.expert_parallel import apply_expert_parallel, divide_expert_grads
 from parallel.sharding.head_params import HeadGradients, find_head_parameters
 from parallel.sharding.tensor_parallel import apply_placements
-from parallel.sharding.ties import retie, tied_groups
+from parallel.sharding.ties import placed_alike, retie, tied_groups
 from parallel.sharding.tp_styles import classify
 
 
@@ -142,7 +142,7 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if init is None:
         part.to(device)
     if layout.placements or layout.layouts:
-        placements = _placed_alike(layout.placements, model_ties)
+        placements = placed_alike(layout.placements, model_ties)
         heads.entries += find_head_parameters(part, classify(part, placements, layout.layouts).col, mesh).entries
         report = apply_placements(part, mesh, placements=placements, layouts=layout.layouts)
         retie(part, tied)  # each holder of a tied parameter was distributed on its own: one parameter again
@@ -204,17 +204,6 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
         replicas=len(stage.ranks), lanes=len(stage.ranks), stage_to_group_rank=stage_to_group_rank(lane_ranks),
         ties=ties, tied_names=groups, heads=heads, loss_parallel=stage.layout.loss_parallel,
     )
-
-
-def _placed_alike(placements: Any, groups: list[list[str]]) -> dict:
-    """``placements`` with every name of a tied group placed as its placed name: a pipeline stage may hold
-    one end of a tie (the head) under a name the plan does not place (it places the tie's first name)."""
-    out = dict(placements)
-    for group in groups:
-        placed = next((out[n] for n in group if n in out), None)
-        if placed is not None:
-            out.update({n: placed for n in group if n not in out})
-    return out
 
 
 def _autocast_dtype(precision: Precision, dp: Any) -> torch.dtype | None:

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from parallel.placements import PlacementSpec
+from parallel.sharding.ties import placed_alike, tied_groups
 
 AxisSpecs = Mapping[str, PlacementSpec]
 
@@ -60,17 +61,8 @@ def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Ma
 
 def with_ties(module: nn.Module, placements: Mapping[str, AxisSpecs]) -> dict[str, AxisSpecs]:
     """``placements`` with every name of a tied parameter of ``module`` (an input embedding that is also
-    the output head) placed as its placed name: a plan names a tied parameter once, but every module
-    holding it must place it alike (each is distributed on its own, then tied again)."""
-    out = dict(placements)
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    for group in names.values():
-        placed = next((out[n] for n in group if n in out), None)
-        if placed is not None and len(group) > 1:
-            out.update({n: placed for n in group if n not in out})
-    return out
+    the output head) placed as its placed name (:func:`parallel.sharding.ties.placed_alike`)."""
+    return placed_alike(dict(placements), tied_groups(module))
 
 
 def sharded_axes(axis_specs: Mapping[str, PlacementSpec]) -> dict[str, PlacementSpec]:
