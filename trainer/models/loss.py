@@ -34,13 +34,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     ``group`` sums over the ranks holding the others, ``None``: all of them here) against ``targets [N]``."""
 
     @staticmethod
-    def forward(ctx, logits, targets, chunk_tokens, offset, group):
-        grad = torch.empty_like(logits)
+    def forward(ctx, logits, targets, chunk_tokens, offset, group, need_grad):
+        # Evaluation (no gradient wanted) makes no [N, V] gradient buffer.
+        grad = torch.empty_like(logits) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         width = logits.shape[-1]
         for start in range(0, logits.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            total += _chunk(logits[rows], targets[rows], grad[rows], offset, width, group)
+            total += _chunk(logits[rows], targets[rows], grad[rows] if need_grad else None, offset, width, group)
         ctx.save_for_backward(grad)
         return total
 
@@ -52,12 +53,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             raise RuntimeError("the chunked cross-entropy's backward ran twice; use train.loss_chunk_tokens=0")
         ctx.done = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_total.to(grad.dtype)), None, None, None, None
+        return grad.mul_(grad_total.to(grad.dtype)), None, None, None, None, None
 
 
-def _chunk(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor, offset: int, width: int,
+def _chunk(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor | None, offset: int, width: int,
            group: dist.ProcessGroup | None) -> torch.Tensor:
-    """One chunk's summed loss; writes its gradient (softmax less the one-hot target, zero where ignored)."""
+    """One chunk's summed loss; writes its gradient (softmax less the one-hot target, zero where ignored) into
+    ``grad_out`` when given."""
     x = logits.float()  # fp32: a bf16 log-softmax over a large vocabulary loses the precision the loss needs
     row_max = x.max(dim=-1).values
     if group is not None:
@@ -74,6 +76,8 @@ def _chunk(logits: torch.Tensor, targets: torch.Tensor, grad_out: torch.Tensor, 
         dist.all_reduce(sum_exp, group=group)
         dist.all_reduce(target_logit, group=group)
     loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)
+    if grad_out is None:
+        return loss.sum()
     exp.div_(sum_exp[:, None])  # the softmax
     exp.scatter_add_(1, index[:, None], -here[:, None].to(exp.dtype))  # less the one-hot target (data-independent)
     exp.mul_(valid[:, None])
@@ -91,7 +95,7 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, *, chunk_toke
         return F.cross_entropy(flat.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
     if isinstance(flat, DTensor):
         return _sharded_sum(flat, labels, chunk_tokens)
-    return _ChunkedCrossEntropy.apply(flat, labels, chunk_tokens, 0, None)
+    return _ChunkedCrossEntropy.apply(flat, labels, chunk_tokens, 0, None, _wants_grad(flat))
 
 
 def _sharded_sum(flat: DTensor, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
@@ -105,7 +109,11 @@ def _sharded_sum(flat: DTensor, labels: torch.Tensor, chunk_tokens: int) -> torc
     # torch.chunk's split, as DTensor's Shard places columns: rank r holds ceil(V / n) from r ceil(V / n).
     per = -(-flat.shape[-1] // mesh.size(axis))
     offset = per * mesh.get_local_rank(axis)
-    return _ChunkedCrossEntropy.apply(local, labels, chunk_tokens, offset, mesh.get_group(axis))
+    return _ChunkedCrossEntropy.apply(local, labels, chunk_tokens, offset, mesh.get_group(axis), _wants_grad(local))
+
+
+def _wants_grad(logits: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and logits.requires_grad
 
 
 def cross_entropy_mean(logits: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
