@@ -102,7 +102,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         stages = [(0, model)]
     report: dict[str, str] = {}
     for _, part in stages:
-        report.update(_parallelize_part(part, mesh, plan, pipelined=pp is not None, model_ties=groups, **part_options))
+        report.update(_parallelize_part(part, mesh, plan, pipelined=pp is not None, model_ties=groups,
+                                        **part_options))
     ties = None
     if pp is not None and groups:
         ties = StageTies.build(groups, [part for _, part in stages], holders_on_mesh(groups, plan, mesh), pairing="shards")
