@@ -31,6 +31,8 @@ AxisPlacements = dict[str, Placement]
 
 DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
 ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
+# full: whole blocks recomputed (every block, or every n-th with activation_checkpointing_every); selective:
+# Megatron-LM's selective recomputation, only each block's attention core (Korthikanti et al. 2022, sec. 5).
 ActivationCheckpointing = Literal["none", "full", "selective"]
 # Compute precision: fp32, or bf16 compute over fp32 master weights, optimizer state and gradient reduction.
 Precision = Literal["fp32", "bf16"]
@@ -63,6 +65,13 @@ class TensorParallelConfig(Section):
         "(the model provides the globs; explicit `placements` / `layouts` override it).",
     )
     sequence_parallel: bool = Field(False, description="Also run the block norms on sequence shards (Shard(1)).")
+    loss_parallel: bool = Field(
+        True, description="Loss parallel (on by default, as torchtitan and Megatron-LM do): the output head is "
+        "column-parallel over this axis (each rank holds vocab/tp rows of it; a tied input embedding is split "
+        "alike), the logits stay vocabulary shards and the cross-entropy is computed on the shards "
+        "(torch's loss_parallel), so no rank holds the whole vocabulary's logits. A vocabulary that does not divide "
+        "by the axis size keeps the head whole, with a warning; false = the head replicated and the whole logits "
+        "on every tp rank.")
 
 
 ContextParallelMethod = Literal["ring", "allgather"]
@@ -175,7 +184,8 @@ class AutoPlanConfig(Section):
     stages_per_rank: list[int] = Field([2], min_length=1, description="Stages per rank for the interleaved schedules "
                                        "(ZBV always places 2).")
     activation_checkpointing: list[ActivationCheckpointing] = Field(
-        ["none", "full"], min_length=1, description="Activation-checkpointing modes to consider.")
+        ["none", "selective", "full"], min_length=1, description="Activation-checkpointing modes to consider: none, "
+        "selective (every block's attention core recomputed), full (every block recomputed).")
     precisions: list[Precision] | None = Field(
         None, description="Compute precisions to consider (bf16 only where the device has native bf16 matmuls); "
         "null = the run's train.precision only, since precision changes the losses, not just the speed.")
@@ -204,9 +214,12 @@ class ParallelConfig(LayoutSection):
         None, description="Expert parallelism for a mixture-of-experts model (`+parallel=ep`): experts Shard(0) over "
         "this axis, tokens moved to them and back by all-to-all; null = none.")
     activation_checkpointing: ActivationCheckpointing = Field(
-        "none", description="Recompute activations in backward: none, every block (full), or every n-th (selective)."
-    )
-    activation_checkpointing_every: int = Field(2, ge=1, description="With `selective`: checkpoint every n-th block.")
+        "none", description="Recompute activations in backward: none; full = whole blocks (every block, or every "
+        "n-th with activation_checkpointing_every), only each block's input kept; selective = Megatron-LM's "
+        "selective recomputation: only the attention core (the scaled-dot-product attention: q, k, v kept, its "
+        "internals and output recomputed) of every block.")
+    activation_checkpointing_every: int = Field(1, ge=1, description="With `full`: checkpoint every n-th block "
+                                                "(1 = every block; 2 = the 2nd, 4th, ...). Only with full.")
 
 
 # ------------------------------------------------------------------------------ mesh

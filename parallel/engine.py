@@ -49,7 +49,7 @@ from parallel.sharding.data_parallel import apply_data_parallel, replicate_besid
 from parallel.sharding.expert_parallel import apply_expert_parallel, divide_expert_grads
 from parallel.sharding.head_params import HeadGradients, find_head_parameters
 from parallel.sharding.tensor_parallel import apply_placements
-from parallel.sharding.ties import retie, tied_groups
+from parallel.sharding.ties import placed_alike, retie, tied_groups
 from parallel.sharding.tp_styles import classify
 
 
@@ -102,7 +102,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         stages = [(0, model)]
     report: dict[str, str] = {}
     for _, part in stages:
-        report.update(_parallelize_part(part, mesh, plan, pipelined=pp is not None, **part_options))
+        report.update(_parallelize_part(part, mesh, plan, pipelined=pp is not None, model_ties=groups,
+                                        **part_options))
     ties = None
     if pp is not None and groups:
         ties = StageTies.build(groups, [part for _, part in stages], holders_on_mesh(groups, plan, mesh), pairing="shards")
@@ -125,12 +126,13 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         ties=ties,
         tied_names=groups,
         heads=heads,
+        loss_parallel=plan.loss_parallel,
     )
 
 
 def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: ParallelPlan, *, pipelined: bool, device: torch.device,
                       init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
-                      heads: HeadGradients) -> dict[str, str]:
+                      heads: HeadGradients, model_ties: list[list[str]] = ()) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
     tensor parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> data
     parallel (over the dp and cp axes) -> (``init``: a meta part) allocate and initialise this rank's shards.
@@ -141,8 +143,10 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if init is None:
         part.to(device)
     if layout.placements or layout.layouts:
-        heads.entries += find_head_parameters(part, classify(part, layout.placements, layout.layouts).col, mesh).entries
-        report = apply_placements(part, mesh, placements=layout.placements, layouts=layout.layouts)
+        placements = placed_alike(layout.placements, model_ties)
+        heads.entries += find_head_parameters(part, classify(part, placements, layout.layouts).col, mesh).entries
+        report = apply_placements(part, mesh, placements=placements, layouts=layout.layouts)
+        retie(part, tied)  # each holder of a tied parameter was distributed on its own: one parameter again
     cp = layout.context_parallel if layout.cp_size > 1 else None  # one cp rank: whole rows, plain attention
     if cp is not None and not apply_context_parallel(part, mesh, dim=cp.dim, method=cp.method):
         raise ValueError(f"context parallelism over {cp.dim!r}: no module of {type(part).__name__} attends over a "
@@ -188,7 +192,7 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
     groups = tied_groups(model)
     (_, part), = split_stages(model, pp, units=plan.units, pp_rank=index)
     report = _parallelize_part(part, mesh, stage.layout, pipelined=True, device=device, init=init,
-                               precision=precision, compile=compile, heads=heads)
+                               precision=precision, compile=compile, heads=heads, model_ties=groups)
     holders = {name: list(pp.stages[plan.stage_of(name)].ranks) for names in groups for name in names}
     ties = StageTies.build(groups, [part], holders, pairing="whole")
     ties.copy_values()
@@ -199,7 +203,7 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
         model_parts=[part], mesh=mesh, dp_rank=lane, dp_size=len(stage.ranks), stage_indices=[index], pipeline=pp,
         device=device, placement_report=report, autocast=_autocast_dtype(precision, dp), pp_group=lane_group,
         replicas=len(stage.ranks), lanes=len(stage.ranks), stage_to_group_rank=stage_to_group_rank(lane_ranks),
-        ties=ties, tied_names=groups, heads=heads,
+        ties=ties, tied_names=groups, heads=heads, loss_parallel=stage.layout.loss_parallel,
     )
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from parallel.pipeline.schedule import build_schedule
 from parallel.pipeline.stage_terms import carry_term
@@ -69,6 +70,7 @@ class ParallelModel:
         ties: StageTies | None = None,
         tied_names: list[list[str]] | None = None,
         heads: HeadGradients | None = None,
+        loss_parallel: bool = False,
     ) -> None:
         self.model_parts = model_parts
         self.mesh = mesh
@@ -97,6 +99,9 @@ class ParallelModel:
         self._ties = ties or StageTies()
         self._heads = heads or HeadGradients()
         self.tied_names = tied_names or []  # the whole model's tied names, first name first (a checkpoint's keys)
+        # The head's logits are vocabulary shards (a Shard(2) DTensor): the loss, and its backward, run under
+        # torch's loss_parallel, whose cross-entropy reduces over the shards instead of gathering them.
+        self.loss_parallel = loss_parallel
     # -- training step -------------------------------------------------------------
 
     def forward_backward(
@@ -120,11 +125,12 @@ class ParallelModel:
         """
         if self._pipeline is None:
             (model,) = self.model_parts
-            with self._precision():
-                loss = loss_fn(model(inputs, **_extra(positions)), targets)
-            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            with self._loss_context():
+                with self._precision():
+                    loss = _plain(loss_fn(model(inputs, **_extra(positions)), targets))
+                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             return loss.detach()
-        with self._precision():
+        with self._precision(), self._loss_context():
             return self._run_schedule(inputs, targets, loss_fn, loss_scale, backward=True, positions=positions)
 
     @torch.no_grad()
@@ -135,12 +141,12 @@ class ParallelModel:
         ranks' values with :meth:`reduce_loss`."""
         if self._pipeline is None:
             (model,) = self.model_parts
-            with self._precision():
-                loss = loss_fn(model(inputs, **_extra(positions)), targets)
+            with self._precision(), self._loss_context():
+                loss = _plain(loss_fn(model(inputs, **_extra(positions)), targets))
         elif self._pipeline.schedule == "ZBV":
             raise NotImplementedError("the ZBV schedule has no forward-only pass in torch; evaluate with another schedule")
         else:
-            with self._precision():
+            with self._precision(), self._loss_context():
                 loss = self._run_schedule(inputs, targets, loss_fn, 1.0, backward=False, positions=positions)
         # FSDP keeps what it gathered without resharding after forward (the root, zero2, pipeline
         # stages) until a backward that never comes here: give the module its sharded fp32
@@ -157,6 +163,10 @@ class ParallelModel:
         if self._autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self._device.type, dtype=self._autocast)
+
+    def _loss_context(self):
+        """torch's ``loss_parallel`` with a vocabulary-sharded head (forward and backward both inside), else a no-op."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, loss_scale: float,
                       *, backward: bool, positions: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -227,7 +237,7 @@ class ParallelModel:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The schedule holds this function; the user's loss and factor are set per call.
-        return self._loss_fn(output, target) * self._loss_factor
+        return _plain(self._loss_fn(output, target)) * self._loss_factor
 
     def _carry_stage_term(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
         """Forward hook of every stage module: its output carries the loss's term of that stage's modules
@@ -320,6 +330,12 @@ class ParallelModel:
 def _extra(positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The model's keyword inputs: none for a plain batch (a custom model need not take them)."""
     return {} if positions is None else {"positions": positions}
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: loss parallel's cross-entropy is a replicated DTensor (every rank the same
+    value), whose local tensor carries the gradient back to the shards."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def _is_shard(placement: Any) -> bool:

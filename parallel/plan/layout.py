@@ -8,6 +8,7 @@ and for each pipeline stage.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from types import MappingProxyType
@@ -32,7 +33,7 @@ def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module
     nothing). Problems are appended to ``issues``."""
     params = {name: tuple(p.shape) for name, p in model.named_parameters() if only is None or name in only}
     modules = [name for name, _ in model.named_modules() if name and (only is None or name in only)]
-    family_placements, family_layouts = _family_plan(section, prefix, model, issues)
+    family_placements, family_layouts = _family_plan(section, prefix, model, mesh, issues)
     scope = {"scope": "the model"} if only is None else {"scope": f"this stage ({format_path(*prefix)})"}
     # Explicit globs first: what they place, the family's plan does not, so its issues on those
     # parameters (the ones an explicit glob was written to fix) are never raised.
@@ -179,7 +180,8 @@ def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[s
 # ---------------------------------------------------------------------- named plans
 
 
-def _family_plan(section: Any, prefix: tuple, model: nn.Module, issues: list[ConfigIssue]) -> tuple[list, list]:
+def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
+                 issues: list[ConfigIssue]) -> tuple[list, list]:
     """The model family's named tensor-parallel plan of a layout section (at ``prefix``) as
     ``(placement entries, layout entries)``, each entry ``(glob, value, path)``; explicit globs
     override them, parameter by parameter and module by module."""
@@ -193,7 +195,41 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, issues: list[Con
                                   f"write {format_path(*prefix, 'placements')} globs instead (and drop its tensor_parallel)"))
         return [], []
     placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
+    if tp.loss_parallel:
+        head = _vocab_parallel_head(model, tp, prefix, mesh)
+        placements, layouts = {**placements, **head[0]}, {**layouts, **head[1]}
     where = f"{format_path(*prefix, 'tensor_parallel', 'plan')}[{tp.plan}]"
     return ([(glob, {axis: parse_placement(p) for axis, p in axes.items()}, f'{where}["{glob}"]')
              for glob, axes in placements.items()],
             [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
+
+
+def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpec) -> tuple[dict, dict]:
+    """Loss parallel's globs (the head column-parallel, its logits vocabulary shards), from the model's
+    ``vocab_parallel_plan``. A model without one, or a vocabulary that does not divide over the axis, keeps
+    the replicated head, with a warning (no refusal: loss parallel is on by default, and a layout that
+    trained before it existed, e.g. a 256-token vocabulary on tp 3, must still train)."""
+    path = format_path(*prefix, "tensor_parallel", "loss_parallel")
+    provider = getattr(model, "vocab_parallel_plan", None)
+    if provider is None:
+        warnings.warn(f"{path}: model {type(model).__name__} has no vocabulary-parallel head plan; its head stays "
+                      f"whole on every {tp.dim} rank (set {path}=false to silence this)", stacklevel=2)
+        return {}, {}
+    placements, layouts, vocab = provider(axis=tp.dim)
+    size = mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1
+    if vocab % size:
+        warnings.warn(f"{path}: the vocabulary ({vocab} tokens) is not divisible by the {tp.dim} size {size}; the "
+                      f"output head stays whole on every {tp.dim} rank (no loss parallel). Pad the vocabulary to a "
+                      f"multiple of {size} to split it, or set {path}=false to silence this.", stacklevel=2)
+        return {}, {}
+    return placements, layouts
+
+
+def loss_parallel_applies(section: Any, mesh: MeshSpec, model: nn.Module) -> bool:
+    """Whether a layout section's head leaves its logits as vocabulary shards: loss parallel asked for on a
+    model with a vocabulary-parallel plan whose vocabulary divides over the axis."""
+    tp = section.tensor_parallel
+    provider = getattr(model, "vocab_parallel_plan", None)
+    if tp is None or not tp.loss_parallel or provider is None:
+        return False
+    return provider(axis=tp.dim)[2] % (mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1) == 0

@@ -26,7 +26,7 @@ from torch import nn
 
 from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
-from parallel.plan.layout import resolve_layout
+from parallel.plan.layout import loss_parallel_applies, resolve_layout
 from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, MeshSpec,
                                  ParallelPlan, PipelineSpec)
 from parallel.plan.stages import resolve_stages
@@ -66,6 +66,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         layouts=MappingProxyType(layouts),
         activation_checkpointing=parallel.activation_checkpointing,
         activation_checkpointing_every=parallel.activation_checkpointing_every,
+        loss_parallel=loss_parallel_applies(parallel, mesh_spec, model),
         expert_parallel=experts,
     )
 

@@ -143,7 +143,10 @@ class ParallelPlan:
     placements: Mapping[str, AxisSpecs] = field(default_factory=dict)
     layouts: Mapping[str, LayoutSpec] = field(default_factory=dict)
     activation_checkpointing: str = "none"
-    activation_checkpointing_every: int = 2
+    activation_checkpointing_every: int = 1
+    # Loss parallel: the output head's logits leave it as vocabulary shards (a DTensor Shard(2)) and the loss
+    # runs under torch's loss_parallel (parallel.model.ParallelModel).
+    loss_parallel: bool = False
     expert_parallel: ExpertParallelSpec | None = None
 
     @property

@@ -33,7 +33,7 @@ from torch import nn
 
 from parallel.config import ParallelConfig, StageConfig
 from parallel.errors import ConfigError, ConfigIssue, format_path
-from parallel.plan.layout import resolve_layout
+from parallel.plan.layout import loss_parallel_applies, resolve_layout
 from parallel.plan.spec import DataParallelSpec, GlobCheck, MeshSpec, ParallelPlan, PipelineSpec, StagePlan, owning_unit
 from parallel.plan.units import check_boundaries, stage_boundaries
 
@@ -62,6 +62,7 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
             mesh=stage_mesh, units=tuple(units), blocks=tuple(blocks),
             data_parallel=DataParallelSpec(dp.mode, tuple(dp.dim_names)) if dp else None,
             placements=MappingProxyType(placements), layouts=MappingProxyType(layouts),
+            loss_parallel=loss_parallel_applies(stage, stage_mesh, model),
             activation_checkpointing=parallel.activation_checkpointing,
             activation_checkpointing_every=parallel.activation_checkpointing_every,
         )

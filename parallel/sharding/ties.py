@@ -28,6 +28,18 @@ def tied_groups(module: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
+def placed_alike(placements: dict, groups: list[list[str]]) -> dict:
+    """``placements`` (FQN -> placements) with every name of a tied group placed as its placed name: a plan
+    names a tied parameter once (its first name), but every module holding it must place it alike (each is
+    distributed on its own, then tied again), and a pipeline stage may hold the other end only."""
+    out = dict(placements)
+    for group in groups:
+        placed = next((out[n] for n in group if n in out), None)
+        if placed is not None:
+            out.update({n: placed for n in group if n not in out})
+    return out
+
+
 def alias_names(module: nn.Module) -> set[str]:
     """The names under which a tied parameter is registered again: a state dict without them
     holds every tensor once (what a safetensors file and an export write)."""

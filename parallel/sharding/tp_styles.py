@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from parallel.placements import PlacementSpec
+from parallel.sharding.ties import placed_alike, tied_groups
 
 AxisSpecs = Mapping[str, PlacementSpec]
 
@@ -41,8 +42,8 @@ def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Ma
     placement}``) and ``layouts`` (module FQN -> :class:`~parallel.plan.spec.LayoutSpec`) touch.
     Entries for names ``module`` lacks (another pipeline stage's) are ignored."""
     modules = dict(module.named_modules())
-    params = {name for name, _ in module.named_parameters()}
-    specs = {fqn: axes for fqn, axes in placements.items() if fqn in params}
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    specs = {fqn: axes for fqn, axes in with_ties(module, placements).items() if fqn in params}
     layouts = {name: layout for name, layout in layouts.items() if name in modules}
     out = Classification()
     out.col, out.row = _megatron_pairs(modules, specs)
@@ -56,6 +57,12 @@ def classify(module: nn.Module, placements: Mapping[str, AxisSpecs], layouts: Ma
     out.unsupported = [name for name, layout in layouts.items()
                        if name not in handled and non_replicate(layout.input) | non_replicate(layout.output)]
     return out
+
+
+def with_ties(module: nn.Module, placements: Mapping[str, AxisSpecs]) -> dict[str, AxisSpecs]:
+    """``placements`` with every name of a tied parameter of ``module`` (an input embedding that is also
+    the output head) placed as its placed name (:func:`parallel.sharding.ties.placed_alike`)."""
+    return placed_alike(dict(placements), tied_groups(module))
 
 
 def sharded_axes(axis_specs: Mapping[str, PlacementSpec]) -> dict[str, PlacementSpec]:

@@ -85,7 +85,8 @@ def row_config(row: published.PublishedRun) -> RunConfig:
     if lay.tp > 1:
         dims, mesh = [*dims, "tp"], [*mesh, lay.tp]
     parallel: dict = {"dims": dims, "data_parallel": {"dim": "dp", "mode": MODES[lay.data_parallel]},
-                      "activation_checkpointing": checkpointing(row)}
+                      "activation_checkpointing": checkpointing(row),
+                      "activation_checkpointing_every": checkpointing_every(row)}
     if lay.tp > 1:
         parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron", "sequence_parallel": lay.sequence_parallel}
     if lay.cp > 1:  # the cp presets' axis: each row split over cp, ring attention
@@ -103,16 +104,21 @@ def row_config(row: published.PublishedRun) -> RunConfig:
 
 
 def checkpointing(row: published.PublishedRun) -> str:
-    """The row's activation checkpointing in this project's terms. Korthikanti et al.'s selective
-    recomputation (and NeMo's ``activations_checkpoint_granularity: selective``, the same Megatron
-    option) recomputes only attention's core (the scores, softmax and dropout) in backward, which
-    flash attention does by itself here: ``none``. torchtitan's selective (per-op) policy
-    recomputes every other matmul and the elementwise ops of each block: about what checkpointing
-    every other block recomputes here, ``selective``."""
+    """The row's activation checkpointing in this project's terms. Megatron-LM's selective recomputation
+    (Korthikanti et al.; NeMo's ``activations_checkpoint_granularity: selective``, the same option)
+    recomputes only attention's core in backward: this project's ``selective``. torchtitan's selective
+    (per-op) policy recomputes every other matmul and the elementwise ops of each block: about what
+    checkpointing every other block recomputes here, ``full`` with every 2 (:func:`checkpointing_every`)."""
     ac = row.layout.activation_checkpointing or "none"
-    if ac == "selective" and row.name.startswith(MEGATRON_RUNS):  # Megatron's selective: the attention core
-        return "none"
+    if ac == "selective" and not row.name.startswith(MEGATRON_RUNS):
+        return "full"
     return ac
+
+
+def checkpointing_every(row: published.PublishedRun) -> int:
+    """Every n-th block checkpointed under ``full``: 2 for a per-op selective policy (torchtitan's), else 1."""
+    ac = row.layout.activation_checkpointing or "none"
+    return 2 if ac == "selective" and not row.name.startswith(MEGATRON_RUNS) else 1
 
 
 def fully_stated(row: published.PublishedRun) -> bool:
@@ -221,8 +227,8 @@ def _paper_label(row: published.PublishedRun) -> str:
         parts.append(f"pp{lay.pp}({'Interleaved1F1B' if v > 1 else '1F1B'}{f' v{v}' if v > 1 else ''}, m{m})")
     if lay.tp > 1:
         parts.append(f"tp{lay.tp}")
-    ac = checkpointing(row)
-    return " x ".join(parts) + (f", AC {ac}" if ac != "none" else "") + ", bf16"
+    ac, every = checkpointing(row), checkpointing_every(row)
+    return " x ".join(parts) + (f", AC {ac}" if ac != "none" else "") + (f" every {every}" if every > 1 else "") + ", bf16"
 
 
 def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:

@@ -110,6 +110,18 @@ MORE: dict[str, Bad] = {
     "moe/activation-checkpointing": bad(["model=gpt_moe", "+parallel=fsdp", "parallel.activation_checkpointing=full"],
                                         "parallel.activation_checkpointing", ["not tested yet"],
                                         ["parallel.activation_checkpointing=none"]),
+    # `selective` is Megatron's attention-core recomputation of every block; every n-th block is `full`'s knob.
+    "ac/selective-every-n": bad(["+parallel=fsdp", "mesh=[2]", "parallel.activation_checkpointing=selective",
+                                 "parallel.activation_checkpointing_every=2"], "parallel.activation_checkpointing_every",
+                                ["attention core", "full with activation_checkpointing_every"],
+                                ["parallel.activation_checkpointing=full"]),
+    "ac/selective-without-attention": bad([*_EMBEDDING, "+parallel=fsdp", "mesh=[2]",
+                                           "parallel.activation_checkpointing=selective"],
+                                          "parallel.activation_checkpointing", ["no attention module"],
+                                          ["parallel.activation_checkpointing=full"]),
+    "ac/selective-with-cp": bad(["+parallel=cp", "parallel.activation_checkpointing=selective"],
+                                "parallel.activation_checkpointing", ["context parallelism", "not built"],
+                                ["parallel.activation_checkpointing=full"]),
     "moe/compile": bad(["model=gpt_moe", "train.compile=true"], "train.compile", ["not tested yet"], ["train.compile=false"]),
     # Knobs that spend disk, CPU, time or memory have ceilings (issue 36); the fix is the ceiling itself.
     "ceiling/checkpoints-kept": bad(["train.checkpoint.keep=1000000", "train.checkpoint.every=1"],

@@ -125,8 +125,8 @@ SUITES = {
         ("single_mlp", compiled_check(None, model="mlp")),
         ("fsdp", compiled_check("fsdp")),
         ("fsdp_ac_full", compiled_check("fsdp", activation_checkpointing="full")),
-        # Tensor and sequence parallel inside activation checkpointing: compiled inside the wrapper.
-        ("tp_sp_ac_selective", compiled_check("tp_sp", activation_checkpointing="selective")),
+        # Tensor and sequence parallel inside activation checkpointing (every other block): compiled inside the wrapper.
+        ("tp_sp_ac_full_every2", compiled_check("tp_sp", activation_checkpointing="full", activation_checkpointing_every=2)),
         ("checkpoint_cross", checkpoint_cross_check),
     ],
     "eight_rank": [

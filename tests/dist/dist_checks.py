@@ -15,6 +15,7 @@ import torch
 import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -59,14 +60,16 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list(params), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
 
 
-def reference_run(model_cfg, *, precision: str = "fp32", decoder=None, keep_model: bool = False) -> dict:
+def reference_run(model_cfg, *, precision: str = "fp32", decoder=None, keep_model: bool = False, loss_fn=None,
+                  targets_of=None) -> dict:
     """Single device, no engine: the losses and pre-clip gradient norms every mesh must match
     (``precision="bf16"``: under bf16 autocast, fp32 weights). ``decoder``: the shape of a Hugging
     Face model's batches; ``keep_model``: the trained model under ``"model"``."""
     model = build_model(model_cfg, seed=0)
-    optimizer, loss_fn = make_optimizer(model.parameters()), loss_fn_for(model_cfg)
+    optimizer, loss_fn = make_optimizer(model.parameters()), loss_fn or loss_fn_for(model_cfg)
     losses, norms = [], []
     for inputs, targets in batches(decoder or model_cfg):
+        targets = targets_of(targets) if targets_of is not None else targets
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = loss_fn(model(inputs), targets)
         loss.backward()
@@ -76,6 +79,7 @@ def reference_run(model_cfg, *, precision: str = "fp32", decoder=None, keep_mode
         losses.append(loss.item())
     with torch.no_grad():  # forward only, after training: what ParallelModel.evaluate must give
         inputs, targets = batches(decoder or model_cfg)[0]
+        targets = targets_of(targets) if targets_of is not None else targets
         eval_loss = loss_fn(model(inputs), targets).item()
     return {"losses": losses, "grad_norms": norms, "eval_loss": eval_loss, **({"model": model} if keep_model else {})}
 
@@ -105,15 +109,16 @@ def parallelize_preset(model: nn.Module, mesh: list | None, par: ParallelConfig 
     return parallelize(model, resolve_plan(par, mesh, model), device=CPU, init=init, precision=precision)
 
 
-def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
+def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1, loss_fn=None, targets_of=None) -> dict:
     """``STEPS`` optimizer steps on this rank's dp share (in ``grad_accum`` pieces, as the
     trainer's loop does); losses as every rank sees them. The last step is recorded by a
     :class:`TimelineRecorder`, as the trainer's loop records its last steps: ``timeline`` holds
     this rank's actions, ``pipeline_order`` the schedule's compute order per pp rank."""
-    optimizer, loss_fn = make_optimizer(pm.parameters()), loss_fn_for(model_cfg)
+    optimizer, loss_fn = make_optimizer(pm.parameters()), loss_fn or loss_fn_for(model_cfg)
     losses, norms = [], []
     recorder = TimelineRecorder(pm)
     for step, (inputs, targets) in enumerate(batches(model_cfg), start=1):
+        targets = targets_of(targets) if targets_of is not None else targets
         per = inputs.shape[0] // pm.dp_size
         share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
         loss = None
@@ -131,6 +136,7 @@ def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1) -> dict:
                 "pipeline_order": compute_order(pm.schedule.pipeline_order) if pm.schedule is not None else None,
                 "pp_rank": pipeline_rank(pm)}
     inputs, targets = batches(model_cfg)[0]
+    targets = targets_of(targets) if targets_of is not None else targets
     per = inputs.shape[0] // pm.dp_size
     share = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
     try:
@@ -163,8 +169,11 @@ def placement_globs(par: ParallelConfig) -> dict:
     wrote out before presets named plans), then the explicit ones, which override it."""
     globs = {}
     if par.tensor_parallel is not None:
-        placements, _ = build_model(llama_cfg(), device="meta").parallel_plan(
+        model = build_model(llama_cfg(), device="meta")
+        placements, _ = model.parallel_plan(
             par.tensor_parallel.plan, axis=par.tensor_parallel.dim, sequence_parallel=par.tensor_parallel.sequence_parallel)
+        if par.tensor_parallel.loss_parallel:  # the head column-parallel (gpt_debug's vocabulary divides by 2)
+            placements = {**placements, **model.vocab_parallel_plan(axis=par.tensor_parallel.dim)[0]}
         globs = {glob: {a: parse_placement(p) for a, p in axes.items()} for glob, axes in placements.items()}
     return {**globs, **par.placements}
 
@@ -259,16 +268,81 @@ def _probe_norm_input(pm: ParallelModel) -> list:
     return seen
 
 
-def ac_check(name: str, mode: str):
+def ac_check(name: str, mode: str, every: int = 1):
+    """Parity under activation checkpointing; ``wrapped``: the blocks ``full`` wraps, ``cores``: the attention
+    modules ``selective`` recomputes, ``attention_calls``: scaled-dot-product attention calls per training step
+    (a block's core runs twice under selective: forward, and again in backward)."""
+
     def check(*, rank: int, world_size: int) -> dict:
         mesh, par = load_preset(name)
         cfg = llama_cfg()
         pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par, activation_checkpointing=mode,
-                                activation_checkpointing_every=2)
-        wrapped = sorted(n for n, m in pm.model_parts[0].named_modules() if isinstance(m, CheckpointWrapper))
-        return {**train(pm, cfg), "wrapped": wrapped}
+                                activation_checkpointing_every=every)
+        modules = dict(pm.model_parts[0].named_modules())
+        wrapped = sorted(n for n, m in modules.items() if isinstance(m, CheckpointWrapper))
+        cores = sorted(n for n, m in modules.items() if getattr(m, "recompute_attention_core", False))
+        with AttentionCalls() as calls:
+            inputs, targets = batches(cfg)[0]
+            pm.forward_backward(inputs[:2], targets[:2], loss_fn_for(cfg))
+        for p in pm.parameters():
+            p.grad = None
+        return {**train(pm, cfg), "wrapped": wrapped, "cores": cores, "attention_calls": calls.count}
 
     return check
+
+
+class AttentionCalls(TorchDispatchMode):
+    """Counts the attention kernel's forward calls while active, backward's recomputation included (a
+    dispatch mode: a torch function mode is not active where checkpointing recomputes in backward)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def loss_parallel_check(name: str | tuple[list, dict], *, chunk_tokens: int | None = None, masked: bool = False,
+                        **overrides):
+    """A preset (or inline layout) with loss parallel, trained on the plain LM loss (``chunk_tokens``: chunked)
+    or, ``masked``, on the chat data's masked loss (``TargetMeanLoss``) over targets with every third one -100;
+    ``logits``: the head's output on this rank (a DTensor's placements and local shape)."""
+
+    def check(*, rank: int, world_size: int) -> dict:
+        mesh, par = load_preset(name) if isinstance(name, str) else (name[0], ParallelConfig.model_validate(name[1]))
+        cfg = llama_cfg()
+        pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par, **overrides)
+        seen: dict = {}
+        for part in pm.model_parts:
+            head = getattr(part, "output", None)
+            if head is not None:
+                head.register_forward_hook(lambda _m, _a, out: seen.update(
+                    placements=[str(p) for p in out.placements], local=list(out.to_local().shape))
+                    if isinstance(out, DTensor) else seen.update(placements=[], local=list(out.shape)))
+        loss_fn = masked_loss(chunk_tokens) if masked else loss_fn_for(cfg, chunk_tokens=chunk_tokens)
+        fqns = sorted(n for n, _ in pm.named_parameters())
+        return {**train(pm, cfg, loss_fn=loss_fn, targets_of=masked_targets if masked else None),
+                "logits": seen, "loss_parallel": pm.loss_parallel, "fqns": fqns}
+
+    return check
+
+
+def masked_targets(targets: torch.Tensor) -> torch.Tensor:
+    """Targets with every third position -100 (a chat row's prompt tokens: no loss there)."""
+    out = targets.clone()
+    out[:, ::3] = -100
+    return out
+
+
+def masked_loss(chunk_tokens: int | None = None):
+    """The chat data's loss over :func:`masked_targets`: summed over the targets that count, divided by the
+    global batch's count of them (the same for every batch here: 2/3 of each row, rounded up)."""
+    from trainer.models import TargetMeanLoss
+
+    loss = TargetMeanLoss(chunk_tokens)
+    loss.tokens_per_row = float(SEQ_LEN - len(range(0, SEQ_LEN, 3)))
+    return loss
 
 
 MLP_PLACEMENTS = {"w0": {"tp": "Shard(1)"}, "w1": {"tp": "Shard(0)"}}
@@ -316,6 +390,10 @@ HSDP = {"dims": ["dp_replicate", "dp_shard"], "data_parallel": {"dim": ["dp_repl
 # label devices, and the engine's mesh is still torch ranks 0..7 row-major.
 RANK_IDS_MESH = [[1, 3, 5, 7], [0, 2, 4, 6]]
 
+PP_TP = {  # the head's stage tensor-parallel: the last stage's loss on vocabulary shards
+    "dims": ["pp", "tp"], "tensor_parallel": {"dim": "tp"},
+    "pipeline": {"dim": "pp", "schedule": "1F1B", "microbatches": 2, "boundaries": "auto"},
+}
 FSDP_PP = {  # FSDP inside pipeline stages, with gradient accumulation on top
     "dims": ["dp", "pp"],
     "data_parallel": {"dim": "dp", "mode": "fsdp"},
@@ -366,6 +444,7 @@ def hf_logits_check(*, rank: int, world_size: int) -> dict:
         tokens = batches(llama_cfg())[0][0]
         with torch.no_grad():
             ours = pm.model_parts[0](tokens)
+            ours = ours.full_tensor() if isinstance(ours, DTensor) else ours  # loss parallel: vocabulary shards
             theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
         out[kind] = {"max_abs_diff": float((ours - theirs).abs().max()), "report": pm.placement_report}
         if kind == "llama":  # train.init_from's road: each rank reads its blocks of one safetensors file
@@ -400,7 +479,12 @@ SUITES = {
         ("pp_1F1B_grad_accum", preset_check("pp", grad_accum=2, schedule="1F1B")),
         ("tp_sp_grad_accum", preset_check("tp_sp", grad_accum=2)),
         ("fsdp_ac_full", ac_check("fsdp", "full")),
+        ("tp_sp_ac_full_every2", ac_check("tp_sp", "full", every=2)),
         ("tp_sp_ac_selective", ac_check("tp_sp", "selective")),
+        ("tp_loss_parallel_off", preset_check(([2], {"dims": ["tp"], "tensor_parallel": {"dim": "tp",
+                                                                                       "loss_parallel": False}}))),
+        ("tp_sp_loss_parallel_chunked", loss_parallel_check("tp_sp", chunk_tokens=48)),
+        ("tp_loss_parallel_masked", loss_parallel_check("tp", masked=True, chunk_tokens=100)),
         ("mlp_tp", mlp_tp_check),
         ("mlp_pp", mlp_pp_check),
         ("bf16_dp", preset_check("dp", precision="bf16")),
@@ -412,6 +496,7 @@ SUITES = {
         ("hsdp", preset_check("hsdp")),
         ("fsdp_pp_grad_accum", preset_check(([2, 2], FSDP_PP), grad_accum=2)),
         ("2d", preset_check("2d")),
+        ("pp_tp_loss_parallel_masked", loss_parallel_check(([2, 2], PP_TP), masked=True, chunk_tokens=20)),
         ("bf16_2d", preset_check("2d", precision="bf16")),
         ("hf_2d_logits", hf_logits_check),
     ],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_checks import MLP_CFG, STEPS, SUITES, llama_cfg, reference_run
+from dist_checks import MLP_CFG, STEPS, SUITES, llama_cfg, masked_loss, masked_targets, reference_run
 from dist_harness import launch
 from trainer.models import build_model
 
@@ -72,7 +72,9 @@ def results(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     return {"llama": reference_run(llama_cfg()), "mlp": reference_run(MLP_CFG),
-            "llama_bf16": reference_run(llama_cfg(), precision="bf16")}
+            "llama_bf16": reference_run(llama_cfg(), precision="bf16"),
+            # The chat data's masked loss, unchunked: what chunked loss-parallel layouts must give.
+            "llama_masked": reference_run(llama_cfg(), loss_fn=masked_loss(), targets_of=masked_targets)}
 
 
 def _max_rel(values, expected) -> float:
@@ -84,7 +86,7 @@ def test_loss_parity(check, results, reference):
     """5 AdamW steps (global batch 8 x 32 tokens, grad clip 1.0) give the single-device losses
     and gradient norms, and every rank reports the same loss."""
     per_rank = results(check)
-    ref = reference["mlp" if check.startswith("mlp") else "llama"]
+    ref = reference["mlp" if check.startswith("mlp") else "llama_masked" if "masked" in check else "llama"]
     losses = per_rank[0]["losses"]
     assert all(r["losses"] == losses for r in per_rank), "ranks disagree on the reduced loss"
     assert _max_rel(losses, ref["losses"]) <= LOSS_REL_TOL, (losses, ref["losses"])
@@ -155,9 +157,10 @@ def test_tensor_parallel_styles(results):
 
 def test_tensor_parallel_all_reduces_once_per_pair_and_direction(results):
     # Megatron: per block 2 all-reduces forward (after wo, w2) and 2 backward (one per column
-    # group: wq/wk/wv summed, w1/w3 summed); 4 blocks.
+    # group: wq/wk/wv summed, w1/w3 summed); 4 blocks. Loss parallel adds 4: the cross-entropy's max, sum of
+    # exponentials and target logit over the vocabulary shards, and the column-parallel head's input gradient.
     for per_rank in results("tp_comm"):
-        assert {k: v for k, v in per_rank["counts"].items() if "all_reduce" in k} == {"c10d_functional.all_reduce": 16}, per_rank
+        assert {k: v for k, v in per_rank["counts"].items() if "all_reduce" in k} == {"c10d_functional.all_reduce": 20}, per_rank
 
 
 def test_sequence_parallel_norm_gradients_are_reduced_once_per_step(results):
@@ -178,8 +181,36 @@ def test_sequence_parallel_shards_the_sequence(results):
 
 
 def test_activation_checkpointing_wraps_blocks(results):
-    assert results("fsdp_ac_full")[0]["wrapped"] == ["layers.0", "layers.1", "layers.2", "layers.3"]
-    assert results("tp_sp_ac_selective")[0]["wrapped"] == ["layers.1", "layers.3"]
+    full = results("fsdp_ac_full")[0]
+    assert full["wrapped"] == ["layers.0", "layers.1", "layers.2", "layers.3"] and full["cores"] == []
+    assert results("tp_sp_ac_full_every2")[0]["wrapped"] == ["layers.1", "layers.3"]
+    # A whole block recomputed runs its attention again: 4 forward + 4 recomputed; every other block: 4 + 2.
+    assert full["attention_calls"] == 8 and results("tp_sp_ac_full_every2")[0]["attention_calls"] == 6
+
+
+def test_selective_recomputes_only_the_attention_core(results):
+    """Megatron's selective recomputation: no block wrapped, every block's attention module marked, and the
+    attention kernel called twice per block and step (forward, then again in backward), on every rank."""
+    for r in results("tp_sp_ac_selective"):
+        assert r["wrapped"] == []
+        assert r["cores"] == [f"layers.{i}.attn" for i in range(4)]
+        assert r["attention_calls"] == 8
+
+
+def test_loss_parallel_keeps_the_logits_vocabulary_sharded(results):
+    """With loss parallel (the default) the head's output is a Shard(2) DTensor of vocab / tp columns on
+    each rank (gpt_debug: 256 / 2); off, every rank holds the whole vocabulary's logits."""
+    vocab = llama_cfg().vocab_size
+    for check in ("tp_sp_loss_parallel_chunked", "tp_loss_parallel_masked"):
+        for r in results(check):
+            assert r["loss_parallel"] is True
+            assert r["logits"]["placements"] == ["S(2)"] and r["logits"]["local"][-1] == vocab // 2, r["logits"]
+    report = results("tp")[0]["report"]
+    assert report["output"] == "dtensor"
+    assert "output" not in results("tp_loss_parallel_off")[0]["report"]
+    # The pipeline's last stage (pp rank 1) computes the masked loss on its shards.
+    per_rank = results("pp_tp_loss_parallel_masked")
+    assert [r["logits"].get("placements") for r in per_rank] == [None, None, ["S(2)"], ["S(2)"]]
 
 
 def test_mlp_raw_parameters_use_dtensor(results):

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.slow
 WORLD_SIZE = {"two_rank": 2, "three_rank": 3, "four_rank": 4, "six_rank": 6}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
 PARITY = [name for name in SUITE_OF if name != "corrupt_load"]
+# 258 = 2 x 3 x 43: the vocabulary divides over tp 3 (SmolLM2's 9 heads allow no other tp here), so the
+# tp layouts split the tied embedding and head for loss parallel.
+VOCAB = 258
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def tied_dir(tmp_path_factory):
     from tests.hf_assets import write_tied_llama
 
     path, out = tmp_path_factory.mktemp("smol"), tmp_path_factory.mktemp("tied-ckpts")
-    write_tied_llama(path)
+    write_tied_llama(path, vocab_size=VOCAB)
     os.environ[DIR_ENV], os.environ[OUT_ENV] = str(path), str(out)
     yield path, out
     os.environ.pop(DIR_ENV, None)
@@ -76,3 +79,16 @@ def test_a_wrong_slice_loaded_on_one_rank_is_refused_naming_the_parameter(result
     for r in results("corrupt_load"):
         assert r["refused"] == ["model.layers.0.mlp.up_proj.weight"], r
         assert "model.path" in r["message"] and "refusing to train" in r["message"]
+
+
+def test_loss_parallel_splits_the_tied_embedding_with_the_head(results):
+    """tp [3] (258 tokens divide): loss parallel is on and the tie stays one parameter, Shard(0) over tp, on
+    every rank; 3d [1, 2, 3]: each stage's copy (the embedding on the first, the head on the last) is split
+    over tp alike."""
+    for r in results("tp"):
+        assert r["loss_parallel"] is True and r["tie_is_one"] == [True]
+        assert set(map(tuple, r["tie_ends"].values())) == {("S(0)",)}, r["tie_ends"]
+    per_rank = results("3d_tp3")  # [dp, pp, tp] = [1, 2, 3]: pp rank 0 holds the embedding, pp rank 1 the head
+    assert [list(r["tie_ends"]) for r in per_rank] == [["model.embed_tokens.weight"]] * 3 + [["lm_head.weight"]] * 3
+    for r in per_rank:  # FSDP's shard over dp (its strided form, beside tp's), then tp's vocabulary rows
+        assert r["loss_parallel"] is True and [v[-1] for v in r["tie_ends"].values()] == ["S(0)"], r["tie_ends"]

@@ -58,8 +58,15 @@ def tied_check(name: str, overrides: list[str], *, grad_accum: int = 1, stages: 
         out = Path(os.environ[OUT_ENV]) / name
         save_checkpoint(out, 1, model=merged_module(pm.model_parts), optimizer=optimizer, extra={"step": 1,
                         "model_config": cfg.model.model_dump(mode="json")}, keep=1, tied=pm.tied_names)
+        held = {}
+        for part in pm.model_parts:
+            held.update(dict(part.named_parameters(remove_duplicate=False)))
+        # Each end of the tie this rank holds: its placements, and whether both names are one parameter here.
+        ends = {name: [str(p) for p in getattr(held[name], "placements", ())] for names in pm.tied_names
+                for name in names if name in held}
+        one = [len({id(held[n]) for n in names if n in held}) == 1 for names in pm.tied_names]
         return {"losses": result["losses"], "grad_norms": result["grad_norms"], "tie_sums": tie_sums(pm),
-                "stages": pm.stage_indices}
+                "stages": pm.stage_indices, "loss_parallel": pm.loss_parallel, "tie_ends": ends, "tie_is_one": one}
 
     return check
 

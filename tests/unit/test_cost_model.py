@@ -30,8 +30,11 @@ def test_doubling_tp_halves_a_blocks_matmul_flops():
     assert two.backward.matmul_flops == pytest.approx(one.backward.matmul_flops / 2)
     # 7 projections and attention's two matmuls forward; backward twice each (input and weight gradients)
     assert (one.forward.matmul_calls, one.backward.matmul_calls) == (9, 16)
-    # the embedding and the head are not split by the Megatron plan
-    assert unit_costs(cfg2, plan2, 2)["output"].forward.matmul_flops == unit_costs(cfg1, plan1, 2)["output"].forward.matmul_flops
+    # the head is column-parallel under loss parallel (the default): half its matmul on each of 2 ranks; off, whole
+    head = {key: unit_costs(cfg, plan, 2)["output"].forward.matmul_flops for key, (cfg, plan) in (
+        ("one", (cfg1, plan1)), ("two", (cfg2, plan2)),
+        ("off", _plan("+parallel=tp", "mesh=[2]", "parallel.tensor_parallel.loss_parallel=false")))}
+    assert head["two"] == head["one"] / 2 and head["off"] == head["one"]
 
 
 def test_a_linear_layers_flops_are_2mkn():

@@ -100,6 +100,12 @@ class TrainConfig(_Section):
     seq_len: int = Field(128, ge=1, le=2**24, description="Tokens per sequence; at most 16777216.")
     seed: int = Field(0, description="Seed of the initialisation and of the data order.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this; null disables.")
+    # 4096 tokens: a 128k vocabulary's chunk is 2 GiB of fp32 (and 4096 x 32k, 0.5 GiB), while a short row
+    # (most tests, B x T <= 4096) is one chunk, computed exactly as before.
+    loss_chunk_tokens: int | None = Field(
+        4096, ge=0, description="The cross-entropy's tokens per chunk: each chunk's fp32 upcast and log-softmax exist "
+        "only while it is computed and are recomputed in backward, so a micro-batch never holds its whole fp32 "
+        "log-probabilities ([tokens, vocab]); same losses and gradients. 0 or null = the whole micro-batch at once.")
     # Time: a forward and backward per accumulation step; no batch splits into more than 65536 of them usefully.
     grad_accum: int = Field(1, ge=1, le=65536, description="Gradient-accumulation steps per optimizer step; at most "
                             "65536.")

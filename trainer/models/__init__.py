@@ -20,6 +20,7 @@ from torch import nn
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig, MoEConfig
 from trainer.models.custom import build_custom_model
 from trainer.models.init import canonical_fqn, init_named_parameters, init_parameter, stable_seed
+from trainer.models.loss import cross_entropy_mean, cross_entropy_sum
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 from trainer.models.mlp import MatmulMLP
 
@@ -27,10 +28,21 @@ ModelCfg = LlamaConfig | MLPConfig | HFModelConfig | CustomModelConfig
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: ``logits [B, T, V]`` against ``targets [B, T]``."""
-    # fp32: a bf16 log-softmax over a large vocabulary loses the precision the loss needs.
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy: ``logits [B, T, V]`` against ``targets [B, T]``, in fp32 (a bf16
+    log-softmax over a large vocabulary loses the precision the loss needs); ``chunk_tokens``: that many
+    tokens' fp32 at a time (:mod:`trainer.models.loss`)."""
+    return cross_entropy_mean(logits, targets, chunk_tokens=chunk_tokens)
+
+
+class ChunkedLMLoss:
+    """:func:`lm_loss` over ``chunk_tokens`` tokens at a time (``train.loss_chunk_tokens``)."""
+
+    def __init__(self, chunk_tokens: int | None) -> None:
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets, chunk_tokens=self.chunk_tokens)
 
 
 class TargetMeanLoss:
@@ -44,11 +56,12 @@ class TargetMeanLoss:
     how many targets. A per-slice mean would weigh a slice's few targets like another's many.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_tokens: int | None = None) -> None:
         self.tokens_per_row = 1.0
+        self.chunk_tokens = chunk_tokens  # train.loss_chunk_tokens: the fp32 of that many tokens at a time
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
+        total = cross_entropy_sum(logits, targets, chunk_tokens=self.chunk_tokens)
         return total / (targets.shape[0] * self.tokens_per_row)
 
 
@@ -133,14 +146,14 @@ def moe_config(cfg: ModelCfg) -> MoEConfig | None:
     return cfg.moe if isinstance(cfg, LlamaConfig) else None
 
 
-def loss_fn_for(cfg: ModelCfg, *, masked: bool = False) -> LossFn:
+def loss_fn_for(cfg: ModelCfg, *, masked: bool = False, chunk_tokens: int | None = None) -> LossFn:
     """The training loss of ``cfg.arch`` (a custom model names its own): ``loss(output, targets) -> scalar`` (mean).
-    ``masked``: the data marks targets that do not count (chat): a :class:`TargetMeanLoss`."""
+    ``masked``: the data marks targets that do not count (chat): a :class:`TargetMeanLoss`. ``chunk_tokens``
+    (``train.loss_chunk_tokens``): a cross-entropy holds the fp32 of that many tokens at a time."""
     if masked:
-        return TargetMeanLoss()
-    if cfg.arch == "custom":
-        return {"lm": lm_loss, "mse": mse_loss}[cfg.loss]
-    return _lookup(LOSS_REGISTRY, cfg.arch)
+        return TargetMeanLoss(chunk_tokens)
+    loss = {"lm": lm_loss, "mse": mse_loss}[cfg.loss] if cfg.arch == "custom" else _lookup(LOSS_REGISTRY, cfg.arch)
+    return ChunkedLMLoss(chunk_tokens) if loss is lm_loss and chunk_tokens else loss
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -150,6 +163,7 @@ def count_parameters(model: nn.Module) -> int:
 
 __all__ = [
     "LOSS_REGISTRY",
+    "ChunkedLMLoss",
     "MODEL_REGISTRY",
     "Attention",
     "FeedForward",

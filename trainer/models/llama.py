@@ -27,6 +27,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parallel.context import ContextShard, context_attention
 from trainer.config.schema import LlamaConfig, LoRAConfig, RopeScaling
@@ -152,6 +153,9 @@ class Attention(nn.Module):
         # Set by parallel.context.apply_context_parallel when each sequence is split over cp ranks: this
         # rank then holds some of every row's tokens and attends over all of them (exactly).
         self.context_parallel: ContextShard | None = None
+        # Set by parallel.sharding.activation_checkpointing (`selective`): the scaled-dot-product attention
+        # keeps only its inputs and runs again in backward (Megatron-LM's selective recomputation).
+        self.recompute_attention_core = False
         # Non-persistent: derived from the config, so kept out of checkpoints; allocated on the
         # ambient device (meta included) and filled by reset_rope().
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, self.head_dim // 2), persistent=False)
@@ -200,10 +204,12 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if positions is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = None if positions is None else document_mask(positions)
+        if self.recompute_attention_core:
+            out = checkpoint(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=mask is None,
+                             use_reentrant=False)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return getattr(self, n.o)(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -339,6 +345,17 @@ class Transformer(nn.Module):
             placements |= {f"{blocks}.{n.attn}.{p}.bias": col for p in (n.q, n.k, n.v)}
         layouts = {f"{blocks}.{norm}": {"input": {axis: "Shard(1)"}} for norm in (n.attn_norm, n.mlp_norm)}
         return placements, (layouts if sequence_parallel else {})
+
+    def vocab_parallel_plan(self, *, axis: str) -> tuple[dict, dict, int]:
+        """Loss parallel on mesh axis ``axis``: ``(placements, layouts, vocabulary size)`` as config globs.
+        The head is column-parallel (``Shard(0)`` of ``[vocab, dim]``: each rank its vocabulary rows) and its
+        output, the logits ``[B, T, vocab]``, stays a ``Shard(2)`` DTensor for the loss. A tied head is the
+        input embedding's weight, placed under the embedding's name (the first a model lists): the embedding
+        then looks tokens up in its own vocabulary rows (a masked lookup summed over the axis)."""
+        embed, head = self._piece(self.pieces[0]), self._piece(self.pieces[3])
+        tied = embed is not None and head is not None and head.weight is embed.weight
+        weight = f"{self.pieces[0] if tied else self.pieces[3]}.weight"
+        return ({weight: {axis: "Shard(0)"}}, {self.pieces[3]: {"output": {axis: "Shard(2)"}}}, self.cfg.vocab_size)
 
     def expert_modules(self) -> list[str]:
         """The modules of stacked experts (every parameter ``[num_experts, ...]``) an expert-parallel

@@ -137,7 +137,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     loader = GlobalBatchLoader(source, global_batch_size=t.global_batch_size // t.grad_accum,
                                dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed, cp_rank=pm.cp_rank, cp_size=pm.cp_size)
     # An MoE model trains on its loss plus its weighted balance loss; evaluation is on its loss alone.
-    loss_fn = with_aux_loss(loss_fn_for(cfg.model, masked=hasattr(source, "target_count")), pm.model_parts,
+    loss_fn = with_aux_loss(loss_fn_for(cfg.model, masked=hasattr(source, "target_count"),
+                                          chunk_tokens=cfg.train.loss_chunk_tokens), pm.model_parts,
                             decoder_config(cfg.model), pipelined=pm.pipelined)  # a Hugging Face MoE's from its config.json
     eval_loss_fn = getattr(loss_fn, "base", loss_fn)
     result = TrainResult()
@@ -242,6 +243,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     progress.stop()
     if memory_rows:
         tracker.log_artifact_text(json.dumps(memory_rows, indent=1), "metrics/peak_memory_mb_per_rank.json")
+        last = memory_rows[-1]  # the console too: one line per run, each rank's figure beside the plan's prediction
+        progress.log("memory: measured peak per rank " + ", ".join(
+            f"{v:,.0f}" for k, v in last.items() if k.startswith("rank")) + f" MiB (step {last['step']})")
     return result
 
 

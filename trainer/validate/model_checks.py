@@ -9,9 +9,12 @@ import logging
 import math
 import re
 
+from torch import nn
+
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import MeshSpec, ParallelPlan
+from parallel.sharding.activation_checkpointing import RECOMPUTE_CORE
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
 from trainer.data import chat_tokenizer_path
 from trainer.data.text import resolve_root
@@ -64,11 +67,34 @@ def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple
             issues.append(ConfigIssue("parallel.activation_checkpointing",
                                       f"model {cfg.model.arch} has no transformer blocks to checkpoint",
                                       "set parallel.activation_checkpointing=none"))
+        issues += _check_selective(cfg, model)
     if plan is not None:
         issues += _check_sequence_shards(cfg, plan)
     if plan is not None and predict_memory and not issues and not cfg.dry_run:  # a dry run prints it instead
         issues += _check_memory(cfg, plan)
     return (plan if not issues else None), issues
+
+
+def _check_selective(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
+    """``selective`` is Megatron's attention-core recomputation of every block; what it meant before
+    (whole blocks, every n-th) is ``full`` with ``activation_checkpointing_every``."""
+    par = cfg.parallel
+    if par.activation_checkpointing != "selective" or cfg.model.arch == "mlp":
+        return []
+    if par.activation_checkpointing_every != 1:
+        return [ConfigIssue("parallel.activation_checkpointing_every",
+                            f"{par.activation_checkpointing_every} with activation_checkpointing=selective: selective "
+                            "recomputes every block's attention core (Megatron-LM's selective recomputation); whole "
+                            "blocks every n-th is full with activation_checkpointing_every",
+                            "parallel.activation_checkpointing=full")]
+    if not any(hasattr(m, RECOMPUTE_CORE) for m in model.modules()):
+        return [ConfigIssue("parallel.activation_checkpointing", f"selective: model {type(model).__name__} has no "
+                            "attention module offering its core for recomputation", "parallel.activation_checkpointing=full")]
+    if par.context_parallel is not None:
+        return [ConfigIssue("parallel.activation_checkpointing", "selective with context parallelism: recomputing "
+                            "the ring's attention (its K/V exchange) in backward is not built",
+                            "parallel.activation_checkpointing=full")]
+    return []
 
 
 def _blocks_the_build(path: str) -> bool:

@@ -34,7 +34,7 @@ from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import unit_costs
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget, memory_margin
-from trainer.planner.memory.layout import on_cuda
+from trainer.planner.memory.layout import checkpointed, core_recomputed, on_cuda
 from trainer.planner.memory.predict import predict_memory, saved_activations
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
@@ -276,9 +276,11 @@ class Search:
                 cfg, one, 1, lambda cfg, plan, micro, model: unit_costs(cfg, plan, micro, model=model))
             self.progress.count("meta passes")
         costs = self._flops[cfg.train.precision]
-        recompute = plan.blocks if plan.activation_checkpointing == "full" else ()
+        # A checkpointed block's forward runs again; under selective only its attention kernel's.
+        recompute = {b: costs[b].forward for b in checkpointed(plan) if b in costs}
+        recompute.update({b: costs[b].core for b in core_recomputed(plan) if b in costs})
         return sum(c.forward.matmul_flops + c.backward.matmul_flops for c in costs.values()) + sum(
-            costs[b].forward.matmul_flops for b in recompute if b in costs)
+            w.matmul_flops for w in recompute.values())
 
     def overflows(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> bool:
         """Weights, gradients and optimizer state are a floor of any rank's memory and need no trace:

@@ -66,6 +66,8 @@ def memory_floor(saved: dict, plan: ParallelPlan) -> dict:
     return {**saved, "units": expand(saved["units"], plan),
             "block_inputs": expand(saved["block_inputs"], plan, blocks_only=True),
             "unit_params": expand(saved["unit_params"], plan), "largest_trainable": saved["largest_trainable"],
+            # selective recomputation: what each block's attention core saves (none under other modes)
+            "cores": expand(saved["cores"], plan, blocks_only=True) if saved.get("cores") else {},
             "timeline": [(0.0, 0.0)], "forward_ops": 0}
 
 

@@ -79,7 +79,7 @@ from trainer.planner.cost.comm import comm_ops, ring_exposed_s, unit_params
 from trainer.planner.cost.links import collective_seconds, group_link
 from trainer.planner.cost.model import _FLASH_CPU, StepTime, flash_flops, placed_params, unit_pass
 from trainer.planner.cost.reference import rank_units
-from trainer.planner.memory.layout import checkpointed
+from trainer.planner.memory.layout import checkpointed, core_recomputed
 from trainer.planner.memory.predict import RING_BLOCKS_PRICED
 
 # Views their schemas do not mark as aliases: no kernel runs.
@@ -157,6 +157,7 @@ class DeviceCost:
     attention_flops: float = 0.0  # what the two lines above count for flash attention (causal half, recompute)
     attention_model_flops: float = 0.0  # the usual model count of it: 3 x its forward, causal or not
     causal_ring: bool = False  # the unit's attention is a causal cp ring (its model count: the own block's)
+    core_forward_s: float = 0.0  # of forward_s: the attention kernel's, which selective recomputation runs twice
 
     @property
     def model_flops(self) -> float:
@@ -183,6 +184,7 @@ class _Pricer(TorchDispatchMode):
             cost.attention_flops += flops
             if not backward:
                 cost.attention_model_flops += 3 * self._model_count(cost, full, func, args, kwargs)
+                cost.core_forward_s += seconds
         elif func.overloadpacket in flop_registry:
             flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
             nbytes = _bytes(args, kwargs, out)
@@ -289,12 +291,13 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     speed = DeviceSpeed.of(profile, t.precision, compiled=t.compile)
     costs = costs if costs is not None else device_unit_costs(cfg, plan, micro, speed, model=model)
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
-    wrapped = checkpointed(plan)  # full: every block; selective: every n-th
+    wrapped, cores = checkpointed(plan), core_recomputed(plan)  # full: whole blocks; selective: attention cores
     busy, per_micro = [], []
     for held in rank_units(plan):
         c = [costs.get(u, DeviceCost()) for u in held]
         forward = sum(x.forward_s for x in c)
-        backward = sum(x.backward_s + (x.forward_s if u in wrapped else 0.0) for u, x in zip(held, c))
+        backward = sum(x.backward_s + (x.forward_s if u in wrapped else 0.0) + (x.core_forward_s if u in cores else 0.0)
+                       for u, x in zip(held, c))
         busy.append((forward + backward) * passes)
         per_micro.append((forward, backward))
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,

@@ -57,6 +57,7 @@ from trainer.models import build_model, loss_fn_for
 from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.comm import comm_ops, sequence_parallel_axes, unit_params
 from trainer.planner.cost.reference import rank_units, with_reference_costs
+from trainer.planner.memory.layout import checkpointed, core_recomputed
 from trainer.planner.memory.predict import (  # the memory model's meta-pass helpers
     AttentionKernel,
     _local_shapes,
@@ -93,6 +94,8 @@ class Work:
 class UnitCost:
     forward: Work = field(default_factory=Work)
     backward: Work = field(default_factory=Work)
+    # Of forward: the attention kernel's own work, which selective recomputation runs again in backward.
+    core: Work = field(default_factory=Work)
 
 
 class _Counter(TorchDispatchMode):
@@ -110,6 +113,10 @@ class _Counter(TorchDispatchMode):
             full, counted = flash_flops(func, args, kwargs)
             work.matmul_calls += 2
             work.matmul_flops += counted
+            if phase == "forward":
+                core = self.costs[unit].core
+                core.matmul_calls += 2
+                core.matmul_flops += counted
         elif func.overloadpacket in flop_registry:
             work.matmul_calls += 1
             work.matmul_flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
@@ -257,7 +264,7 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
     with AttentionKernel(_over_the_row(flash_attention_for_cpu, plan)), mode(where):
         out = model(x)
         state["unit"] = plan.units[-1]
-        loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+        loss = loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
         state["phase"] = "backward"
         loss.backward()
     for hook in hooks:
@@ -314,7 +321,7 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     params = unit_params(plan, model)
     pp, t = plan.pipeline, cfg.train
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
-    checkpointed = set(plan.blocks) if plan.activation_checkpointing == "full" else set()
+    wrapped, cores = checkpointed(plan), core_recomputed(plan)
     busy = []
     placed = placed_params(plan)
     for held in rank_units(plan):
@@ -322,7 +329,9 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
         for unit in held:
             cost = costs.get(unit, UnitCost())
             forward = cost.forward.seconds(calibration, t.precision)
-            per_pass += forward * (2 if unit in checkpointed else 1) + cost.backward.seconds(calibration, t.precision)
+            per_pass += forward * (2 if unit in wrapped else 1) + cost.backward.seconds(calibration, t.precision)
+            if unit in cores:  # selective: the attention kernel's forward runs again in backward
+                per_pass += cost.core.seconds(calibration, t.precision)
         busy.append(per_pass * passes)
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
@@ -342,6 +351,12 @@ def placed_params(plan: ParallelPlan) -> dict[str, int]:
     for fqn, axes in plan.placements.items():
         if any(plan.mesh.size(a) > 1 for a in axes):
             if (unit := owning_unit(fqn, plan.units)) is not None:
+                out[unit] += 1
+    # Loss parallel's head, when tied: the plan places the weight under the embedding's name, but the head's
+    # unit runs a DTensor Linear on its vocabulary shard too.
+    for name, layout in plan.layouts.items():
+        if any(p.is_shard and plan.mesh.size(a) > 1 for a, p in layout.output.items()):
+            if (unit := owning_unit(name, plan.units)) is not None and not out.get(unit):
                 out[unit] += 1
     return dict(out)
 

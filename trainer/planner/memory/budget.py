@@ -172,7 +172,10 @@ def _remedies(cfg: RunConfig):
     par, t = cfg.parallel, cfg.train
     if par is not None and par.activation_checkpointing != "full":
         yield "parallel.activation_checkpointing=full", cfg.model_copy(update={"parallel": par.model_copy(
-            update={"activation_checkpointing": "full"})})
+            update={"activation_checkpointing": "full", "activation_checkpointing_every": 1})})
+    elif par is not None and par.activation_checkpointing_every > 1:  # full on every n-th block: on every block
+        yield "parallel.activation_checkpointing_every=1", cfg.model_copy(update={"parallel": par.model_copy(
+            update={"activation_checkpointing_every": 1})})
     if par is not None and par.pipeline is not None:
         for factor in (2, 4, 8):
             m = par.pipeline.microbatches * factor

@@ -165,9 +165,15 @@ def expert_share(plan: ParallelPlan, numbers) -> float:
 
 
 def checkpointed(plan: ParallelPlan) -> set[str]:
+    """The blocks ``full`` checkpointing wraps whole (every ``activation_checkpointing_every``-th): each keeps
+    only its input, and its forward runs again in backward."""
     if plan.activation_checkpointing == "full":
-        return set(plan.blocks)
-    if plan.activation_checkpointing == "selective":
         every = plan.activation_checkpointing_every
         return {b for i, b in enumerate(plan.blocks) if (i + 1) % every == 0}
     return set()
+
+
+def core_recomputed(plan: ParallelPlan) -> set[str]:
+    """The blocks whose attention core ``selective`` recomputes (every block): each drops what the attention
+    kernel saves beyond q, k, v, and runs that kernel's forward again in backward."""
+    return set(plan.blocks) if plan.activation_checkpointing == "selective" else set()

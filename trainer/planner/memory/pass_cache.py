@@ -36,7 +36,8 @@ def pass_key(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, attention: Ca
                             if any(p.is_shard for p in layout.input.values())))
     return (cfg.model.model_dump_json(), files, cfg.train.seq_len, cfg.train.precision, micro_batch, attention, placed,
             sp_norms, tuple(plan.units), tuple(plan.blocks), repr(plan.context_parallel), plan.cp_size,
-            repr(plan.expert_parallel), plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
+            repr(plan.expert_parallel), plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1,
+            cfg.train.loss_chunk_tokens)  # the loss's chunks
 
 
 class PassCache:

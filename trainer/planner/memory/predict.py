@@ -44,11 +44,13 @@ from torch.utils._pytree import tree_leaves
 
 from parallel.context import ring_alone
 from parallel.plan.spec import ParallelPlan, owning_unit
+from parallel.sharding.tp_styles import with_ties
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
 from trainer.planner.memory.pass_cache import PASSES, pass_key
-from trainer.planner.memory.layout import (checkpointed, expert_share, expert_split, fsdp, fsdp2, gathered, in_flight_peak, on_cuda,
+from trainer.planner.memory.layout import (checkpointed, core_recomputed, expert_share, expert_split, fsdp, fsdp2, gathered,
+                                           in_flight_peak, on_cuda,
                                            passes_in_flight, replicate_reduce, stage_reduce)
 from trainer.planner.numbers import GIB, held_placements, plan_numbers, stage_views
 
@@ -205,16 +207,22 @@ def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan, *,
 
 def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
     """Give every tensor-parallel parameter of the meta ``model`` its local shape (in place), LoRA's
-    adapters as their base's tp style shards them (:func:`~trainer.planner.numbers.held_placements`)."""
-    for fqn, axes in held_placements(model, plan).items():
+    adapters as their base's tp style shards them (:func:`~trainer.planner.numbers.held_placements`). A
+    tied parameter (the embedding that is also the head, split for loss parallel) stays one parameter
+    under all its names."""
+    local: dict[int, nn.Parameter] = {}
+    for fqn, axes in with_ties(model, held_placements(model, plan)).items():
         owner, _, name = fqn.rpartition(".")
         module = model.get_submodule(owner) if owner else model
-        shape = list(getattr(module, name).shape)
-        for axis, placement in axes.items():
-            if placement.is_shard:
-                dim = placement.dim % len(shape)
-                shape[dim] = math.ceil(shape[dim] / plan.mesh.size(axis))
-        setattr(module, name, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=getattr(module, name).requires_grad))
+        param = getattr(module, name)
+        if id(param) not in local:
+            shape = list(param.shape)
+            for axis, placement in axes.items():
+                if placement.is_shard:
+                    dim = placement.dim % len(shape)
+                    shape[dim] = math.ceil(shape[dim] / plan.mesh.size(axis))
+            local[id(param)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad)
+        setattr(module, name, local[id(param)])
 
 
 class _Census(TorchDispatchMode):
@@ -286,6 +294,8 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     current: list[str] = []
     units: dict[str, float] = defaultdict(float)
+    cores: dict[str, float] = defaultdict(float)  # of units: what the attention kernel saves beyond q, k, v
+    core_inputs: set[int] = set()  # while the kernel runs: its q, k, v storages (empty: not in the kernel)
     inputs: dict[str, float] = {}
     seen: set[int] = set()
     hooks = []
@@ -311,7 +321,18 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
             seen.add(storage._cdata)
             owner = next((c for c in current if c in plan.units), plan.units[-1])
             units[owner] += storage.nbytes() * share()
+            if core_inputs and storage._cdata not in core_inputs:
+                cores[owner] += storage.nbytes() * share()
         return t
+
+    def counted(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def core(q, k, v, *args, **kwargs):
+            core_inputs.update(t.untyped_storage()._cdata for t in (q, k, v))
+            try:
+                return kernel(q, k, v, *args, **kwargs)
+            finally:
+                core_inputs.clear()
+        return core
 
     seq = cfg.train.seq_len // plan.cp_size  # a cp rank holds 1/cp of every row
     if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
@@ -322,17 +343,21 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
     census = _Census(model, share)
     # Every device runs the fused ring (parallel.context.ring): q, k, v, the output and log-sum-exp kept.
-    with AttentionKernel(_over_the_row(attention, plan, memory=True)), census:
+    with AttentionKernel(counted(_over_the_row(attention, plan, memory=True))), census:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
             # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
-            loss = loss_fn_for(cfg.model)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+            loss = loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+            # The engine passes the output straight to the loss (ParallelModel.forward_backward): nothing holds the
+            # logits in backward unless the loss saved them (measured: tp [4], 32k vocabulary, 2048 tokens, 256 MiB
+            # of fp32 logits counted here in backward beside a measured peak that had none, bench_loss_memory.py).
+            del out
         forward_ops = len(census.timeline)
         if loss.requires_grad:
             loss.backward()
     for hook in hooks:
         hook.remove()
-    return {"units": dict(units), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
+    return {"units": dict(units), "cores": dict(cores), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
             "unit_params": dict(unit_params), "largest_trainable": max(trainable)}
 
 
@@ -359,7 +384,8 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     t = cfg.train
     micro = cfg.micro_batch_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
-    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size, expert_split(plan))
+    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size, expert_split(plan),
+           plan.loss_parallel, t.loss_chunk_tokens)
     if cache is None and model is None and (shared := pass_key(cfg, plan, micro, attention)) is not None:
         cache, key = PASSES, shared  # one process validating many configs of a model (pass_cache)
     if cache is None or key not in cache:
@@ -370,7 +396,7 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
         saved = cache[key]
     pp, dp = plan.pipeline, plan.param_data_parallel  # cp ranks shard parameters as dp ranks
     stage_units = pp.stage_units if pp else (tuple(plan.units),)
-    wrapped = checkpointed(plan)
+    wrapped, cores = checkpointed(plan), core_recomputed(plan)
     shard = plan.mesh.size(dp.shard_dim_names) if dp is not None else 1
     # With accumulation (grad_accum, a pipeline's micro-batches) earlier passes' gradients are all there
     # beside later activations (MemoryEstimate.live adds them); else backward makes them as it frees
@@ -390,7 +416,10 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     pipelined_fsdp = pp is not None and fsdp2(plan)
     sharded_grads_in_backward = (t.grad_accum > 1 and (pipelined_fsdp or pp is None)) or stream_held
     backward = saved["timeline"][saved["forward_ops"]:] or [(0.0, 0.0)]
-    transient = max(0.0, max(a + keep * g for a, g in backward) - sum(saved["units"].values()))
+    # The forward's own worst moment counts too: a chunked loss holds the logits beside the gradient it makes
+    # from them (measured: 998 MiB per rank, tp [4], 32k vocabulary, 2048 tokens; 804 predicted from backward alone).
+    forward_end = max((a for a, _ in saved["timeline"][:saved["forward_ops"]]), default=0.0)
+    transient = max(0.0, max(forward_end, *(a + keep * g for a, g in backward)) - sum(saved["units"].values()))
     cpu = not on_cuda(cfg)
     out = []
     for rank_numbers in numbers.per_pp_rank:
@@ -402,6 +431,10 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
             if unit in wrapped:  # checkpointed: only the block's input is kept; recomputed in backward
                 acts += saved["block_inputs"].get(unit, 0.0)
                 recompute = max(recompute, full)
+            elif unit in cores:  # selective: the attention core's own saved tensors, one block's at a time
+                core = saved.get("cores", {}).get(unit, 0.0)
+                acts += full - core
+                recompute = max(recompute, core)
             else:
                 acts += full
         # The head (final norm, output, loss: the units after the last block) runs backward first, at the
