@@ -97,6 +97,8 @@ def _notes(size: str, model: ModelShape, pp: int, vp: int | None, tp_overlap: bo
              "loss on the last" if vp else "no pipeline")
     truncated = (f"; a {model.n_layers}-layer truncation of the 405B (the table's 'Layers' row and "
                  "configure.sh's NUM_LAYERS)" if size == "405b" and model.n_layers < 126 else "")
+    if pp == 1 and size == "405b":  # configure.sh's 32-GPU case
+        truncated += ", defer_embedding_wgrad_compute=false"
     tokenizer = ("; the 405B recipe runs mock data with a GPT2BPETokenizer from ${data_dir}/vocab.json, a "
                  "file the repository does not ship: the vocabulary is the Notes' 128256"
                  if size == "405b" else "")
