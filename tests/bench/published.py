@@ -48,6 +48,9 @@ Sources, in the order of the table:
   175B (TP 4, PP 8, VP 12), Nemotron-4 340B (TP 8, PP 8, VP 12) and Nemotron-4 15B (TP 4) on 16-2048
   DGX H100 GPUs (step time, tokens/s, MFU); the rest of each layout from the recipe's Hydra file.
   Rows and citations: ``published_rows/dgxc.py``.
+* The same repository and commit, the BF16 tables of Llama 3.1 8B (TP 1, CP 2), 70B (TP 4, PP 4,
+  CP 2, VP 5) and 405B (TP 8, PP 9, CP 2, VP 7; its first columns a truncated model) on 8-2304 H100s:
+  the context-parallel rows. Rows and citations: ``published_rows/dgxc_cp.py``.
 
 The dataclasses live in ``published_rows/schema.py`` and are re-exported here.
 
@@ -69,7 +72,7 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_rows import dgxc, llm_foundry, nanotron  # noqa: E402
+from published_rows import dgxc, dgxc_cp, llm_foundry, nanotron  # noqa: E402
 from published_rows.schema import (  # noqa: E402,F401 - re-exported: the bench and tests use published.X
     A100_PEAK_DENSE_16BIT_TFLOPS, H100_PEAK_DENSE_BF16_TFLOPS, Arch, Checkpointing, DataParallelMode,
     FlopsKind, HardwareName, Layout, ModelShape, Precision, PublishedRun, Reported)
@@ -356,44 +359,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     *nanotron.ROWS,
     # --- NVIDIA DGX Cloud recipes, Megatron tp x pp (interleaved) on DGX H100 (published_rows/dgxc.py).
     *dgxc.ROWS,
-)
-
-
-# --- Context parallelism in bf16: Llama 3 405B pre-training on H100 (Meta), one block of its own.
-LLAMA3_HERD = (
-    "Llama Team 2024, The Llama 3 Herd of Models, arXiv 2407.21783, Table 4 (scaling configurations "
-    "of Llama 3 405B pre-training), row '{row}', as transcribed from P. Balaji's SC'24 talk 'Herding "
-    "Llamas' in glennklockwood.com/garden/llama-3.1, section Hyperparameters (read 2026-11-29): GPUs, "
-    "TP, CP, PP, tokens per batch, TFLOP/s per GPU"
-)
-
-
-def _llama3_herd(row: str, devices: int, cp: int, seq: int, tflops: float) -> PublishedRun:
-    """A Table 4 row: Llama 3 405B (the torchtitan shape above), bf16 (the transcription: trained
-    in bfloat16), tp 8 and pp 16 as stated, dp the rest, 16M tokens a batch (2^24 / seq sequences)."""
-    tp, pp = 8, 16
-    return PublishedRun(
-        name=f"llama3-405b-{row}", source=LLAMA3_HERD.format(row=f"{devices} GPUs, CP {cp}"),
-        hardware="h100_sxm", model=replace(LLAMA31_405B, seq_len=seq),
-        layout=Layout(
-            devices=devices, nodes=devices // 8, tp=tp, pp=pp, dp=devices // (tp * pp * cp), cp=cp,
-            sequence_parallel=True, virtual_stages=None, micro_batch_size=None,
-            global_batch_size=2**24 // seq, precision="bf16", activation_checkpointing=None,
-            data_parallel="fsdp", pipeline_schedule="1F1B"),
-        reported=Reported(tflops_per_device=tflops, flops_kind="model",
-                          flops_formula="not stated in the transcription; the bench counts 6N + 12 l h s"),
-        notes="sequence length (not in the transcribed table): the paper's 8K initial stage and 128K "
-              "long-context stage (131,072 tokens), as ai-papers.xuzou.cn/papers/llama3_2024 summarises "
-              "the paper (read 2026-11-29), which also gives the GPUs: H100 at 700 W with 80 GB HBM3, 8 a "
-              "server on NVLink; micro-batch, pipeline schedule, checkpointing and the FSDP mode are not "
-              "in the sources read: 1F1B and FSDP are this bench's guesses",
-    )
-
-
-PUBLISHED_RUNS = PUBLISHED_RUNS + (
-    _llama3_herd("8k-gpus-cp1", 8192, 1, 8192, 430),
-    _llama3_herd("16k-gpus-cp1", 16384, 1, 8192, 400),
-    _llama3_herd("16k-gpus-cp16", 16384, 16, 131072, 380),
+    # --- The same recipes for Llama 3.1 with context parallel 2 (published_rows/dgxc_cp.py).
+    *dgxc_cp.ROWS,
 )
 
 

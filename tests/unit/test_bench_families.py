@@ -29,6 +29,7 @@ ROWS = {r.name: r for r in bench.published.rows()}
     ("dgxc-nemotron4-15b-16gpu", "tp x pp", True),
     ("megatron2024-h100-70B", "tp x pp", False),  # micro-batch and checkpointing not stated
     ("torchtitan-8b-fsdp4-cp2", "cp", True),
+    ("dgxc-llama3.1-405b-576gpu", "cp", True),  # cp 2 beside tp 8 x pp 9: family cp
 ])
 def test_family_and_fully_stated(name, family, stated):
     assert bench.family(ROWS[name]) == family

@@ -206,7 +206,8 @@ def test_nanotron_cells_agree_with_the_figure_and_the_script(row):
         m.n_layers, m.dim, m.n_heads, m.ffn_hidden_dim, m.vocab_size, m.seq_len), rel=1e-12)
 
 
-DGXC = [r for r in ROWS if r.name.startswith("dgxc-")]
+DGXC = [r for r in ROWS if r in published.dgxc.ROWS]
+DGXC_CP = [r for r in ROWS if r in published.dgxc_cp.ROWS]
 
 
 @pytest.mark.parametrize("row", DGXC, ids=_ids(DGXC))
@@ -227,3 +228,43 @@ def test_dgxc_columns_agree_with_the_readmes_formulas(row):
     # Accumulation steps: the titles' 16 (340B) and 4 (15B); the 175B's 2 sequences per GPU give 64.
     accumulation = lay.global_batch_size // (lay.dp * lay.micro_batch_size)
     assert accumulation == {"nemotron4-340b": 16, "nemotron4-15b": 4, "gpt3-175b": 64}[recipe]
+
+
+def test_dgxc_cp_has_every_bf16_column():
+    assert len(DGXC_CP) == 17  # 5 (8B) + 6 (70B) + 6 (405B) columns
+    assert {r.layout.cp for r in DGXC_CP} == {2}
+    truncated = [(r.layout.devices, r.model.n_layers, r.layout.pp, r.layout.virtual_stages)
+                 for r in DGXC_CP if r.model.n_layers < 126 and "405b" in r.name]
+    assert truncated == [(32, 7, 1, None), (96, 21, 3, 7), (192, 42, 3, 7)]  # the table's Layers / PP / VP rows
+
+
+@pytest.mark.parametrize("row", DGXC_CP, ids=_ids(DGXC_CP))
+def test_dgxc_cp_columns_agree_with_the_readmes_formulas(row):
+    m, lay, rep = row.model, row.layout, row.reported
+    size = row.name.removeprefix("dgxc-llama3.1-").split("-")[0]
+    _title, tp, cp, mbs, _overlap, printed_flops = published.dgxc_cp.RECIPES[size]
+    assert (lay.tp, lay.cp, lay.micro_batch_size) == (tp, cp, mbs)
+    # Tokens/s = sequence length x global batch / step time (printed as an integer), but for the 70B's
+    # 2048-GPU column, whose tokens/s (twice the 1024 column's) and MFU (the 1024 column's) are copied
+    # from its neighbour: only its step time, 14.98 s, is its own.
+    slip = row.name == "dgxc-llama3.1-70b-2048gpu"
+    if slip:
+        neighbour = next(r.reported for r in DGXC_CP if r.name == "dgxc-llama3.1-70b-1024gpu")
+        assert (rep.aggregate_tokens_per_s, rep.mfu) == (round(2 * 1124478.5), neighbour.mfu)
+        assert neighbour.aggregate_tokens_per_s == 1124478
+    else:
+        assert rep.aggregate_tokens_per_s == pytest.approx(m.seq_len * lay.global_batch_size / rep.iteration_time_s, abs=1)
+    # The Notes' model flops per sample, s (12 l h^2 (1 + g/a + s/h) + 18 l f h + 6 V h), is 6N + 12 l h s.
+    s, l, h, f, v = m.seq_len, m.n_layers, m.dim, m.ffn_hidden_dim, m.vocab_size
+    notes = s * (12 * l * h**2 * (1 + m.n_kv_heads / m.n_heads + s / h) + 18 * l * f * h + 6 * v * h)
+    assert published.model_flops_per_token(row) * s == pytest.approx(notes, rel=1e-12)
+    if l in (32, 80, 126):  # the full models: the printed value, to its 3 digits
+        assert notes == pytest.approx(printed_flops, rel=5e-3)
+    # MFU = global batch x flops per sample / step time / GPUs / 989e12 (the truncated 405B columns
+    # at their own layer count). The printed MFUs sit 0.05-0.15% (relative) below it, every column
+    # alike (an unrounded step time).
+    mfu = lay.global_batch_size * notes / rep.iteration_time_s / lay.devices / 989e12
+    if not slip:
+        assert rep.mfu == pytest.approx(mfu, rel=2e-3)
+    # Accumulation: the titles' GA (32, 64, 63) at every GPU count.
+    assert lay.global_batch_size // (lay.dp * lay.micro_batch_size) == {"8b": 32, "70b": 64, "405b": 63}[size]
