@@ -33,7 +33,7 @@ def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module
     nothing). Problems are appended to ``issues``."""
     params = {name: tuple(p.shape) for name, p in model.named_parameters() if only is None or name in only}
     modules = [name for name, _ in model.named_modules() if name and (only is None or name in only)]
-    family_placements, family_layouts = _family_plan(section, prefix, model, mesh, issues)
+    family_placements, family_layouts = _family_plan(section, prefix, model, mesh, issues, only)
     scope = {"scope": "the model"} if only is None else {"scope": f"this stage ({format_path(*prefix)})"}
     # Explicit globs first: what they place, the family's plan does not, so its issues on those
     # parameters (the ones an explicit glob was written to fix) are never raised.
@@ -181,7 +181,7 @@ def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[s
 
 
 def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
-                 issues: list[ConfigIssue]) -> tuple[list, list]:
+                 issues: list[ConfigIssue], only: set[str] | None = None) -> tuple[list, list]:
     """The model family's named tensor-parallel plan of a layout section (at ``prefix``) as
     ``(placement entries, layout entries)``, each entry ``(glob, value, path)``; explicit globs
     override them, parameter by parameter and module by module."""
@@ -196,7 +196,7 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
         return [], []
     placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
     if tp.loss_parallel:
-        head = _vocab_parallel_head(model, tp, prefix, mesh)
+        head = _vocab_parallel_head(model, tp, prefix, mesh, only)
         placements, layouts = {**placements, **head[0]}, {**layouts, **head[1]}
     where = f"{format_path(*prefix, 'tensor_parallel', 'plan')}[{tp.plan}]"
     return ([(glob, {axis: parse_placement(p) for axis, p in axes.items()}, f'{where}["{glob}"]')
@@ -204,7 +204,8 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
             [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
 
 
-def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpec) -> tuple[dict, dict]:
+def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpec,
+                         only: set[str] | None = None) -> tuple[dict, dict]:
     """Loss parallel's globs (the head column-parallel, its logits vocabulary shards), from the model's
     ``vocab_parallel_plan``. A model without one, or a vocabulary that does not divide over the axis, keeps
     the replicated head, with a warning (no refusal: loss parallel is on by default, and a layout that
@@ -222,14 +223,28 @@ def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpe
                       f"output head stays whole on every {tp.dim} rank (no loss parallel). Pad the vocabulary to a "
                       f"multiple of {size} to split it, or set {path}=false to silence this.", stacklevel=2)
         return {}, {}
+    if not _head_weight_held(placements, only):
+        # A pipeline stage whose head is tied to an earlier stage's input embedding: the stage keeps a copy of
+        # that weight (parallel.pipeline.ties), which its own layout does not place; the copy stays whole.
+        warnings.warn(f"{path}: this stage's output head is tied to {', '.join(sorted(placements))}, which an earlier "
+                      f"stage holds; its copy here stays whole on every {tp.dim} rank (no loss parallel on this "
+                      f"stage; set {path}=false to silence this)", stacklevel=2)
+        return {}, {}
     return placements, layouts
 
 
-def loss_parallel_applies(section: Any, mesh: MeshSpec, model: nn.Module) -> bool:
+def _head_weight_held(placements: Mapping[str, Any], only: set[str] | None) -> bool:
+    """Whether the layout's parameters (a stage's, ``only``) include the head's placed weight."""
+    return only is None or set(placements) <= only
+
+
+def loss_parallel_applies(section: Any, mesh: MeshSpec, model: nn.Module, only: set[str] | None = None) -> bool:
     """Whether a layout section's head leaves its logits as vocabulary shards: loss parallel asked for on a
-    model with a vocabulary-parallel plan whose vocabulary divides over the axis."""
+    model with a vocabulary-parallel plan whose vocabulary divides over the axis (and, for a pipeline stage
+    whose parameters are ``only``, whose head weight the stage itself holds)."""
     tp = section.tensor_parallel
     provider = getattr(model, "vocab_parallel_plan", None)
     if tp is None or not tp.loss_parallel or provider is None:
         return False
-    return provider(axis=tp.dim)[2] % (mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1) == 0
+    placements, _, vocab = provider(axis=tp.dim)
+    return vocab % (mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1) == 0 and _head_weight_held(placements, only)

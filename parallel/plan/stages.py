@@ -62,7 +62,7 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
             mesh=stage_mesh, units=tuple(units), blocks=tuple(blocks),
             data_parallel=DataParallelSpec(dp.mode, tuple(dp.dim_names)) if dp else None,
             placements=MappingProxyType(placements), layouts=MappingProxyType(layouts),
-            loss_parallel=loss_parallel_applies(stage, stage_mesh, model),
+            loss_parallel=loss_parallel_applies(stage, stage_mesh, model, only=names),
             activation_checkpointing=parallel.activation_checkpointing,
             activation_checkpointing_every=parallel.activation_checkpointing_every,
         )

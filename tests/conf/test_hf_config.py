@@ -34,14 +34,16 @@ def test_hf_model_takes_the_presets_and_the_model_names(tmp_path):
     assert plan.blocks == tuple(f"model.layers.{i}" for i in range(4))
     assert {fqn.split(".")[-2]: str(p["tp"]) for fqn, p in plan.placements.items()} == {
         "q_proj": "Shard(0)", "k_proj": "Shard(0)", "v_proj": "Shard(0)", "o_proj": "Shard(1)",
-        "gate_proj": "Shard(0)", "up_proj": "Shard(0)", "down_proj": "Shard(1)"}
-    assert len(plan.placements) == 7 * 4
+        "gate_proj": "Shard(0)", "up_proj": "Shard(0)", "down_proj": "Shard(1)",
+        "lm_head": "Shard(0)"}  # loss parallel: the head's vocabulary split over tp
+    assert len(plan.placements) == 7 * 4 + 1
     # boundaries in the model's own names, and explicit globs over the family plan
     cfg, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=3d",
                                                  "parallel.pipeline.boundaries=[model.layers.3]"]))
     assert plan.pipeline.stage_units[1] == ("model.layers.3", "model.norm", "lm_head")
     _, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=tp_sp"]))
-    assert sorted(plan.layouts)[:2] == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"]
+    assert sorted(plan.layouts)[:3] == ["lm_head",  # loss parallel: its logits stay vocabulary shards
+                                        "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"]
 
 
 @pytest.mark.parametrize("changes, reason", [

@@ -88,6 +88,7 @@ def test_each_stage_resolves_its_own_layout():
     assert second.layout.data_parallel is None
     placed = {fqn: {a: str(p) for a, p in axes.items()} for fqn, axes in second.layout.placements.items()}
     assert placed["layers.2.attn.wq.weight"] == {"tp": "Shard(0)"} and placed["layers.3.mlp.w2.weight"] == {"tp": "Shard(1)"}
+    assert placed.pop("output.weight") == {"tp": "Shard(0)"}  # loss parallel: the stage's head split over the vocabulary
     assert all(f.startswith(("layers.2.", "layers.3.")) for f in placed), sorted(placed)
     assert len(placed) == 2 * 7  # wq, wk, wv, wo, w1, w2, w3 of each of the stage's two blocks
 

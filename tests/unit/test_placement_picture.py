@@ -60,7 +60,7 @@ def test_many_groups_merge_into_their_distinct_patterns():
     assert sorted(g.name for row in rows for g in row.groups) == sorted(g.name for g in groups)
     column = next(row for row in rows if row.groups[0].name == "layers.*.attn.wq.weight")
     assert {g.name for g in column.groups} == {f"layers.*.attn.w{x}.weight" for x in "qkv"} | {
-        "layers.*.mlp.w1.weight", "layers.*.mlp.w3.weight"}
+        "layers.*.mlp.w1.weight", "layers.*.mlp.w3.weight", "output.weight"}  # loss parallel: the head column-parallel
 
 
 def test_dry_run_writes_the_picture_unless_switched_off(tmp_path, monkeypatch, capsys):
