@@ -66,10 +66,11 @@ def test_the_state_and_gathered_terms_are_the_hand_computed_ones(plan_json):
 def test_the_logits_and_the_gpu_runtime_are_named(plan_json):
     terms = plan_json[0]["memory_terms_gib"]
     tokens = 2 * 8192
-    # The head keeps the loss's fp32 log-softmax over the whole vocabulary (the engine's cross-entropy
-    # today), its bf16 input and the int64 targets; the final norm (computed in fp32) its fp32 input,
-    # its fp32 normalized output and the fp32 reciprocal RMS of each token.
-    head, norm = VOCAB * 4 + DIM * 2 + 8, DIM * 4 * 2 + 4
+    # The head keeps the chunked cross-entropy's gradient of the logits, made in forward in the logits'
+    # dtype (bf16: no fp32 log-softmax of the whole vocabulary is kept; nor the targets, used up in
+    # forward) and its bf16 input; the final norm (computed in fp32) its fp32 input, its fp32 normalized output and the fp32
+    # reciprocal RMS of each token.
+    head, norm = VOCAB * 2 + DIM * 2, DIM * 4 * 2 + 4
     assert terms["logits_and_loss"] == pytest.approx(tokens * (head + norm) / GIB, rel=1e-6)
     assert terms["runtime"] == pytest.approx(0.7 + 1.0)  # h100_hbm2e's CUDA context and NCCL buffers
     live = sum(terms[k] for k in MEMORY_TERMS if k not in ("runtime", "allocator_slack"))
