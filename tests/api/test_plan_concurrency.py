@@ -1,6 +1,6 @@
 """Plans requested at once give the numbers each gives alone: ``POST /v1/plans`` computes them side
 by side in the validation pool's workers, and each plan's meta pass applies its attention kernel in
-its own thread (trainer.planner.memory.predict.AttentionKernel), so one plan's pass never changes another's."""
+its own thread (trainer.planner.memory.meta_pass.AttentionKernel), so one plan's pass never changes another's."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ import published  # noqa: E402
 
 from parallel.plan.resolve import resolve_plan  # noqa: E402
 from trainer.models import build_model  # noqa: E402
-from trainer.planner.cost.device import DeviceCost, DeviceSpeed, _Pricer  # noqa: E402
+from trainer.planner.cost.device import DeviceCost, _Pricer  # noqa: E402
+from trainer.planner.cost.speed import DeviceSpeed  # noqa: E402
 from trainer.planner.cost.model import _FLASH_CPU, unit_pass  # noqa: E402
 from trainer.planner.cost.reference import rank_units  # noqa: E402
 

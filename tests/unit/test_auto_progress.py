@@ -101,7 +101,8 @@ def test_a_pass_over_two_alike_blocks_prices_every_block_exactly(layout):
     full model's pass, to the FLOP and the second."""
     from parallel.config import AutoPlanConfig
     from trainer.config.schema import RunConfig
-    from trainer.planner.cost.device import DeviceSpeed, device_unit_costs
+    from trainer.planner.cost.device import device_unit_costs
+    from trainer.planner.cost.speed import DeviceSpeed
     from trainer.planner.forecast.pricing import pricing_for
     from trainer.validate.checks import validate_with_plan
 

@@ -14,7 +14,9 @@ import torch
 from parallel.context import ring_alone
 from trainer.config.compose import compose_dict
 from trainer.planner.cost.comm import comm_ops, ring_exposed_s, unit_params
-from trainer.planner.cost.device import DeviceSpeed, _ring_step_s, predict_on_profile
+from trainer.planner.cost.device import predict_on_profile
+from trainer.planner.cost.overlap import _ring_step_s
+from trainer.planner.cost.speed import DeviceSpeed
 from trainer.planner.cost.links import collective_seconds, group_link
 from trainer.planner.memory.predict import predict_memory
 from trainer.validate.checks import validate_with_plan
@@ -130,12 +132,12 @@ def test_a_merged_rings_pass_prices_the_steps_it_leaves_out(monkeypatch):
     launches and merges: within 5% of the pass that runs all 16 blocks (32 tokens each: launch-bound;
     measured: forward +0.01%, backward +2.8%, the merged block's gradient sums priced at its length)."""
     import trainer.planner.cost.device as device
-    import trainer.planner.memory.predict as predict
+    import trainer.planner.memory.meta_pass as meta_pass
 
     cfg, plan = _plan("+parallel=cp", "mesh=[16]", "launch.nnodes=2")
     speed = DeviceSpeed.of(cfg.hardware, "bf16")
     merged = device.device_unit_costs(cfg, plan, 64, speed)
-    monkeypatch.setattr(predict, "RING_BLOCKS_PRICED", 64)
+    monkeypatch.setattr(meta_pass, "RING_BLOCKS_PRICED", 64)
     monkeypatch.setattr(device, "RING_BLOCKS_PRICED", 64)
     every = device.device_unit_costs(cfg, plan, 64, speed)
     for phase in ("forward_s", "backward_s"):

@@ -12,15 +12,14 @@ import torch
 
 from trainer.config.compose import compose_dict
 from trainer.planner.cost.device import (
-    DeviceSpeed,
     _Pricer,
     device_unit_costs,
     lower_bound_on_profile,
     predict_on_profile,
-    wave_efficiency,
 )
 from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.links import collective_seconds, group_link
+from trainer.planner.cost.speed import DeviceSpeed, wave_efficiency
 from trainer.validate.checks import validate_with_plan
 
 SMALL = ["model=gpt_small", "train.seq_len=512", "train.global_batch_size=64", "train.precision=bf16", "dry_run=true"]

@@ -18,7 +18,8 @@ from trainer.config.compose import compose_dict
 from trainer.config.schema import LlamaConfig
 from trainer.models import TargetMeanLoss, build_model, loss_fn_for
 from trainer.models.loss import cross_entropy_mean, cross_entropy_sum
-from trainer.planner.memory.predict import predict_memory, saved_activations
+from trainer.planner.memory.meta_pass import saved_activations
+from trainer.planner.memory.predict import predict_memory
 from trainer.validate.checks import validate_with_plan
 
 REL = 1e-5
@@ -196,7 +197,8 @@ def test_loss_parallel_and_chunks_shrink_the_logits_in_the_memory_pass():
 
 def test_selective_costs_the_attention_kernels_forward_again():
     """On a GPU profile a selective block's forward is its own plus its attention kernel's; full, twice."""
-    from trainer.planner.cost.device import DeviceSpeed, device_unit_costs, predict_on_profile
+    from trainer.planner.cost.device import device_unit_costs, predict_on_profile
+    from trainer.planner.cost.speed import DeviceSpeed
 
     runs = {mode: _plan("hardware=h100_sxm", "dry_run=true", "+parallel=fsdp", "mesh=[2]",
                         f"parallel.activation_checkpointing={mode}") for mode in ("none", "selective", "full")}
@@ -249,7 +251,7 @@ def test_the_memory_pass_splits_a_tied_head_with_its_embedding(tmp_path):
     """A Hugging Face model with tied embeddings (258 tokens, tp [3]): the pass's embedding and head are one
     parameter of 86 rows, and the head's saved log-softmax is a third of the unsplit one's."""
     from tests.hf_assets import write_tied_llama
-    from trainer.planner.memory.predict import _local_shapes
+    from trainer.planner.memory.meta_pass import _local_shapes
 
     write_tied_llama(tmp_path, vocab_size=258)
     heads = {}

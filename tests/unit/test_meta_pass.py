@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config.compose import compose_dict
-from trainer.planner.memory.predict import AttentionKernel, flash_attention_for_cpu, saved_activations
+from trainer.planner.memory.meta_pass import AttentionKernel, flash_attention_for_cpu, saved_activations
 from trainer.validate.checks import validate_with_plan
 
 REAL_SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is, unpatched

@@ -14,7 +14,8 @@ import pytest
 from trainer.config.compose import compose_dict
 from trainer.models import build_model
 from trainer.planner.cost.comm import comm_ops, unit_params
-from trainer.planner.cost.device import pipelined_dp_exposed, predict_on_profile
+from trainer.planner.cost.device import predict_on_profile
+from trainer.planner.cost.overlap import pipelined_dp_exposed
 from trainer.planner.cost.reference import rank_units
 from trainer.validate.checks import validate_with_plan
 
@@ -89,7 +90,8 @@ def test_the_bubble_takes_the_chunks_each_rank_holds(schedule, v):
     bubble = 3 / (v * 8 + 3)
     step = predict_on_profile(cfg, plan, cfg.hardware)
     # The fill and drain pass the other ranks at their own pace: the bubble is b / (1 - b) of their mean
-    from trainer.planner.cost.device import DeviceSpeed, device_unit_costs
+    from trainer.planner.cost.device import device_unit_costs
+    from trainer.planner.cost.speed import DeviceSpeed
 
     costs = device_unit_costs(cfg, plan, cfg.micro_batch_size, DeviceSpeed.of(cfg.hardware, "bf16"))
     busy = sorted(8 * sum(costs[u].forward_s + costs[u].backward_s for u in units if u in costs) for units in held)
@@ -101,7 +103,7 @@ def test_the_bubble_takes_the_chunks_each_rank_holds(schedule, v):
 def test_the_bubble_of_unequal_stages_passes_each_rank_at_its_pace():
     """1F1B over p = 3 ranks, m = 4: stages of 1, 1 and 2 s per micro-batch take (m-1) t_max + sum t_r
     = 3 x 2 + 4 = 10 s, busiest 8 s: 2 s of bubble, (p-1)/m = 1/2 of the other ranks' mean (4 s)."""
-    from trainer.planner.cost.device import pipeline_bubble_s
+    from trainer.planner.cost.overlap import pipeline_bubble_s
 
     b = 2 / (4 + 2)
     assert pipeline_bubble_s([4.0, 4.0, 8.0], b) == pytest.approx(2.0)

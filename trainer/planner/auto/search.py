@@ -1,4 +1,5 @@
-"""The auto-planner's search (:mod:`trainer.planner.auto.plan`): enumerate, validate, bound, predict, rank.
+"""The auto-planner's search (:mod:`trainer.planner.auto.plan`): enumerate (:mod:`trainer.planner.auto.layouts`),
+validate, bound, predict, rank.
 
     search = Search(raw, base_cfg, AutoPlanConfig(), world=8, pricing=HostPricing(cal))
     candidates = search.run()           # ranked; candidates[0] is the choice when one fits
@@ -14,35 +15,30 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 from torch import nn
 
-from parallel.config import INTERLEAVED_SCHEDULES, AutoPlanConfig
-from parallel.context import supports_context_parallel
+from parallel.config import AutoPlanConfig
 from parallel.errors import ConfigError
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import DataParallelSpec, MeshSpec, ParallelPlan
 from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
+from trainer.planner.auto.layouts import Layouts
 from trainer.planner.auto.ranking import Candidate
 from trainer.planner.auto.shallow import Given, cut_plan, expand, memory_floor, shallow_model
-from trainer.planner.calibration.probe import bf16_supported
 from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import unit_costs
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget, memory_margin
-from trainer.planner.memory.layout import checkpointed, core_recomputed, on_cuda
-from trainer.planner.memory.predict import predict_memory, saved_activations
+from trainer.planner.memory.layout import checkpointed, core_recomputed
+from trainer.planner.memory.meta_pass import saved_activations
+from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
 from trainer.validate.model_checks import _check_heads
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class Progress:
@@ -72,7 +68,7 @@ class Progress:
         self.say(f"auto plan [{now - self.began:,.0f} s] {phase}: {done or 'starting'}{best}")
 
 
-class Search:
+class Search(Layouts):
     def __init__(self, raw: dict, base: RunConfig, knobs: AutoPlanConfig, world: int,
                  pricing: HostPricing | ProfilePricing, *, progress: Progress | None = None) -> None:
         self.raw, self.base, self.knobs, self.world, self.pricing = raw, base, knobs, world, pricing
@@ -94,111 +90,6 @@ class Search:
         self._floor_passes: dict = {}  # two-block memory passes (memory_floor)
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
         self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
-
-    # ------------------------------------------------------------------ enumeration
-
-    def layouts(self) -> Iterator[tuple[str, list[int], dict[str, Any], str]]:
-        """``(label, mesh, parallel section, precision)`` of every candidate the knobs allow."""
-        k, t = self.knobs, self.base.train
-        tp_ok = k.tensor_parallel and hasattr(self.model, "parallel_plan")
-        precisions = [p for p in (k.precisions or [t.precision]) if p == "fp32" or self._bf16()]
-        acs = [a for a in k.activation_checkpointing if a == "none" or self.decoder is not None]
-        for tp in (divisors(self.world) if tp_ok else [1]):
-            for cp in self._cp_sizes(self.world // tp):
-                # A pipeline with cp, and experts with cp, are not searched: cp layouts are dp x cp x tp.
-                for pp in (divisors(self.world // tp) if k.pipeline and cp == 1 else [1]):
-                    for ep in (self._ep_sizes(self.world // tp // pp) if cp == 1 else [1]):
-                        dp = self.world // tp // pp // cp // ep
-                        for dp_name, dp_section in self._dp_options(dp, ep):
-                            for pp_name, pipeline in self._pipelines(pp, dp * ep):
-                                for ac in acs:
-                                    for precision in precisions:
-                                        yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep,
-                                                              ac, precision, cp=cp)
-
-    def _ep_sizes(self, ranks: int) -> list[int]:
-        """Expert-parallel sizes: 1, and for a model with experts every divisor of ``ranks`` that splits
-        its experts evenly (a dense model: 1 only)."""
-        moe = self.decoder.moe if self.decoder is not None else None
-        if moe is None or not self.knobs.expert_parallel or not hasattr(self.model, "expert_modules"):
-            return [1]
-        return [e for e in divisors(ranks) if moe.num_experts % e == 0]
-
-    def _cp_sizes(self, ranks: int) -> list[int]:
-        """The cp sizes to consider: 1, and from ``knobs.context_parallel_from`` tokens on every divisor of
-        ``ranks`` that cuts the rows into ``2 x cp`` chunks, for a model whose attention takes a split sequence."""
-        start, seq_len = self.knobs.context_parallel_from, self.base.train.seq_len
-        if start is None or seq_len < start or not supports_context_parallel(self.model):
-            return [1]
-        return [cp for cp in divisors(ranks) if seq_len % (2 * cp) == 0]
-
-    def _bf16(self) -> bool:
-        if isinstance(self.pricing, ProfilePricing):
-            return "bf16" in self.pricing.profile.peak_tflops
-        return bf16_supported(_device(self.base))
-
-    def _dp_options(self, dp: int, ep: int = 1) -> Iterator[tuple[str, dict | None]]:
-        if dp == 1:
-            yield "", None
-            return
-        for mode in self.knobs.data_parallel_modes:
-            if ep > 1 and mode not in ("fsdp", "zero2"):  # experts over ep compose with sharded data parallelism
-                continue
-            if mode == "hsdp":
-                for replicate in divisors(dp)[1:-1]:
-                    yield f"dp{replicate}x{dp // replicate}(hsdp)", {"dim": ["dp_replicate", "dp_shard"], "mode": "hsdp"}
-            else:
-                yield f"dp{dp}({mode})", {"dim": "dp", "mode": mode}
-
-    def _pipelines(self, pp: int, dp: int) -> Iterator[tuple[str, dict | None]]:
-        if pp == 1:
-            yield "", None
-            return
-        t = self.base.train
-        per_rank = t.global_batch_size // dp // t.grad_accum if t.global_batch_size % (dp * t.grad_accum) == 0 else 0
-        counts = self.knobs.microbatches or [m for m in divisors(per_rank) if m <= self.knobs.max_microbatches] or [pp]
-        for schedule in self.knobs.schedules:
-            spr_options = self.knobs.stages_per_rank if schedule in INTERLEAVED_SCHEDULES else \
-                [2] if schedule == "ZBV" else [1]
-            for spr in spr_options:
-                for m in counts:
-                    name = f"pp{pp}({schedule}{f' v{spr}' if spr > 1 else ''}, m{m})"
-                    yield name, {"dim": "pp", "schedule": schedule, "microbatches": m, "stages_per_rank": spr,
-                                 "boundaries": "auto"}
-
-    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac, precision, cp=1) -> Candidate:
-        dims, mesh = [], []
-        if dp_section is not None:
-            sizes = [(a, s) for a, s in (zip(dp_section["dim"], _hsdp_sizes(dp_name)) if dp_section["mode"] == "hsdp"
-                                         else [("dp", dp)])]
-            dims += [a for a, _ in sizes]
-            mesh += [s for _, s in sizes]
-        if cp > 1:
-            dims.append("cp"), mesh.append(cp)
-        if pipeline is not None:
-            dims.append("pp"), mesh.append(pp)
-        if ep > 1:
-            dims.append("ep"), mesh.append(ep)
-        if tp > 1:
-            dims.append("tp"), mesh.append(tp)
-        parallel: dict[str, Any] = {"dims": dims or ["dp"], "activation_checkpointing": ac}
-        if dp_section is not None:
-            parallel["data_parallel"] = dp_section
-        elif not dims:  # one rank: a dp axis of size 1 keeps the section ordinary
-            parallel["data_parallel"] = {"dim": "dp", "mode": "ddp"}
-        if pipeline is not None:
-            parallel["pipeline"] = pipeline
-        if ep > 1:
-            parallel["expert_parallel"] = {"dim": "ep"}
-        if tp > 1:
-            parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron"}
-        if cp > 1:
-            parallel["context_parallel"] = {"dim": "cp", "method": "ring"}
-        label = " x ".join(p for p in (dp_name, f"cp{cp}" if cp > 1 else "", pp_name, f"ep{ep}" if ep > 1 else "",
-                                       f"tp{tp}" if tp > 1 else "")
-                           if p) or "one rank"
-        label += (f", AC {ac}" if ac != "none" else "") + (", bf16" if precision == "bf16" else "")
-        return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision)
 
     # ------------------------------------------------------------------ validation
 
@@ -460,14 +351,3 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1), sizes.get("cp", 1)),
             "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),
                          tuple(sorted(pipeline.items())) if pipeline else None)}
-
-
-def _hsdp_sizes(label: str) -> list[int]:
-    replicate, shard = label.removeprefix("dp").split("(")[0].split("x")
-    return [int(replicate), int(shard)]
-
-
-def _device(cfg: RunConfig):
-    import torch
-
-    return torch.device("cuda" if on_cuda(cfg) else "cpu")

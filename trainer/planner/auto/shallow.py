@@ -60,7 +60,7 @@ def expand(per_unit: dict, plan: ParallelPlan, *, blocks_only: bool = False) -> 
 
 
 def memory_floor(saved: dict, plan: ParallelPlan) -> dict:
-    """A two-block :func:`~trainer.planner.memory.predict.saved_activations` answer for all of ``plan``'s
+    """A two-block :func:`~trainer.planner.memory.meta_pass.saved_activations` answer for all of ``plan``'s
     blocks, less what backward adds at its worst moment (its timeline: one moment with nothing live)."""
     # Keys this does not know (the memory model may read more) keep the two blocks' values: less, still a floor.
     return {**saved, "units": expand(saved["units"], plan),

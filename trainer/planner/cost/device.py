@@ -7,7 +7,8 @@
 
 Nothing here touches a GPU or starts a process: the model runs once on the meta device, at
 tp-local shapes (:func:`trainer.planner.cost.model.unit_pass`), and every op it dispatches is
-priced on the profile as it goes:
+priced on the profile as it goes, at the achieved rates of
+:class:`~trainer.planner.cost.speed.DeviceSpeed`:
 
 * a matmul by a roofline, ``max(FLOPs / (peak x achieved x waves) + fixed, bytes / (HBM x achieved))``:
   ``achieved`` is the fraction of the datasheet's peak a large GEMM reaches (the profile's
@@ -24,8 +25,8 @@ priced on the profile as it goes:
   once, so a small model costs its kernels' count, never more than a larger one.
 
 A step is the busiest pp rank's passes (a checkpointed block's forward twice) and the pipeline's
-bubble (:func:`pipeline_bubble_s`: the fill and drain at each stage's own pace), plus what
-communication leaves exposed and the optimizer step:
+bubble (:func:`~trainer.planner.cost.overlap.pipeline_bubble_s`: the fill and drain at each stage's own pace), plus what
+communication leaves exposed and the optimizer step (:mod:`trainer.planner.cost.overlap`):
 
 * each collective of :func:`trainer.planner.cost.comm.comm_ops` is priced on the link its mesh
   axes ride (:mod:`trainer.planner.cost.links`: NVLink inside a node, the NICs across nodes,
@@ -41,16 +42,16 @@ communication leaves exposed and the optimizer step:
   the whole model, one unit: its one all-reduce comes after backward, all of it exposed). A pipelined
   stage gathers during its first micro-batch and reduces after its last backward (torch's
   ``PipelineStage.perform_reduce_grad``), which only the fill and the drain hide
-  (:func:`pipelined_dp_exposed`);
+  (:func:`~trainer.planner.cost.overlap.pipelined_dp_exposed`);
 * pipeline sends and receives are asynchronous: in the steady state they hide behind other
   micro-batches' compute; the fill and the drain wait for ``2 (pp - 1)`` of them;
 * the cp ring's K/V hops travel while the ring's attention blocks compute: only what a hop takes
   beyond its block's attention, and the K/V gradients' last hop home, are exposed
   (:func:`trainer.planner.cost.comm.ring_exposed_s`); FSDP over dp x cp is FSDP like any other;
   utilisation counts every cp rank's tokens;
-* AdamW is memory-bound: :data:`ADAMW_FOREACH_BYTES_PER_PARAM` per local parameter at the
+* AdamW is memory-bound: :data:`~trainer.planner.cost.speed.ADAMW_FOREACH_BYTES_PER_PARAM` per local parameter at the
   achieved HBM bandwidth (torch's foreach implementation, the default on CUDA, passes over the lists
-  once per op), and at least one kernel per foreach op (:data:`ADAMW_FOREACH_OPS`).
+  once per op), and at least one kernel per foreach op (:data:`~trainer.planner.cost.speed.ADAMW_FOREACH_OPS`).
 * ``train.compile=true`` (Inductor fuses each block's elementwise ops) leaves the profile's
   ``achieved.compiled_elementwise`` share of the elementwise time; matmuls and attention are unchanged.
 """
@@ -58,7 +59,6 @@ communication leaves exposed and the optimizer step:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -75,75 +75,16 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
-from trainer.planner.cost.comm import comm_ops, ring_exposed_s, unit_params
-from trainer.planner.cost.links import collective_seconds, group_link
+from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import _FLASH_CPU, StepTime, flash_flops, placed_params, unit_pass
+from trainer.planner.cost.overlap import _waits, pipeline_bubble_s
 from trainer.planner.cost.reference import rank_units
+from trainer.planner.cost.speed import DeviceSpeed, wave_efficiency
 from trainer.planner.memory.layout import checkpointed, core_recomputed
-from trainer.planner.memory.predict import RING_BLOCKS_PRICED
+from trainer.planner.memory.meta_pass import RING_BLOCKS_PRICED
 
 # Views their schemas do not mark as aliases: no kernel runs.
 _FREE = {torch.ops.aten._unsafe_view, torch.ops.aten.lift_fresh}
-# torch's foreach AdamW on CUDA (its default there) and the gradient clipping before it: each foreach
-# op reads and writes whole lists, per fp32 parameter: lerp m (12 B), v *= b2 (8), v += g*g (12), weight
-# decay (8), sqrt v (8), / bias correction (8), + eps (8), p -= lr m / d (16); clipping's norm (4) and
-# scale (8). Measured: 39.1 ms of multi_tensor_apply kernels per step for 1.16B parameters on an
-# H100 at 2.95 TB/s, i.e. 99 B per parameter (tests/bench/gpu_kernel_sweep.py).
-ADAMW_FOREACH_BYTES_PER_PARAM = 92
-# The foreach ops listed above (8 of AdamW, 2 of clipping): each launches at least one kernel however small
-# the model (torch/optim/adamw.py _multi_tensor_adamw; torch.nn.utils.clip_grad_norm_'s foreach norm and mul).
-ADAMW_FOREACH_OPS = 10
-TILES = ((128, 128), (128, 256), (256, 128), (64, 128), (128, 64))  # output tiles cuBLAS's Tensor Core kernels use
-
-
-@dataclass(frozen=True)
-class DeviceSpeed:
-    """What one device of a profile does per second, as achieved (not peak) rates."""
-
-    matmul_flops: float  # a large GEMM's achieved FLOP/s in the compute dtype
-    attention_flops: tuple[float, float]  # flash attention's achieved FLOP/s: forward, backward
-    memory_bytes: float  # achieved HBM bytes/s of a streaming kernel
-    kernel_s: float  # the least a kernel costs: launch and the framework's dispatch
-    sms: int  # streaming multiprocessors: the wave quantisation's unit
-    matmul_fixed_s: float = 0.0  # what every GEMM costs beyond its FLOPs' time (prologue, tail): the size curve
-    fused: float = 1.0  # the share of elementwise time left when torch.compile fuses the blocks' ops
-
-    @classmethod
-    def of(cls, profile: HardwareProfile, precision: str, *, compiled: bool = False) -> DeviceSpeed:
-        a = profile.achieved
-        peak = profile.peak_flops(precision)
-        # The size curve F / (F + F_half) of the bf16 sweep is a fixed time per GEMM, F_half at the rate it
-        # was measured at: (F + F_half) / R = F / R + F_half / R. A time, not FLOPs: an fp32 GEMM does not
-        # pay 15x longer for its prologue because its FLOPs are 15x slower.
-        fixed = a.matmul_half_gflop * 1e9 / (profile.peak_flops("bf16") * a.matmul)
-        return cls(matmul_flops=peak * a.matmul, attention_flops=(peak * a.attention_forward, peak * a.attention_backward),
-                   memory_bytes=profile.memory_bandwidth_gb_s * 1e9 * a.memory, kernel_s=a.kernel_us * 1e-6,
-                   sms=profile.sm_count, matmul_fixed_s=fixed, fused=a.compiled_elementwise if compiled else 1.0)
-
-    def matmul_s(self, flops: float, nbytes: float, tiles_of) -> float:
-        """A GEMM: its FLOPs over the rate its waves leave, plus the fixed time; at least its bytes' time
-        and the kernel floor. Each penalty applies once: wave quantisation stretches the FLOPs' time only
-        (the fixed time is per kernel, not per wave), and the kernel floor is a max, not a sum (the host
-        dispatches the next op while this one runs)."""
-        compute = flops / (self.matmul_flops * tiles_of(self.sms)) + self.matmul_fixed_s if flops > 0 else 0.0
-        return max(compute, nbytes / self.memory_bytes, self.kernel_s)
-
-    def memory_s(self, nbytes: float) -> float:
-        return self.fused * max(nbytes / self.memory_bytes, self.kernel_s)
-
-    def optimizer_s(self, numel: float) -> float:
-        """Foreach AdamW and the gradient clipping before it over ``numel`` local parameters: its bytes at
-        the HBM rate, at least one kernel per foreach op (:data:`ADAMW_FOREACH_OPS`)."""
-        return max(numel * ADAMW_FOREACH_BYTES_PER_PARAM / self.memory_bytes, ADAMW_FOREACH_OPS * self.kernel_s)
-
-
-def wave_efficiency(batch: int, m: int, n: int, sms: int) -> float:
-    """The busy share of a GEMM's waves for the best output tile: ``tiles / (waves x SMs)``."""
-    best = 0.0
-    for tm, tn in TILES:
-        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
-        best = max(best, tiles / (math.ceil(tiles / sms) * sms))
-    return best
 
 
 @dataclass
@@ -318,134 +259,6 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     return ProfileStep(total_s=total, compute_s=compute, bubble_s=span - compute, comm_s=comm, optimizer_s=optimizer,
                        traffic=traffic, tokens_per_step=sequences * t.seq_len, model_flops=model_flops,
                        devices=plan.mesh.world_size, peak_flops=profile.peak_flops(t.precision), exposed_s=exposed)
-
-
-def pipeline_bubble_s(busy: list[float], bubble: float) -> float:
-    """The seconds a pipeline idles beyond its busiest rank's ``max(busy)``, for a schedule whose bubble
-    fraction with equal stages is ``bubble`` (:func:`parallel.pipeline.order.expected_bubble`).
-
-    With equal stages of ``t`` per micro-batch, 1F1B takes ``(m + p - 1) t``: the steady state's
-    ``m t`` plus the fill and drain's ``(p - 1) t``, ``bubble / (1 - bubble)`` of the busy time. With
-    unequal stages the steady state goes at the busiest rank's pace but the fill and drain pass through
-    every other rank at its own: 1F1B takes ``(m - 1) t_max + sum_r t_r``. So the idle time is
-    ``bubble / (1 - bubble)`` times the mean of the other ranks' busy time, not the busiest's (the same
-    for equal stages; ``1 / v`` of it for v interleaved chunks, as the fraction already says)."""
-    if len(busy) < 2 or bubble <= 0:
-        return 0.0
-    others = sorted(busy)[:-1]
-    return bubble / (1.0 - bubble) * sum(others) / len(others)
-
-
-def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params: dict, micro: int,
-           busy: list[float], speed: DeviceSpeed, per_micro: list[tuple[float, float]] | None = None):
-    """``(comm seconds per axis, exposed seconds per axis, bytes sent per axis, optimizer seconds)`` of
-    the pp rank whose communication and optimizer step leave the most on the critical path.
-    ``per_micro``: each pp rank's forward and backward seconds of one micro-batch (what a pipelined
-    stage's gathers and reduces can hide behind); ``None``: as much as there is (a lower bound)."""
-    shape, names = plan.mesh.shape, plan.mesh.dim_names
-    per_node = max(1, plan.mesh.world_size // cfg.launch.nnodes)  # the ranks one node runs (row-major)
-    dp = plan.param_data_parallel  # FSDP over dp x cp: the cp ranks gather, reduce and shard as dp ranks
-    shard = plan.mesh.size(dp.shard_dim_names) if dp else 1
-    dp_axes = ",".join(dp.dim_names) if dp else None
-    # joined; hsdp's replicate axis and its shard axes (with a cp axis folded in: joined)
-    dp_keys = {dp_axes, *dp.dim_names, ",".join(dp.shard_dim_names)} if dp else set()
-    key = dp_axes or "dp"
-    step_s = _ring_step_s(cfg, plan, micro, speed)
-    ranks = []
-    for rank, held in enumerate(rank_units(plan)):
-        comm: dict[str, float] = defaultdict(float)
-        exposed: dict[str, float] = defaultdict(float)
-        traffic: dict[str, float] = defaultdict(float)
-        gathers, first, reduces, tail, hops = 0.0, 0.0, 0.0, 0.0, {}
-        for op in comm_ops(cfg, plan, held, params, micro):
-            link = _link(shape, names, tuple(op.axis.split(",")), per_node)
-            one = collective_seconds(profile, op.op, link, op.nbytes)
-            comm[op.axis] += one * op.count
-            traffic[op.axis] += op.sent_bytes
-            if op.role:  # the cp ring's hops: behind its attention blocks, below
-                hops[op.role] = (one, op.count)
-            elif op.op == "send_recv":
-                exposed[op.axis] += one * min(op.count, 2 * (plan.pp_size - 1) * cfg.train.grad_accum)
-            elif op.axis in dp_keys:
-                if op.op == "all_gather":
-                    gathers += one * op.count
-                    first = max(first, one)
-                else:
-                    reduces += one * op.count
-                    tail = max(tail, one)
-            else:  # tp (the engine's tensor-parallel styles are synchronous), the cp all-gather's K/V
-                exposed[op.axis] += one * op.count
-        if "kv" in hops:
-            g = plan.cp_size
-            (hop, count), (grad_hop, grad_count) = hops["kv"], hops["kv_grad"]
-            layers = grad_count / g  # block passes backward; forward: a checkpointed block's twice
-            forward, backward = ring_exposed_s(g, hop, grad_hop, *step_s)
-            exposed[plan.context_parallel.dim] += forward * (count / (g - 1) - layers) + backward * layers
-        if plan.pipeline is None and gathers + reduces:  # prefetched / bucketed behind compute, the last reduce excepted
-            dp_s = gathers + reduces
-            exposed[key] += max(dp_s - busy[rank], 0.0) + min(tail, dp_s)
-        numel = sum(params[u][0] for u in held)
-        optimizer = speed.optimizer_s(numel / shard)
-        ranks.append((comm, exposed, traffic, optimizer, gathers, first, reduces))
-    if plan.pipeline is not None and any(r[4] + r[6] for r in ranks):
-        dp_s = pipelined_dp_exposed([r[4:7] for r in ranks], per_micro, plan.pipeline.stages_per_rank)
-        for r in ranks:  # the whole pipeline waits for it: every rank's step ends with it
-            r[1][key] += dp_s * cfg.train.grad_accum
-    worst = max(ranks, key=lambda r: sum(r[1].values()) + r[3])
-    return dict(worst[0]), dict(worst[1]), dict(worst[2]), worst[3]
-
-
-def pipelined_dp_exposed(ranks: list[tuple[float, float, float]], per_micro: list[tuple[float, float]] | None,
-                         chunks: int) -> float:
-    """Seconds a pipeline's data-parallel collectives add to one accumulation pass, as torch 2.13's
-    pipelining runs FSDP2 and replicate. ``ranks``: per pp rank in order, ``(all-gather seconds,
-    its largest single all-gather, reduce seconds)``; ``per_micro``: per rank ``(forward, backward)``
-    seconds of one micro-batch over all its ``chunks`` stages (``None``: unbounded, a lower bound).
-
-    * Gathers: parameters stay gathered across micro-batches (``reshard_after_forward=False``), so a
-      stage gathers during its first micro-batch's forward, each unit's all-gather prefetched behind
-      the unit before it, and before that input arrives (NCCL's waits hold the stream, not the host):
-      rank ``r`` starts its first chunk's forward when rank ``r-1``'s is done and its own largest
-      gather is in, and ends it no sooner than all its gathers are. What this delays the fill by is exposed.
-    * Reduces: ``PipelineStage`` runs every backward without gradient sync and reduces a stage's
-      gradients after its last backward (``perform_reduce_grad``: every FSDP unit's reduce-scatter, or
-      replicate's all-reduce, then the compute stream waits for them). Nothing hides them behind the
-      last micro-batches' backward on the same rank (Megatron's overlap-grad-reduce would); only the
-      drain does: rank ``r`` finishes its last backward while ranks ``r-1 .. 0`` still run theirs
-      (one chunk each), so the step waits ``max_r(reduce_r - sum_{q<r} backward_q / chunks)``; rank 0's
-      reduce is always exposed.
-    """
-    reduce_wait, slack = 0.0, 0.0
-    for r, (_, _, reduces) in enumerate(ranks):
-        reduce_wait = max(reduce_wait, reduces - slack)
-        slack += math.inf if per_micro is None else per_micro[r][1] / chunks
-    if per_micro is None:
-        return reduce_wait
-    end, baseline = 0.0, 0.0
-    for (gathers, first, _), (forward, _) in zip(ranks, per_micro):
-        chunk = forward / chunks
-        end = max(max(end, first) + chunk, gathers)
-        baseline += chunk
-    return max(end - baseline, 0.0) + reduce_wait
-
-
-def _ring_step_s(cfg: RunConfig, plan: ParallelPlan, micro: int, speed: DeviceSpeed) -> tuple[float, float]:
-    """``(forward, backward)`` seconds of one cp ring step's attention: a rank's queries over one
-    block of keys (``seq / cp`` each), half of the square under the balanced causal split (the own
-    block's triangle; half of every other block's keys), backward 2.5 times forward (it recomputes
-    the scores) at the profile's attention rates, as the pass prices the ring's kernels."""
-    decoder = decoder_config(cfg.model)
-    if plan.cp_size == 1 or decoder is None:
-        return 0.0, 0.0
-    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
-    tokens = cfg.train.seq_len // plan.cp_size
-    flops = 4.0 * micro * decoder.n_heads / tp * tokens * tokens * decoder.head_width * 0.5
-    return flops / speed.attention_flops[0], 2.5 * flops / speed.attention_flops[1]
-
-
-@functools.lru_cache(maxsize=4096)
-def _link(shape: tuple[int, ...], names: tuple[str, ...], axes: tuple[str, ...], per_node: int):
-    return group_link(shape, names, list(axes), per_node)
 
 
 def lower_bound_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile,

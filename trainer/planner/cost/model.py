@@ -11,8 +11,8 @@
   calibration's per-call latency plus its size over the calibrated rate (:mod:`trainer.planner.calibration.probe`).
   Activation checkpointing adds a checkpointed block's forward again to its backward. With sequence
   parallelism a block's norms and residual adds run on the rank's 1/tp of the rows: the pass tells
-  a pricer so (``where.share()``), forward and backward, and a hardware profile prices their bytes
-  at that share (:mod:`trainer.planner.cost.device`).
+  a pricer so (``where.share()``, :mod:`trainer.planner.cost.sequence`), forward and backward, and a
+  hardware profile prices their bytes at that share (:mod:`trainer.planner.cost.device`).
 * Communication per rank and step (:func:`trainer.planner.cost.comm.comm_ops`): Megatron tp all-reduces
   of activations, dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP
   unit, pp sends; each priced by the calibrated fit of its op and group size.
@@ -55,10 +55,11 @@ from parallel.plan.spec import ParallelPlan, owning_unit
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.cost.calibration import Calibration
-from trainer.planner.cost.comm import comm_ops, sequence_parallel_axes, unit_params
+from trainer.planner.cost.comm import comm_ops, unit_params
 from trainer.planner.cost.reference import rank_units, with_reference_costs
+from trainer.planner.cost.sequence import _Enter, _mark_sequence_shards, _Where, sequence_share
 from trainer.planner.memory.layout import checkpointed, core_recomputed
-from trainer.planner.memory.predict import (  # the memory model's meta-pass helpers
+from trainer.planner.memory.meta_pass import (  # the memory model's meta-pass helpers
     AttentionKernel,
     _local_shapes,
     _over_the_row,
@@ -147,81 +148,6 @@ def count_calls(fn) -> int:
         fn()
     work = costs["all"].forward
     return work.matmul_calls + work.other_calls
-
-
-class _Enter(torch.autograd.Function):
-    """Identity at a unit's output; its backward marks where that unit's backward begins."""
-
-    @staticmethod
-    def forward(ctx, x, mark):
-        ctx.mark = mark
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.mark()
-        return grad, None
-
-
-class _Where:
-    """``where()``: the ``(unit, phase)`` the op being dispatched belongs to; ``share()``: the share of
-    its work this rank does (``1 / tp`` inside a sequence-parallel block's norms and residual adds, which
-    run on the rank's sequence shard; 1 elsewhere)."""
-
-    def __init__(self, state: dict, shard: float) -> None:
-        self.state, self.shard = state, shard
-
-    def __call__(self) -> tuple[str, str]:
-        return self.state["unit"], self.state["phase"]
-
-    def share(self) -> float:
-        return self.shard if self.state["sharded"] else 1.0
-
-
-def sequence_share(plan: ParallelPlan) -> float:
-    """``1 / tp`` of the axes a sequence-parallel plan shards the blocks' norms' inputs over; 1 without."""
-    axes = sequence_parallel_axes(plan)
-    return 1.0 / plan.mesh.size(sorted(axes)) if axes else 1.0
-
-
-def _mark_sequence_shards(plan: ParallelPlan, modules: dict, state: dict) -> list:
-    """Hooks that set ``state["sharded"]`` while a sequence-parallel block runs on sequence shards, in
-    forward and (through identity autograd functions at the same boundaries) in backward: inside the
-    block, but outside its children other than the norms (attention and the MLP run on the gathered
-    sequence; the row-parallel outputs are reduce-scattered before the residual add)."""
-    if sequence_share(plan) == 1.0:
-        return []
-    norms = {name for name, layout in plan.layouts.items() if any(pl.is_shard for pl in layout.input.values())}
-    blocks = [b for b in plan.blocks if b in modules and any(n.startswith(f"{b}.") for n in norms)]
-
-    def mark(on: bool):
-        # backward leaves (enters) the region where forward entered (left) it
-        def forward_pre(_m, args):
-            state["sharded"] = on
-            return _marked(args, lambda: state.update(sharded=not on))
-
-        def forward(_m, _a, out):
-            state["sharded"] = not on
-            return _marked(out, lambda: state.update(sharded=on))
-        return forward_pre, forward
-
-    hooks = []
-    for block in blocks:
-        for module, on in [(modules[block], True)] + [(m, False) for name, m in modules[block].named_children()
-                                                      if f"{block}.{name}" not in norms]:
-            pre, post = mark(on)
-            hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    return hooks
-
-
-def _marked(value, setter):
-    """``value`` (a tensor, or a tuple whose first item is one) through :class:`_Enter`, whose
-    backward calls ``setter``; ``None`` (leave it as it is) when there is no tensor that needs a gradient."""
-    if isinstance(value, torch.Tensor):
-        return _Enter.apply(value, setter) if value.requires_grad else None
-    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor) and value[0].requires_grad:
-        return (_Enter.apply(value[0], setter), *value[1:])
-    return None
 
 
 def unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None

@@ -23,8 +23,9 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
 from trainer.planner.cost.calibration import Calibration
-from trainer.planner.cost.device import DeviceSpeed, device_unit_costs, lower_bound_on_profile, predict_on_profile
+from trainer.planner.cost.device import device_unit_costs, lower_bound_on_profile, predict_on_profile
 from trainer.planner.cost.model import StepTime, lower_bound_s, predict_step_time, unit_costs
+from trainer.planner.cost.speed import DeviceSpeed
 
 
 @dataclass(frozen=True)

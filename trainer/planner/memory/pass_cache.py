@@ -4,7 +4,7 @@
 model — a sweep's jobs, the control plane's submissions, a catalogue of bad configs — asks for the
 same pass again and again under different layouts.
 
-:func:`pass_key` names everything :func:`trainer.planner.memory.predict.saved_activations` reads
+:func:`pass_key` names everything :func:`trainer.planner.memory.meta_pass.saved_activations` reads
 (the model's config, the row, the precision, the micro-batch, each tp-local shape, the units and
 blocks it counts in, the layouts that shard a norm's input, cp and ep); configs that agree on all
 of it get the same answer. A Hugging Face model is also what its ``config.json`` says: its text is

@@ -7,8 +7,8 @@
 * Weights, gradients, AdamW: from the plan (:func:`trainer.planner.numbers.plan_numbers`: what each rank holds
   after pipeline split, tensor and data-parallel sharding).
 * Activations and backward: measured, not guessed. The model runs a forward and backward on the
-  meta device, tensor-parallel parameters at their local shapes, on a micro-batch of the run's
-  shape. What autograd saves is counted per pipeline unit and block (``saved_tensors_hooks``), then
+  meta device (:mod:`trainer.planner.memory.meta_pass`), tensor-parallel parameters at their local shapes,
+  on a micro-batch of the run's shape. What autograd saves is counted per pipeline unit and block (``saved_tensors_hooks``), then
   scaled by the micro-batches the schedule keeps in flight, activation checkpointing and sequence
   parallelism; a dispatch mode follows every tensor the pass creates until it dies, so what
   backward adds at its worst moment (gradients of the largest activations, e.g. SwiGLU's
@@ -19,40 +19,28 @@
 * CPU only: the runtime's own memory and glibc's heap holes (:mod:`trainer.planner.memory.host`), so the
   total compares with the resident high-water mark :class:`trainer.run.metrics.MemoryMeter` reads.
 
-On CPU the real attention kernel keeps only its log-sum-exp (not the T x T scores); the meta
-device would take the math path and count the scores, so the counting pass runs the fused
-kernel (:func:`flash_attention_for_cpu`) through a torch function mode of its own thread
-(:class:`AttentionKernel`), never by patching ``torch`` for the process. The budget a run's peak is checked against: :mod:`trainer.planner.memory.budget`.
+The meta pass itself (:func:`~trainer.planner.memory.meta_pass.saved_activations`, with the CPU's fused
+attention kernel rather than the meta device's math path) is :mod:`trainer.planner.memory.meta_pass`. The
+budget a run's peak is checked against: :mod:`trainer.planner.memory.budget`.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
-import math
-import weakref
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from parallel.context import ring_alone
-from parallel.plan.spec import ParallelPlan, owning_unit
-from parallel.sharding.tp_styles import with_ties
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, loss_fn_for
 from trainer.planner.memory.host import host_overhead, runtime
 from trainer.planner.memory.pass_cache import PASSES, pass_key
 from trainer.planner.memory.layout import (checkpointed, core_recomputed, expert_share, expert_split, fsdp, fsdp2, gathered,
                                            in_flight_peak, on_cuda,
                                            passes_in_flight, replicate_reduce, stage_reduce)
-from trainer.planner.numbers import GIB, held_placements, plan_numbers, stage_views
+from trainer.planner.memory.meta_pass import flash_attention_for_cpu, saved_activations
+from trainer.planner.numbers import GIB, plan_numbers, stage_views
 
 
 @dataclass(frozen=True)
@@ -147,218 +135,6 @@ class MemoryEstimate:
 MEMORY_TERMS = ("weights", "optimizer_state", "gradients", "gathered_parameters", "activations", "recompute",
                 "logits_and_loss", "backward_transient", "gradient_reduce_buffers", "optimizer_step_temporaries",
                 "runtime", "allocator_slack")
-
-
-def flash_attention_for_cpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` as a CPU run computes it: without a mask the fused flash
-    kernel, which saves q, k, v, the output and a log-sum-exp per row (the meta device alone would
-    take the math path and save the T x T scores); with a mask the real function, as CPU does too."""
-    if attn_mask is not None:
-        # Called from AttentionKernel.__torch_function__, where torch has popped the mode: the real SDPA.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, scale=scale)[0]
-
-
-class AttentionKernel(TorchFunctionMode):
-    """While active, every ``F.scaled_dot_product_attention`` call (the built-in Llama's, transformers'
-    sdpa attention's) runs ``kernel``, which takes the same arguments. A torch function mode belongs to
-    the thread that entered it, like the pass's dispatch mode and saved-tensor hooks: plans counted
-    at once in the control plane's thread pool never see each other's kernel, and ``F`` is not
-    reassigned. While ``kernel`` runs the mode is popped, so a kernel may call the real function."""
-
-    def __init__(self, kernel: Callable[..., torch.Tensor]) -> None:
-        super().__init__()
-        self.kernel = kernel
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch._C._nn.scaled_dot_product_attention:  # what F.scaled_dot_product_attention is
-            return self.kernel(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
-# A time model's pass runs the ring's every block up to this cp size (each its kernel launches and
-# merge, as the ring runs them); beyond it, the received blocks as one call (ring_alone's ``merged``):
-# a pass of gpt_175b at cp 64 would otherwise dispatch 64 blocks' ops in each of 96 layers.
-RING_BLOCKS_PRICED = 8
-
-
-def _over_the_row(kernel: Callable[..., torch.Tensor], plan: ParallelPlan, *,
-                  memory: bool = False) -> Callable[..., torch.Tensor]:
-    """Context parallelism: a rank's queries over the whole row, by the ring's arithmetic over cp blocks
-    (:func:`parallel.context.ring_alone`: every device runs the fused ring; ``memory``: 3 blocks at
-    most, which keep and peak at what cp blocks do) or by ``kernel`` over K/V repeated to the row (the
-    all-gather's)."""
-    cp = plan.cp_size
-    if cp == 1:
-        return kernel
-
-    def attend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if plan.context_parallel.method == "ring":
-            if memory:
-                return ring_alone(q, k, v, blocks=min(cp, 3), causal=is_causal, scale=scale)
-            return ring_alone(q, k, v, blocks=cp, causal=is_causal, scale=scale, merged=cp > RING_BLOCKS_PRICED)
-        k, v = k.repeat(1, 1, cp, 1), v.repeat(1, 1, cp, 1)
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
-        return kernel(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
-
-    return attend
-
-
-def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
-    """Give every tensor-parallel parameter of the meta ``model`` its local shape (in place), LoRA's
-    adapters as their base's tp style shards them (:func:`~trainer.planner.numbers.held_placements`). A
-    tied parameter (the embedding that is also the head, split for loss parallel) stays one parameter
-    under all its names."""
-    local: dict[int, nn.Parameter] = {}
-    for fqn, axes in with_ties(model, held_placements(model, plan)).items():
-        owner, _, name = fqn.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        param = getattr(module, name)
-        if id(param) not in local:
-            shape = list(param.shape)
-            for axis, placement in axes.items():
-                if placement.is_shard:
-                    dim = placement.dim % len(shape)
-                    shape[dim] = math.ceil(shape[dim] / plan.mesh.size(axis))
-            local[id(param)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad)
-        setattr(module, name, local[id(param)])
-
-
-class _Census(TorchDispatchMode):
-    """``timeline``: live bytes of the tensors a meta pass creates, after every op, as (activations
-    and temporaries, parameter gradients). A storage counts from the op that makes it until its last
-    reference dies; a gradient moves to the second column when autograd accumulates it."""
-
-    def __init__(self, model: nn.Module, share) -> None:
-        super().__init__()
-        self.share = share  # () -> the share of a new tensor this rank holds (sequence parallel)
-        self.live = [0.0, 0.0]
-        self.timeline: list[tuple[float, float]] = []
-        self._bytes: dict[int, list[float]] = {}  # key -> [column, bytes]
-        self._keys = itertools.count(1)
-        for t in [*model.parameters(), *model.buffers()]:
-            t.untyped_storage()._census = 0
-        for p in model.parameters():
-            if p.requires_grad:  # frozen weights (LoRA's base) get no gradient
-                p.register_post_accumulate_grad_hook(self._to_grads)
-
-    def _to_grads(self, p: torch.Tensor) -> None:
-        entry = self._bytes.get(getattr(p.grad.untyped_storage(), "_census", 0))
-        if entry is not None and entry[0] == 0:
-            entry[0] = 1
-            self.live[0] -= entry[1]
-            self.live[1] += entry[1]
-
-    def _free(self, key: int) -> None:
-        column, nbytes = self._bytes.pop(key)
-        self.live[int(column)] -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not hasattr(storage := t.untyped_storage(), "_census"):
-                key = storage._census = next(self._keys)
-                self._bytes[key] = [0, storage.nbytes() * self.share()]
-                self.live[0] += self._bytes[key][1]
-                weakref.finalize(storage, self._free, key)
-        self.timeline.append((self.live[0], self.live[1]))
-        return out
-
-
-def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None,
-                      attention: Callable[..., torch.Tensor] = flash_attention_for_cpu) -> dict:
-    """One forward and backward of ``micro_batch`` sequences on the meta device: ``{"units": {unit:
-    bytes saved for backward}, "block_inputs": {block: bytes}, "timeline": [(activations and
-    temporaries, gradients) after each op], "forward_ops": n, "unit_params": {unit: [fp32 bytes of
-    each tp- and ep-local parameter]}, "largest_trainable": fp32 bytes of the largest parameter that trains}``
-    (the last unit also holds the loss's; frozen weights, LoRA's base, get no gradient here either). ``attention``: what the
-    pass runs for ``F.scaled_dot_product_attention`` (its arguments), in this thread only
-    (:class:`AttentionKernel`); default :func:`flash_attention_for_cpu`, what a CPU run saves."""
-    # A given model is copied: the pass gives its parameters their tp-local shapes.
-    model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
-    _local_shapes(model, plan)
-    unit_params: dict[str, list[float]] = defaultdict(list)
-    trainable: list[float] = [0.0]
-    ep, experts = expert_split(plan)  # the pass runs every expert; a rank holds (and FSDP gathers) 1/ep of them
-    for fqn, p in model.named_parameters():
-        nbytes = p.numel() * 4.0 / (ep if fqn.startswith(experts) else 1)
-        unit_params[owning_unit(fqn, plan.units) or ""].append(nbytes)
-        if p.requires_grad:
-            trainable.append(nbytes)
-    if cfg.train.precision == "bf16":
-        model.to(torch.bfloat16)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    sp_norms = {name for name, layout in plan.layouts.items() if any(p.is_shard for p in layout.input.values())}
-    # Each tensor-parallel axis once: a list naming an axis per placement would multiply its size as many times.
-    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
-    current: list[str] = []
-    units: dict[str, float] = defaultdict(float)
-    cores: dict[str, float] = defaultdict(float)  # of units: what the attention kernel saves beyond q, k, v
-    core_inputs: set[int] = set()  # while the kernel runs: its q, k, v storages (empty: not in the kernel)
-    inputs: dict[str, float] = {}
-    seen: set[int] = set()
-    hooks = []
-    for name, module in model.named_modules():
-        if name in plan.units or name in sp_norms:
-            hooks.append(module.register_forward_pre_hook(lambda _m, args, name=name: _enter(name, args)))
-            hooks.append(module.register_forward_hook(lambda *_: current.pop() and None))
-
-    def _enter(name: str, args: tuple) -> None:
-        current.append(name)
-        if name in plan.blocks and args and isinstance(args[0], torch.Tensor):
-            # Sequence parallel keeps the residual stream between blocks sequence-sharded
-            # (parallel.sharding.tensor_parallel._scatter_gather_runs): a checkpointed block keeps 1/tp of its input.
-            sp_block = any(n.startswith(f"{name}.") for n in sp_norms)
-            inputs[name] = args[0].numel() * args[0].element_size() / (tp if sp_block else 1)
-
-    def share() -> float:  # sequence parallel: a norm runs on this rank's sequence shard
-        return 1 / tp if any(c in sp_norms for c in current) else 1.0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in params and storage._cdata not in seen:
-            seen.add(storage._cdata)
-            owner = next((c for c in current if c in plan.units), plan.units[-1])
-            units[owner] += storage.nbytes() * share()
-            if core_inputs and storage._cdata not in core_inputs:
-                cores[owner] += storage.nbytes() * share()
-        return t
-
-    def counted(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def core(q, k, v, *args, **kwargs):
-            core_inputs.update(t.untyped_storage()._cdata for t in (q, k, v))
-            try:
-                return kernel(q, k, v, *args, **kwargs)
-            finally:
-                core_inputs.clear()
-        return core
-
-    seq = cfg.train.seq_len // plan.cp_size  # a cp rank holds 1/cp of every row
-    if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
-        x = torch.empty(micro_batch, cfg.model.in_features, device="meta")
-        y = torch.empty(micro_batch, cfg.model.out_features, device="meta")
-    else:
-        x = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
-        y = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
-    census = _Census(model, share)
-    # Every device runs the fused ring (parallel.context.ring): q, k, v, the output and log-sum-exp kept.
-    with AttentionKernel(counted(_over_the_row(attention, plan, memory=True))), census:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(x)
-            # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
-            loss = loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
-            # The engine passes the output straight to the loss (ParallelModel.forward_backward): nothing holds the
-            # logits in backward unless the loss saved them (measured: tp [4], 32k vocabulary, 2048 tokens, 256 MiB
-            # of fp32 logits counted here in backward beside a measured peak that had none, bench_loss_memory.py).
-            del out
-        forward_ops = len(census.timeline)
-        if loss.requires_grad:
-            loss.backward()
-    for hook in hooks:
-        hook.remove()
-    return {"units": dict(units), "cores": dict(cores), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
-            "unit_params": dict(unit_params), "largest_trainable": max(trainable)}
 
 
 def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | None = None,
