@@ -120,7 +120,8 @@ def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
         for rank in body["per_pp_rank"]:  # the peak by named term (docs/planning.md, Memory)
             assert rank["peak_phase"] in ("backward", "gradient reduce", "optimizer step")
             assert sum(rank["terms_bytes"].values()) == pytest.approx(rank["peak_bytes"]) and rank["terms_bytes"]["weights"] > 0
-        assert body["config"]["parallel"]["tensor_parallel"] == {"dim": "tp", "plan": "megatron", "sequence_parallel": False}
+        assert body["config"]["parallel"]["tensor_parallel"] == {"dim": "tp", "plan": "megatron", "sequence_parallel": False,
+                                                                  "loss_parallel": True}
         by_overrides = bob.post("/v1/plans", json={"overrides": ["+parallel=3d", "mesh=[2,2,2]"]}).json()
         assert by_overrides["per_pp_rank"] == body["per_pp_rank"]
         assert bob.get("/v1/jobs").json()["total"] == before
