@@ -128,10 +128,15 @@ def test_fsdp_hides_its_collectives_behind_compute_and_a_pipeline_only_behind_it
 
 @pytest.mark.parametrize("preset,mesh", [("fsdp", "[16]"), ("2d", "[2,8]"), ("3d", "[4,2,2]"), ("dp", "[16]")])
 def test_the_lower_bound_never_exceeds_the_prediction(preset, mesh):
-    cfg, plan = _plan("hardware=a100_80g", "launch.nnodes=2", f"mesh={mesh}", f"+parallel={preset}")
+    assert_the_bound_is_under_the_prediction(*_plan("hardware=a100_80g", "launch.nnodes=2", f"mesh={mesh}",
+                                                    f"+parallel={preset}"))
+
+
+def assert_the_bound_is_under_the_prediction(cfg, plan) -> None:
+    """The planner prunes by :func:`lower_bound_on_profile`: it must never exceed the prediction."""
+    from parallel.plan.spec import ParallelPlan
     from trainer.models import build_model
     from trainer.planner.cost.model import unit_costs
-    from parallel.plan.spec import ParallelPlan
 
     model = build_model(cfg.model, device="meta")
     one = ParallelPlan(units=plan.units, blocks=plan.blocks)

@@ -185,14 +185,6 @@ def test_sequence_parallel_norms_and_residual_adds_run_on_a_quarter_of_the_rows(
 def test_the_lower_bound_stays_under_the_prediction_with_these_terms(extra):
     """The planner prunes by :func:`lower_bound_on_profile`: sequence parallelism, an interleaved
     pipeline's gathers and reduces, ddp in a pipeline must never push it above the prediction."""
-    from parallel.plan.spec import ParallelPlan
-    from trainer.planner.cost.device import lower_bound_on_profile
-    from trainer.planner.cost.model import unit_costs
+    from test_device_cost import assert_the_bound_is_under_the_prediction
 
-    cfg, plan = _plan("+parallel=3d", "launch.nnodes=2", "mesh=[4,2,2]", *extra)
-    model = build_model(cfg.model, device="meta")
-    one = ParallelPlan(units=plan.units, blocks=plan.blocks)
-    flops = sum(c.forward.matmul_flops + c.backward.matmul_flops for c in unit_costs(cfg, one, 1, model=model).values())
-    bound = lower_bound_on_profile(cfg, plan, cfg.hardware, unit_params(plan, model), flops)
-    step = predict_on_profile(cfg, plan, cfg.hardware, model=model)
-    assert 0 < bound <= step.total_s
+    assert_the_bound_is_under_the_prediction(*_plan("+parallel=3d", "launch.nnodes=2", "mesh=[4,2,2]", *extra))
