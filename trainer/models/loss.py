@@ -92,7 +92,7 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, *, chunk_toke
     flat, labels = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
     if not chunk_tokens or labels.shape[0] <= chunk_tokens:
         # fp32: a bf16 log-softmax over a large vocabulary loses the precision the loss needs.
-        return F.cross_entropy(flat.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
+        return _plain(F.cross_entropy(flat.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX))
     if isinstance(flat, DTensor):
         return _sharded_sum(flat, labels, chunk_tokens)
     return _ChunkedCrossEntropy.apply(flat, labels, chunk_tokens, 0, None, _wants_grad(flat))
@@ -112,6 +112,12 @@ def _sharded_sum(flat: DTensor, labels: torch.Tensor, chunk_tokens: int) -> torc
     return _ChunkedCrossEntropy.apply(local, labels, chunk_tokens, offset, mesh.get_group(axis), _wants_grad(local))
 
 
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor, as the chunked path gives it: under loss parallel, torch's cross-entropy of
+    vocabulary shards is a replicated DTensor scalar, which a plain term (an MoE's balance loss) cannot join."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
 def _wants_grad(logits: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and logits.requires_grad
 
@@ -119,6 +125,6 @@ def _wants_grad(logits: torch.Tensor) -> bool:
 def cross_entropy_mean(logits: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int | None = None) -> torch.Tensor:
     """``F.cross_entropy``'s mean (over the targets that count), computed as :func:`cross_entropy_sum`."""
     if not chunk_tokens or targets.numel() <= chunk_tokens:
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return _plain(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1)))
     count = (targets != IGNORE_INDEX).sum()
     return cross_entropy_sum(logits, targets, chunk_tokens=chunk_tokens) / count

@@ -31,7 +31,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from parallel.context import ContextShard, sum_over_context
 from trainer.config.schema import MoEConfig
@@ -255,8 +254,6 @@ class WithAuxLoss:
 
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.base(output, targets)
-        if isinstance(loss, DTensor):  # loss parallel's replicated scalar, beside the blocks' plain balance losses
-            loss = loss.full_tensor()
         if self.pipelined:
             return loss
         if not self.blocks:
