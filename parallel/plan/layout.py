@@ -220,17 +220,23 @@ def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpe
     size = mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1
     if vocab % size:
         warnings.warn(f"{path}: the vocabulary ({vocab} tokens) is not divisible by the {tp.dim} size {size}; the "
-                      f"output head stays whole on every {tp.dim} rank (no loss parallel). Pad the vocabulary to a "
-                      f"multiple of {size} to split it, or set {path}=false to silence this.", stacklevel=2)
+                      f"output head and input embedding stay whole on every {tp.dim} rank (no loss parallel). Pad "
+                      f"the vocabulary to a multiple of {size} to split it, or set {path}=false to silence this.",
+                      stacklevel=2)
         return {}, {}
+    # An untied input embedding is split over the vocabulary too, where this layout holds it.
+    embedding = getattr(model, "vocab_parallel_embedding", lambda axis: {})(axis=tp.dim)
+    embedding = {fqn: axes for fqn, axes in embedding.items() if only is None or fqn in only}
+    if only is not None and not set(placements) & only and embedding:
+        return embedding, {}  # a first stage: its embedding split, no head
     if not _head_weight_held(placements, only):
         # A pipeline stage whose head is tied to an earlier stage's input embedding: the stage keeps a copy of
         # that weight (parallel.pipeline.ties), which its own layout does not place; the copy stays whole.
         warnings.warn(f"{path}: this stage's output head is tied to {', '.join(sorted(placements))}, which an earlier "
                       f"stage holds; its copy here stays whole on every {tp.dim} rank (no loss parallel on this "
                       f"stage; set {path}=false to silence this)", stacklevel=2)
-        return {}, {}
-    return placements, layouts
+        return embedding, {}
+    return {**embedding, **placements}, layouts
 
 
 def _head_weight_held(placements: Mapping[str, Any], only: set[str] | None) -> bool:

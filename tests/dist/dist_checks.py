@@ -172,8 +172,9 @@ def placement_globs(par: ParallelConfig) -> dict:
         model = build_model(llama_cfg(), device="meta")
         placements, _ = model.parallel_plan(
             par.tensor_parallel.plan, axis=par.tensor_parallel.dim, sequence_parallel=par.tensor_parallel.sequence_parallel)
-        if par.tensor_parallel.loss_parallel:  # the head column-parallel (gpt_debug's vocabulary divides by 2)
-            placements = {**placements, **model.vocab_parallel_plan(axis=par.tensor_parallel.dim)[0]}
+        if par.tensor_parallel.loss_parallel:  # the head column-parallel, the embedding's rows split alike
+            axis = par.tensor_parallel.dim  # (gpt_debug's vocabulary divides by 2)
+            placements = {**placements, **model.vocab_parallel_embedding(axis=axis), **model.vocab_parallel_plan(axis=axis)[0]}
         globs = {glob: {a: parse_placement(p) for a, p in axes.items()} for glob, axes in placements.items()}
     return {**globs, **par.placements}
 

@@ -22,11 +22,11 @@ LONG = ["mesh=[2]", *NARROW, "model.n_layers=2", "model.max_seq_len=4096", "trai
 
 def test_cp_is_chosen_when_no_layout_without_it_fits():
     # prune=false: every layout priced in full, so that tp2 (slower than cp2) says it does not fit
-    result = plan_layouts(_raw(*LONG, "launch.memory_budget_gb=0.07", "+parallel.auto.prune=false"), calibration=CAL)
+    result = plan_layouts(_raw(*LONG, "launch.memory_budget_gb=0.06", "+parallel.auto.prune=false"), calibration=CAL)
     by_label = {c.label: c for c in result.candidates}
     assert result.winner.label == "cp2" and result.winner.status == "chosen"
     assert result.winner.parallel["context_parallel"] == {"dim": "cp", "method": "ring"}
-    assert result.winner.peak_bytes <= 0.07 * 2**30 < by_label["tp2"].peak_bytes
+    assert result.winner.peak_bytes <= 0.06 * 2**30 < by_label["tp2"].peak_bytes
     assert by_label["tp2"].status == "does not fit"
     # The ring's K/V hops are priced on the cp axis: its traffic is there beside FSDP's over cp.
     assert result.winner.traffic["cp"] > 0 and "comm cp" in result.winner.parts_s

@@ -14,7 +14,7 @@ from trainer.config.chat_data import ChatDataConfig
 from trainer.data.base import document_positions
 from trainer.data.loader import GlobalBatchLoader
 from trainer.models import TargetMeanLoss
-from trainer.models.llama import document_mask
+from trainer.models.layers import document_mask
 
 pytest.importorskip("transformers")
 

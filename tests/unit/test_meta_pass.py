@@ -35,9 +35,11 @@ def test_the_attention_argument_is_what_the_pass_runs_and_counts():
     assert calls == [(MICRO_BATCH, heads, SEQ, cfg.model.dim // heads)] * cfg.model.n_layers  # once per layer
     assert fused["units"] == saved_activations(cfg, plan, MICRO_BATCH)["units"]  # the default: the fused kernel
     # The unfused function (on meta: the math path) saves each layer's T x T softmax instead of a
-    # log-sum-exp per row; the argument is what decides it.
+    # log-sum-exp per row, and K and V repeated to the query heads where the fused kernel keeps them at
+    # the kv heads' width (gpt_debug: 4 heads, 2 kv heads); the argument is what decides it.
     math = saved_activations(cfg, plan, MICRO_BATCH, attention=F.scaled_dot_product_attention)
-    per_layer = 4 * MICRO_BATCH * heads * (SEQ * SEQ - SEQ)  # fp32
+    kv, head_dim = cfg.model.n_kv_heads, cfg.model.dim // heads
+    per_layer = 4 * MICRO_BATCH * heads * (SEQ * SEQ - SEQ) + 2 * 4 * MICRO_BATCH * (heads - kv) * SEQ * head_dim  # fp32
     assert {unit: math["units"][unit] - fused["units"][unit] for unit in fused["units"]} == {
         unit: per_layer if unit in plan.blocks else 0.0 for unit in fused["units"]}
 

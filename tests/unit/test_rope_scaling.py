@@ -19,7 +19,8 @@ from trainer.config.compose import compose_dict
 from trainer.config.schema import HFModelConfig, LlamaConfig, RopeScaling
 from trainer.export.hf import export_hf, llama_hf_config
 from trainer.models.hf import HFModelError, build_hf_model, read_hf_config
-from trainer.models.llama import Transformer, llama3_frequencies, rope_tables
+from trainer.models.layers import llama3_frequencies, rope_tables
+from trainer.models.llama import Transformer
 from trainer.validate.checks import validate_config
 
 transformers = pytest.importorskip("transformers")  # optional: the hf extra

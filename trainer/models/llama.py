@@ -30,8 +30,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel.context import ContextShard, context_attention
-from trainer.config.schema import LlamaConfig, LoRAConfig, RopeScaling
+from trainer.config.schema import LlamaConfig, LoRAConfig
 from trainer.models.init import InitKind, canonical_fqn, init_named_parameters
+from trainer.models.layers import RMSNorm, apply_rope, document_mask, rope_tables, swiglu
 from trainer.models.lora import adapter_init, apply_lora
 from trainer.models.moe import GroupedExperts, MoE
 
@@ -57,74 +58,6 @@ class Names(NamedTuple):
 MESHFLOW_NAMES = Names("wq", "wk", "wv", "wo", "w1", "w3", "w2", "attn_norm", "attn", "mlp_norm", "mlp", "pairs")
 HF_NAMES = Names("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "input_layernorm",
                  "self_attn", "post_attention_layernorm", "mlp", "halves")
-
-
-class RMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` over the last dim with a learnable ``weight`` (initialised to ones).
-
-    Subclassed only for a stable type the init rule can recognise and a two-argument constructor.
-    """
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps=eps, elementwise_affine=True)
-
-
-def rope_tables(max_seq_len: int, head_dim: int, theta: float,
-                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each ``[max_seq_len, head_dim // 2]`` fp32 on CPU.
-
-    Angles are computed in fp64 so long tables do not lose precision at high positions.
-    ``scaling`` (Llama 3.x) adjusts the frequencies first: :func:`llama3_frequencies`.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is not None:
-        inv_freq = llama3_frequencies(inv_freq, scaling)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
-    """Llama 3's context extension applied to the rotary frequencies ``inv_freq`` (radians per position).
-
-    With ``L = original_max_position_embeddings``, a frequency whose wavelength ``2 pi / f`` is
-    longer than ``L / low_freq_factor`` (it turned less than ``low_freq_factor`` times over the
-    pre-training context) becomes ``f / factor``; one shorter than ``L / high_freq_factor`` stays
-    ``f``; in between, the weight ``w = (L / wavelength - low) / (high - low)`` (0 at the long end,
-    1 at the short end) blends them: ``(1 - w) f / factor + w f``. Clamping ``w`` to ``[0, 1]``
-    gives the two outer cases from the same formula.
-    """
-    turns = scaling.original_max_position_embeddings * inv_freq / (2 * math.pi)  # = L / wavelength
-    weight = ((turns - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
-    return (1 - weight) * inv_freq / scaling.factor + weight * inv_freq
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "pairs") -> torch.Tensor:
-    """Rotate pairs of dimensions of ``x: [B, T, H, D]`` by the angles at each position.
-
-    ``cos``/``sin`` are ``[T, D // 2]``, or ``[B, T, D // 2]`` at each row's own positions. ``pairs`` rotates adjacent ``(x[2i], x[2i+1])``, Meta's
-    Llama convention; ``halves`` rotates ``(x[i], x[i + D/2])``, Hugging Face's. Written in real
-    arithmetic so it works for any dtype and under DTensor.
-    """
-    if style == "pairs":
-        pairs = x.float().unflatten(-1, (-1, 2))
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-    else:
-        x0, x1 = x.float().chunk(2, dim=-1)
-    cos, sin = (cos[:, :, None, :], sin[:, :, None, :]) if cos.dim() == 3 else (cos[None, :, None, :], sin[None, :, None, :])
-    r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
-    rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if style == "pairs" else torch.cat((r0, r1), dim=-1)
-    return rotated.type_as(x)
-
-
-def document_mask(positions: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, T, T]`` boolean: token i attends to token j <= i of its own document, a document being
-    a run of ``positions`` starting at 0 (packed rows: :mod:`trainer.data.chat`). Every token sees
-    itself, so no row of the mask is empty."""
-    document = (positions == 0).cumsum(dim=1)
-    same = document[:, :, None] == document[:, None, :]
-    seqlen = positions.shape[1]
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=positions.device).tril()
-    return (same & causal)[:, None]
 
 
 class Attention(nn.Module):
@@ -198,18 +131,16 @@ class Attention(nn.Module):
             out = context_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), shard=cp, q_index=index,
                                     doc=doc)
             return getattr(self, n.o)(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-        # Query head i reads kv head i // n_rep; sharding heads contiguously keeps groups whole.
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
+        # Query head i reads kv head i // n_rep (sharding heads contiguously keeps groups whole): the kernel
+        # reads the kv heads in place (enable_gqa), so K and V are kept for backward at their own width.
+        gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         mask = None if positions is None else document_mask(positions)
         if self.recompute_attention_core:
             out = checkpoint(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=mask is None,
-                             use_reentrant=False)
+                             enable_gqa=gqa, use_reentrant=False)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return getattr(self, n.o)(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -225,7 +156,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self._names
-        return getattr(self, n.down)(F.silu(getattr(self, n.gate)(x)) * getattr(self, n.up)(x))
+        return getattr(self, n.down)(swiglu(getattr(self, n.gate)(x), getattr(self, n.up)(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -356,6 +287,15 @@ class Transformer(nn.Module):
         tied = embed is not None and head is not None and head.weight is embed.weight
         weight = f"{self.pieces[0] if tied else self.pieces[3]}.weight"
         return ({weight: {axis: "Shard(0)"}}, {self.pieces[3]: {"output": {axis: "Shard(2)"}}}, self.cfg.vocab_size)
+
+    def vocab_parallel_embedding(self, *, axis: str) -> dict:
+        """The untied input embedding's vocabulary rows over ``axis`` (``Shard(0)`` of ``[vocab, dim]``), as
+        Megatron-LM's vocabulary-parallel embedding: each rank looks tokens up in its own rows, the lookups
+        summed over the axis. A tied embedding is the head's weight, which :meth:`vocab_parallel_plan` places."""
+        embed, head = self._piece(self.pieces[0]), self._piece(self.pieces[3])
+        if embed is None or (head is not None and head.weight is embed.weight):
+            return {}
+        return {f"{self.pieces[0]}.weight": {axis: "Shard(0)"}}
 
     def expert_modules(self) -> list[str]:
         """The modules of stacked experts (every parameter ``[num_experts, ...]``) an expert-parallel
