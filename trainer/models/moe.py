@@ -29,11 +29,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallel.context import ContextShard, sum_over_context
 from trainer.config.schema import MoEConfig
+from trainer.models.layers import swiglu
 
 
 class Router(nn.Module):
@@ -74,7 +74,7 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if w1.shape[0] != counts.shape[0]:
             raise ValueError(f"{counts.shape[0]} expert counts for {w1.shape[0]} experts held here")
-        hidden = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
+        hidden = swiglu(grouped_mm(x, w1, counts), grouped_mm(x, w3, counts))
         return grouped_mm(hidden, w2, counts)
 
 
