@@ -33,7 +33,10 @@ import math
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
+
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -42,7 +45,7 @@ import published  # noqa: E402
 from parallel.plan.resolve import resolve_plan  # noqa: E402
 from trainer.config.compose import compose_dict  # noqa: E402
 from trainer.config.schema import RunConfig  # noqa: E402
-from trainer.models import build_model  # noqa: E402
+from trainer.models import FeedForward, build_model  # noqa: E402
 from trainer.planner.cost.device import predict_on_profile  # noqa: E402
 from trainer.planner.memory.predict import predict_memory  # noqa: E402
 
@@ -52,6 +55,11 @@ HARDWARE_DIR = Path(__file__).resolve().parents[2] / "trainer" / "conf" / "hardw
 FAMILIES = ("FSDP (data parallel only)", "tp x pp", "cp")
 SOURCES = ("megatron2021", "korthikanti", "megatron2024", "torchtitan", "llmfoundry", "nanotron", "dgxc")
 MEGATRON_RUNS = ("megatron", "korthikanti", "dgxc")  # rows trained with Megatron-LM / Megatron core
+# Sources whose MLP is ``silu(gate) * up`` under plain autograd, which keeps ``silu(gate)`` for backward beside
+# ``gate`` and ``up`` (this engine's gated unit does not: trainer.models.layers.swiglu): torchtitan's FeedForward
+# (torchtitan/models/llama3/model.py, ``self.w2(F.silu(self.w1(x)) * self.w3(x))``) and nanotron's GLUActivation
+# (src/nanotron/models/llama.py, ``self.act(gate_states) * up_states``). Their published memory is that engine's.
+KEEPS_SILU_OUTPUT = ("torchtitan", "nanotron")
 
 
 def unsupported(row: published.PublishedRun) -> str | None:
@@ -103,6 +111,18 @@ def row_config(row: published.PublishedRun) -> RunConfig:
     return RunConfig.model_validate(raw)
 
 
+def row_model(row: published.PublishedRun, cfg: RunConfig):
+    """The meta model the row's predictions run: this engine's decoder, with the source's own gated unit where
+    it keeps more for backward (:data:`KEEPS_SILU_OUTPUT`), so that a published peak is compared with the
+    engine that made it. Megatron-LM's fused SwiGLU and llm-foundry's GeLU MLP keep what this engine's does."""
+    model = build_model(cfg.model, device="meta")
+    if row.name.startswith(KEEPS_SILU_OUTPUT):
+        for module in model.modules():
+            if isinstance(module, FeedForward):
+                module.forward = types.MethodType(lambda self, x: self.w2(F.silu(self.w1(x)) * self.w3(x)), module)
+    return model
+
+
 def checkpointing(row: published.PublishedRun) -> str:
     """The row's activation checkpointing in this project's terms. Megatron-LM's selective recomputation
     (Korthikanti et al.; NeMo's ``activations_checkpoint_granularity: selective``, the same option)
@@ -152,7 +172,7 @@ def published_rate(row: published.PublishedRun) -> tuple[str, float] | None:
 
 def predict_row(row: published.PublishedRun) -> dict:
     cfg = row_config(row)
-    model = build_model(cfg.model, device="meta")
+    model = row_model(row, cfg)
     plan = resolve_plan(cfg.parallel, cfg.mesh, model)
     began = time.monotonic()
     step = predict_on_profile(cfg, plan, cfg.hardware, model=model)
@@ -254,7 +274,7 @@ def memory_terms(row: published.PublishedRun) -> str:
     """The row's predicted peak by named term (GiB, the worst rank's: MemoryEstimate.terms) beside the
     published memory, which torchtitan reads as torch.cuda.max_memory_reserved (MemoryEstimate.reserved)."""
     cfg = row_config(row)
-    model = build_model(cfg.model, device="meta")
+    model = row_model(row, cfg)
     worst = max(predict_memory(cfg, resolve_plan(cfg.parallel, cfg.mesh, model), model=model), key=lambda e: e.total)
     terms = ", ".join(f"{k} {v / GIB:.2f}" for k, v in worst.terms().items() if v)
     published_gib = row.reported.peak_memory_gib
