@@ -164,7 +164,7 @@ class _GatheredInput:
         self._full: torch.Tensor | None = None
 
     def view_of(self, t: torch.Tensor) -> _SavedView | None:
-        spec = t._spec if isinstance(t, DTensor) else None
+        spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         with torch.no_grad():
             local = t.to_local() if spec is not None else t
         base = self._full_ref()
@@ -189,7 +189,8 @@ class _GatheredInput:
 
 
 class _SavedView:
-    """What a projection saved of a gathered input: its holder and the view's layout (a DTensor's spec)."""
+    """What a projection saved of a gathered input: its holder and the view's layout (a DTensor's mesh,
+    placements, shape and stride)."""
 
     def __init__(self, gathered: _GatheredInput, size, stride, offset: int, spec: Any) -> None:
         self.gathered, self.size, self.stride, self.offset, self.spec = gathered, size, stride, offset, spec
@@ -198,8 +199,8 @@ class _SavedView:
         local = self.gathered.full().as_strided(self.size, self.stride, self.offset)
         if self.spec is None:
             return local
-        return DTensor.from_local(local, self.spec.mesh, self.spec.placements, run_check=False,
-                                  shape=self.spec.shape, stride=self.spec.stride)
+        mesh, placements, shape, stride = self.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _scatter_gather_runs(modules: Mapping[str, nn.Module], sp_blocks: Mapping[str, tuple[str, int]],

@@ -287,7 +287,11 @@ def ac_check(name: str, mode: str, every: int = 1):
             pm.forward_backward(inputs[:2], targets[:2], loss_fn_for(cfg))
         for p in pm.parameters():
             p.grad = None
-        return {**train(pm, cfg), "wrapped": wrapped, "cores": cores, "attention_calls": calls.count}
+        # Whatever saved-tensor hooks the step pushed (checkpointing's, sequence parallelism's) are popped again,
+        # also where checkpointing's recomputation stops early by raising inside a block.
+        trained = train(pm, cfg)
+        hooks_left = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        return {**trained, "wrapped": wrapped, "cores": cores, "attention_calls": calls.count, "hooks_left": hooks_left}
 
     return check
 

@@ -218,6 +218,7 @@ def test_activation_checkpointing_wraps_blocks(results):
     assert results("tp_sp_ac_full_every2")[0]["wrapped"] == ["layers.1", "layers.3"]
     # A whole block recomputed runs its attention again: 4 forward + 4 recomputed; every other block: 4 + 2.
     assert full["attention_calls"] == 8 and results("tp_sp_ac_full_every2")[0]["attention_calls"] == 6
+    assert not any(r["hooks_left"] for check in ("fsdp_ac_full", "tp_sp_ac_full_every2") for r in results(check))
 
 
 def test_selective_recomputes_only_the_attention_core(results):
@@ -226,7 +227,7 @@ def test_selective_recomputes_only_the_attention_core(results):
     for r in results("tp_sp_ac_selective"):
         assert r["wrapped"] == []
         assert r["cores"] == [f"layers.{i}.attn" for i in range(4)]
-        assert r["attention_calls"] == 8
+        assert r["attention_calls"] == 8 and not r["hooks_left"]
 
 
 def test_loss_parallel_keeps_the_logits_vocabulary_sharded(results):
