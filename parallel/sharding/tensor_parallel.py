@@ -12,10 +12,8 @@ the efficient form where it recognises one:
 * **Sequence parallel.** A ``layouts`` entry giving a module (a norm) the input ``Shard(d)``
   on that axis makes it ``SequenceParallel``: the residual stream of its parent block is kept
   as sequence shards, the row-parallel outputs reduce-scatter into them, and the norm's
-  output is all-gathered once before the column-parallel projections. The first block of a
-  run of consecutive such blocks scatters its input, the last gathers its output, so whatever
-  follows (the final norm, the output head, the next pipeline stage) sees ordinary
-  replicated tensors.
+  output is all-gathered once before the column-parallel projections, which keep only its
+  shard for backward and gather it again there (:mod:`parallel.sharding.sequence_parallel`).
 * **Everything else** (the seeds' raw ``w0: Shard(1)`` / ``w1: Shard(0)``, a lone shard,
   placements over two axes = 2-D TP) becomes DTensor parameters on the sub-mesh of the axes
   named, via ``distribute_module``: inputs enter as ``Replicate`` DTensors (or per
@@ -42,15 +40,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
 
 from parallel.mesh import submesh
 from parallel.placements import PlacementSpec
 from parallel.sharding.adapters import colwise_style, rowwise_style
-from parallel.sharding.tp_styles import AxisSpecs, block_of, classify, enclosing, is_within, non_replicate, sharded_axes
+from parallel.sharding.sequence_parallel import apply_sequence_parallel
+from parallel.sharding.tp_styles import AxisSpecs, block_of, classify, enclosing, non_replicate, sharded_axes
 
 
 def apply_placements(
@@ -59,6 +55,7 @@ def apply_placements(
     *,
     placements: Mapping[str, AxisSpecs],
     layouts: Mapping[str, Any] | None = None,
+    regather: bool = True,
 ) -> dict[str, str]:
     """Shard ``module``'s parameters over ``mesh`` as ``placements`` says; returns
     ``{module FQN: style}`` (``colwise``, ``rowwise``, ``sequence_parallel``, ``dtensor``).
@@ -70,6 +67,8 @@ def apply_placements(
             (a plan's ``placements``; FQNs of other stages are ignored).
         layouts: module FQN -> :class:`~parallel.plan.spec.LayoutSpec` (sequence parallel, a
             ``Partial`` output).
+        regather: sequence parallel keeps a gathered norm output for backward as its shard and
+            gathers it again there (default ``True``); ``False`` keeps it whole (a measurement's baseline).
     """
     layouts = dict(layouts or {})
     axes = list(mesh.mesh_dim_names or ())
@@ -92,11 +91,8 @@ def apply_placements(
         out = Shard(seq[1]) if seq is not None and seq[0] == axis else Replicate()
         parallelize_module(modules[name], submesh(mesh, axis), rowwise_style(modules[name], output_layouts=out))
         report[name] = "rowwise"
-    for name, (axis, dim) in sp_norms.items():
-        keep_dtensor = any(col.get(c) == axis for c in col if is_within(c, block_of(name)))
-        _sequence_parallel(modules[name], submesh(mesh, axis), dim=dim, keep_dtensor=keep_dtensor)
-        report[name] = "sequence_parallel"
-    _scatter_gather_runs(modules, sp_blocks, mesh)
+    apply_sequence_parallel(modules, mesh, norms=sp_norms, col=col, regather=regather)
+    report.update(dict.fromkeys(sp_norms, "sequence_parallel"))
 
     # The rest: DTensor parameters on the sub-mesh of the axes they name.
     for owner, param_specs in plan.owners.items():
@@ -156,73 +152,6 @@ class _SharedReplicate:
 
     def forget(self, _mod: nn.Module, _args: tuple, _output: Any) -> None:
         self.last_input = self.last_output = None
-
-
-# --------------------------------------------------------------------------- application
-
-
-def _sequence_parallel(norm: nn.Module, mesh: DeviceMesh, *, dim: int, keep_dtensor: bool) -> None:
-    """``SequenceParallel`` on ``norm``, then one all-gather of its output along the sequence.
-
-    Gathering here (not in each column-parallel projection) costs one all-gather per norm in
-    forward and one reduce-scatter in backward. The output stays a ``Replicate`` DTensor when
-    column-parallel projections consume it, so their input gradients (``Partial``) add up as
-    DTensors and are reduce-scattered once.
-    """
-    parallelize_module(norm, mesh, SequenceParallel(sequence_dim=dim))
-
-    def gather(_mod: nn.Module, _inputs: Any, output: DTensor) -> torch.Tensor:
-        full = output.redistribute(mesh, [Replicate()])
-        return full if keep_dtensor else full.to_local()
-
-    norm.register_forward_hook(gather)
-
-
-def _scatter_gather_runs(modules: Mapping[str, nn.Module], sp_blocks: Mapping[str, tuple[str, int]],
-                         mesh: DeviceMesh) -> None:
-    """Keep the residual stream sequence-sharded across runs of consecutive sequence-parallel
-    blocks: the first block of a run slices its input (no communication), the last one
-    all-gathers its output."""
-    by_parent: dict[str, list[str]] = {}
-    for block in sp_blocks:
-        by_parent.setdefault(block.rpartition(".")[0], []).append(block)
-    for parent, blocks in by_parent.items():
-        prefix = f"{parent}." if parent else ""
-        position = {f"{prefix}{child}": i for i, (child, _) in enumerate(modules[parent].named_children())}
-        blocks.sort(key=position.__getitem__)
-        runs: list[list[str]] = []
-        for block in blocks:
-            last = runs[-1][-1] if runs else None
-            if last is not None and position[block] == position[last] + 1 and sp_blocks[block] == sp_blocks[last]:
-                runs[-1].append(block)
-            else:
-                runs.append([block])
-        for run in runs:
-            axis, dim = sp_blocks[run[0]]
-            _scatter_input(modules[run[0]], submesh(mesh, axis), dim)
-            _gather_output(modules[run[-1]], submesh(mesh, axis), dim)
-
-
-def _scatter_input(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
-    def scatter(_mod: nn.Module, args: tuple) -> tuple:
-        x = args[0]
-        if isinstance(x, DTensor):
-            shard = x.redistribute(mesh, [Shard(dim)]).to_local()
-        else:
-            shard = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
-        return (shard, *args[1:])
-
-    # prepend: runs before SequenceParallel's own input hook when the block is the norm itself.
-    module.register_forward_pre_hook(scatter, prepend=True)
-
-
-def _gather_output(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
-    def gather(_mod: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
-        if isinstance(output, DTensor):
-            return output.redistribute(mesh, [Replicate()]).to_local()
-        return DTensor.from_local(output, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-    module.register_forward_hook(gather)
 
 
 def _distribute_owner(

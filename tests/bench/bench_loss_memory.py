@@ -1,8 +1,8 @@
 """The peak memory loss parallel, the chunked cross-entropy and selective recomputation save, measured on
 this host beside the plan's prediction: a small Llama with a 32k vocabulary at 2048 tokens per sequence,
-on tp [4] and fsdp [4], each feature off (before) and on (after).
+on tp [4] (also with sequence parallelism) and fsdp [4], each feature off (before) and on (after).
 
-    python tests/bench/bench_loss_memory.py                 # 9 runs, 10-20 minutes on 2 shared cores
+    python tests/bench/bench_loss_memory.py                 # 11 runs, 10-25 minutes on 2 shared cores
     python tests/bench/bench_loss_memory.py --rows tp_before tp_all
     python tests/bench/bench_loss_memory.py --replay tests/bench/data/loss_memory.rows.jsonl   # recorded, predicted now
 
@@ -35,6 +35,7 @@ MODEL = ["model=gpt_small", "model.dim=256", "model.n_layers=4", "model.n_heads=
 COMMON = [*MODEL, "data=synthetic", "tracking=none", "train.steps=3", "train.seq_len=2048", "train.log_every=1",
           "train.checkpoint.save_final=false", "launch.memory_budget_gb=1e6"]
 TP = ["+parallel=tp", "mesh=[4]", "train.global_batch_size=1"]
+TP_SP = ["+parallel=tp_sp", "mesh=[4]", "train.global_batch_size=1"]
 FSDP = ["+parallel=fsdp", "mesh=[4]", "train.global_batch_size=4"]
 OFF = ["train.loss_chunk_tokens=0", "parallel.activation_checkpointing=none"]
 NO_LP = ["parallel.tensor_parallel.loss_parallel=false"]
@@ -44,6 +45,8 @@ ROWS = {  # name -> (layout, overrides)
     "tp_chunked": ("tp [4]", [*TP, *OFF, *NO_LP, "train.loss_chunk_tokens=512"]),
     "tp_selective": ("tp [4]", [*TP, *OFF, *NO_LP, "parallel.activation_checkpointing=selective"]),
     "tp_all": ("tp [4]", [*TP, "train.loss_chunk_tokens=512", "parallel.activation_checkpointing=selective"]),
+    "tp_sp_before": ("tp_sp [4]", [*TP_SP, *OFF, *NO_LP]),
+    "tp_sp_chunked": ("tp_sp [4]", [*TP_SP, *OFF, "train.loss_chunk_tokens=512"]),  # loss parallel too
     "fsdp_before": ("fsdp [4]", [*FSDP, *OFF]),
     "fsdp_chunked": ("fsdp [4]", [*FSDP, *OFF, "train.loss_chunk_tokens=512"]),
     "fsdp_selective": ("fsdp [4]", [*FSDP, *OFF, "parallel.activation_checkpointing=selective"]),

@@ -30,6 +30,7 @@ from parallel.sharding.tensor_parallel import apply_placements
 from parallel.config import ParallelConfig, mesh_shape_of
 from trainer.config.schema import LlamaConfig, MLPConfig
 from trainer.models import build_model, loss_fn_for, meta_initializer
+from sequence_checks import saved_bytes_check
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, GLOBAL_BATCH, SEQ_LEN, LR, GRAD_CLIP = 5, 8, 32, 1e-3, 1.0
@@ -287,7 +288,11 @@ def ac_check(name: str, mode: str, every: int = 1):
             pm.forward_backward(inputs[:2], targets[:2], loss_fn_for(cfg))
         for p in pm.parameters():
             p.grad = None
-        return {**train(pm, cfg), "wrapped": wrapped, "cores": cores, "attention_calls": calls.count}
+        # Whatever saved-tensor hooks the step pushed (checkpointing's, sequence parallelism's) are popped again,
+        # also where checkpointing's recomputation stops early by raising inside a block.
+        trained = train(pm, cfg)
+        hooks_left = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        return {**trained, "wrapped": wrapped, "cores": cores, "attention_calls": calls.count, "hooks_left": hooks_left}
 
     return check
 
@@ -400,6 +405,17 @@ FSDP_PP = {  # FSDP inside pipeline stages, with gradient accumulation on top
     "data_parallel": {"dim": "dp", "mode": "fsdp"},
     "pipeline": {"dim": "pp", "schedule": "1F1B", "microbatches": 2, "boundaries": "auto"},
 }
+SP = {"dim": "tp", "plan": "megatron", "sequence_parallel": True}
+TWO_D_SP = {"dims": ["dp", "tp"], "data_parallel": {"dim": "dp", "mode": "fsdp"}, "tensor_parallel": SP}
+PP_INTERLEAVED_TP_SP = {**PP_TP, "tensor_parallel": SP,
+                        "pipeline": {**PP_TP["pipeline"], "schedule": "Interleaved1F1B", "stages_per_rank": 2}}
+THREE_D_SP_AC = {  # every layout sequence parallelism meets at once: FSDP, a pipeline, checkpointed blocks
+    "dims": ["dp", "pp", "tp"], "data_parallel": {"dim": "dp", "mode": "fsdp"}, "tensor_parallel": SP,
+    "pipeline": {"dim": "pp", "schedule": "1F1B", "microbatches": 4, "boundaries": "auto"},
+    "activation_checkpointing": "full",
+}
+
+
 def comm_check(preset: str):
     """Collectives of one tp forward+backward, and of the update after it (clip + AdamW step),
     counted by DTensor's CommDebugMode."""
@@ -472,6 +488,7 @@ SUITES = {
         ("tp_sp", preset_check("tp_sp")),
         ("tp_comm", comm_check("tp")),
         ("tp_sp_comm", comm_check("tp_sp")),
+        ("tp_sp_saved", saved_bytes_check),
         ("pp_GPipe", preset_check("pp", schedule="GPipe")),
         ("pp_1F1B", preset_check("pp", schedule="1F1B")),
         ("pp_Interleaved1F1B", preset_check("pp", schedule="Interleaved1F1B", stages_per_rank=2)),
@@ -492,6 +509,7 @@ SUITES = {
         ("bf16_fsdp", preset_check("fsdp", precision="bf16")),
         ("bf16_tp", preset_check("tp", precision="bf16")),
         ("bf16_pp", preset_check("pp", precision="bf16")),
+        ("bf16_tp_sp", preset_check("tp_sp", precision="bf16")),
     ],
     "four_rank": [
         ("hsdp", preset_check("hsdp")),
@@ -499,11 +517,14 @@ SUITES = {
         ("2d", preset_check("2d")),
         ("pp_tp_loss_parallel_masked", loss_parallel_check(([2, 2], PP_TP), masked=True, chunk_tokens=20)),
         ("bf16_2d", preset_check("2d", precision="bf16")),
+        ("2d_sp", preset_check(([2, 2], TWO_D_SP))),
+        ("pp_interleaved_tp_sp", preset_check(([2, 2], PP_INTERLEAVED_TP_SP))),
         ("hf_2d_logits", hf_logits_check),
     ],
     "eight_rank": [
         ("3d", preset_check("3d")),
         ("bf16_3d", preset_check("3d", precision="bf16")),
+        ("3d_sp_ac", preset_check(([2, 2, 2], THREE_D_SP_AC))),
         ("hsdp_rank_ids", preset_check((RANK_IDS_MESH, HSDP))),
     ],
 }

@@ -109,6 +109,8 @@ SUITES = {
         ("tp", lora_check("tp", "hf", ["+parallel=tp", "mesh=[2]"])),
         ("pp", lora_check("pp", "hf", ["+parallel=pp", "mesh=[2]"])),
         ("tp_builtin", lora_check("tp_builtin", "gpt_debug", ["+parallel=tp", "mesh=[2]"])),
+        # Sequence parallel: lora_A reads the gathered norm output beside the base weight, kept as its shard.
+        ("tp_sp", lora_check("tp_sp", "hf", ["+parallel=tp_sp", "mesh=[2]"])),
         ("fsdp_bf16", lora_check("fsdp_bf16", "hf", ["+parallel=fsdp", "mesh=[2]", "train.precision=bf16"])),
     ],
     "four_rank": [

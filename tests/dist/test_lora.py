@@ -1,4 +1,4 @@
-"""LoRA on fsdp [2], tp [2], pp [2] and 2d [2, 2] (the tiny Llama directory written in the test,
+"""LoRA on fsdp [2], tp [2], tp_sp [2], pp [2] and 2d [2, 2] (the tiny Llama directory written in the test,
 and the built-in gpt_debug on tp and 2d): one device's losses and gradient norms (fp32, rel 1e-5),
 every base weight bit-identical after training, no gradient on a frozen weight, and an adapters-only
 checkpoint that one process reads back with the trained adapters.

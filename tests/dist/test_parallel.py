@@ -21,7 +21,7 @@ WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
 SUITE_OF = {name: suite for suite, checks in SUITES.items() for name, _ in checks}
 LOSS_REL_TOL = 1e-5
 PARITY_CHECKS = [name for name in SUITE_OF
-                 if name not in ("tp_comm", "tp_sp_comm", "hf_2d_logits") and not name.startswith("bf16")]
+                 if name not in ("tp_comm", "tp_sp_comm", "tp_sp_saved", "hf_2d_logits") and not name.startswith("bf16")]
 BF16_CHECKS = [name for name in SUITE_OF if name.startswith("bf16")]
 # bf16 against one device's bf16 (autocast): not bit for bit, because the bf16 roundings differ by
 # layout: FSDP2's policy computes whole blocks in bf16 where autocast casts only the matmuls, and
@@ -164,12 +164,44 @@ def test_tensor_parallel_all_reduces_once_per_pair_and_direction(results):
         assert {k: v for k, v in per_rank["counts"].items() if "all_reduce" in k} == {"c10d_functional.all_reduce": 21}, per_rank
 
 
+def test_sequence_parallel_gathers_and_scatters_once_per_norm_and_row(results):
+    # 4 blocks, each 2 norms (gathered) and 2 row-parallel outputs (reduce-scattered). Forward: 8 gathers,
+    # 8 scatters, the run's output gathered (1). Backward: the rows' gradients gathered (8), the norms'
+    # scattered (8), the run's input scatter's gradient gathered (1), and each norm's output gathered again
+    # for the projections' weight gradients (8, one per norm, not one per projection). Loss parallel: 4.
+    for per_rank in results("tp_sp_comm"):
+        assert per_rank["counts"] == {"c10d_functional.all_gather_into_tensor": 9 + 17,
+                                      "c10d_functional.reduce_scatter_tensor": 16, "c10d_functional.all_reduce": 4}
+
+
 def test_sequence_parallel_norm_gradients_are_reduced_once_per_step(results):
     # The 8 sequence-parallel norm weights get Partial gradients (each rank saw half the sequence):
     # summed once before clipping, not again by every optimizer op that reads them.
     for per_rank in results("tp_sp_comm"):
         update = {k: v for k, v in per_rank["update_counts"].items() if "c10d_functional" in k}
         assert update == {"c10d_functional.all_reduce": 8}, per_rank
+
+
+def test_sequence_parallel_keeps_each_gathered_block_input_as_its_shard(results):
+    """tp 2, 8 sequences x 32 tokens x dim 64, fp32: each block gathers its two norms' outputs (attention's
+    input, the MLP's) to [8, 32, 64] (65536 bytes) for the column-parallel projections. Kept for backward
+    as their [8, 16, 64] shards (32768 bytes) instead, a block saves 2 x (65536 - 32768) = 65536 bytes
+    less; backward gathers each once again (shared by wq/wk/wv, by w1/w3): 2 x 4 blocks = 8 all-gathers
+    more, forward's collectives unchanged; the gradients bit for bit those of the gathered tensor kept."""
+    full, shard = 8 * 32 * 64 * 4, 8 * 16 * 64 * 4
+    gathers = "c10d_functional.all_gather_into_tensor"
+    for r in results("tp_sp_saved"):
+        kept, regathered = r["kept"], r["regathered"]
+        assert {block: kept["saved"][block] - regathered["saved"][block] for block in kept["saved"]} == {
+            "": 0, **{f"layers.{i}": 2 * (full - shard) for i in range(4)}}
+        assert regathered["forward_comm"] == kept["forward_comm"]
+        assert regathered["backward_comm"] == {**kept["backward_comm"], gathers: kept["backward_comm"][gathers] + 8}
+        assert regathered["loss"] == kept["loss"] and r["grads_bitwise_equal"]
+        assert r["grad_max_rel_to_one_device"] < 1e-5
+        # Backward split as zero-bubble schedules split it (input gradients, then the weights' from the retained
+        # graph): the gathers of the first pass serve the second; the same gradients (all but the embedding's).
+        assert r["split"]["backward_comm"] == regathered["backward_comm"]
+        assert r["split_grad_max_abs_diff"] == 0.0 and len(r["split_grads"]) == 4 * 9 + 2
 
 
 def test_sequence_parallel_shards_the_sequence(results):
@@ -187,6 +219,7 @@ def test_activation_checkpointing_wraps_blocks(results):
     assert results("tp_sp_ac_full_every2")[0]["wrapped"] == ["layers.1", "layers.3"]
     # A whole block recomputed runs its attention again: 4 forward + 4 recomputed; every other block: 4 + 2.
     assert full["attention_calls"] == 8 and results("tp_sp_ac_full_every2")[0]["attention_calls"] == 6
+    assert not any(r["hooks_left"] for check in ("fsdp_ac_full", "tp_sp_ac_full_every2") for r in results(check))
 
 
 def test_selective_recomputes_only_the_attention_core(results):
@@ -195,7 +228,7 @@ def test_selective_recomputes_only_the_attention_core(results):
     for r in results("tp_sp_ac_selective"):
         assert r["wrapped"] == []
         assert r["cores"] == [f"layers.{i}.attn" for i in range(4)]
-        assert r["attention_calls"] == 8
+        assert r["attention_calls"] == 8 and not r["hooks_left"]
 
 
 def test_loss_parallel_keeps_the_logits_vocabulary_sharded(results):

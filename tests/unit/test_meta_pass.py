@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config.compose import compose_dict
+from trainer.models import build_model
 from trainer.planner.memory.meta_pass import AttentionKernel, flash_attention_for_cpu, saved_activations
 from trainer.validate.checks import validate_with_plan
 
@@ -96,3 +97,29 @@ def test_the_fused_kernel_falls_back_to_the_real_function_for_a_mask_without_rec
     assert called == [True, False]  # once each: the fallback's own call went to torch, not back into the mode
     torch.testing.assert_close(masked, REAL_SDPA(q, k, v, attn_mask=mask))
     torch.testing.assert_close(causal, REAL_SDPA(q, k, v, is_causal=True))
+
+
+class _Copy(torch.nn.Module):
+    """A stand-in block norm that saves nothing for backward itself (a copy needs no input to differentiate)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+
+def test_the_projections_keep_a_sequence_parallel_norms_output_as_its_shard():
+    """tp 2, with and without sequence parallelism, the block norms replaced by copies that save nothing
+    themselves: a block then differs only by the two norm outputs its projections keep (attention's
+    input, the MLP's): whole [2, 32, 64] fp32 without sequence parallelism (16384 bytes each), their
+    sequence shard with it (the engine gathers them again in backward): 2 x 16384 / 2 = 16384 bytes less."""
+    per_block = {}
+    for extra in (["+parallel=tp"], ["+parallel=tp_sp"]):
+        cfg, plan = _debug(*extra, "mesh=[2]", "parallel.tensor_parallel.loss_parallel=false")
+        model = build_model(cfg.model, device="meta")
+        for block in model.layers.values():
+            block.attn_norm, block.mlp_norm = _Copy(), _Copy()
+        units = saved_activations(cfg, plan, MICRO_BATCH, model=model)["units"]
+        per_block[extra[0]] = {unit: units[unit] for unit in plan.blocks}
+    whole = MICRO_BATCH * SEQ * 64 * 4
+    assert whole == 16384
+    tp, sp = per_block["+parallel=tp"], per_block["+parallel=tp_sp"]
+    assert {unit: tp[unit] - sp[unit] for unit in tp} == {unit: 2 * whole / 2 for unit in tp}

@@ -56,20 +56,38 @@ def test_tp_all_reduces_are_priced_on_nvlink_and_exposed():
 def test_sequence_parallel_runs_a_gather_and_a_scatter_for_each_all_reduce():
     """With sequence parallelism each all-reduce becomes a reduce-scatter and an all-gather (four of
     each per block), plus the run's output gather and its input scatter's gathered gradient: on a
-    ring the same bytes as the all-reduces, in twice the calls (twice the latency)."""
+    ring the same bytes as the all-reduces, in twice the calls (twice the latency). Backward gathers
+    each norm's output again (two per block: the projections keep only its shard)."""
     cfg, plan = _plan("+parallel=2d", "mesh=[2,4]", "parallel.tensor_parallel.sequence_parallel=true")
     ops = {op.op: op for op in _tp_ops(cfg, plan)}
     act = cfg.micro_batch_size * 512 * 512 * 2
     assert set(ops) == {"all_gather", "reduce_scatter"}
-    assert (ops["all_gather"].nbytes, ops["all_gather"].count) == (act, 4 * 8 + 2)
+    assert (ops["all_gather"].nbytes, ops["all_gather"].count) == (act, 4 * 8 + 2 + 2 * 8)
     assert (ops["reduce_scatter"].nbytes, ops["reduce_scatter"].count) == (act, 4 * 8)
     step = predict_on_profile(cfg, plan, cfg.hardware)
-    hand = 34 * _ring(cfg, "all_gather", 4, act) + 32 * _ring(cfg, "reduce_scatter", 4, act)
+    hand = 50 * _ring(cfg, "all_gather", 4, act) + 32 * _ring(cfg, "reduce_scatter", 4, act)
     assert step.exposed_s["tp"] == pytest.approx(hand)
     plain_cfg, plain = _plan("+parallel=2d", "mesh=[2,4]")
     plain_tp = predict_on_profile(plain_cfg, plain, plain_cfg.hardware).exposed_s["tp"]
-    # 32 all-reduces of 6 ring steps cost 32 gathers and 32 scatters of 3: the run's two gathers remain
-    assert step.exposed_s["tp"] - plain_tp == pytest.approx(2 * _ring(cfg, "all_gather", 4, act), rel=1e-6)
+    # 32 all-reduces of 6 ring steps cost 32 gathers and 32 scatters of 3: the run's two gathers and
+    # backward's 16 remain
+    assert step.exposed_s["tp"] - plain_tp == pytest.approx(18 * _ring(cfg, "all_gather", 4, act), rel=1e-6)
+
+
+def test_sequence_parallel_gathers_each_norms_output_again_in_backward():
+    """tp 4 x pp 2, 1F1B over 4 micro-batches, 2 accumulation passes (micro-batch 64 / 8 = 8 sequences):
+    pp rank 0 holds blocks 0-3, each with 2 sequence-parallel norms, so its backward gathers 4 x 2 x 4 x 2
+    = 64 norm outputs again, beside the 4 x 4 x 8 = 128 gathers and 128 scatters of the blocks' tp
+    collectives and the run's 2 x 8 edge gathers; each a micro-batch's activations, 8 x 512 x 512 bf16."""
+    cfg, plan = _plan("+parallel=3d", "mesh=[1,2,4]", "parallel.tensor_parallel.sequence_parallel=true",
+                      "parallel.pipeline.microbatches=4", "train.grad_accum=2")
+    assert rank_units(plan)[0] == ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"]
+    act = 8 * 512 * 512 * 2
+    ops = {op.op: op for op in _tp_ops(cfg, plan)}
+    assert (ops["all_gather"].nbytes, ops["all_gather"].count) == (act, 128 + 16 + 64)
+    assert (ops["reduce_scatter"].nbytes, ops["reduce_scatter"].count) == (act, 128)
+    hand = 208 * _ring(cfg, "all_gather", 4, act) + 128 * _ring(cfg, "reduce_scatter", 4, act)
+    assert predict_on_profile(cfg, plan, cfg.hardware).exposed_s["tp"] == pytest.approx(hand)  # rank 1's the same
 
 
 def test_full_checkpointing_runs_a_blocks_tp_collectives_again():

@@ -5,8 +5,8 @@
         op.axis, op.op, op.group_size, op.nbytes, op.count, op.seconds(calibration)
 
 Megatron tp all-reduces of activations (with sequence parallelism, a reduce-scatter and an all-gather in
-place of each), dp's gradient all-reduce or FSDP's all-gathers and
-reduce-scatters per FSDP unit, pp sends, cp's K/V hops (the ring's; ``role`` "kv" / "kv_grad", which
+place of each, and in backward each norm's output gathered again), dp's gradient all-reduce or FSDP's
+all-gathers and reduce-scatters per FSDP unit, pp sends, cp's K/V hops (the ring's; ``role`` "kv" / "kv_grad", which
 :func:`ring_exposed_s` sets against the attention blocks they overlap on a GPU profile) or all-gathers,
 ep's all-to-alls of the tokens routed to experts; each
 priced by the calibrated fit of its op and group size
@@ -99,7 +99,8 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
                 # Each stage's run of blocks gathers its output (forward) and its first block's scatter
                 # of the input gathers the gradient (backward: DTensor's redistribute back to Replicate).
                 runs = (pp.stages_per_rank if pp is not None else 1) * m * t.grad_accum if blocks else 0
-                ops.append(CommOp(axis, "all_gather", g, act, count + 2 * runs))
+                again = regathers(plan, blocks, axis) * m * t.grad_accum
+                ops.append(CommOp(axis, "all_gather", g, act, count + 2 * runs + again))
                 ops.append(CommOp(axis, "reduce_scatter", g, act, count))
             else:
                 ops.append(CommOp(axis, "all_reduce", g, act, count))
@@ -161,6 +162,17 @@ def tp_collectives(plan: ParallelPlan, blocks: list[str]) -> int:
     as four all-reduces (each half of one) in twice the calls."""
     wrapped = checkpointed(plan)
     return sum(4 + 2 * (b in wrapped) for b in blocks)
+
+
+def regathers(plan: ParallelPlan, blocks: list[str], axis: str) -> int:
+    """The all-gathers backward adds per micro-batch over ``axis``: one per sequence-parallel norm of
+    ``blocks``, whose gathered output the column-parallel projections keep as its shard and gather again
+    when backward first needs it (:mod:`parallel.sharding.sequence_parallel`, Megatron's count). Priced
+    with ``train.compile`` too, as the memory model counts the shard there: a compiled block keeps the
+    gathered input instead (what torch.compile saves is not modelled), while the published Megatron rows
+    that ``compile`` stands in for (its fused kernels) gather it again."""
+    norms = [name for name, layout in plan.layouts.items() if (pl := layout.input.get(axis)) is not None and pl.is_shard]
+    return sum(any(name.startswith(f"{block}.") for block in blocks) for name in norms)
 
 
 def sequence_parallel_axes(plan: ParallelPlan) -> set[str]:

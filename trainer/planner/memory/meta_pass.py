@@ -7,7 +7,10 @@ On CPU the real attention kernel keeps only its log-sum-exp (not the T x T score
 device would take the math path and count the scores, so the counting pass runs the fused
 kernel (:func:`flash_attention_for_cpu`) through a torch function mode of its own thread
 (:class:`AttentionKernel`), never by patching ``torch`` for the process. Context parallelism runs
-a rank's queries over the whole row (:func:`_over_the_row`). The time model's pass
+a rank's queries over the whole row (:func:`_over_the_row`). Sequence parallelism runs the blocks' norms
+on 1/tp of the rows; their outputs, which the engine gathers for the projections, are kept for backward
+as those shards and gathered again in backward (:class:`_Regather`), as
+:mod:`parallel.sharding.sequence_parallel` does. The time model's pass
 (:func:`trainer.planner.cost.model.unit_pass`) uses the same kernel, mode and shapes.
 """
 
@@ -153,6 +156,34 @@ class _Census(TorchDispatchMode):
         return out
 
 
+class _Regather:
+    """A sequence-parallel norm's output as the projections keep it: its shard (``output``, counted at
+    1/tp), gathered whole once backward first asks (a new tensor the census counts whole), the shard
+    then dropped; the gathered tensor dies with the last view saved of it, as in the engine."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self.output: torch.Tensor | None = output
+        self.full: torch.Tensor | None = None
+
+    def gather(self) -> torch.Tensor:
+        if self.full is None:
+            nbytes = self.output.untyped_storage().nbytes()
+            self.full = torch.empty(nbytes // self.output.element_size(), dtype=self.output.dtype, device="meta")
+            self.output = None
+        return self.full
+
+
+class _SavedView:
+    def __init__(self, regather: _Regather, size, stride, offset: int) -> None:
+        self.regather, self.size, self.stride, self.offset = regather, size, stride, offset
+
+
+def _unpack(packed: torch.Tensor | _SavedView) -> torch.Tensor:
+    if isinstance(packed, _SavedView):
+        return packed.regather.gather().as_strided(packed.size, packed.stride, packed.offset)
+    return packed
+
+
 def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, model: nn.Module | None = None,
                       attention: Callable[..., torch.Tensor] = flash_attention_for_cpu) -> dict:
     """One forward and backward of ``micro_batch`` sequences on the meta device: ``{"units": {unit:
@@ -186,10 +217,17 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     inputs: dict[str, float] = {}
     seen: set[int] = set()
     hooks = []
+    # Sequence parallel: a norm's output is gathered for the projections, which keep only its shard for
+    # backward and gather it again there (parallel.sharding.sequence_parallel): storage -> the output.
+    sp_outputs: dict[int, weakref.ref] = {}
+    regathers: weakref.WeakValueDictionary[int, _Regather] = weakref.WeakValueDictionary()
     for name, module in model.named_modules():
         if name in plan.units or name in sp_norms:
             hooks.append(module.register_forward_pre_hook(lambda _m, args, name=name: _enter(name, args)))
             hooks.append(module.register_forward_hook(lambda *_: current.pop() and None))
+        if name in sp_norms:
+            hooks.append(module.register_forward_hook(
+                lambda _m, _a, out: sp_outputs.__setitem__(out.untyped_storage()._cdata, weakref.ref(out))))
 
     def _enter(name: str, args: tuple) -> None:
         current.append(name)
@@ -202,15 +240,20 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     def share() -> float:  # sequence parallel: a norm runs on this rank's sequence shard
         return 1 / tp if any(c in sp_norms for c in current) else 1.0
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> torch.Tensor | _SavedView:
         storage = t.untyped_storage()
+        output = sp_outputs.get(storage._cdata)
+        gathered = output is not None and output() is not None
         if storage._cdata not in params and storage._cdata not in seen:
             seen.add(storage._cdata)
             owner = next((c for c in current if c in plan.units), plan.units[-1])
-            units[owner] += storage.nbytes() * share()
+            units[owner] += storage.nbytes() * (1 / tp if gathered else share())
             if core_inputs and storage._cdata not in core_inputs:
                 cores[owner] += storage.nbytes() * share()
-        return t
+        if not gathered:
+            return t
+        regather = regathers.get(storage._cdata) or regathers.setdefault(storage._cdata, _Regather(t))
+        return _SavedView(regather, t.size(), t.stride(), t.storage_offset())
 
     def counted(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def core(q, k, v, *args, **kwargs):
@@ -231,7 +274,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     census = _Census(model, share)
     # Every device runs the fused ring (parallel.context.ring): q, k, v, the output and log-sum-exp kept.
     with AttentionKernel(counted(_over_the_row(attention, plan, memory=True))), census:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             out = model(x)
             # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
             loss = loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
