@@ -65,37 +65,8 @@ def test_the_8b_fsdp_row_is_not_refused_on_its_h100s():
     _no_refusal(next(r for r in EXPRESSIBLE if r.name == "torchtitan-8b-fsdp8"))
 
 
-# Rows this engine's prediction still puts beyond the measured error on their own hardware (issue 48,
-# measured 2026-11-29 after loss parallel and the chunked loss): its blocks keep about twice Megatron's
-# activations (the norms' fp32 intermediates; under sequence parallelism the all-gathered block input kept
-# whole for backward where Megatron keeps the 1/tp shard and gathers again), which the prediction reflects:
-# llm-foundry's largest micro-batches without checkpointing, Nemotron-4 340B and Llama 3.1 405B at pp 8-9
-# interleaved, Korthikanti's 1T and Megatron-LM 2024's 462B. Strict: a row that comes in fails here until
-# it leaves this list.
-ENGINE_ACTIVATIONS = {
-    "korthikanti2022-1T-seqsel", "megatron2024-h100-462B",
-    *(f"llmfoundry-h100_sxm-{size}-{gpus}gpu-mbs{mbs}" for size, mbs, gpus_list in (
-        ("1b", 20, (16, 32, 64)), ("760m", 24, (8, 16, 32))) for gpus in gpus_list),
-    "llmfoundry-a100_80g-760m-8gpu-mbs24",
-    *(f"llmfoundry-a100_40g-3b-{gpus}gpu-mbs6" for gpus in (32, 64, 128)), "llmfoundry-a100_40g-3b-8gpu-mbs5",
-    *(f"llmfoundry-a100_40g-1b-{gpus}gpu-mbs10" for gpus in (32, 64, 128)),
-    *(f"llmfoundry-a100_40g-760m-{gpus}gpu-mbs12" for gpus in (8, 16, 32, 64, 128)),
-    *(f"llmfoundry-a100_40g-350m-{gpus}gpu-mbs18" for gpus in (16, 32, 64, 128)),
-    *(f"dgxc-nemotron4-340b-{gpus}gpu" for gpus in (128, 256, 512)),
-    *(f"dgxc-llama3.1-405b-{gpus}gpu" for gpus in (576, 1152, 2304)),
-}
-
-
-def _expected(row: published.PublishedRun):
-    if row.name in ENGINE_ACTIVATIONS:
-        return pytest.param(row, marks=pytest.mark.xfail(
-            reason="this engine's per-block activations (about 2x Megatron's) put it beyond the measured error",
-            strict=True))
-    return row
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("row", [_expected(r) for r in EXPRESSIBLE], ids=[r.name for r in EXPRESSIBLE])
+@pytest.mark.parametrize("row", EXPRESSIBLE, ids=[r.name for r in EXPRESSIBLE])
 def test_no_published_row_is_refused_for_memory_on_its_hardware(row):
     _no_refusal(row)
 
