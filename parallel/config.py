@@ -64,7 +64,9 @@ class TensorParallelConfig(Section):
         description="The model family's named plan: megatron = attention and MLP column- then row-parallel "
         "(the model provides the globs; explicit `placements` / `layouts` override it).",
     )
-    sequence_parallel: bool = Field(False, description="Also run the block norms on sequence shards (Shard(1)).")
+    sequence_parallel: bool = Field(
+        False, description="Also run the block norms on sequence shards (Shard(1)); the projections keep each "
+        "norm's gathered output for backward as its shard and gather it again there (Megatron-LM's way).")
     loss_parallel: bool = Field(
         True, description="Loss parallel (on by default, as torchtitan and Megatron-LM do): the output head is "
         "column-parallel over this axis (each rank holds vocab/tp rows of it; a tied input embedding is split "
