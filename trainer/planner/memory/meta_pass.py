@@ -156,6 +156,9 @@ class _Census(TorchDispatchMode):
         return out
 
 
+_GATHERED = "\0gathered"  # on the module stack: a sequence-parallel block's child that runs on the whole rows
+
+
 class _Regather:
     """A sequence-parallel norm's output as the projections keep it: its shard (``output``, counted at
     1/tp), gathered whole once backward first asks (a new tensor the census counts whole), the shard
@@ -221,9 +224,15 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     # backward and gather it again there (parallel.sharding.sequence_parallel): storage -> the output.
     sp_outputs: dict[int, weakref.ref] = {}
     regathers: weakref.WeakValueDictionary[int, _Regather] = weakref.WeakValueDictionary()
+    # A sequence-parallel block keeps its residual stream as sequence shards: its own code (the residual adds)
+    # and its norms run on 1/tp of the rows, its other children (attention, the MLP) on the gathered rows.
+    sp_blocks = {b for b in plan.blocks if any(n.startswith(f"{b}.") for n in sp_norms)}
     for name, module in model.named_modules():
         if name in plan.units or name in sp_norms:
             hooks.append(module.register_forward_pre_hook(lambda _m, args, name=name: _enter(name, args)))
+            hooks.append(module.register_forward_hook(lambda *_: current.pop() and None))
+        elif name.rpartition(".")[0] in sp_blocks:
+            hooks.append(module.register_forward_pre_hook(lambda *_: current.append(_GATHERED)))
             hooks.append(module.register_forward_hook(lambda *_: current.pop() and None))
         if name in sp_norms:
             hooks.append(module.register_forward_hook(
@@ -237,8 +246,13 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
             sp_block = any(n.startswith(f"{name}.") for n in sp_norms)
             inputs[name] = args[0].numel() * args[0].element_size() / (tp if sp_block else 1)
 
-    def share() -> float:  # sequence parallel: a norm runs on this rank's sequence shard
-        return 1 / tp if any(c in sp_norms for c in current) else 1.0
+    def share() -> float:  # sequence parallel: a norm and the residual stream run on this rank's sequence shard
+        for c in reversed(current):
+            if c == _GATHERED:
+                return 1.0
+            if c in sp_norms or c in sp_blocks:
+                return 1 / tp
+        return 1.0
 
     def pack(t: torch.Tensor) -> torch.Tensor | _SavedView:
         storage = t.untyped_storage()
