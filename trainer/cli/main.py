@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from parallel.errors import ConfigError
-from trainer.config.compose import CONF_DIR, register_defaults, to_plain, with_preset
+from trainer.config.compose import CONF_DIR, group_option_issues, register_defaults, to_plain, with_preset
 from trainer.config.schema import RunConfig
 from trainer.launch import launcher
 from trainer.launch.launcher import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, launch, worker_preload
@@ -48,6 +48,15 @@ def main(composed: DictConfig) -> float | None:
         if _starts_workers(raw):  # the workers' fork server imports while the config is checked
             server.enter_context(worker_server(also_preload=worker_preload(raw.get("tracking") or {})))
         return _run(raw, sweeping)
+
+
+def refuse_unknown_group_options(argv: list[str]) -> None:
+    """Exit 2 with each override that chooses a config group's option Hydra would refuse (an unknown
+    one, or a group written with or without ``+`` against the defaults list), as ``path: reason (fix)``
+    like every other bad config, instead of Hydra's search-path dump and exit 1."""
+    if issues := group_option_issues(argv):
+        print(ConfigError(issues), file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
 
 
 def _starts_workers(raw: dict) -> bool:
