@@ -119,7 +119,7 @@ def group_option_issues(overrides: list[str] | tuple[str, ...]) -> list[ConfigIs
     from hydra.errors import HydraException
 
     register_defaults()  # the pydantic defaults' own options (model=gpt_defaults) are options too
-    parser, issues = OverridesParser.create(), []
+    parser, issues, elsewhere = OverridesParser.create(), [], _search_dirs(list(overrides))
     for text in overrides:
         if text.startswith("-") or "=" not in text:
             continue
@@ -130,24 +130,47 @@ def group_option_issues(overrides: list[str] | tuple[str, ...]) -> list[ConfigIs
         group = override.key_or_group
         if override.package is not None or override.is_delete() or not (CONF_DIR / group).is_dir():
             continue
-        presets = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-        stored = ConfigStore.instance().list(group) if group in ConfigStore.instance().list("") else []
-        known = {*presets, *(name.removesuffix(".yaml") for name in stored)}
         chosen = list(override.sweep_string_iterator()) if override.is_choice_sweep() else [override.value()]
-        if not all(isinstance(option, str) for option in chosen):
-            continue
+        if elsewhere is None or not all(isinstance(option, str) for option in chosen):
+            continue  # a search path entry this cannot list (pkg://): Hydra looks the options up itself
+        presets, theirs = _yaml_options([CONF_DIR], group), _yaml_options(elsewhere, group)
+        stored = ConfigStore.instance().list(group) if group in ConfigStore.instance().list("") else []
+        known = {*presets, *theirs, *(name.removesuffix(".yaml") for name in stored)}
         listed = group in _default_groups()
         plus = "++" if override.is_force_add() else "" if listed else "+"
         if all(option in known for option in chosen) and (override.is_force_add() or override.is_add() != listed):
             continue
-        meant = [option if option in known else next(iter(difflib.get_close_matches(option, presets, n=1)), None)
+        meant = [option if option in known else next(iter(difflib.get_close_matches(option, presets + theirs, n=1)), None)
                  for option in chosen]
-        issues.append(ConfigIssue(group, *_group_option_problem(text, group, chosen, meant, presets, plus)))
+        issues.append(ConfigIssue(group, *_group_option_problem(text, group, chosen, meant, presets, theirs, plus)))
     return issues
 
 
+def _yaml_options(folders: list[Path], group: str) -> list[str]:
+    return sorted({p.stem for folder in folders for p in (folder / group).glob("*.yaml")})
+
+
+def _search_dirs(argv: list[str]) -> list[Path] | None:
+    """The folders Hydra searches for configs beyond trainer/conf: ``hydra.searchpath``'s and
+    ``--config-dir``'s; None when an entry is not a folder (``pkg://``), whose options are not listed here."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # start-up: with Hydra, at the edge
+
+    entries: list[str] = []
+    for index, text in enumerate(argv):
+        if text.lstrip("+").startswith("hydra.searchpath="):
+            value = OverridesParser.create().parse_override(text).value()
+            entries += [str(entry) for entry in (value if isinstance(value, list) else [value])]
+        elif text in ("--config-dir", "-cd") and index + 1 < len(argv):
+            entries.append(argv[index + 1])
+        elif text.startswith("--config-dir="):
+            entries.append(text.partition("=")[2])
+    if any("://" in entry and not entry.startswith("file://") for entry in entries):
+        return None
+    return [Path(entry.removeprefix("file://")) for entry in entries]
+
+
 def _group_option_problem(typed: str, group: str, chosen: list[str], meant: list[str | None], presets: list[str],
-                          plus: str) -> tuple[str, str]:
+                          theirs: list[str], plus: str) -> tuple[str, str]:
     """The reason and the fix of :func:`group_option_issues` for the override ``typed``."""
     unknown = [option for option, guess in zip(chosen, meant) if guess != option]
     if unknown:
@@ -157,6 +180,8 @@ def _group_option_problem(typed: str, group: str, chosen: list[str], meant: list
     else:
         reason, how = f"{typed} appends a group the defaults list already chooses", "override it without +: "
     options = f"options in trainer/conf/{group}: {', '.join(presets)}"
+    if theirs:
+        options += f"; on the search path: {', '.join(theirs)}"
     if None in meant:
         appended = {"+": ", appended with +", "++": ", forced with ++"}.get(plus, "")
         return reason, f"choose one of the {options.replace(':', appended + ':', 1)}"
