@@ -90,6 +90,16 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
                          "re-runs a compiled block's whole backward); use 1F1B or Interleaved1F1B, or compile=False")
     if pp is not None and pp.stages:
         return _parallelize_stages(model, plan, **part_options)
+    return _parallelize_on_mesh(model, plan, **part_options)
+
+
+def _parallelize_on_mesh(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
+                         init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
+                         heads: HeadGradients) -> ParallelModel:
+    """One layout on the world mesh: the pipeline's stages on this rank (when there is a pipeline),
+    each placed, sharded and materialised by :func:`_parallelize_part`; tied parameters on different
+    stages kept equal (:mod:`parallel.pipeline.ties`)."""
+    pp = plan.pipeline
     # Explicit mesh rank ids only say which device each position's worker runs on (the launcher bound
     # it): the world mesh itself is always torch ranks 0..n-1 row-major.
     mesh = build_mesh(plan.mesh.shape, plan.mesh.dim_names, device_type=device.type)
@@ -102,8 +112,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         stages = [(0, model)]
     report: dict[str, str] = {}
     for _, part in stages:
-        report.update(_parallelize_part(part, mesh, plan, pipelined=pp is not None, model_ties=groups,
-                                        **part_options))
+        report.update(_parallelize_part(part, mesh, plan, pipelined=pp is not None, model_ties=groups, device=device,
+                                        init=init, precision=precision, compile=compile, heads=heads))
     ties = None
     if pp is not None and groups:
         ties = StageTies.build(groups, [part for _, part in stages], holders_on_mesh(groups, plan, mesh), pairing="shards")

@@ -91,6 +91,8 @@ def compose_overrides(overrides: list[str]) -> dict[str, Any]:
     try:
         with _COMPOSE_LOCK:
             return compose_dict(list(overrides))
+    except ConfigError:  # the composition's own refusal (a group chosen without +) names its fix
+        raise
     except Exception as err:  # Hydra's composition errors (unknown key, bad type) become 422s
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError([ConfigIssue("overrides", message, "check the keys with `python -m trainer --help`")]) from None

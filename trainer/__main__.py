@@ -16,9 +16,9 @@ if __name__ == "__main__":
 
         print_help()
         sys.exit(0)
-    from trainer.cli.main import exit_code, main
+    from trainer.cli.main import main, refuse_unknown_group_options
     from trainer.config.compose import forgiving_overrides
 
+    refuse_unknown_group_options(sys.argv[1:])  # Hydra would dump its search path and exit 1
     sys.argv[1:] = forgiving_overrides(sys.argv[1:])  # before Hydra reads them
-    main()
-    sys.exit(exit_code())  # a sweep whose job failed; a single run has already exited
+    sys.exit(main())  # a sweep's: its first failed job's code; a single run has already exited with its own

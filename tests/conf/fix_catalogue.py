@@ -143,6 +143,11 @@ MORE: dict[str, Bad] = {
                                          "hardware.peak_tflops.bf16", ["states no peak_tflops.bf16"]),
     "hardware/more-devices-than-a-node": bad(["hardware=a100_80g", "dry_run=true", "+parallel=fsdp", "mesh=[16]"],
                                              "launch.nnodes", ["holds 8 devices"]),
+    # A config group's option Hydra cannot find (issue 45): refused while composing, the fix typed in its place.
+    "group/unknown-option": bad(["+parallel=fdsp"], "parallel", ["unknown option 'fdsp'"], ["+parallel=fsdp"]),
+    "group/unknown-default-option": bad(["model=gpt_mo"], "model", ["unknown option 'gpt_mo'"], ["model=gpt_moe"]),
+    "group/chosen-without-plus": bad(["parallel=fsdp"], "parallel", ["does not choose"], ["+parallel=fsdp"]),
+    "group/chosen-with-plus": bad(["+model=gpt_moe"], "model", ["already chooses"], ["model=gpt_moe"]),
 }
 SLOW = {"more/auto-with-rank-ids"}  # its fix runs the auto-planner, which calibrates the host first (minutes)
 if not torch.cuda.is_available():

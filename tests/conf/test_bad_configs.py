@@ -427,3 +427,25 @@ def test_the_cli_names_a_typo_and_sets_keys_a_preset_does_not_state(tmp_path):
     assert typo.returncode == 2 and "train.step: unknown key (did you mean train.steps?" in typo.stderr, typo.stderr
     unstated = run_cli(["+parallel=fsdp", "parallel.activation_checkpointing=full", "validate_only=true"], cwd=tmp_path)
     assert unstated.returncode == 0 and unstated.stdout.startswith("config OK"), unstated.stderr
+
+
+_PARALLEL_OPTIONS = ("options in trainer/conf/parallel: 2d, 3d, 3d_cp, 3d_ep, auto, cp, dp, ep, fsdp, fsdp_cp, fsdp_ep, "
+                     "hsdp, hsdp_tp, pp, pp_stages, tp, tp_sp, zero2")
+
+
+@pytest.mark.parametrize(("typed", "line"), [
+    ("+parallel=fdsp", "parallel: unknown option 'fdsp' of config group parallel (did you mean fsdp? write +parallel=fsdp; "
+                       f"{_PARALLEL_OPTIONS})"),
+    ("model=gpt_mo", "model: unknown option 'gpt_mo' of config group model (did you mean gpt_moe? write model=gpt_moe; "
+                     "options in trainer/conf/model: custom, gpt_175b, gpt_debug, gpt_moe, gpt_small, hf, mlp)"),
+    ("parallel=fsdp", "parallel: parallel=fsdp overrides a group the defaults list does not choose (append it with +: "
+                      f"write +parallel=fsdp; {_PARALLEL_OPTIONS})"),
+], ids=["appended-typo", "default-group-typo", "without-plus"])
+def test_the_cli_names_a_config_groups_unknown_option(tmp_path, typed, line):
+    """A config group's option Hydra cannot find (or a group written without the ``+`` it needs) exits 2
+    with the group, the option it resembles and the override to type, as an unknown key does: not
+    Hydra's search-path dump and exit 1."""
+    proc = run_cli([typed, "validate_only=true"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == ["invalid config: 1 problem", f"  - {line}"]
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []

@@ -77,17 +77,29 @@ def test_fix_groups_reads_a_fix_as_a_shell_would():
 
 def _issues(case: Bad, fix: list[str] = (), *, memory: bool = True) -> list[ConfigIssue]:
     """The issues of ``case`` with ``fix`` applied; ``memory`` false: without the memory prediction
-    (half a second, and a refusal of its own: one a fix may leave, as any other reason)."""
-    raw = compose(*case.overrides, *fix)
-    if case.edit is not None:
-        case.edit(raw)
-        _overlay(raw, fix)  # the edit may set the very key the fix sets: the user's fix comes last
+    (half a second, and a refusal of its own: one a fix may leave, as any other reason). A fix that
+    chooses a config group's option is typed in place of the override choosing that group (Hydra
+    takes a group once); a refusal while composing is an issue as the validator's are."""
     try:
+        raw = compose(*_in_place(case.overrides, fix))
+        if case.edit is not None:
+            case.edit(raw)
+            _overlay(raw, fix)  # the edit may set the very key the fix sets: the user's fix comes last
         with patch.object(model_checks, "_check_memory", model_checks._check_memory if memory else lambda *_: []):
             resolve_and_validate(raw)  # as the CLI does: +parallel=auto resolved, then validated
     except ConfigError as err:
         return err.issues
     return []
+
+
+def _in_place(overrides: tuple[str, ...], fix: list[str]) -> list[str]:
+    """``overrides`` then ``fix``, a fix choosing a config group replacing the override that chose it."""
+    chosen = {_group(o) for o in fix if _is_group(o)}
+    return [*(o for o in overrides if not (_is_group(o) and _group(o) in chosen)), *fix]
+
+
+def _group(override: str) -> str:
+    return override.lstrip("+~").partition("=")[0]
 
 
 def _overlay(raw: dict, fix: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""The multi-worker launcher as a user meets it: a dying worker, a stopped job, no orphans."""
+"""The launcher as a user meets it: a dying worker, a stopped job, no orphans; launches in threads of
+one process each return their own outcome."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import worker_pids
+from trainer.run.metrics import NullProgress
+from trainer.tracking.tracker import NullTracker
 from timing import Deadline, scaled
 
 LONG_DP = ["+parallel=dp", "mesh=[2]", "train.steps=100000", "train.global_batch_size=4", "train.seq_len=32",
@@ -103,3 +107,38 @@ def test_sigterm_stops_every_worker_and_kills_the_run(tmp_path):
     assert proc.returncode == 143, output
     assert _run_status(uri) == "KILLED"
     assert not _left_behind(everything), f"left behind: {_left_behind(everything)}"
+
+
+ONE_DEVICE = ("tracking=none", "tracking.pictures=false", "train.checkpoint.save_final=false", "train.global_batch_size=4",
+              "train.seq_len=32", "train.log_every=1", "data.max_bytes=200000")
+
+
+def test_launches_in_threads_of_one_process_each_return_their_own_outcome(compose, tmp_path):
+    """Two one-device launches at once in threads of one process (as a sweep's or the control plane's
+    could): each returns its own exit code, losses and step times, the losses its config's alone, and
+    each job log holds its own run's step lines."""
+    from trainer.launch.launcher import launch
+    from trainer.run.loop import train
+
+    configs = {steps: compose(*ONE_DEVICE, f"train.steps={steps}", f"launch.log_dir={tmp_path / f'steps{steps}'}")
+               for steps in (2, 3)}
+    alone = {steps: train(cfg, tracker=NullTracker(), progress=NullProgress()).losses for steps, cfg in configs.items()}
+    together, started = {}, threading.Barrier(len(configs))
+
+    def launch_one(steps: int) -> None:
+        started.wait()
+        together[steps] = launch(configs[steps])
+
+    threads = [threading.Thread(target=launch_one, args=(steps,)) for steps in configs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=scaled(300))
+    assert {steps: (o.exit_code, len(o.step_times), o.run_id) for steps, o in together.items()} == {
+        2: (0, 2, None), 3: (0, 3, None)}
+    assert {steps: o.losses for steps, o in together.items()} == alone
+    assert float(together[3]) == alone[3][-1]  # what a sweep's job returns to its sweeper
+    for steps in configs:
+        (log,) = (tmp_path / f"steps{steps}").glob("*_local/attempt_0/0/stdout.log")
+        counted = {line.split()[1] for line in log.read_text().splitlines() if line.startswith("step ")}
+        assert counted == {f"{n}/{steps}" for n in range(1, steps + 1)}, log.read_text()

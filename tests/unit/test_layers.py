@@ -15,6 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("api", "service", "trainer", "parallel")
 MAX_MODULE_LINES = 400
 MAX_MODULES_PER_FOLDER = 15
+# Functions that fit on a screen, where the training road runs: the loop and its parts, the launcher, the engine.
+MAX_FUNCTION_LINES = 60
+SHORT_FUNCTIONS = ("trainer/run", "trainer/launch", "parallel/engine.py")
 # An import inside a function says why, on its line or in the comments right above its import block:
 # a measured start-up cost, or an optional dependency.
 REASONS = ("start-up", "optional")
@@ -150,6 +153,22 @@ def test_rooms_of_a_readable_size():
     for path in modules.values():
         per_folder[path.parent.relative_to(REPO)] += path.name != "__init__.py"
     assert {str(folder): n for folder, n in per_folder.items() if n > MAX_MODULES_PER_FOLDER} == {}
+
+
+def test_functions_of_the_loop_the_launcher_and_the_engine_fit_on_a_screen():
+    """No function (method, nested function) in trainer/run/, trainer/launch/ or parallel/engine.py
+    is longer than MAX_FUNCTION_LINES, decorators and docstring included."""
+    paths = [path for where in SHORT_FUNCTIONS for path in sorted((REPO / where).rglob("*.py") if (REPO / where).is_dir()
+                                                                   else [REPO / where])]
+    assert len(paths) > 10 and REPO / "trainer" / "run" / "loop.py" in paths  # the walk finds the rooms
+    long = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if (n := node.end_lineno - first + 1) > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(REPO)}:{node.lineno} {node.name}"] = n
+    assert long == {}
 
 
 def test_parallel_does_not_import_trainer_or_mlflow():

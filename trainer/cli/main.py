@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import math
 import sys
-from contextlib import ExitStack
 
 import hydra
 from omegaconf import DictConfig
 
 from parallel.errors import ConfigError
-from trainer.config.compose import CONF_DIR, register_defaults, to_plain, with_preset
+from trainer.config.compose import CONF_DIR, group_option_issues, register_defaults, to_plain, with_preset
 from trainer.config.schema import RunConfig
-from trainer.launch import launcher
-from trainer.launch.launcher import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, launch, worker_preload
-from trainer.launch.processes import worker_server
+from trainer.launch.launcher import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, LaunchOutcome, LaunchSession
 from trainer.pictures.placement import DRY_RUN_DIR, write_placement
 from trainer.planner.auto.plan import resolve_and_validate
 from trainer.planner.forecast.plan_file import dry_run_report
@@ -30,11 +27,29 @@ _BATCH_PATHS = {"train.global_batch_size", "parallel.pipeline.microbatches"}
 register_defaults()  # the base config Hydra composes from: the pydantic models' defaults
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def main(composed: DictConfig) -> float | None:
-    """One job. In a single run the process exits with the launch's code; in a sweep (``--multirun``)
-    a job returns its final loss (what a sweeper such as Optuna minimises) or raises, so that Hydra
-    goes on with the next job and the sweep ends failed (:func:`exit_code`)."""
+def main() -> int:
+    """``python -m trainer``: one run, or a sweep's jobs (``--multirun``), as Hydra reads the command
+    line. A single run exits with its launch's code; after a sweep, the code returned is the first
+    failed job's, else 0. Each job returns its :class:`LaunchOutcome` to Hydra (``float()`` of it is the
+    final loss a sweeper such as Optuna minimises; :class:`trainer.cli.sweep.SweepParentRun` reads the
+    rest), so that nothing of one job's outcome is left in a module for the next."""
+    failed: list[int] = []  # this sweep's failed jobs' exit codes
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def job(composed: DictConfig) -> LaunchOutcome | None:
+        outcome = run_job(composed)
+        if outcome is not None and not outcome.ok:
+            failed.append(outcome.exit_code)
+        return outcome
+
+    job()
+    return failed[0] if failed else EXIT_OK
+
+
+def run_job(composed: DictConfig) -> LaunchOutcome | None:
+    """One job: the composed config validated and launched (or planned, or only checked). In a single
+    run the process exits with the launch's code; in a sweep a job returns its outcome, a failed one's
+    too, so that Hydra goes on with the next job and the sweep ends failed (:func:`main`)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -42,12 +57,19 @@ def main(composed: DictConfig) -> float | None:
     raw = with_preset(to_plain(composed), HydraConfig.get().runtime.choices)
     if sweeping and isinstance(raw.get("tracking"), dict):  # tells the sweep's runs apart (trainer.tracking.run_info)
         raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
-    if sweeping:
-        launcher.LAST_OUTCOME = None  # the previous job's is not this one's
-    with ExitStack() as server:
+    with LaunchSession(raw.get("tracking") or {}) as session:
         if _starts_workers(raw):  # the workers' fork server imports while the config is checked
-            server.enter_context(worker_server(also_preload=worker_preload(raw.get("tracking") or {})))
-        return _run(raw, sweeping)
+            session.start_workers_server()
+        return _run(raw, sweeping, session)
+
+
+def refuse_unknown_group_options(argv: list[str]) -> None:
+    """Exit 2 with each override that chooses a config group's option Hydra would refuse (an unknown
+    one, or a group written with or without ``+`` against the defaults list), as ``path: reason (fix)``
+    like every other bad config, instead of Hydra's search-path dump and exit 1."""
+    if issues := group_option_issues(argv):
+        print(ConfigError(issues), file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
 
 
 def _starts_workers(raw: dict) -> bool:
@@ -62,70 +84,59 @@ def _starts_workers(raw: dict) -> bool:
     return count > 1
 
 
-def _run(raw: dict, sweeping: bool) -> float | None:
+def _run(raw: dict, sweeping: bool, session: LaunchSession) -> LaunchOutcome | None:
     try:
         # +parallel=auto: the rest of the road sees an ordinary config; the search says how far it is
         cfg, plan, ranking = resolve_and_validate(raw, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ConfigError as err:
         if raw.get("dry_run") is True and all(i.path in _BATCH_PATHS for i in err.issues):
             _plan_despite_batch(raw, err)
-            return
+            return None
         print(err, file=sys.stderr)
         if sweeping:
-            return _job_failed(EXIT_CONFIG)
+            return _job_failed(LaunchOutcome(EXIT_CONFIG))
         sys.exit(EXIT_CONFIG)
     if cfg.validate_only:
         print(f"config OK: {cfg.model.arch} model, mesh {list(cfg.mesh_shape)} "
               f"({cfg.world_size} worker{'s' if cfg.world_size > 1 else ''}), {cfg.train.steps} steps")
-        return
+        return None
     if cfg.dry_run:
-        if ranking is not None:
-            print(ranking.table() + "\n")
-        text, summary = dry_run_report(cfg, plan)
-        print(text)
-        _write_pictures(cfg, plan)
-        _failed_prediction(summary)
-        if summary["memory_verdict"] == "does not fit":  # within the measured error: the report's warning, no refusal
-            hint = ("the memory table above says which ranks; fewer bytes per rank: fsdp, tp, pp, activation "
-                    "checkpointing, or more devices")
-            if cfg.hardware.is_host and summary["memory_budget_gib"] <= 0:
-                hint = (f"{cfg.world_size // cfg.launch.nnodes} workers share this host's memory; to plan a cluster "
-                        "you do not have, name its hardware and nodes, e.g. hardware=h100_sxm "
-                        f"launch.nnodes={max(1, cfg.world_size // 8)}")
-            peak = summary["peak_memory_gib_per_device"] or summary["memory_lower_bound_gib"]
-            beyond = (f" by more than the prediction's measured error of {summary['memory_margin']['measured_error']:.0%}"
-                      if summary["memory_margin"]["measured_error"] else "")
-            _refused_at_launch(cfg, f"launch.memory_budget_gb: predicted peak {peak:.2f} "
-                                    f"GiB per device exceeds the budget of {summary['memory_budget_gib']:.2f} GiB{beyond} "
-                                    f"({hint})")
-        return
-    code = launch(cfg)
+        _dry_run(cfg, plan, ranking)
+        return None
+    outcome = session.launch(cfg)
     if not sweeping:
-        sys.exit(code)
-    if code != EXIT_OK:
-        return _job_failed(code)
-    return _final_loss()
+        sys.exit(outcome.exit_code)
+    return outcome if outcome.ok else _job_failed(outcome)
 
 
-FAILED_JOBS: list[int] = []  # exit codes of a sweep's failed jobs, for the process's own exit code
+def _dry_run(cfg: RunConfig, plan, ranking) -> None:
+    """The plan's report and pictures; exit 1 when its prediction failed, 2 when a launch would refuse it."""
+    if ranking is not None:
+        print(ranking.table() + "\n")
+    text, summary = dry_run_report(cfg, plan)
+    print(text)
+    _write_pictures(cfg, plan)
+    _failed_prediction(summary)
+    if summary["memory_verdict"] == "does not fit":  # within the measured error: the report's warning, no refusal
+        hint = ("the memory table above says which ranks; fewer bytes per rank: fsdp, tp, pp, activation "
+                "checkpointing, or more devices")
+        if cfg.hardware.is_host and summary["memory_budget_gib"] <= 0:
+            hint = (f"{cfg.world_size // cfg.launch.nnodes} workers share this host's memory; to plan a cluster "
+                    "you do not have, name its hardware and nodes, e.g. hardware=h100_sxm "
+                    f"launch.nnodes={max(1, cfg.world_size // 8)}")
+        peak = summary["peak_memory_gib_per_device"] or summary["memory_lower_bound_gib"]
+        beyond = (f" by more than the prediction's measured error of {summary['memory_margin']['measured_error']:.0%}"
+                  if summary["memory_margin"]["measured_error"] else "")
+        _refused_at_launch(cfg, f"launch.memory_budget_gb: predicted peak {peak:.2f} "
+                                f"GiB per device exceeds the budget of {summary['memory_budget_gib']:.2f} GiB{beyond} "
+                                f"({hint})")
 
 
-def _job_failed(code: int) -> float:
+def _job_failed(outcome: LaunchOutcome) -> LaunchOutcome:
     """A sweep goes on after a failed job (Hydra would stop at an exception) and ends failed; the
-    job's value is NaN, which a sweeper such as Optuna records as a failed trial."""
-    launcher.LAST_OUTCOME = None  # what trainer.cli.sweep reads: this job has no outcome
-    FAILED_JOBS.append(code)
-    print(f"sweep: job failed (exit code {code}); going on with the next", file=sys.stderr, flush=True)
-    return float("nan")
-
-
-def _final_loss() -> float:
-    return ((launcher.LAST_OUTCOME or {}).get("losses") or [float("nan")])[-1]
-
-
-def exit_code() -> int:
-    """After :func:`main` returned: non-zero when a sweep's job failed (a single run exits itself)."""
-    return FAILED_JOBS[0] if FAILED_JOBS else 0
+    job's value is NaN (``float(outcome)``), which a sweeper such as Optuna records as a failed trial."""
+    print(f"sweep: job failed (exit code {outcome.exit_code}); going on with the next", file=sys.stderr, flush=True)
+    return outcome
 
 
 def _write_pictures(cfg, plan) -> None:

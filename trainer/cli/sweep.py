@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.tracking_schema import default_tracking_uri
-from trainer.launch import launcher as launch
+from trainer.launch.launcher import LaunchOutcome
 from trainer.tracking.credentials import connect_uri
 from trainer.tracking.mlflow_tracker import get_or_create_experiment
 from trainer.tracking.run_info import public_config, redact, run_url
@@ -116,13 +116,15 @@ class SweepParentRun(Callback):
             return
         from hydra.core.utils import JobStatus
 
-        # trainer.cli.main clears the outcome of a job that failed (it returns NaN so the sweep goes on)
-        outcome = launch.LAST_OUTCOME if job_return.status == JobStatus.COMPLETED else None
-        losses = (outcome or {}).get("losses") or [None]
+        # the job's own outcome, as trainer.cli.main returns it (a failed launch's too, so the sweep goes on)
+        returned = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        launched = returned if isinstance(returned, LaunchOutcome) else None
+        done = launched is not None and launched.ok
         self._jobs.append({"job": len(self._jobs), "overrides": list(job_return.overrides or []),
-                           "swept": self._own(job_return.overrides),
-                           "status": "COMPLETED" if outcome else "FAILED", "run_id": (outcome or {}).get("run_id"),
-                           "final_loss": losses[-1], "peak_memory_mb": (outcome or {}).get("peak_memory_mb")})
+                           "swept": self._own(job_return.overrides), "status": "COMPLETED" if done else "FAILED",
+                           "run_id": launched.run_id if launched else None,
+                           "final_loss": launched.losses[-1] if done and launched.losses else None,
+                           "peak_memory_mb": launched.details.get("peak_memory_mb") if launched else None})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         print(self.table(), flush=True)

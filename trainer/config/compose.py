@@ -10,10 +10,12 @@ the top-level ``conf`` is a link to it), so an installed wheel finds it too.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any
 
+from parallel.errors import ConfigError, ConfigIssue
 from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # trainer/conf, shipped inside the package
@@ -107,12 +109,107 @@ def _quote_placements(text: str) -> str:
     return _PLACEMENT_CALL.sub(lambda call: f'"{call.group()}"', text)
 
 
+def group_option_issues(overrides: list[str] | tuple[str, ...]) -> list[ConfigIssue]:
+    """The overrides that choose a config group's option Hydra would refuse with its search-path dump:
+    an option ``conf/<group>/`` lacks (``model=gpt_mo``), a group the defaults list lacks chosen
+    without ``+`` (``parallel=fsdp``) or one it holds chosen with it (``+model=gpt_moe``). Each is
+    reported as an unknown key is: the group, the option it resembles and the override to type."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    register_defaults()  # the pydantic defaults' own options (model=gpt_defaults) are options too
+    parser, issues, elsewhere = OverridesParser.create(), [], _search_dirs(list(overrides))
+    for text in overrides:
+        if text.startswith("-") or "=" not in text:
+            continue
+        try:
+            override = parser.parse_override(text)
+        except HydraException:  # Hydra reports the bad override itself, as written
+            continue
+        group = override.key_or_group
+        if override.package is not None or override.is_delete() or not (CONF_DIR / group).is_dir():
+            continue
+        chosen = list(override.sweep_string_iterator()) if override.is_choice_sweep() else [override.value()]
+        if elsewhere is None or not all(isinstance(option, str) for option in chosen):
+            continue  # a search path entry this cannot list (pkg://): Hydra looks the options up itself
+        presets, theirs = _yaml_options([CONF_DIR], group), _yaml_options(elsewhere, group)
+        stored = ConfigStore.instance().list(group) if group in ConfigStore.instance().list("") else []
+        known = {*presets, *theirs, *(name.removesuffix(".yaml") for name in stored)}
+        listed = group in _default_groups()
+        plus = "++" if override.is_force_add() else "" if listed else "+"
+        if all(option in known for option in chosen) and (override.is_force_add() or override.is_add() != listed):
+            continue
+        meant = [option if option in known else next(iter(difflib.get_close_matches(option, presets + theirs, n=1)), None)
+                 for option in chosen]
+        issues.append(ConfigIssue(group, *_group_option_problem(text, group, chosen, meant, presets, theirs, plus)))
+    return issues
+
+
+def _yaml_options(folders: list[Path], group: str) -> list[str]:
+    return sorted({p.stem for folder in folders for p in (folder / group).glob("*.yaml")})
+
+
+def _search_dirs(argv: list[str]) -> list[Path] | None:
+    """The folders Hydra searches for configs beyond trainer/conf: ``hydra.searchpath``'s and
+    ``--config-dir``'s; None when an entry is not a folder (``pkg://``), whose options are not listed here."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # start-up: with Hydra, at the edge
+
+    entries: list[str] = []
+    for index, text in enumerate(argv):
+        if text.lstrip("+").startswith("hydra.searchpath="):
+            value = OverridesParser.create().parse_override(text).value()
+            entries += [str(entry) for entry in (value if isinstance(value, list) else [value])]
+        elif text in ("--config-dir", "-cd") and index + 1 < len(argv):
+            entries.append(argv[index + 1])
+        elif text.startswith("--config-dir="):
+            entries.append(text.partition("=")[2])
+    if any("://" in entry and not entry.startswith("file://") for entry in entries):
+        return None
+    return [Path(entry.removeprefix("file://")) for entry in entries]
+
+
+def _group_option_problem(typed: str, group: str, chosen: list[str], meant: list[str | None], presets: list[str],
+                          theirs: list[str], plus: str) -> tuple[str, str]:
+    """The reason and the fix of :func:`group_option_issues` for the override ``typed``."""
+    unknown = [option for option, guess in zip(chosen, meant) if guess != option]
+    if unknown:
+        reason, how = f"unknown option {', '.join(map(repr, unknown))} of config group {group}", ""
+    elif plus:
+        reason, how = f"{typed} overrides a group the defaults list does not choose", "append it with +: "
+    else:
+        reason, how = f"{typed} appends a group the defaults list already chooses", "override it without +: "
+    options = f"options in trainer/conf/{group}: {', '.join(presets)}"
+    if theirs:
+        options += f"; on the search path: {', '.join(theirs)}"
+    if None in meant:
+        appended = {"+": ", appended with +", "++": ", forced with ++"}.get(plus, "")
+        return reason, f"choose one of the {options.replace(':', appended + ':', 1)}"
+    mean = f"did you mean {', '.join(g for g, o in zip(meant, chosen) if g != o)}? " if unknown else ""
+    return reason, f"{mean}{how}write {plus}{group}={','.join(meant)}; {options}"
+
+
+def _default_groups() -> set[str]:
+    """The config groups conf/config.yaml's defaults list chooses (``model``, ``data``, ...)."""
+    import yaml  # start-up: Hydra's own dependency, read only when overrides name a group
+
+    entries = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]
+    return {key for entry in entries if isinstance(entry, dict) for key in entry if " " not in key and "/" not in key}
+
+
+def check_group_options(overrides: list[str] | tuple[str, ...]) -> None:
+    """Raise :class:`ConfigError` for :func:`group_option_issues`; nothing when there are none."""
+    if issues := group_option_issues(overrides):
+        raise ConfigError(issues)
+
+
 def compose_dict(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The resolved config for ``overrides`` (as typed after ``python -m trainer``), as a plain dict,
-    with the preset it came from in ``tracking.tags.preset`` as the CLI has it."""
+    with the preset it came from in ``tracking.tags.preset`` as the CLI has it; a config group's
+    unknown option is a :class:`ConfigError` (:func:`group_option_issues`)."""
     from hydra import compose, initialize_config_dir
 
-    register_defaults()
+    check_group_options(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="meshflow"):
         cfg = compose(config_name="config", overrides=forgiving_overrides(list(overrides)), return_hydra_config=True)
     choices = dict(cfg.hydra.runtime.choices)

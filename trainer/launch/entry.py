@@ -8,7 +8,7 @@
 
 It launches *this node's* share of the run exactly as ``python -m trainer.launch`` does (one
 device in-process, or the node's workers through torch's elastic launcher) and returns the
-outcome the launcher keeps (losses, timings, the MLflow run id). A Ray task or ``TorchTrainer``
+launch's outcome (losses, timings, the MLflow run id) as a dict. A Ray task or ``TorchTrainer``
 loop, a Kubernetes pod or a notebook calls this instead of reaching into the launcher.
 
 Call it from the main thread: SIGTERM handling (a cancelled job's clean stop) needs it.
@@ -70,7 +70,7 @@ def train(config: RunConfig | Mapping[str, Any] | str | os.PathLike[str], *, nod
         raw = cfg.model_dump(mode="json")
         raw["launch"].update({k: v for k, v in overrides.items() if v is not None})
         cfg = RunConfig.model_validate(raw)
-    code = launcher.launch(cfg)
-    if code != launcher.EXIT_OK or launcher.LAST_OUTCOME is None:
-        raise TrainingFailed(code)
-    return dict(launcher.LAST_OUTCOME)
+    outcome = launcher.launch(cfg)
+    if not outcome.ok:
+        raise TrainingFailed(outcome.exit_code)
+    return outcome.as_dict()

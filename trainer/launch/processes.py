@@ -6,7 +6,8 @@ DTensor and the training loop, about 5 CPU-seconds on this project's 2-core test
 workers spend some 40 CPU-seconds (20 s of wall time) before their first collective. With
 ``start_method="forkserver"`` the elastic launcher forks every worker from a server process that
 imported those modules once (:data:`PRELOAD`): they start with the imports done. The server is
-started by the first worker of a launch and stopped when the process's last launch ends, so a
+entered in one place, a launch's :class:`~trainer.launch.launcher.LaunchSession`, started by the first
+launch that enters it and stopped when the process's last launch ends, so a
 later launch (a sweep's next job) gets one that reads its own environment; an elastic restart
 within the launch, and launches running at once in threads of one process, share it. The server never touches a GPU (importing torch does not
 initialise CUDA), so CUDA is first initialised in each worker, as with ``spawn``.

@@ -1,19 +1,33 @@
-"""This rank's share of the model with its first values: built, split and sharded as the plan
-says, then given the seed's values, ``train.init_from``'s or a Hugging Face directory's, and checked
-against the file it read (:mod:`trainer.models.fingerprint`) before any step trains on it.
+"""What the loop trains with, built before its first step: this rank's share of the model, its
+optimizer and learning-rate schedule, its data loader and its loss.
+
+    pm = build_parallel_model(cfg, device)
+    optimizer, scheduler = build_optimizer(pm, cfg.optim, total_steps=cfg.train.steps)
+    loader = build_loader(source, pm, cfg.train)
+    loss_fn = build_loss(cfg, pm, masked=hasattr(source, "target_count"))
+
+The model is built, split and sharded as the plan says, then given the seed's values,
+``train.init_from``'s or a Hugging Face directory's, and checked against the file it read
+(:mod:`trainer.models.fingerprint`) before any step trains on it.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 
 from parallel.engine import ParallelModel, parallelize
 from parallel.plan.resolve import resolve_plan
-from trainer.config.schema import HFModelConfig, RunConfig
+from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig, TrainConfig
+from trainer.data import Source
+from trainer.data.loader import GlobalBatchLoader
 from trainer.export.weights import check_weights_fit, load_weights
-from trainer.models import build_model, meta_initializer
+from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
 from trainer.models.fingerprint import check_fingerprints, source_fingerprints
 from trainer.models.hf import hf_fingerprints, load_hf_sharded, weight_files
+from trainer.models.moe import with_aux_loss
 
 
 def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
@@ -66,3 +80,49 @@ def check_loaded(pm: ParallelModel, cfg: RunConfig) -> None:
     elif isinstance(cfg.model, HFModelConfig) and (files := weight_files(cfg.model.path)):
         path = cfg.model.path  # a mixture of experts' files name each expert apart: hf_fingerprints stacks them
         check_fingerprints(pm, source_fingerprints(files, read=lambda: hf_fingerprints(path)), what="model.path")
+
+
+def build_optimizer(pm: ParallelModel, optim: OptimConfig, *, total_steps: int) -> tuple[
+        torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the parameters that train, and its learning-rate schedule over ``total_steps``
+    (:func:`lr_lambda`). LoRA: only the adapters train; frozen base weights get no gradient and no
+    AdamW state."""
+    optimizer = torch.optim.AdamW(
+        [p for p in pm.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak lr at a step: linear warm-up, then cosine / linear decay / constant."""
+
+    warmup = optim.warmup_steps_for(total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if optim.schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        progress = min(1.0, progress)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay
+
+    return factor
+
+
+def build_loader(source: Source, pm: ParallelModel, train: TrainConfig) -> GlobalBatchLoader:
+    """This rank's share of each global batch. One loader batch is one accumulation batch; the loader
+    position is global, so a resume on another dp size continues at the same sample."""
+    return GlobalBatchLoader(source, global_batch_size=train.global_batch_size // train.grad_accum,
+                             dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=train.seed, cp_rank=pm.cp_rank,
+                             cp_size=pm.cp_size)
+
+
+def build_loss(cfg: RunConfig, pm: ParallelModel, *, masked: bool):
+    """The training loss: the model's (``masked``: averaged over the targets a data source marks), and
+    an MoE model's weighted balance loss beside it (evaluation uses its ``base`` alone); a Hugging Face
+    MoE's weight comes from its config.json."""
+    return with_aux_loss(loss_fn_for(cfg.model, masked=masked, chunk_tokens=cfg.train.loss_chunk_tokens),
+                         pm.model_parts, decoder_config(cfg.model), pipelined=pm.pipelined)

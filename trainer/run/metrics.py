@@ -1,22 +1,28 @@
-"""Progress display and resource metrics.
+"""Progress display and resource metrics, and the loop's logging of them.
 
 :class:`Progress` shows a rich progress bar (loss, tokens/s, ETA) on a terminal and, otherwise
 (service logs, pipes, tests), a plain ``progress:`` line every ``train.progress_every_s`` seconds;
 step lines either way, whose numbers are means over the steps since the previous one and say so.
 :class:`NullProgress` is what ranks other than 0 get. :class:`MemoryMeter` measures a job's peak.
+:class:`StepLog` is the loop's logging: each step's figures into a window, logged as its means.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import math
 import platform
 import resource
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from trainer.tracking.tracker import Tracker
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -203,3 +209,67 @@ class Progress(NullProgress):
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+class LogWindow:
+    """The steps since the last logged one: metrics are logged as their means over the window (a
+    chart point stands for every step it covers, not one sample every ``log_every`` steps), and
+    the console's step line says which steps (:func:`format_metrics`)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[float]] = {}
+        self.first_step: int | None = None  # the window's first step
+
+    def add(self, step: int, **values: float) -> None:
+        if not self._values:
+            self.first_step = step
+        for key, value in values.items():
+            self._values.setdefault(key, []).append(float(value))
+
+    def means(self, tokens_per_step: int) -> dict[str, float]:
+        """Means of the window's values, ``tokens_per_s`` over its total time; empties the window."""
+        out = {key: sum(v) / len(v) for key, v in self._values.items()}
+        out["tokens_per_s"] = tokens_per_step * len(self._values["step_time_s"]) / sum(self._values["step_time_s"])
+        self._values = {}
+        return out
+
+
+class StepLog:
+    """The loop's logging: every step's figures into a :class:`LogWindow`, logged (the tracker's
+    metrics, the console's step line) as the window's means every ``log_every`` steps and at the
+    last step, beside the ranks' peak memory; the progress display advanced every step; at the end,
+    the per-rank peaks as an artifact and one console line.
+
+    ``peaks_of_ranks(mine)``: every rank's peak in rank order (a collective: every rank logs)."""
+
+    def __init__(self, *, total_steps: int, log_every: int, tokens_per_step: int, tracker: Tracker,
+                 progress: NullProgress, meter: MemoryMeter, peaks_of_ranks: Callable[[float], list[float]]) -> None:
+        self.total_steps, self.log_every, self.tokens_per_step = total_steps, log_every, tokens_per_step
+        self.tracker, self.progress, self.meter, self.peaks_of_ranks = tracker, progress, meter, peaks_of_ranks
+        self.window = LogWindow()
+        self.memory_rows: list[dict] = []  # per-rank peaks at each logged step: an artifact, the metric is their max
+        self.last_window: dict[str, Any] = {}  # the last step line's: first, last step and its means
+        self.peak_memory_mb: float | None = None  # the largest rank's peak at the last logged step
+
+    def record(self, step: int, stats: Any) -> None:
+        """Add a step's :class:`~trainer.run.step.StepStats`; log the window when ``step`` is due."""
+        self.window.add(step, **stats.figures())
+        if step % self.log_every == 0 or step == self.total_steps:
+            peaks = self.peaks_of_ranks(self.meter.peak_mb())
+            self.memory_rows.append({"step": step, **{f"rank{r}": round(v, 1) for r, v in enumerate(peaks)}})
+            first = self.window.first_step
+            metrics = {**self.window.means(self.tokens_per_step), "lr": stats.lr, "peak_memory_mb": max(peaks)}
+            self.tracker.log_metrics(metrics, step=step)
+            self.progress.log_step(step, metrics, first=first)
+            self.last_window, self.peak_memory_mb = {"first": first, "last": step, **metrics}, max(peaks)
+        self.progress.advance(step, loss=stats.loss, tokens_per_s=self.tokens_per_step / stats.seconds,
+                              tokens=self.tokens_per_step, step_time_s=stats.seconds)
+
+    def finish(self) -> None:
+        """The per-rank peaks as the run's artifact, and the last ones on the console beside the plan's prediction."""
+        if not self.memory_rows:
+            return
+        self.tracker.log_artifact_text(json.dumps(self.memory_rows, indent=1), "metrics/peak_memory_mb_per_rank.json")
+        last = self.memory_rows[-1]  # one line per run: each rank's figure
+        self.progress.log("memory: measured peak per rank " + ", ".join(
+            f"{v:,.0f}" for k, v in last.items() if k.startswith("rank")) + f" MiB (step {last['step']})")

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -226,30 +227,60 @@ def log_lines(log_dir: Path) -> list[str]:
 
 @contextmanager
 def tee_output(path: Path) -> Iterator[None]:
-    """Copy everything this process prints (stdout and stderr) into ``path`` while the block runs:
-    one device's job log, as torch elastic writes the workers'."""
+    """Copy everything this thread prints (stdout and stderr) into ``path`` while the block runs:
+    one device's job log, as torch elastic writes the workers'. Launches in threads of one process
+    each copy their own thread's lines; a line another thread prints goes into every open log."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", buffering=1) as file:
-        out, err = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(out, file), _Tee(err, file)
+        me = threading.get_ident()
+        with _TEES.lock:
+            if not _TEES.files:  # the first open log puts the tees in place; the last one out takes them away
+                _TEES.saved = sys.stdout, sys.stderr
+                sys.stdout, sys.stderr = _Tee(sys.stdout), _Tee(sys.stderr)
+            previous, _TEES.files[me] = _TEES.files.get(me), file
         try:
             yield
         finally:
-            sys.stdout, sys.stderr = out, err
+            with _TEES.lock:
+                if previous is None:
+                    del _TEES.files[me]
+                else:
+                    _TEES.files[me] = previous
+                if not _TEES.files:
+                    sys.stdout, sys.stderr = _TEES.saved
+
+
+class _OpenLogs:
+    """The job logs open in this process, by the thread whose lines each copies, and the streams the
+    tees went in front of."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # a log is closed only when no line is being written to it
+        self.files: dict[int, Any] = {}
+        self.saved: tuple[Any, Any] = (sys.stdout, sys.stderr)
+
+
+_TEES = _OpenLogs()
 
 
 class _Tee:
-    """A text stream that writes to ``stream`` and ``file``; everything else is ``stream``'s."""
+    """A text stream that writes to ``stream`` and to the thread's open log (every open log, for a
+    thread without one); everything else is ``stream``'s."""
 
-    def __init__(self, stream: Any, file: Any) -> None:
-        self._stream, self._file = stream, file
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
 
     def write(self, text: str) -> int:
-        self._file.write(text)
+        with _TEES.lock:
+            own = _TEES.files.get(threading.get_ident())
+            for file in [own] if own is not None else list(_TEES.files.values()):
+                file.write(text)
         return self._stream.write(text)
 
     def flush(self) -> None:
-        self._file.flush()
+        with _TEES.lock:
+            for file in _TEES.files.values():
+                file.flush()
         self._stream.flush()
 
     def __getattr__(self, name: str) -> Any:
