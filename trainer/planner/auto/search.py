@@ -27,6 +27,7 @@ from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
 from trainer.planner.auto.layouts import Layouts
+from trainer.planner.auto.order import price_all, price_best_first, ranked
 from trainer.planner.auto.ranking import Candidate
 from trainer.planner.auto.shallow import Given, cut_plan, expand, memory_floor, shallow_model
 from trainer.planner.cost.comm import unit_params
@@ -53,6 +54,7 @@ class Progress:
         self.counts = dict.fromkeys(("considered", "invalid", "over the floor", "bounded", "priced", "pruned",
                                      "meta passes"), 0)
         self.best: Candidate | None = None
+        self.floor: float | None = None  # the lowest bound of a step left to look at (the search goes best first)
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] += n
@@ -65,6 +67,8 @@ class Progress:
         done = ", ".join(f"{n} {what}" for what, n in self.counts.items() if n)
         best = (f"; best so far {self.best.label}: {self.best.step_s * 1e3:,.1f} ms a step"
                 if self.best is not None else "")
+        if self.floor is not None and self.best is None:  # until a layout fits: how far the search has come
+            best = f"; none left faster than {self.floor * 1e3:,.1f} ms a step"
         self.say(f"auto plan [{now - self.began:,.0f} s] {phase}: {done or 'starting'}{best}")
 
 
@@ -223,39 +227,42 @@ class Search(Layouts):
         return max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=given))
 
     def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan, *, memory: bool = True) -> None:
-        """The candidate's step time, and with ``memory`` its peak memory (a meta pass of the whole model
-        per tp size and micro-batch: the costly part). The search leaves memory out for a layout whose
-        step is no faster than one already predicted to fit: it cannot be chosen, fits or not."""
+        """The candidate's step time, and with ``memory`` its peak memory (:meth:`predict_memory`, the
+        costly part). The search leaves memory out for a layout whose step is no faster than one already
+        predicted to fit: it cannot be chosen, fits or not."""
         micro = cfg.micro_batch_size
         key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size)
         if key not in self._costs:
             self._costs[key] = self.unit_costs(cfg, plan, micro, self.pricing.unit_costs)
             self.progress.count("meta passes")
-        passes = len(self._memory)
         step = self.pricing.step(cfg, plan, self._costs[key], self.model, self.params(plan))
         c.step_s, c.tokens_per_s, c.traffic = step.total_s, step.tokens_per_s, step.traffic
         c.parts_s = {"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
                      "unitemized": step.overhead_s,
                      **{f"comm {axis}": s for axis, s in step.comm_s.items()}}
-        if not memory:
-            c.status, c.memory_skipped = "slower", True
-            return
+        c.status, c.memory_skipped = "slower", True
+        if memory:
+            self.predict_memory(c, cfg, plan)
+
+    def predict_memory(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
+        """The peak memory of a candidate whose time :meth:`predict` priced (a meta pass of the whole model
+        per tp size and micro-batch), after a two-block floor that may already show it does not fit."""
+        c.memory_skipped = False
         floor = self.memory_floor(cfg, plan)
         if floor is not None and floor > self.limit:  # no full pass for a layout that does not fit even that
             c.peak_bytes, c.status = floor, "does not fit"
             c.reason = (f"does not fit: at least {floor / GIB:.2f} GiB (before backward's worst moment) > "
                         f"{self.budget / GIB:.2f} GiB budget{self._beyond()}")
             return
+        passes = len(self._memory)
         c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=self._memory))
         self.progress.count("meta passes", len(self._memory) - passes)
         if c.peak_bytes > self.limit:
             c.status = "does not fit"
             c.reason = f"does not fit: {c.peak_bytes / GIB:.2f} GiB > {self.budget / GIB:.2f} GiB budget{self._beyond()}"
-        else:
-            c.status = "slower"
-            if c.peak_bytes > self.budget:
-                c.memory_note = (f"may not fit: {c.peak_bytes / GIB:.2f} GiB, {c.peak_bytes / self.budget - 1:+.0%} over "
-                                 f"the {self.budget / GIB:.2f} GiB budget, within the {self.margin:.0%} measured error")
+        elif c.peak_bytes > self.budget:
+            c.memory_note = (f"may not fit: {c.peak_bytes / GIB:.2f} GiB, {c.peak_bytes / self.budget - 1:+.0%} over "
+                             f"the {self.budget / GIB:.2f} GiB budget, within the {self.margin:.0%} measured error")
 
     def _beyond(self) -> str:
         return f" + {self.margin:.0%} measured error" if self.margin else ""
@@ -295,48 +302,9 @@ class Search(Layouts):
             progress.count("bounded")
         progress.tick(f"pricing the {len(valid)} valid layouts, lowest bound first", force=True)
         valid.sort(key=lambda v: v[0])
-        best = math.inf
-        for floor, c, cfg, plan in valid:
-            if floor <= best or not self.knobs.prune:
-                c.lower_bound_s = self.pricing.lower_bound(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
-            if c.lower_bound_s > best and self.knobs.prune:
-                c.status, c.reason = "pruned", (f"pruned: lower bound {c.lower_bound_s * 1e3:.1f} ms > best "
-                                                f"{best * 1e3:.1f} ms")
-                progress.count("pruned")
-                continue
-            # Time first; the memory (the costly pass) only of a layout faster than the best that fits.
-            self.predict(c, cfg, plan, memory=not self.knobs.prune)
-            if c.memory_skipped and c.step_s < best:
-                c.memory_skipped = False
-                self.predict(c, cfg, plan)
-            progress.count("priced")
-            if c.status == "slower":
-                if c.step_s < best:
-                    progress.best = c
-                best = min(best, c.step_s)
-            progress.tick("pricing")
+        (price_best_first if self.knobs.prune else price_all)(self, valid)
         progress.tick("done", force=True)
-        predicted = sorted((c for _, c, _, _ in valid if c.status == "slower"), key=lambda c: c.step_s)
-        if predicted:
-            predicted[0].status = "chosen"
-            predicted[0].reason = ("chosen: fastest within the prediction's measured error of the budget"
-                                   if predicted[0].memory_note else "chosen: fastest predicted to fit")
-            for c in predicted[1:]:
-                c.reason = slower_reason(c, predicted[0]) + ("; memory not predicted (it cannot be chosen)"
-                                                              if c.memory_skipped else "")
-            for c in predicted:
-                if c.memory_note:
-                    c.reason += f"; {c.memory_note}"
-        rest = [c for _, c, _, _ in valid if c.status in ("does not fit", "pruned")] + overflowing
-        rest.sort(key=lambda c: (c.status != "does not fit", c.step_s or c.lower_bound_s or 0.0, c.peak_bytes or 0.0))
-        return predicted + rest + invalid
-
-
-def slower_reason(c: Candidate, winner: Candidate) -> str:
-    """``slower: +23% (+4.1 ms comm tp)``: how much, and the part that grew most against the winner."""
-    diffs = {part: c.parts_s.get(part, 0.0) - winner.parts_s.get(part, 0.0) for part in {*c.parts_s, *winner.parts_s}}
-    part, extra = max(diffs.items(), key=lambda kv: kv[1])
-    return f"slower: +{(c.step_s / winner.step_s - 1):.0%} (+{extra * 1e3:.1f} ms {part})"
+        return ranked(valid, invalid, overflowing)
 
 
 def _section_keys(c: Candidate) -> dict[str, tuple]:

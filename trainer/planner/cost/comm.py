@@ -89,7 +89,7 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
         recomputed = len(checkpointed(plan) & set(blocks))  # a checkpointed block's forward runs its ring again
         ops += _kv_ops(cp, plan, decoder, micro_batch * t.seq_len // plan.cp_size, cdt,
                        layers=len(blocks) * m * t.grad_accum, forwards=(len(blocks) + recomputed) * m * t.grad_accum)
-    tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
+    tp_axes = sorted(plan.sharded_axes)
     blocks = [u for u in held if u in plan.blocks]
     sp_axes = sequence_parallel_axes(plan)
     for axis in tp_axes:
