@@ -53,6 +53,22 @@ def unit_owner(units: tuple[str, ...]) -> Callable[[str], str | None]:
     return owner
 
 
+_DERIVED: dict[tuple, tuple[object, Any]] = {}
+
+
+def _derived(name: str, source: object, extra: tuple, compute: Callable[[], Any]) -> Any:
+    """``compute()``, kept per ``name``, ``source`` object and ``extra``: what follows from a plan's placements
+    or layouts alone. A planner's candidates of one resolution share those objects (read-only mappings) and
+    ask this for every pp rank of thousands of candidates. ``source`` is kept with the answer, so its id
+    stays its own while the answer is kept."""
+    key = (name, id(source), extra)
+    if key not in _DERIVED:
+        if len(_DERIVED) >= 4096:
+            _DERIVED.clear()
+        _DERIVED[key] = (source, compute())
+    return _DERIVED[key][1]
+
+
 @dataclass(frozen=True)
 class MeshSpec:
     """Axis sizes (outermost first), their names, and optional nested explicit rank ids.
@@ -173,11 +189,25 @@ class ParallelPlan:
     loss_parallel: bool = False
     expert_parallel: ExpertParallelSpec | None = None
 
-    @functools.cached_property
+    @property
     def sharded_axes(self) -> frozenset[str]:
-        """The mesh axes some placement shards a parameter over (tensor parallelism's), whatever their
-        sizes; asked for every pp rank of every candidate by the cost model, so kept (the plan is frozen)."""
-        return frozenset(a for axes in self.placements.values() for a, pl in axes.items() if pl.is_shard)
+        """The mesh axes some placement shards a parameter over (tensor parallelism's), whatever their sizes."""
+        return _derived("sharded", self.placements, (), lambda: frozenset(
+            a for axes in self.placements.values() for a, pl in axes.items() if pl.is_shard))
+
+    @property
+    def placement_axes(self) -> tuple[str, ...]:
+        """The mesh axes the placements name, sorted (their sizes' product: the tp degree)."""
+        return _derived("named", self.placements, (), lambda: tuple(sorted({a for axes in self.placements.values()
+                                                                              for a in axes})))
+
+    @property
+    def sequence_parallel_axes(self) -> frozenset[str]:
+        """The mesh axes of more than one rank over which the blocks' norms run on sequence shards: a layout
+        whose input is ``Shard`` there (the engine's ``SequenceParallel``)."""
+        return _derived("sequence", self.layouts, (self.mesh.shape, self.mesh.dim_names), lambda: frozenset(
+            a for layout in self.layouts.values() for a, pl in layout.input.items()
+            if pl.is_shard and self.mesh.size(a) > 1))
 
     @property
     def batch_dim_names(self) -> tuple[str, ...]:

@@ -39,8 +39,8 @@ def price_best_first(search, valid: Valid) -> None:
     progress = search.progress
     heap = [(floor, i, FLOOR) for i, (floor, *_) in enumerate(valid)]
     heapq.heapify(heap)
-    best = math.inf
-    while heap and heap[0][0] <= best:
+    best, ranked_below = math.inf, search.rank_below
+    while heap and heap[0][0] <= max(best, ranked_below):
         key, i, stage = heapq.heappop(heap)
         _, c, cfg, plan = valid[i]
         progress.floor = key
@@ -51,12 +51,12 @@ def price_best_first(search, valid: Valid) -> None:
             search.predict(c, cfg, plan, memory=False)
             progress.count("priced")
             heapq.heappush(heap, (max(c.step_s, key), i, PRICED))
-        elif c.step_s < best:  # the fastest priced layout whose memory is not known yet
+        elif c.step_s < best or c.step_s <= ranked_below:  # the fastest priced layout whose memory is not known yet
             search.predict_memory(c, cfg, plan)
-            if c.status == "slower":
+            if c.status == "slower" and c.step_s < best:
                 best, progress.best = c.step_s, c
         progress.tick("pricing")
-    for key, i, stage in heap:  # every key > best: none of these can be chosen
+    for key, i, stage in heap:  # every key > best (and rank_below): none of these can be chosen
         c = valid[i][1]
         if stage != PRICED:
             c.status, c.reason = "pruned", f"pruned: lower bound {key * 1e3:.1f} ms > best {best * 1e3:.1f} ms"

@@ -59,7 +59,7 @@ def resolve_auto(raw: dict, *, calibration: Calibration | None = None,
                                        "(a dry run prints every candidate and why it lost)")])
     chosen = result.winner
     out = {**raw, "mesh": chosen.mesh, "parallel": {**chosen.parallel, "auto": raw["parallel"]["auto"]}}
-    out["train"] = {**(raw.get("train") or {}), "precision": chosen.precision}
+    out["train"] = {**(raw.get("train") or {}), "precision": chosen.precision, "grad_accum": chosen.grad_accum}
     return out, result
 
 
@@ -113,9 +113,10 @@ def _knobs(raw: dict) -> AutoPlanConfig:
 
 
 def plan_layouts(raw: dict, *, calibration: Calibration | None = None,
-                 progress: Callable[[str], None] | None = None) -> AutoPlan:
+                 progress: Callable[[str], None] | None = None, rank_below: float = 0.0) -> AutoPlan:
     """Rank every candidate layout of ``raw``'s mesh (see the module docstring); ``progress`` is told
-    what the search has done at the end of each phase and every few seconds within one."""
+    what the search has done at the end of each phase and every few seconds within one. ``rank_below``:
+    also predict in full every layout whose step is at most this (seconds), so their ranks are exact."""
     began = time.monotonic()
     knobs = _knobs(raw)
     mesh = raw.get("mesh") or [1]
@@ -132,7 +133,7 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None,
     if base.hardware.is_host:  # a profile prices without this host: nothing to probe
         calibration = calibration or host_calibration(base, world)
     search = Search(raw, base, knobs, world, pricing_for(base, calibration=calibration),
-                    progress=Progress(progress))
+                    progress=Progress(progress), rank_below=rank_below)
     candidates = search.run()
 
     return AutoPlan(world_size=world, budget_bytes=search.budget, budget_source=search.budget_source,

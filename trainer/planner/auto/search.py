@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from parallel.config import AutoPlanConfig
+from parallel.config import AutoPlanConfig, ParallelConfig
 from parallel.errors import ConfigError
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import DataParallelSpec, MeshSpec, ParallelPlan
@@ -35,7 +35,8 @@ from trainer.planner.cost.model import unit_costs
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget, memory_margin
 from trainer.planner.memory.layout import checkpointed, core_recomputed
-from trainer.planner.memory.meta_pass import saved_activations
+from trainer.planner.memory.meta_pass import flash_attention_for_cpu, saved_activations
+from trainer.planner.memory.pass_cache import PASSES, pass_key
 from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
@@ -74,8 +75,12 @@ class Progress:
 
 class Search(Layouts):
     def __init__(self, raw: dict, base: RunConfig, knobs: AutoPlanConfig, world: int,
-                 pricing: HostPricing | ProfilePricing, *, progress: Progress | None = None) -> None:
+                 pricing: HostPricing | ProfilePricing, *, progress: Progress | None = None,
+                 rank_below: float = 0.0) -> None:
         self.raw, self.base, self.knobs, self.world, self.pricing = raw, base, knobs, world, pricing
+        # Every layout predicted to take at most this long is priced in full, time and memory, whatever the best
+        # (a bench ranking a given layout exactly: tests/bench/bench_profiles.py --planner).
+        self.rank_below = rank_below
         self.progress = progress or Progress(None)
         self.model = build_model(base.model, device="meta")  # the only model this search builds
         self.decoder = decoder_config(base.model)
@@ -94,6 +99,7 @@ class Search(Layouts):
         self._floor_passes: dict = {}  # two-block memory passes (memory_floor)
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
         self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
+        self._layouts: dict = {}  # the placements and layouts those plans share (resolve_plan's layout_cache)
 
     # ------------------------------------------------------------------ validation
 
@@ -103,9 +109,11 @@ class Search(Layouts):
         keys = _section_keys(c)
         if self._known_failure(c, "structure", keys):
             return None
-        raw = {**self.raw, "mesh": c.mesh, "parallel": c.parallel,
-               "train": {**(self.raw.get("train") or {}), "precision": c.precision}}
-        cfg = RunConfig.model_validate(raw)
+        # The base config with the candidate's mesh, parallel section, precision and accumulation: what validating
+        # the whole raw config again gives (its sections have no cross-field validators), for a twentieth of the time.
+        train = self.base.train.model_copy(update={"precision": c.precision, "grad_accum": c.grad_accum})
+        cfg = self.base.model_copy(update={"mesh": list(c.mesh), "parallel": ParallelConfig.model_validate(c.parallel),
+                                           "train": train})
         stage, issues = "structure", check_structure(cfg)
         if not issues:
             if self._known_failure(c, "plan", keys):
@@ -132,7 +140,7 @@ class Search(Layouts):
                json.dumps({k: v for k, v in (pipeline or {}).items() if k not in ("schedule", "microbatches")},
                           sort_keys=True), json.dumps(c.parallel.get("tensor_parallel"), sort_keys=True))
         if key not in self._plans:
-            self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model,
+            self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model, layout_cache=self._layouts,
                                             check_glob=lambda *glob: _check_heads(self.decoder, *glob))
         template, par = self._plans[key], cfg.parallel
         dp = par.data_parallel
@@ -218,7 +226,7 @@ class Search(Layouts):
         if shallow is None or (plan.pipeline is not None and plan.pipeline.stages):
             return None
         cut = cut_plan(plan, shallow)
-        key = (self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, bool(plan.layouts),
+        key = (self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, _sequence_shards(plan),
                plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
         if key not in self._floor_passes:
             self._floor_passes[key] = saved_activations(cfg, cut, cfg.micro_batch_size, model=shallow)
@@ -231,7 +239,7 @@ class Search(Layouts):
         costly part). The search leaves memory out for a layout whose step is no faster than one already
         predicted to fit: it cannot be chosen, fits or not."""
         micro = cfg.micro_batch_size
-        key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size)
+        key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size, _sequence_shards(plan))
         if key not in self._costs:
             self._costs[key] = self.unit_costs(cfg, plan, micro, self.pricing.unit_costs)
             self.progress.count("meta passes")
@@ -254,9 +262,13 @@ class Search(Layouts):
             c.reason = (f"does not fit: at least {floor / GIB:.2f} GiB (before backward's worst moment) > "
                         f"{self.budget / GIB:.2f} GiB budget{self._beyond()}")
             return
-        passes = len(self._memory)
-        c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=self._memory))
-        self.progress.count("meta passes", len(self._memory) - passes)
+        # predict_memory's cache tells tp's layouts apart only by there being some: one cache per sequence-parallel set.
+        cache = self._memory.setdefault(_sequence_shards(plan), _Traced())
+        passes = len(cache)
+        c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=cache))
+        if len(cache) > passes:  # a full pass: the process's cache gets it too, for the dry run of the winner
+            PASSES[pass_key(cfg, plan, cfg.micro_batch_size, flash_attention_for_cpu)] = cache.last
+        self.progress.count("meta passes", len(cache) - passes)
         if c.peak_bytes > self.limit:
             c.status = "does not fit"
             c.reason = f"does not fit: {c.peak_bytes / GIB:.2f} GiB > {self.budget / GIB:.2f} GiB budget{self._beyond()}"
@@ -319,3 +331,19 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1), sizes.get("cp", 1)),
             "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),
                          tuple(sorted(pipeline.items())) if pipeline else None)}
+
+
+def _sequence_shards(plan: ParallelPlan) -> frozenset[str]:
+    """The mesh axes the plan runs the blocks' norms on sequence shards over (sequence parallelism): the
+    meta passes of a layout with it and of one without differ."""
+    return plan.sequence_parallel_axes
+
+
+class _Traced(dict):
+    """A meta-pass cache that remembers the pass it was last given (see :meth:`Search.predict_memory`)."""
+
+    last: dict | None = None
+
+    def __setitem__(self, key, saved) -> None:
+        super().__setitem__(key, saved)
+        self.last = saved

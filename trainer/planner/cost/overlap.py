@@ -83,9 +83,12 @@ def _rank_waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, he
     exposed: dict[str, float] = defaultdict(float)
     traffic: dict[str, float] = defaultdict(float)
     gathers, first, reduces, tail, hops = 0.0, 0.0, 0.0, 0.0, {}
+    priced: dict[tuple, float] = {}  # FSDP's alike blocks: the same collective on the same buffer, priced once
     for op in comm_ops(cfg, plan, held, params, micro):
-        link = _link(shape, names, tuple(op.axis.split(",")), per_node)
-        one = collective_seconds(profile, op.op, link, op.nbytes)
+        if (op.op, op.axis, op.nbytes) not in priced:
+            link = _link(shape, names, tuple(op.axis.split(",")), per_node)
+            priced[op.op, op.axis, op.nbytes] = collective_seconds(profile, op.op, link, op.nbytes)
+        one = priced[op.op, op.axis, op.nbytes]
         comm[op.axis] += one * op.count
         traffic[op.axis] += op.sent_bytes
         if op.role:  # the cp ring's hops: behind its attention blocks, below
@@ -155,7 +158,7 @@ def _ring_step_s(cfg: RunConfig, plan: ParallelPlan, micro: int, speed: DeviceSp
     decoder = decoder_config(cfg.model)
     if plan.cp_size == 1 or decoder is None:
         return 0.0, 0.0
-    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    tp = plan.mesh.size(plan.placement_axes)
     tokens = cfg.train.seq_len // plan.cp_size
     flops = 4.0 * micro * decoder.n_heads / tp * tokens * tokens * decoder.head_width * 0.5
     return flops / speed.attention_flops[0], 2.5 * flops / speed.attention_flops[1]

@@ -60,7 +60,9 @@ class ProfilePricing:
     profile: HardwareProfile
 
     def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, model: nn.Module):
-        return device_unit_costs(cfg, plan, micro, DeviceSpeed.of(self.profile, cfg.train.precision), model=model)
+        # As predict_on_profile prices a pass it runs itself: train.compile's fused elementwise work included.
+        speed = DeviceSpeed.of(self.profile, cfg.train.precision, compiled=cfg.train.compile)
+        return device_unit_costs(cfg, plan, micro, speed, model=model)
 
     def step(self, cfg: RunConfig, plan: ParallelPlan, costs, model: nn.Module, params: dict | None = None) -> StepTime:
         return predict_on_profile(cfg, plan, self.profile, costs=costs, model=model, params=params)
