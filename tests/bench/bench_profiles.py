@@ -1,7 +1,7 @@
 """The planner on hardware profiles against published runs, and against a GPU step measured here.
 
     python tests/bench/bench_profiles.py                       # every row the engine can express
-    python tests/bench/bench_profiles.py --planner megatron2021  # also the auto-planner's own choice per row
+    python tests/bench/bench_profiles.py --planner megatron2021  # the auto-planner's choice against each row's layout
     python tests/bench/bench_profiles.py --check gpu_check.json  # a step measured by gpu_profile_check.py
     python tests/bench/bench_profiles.py --memory-terms        # the rows that publish memory, term by term
 
@@ -192,7 +192,9 @@ def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple
     count and accumulation up to the row's own, checkpointing none, selective, full or every other block,
     sequence parallelism on or off, bf16; the planner chooses every split and the rest. Every layout predicted
     at most as slow as the published one is priced in full (time and memory: ``rank_below``), so its rank
-    among the layouts predicted to fit is exact; ``prune=False`` prices every layout."""
+    among the layouts predicted to fit is exact; ``prune=False`` prices every layout. ``modes``: the data-parallel
+    modes allowed. A cp row that the bench prices compiled (a Megatron run's fused kernels) is priced without
+    compiling on both sides here: the engine compiles no cp layout, so the planner cannot choose one compiled."""
     from trainer.planner.auto.plan import plan_layouts
 
     cfg, lay = row_config(row), row.layout

@@ -112,3 +112,21 @@ def test_best_first_chooses_and_ranks_as_pricing_every_layout():
     ranked = plan_layouts(_raw(*over), rank_below=fits[9])
     fitting = sorted(c.step_s for c in ranked.candidates if c.status in ("chosen", "slower") and not c.memory_skipped)
     assert fitting[:10] == pytest.approx(fits[:10], rel=1e-12)  # the ten fastest that fit, each at its exact rank
+
+
+def test_the_dry_run_of_the_choice_prices_the_step_its_ranking_shows(monkeypatch):
+    """The search leaves its choice's unit costs (two alike blocks standing for all) for the dry run of that
+    layout, which then traces no pass of the whole model and prints the step the ranking showed."""
+    import trainer.planner.forecast.pricing as pricing_module
+    from trainer.models import build_model
+
+    out, ranking = resolve_auto(_raw(*NARROW))
+    cfg, plan = validate_with_plan(out)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the dry run traced the whole model again")
+
+    monkeypatch.setattr(pricing_module, "device_unit_costs", no_pass)
+    pricing, model = pricing_for(cfg), build_model(cfg.model, device="meta")
+    step = pricing.step(cfg, plan, pricing.unit_costs(cfg, plan, cfg.micro_batch_size, model), model)
+    assert step.total_s == ranking.winner.step_s

@@ -1,7 +1,8 @@
 """The candidate layouts the auto-planner's search considers: every split of the ranks into dp (and
-its modes), cp, pp (its schedules, stages per rank and micro-batches), ep and tp, with each
-activation checkpointing and precision the knobs allow, as :class:`~trainer.planner.auto.ranking.Candidate`
-sections. :class:`Layouts` is the base of :class:`~trainer.planner.auto.search.Search`, which sets what
+its modes), cp, pp (its schedules, stages per rank and micro-batches), ep and tp (with sequence parallelism
+and without), gradient accumulation where there is no pipeline, with each activation checkpointing (full:
+every block or every n-th) and precision the knobs allow, as :class:`~trainer.planner.auto.ranking.Candidate`
+sections: the layouts practitioners write, as they write them. :class:`Layouts` is the base of :class:`~trainer.planner.auto.search.Search`, which sets what
 it reads: ``knobs``, ``base`` (the config), ``world``, ``model`` and ``decoder`` (the meta model and its
 decoder config) and ``pricing``.
 """

@@ -8,18 +8,19 @@
     print(result.table())
 
 Candidates: every split of N into dp x pp x tp (and hsdp's replicate x shard), each data-parallel
-mode, schedule, micro-batch count, stages per rank, activation checkpointing and precision the
-knobs (:class:`parallel.config.AutoPlanConfig`) allow, with the model family's Megatron plan and
-``boundaries: auto``. Each is checked by the validator hand-written configs meet
+mode, schedule, micro-batch count, stages per rank, accumulation, activation checkpointing, sequence
+parallelism and precision the knobs (:class:`parallel.config.AutoPlanConfig`) allow, with the model family's
+Megatron plan and ``boundaries: auto`` (:mod:`trainer.planner.auto.layouts`). Each is checked by the validator hand-written configs meet
 (:func:`trainer.validate.checks.check_structure`, :func:`parallel.plan.resolve.resolve_plan` with the head-count
 check) against one meta model built once. Axis order is fixed (dp outermost, tp innermost): on
 one host permuting the axes changes nothing the model predicts, so one order stands for all.
 
-Search: the valid candidates are sorted by a lower bound on their time that needs no meta pass
-(:func:`trainer.planner.cost.model.lower_bound_s`); each is then predicted in full (the meta passes are
-cached by what they depend on: tp size, micro-batch, precision) until the bound of the next one
-exceeds the best time found among those predicted to fit the memory budget; the rest are pruned,
-and cannot be faster. Every loser says why it lost.
+Search, best first (:mod:`trainer.planner.auto.order`): every valid candidate waits at a lower bound of
+its time that needs no meta pass (a compute floor, then :func:`trainer.planner.cost.model.lower_bound_s`),
+then at its predicted time (the meta passes are cached by what they depend on: tp size, micro-batch,
+precision, sequence parallelism); the lowest is advanced, and the first whose memory fits is chosen. The
+rest either were predicted slower (their memory left out) or are pruned by a bound above the choice, and
+cannot be faster. Every loser says why it lost.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The auto-planner's search (:mod:`trainer.planner.auto.plan`): enumerate (:mod:`trainer.planner.auto.layouts`),
-validate, bound, predict, rank.
+validate, bound, predict best first and rank (:mod:`trainer.planner.auto.order`).
 
     search = Search(raw, base_cfg, AutoPlanConfig(), world=8, pricing=HostPricing(cal))
     candidates = search.run()           # ranked; candidates[0] is the choice when one fits
@@ -238,8 +238,7 @@ class Search(Layouts):
         """The candidate's step time, and with ``memory`` its peak memory (:meth:`predict_memory`, the
         costly part). The search leaves memory out for a layout whose step is no faster than one already
         predicted to fit: it cannot be chosen, fits or not."""
-        micro = cfg.micro_batch_size
-        key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size, _sequence_shards(plan))
+        micro, key = cfg.micro_batch_size, self._costs_key(cfg, plan)
         if key not in self._costs:
             self._costs[key] = self.unit_costs(cfg, plan, micro, self.pricing.unit_costs)
             self.progress.count("meta passes")
@@ -251,6 +250,10 @@ class Search(Layouts):
         c.status, c.memory_skipped = "slower", True
         if memory:
             self.predict_memory(c, cfg, plan)
+
+    def _costs_key(self, cfg: RunConfig, plan: ParallelPlan) -> tuple:
+        """What a layout's unit costs (:meth:`unit_costs`) depend on, the rest of the config being the search's own."""
+        return self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, _sequence_shards(plan)
 
     def predict_memory(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
         """The peak memory of a candidate whose time :meth:`predict` priced (a meta pass of the whole model
@@ -316,7 +319,11 @@ class Search(Layouts):
         valid.sort(key=lambda v: v[0])
         (price_best_first if self.knobs.prune else price_all)(self, valid)
         progress.tick("done", force=True)
-        return ranked(valid, invalid, overflowing)
+        candidates = ranked(valid, invalid, overflowing)
+        for _, c, cfg, plan in valid:  # the choice's dry run prices the step its ranking shows, from these costs
+            if c is candidates[0] and c.status == "chosen":
+                self.pricing.keep(cfg, plan, cfg.micro_batch_size, self._costs[self._costs_key(cfg, plan)])
+        return candidates
 
 
 def _section_keys(c: Candidate) -> dict[str, tuple]:
