@@ -202,7 +202,8 @@ def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
     model = build_model(cfg.model, device="meta")
     # the row's config as the bench writes it
-    published_step = predict_on_profile(cfg, resolve_plan(cfg.parallel, cfg.mesh, model), cfg.hardware, model=model).total_s
+    plan = resolve_plan(cfg.parallel, cfg.mesh, model)
+    published_step = predict_on_profile(cfg, plan, cfg.hardware, model=model).total_s
     raw = cfg.model_dump(mode="json")
     m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
     raw.update(mesh=[lay.devices], parallel={"auto": {
@@ -229,8 +230,9 @@ def planner_line(p: dict) -> str:
     """One row of ``--planner``: the published layout's predicted step (as the bench writes the row, and as the
     planner's candidate), its rank among the layouts the planner predicts to fit, the planner's best, the top 5."""
     step = p["paper_step_s"]
+    written = f"as the planner writes it {step:.3f} s, " if step else ""
     return (f"{p['row']}: {p['candidates']} layouts in {p['seconds']:.0f} s; published {p['paper']}: "
-            f"{p['published_step_s']:.3f} s ({'as the planner writes it ' + format(step, '.3f') + ' s, ' if step else ''}"
+            f"{p['published_step_s']:.3f} s ({written}"
             f"{p['paper_status']}, rank {p['paper_rank']}); planner's best {p['chosen']}: {p['chosen_step_s']:.3f} s "
             f"({p['chosen_step_s'] / p['published_step_s'] - 1:+.1%}); top 5: {'; '.join(p['top5'])}")
 

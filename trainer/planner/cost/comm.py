@@ -17,7 +17,7 @@ adds them to the step's compute (no overlap on CPU).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import nn
 
@@ -31,10 +31,10 @@ from trainer.planner.memory.layout import checkpointed
 _SPREAD = frozenset({"all_gather", "reduce_scatter", "all_to_all"})  # each rank sends (g - 1) / g of the buffer
 
 
-@dataclass(frozen=True)
-class CommOp:
+class CommOp(NamedTuple):
     """One kind of collective a rank runs in a step: ``count`` calls of ``op`` over ``group_size``
-    ranks of mesh axis ``axis`` (dp's axes joined by commas), each on a buffer of ``nbytes``."""
+    ranks of mesh axis ``axis`` (dp's axes joined by commas), each on a buffer of ``nbytes``. (A named
+    tuple: a planner makes one per FSDP unit for every pp rank of thousands of candidates.)"""
 
     axis: str
     op: str
