@@ -62,11 +62,12 @@ def _derived(name: str, source: object, extra: tuple, compute: Callable[[], Any]
     ask this for every pp rank of thousands of candidates. ``source`` is kept with the answer, so its id
     stays its own while the answer is kept."""
     key = (name, id(source), extra)
-    if key not in _DERIVED:
+    hit = _DERIVED.get(key)  # one lookup: another thread (the control plane's pool) may clear it meanwhile
+    if hit is None:
         if len(_DERIVED) >= 4096:
             _DERIVED.clear()
-        _DERIVED[key] = (source, compute())
-    return _DERIVED[key][1]
+        hit = _DERIVED[key] = (source, compute())
+    return hit[1]
 
 
 @dataclass(frozen=True)
