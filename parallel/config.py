@@ -180,6 +180,10 @@ class AutoPlanConfig(Section):
     microbatches: list[int] | None = Field(
         None, description="Micro-batch counts to consider; null = every count that divides a data-parallel rank's "
         "batch, up to max_microbatches.")
+    grad_accum: list[Annotated[int, Field(ge=1, le=65536)]] | None = Field(
+        None, description="Without a pipeline: gradient-accumulation steps (train.grad_accum) to consider, the "
+        "micro-batches a data-parallel rank's batch is cut into; null = every count that divides that batch, up to "
+        "max_microbatches (or train.grad_accum alone when it is set above 1).")
     # CPU: every count up to it multiplies the layouts the planner prices.
     max_microbatches: int = Field(16, ge=1, le=1024, description="The most micro-batches considered when "
                                   "microbatches is null; at most 1024.")
@@ -188,6 +192,12 @@ class AutoPlanConfig(Section):
     activation_checkpointing: list[ActivationCheckpointing] = Field(
         ["none", "selective", "full"], min_length=1, description="Activation-checkpointing modes to consider: none, "
         "selective (every block's attention core recomputed), full (every block recomputed).")
+    activation_checkpointing_every: list[Annotated[int, Field(ge=1)]] = Field(
+        [1, 2], min_length=1, description="With full checkpointing: every n-th block checkpointed, each n listed "
+        "(1 = every block; 2 = every other, about what a per-op selective policy such as torchtitan's recomputes).")
+    sequence_parallel: list[bool] = Field(
+        [False, True], min_length=1, description="With tensor parallelism: run the block norms on sequence shards "
+        "(parallel.tensor_parallel.sequence_parallel), without, or both, as listed.")
     precisions: list[Precision] | None = Field(
         None, description="Compute precisions to consider (bf16 only where the device has native bf16 matmuls); "
         "null = the run's train.precision only, since precision changes the losses, not just the speed.")

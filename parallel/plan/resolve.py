@@ -34,13 +34,15 @@ from parallel.plan.units import block_units, check_boundaries, pipeline_units, s
 
 
 def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *,
-                 check_glob: GlobCheck | None = None) -> ParallelPlan:
+                 check_glob: GlobCheck | None = None, layout_cache: dict | None = None) -> ParallelPlan:
     """The plan of ``parallel`` on ``mesh`` (a shape or nested rank ids) for ``model`` (any
     device, ``meta`` included); raises :class:`ConfigError` with every issue found.
 
     ``check_glob`` adds what only the model's owner knows (the trainer checks that attention
     globs split whole heads); it runs on every placements glob that matched, beside the
-    engine's own checks, so all issues are reported together."""
+    engine's own checks, so all issues are reported together. ``layout_cache``: a dict a caller
+    resolving many meshes of one model and ``check_glob`` keeps (the auto-planner): the matched
+    placements and layouts, the costly part, found once for every mesh that agrees on them."""
     units = tuple(pipeline_units(model))
     blocks = tuple(block_units(model, units))
     if parallel is None:
@@ -49,7 +51,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     if parallel.pipeline is not None and parallel.pipeline.stages:
         return resolve_stages(parallel, mesh_spec, model, units=units, blocks=blocks, check_glob=check_glob)
     issues: list[ConfigIssue] = []
-    placements, layouts = resolve_layout(parallel, ("parallel",), mesh_spec, model, issues, check_glob=check_glob)
+    placements, layouts = _resolve_layout(parallel, mesh_spec, model, issues, check_glob, layout_cache)
     issues += check_boundaries(parallel, mesh_spec, units)
     experts = _expert_parallel_spec(parallel, model, issues)
     if issues:
@@ -69,6 +71,25 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         loss_parallel=loss_parallel_applies(parallel, mesh_spec, model),
         expert_parallel=experts,
     )
+
+
+def _resolve_layout(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, issues: list[ConfigIssue],
+                    check_glob: GlobCheck | None, cache: dict | None) -> tuple[dict, dict]:
+    """:func:`resolve_layout` of the parallel section, its answer and issues kept in ``cache`` by all it reads:
+    the section's placements, layouts and tensor-parallel plan, and of the mesh only the sizes of the axes
+    those name (the shards' and heads' divisibility, the vocabulary's split)."""
+    if cache is None:
+        return resolve_layout(parallel, ("parallel",), mesh, model, issues, check_glob=check_glob)
+    tp = parallel.tensor_parallel
+    axes = {a for by_axis in parallel.placements.values() for a in by_axis} | ({tp.dim} if tp is not None else set())
+    key = (parallel.model_dump_json(include={"placements", "layouts", "tensor_parallel"}),
+           tuple(sorted((a, a in mesh.dim_names, mesh.size(a)) for a in axes)))
+    if key not in cache:
+        found: list[ConfigIssue] = []
+        cache[key] = (*resolve_layout(parallel, ("parallel",), mesh, model, found, check_glob=check_glob), found)
+    placements, layouts, found = cache[key]
+    issues += found
+    return placements, layouts
 
 
 def _expert_parallel_spec(parallel: ParallelConfig, model: nn.Module, issues: list[ConfigIssue]) -> ExpertParallelSpec | None:

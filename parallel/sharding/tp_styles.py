@@ -128,6 +128,11 @@ def _sequence_parallel_norms(
     """Modules whose layout input is ``Shard(d)`` on one axis and whose own parameters are not
     sharded (norms): ``{name: (axis, sequence dim)}``."""
     found: dict[str, tuple[str, int]] = {}
+    owners = set()  # every module above a sharded parameter (one pass, not one per layout: a planner asks this often)
+    for fqn, spec in specs.items():
+        if sharded_axes(spec):
+            parts = fqn.split(".")
+            owners.update(".".join(parts[:i]) for i in range(1, len(parts)))
     for name, layout in layouts.items():
         inputs = sharded_axes(layout.input)
         if len(inputs) != 1 or non_replicate(layout.output):
@@ -135,7 +140,6 @@ def _sequence_parallel_norms(
         (axis, p), = inputs.items()
         if p.kind != "shard":
             continue
-        own = [f for f in specs if f.startswith(name + ".") and sharded_axes(specs[f])]
-        if not own:
+        if name not in owners:
             found[name] = (axis, p.dim)
     return found

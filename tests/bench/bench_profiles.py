@@ -1,7 +1,7 @@
 """The planner on hardware profiles against published runs, and against a GPU step measured here.
 
     python tests/bench/bench_profiles.py                       # every row the engine can express
-    python tests/bench/bench_profiles.py --planner megatron2021  # also the auto-planner's own choice per row
+    python tests/bench/bench_profiles.py --planner megatron2021  # the auto-planner's choice against each row's layout
     python tests/bench/bench_profiles.py --check gpu_check.json  # a step measured by gpu_profile_check.py
     python tests/bench/bench_profiles.py --memory-terms        # the rows that publish memory, term by term
 
@@ -204,51 +204,75 @@ def predict_row(row: published.PublishedRun) -> dict:
             "seconds": time.monotonic() - began}
 
 
-def planner_row(row: published.PublishedRun, *, prune: bool = False) -> dict:
-    """The auto-planner on the row's model, batch, devices and hardware: its choice against the paper's
-    layout. The knobs give it the paper's micro-batch count and chunks per rank, ddp, fsdp and zero2
-    (zero1's nearest), both schedules, checkpointing full, selective or none: it chooses the dp x pp x tp split and the rest.
-    Without ``prune`` every layout is predicted, time and memory, so the paper's rank is exact; with it
-    the search runs as a user's does, and a paper layout it pruned (its lower bound above the best, so
-    slower than the pick) is ranked after the layouts predicted faster than its own step."""
+def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple[str, ...] = ("ddp", "fsdp", "zero2")
+                ) -> dict:
+    """The auto-planner on the row's model, batch, devices and hardware: its choice against the published
+    layout, each predicted by the same model. The knobs open every choice a published layout makes: ddp,
+    fsdp and zero2 (zero1's nearest), 1F1B and interleaved (2 and the row's chunks per rank), every micro-batch
+    count and accumulation up to the row's own, checkpointing none, selective, full or every other block,
+    sequence parallelism on or off, bf16; the planner chooses every split and the rest. Every layout predicted
+    at most as slow as the published one is priced in full (time and memory: ``rank_below``), so its rank
+    among the layouts predicted to fit is exact; ``prune=False`` prices every layout. ``modes``: the data-parallel
+    modes allowed. A cp row that the bench prices compiled (a Megatron run's fused kernels) is priced without
+    compiling on both sides here: the engine compiles no cp layout, so the planner cannot choose one compiled."""
     from trainer.planner.auto.plan import plan_layouts
 
     cfg, lay = row_config(row), row.layout
+    if lay.cp > 1 and cfg.train.compile:  # the engine compiles no cp layout: both sides priced without it
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
+    model = build_model(cfg.model, device="meta")
+    # the row's config as the bench writes it
+    plan = resolve_plan(cfg.parallel, cfg.mesh, model)
+    published_step = predict_on_profile(cfg, plan, cfg.hardware, model=model).total_s
     raw = cfg.model_dump(mode="json")
     m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
     raw.update(mesh=[lay.devices], parallel={"auto": {
-        "data_parallel_modes": ["ddp", "fsdp", "zero2"], "schedules": ["1F1B", "Interleaved1F1B"], "microbatches": [m],
-        "stages_per_rank": [lay.virtual_stages or 2], "activation_checkpointing": ["full", "selective", "none"],
-        "precisions": ["bf16"], "prune": prune}})
+        "data_parallel_modes": list(modes), "schedules": ["1F1B", "Interleaved1F1B"],
+        "max_microbatches": max(16, m), "stages_per_rank": sorted({2, lay.virtual_stages or 2}),
+        "activation_checkpointing": ["none", "selective", "full"], "activation_checkpointing_every": [1, 2],
+        "sequence_parallel": [False, True], "precisions": ["bf16"], "prune": prune}})
     began = time.monotonic()
-    ranking = plan_layouts(raw, progress=lambda line: print(f"  {row.name}: {line}", file=sys.stderr, flush=True))
-    paper = _paper_label(row)
-    ranked = [c for c in ranking.candidates if c.step_s is not None and c.status in ("chosen", "slower")]
-    mine = next((c for c in ranking.candidates if c.label == paper), None)
-    paper_step = mine.step_s if mine is not None and mine.step_s is not None else None
-    if paper_step is None and mine is not None and mine.status == "pruned":
-        paper_step = predict_row(row)["step_s"]  # the row's own layout as written (sequence parallel included)
-    position = next((i for i, c in enumerate(ranked, 1) if c.label == paper), None)
-    if position is None and mine is not None and mine.status == "pruned":
-        position = 1 + sum(c.step_s < paper_step for c in ranked)
-    return {"row": row.name, "paper": paper, "paper_status": mine.status if mine else "not a candidate",
-            "paper_step_s": paper_step, "paper_rank": position, "chosen": ranking.winner.label,
-            "chosen_step_s": ranking.winner.step_s, "top5": [c.label for c in ranked[:5]],
+    ranking = plan_layouts(raw, progress=lambda line: print(f"  {row.name}: {line}", file=sys.stderr, flush=True),
+                           rank_below=published_step * (1 + 1e-6))
+    label = _paper_label(row)
+    ranked = [c for c in ranking.candidates if c.status in ("chosen", "slower")]
+    mine = next((c for c in ranking.candidates if c.label == label), None)
+    return {"row": row.name, "paper": label, "paper_status": mine.status if mine else "not a candidate",
+            "published_step_s": published_step, "paper_step_s": mine.step_s if mine else None,
+            # ties share a rank: 1 + the layouts predicted to fit and faster (fsdp and zero2 twins often tie)
+            "paper_rank": 1 + sum(c.step_s < mine.step_s for c in ranked) if mine in ranked else None,
+            "chosen": ranking.winner.label, "chosen_step_s": ranking.winner.step_s,
+            "top5": [f"{c.label} ({c.step_s:.3f} s)" for c in ranked[:5]],
             "candidates": len(ranking.candidates), "seconds": time.monotonic() - began}
 
 
+def planner_line(p: dict) -> str:
+    """One row of ``--planner``: the published layout's predicted step (as the bench writes the row, and as the
+    planner's candidate), its rank among the layouts the planner predicts to fit, the planner's best, the top 5."""
+    step = p["paper_step_s"]
+    written = f"as the planner writes it {step:.3f} s, " if step else ""
+    return (f"{p['row']}: {p['candidates']} layouts in {p['seconds']:.0f} s; published {p['paper']}: "
+            f"{p['published_step_s']:.3f} s ({written}"
+            f"{p['paper_status']}, rank {p['paper_rank']}); planner's best {p['chosen']}: {p['chosen_step_s']:.3f} s "
+            f"({p['chosen_step_s'] / p['published_step_s'] - 1:+.1%}); top 5: {'; '.join(p['top5'])}")
+
+
 def _paper_label(row: published.PublishedRun) -> str:
-    """The planner's label of the paper's layout (see trainer.planner.auto.search)."""
+    """The planner's label of the paper's layout (trainer.planner.auto.layouts)."""
     lay = row.layout
     parts = [f"dp{lay.dp}({MODES[lay.data_parallel]})"] if lay.dp > 1 else []
+    if lay.cp > 1:
+        parts.append(f"cp{lay.cp}")
     if lay.pp > 1:
         m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
         v = lay.virtual_stages or 1
         parts.append(f"pp{lay.pp}({'Interleaved1F1B' if v > 1 else '1F1B'}{f' v{v}' if v > 1 else ''}, m{m})")
     if lay.tp > 1:
-        parts.append(f"tp{lay.tp}")
+        parts.append(f"tp{lay.tp}{'(sp)' if lay.sequence_parallel else ''}")
+    accum = row_config(row).train.grad_accum if lay.pp == 1 else 1
     ac, every = checkpointing(row), checkpointing_every(row)
-    return " x ".join(parts) + (f", AC {ac}" if ac != "none" else "") + (f" every {every}" if every > 1 else "") + ", bf16"
+    return (" x ".join(parts) + (f", accum {accum}" if accum > 1 else "") + (f", AC {ac}" if ac != "none" else "")
+            + (f" every {every}" if every > 1 else "") + ", bf16")
 
 
 def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:
@@ -306,8 +330,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--planner", default="", help="also run the auto-planner on the rows whose name starts with this")
     parser.add_argument("--memory-terms", action="store_true", help="the rows that publish memory, term by term")
-    parser.add_argument("--prune", action="store_true", help="with --planner: prune as a user's search does (fast; "
-                        "the paper's rank then counts the layouts predicted faster than its own step)")
+    parser.add_argument("--no-prune", action="store_true", help="with --planner: price every layout in full (slow); "
+                        "by default every layout up to the published one's step is, so its rank is exact either way")
+    parser.add_argument("--prune", action="store_true", help="(the default; kept for the commands in older results)")
+    parser.add_argument("--dp-modes", default="ddp,fsdp,zero2", help="with --planner: the data-parallel modes the "
+                        "search may use (ddp,zero2: those Megatron-LM has, its distributed optimizer as zero2)")
     args = parser.parse_args()
     if args.memory_terms:
         for row in published.rows():
@@ -317,10 +344,8 @@ def main() -> None:
     if args.planner:
         for row in published.rows():
             if row.name.startswith(args.planner) and unsupported(row) is None:
-                p = planner_row(row, prune=args.prune)
-                print(f"{p['row']}: {p['candidates']} layouts in {p['seconds']:.0f} s; paper {p['paper']} "
-                      f"({p['paper_status']}, rank {p['paper_rank']}, {p['paper_step_s'] or math.nan:.2f} s); chosen "
-                      f"{p['chosen']} ({p['chosen_step_s']:.2f} s); top 5: {'; '.join(p['top5'])}", flush=True)
+                modes = tuple(args.dp_modes.split(","))
+                print(planner_line(planner_row(row, prune=not args.no_prune, modes=modes)), flush=True)
         return
     results, skipped = [], []
     for row in published.rows():

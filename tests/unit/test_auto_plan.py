@@ -20,7 +20,8 @@ CAL = Calibration(host="h", device="cpu:test", workers=8, matmul={"fp32": Fit(1e
                   collectives={op: {g: Fit(1e-4 * g, 1e9 / g) for g in (2, 4, 8)}
                                for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")})
 NARROW = ["+parallel.auto.data_parallel_modes=[ddp,fsdp]", "+parallel.auto.schedules=[1F1B]",
-          "+parallel.auto.microbatches=[2]", "+parallel.auto.activation_checkpointing=[none]"]
+          "+parallel.auto.microbatches=[2]", "+parallel.auto.activation_checkpointing=[none]",
+          "+parallel.auto.grad_accum=[1]", "+parallel.auto.sequence_parallel=[false]"]
 
 
 def _raw(*overrides):

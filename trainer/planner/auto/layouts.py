@@ -1,13 +1,15 @@
 """The candidate layouts the auto-planner's search considers: every split of the ranks into dp (and
-its modes), cp, pp (its schedules, stages per rank and micro-batches), ep and tp, with each
-activation checkpointing and precision the knobs allow, as :class:`~trainer.planner.auto.ranking.Candidate`
-sections. :class:`Layouts` is the base of :class:`~trainer.planner.auto.search.Search`, which sets what
+its modes), cp, pp (its schedules, stages per rank and micro-batches), ep and tp (with sequence parallelism
+and without), gradient accumulation where there is no pipeline, with each activation checkpointing (full:
+every block or every n-th) and precision the knobs allow, as :class:`~trainer.planner.auto.ranking.Candidate`
+sections: the layouts practitioners write, as they write them. :class:`Layouts` is the base of :class:`~trainer.planner.auto.search.Search`, which sets what
 it reads: ``knobs``, ``base`` (the config), ``world``, ``model`` and ``decoder`` (the meta model and its
 decoder config) and ``pricing``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,24 +29,37 @@ def divisors(n: int) -> list[int]:
 class Layouts:
     """Enumerates the candidates (see the module docstring)."""
 
-    def layouts(self) -> Iterator[tuple[str, list[int], dict[str, Any], str]]:
-        """``(label, mesh, parallel section, precision)`` of every candidate the knobs allow."""
+    def layouts(self) -> Iterator[Candidate]:
+        """Every candidate the knobs allow."""
         k, t = self.knobs, self.base.train
         tp_ok = k.tensor_parallel and hasattr(self.model, "parallel_plan")
         precisions = [p for p in (k.precisions or [t.precision]) if p == "fp32" or self._bf16()]
-        acs = [a for a in k.activation_checkpointing if a == "none" or self.decoder is not None]
+        acs = [(a, every) for a in k.activation_checkpointing if a == "none" or self.decoder is not None
+               for every in (k.activation_checkpointing_every if a == "full" else [1])]
         for tp in (divisors(self.world) if tp_ok else [1]):
             for cp in self._cp_sizes(self.world // tp):
                 # A pipeline with cp, and experts with cp, are not searched: cp layouts are dp x cp x tp.
                 for pp in (divisors(self.world // tp) if k.pipeline and cp == 1 else [1]):
                     for ep in (self._ep_sizes(self.world // tp // pp) if cp == 1 else [1]):
                         dp = self.world // tp // pp // cp // ep
-                        for dp_name, dp_section in self._dp_options(dp, ep):
-                            for pp_name, pipeline in self._pipelines(pp, dp * ep):
-                                for ac in acs:
-                                    for precision in precisions:
-                                        yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep,
-                                                              ac, precision, cp=cp)
+                        for (dp_name, dp_section), (pp_name, pipeline, accum), sp, ac, precision in itertools.product(
+                                self._dp_options(dp, ep), self._batch_splits(pp, dp * ep),
+                                k.sequence_parallel if tp > 1 else [False], acs, precisions):
+                            yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac, precision,
+                                                  cp=cp, sp=sp, accum=accum)
+
+    def _batch_splits(self, pp: int, dp: int) -> Iterator[tuple[str, dict | None, int]]:
+        """``(pipeline label, pipeline section, gradient-accumulation steps)``: each pipeline of
+        :meth:`_pipelines`; without one, each count of micro-batches a data-parallel rank's batch is
+        accumulated over (train.grad_accum as set when above 1)."""
+        t = self.base.train
+        if pp > 1 or t.grad_accum > 1:
+            yield from ((name, section, t.grad_accum) for name, section in self._pipelines(pp, dp))
+            return
+        per_rank = t.global_batch_size // dp if t.global_batch_size % dp == 0 else 0
+        counts = self.knobs.grad_accum or [m for m in divisors(per_rank) if m <= self.knobs.max_microbatches] or [1]
+        for m in counts:
+            yield "", None, m
 
     def _ep_sizes(self, ranks: int) -> list[int]:
         """Expert-parallel sizes: 1, and for a model with experts every divisor of ``ranks`` that splits
@@ -96,7 +111,8 @@ class Layouts:
                     yield name, {"dim": "pp", "schedule": schedule, "microbatches": m, "stages_per_rank": spr,
                                  "boundaries": "auto"}
 
-    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac, precision, cp=1) -> Candidate:
+    def _candidate(self, dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, checkpointing, precision, cp=1,
+                   sp=False, accum=1) -> Candidate:
         dims, mesh = [], []
         if dp_section is not None:
             sizes = [(a, s) for a, s in (zip(dp_section["dim"], _hsdp_sizes(dp_name)) if dp_section["mode"] == "hsdp"
@@ -111,7 +127,9 @@ class Layouts:
             dims.append("ep"), mesh.append(ep)
         if tp > 1:
             dims.append("tp"), mesh.append(tp)
-        parallel: dict[str, Any] = {"dims": dims or ["dp"], "activation_checkpointing": ac}
+        ac, every = checkpointing  # the mode, and with full every n-th block
+        parallel: dict[str, Any] = {"dims": dims or ["dp"], "activation_checkpointing": ac,
+                                    "activation_checkpointing_every": every}
         if dp_section is not None:
             parallel["data_parallel"] = dp_section
         elif not dims:  # one rank: a dp axis of size 1 keeps the section ordinary
@@ -121,14 +139,16 @@ class Layouts:
         if ep > 1:
             parallel["expert_parallel"] = {"dim": "ep"}
         if tp > 1:
-            parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron"}
+            parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron", "sequence_parallel": sp}
         if cp > 1:
             parallel["context_parallel"] = {"dim": "cp", "method": "ring"}
         label = " x ".join(p for p in (dp_name, f"cp{cp}" if cp > 1 else "", pp_name, f"ep{ep}" if ep > 1 else "",
-                                       f"tp{tp}" if tp > 1 else "")
+                                       f"tp{tp}{'(sp)' if sp else ''}" if tp > 1 else "")
                            if p) or "one rank"
-        label += (f", AC {ac}" if ac != "none" else "") + (", bf16" if precision == "bf16" else "")
-        return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision)
+        label += (f", accum {accum}" if accum > 1 and pipeline is None else "")
+        label += (f", AC {ac}" if ac != "none" else "") + (f" every {every}" if every > 1 else "")
+        label += ", bf16" if precision == "bf16" else ""
+        return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision, grad_accum=accum)
 
 
 def _hsdp_sizes(label: str) -> list[int]:

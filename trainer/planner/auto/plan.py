@@ -8,18 +8,19 @@
     print(result.table())
 
 Candidates: every split of N into dp x pp x tp (and hsdp's replicate x shard), each data-parallel
-mode, schedule, micro-batch count, stages per rank, activation checkpointing and precision the
-knobs (:class:`parallel.config.AutoPlanConfig`) allow, with the model family's Megatron plan and
-``boundaries: auto``. Each is checked by the validator hand-written configs meet
+mode, schedule, micro-batch count, stages per rank, accumulation, activation checkpointing, sequence
+parallelism and precision the knobs (:class:`parallel.config.AutoPlanConfig`) allow, with the model family's
+Megatron plan and ``boundaries: auto`` (:mod:`trainer.planner.auto.layouts`). Each is checked by the validator hand-written configs meet
 (:func:`trainer.validate.checks.check_structure`, :func:`parallel.plan.resolve.resolve_plan` with the head-count
 check) against one meta model built once. Axis order is fixed (dp outermost, tp innermost): on
 one host permuting the axes changes nothing the model predicts, so one order stands for all.
 
-Search: the valid candidates are sorted by a lower bound on their time that needs no meta pass
-(:func:`trainer.planner.cost.model.lower_bound_s`); each is then predicted in full (the meta passes are
-cached by what they depend on: tp size, micro-batch, precision) until the bound of the next one
-exceeds the best time found among those predicted to fit the memory budget; the rest are pruned,
-and cannot be faster. Every loser says why it lost.
+Search, best first (:mod:`trainer.planner.auto.order`): every valid candidate waits at a lower bound of
+its time that needs no meta pass (a compute floor, then :func:`trainer.planner.cost.model.lower_bound_s`),
+then at its predicted time (the meta passes are cached by what they depend on: tp size, micro-batch,
+precision, sequence parallelism); the lowest is advanced, and the first whose memory fits is chosen. The
+rest either were predicted slower (their memory left out) or are pruned by a bound above the choice, and
+cannot be faster. Every loser says why it lost.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def resolve_auto(raw: dict, *, calibration: Calibration | None = None,
                                        "(a dry run prints every candidate and why it lost)")])
     chosen = result.winner
     out = {**raw, "mesh": chosen.mesh, "parallel": {**chosen.parallel, "auto": raw["parallel"]["auto"]}}
-    out["train"] = {**(raw.get("train") or {}), "precision": chosen.precision}
+    out["train"] = {**(raw.get("train") or {}), "precision": chosen.precision, "grad_accum": chosen.grad_accum}
     return out, result
 
 
@@ -113,9 +114,10 @@ def _knobs(raw: dict) -> AutoPlanConfig:
 
 
 def plan_layouts(raw: dict, *, calibration: Calibration | None = None,
-                 progress: Callable[[str], None] | None = None) -> AutoPlan:
+                 progress: Callable[[str], None] | None = None, rank_below: float = 0.0) -> AutoPlan:
     """Rank every candidate layout of ``raw``'s mesh (see the module docstring); ``progress`` is told
-    what the search has done at the end of each phase and every few seconds within one."""
+    what the search has done at the end of each phase and every few seconds within one. ``rank_below``:
+    also predict in full every layout whose step is at most this (seconds), so their ranks are exact."""
     began = time.monotonic()
     knobs = _knobs(raw)
     mesh = raw.get("mesh") or [1]
@@ -132,7 +134,7 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None,
     if base.hardware.is_host:  # a profile prices without this host: nothing to probe
         calibration = calibration or host_calibration(base, world)
     search = Search(raw, base, knobs, world, pricing_for(base, calibration=calibration),
-                    progress=Progress(progress))
+                    progress=Progress(progress), rank_below=rank_below)
     candidates = search.run()
 
     return AutoPlan(world_size=world, budget_bytes=search.budget, budget_source=search.budget_source,

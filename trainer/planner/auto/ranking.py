@@ -19,6 +19,7 @@ class Candidate:
     mesh: list[int]
     parallel: dict[str, Any]
     precision: str
+    grad_accum: int = 1  # train.grad_accum: the micro-batches a data-parallel rank accumulates (no pipeline)
     status: str = "invalid"
     reason: str = ""
     lower_bound_s: float | None = None

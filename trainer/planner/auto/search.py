@@ -1,5 +1,5 @@
 """The auto-planner's search (:mod:`trainer.planner.auto.plan`): enumerate (:mod:`trainer.planner.auto.layouts`),
-validate, bound, predict, rank.
+validate, bound, predict best first and rank (:mod:`trainer.planner.auto.order`).
 
     search = Search(raw, base_cfg, AutoPlanConfig(), world=8, pricing=HostPricing(cal))
     candidates = search.run()           # ranked; candidates[0] is the choice when one fits
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from parallel.config import AutoPlanConfig
+from parallel.config import AutoPlanConfig, ParallelConfig
 from parallel.errors import ConfigError
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import DataParallelSpec, MeshSpec, ParallelPlan
@@ -27,6 +27,7 @@ from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, decoder_config
 from trainer.planner.auto.layouts import Layouts
+from trainer.planner.auto.order import price_all, price_best_first, ranked
 from trainer.planner.auto.ranking import Candidate
 from trainer.planner.auto.shallow import Given, cut_plan, expand, memory_floor, shallow_model
 from trainer.planner.cost.comm import unit_params
@@ -34,7 +35,8 @@ from trainer.planner.cost.model import unit_costs
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import memory_budget, memory_margin
 from trainer.planner.memory.layout import checkpointed, core_recomputed
-from trainer.planner.memory.meta_pass import saved_activations
+from trainer.planner.memory.meta_pass import flash_attention_for_cpu, saved_activations
+from trainer.planner.memory.pass_cache import PASSES, pass_key
 from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
@@ -53,6 +55,7 @@ class Progress:
         self.counts = dict.fromkeys(("considered", "invalid", "over the floor", "bounded", "priced", "pruned",
                                      "meta passes"), 0)
         self.best: Candidate | None = None
+        self.floor: float | None = None  # the lowest bound of a step left to look at (the search goes best first)
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] += n
@@ -65,13 +68,19 @@ class Progress:
         done = ", ".join(f"{n} {what}" for what, n in self.counts.items() if n)
         best = (f"; best so far {self.best.label}: {self.best.step_s * 1e3:,.1f} ms a step"
                 if self.best is not None else "")
+        if self.floor is not None and self.best is None:  # until a layout fits: how far the search has come
+            best = f"; none left faster than {self.floor * 1e3:,.1f} ms a step"
         self.say(f"auto plan [{now - self.began:,.0f} s] {phase}: {done or 'starting'}{best}")
 
 
 class Search(Layouts):
     def __init__(self, raw: dict, base: RunConfig, knobs: AutoPlanConfig, world: int,
-                 pricing: HostPricing | ProfilePricing, *, progress: Progress | None = None) -> None:
+                 pricing: HostPricing | ProfilePricing, *, progress: Progress | None = None,
+                 rank_below: float = 0.0) -> None:
         self.raw, self.base, self.knobs, self.world, self.pricing = raw, base, knobs, world, pricing
+        # Every layout predicted to take at most this long is priced in full, time and memory, whatever the best
+        # (a bench ranking a given layout exactly: tests/bench/bench_profiles.py --planner).
+        self.rank_below = rank_below
         self.progress = progress or Progress(None)
         self.model = build_model(base.model, device="meta")  # the only model this search builds
         self.decoder = decoder_config(base.model)
@@ -90,6 +99,7 @@ class Search(Layouts):
         self._floor_passes: dict = {}  # two-block memory passes (memory_floor)
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
         self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
+        self._layouts: dict = {}  # the placements and layouts those plans share (resolve_plan's layout_cache)
 
     # ------------------------------------------------------------------ validation
 
@@ -99,9 +109,11 @@ class Search(Layouts):
         keys = _section_keys(c)
         if self._known_failure(c, "structure", keys):
             return None
-        raw = {**self.raw, "mesh": c.mesh, "parallel": c.parallel,
-               "train": {**(self.raw.get("train") or {}), "precision": c.precision}}
-        cfg = RunConfig.model_validate(raw)
+        # The base config with the candidate's mesh, parallel section, precision and accumulation: what validating
+        # the whole raw config again gives (its sections have no cross-field validators), for a twentieth of the time.
+        train = self.base.train.model_copy(update={"precision": c.precision, "grad_accum": c.grad_accum})
+        cfg = self.base.model_copy(update={"mesh": list(c.mesh), "parallel": ParallelConfig.model_validate(c.parallel),
+                                           "train": train})
         stage, issues = "structure", check_structure(cfg)
         if not issues:
             if self._known_failure(c, "plan", keys):
@@ -128,7 +140,7 @@ class Search(Layouts):
                json.dumps({k: v for k, v in (pipeline or {}).items() if k not in ("schedule", "microbatches")},
                           sort_keys=True), json.dumps(c.parallel.get("tensor_parallel"), sort_keys=True))
         if key not in self._plans:
-            self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model,
+            self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model, layout_cache=self._layouts,
                                             check_glob=lambda *glob: _check_heads(self.decoder, *glob))
         template, par = self._plans[key], cfg.parallel
         dp = par.data_parallel
@@ -214,7 +226,7 @@ class Search(Layouts):
         if shallow is None or (plan.pipeline is not None and plan.pipeline.stages):
             return None
         cut = cut_plan(plan, shallow)
-        key = (self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, bool(plan.layouts),
+        key = (self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, _sequence_shards(plan),
                plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
         if key not in self._floor_passes:
             self._floor_passes[key] = saved_activations(cfg, cut, cfg.micro_batch_size, model=shallow)
@@ -223,39 +235,49 @@ class Search(Layouts):
         return max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=given))
 
     def predict(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan, *, memory: bool = True) -> None:
-        """The candidate's step time, and with ``memory`` its peak memory (a meta pass of the whole model
-        per tp size and micro-batch: the costly part). The search leaves memory out for a layout whose
-        step is no faster than one already predicted to fit: it cannot be chosen, fits or not."""
-        micro = cfg.micro_batch_size
-        key = (self.params_key(plan), micro, cfg.train.precision, plan.cp_size)
+        """The candidate's step time, and with ``memory`` its peak memory (:meth:`predict_memory`, the
+        costly part). The search leaves memory out for a layout whose step is no faster than one already
+        predicted to fit: it cannot be chosen, fits or not."""
+        micro, key = cfg.micro_batch_size, self._costs_key(cfg, plan)
         if key not in self._costs:
             self._costs[key] = self.unit_costs(cfg, plan, micro, self.pricing.unit_costs)
             self.progress.count("meta passes")
-        passes = len(self._memory)
         step = self.pricing.step(cfg, plan, self._costs[key], self.model, self.params(plan))
         c.step_s, c.tokens_per_s, c.traffic = step.total_s, step.tokens_per_s, step.traffic
         c.parts_s = {"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
                      "unitemized": step.overhead_s,
                      **{f"comm {axis}": s for axis, s in step.comm_s.items()}}
-        if not memory:
-            c.status, c.memory_skipped = "slower", True
-            return
+        c.status, c.memory_skipped = "slower", True
+        if memory:
+            self.predict_memory(c, cfg, plan)
+
+    def _costs_key(self, cfg: RunConfig, plan: ParallelPlan) -> tuple:
+        """What a layout's unit costs (:meth:`unit_costs`) depend on, the rest of the config being the search's own."""
+        return self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, _sequence_shards(plan)
+
+    def predict_memory(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
+        """The peak memory of a candidate whose time :meth:`predict` priced (a meta pass of the whole model
+        per tp size and micro-batch), after a two-block floor that may already show it does not fit."""
+        c.memory_skipped = False
         floor = self.memory_floor(cfg, plan)
         if floor is not None and floor > self.limit:  # no full pass for a layout that does not fit even that
             c.peak_bytes, c.status = floor, "does not fit"
             c.reason = (f"does not fit: at least {floor / GIB:.2f} GiB (before backward's worst moment) > "
                         f"{self.budget / GIB:.2f} GiB budget{self._beyond()}")
             return
-        c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=self._memory))
-        self.progress.count("meta passes", len(self._memory) - passes)
+        # predict_memory's cache tells tp's layouts apart only by there being some: one cache per sequence-parallel set.
+        cache = self._memory.setdefault(_sequence_shards(plan), _Traced())
+        passes = len(cache)
+        c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=cache))
+        if len(cache) > passes:  # a full pass: the process's cache gets it too, for the dry run of the winner
+            PASSES[pass_key(cfg, plan, cfg.micro_batch_size, flash_attention_for_cpu)] = cache.last
+        self.progress.count("meta passes", len(cache) - passes)
         if c.peak_bytes > self.limit:
             c.status = "does not fit"
             c.reason = f"does not fit: {c.peak_bytes / GIB:.2f} GiB > {self.budget / GIB:.2f} GiB budget{self._beyond()}"
-        else:
-            c.status = "slower"
-            if c.peak_bytes > self.budget:
-                c.memory_note = (f"may not fit: {c.peak_bytes / GIB:.2f} GiB, {c.peak_bytes / self.budget - 1:+.0%} over "
-                                 f"the {self.budget / GIB:.2f} GiB budget, within the {self.margin:.0%} measured error")
+        elif c.peak_bytes > self.budget:
+            c.memory_note = (f"may not fit: {c.peak_bytes / GIB:.2f} GiB, {c.peak_bytes / self.budget - 1:+.0%} over "
+                             f"the {self.budget / GIB:.2f} GiB budget, within the {self.margin:.0%} measured error")
 
     def _beyond(self) -> str:
         return f" + {self.margin:.0%} measured error" if self.margin else ""
@@ -295,48 +317,13 @@ class Search(Layouts):
             progress.count("bounded")
         progress.tick(f"pricing the {len(valid)} valid layouts, lowest bound first", force=True)
         valid.sort(key=lambda v: v[0])
-        best = math.inf
-        for floor, c, cfg, plan in valid:
-            if floor <= best or not self.knobs.prune:
-                c.lower_bound_s = self.pricing.lower_bound(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
-            if c.lower_bound_s > best and self.knobs.prune:
-                c.status, c.reason = "pruned", (f"pruned: lower bound {c.lower_bound_s * 1e3:.1f} ms > best "
-                                                f"{best * 1e3:.1f} ms")
-                progress.count("pruned")
-                continue
-            # Time first; the memory (the costly pass) only of a layout faster than the best that fits.
-            self.predict(c, cfg, plan, memory=not self.knobs.prune)
-            if c.memory_skipped and c.step_s < best:
-                c.memory_skipped = False
-                self.predict(c, cfg, plan)
-            progress.count("priced")
-            if c.status == "slower":
-                if c.step_s < best:
-                    progress.best = c
-                best = min(best, c.step_s)
-            progress.tick("pricing")
+        (price_best_first if self.knobs.prune else price_all)(self, valid)
         progress.tick("done", force=True)
-        predicted = sorted((c for _, c, _, _ in valid if c.status == "slower"), key=lambda c: c.step_s)
-        if predicted:
-            predicted[0].status = "chosen"
-            predicted[0].reason = ("chosen: fastest within the prediction's measured error of the budget"
-                                   if predicted[0].memory_note else "chosen: fastest predicted to fit")
-            for c in predicted[1:]:
-                c.reason = slower_reason(c, predicted[0]) + ("; memory not predicted (it cannot be chosen)"
-                                                              if c.memory_skipped else "")
-            for c in predicted:
-                if c.memory_note:
-                    c.reason += f"; {c.memory_note}"
-        rest = [c for _, c, _, _ in valid if c.status in ("does not fit", "pruned")] + overflowing
-        rest.sort(key=lambda c: (c.status != "does not fit", c.step_s or c.lower_bound_s or 0.0, c.peak_bytes or 0.0))
-        return predicted + rest + invalid
-
-
-def slower_reason(c: Candidate, winner: Candidate) -> str:
-    """``slower: +23% (+4.1 ms comm tp)``: how much, and the part that grew most against the winner."""
-    diffs = {part: c.parts_s.get(part, 0.0) - winner.parts_s.get(part, 0.0) for part in {*c.parts_s, *winner.parts_s}}
-    part, extra = max(diffs.items(), key=lambda kv: kv[1])
-    return f"slower: +{(c.step_s / winner.step_s - 1):.0%} (+{extra * 1e3:.1f} ms {part})"
+        candidates = ranked(valid, invalid, overflowing)
+        for _, c, cfg, plan in valid:  # the choice's dry run prices the step its ranking shows, from these costs
+            if c is candidates[0] and c.status == "chosen":
+                self.pricing.keep(cfg, plan, cfg.micro_batch_size, self._costs[self._costs_key(cfg, plan)])
+        return candidates
 
 
 def _section_keys(c: Candidate) -> dict[str, tuple]:
@@ -351,3 +338,19 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1), sizes.get("cp", 1)),
             "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),
                          tuple(sorted(pipeline.items())) if pipeline else None)}
+
+
+def _sequence_shards(plan: ParallelPlan) -> frozenset[str]:
+    """The mesh axes the plan runs the blocks' norms on sequence shards over (sequence parallelism): the
+    meta passes of a layout with it and of one without differ."""
+    return plan.sequence_parallel_axes
+
+
+class _Traced(dict):
+    """A meta-pass cache that remembers the pass it was last given (see :meth:`Search.predict_memory`)."""
+
+    last: dict | None = None
+
+    def __setitem__(self, key, saved) -> None:
+        super().__setitem__(key, saved)
+        self.last = saved

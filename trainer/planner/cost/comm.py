@@ -17,7 +17,7 @@ adds them to the step's compute (no overlap on CPU).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import nn
 
@@ -28,10 +28,13 @@ from trainer.planner.cost.calibration import Calibration
 from trainer.planner.memory.layout import checkpointed
 
 
-@dataclass(frozen=True)
-class CommOp:
+_SPREAD = frozenset({"all_gather", "reduce_scatter", "all_to_all"})  # each rank sends (g - 1) / g of the buffer
+
+
+class CommOp(NamedTuple):
     """One kind of collective a rank runs in a step: ``count`` calls of ``op`` over ``group_size``
-    ranks of mesh axis ``axis`` (dp's axes joined by commas), each on a buffer of ``nbytes``."""
+    ranks of mesh axis ``axis`` (dp's axes joined by commas), each on a buffer of ``nbytes``. (A named
+    tuple: a planner makes one per FSDP unit for every pp rank of thousands of candidates.)"""
 
     axis: str
     op: str
@@ -44,9 +47,8 @@ class CommOp:
     def sent_bytes(self) -> float:
         """Bytes this rank sends in the step (ring algorithms), as the dry run's traffic counts them."""
         g = self.group_size
-        share = {"all_reduce": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g,
-                 "all_to_all": (g - 1) / g}
-        return share.get(self.op, 1.0) * self.nbytes * self.count
+        share = 2 * (g - 1) / g if self.op == "all_reduce" else (g - 1) / g if self.op in _SPREAD else 1.0
+        return share * self.nbytes * self.count
 
     def seconds(self, cal: Calibration) -> float:
         return self.count * cal.collective_time(self.op, self.group_size, self.nbytes)
@@ -75,6 +77,7 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
     docstring); ``params``: :func:`unit_params`."""
     ops: list[CommOp] = []
     t, pp = cfg.train, plan.pipeline
+    block_set = frozenset(plan.blocks)
     m = pp.num_microbatches if pp else 1
     cdt = 2 if t.precision == "bf16" else 4  # activations and gathered parameters in the compute dtype
     if (dp := plan.param_data_parallel) is not None:  # cp ranks shard and reduce parameters as dp ranks
@@ -85,12 +88,12 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
     decoder = decoder_config(cfg.model)
     act = micro_batch * t.seq_len // plan.cp_size * (decoder.dim if decoder else 0) * cdt
     if (cp := plan.context_parallel) is not None and plan.cp_size > 1 and decoder is not None:
-        blocks = [u for u in held if u in plan.blocks]
+        blocks = [u for u in held if u in block_set]
         recomputed = len(checkpointed(plan) & set(blocks))  # a checkpointed block's forward runs its ring again
         ops += _kv_ops(cp, plan, decoder, micro_batch * t.seq_len // plan.cp_size, cdt,
                        layers=len(blocks) * m * t.grad_accum, forwards=(len(blocks) + recomputed) * m * t.grad_accum)
-    tp_axes = {a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}
-    blocks = [u for u in held if u in plan.blocks]
+    tp_axes = sorted(plan.sharded_axes)
+    blocks = [u for u in held if u in block_set]
     sp_axes = sequence_parallel_axes(plan)
     for axis in tp_axes:
         if (g := plan.mesh.size(axis)) > 1 and decoder is not None:
@@ -178,8 +181,7 @@ def regathers(plan: ParallelPlan, blocks: list[str], axis: str) -> int:
 def sequence_parallel_axes(plan: ParallelPlan) -> set[str]:
     """The mesh axes over which the plan runs the blocks' norms on sequence shards: a layout whose
     input is ``Shard`` on an axis of more than one rank (the engine's ``SequenceParallel``)."""
-    return {a for layout in plan.layouts.values() for a, pl in layout.input.items()
-            if pl.is_shard and plan.mesh.size(a) > 1}
+    return set(plan.sequence_parallel_axes)
 
 
 def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, passes: int) -> list[CommOp]:
@@ -199,8 +201,9 @@ def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, pas
         ops += [op for n in experts for op in (CommOp(axis, "all_gather", g, n * cdt, gathers * passes),
                                                CommOp(axis, "reduce_scatter", g, n * 4.0, passes))]
         shard_axis, g = f"{axis},{ep.dim}", g * plan.mesh.size(ep.dim)
-    fsdp_units = [params[u][0] - params[u][2] for u in held if u in plan.blocks]
-    fsdp_units.append(sum(params[u][0] - params[u][2] for u in held if u not in plan.blocks))  # the root
+    block_set = frozenset(plan.blocks)  # asked of every unit held, for every pp rank of every candidate a planner prices
+    fsdp_units = [params[u][0] - params[u][2] for u in held if u in block_set]
+    fsdp_units.append(sum(params[u][0] - params[u][2] for u in held if u not in block_set))  # the root
     for index, n in enumerate(fsdp_units):
         root = index == len(fsdp_units) - 1  # stays gathered from forward to backward
         ops.append(CommOp(shard_axis, "all_gather", g, n * cdt, (1 if root else gathers) * passes))

@@ -250,7 +250,7 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     total = span + sum(exposed.values()) + optimizer
     # Model FLOPs count each matmul once: a unit whose parameters tp splits did 1/tp of it on this rank;
     # a unit tp leaves whole (the Megatron plan's output head) did all of it on every tp rank.
-    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a, pl in axes.items() if pl.is_shard}))
+    tp = plan.mesh.size(sorted(plan.sharded_axes))
     split = placed_params(plan)
     flops_per_micro = sum(x.model_flops * (tp if split.get(u) else 1) for u, x in costs.items())
     sequences = t.global_batch_size

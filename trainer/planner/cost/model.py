@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from parallel.pipeline.order import expected_bubble
-from parallel.plan.spec import ParallelPlan, owning_unit
+from parallel.plan.spec import ParallelPlan, unit_owner
 from trainer.config.schema import RunConfig
 from trainer.models import build_model, loss_fn_for
 from trainer.planner.cost.calibration import Calibration
@@ -274,15 +274,17 @@ def placed_params(plan: ParallelPlan) -> dict[str, int]:
     """Per pipeline unit: its parameters the plan places (tp): DTensors in forward and backward,
     each costing about one Linear's DTensor dispatch per pass (``Calibration.dtensor_linear_s``)."""
     out: dict[str, int] = defaultdict(int)
+    split = {a for a, size in zip(plan.mesh.dim_names, plan.mesh.shape) if size > 1}  # a planner asks per candidate
+    owner = unit_owner(tuple(plan.units))
     for fqn, axes in plan.placements.items():
-        if any(plan.mesh.size(a) > 1 for a in axes):
-            if (unit := owning_unit(fqn, plan.units)) is not None:
+        if not split.isdisjoint(axes):
+            if (unit := owner(fqn)) is not None:
                 out[unit] += 1
     # Loss parallel's head, when tied: the plan places the weight under the embedding's name, but the head's
     # unit runs a DTensor Linear on its vocabulary shard too.
     for name, layout in plan.layouts.items():
-        if any(p.is_shard and plan.mesh.size(a) > 1 for a, p in layout.output.items()):
-            if (unit := owning_unit(name, plan.units)) is not None and not out.get(unit):
+        if any(p.is_shard and a in split for a, p in layout.output.items()):
+            if (unit := owner(name)) is not None and not out.get(unit):
                 out[unit] += 1
     return dict(out)
 

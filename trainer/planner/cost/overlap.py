@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.hardware import HardwareProfile
@@ -18,6 +18,7 @@ from trainer.models import decoder_config
 from trainer.planner.cost.comm import comm_ops, ring_exposed_s
 from trainer.planner.cost.links import collective_seconds, group_link
 from trainer.planner.cost.reference import rank_units
+from trainer.planner.memory.layout import checkpointed
 from trainer.planner.cost.speed import DeviceSpeed
 
 
@@ -43,58 +44,77 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
     the pp rank whose communication and optimizer step leave the most on the critical path.
     ``per_micro``: each pp rank's forward and backward seconds of one micro-batch (what a pipelined
     stage's gathers and reduces can hide behind); ``None``: as much as there is (a lower bound)."""
-    shape, names = plan.mesh.shape, plan.mesh.dim_names
     per_node = max(1, plan.mesh.world_size // cfg.launch.nnodes)  # the ranks one node runs (row-major)
     dp = plan.param_data_parallel  # FSDP over dp x cp: the cp ranks gather, reduce and shard as dp ranks
     shard = plan.mesh.size(dp.shard_dim_names) if dp else 1
     dp_axes = ",".join(dp.dim_names) if dp else None
     # joined; hsdp's replicate axis and its shard axes (with a cp axis folded in: joined)
     dp_keys = {dp_axes, *dp.dim_names, ",".join(dp.shard_dim_names)} if dp else set()
-    key = dp_axes or "dp"
+    key_axis = dp_axes or "dp"
     step_s = _ring_step_s(cfg, plan, micro, speed)
-    ranks = []
+    ranks, known = [], {}
+    blocks, wrapped = set(plan.blocks), checkpointed(plan)
+    experts = Counter(plan.unit_of(fqn) for fqn in plan.expert_parallel.modules) if plan.expert_parallel else Counter()
     for rank, held in enumerate(rank_units(plan)):
-        comm: dict[str, float] = defaultdict(float)
-        exposed: dict[str, float] = defaultdict(float)
-        traffic: dict[str, float] = defaultdict(float)
-        gathers, first, reduces, tail, hops = 0.0, 0.0, 0.0, 0.0, {}
-        for op in comm_ops(cfg, plan, held, params, micro):
-            link = _link(shape, names, tuple(op.axis.split(",")), per_node)
-            one = collective_seconds(profile, op.op, link, op.nbytes)
-            comm[op.axis] += one * op.count
-            traffic[op.axis] += op.sent_bytes
-            if op.role:  # the cp ring's hops: behind its attention blocks, below
-                hops[op.role] = (one, op.count)
-            elif op.op == "send_recv":
-                exposed[op.axis] += one * min(op.count, 2 * (plan.pp_size - 1) * cfg.train.grad_accum)
-            elif op.axis in dp_keys:
-                if op.op == "all_gather":
-                    gathers += one * op.count
-                    first = max(first, one)
-                else:
-                    reduces += one * op.count
-                    tail = max(tail, one)
-            else:  # tp (the engine's tensor-parallel styles are synchronous), the cp all-gather's K/V
-                exposed[op.axis] += one * op.count
-        if "kv" in hops:
-            g = plan.cp_size
-            (hop, count), (grad_hop, grad_count) = hops["kv"], hops["kv_grad"]
-            layers = grad_count / g  # block passes backward; forward: a checkpointed block's twice
-            forward, backward = ring_exposed_s(g, hop, grad_hop, *step_s)
-            exposed[plan.context_parallel.dim] += forward * (count / (g - 1) - layers) + backward * layers
-        if plan.pipeline is None and gathers + reduces:  # prefetched / bucketed behind compute, the last reduce excepted
-            dp_s = gathers + reduces
-            exposed[key] += max(dp_s - busy[rank], 0.0) + min(tail, dp_s)
-        numel = sum(params[u][0] for u in held)
-        optimizer = speed.optimizer_s(numel / shard)
-        ranks.append((comm, exposed, traffic, optimizer, gathers, first, reduces))
+        # Ranks that hold alike units (a deep pipeline's middle stages) run the same collectives: priced once.
+        key = (tuple((params[u], u in blocks, u in wrapped, experts[u]) for u in held),
+               None if plan.pipeline is not None else busy[rank])
+        if key not in known:
+            known[key] = _rank_waits(cfg, plan, profile, held, params, micro, busy[rank], speed, step_s,
+                                     per_node, dp_keys, key_axis, shard)
+        comm, exposed, traffic, *rest = known[key]
+        ranks.append((dict(comm), defaultdict(float, exposed), dict(traffic), *rest))
     if plan.pipeline is not None and any(r[4] + r[6] for r in ranks):
         dp_s = pipelined_dp_exposed([r[4:7] for r in ranks], per_micro, plan.pipeline.stages_per_rank)
         for r in ranks:  # the whole pipeline waits for it: every rank's step ends with it
-            r[1][key] += dp_s * cfg.train.grad_accum
+            r[1][key_axis] += dp_s * cfg.train.grad_accum
     worst = max(ranks, key=lambda r: sum(r[1].values()) + r[3])
     return dict(worst[0]), dict(worst[1]), dict(worst[2]), worst[3]
 
+
+def _rank_waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, held: list[str], params: dict,
+                micro: int, busy: float, speed: DeviceSpeed, step_s: tuple[float, float], per_node: int,
+                dp_keys: set, key_axis: str, shard: int) -> tuple:
+    """One pp rank's ``(comm, exposed, traffic, optimizer, gathers, largest gather, reduces)`` (see :func:`_waits`),
+    which depend on the units it holds (``held``) through what :func:`comm_ops` reads of them: their parameters,
+    whether each is a block or a checkpointed one, and the expert modules it holds."""
+    shape, names = plan.mesh.shape, plan.mesh.dim_names
+    comm: dict[str, float] = defaultdict(float)
+    exposed: dict[str, float] = defaultdict(float)
+    traffic: dict[str, float] = defaultdict(float)
+    gathers, first, reduces, tail, hops = 0.0, 0.0, 0.0, 0.0, {}
+    priced: dict[tuple, float] = {}  # FSDP's alike blocks: the same collective on the same buffer, priced once
+    for op in comm_ops(cfg, plan, held, params, micro):
+        if (op.op, op.axis, op.nbytes) not in priced:
+            link = _link(shape, names, tuple(op.axis.split(",")), per_node)
+            priced[op.op, op.axis, op.nbytes] = collective_seconds(profile, op.op, link, op.nbytes)
+        one = priced[op.op, op.axis, op.nbytes]
+        comm[op.axis] += one * op.count
+        traffic[op.axis] += op.sent_bytes
+        if op.role:  # the cp ring's hops: behind its attention blocks, below
+            hops[op.role] = (one, op.count)
+        elif op.op == "send_recv":
+            exposed[op.axis] += one * min(op.count, 2 * (plan.pp_size - 1) * cfg.train.grad_accum)
+        elif op.axis in dp_keys:
+            if op.op == "all_gather":
+                gathers += one * op.count
+                first = max(first, one)
+            else:
+                reduces += one * op.count
+                tail = max(tail, one)
+        else:  # tp (the engine's tensor-parallel styles are synchronous), the cp all-gather's K/V
+            exposed[op.axis] += one * op.count
+    if "kv" in hops:
+        g = plan.cp_size
+        (hop, count), (grad_hop, grad_count) = hops["kv"], hops["kv_grad"]
+        layers = grad_count / g  # block passes backward; forward: a checkpointed block's twice
+        forward, backward = ring_exposed_s(g, hop, grad_hop, *step_s)
+        exposed[plan.context_parallel.dim] += forward * (count / (g - 1) - layers) + backward * layers
+    if plan.pipeline is None and gathers + reduces:  # prefetched / bucketed behind compute, the last reduce excepted
+        dp_s = gathers + reduces
+        exposed[key_axis] += max(dp_s - busy, 0.0) + min(tail, dp_s)
+    numel = sum(params[u][0] for u in held)
+    return comm, exposed, traffic, speed.optimizer_s(numel / shard), gathers, first, reduces
 
 def pipelined_dp_exposed(ranks: list[tuple[float, float, float]], per_micro: list[tuple[float, float]] | None,
                          chunks: int) -> float:
@@ -138,7 +158,7 @@ def _ring_step_s(cfg: RunConfig, plan: ParallelPlan, micro: int, speed: DeviceSp
     decoder = decoder_config(cfg.model)
     if plan.cp_size == 1 or decoder is None:
         return 0.0, 0.0
-    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    tp = plan.mesh.size(plan.placement_axes)
     tokens = cfg.train.seq_len // plan.cp_size
     flops = 4.0 * micro * decoder.n_heads / tp * tokens * tokens * decoder.head_width * 0.5
     return flops / speed.attention_flops[0], 2.5 * flops / speed.attention_flops[1]

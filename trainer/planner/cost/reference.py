@@ -47,7 +47,7 @@ def layout_degrees(plan: ParallelPlan) -> dict[str, int]:
 
 def tp_degree(plan: ParallelPlan) -> int:
     """The product of the mesh axes the plan's placements shard a parameter over."""
-    axes = {a for by_axis in plan.placements.values() for a, pl in by_axis.items() if pl.is_shard}
+    axes = set(plan.sharded_axes)
     return math.prod(plan.mesh.size(a) for a in axes)
 
 

@@ -2,6 +2,7 @@
 
     pricing = pricing_for(cfg, calibration=cal)         # HostPricing (this_host) or ProfilePricing
     costs = pricing.unit_costs(cfg, plan, micro, model)  # the meta pass, cached by a planner
+    pricing.keep(cfg, plan, micro, costs)                 # (the planner's choice:) answered from memory next time
     step = pricing.step(cfg, plan, costs, model)         # a StepTime
     bound = pricing.lower_bound(cfg, plan, params, flops_per_sequence)
     floor = pricing.compute_floor(cfg, plan, params, flops_per_sequence)   # <= bound, no collective priced
@@ -26,6 +27,18 @@ from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.device import device_unit_costs, lower_bound_on_profile, predict_on_profile
 from trainer.planner.cost.model import StepTime, lower_bound_s, predict_step_time, unit_costs
 from trainer.planner.cost.speed import DeviceSpeed
+from trainer.planner.memory.pass_cache import PassCache, pass_key
+
+
+# A layout's unit costs kept for the process by all they depend on (pass_key's, and what prices them): the
+# auto-planner leaves its choice's here (priced by two alike blocks, exact for every deeper one), so the dry run of
+# that layout prints the step its ranking showed without tracing the whole model again (gpt_175b: seconds).
+COSTS = PassCache(size=8)
+
+
+def _costs_key(cfg: RunConfig, plan: ParallelPlan, micro: int, pricer: str) -> tuple | None:
+    key = pass_key(cfg, plan, micro, None)
+    return None if key is None else (key, pricer, cfg.train.compile)
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,13 @@ class HostPricing:
     calibration: Calibration
 
     def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, model: nn.Module):
-        return unit_costs(cfg, plan, micro, model=model)
+        key = _costs_key(cfg, plan, micro, "host")  # what a pass counts: no calibration in it
+        return COSTS[key] if key is not None and key in COSTS else unit_costs(cfg, plan, micro, model=model)
+
+    def keep(self, cfg: RunConfig, plan: ParallelPlan, micro: int, costs: dict) -> None:
+        """Keep ``costs`` as :meth:`unit_costs`' answer for this layout (see :data:`COSTS`)."""
+        if (key := _costs_key(cfg, plan, micro, "host")) is not None:
+            COSTS[key] = costs
 
     def step(self, cfg: RunConfig, plan: ParallelPlan, costs, model: nn.Module, params: dict | None = None) -> StepTime:
         return predict_step_time(cfg, plan, self.calibration, costs=costs, model=model)
@@ -60,7 +79,16 @@ class ProfilePricing:
     profile: HardwareProfile
 
     def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, model: nn.Module):
-        return device_unit_costs(cfg, plan, micro, DeviceSpeed.of(self.profile, cfg.train.precision), model=model)
+        if (key := _costs_key(cfg, plan, micro, self.profile.model_dump_json())) is not None and key in COSTS:
+            return COSTS[key]
+        # As predict_on_profile prices a pass it runs itself: train.compile's fused elementwise work included.
+        speed = DeviceSpeed.of(self.profile, cfg.train.precision, compiled=cfg.train.compile)
+        return device_unit_costs(cfg, plan, micro, speed, model=model)
+
+    def keep(self, cfg: RunConfig, plan: ParallelPlan, micro: int, costs: dict) -> None:
+        """Keep ``costs`` as :meth:`unit_costs`' answer for this layout (see :data:`COSTS`)."""
+        if (key := _costs_key(cfg, plan, micro, self.profile.model_dump_json())) is not None:
+            COSTS[key] = costs
 
     def step(self, cfg: RunConfig, plan: ParallelPlan, costs, model: nn.Module, params: dict | None = None) -> StepTime:
         return predict_on_profile(cfg, plan, self.profile, costs=costs, model=model, params=params)
