@@ -71,7 +71,7 @@ MORE: dict[str, Bad] = {
     "more/stages-with-rank-ids": bad(["+parallel=pp_stages", "mesh=[[0,1,2,3]]"], "mesh", ["the stages already say"]),
     "more/init-from-nothing": bad(["train.init_from=/nonexistent/model.safetensors"], "train.init_from", ["not a file"]),
     "more/odd-head-width": bad(["model.dim=96", "model.n_heads=32", "model.n_kv_heads=32"], "model.n_heads", ["odd"]),
-    "more/memory-budget": bad(["model=gpt_small", "+parallel=pp", "launch.memory_budget_gb=0.55"],
+    "more/memory-budget": bad(["model=gpt_small", "+parallel=pp", "launch.memory_budget_gb=0.40"],
                               "launch.memory_budget_gb", ["exceeds the budget"]),
     "more/eval-at-start-without-a-split": bad(["data=text", "train.eval_at_start=true"], "train.eval_at_start",
                                               ["no validation split"]),

@@ -35,8 +35,8 @@ def test_hf_model_takes_the_presets_and_the_model_names(tmp_path):
     assert {fqn.split(".")[-2]: str(p["tp"]) for fqn, p in plan.placements.items()} == {
         "q_proj": "Shard(0)", "k_proj": "Shard(0)", "v_proj": "Shard(0)", "o_proj": "Shard(1)",
         "gate_proj": "Shard(0)", "up_proj": "Shard(0)", "down_proj": "Shard(1)",
-        "lm_head": "Shard(0)"}  # loss parallel: the head's vocabulary split over tp
-    assert len(plan.placements) == 7 * 4 + 1
+        "lm_head": "Shard(0)", "embed_tokens": "Shard(0)"}  # loss parallel: the vocabulary split over tp
+    assert len(plan.placements) == 7 * 4 + 2
     # boundaries in the model's own names, and explicit globs over the family plan
     cfg, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={path}", "+parallel=3d",
                                                  "parallel.pipeline.boundaries=[model.layers.3]"]))

@@ -39,7 +39,8 @@ MEGATRON = {  # what 2d/3d/tp/tp_sp place on their tp axis
     "layers.*.attn.wo.weight": "Shard(1)",
     "layers.*.mlp.w[13].weight": "Shard(0)",
     "layers.*.mlp.w2.weight": "Shard(1)",
-    "output.weight": "Shard(0)",  # loss parallel (on by default): the head column-parallel, vocabulary rows
+    "output.weight": "Shard(0)",  # loss parallel (on by default): the head column-parallel, vocabulary rows,
+    "tok_embeddings.weight": "Shard(0)",  # and the input embedding's vocabulary rows
 }
 
 
@@ -196,11 +197,11 @@ def _assert_megatron(cfg: RunConfig, *, sequence_parallel: bool = False) -> None
     placed = {fqn: {axis: str(p) for axis, p in axes.items()} for fqn, axes in plan.placements.items()}
     assert placed == {fqn: {"tp": p} for glob, p in MEGATRON.items()
                       for fqn, _ in build_model(cfg.model, device="meta").named_parameters() if fnmatchcase(fqn, glob)}
-    # every attention and MLP weight of every block: 7 per block, and the head; nothing else
-    assert len(placed) == 7 * cfg.model.n_layers + 1
+    # every attention and MLP weight of every block: 7 per block, the head and the embedding; nothing else
+    assert len(placed) == 7 * cfg.model.n_layers + 2  # the head and the input embedding: loss parallel
     assert plan.loss_parallel and str(plan.layouts["output"].output["tp"]) == "Shard(2)"
     assert "layers.3.attn.wk.weight" in placed and "layers.0.mlp.w3.weight" in placed
-    assert not any("norm" in p or "embeddings" in p for p in placed)
+    assert not any("norm" in p for p in placed)
     norms = {f"layers.{i}.{n}" for i in range(cfg.model.n_layers) for n in ("attn_norm", "mlp_norm")}
     assert set(plan.layouts) == (norms if sequence_parallel else set()) | {"output"}  # the head's logits stay shards
     assert all(str(lay.input["tp"]) == "Shard(1)" and not lay.output for name, lay in plan.layouts.items()
