@@ -119,7 +119,7 @@ def test_experts_are_split_over_ep_where_that_is_fastest_and_never_for_a_dense_m
     that with ddp or fsdp), and wins; ep composes with fsdp only (no ddp x ep). A dense model is never given an ep axis."""
     raw = _raw("model=gpt_moe", "model.moe.hidden_dim=1024", "model.n_layers=2", "mesh=[4]", "+parallel.auto.tensor_parallel=false",
                "+parallel.auto.pipeline=false", "+parallel.auto.data_parallel_modes=[ddp,fsdp]",
-               "+parallel.auto.activation_checkpointing=[none]")
+               "+parallel.auto.activation_checkpointing=[none]", "+parallel.auto.grad_accum=[1]")
     result = plan_layouts(raw, calibration=CAL)
     assert sorted(c.label for c in result.candidates) == ["dp2(fsdp) x ep2", "dp4(ddp)", "dp4(fsdp)", "ep4"]
     winner = result.winner
