@@ -106,14 +106,21 @@ def test_fsdp_sends_one_and_a_half_times_ddps_gradient_bytes_per_block():
 
 
 def test_tp_all_reduces_activations_four_times_per_block_and_microbatch():
+    """Four per block; loss parallel adds one for the vocabulary-parallel embedding (its lookups summed in
+    forward) and one for the column-parallel head (its input gradient summed in backward)."""
     cfg, plan = _plan("+parallel=tp", "mesh=[2]")
     params = unit_params(plan, build_model(cfg.model, device="meta"))
-    (op,) = comm_ops(cfg, plan, list(plan.units), params, cfg.micro_batch_size)
-    assert (op.axis, op.op, op.group_size) == ("tp", "all_reduce", 2)
-    assert op.nbytes == 8 * cfg.train.seq_len * cfg.model.dim * 4
-    assert op.count == 4 * cfg.model.n_layers
+    blocks, outside = comm_ops(cfg, plan, list(plan.units), params, cfg.micro_batch_size)
+    for op in (blocks, outside):
+        assert (op.axis, op.op, op.group_size) == ("tp", "all_reduce", 2)
+        assert op.nbytes == 8 * cfg.train.seq_len * cfg.model.dim * 4
+    assert blocks.count == 4 * cfg.model.n_layers
+    assert outside.count == 2  # tok_embeddings, output
+    # a pp rank holding only blocks and the head: the head's one
+    (_, head) = comm_ops(cfg, plan, [*plan.blocks, "norm", "output"], params, cfg.micro_batch_size)
+    assert head.count == 1
     t = predict_step_time(cfg, plan, CAL)
-    assert t.comm_s["tp"] == pytest.approx(op.count * (1e-4 + op.nbytes / 1e9))
+    assert t.comm_s["tp"] == pytest.approx((blocks.count + outside.count) * (1e-4 + blocks.nbytes / 1e9))
 
 
 def test_dtensor_dispatch_is_paid_per_placed_parameter_and_pass():

@@ -35,9 +35,11 @@ def _ring(cfg, op: str, g: int, nbytes: float) -> float:
     return steps * link.latency_us * 1e-6 + steps / g * nbytes / (link.bandwidth_gb_s * 1e9)
 
 
-def _tp_ops(cfg, plan):
+def _tp_ops(cfg, plan, role=""):
+    """pp rank 0's collectives over tp: the blocks' (``role=""``) or loss parallel's embedding and head's ("vocab")."""
     params = unit_params(plan, build_model(cfg.model, device="meta"))
-    return [op for op in comm_ops(cfg, plan, rank_units(plan)[0], params, cfg.micro_batch_size) if op.axis == "tp"]
+    return [op for op in comm_ops(cfg, plan, rank_units(plan)[0], params, cfg.micro_batch_size)
+            if op.axis == "tp" and op.role == role]
 
 
 def test_tp_all_reduces_are_priced_on_nvlink_and_exposed():
@@ -48,8 +50,11 @@ def test_tp_all_reduces_are_priced_on_nvlink_and_exposed():
     micro = cfg.micro_batch_size  # 64 sequences over dp 2: 32
     act = micro * 512 * 512 * 2  # sequences x tokens x dim x bf16
     assert (op.op, op.group_size, op.nbytes, op.count) == ("all_reduce", 4, act, 4 * 8)
+    # loss parallel: the embedding's lookups summed in forward, the head's input gradient in backward
+    (vocab,) = _tp_ops(cfg, plan, role="vocab")
+    assert (vocab.op, vocab.group_size, vocab.nbytes, vocab.count) == ("all_reduce", 4, act, 2)
     step = predict_on_profile(cfg, plan, cfg.hardware)
-    assert step.exposed_s["tp"] == pytest.approx(32 * _ring(cfg, "all_reduce", 4, act))
+    assert step.exposed_s["tp"] == pytest.approx(34 * _ring(cfg, "all_reduce", 4, act))
     assert step.comm_s["tp"] == pytest.approx(step.exposed_s["tp"])
 
 
@@ -65,7 +70,8 @@ def test_sequence_parallel_runs_a_gather_and_a_scatter_for_each_all_reduce():
     assert (ops["all_gather"].nbytes, ops["all_gather"].count) == (act, 4 * 8 + 2 + 2 * 8)
     assert (ops["reduce_scatter"].nbytes, ops["reduce_scatter"].count) == (act, 4 * 8)
     step = predict_on_profile(cfg, plan, cfg.hardware)
-    hand = 50 * _ring(cfg, "all_gather", 4, act) + 32 * _ring(cfg, "reduce_scatter", 4, act)
+    hand = (50 * _ring(cfg, "all_gather", 4, act) + 32 * _ring(cfg, "reduce_scatter", 4, act)
+            + 2 * _ring(cfg, "all_reduce", 4, act))  # loss parallel's embedding and head, as without sp
     assert step.exposed_s["tp"] == pytest.approx(hand)
     plain_cfg, plain = _plan("+parallel=2d", "mesh=[2,4]")
     plain_tp = predict_on_profile(plain_cfg, plain, plain_cfg.hardware).exposed_s["tp"]
@@ -86,7 +92,10 @@ def test_sequence_parallel_gathers_each_norms_output_again_in_backward():
     ops = {op.op: op for op in _tp_ops(cfg, plan)}
     assert (ops["all_gather"].nbytes, ops["all_gather"].count) == (act, 128 + 16 + 64)
     assert (ops["reduce_scatter"].nbytes, ops["reduce_scatter"].count) == (act, 128)
-    hand = 208 * _ring(cfg, "all_gather", 4, act) + 128 * _ring(cfg, "reduce_scatter", 4, act)
+    (vocab,) = _tp_ops(cfg, plan, role="vocab")  # the embedding's forward sum, once per micro-batch (rank 1: the head's)
+    assert (vocab.op, vocab.nbytes, vocab.count) == ("all_reduce", act, 4 * 2)
+    hand = (208 * _ring(cfg, "all_gather", 4, act) + 128 * _ring(cfg, "reduce_scatter", 4, act)
+            + 8 * _ring(cfg, "all_reduce", 4, act))
     assert predict_on_profile(cfg, plan, cfg.hardware).exposed_s["tp"] == pytest.approx(hand)  # rank 1's the same
 
 

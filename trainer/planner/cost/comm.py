@@ -5,7 +5,7 @@
         op.axis, op.op, op.group_size, op.nbytes, op.count, op.seconds(calibration)
 
 Megatron tp all-reduces of activations (with sequence parallelism, a reduce-scatter and an all-gather in
-place of each, and in backward each norm's output gathered again), dp's gradient all-reduce or FSDP's
+place of each, and in backward each norm's output gathered again; loss parallel's embedding and head one each), dp's gradient all-reduce or FSDP's
 all-gathers and reduce-scatters per FSDP unit, pp sends, cp's K/V hops (the ring's; ``role`` "kv" / "kv_grad", which
 :func:`ring_exposed_s` sets against the attention blocks they overlap on a GPU profile) or all-gathers,
 ep's all-to-alls of the tokens routed to experts; each
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from parallel.plan.spec import ParallelPlan
+from parallel.plan.spec import ParallelPlan, owning_unit
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
 from trainer.planner.cost.calibration import Calibration
@@ -41,7 +41,7 @@ class CommOp(NamedTuple):
     group_size: int
     nbytes: float
     count: float
-    role: str = ""  # "kv", "kv_grad": the cp ring's K/V hops and their gradients' (ring_exposed_s prices them)
+    role: str = ""  # "kv", "kv_grad": the cp ring's K/V hops and their gradients' (ring_exposed_s prices them); "vocab": loss parallel's embedding and head
 
     @property
     def sent_bytes(self) -> float:
@@ -107,6 +107,8 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
                 ops.append(CommOp(axis, "reduce_scatter", g, act, count))
             else:
                 ops.append(CommOp(axis, "all_reduce", g, act, count))
+            if (outside := vocab_parallel_reduces(plan, held, axis)) > 0:
+                ops.append(CommOp(axis, "all_reduce", g, act, outside * m * t.grad_accum, role="vocab"))
     if pp is not None and plan.pp_size > 1:
         ops.append(CommOp(pp.dim, "send_recv", 2, act, 2 * pp.stages_per_rank * m * t.grad_accum))
     if (ep := plan.expert_parallel) is not None and decoder is not None and decoder.moe is not None:
@@ -165,6 +167,16 @@ def tp_collectives(plan: ParallelPlan, blocks: list[str]) -> int:
     as four all-reduces (each half of one) in twice the calls."""
     wrapped = checkpointed(plan)
     return sum(4 + 2 * (b in wrapped) for b in blocks)
+
+
+def vocab_parallel_reduces(plan: ParallelPlan, held: list[str], axis: str) -> int:
+    """The all-reduces over ``axis`` per micro-batch of the units outside the blocks in ``held`` whose weights
+    the axis splits (loss parallel): the vocabulary-parallel input embedding's masked lookups summed in
+    forward, the column-parallel output head's input gradient summed in backward (Megatron's count: one
+    each). A head tied to the embedding shares the embedding unit's weight and is not counted again."""
+    blocks = set(plan.blocks)
+    split = {owning_unit(fqn, plan.units) for fqn, axes in plan.placements.items() if axis in axes}
+    return sum(u in split and u not in blocks for u in held)
 
 
 def regathers(plan: ParallelPlan, blocks: list[str], axis: str) -> int:

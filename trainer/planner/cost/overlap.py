@@ -91,7 +91,7 @@ def _rank_waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, he
         one = priced[op.op, op.axis, op.nbytes]
         comm[op.axis] += one * op.count
         traffic[op.axis] += op.sent_bytes
-        if op.role:  # the cp ring's hops: behind its attention blocks, below
+        if op.role in ("kv", "kv_grad"):  # the cp ring's hops: behind its attention blocks, below
             hops[op.role] = (one, op.count)
         elif op.op == "send_recv":
             exposed[op.axis] += one * min(op.count, 2 * (plan.pp_size - 1) * cfg.train.grad_accum)

@@ -77,9 +77,10 @@ FRAGMENTATION = 0.35
 # FRAGMENTATION scales. One process is the exception: its rows (25M-1B,
 # tests/bench/data/memory_25m-1b.rows.jsonl) fit FRAGMENTATION alone, and this term would put 100M
 # 10% over.
-# A cp rank is the other exception: it fits FRAGMENTATION alone too (gpt_debug on cp [4], 2 rows of 16,384
-# tokens: 306 MiB measured, 221 with freed memory unmapped, so 85 MiB of holes for 185 MiB of
-# activations, 0.46x; FRAGMENTATION of the cycled peak gives 72, this term 111).
+# A cp rank too, since the blocks keep less (trainer/models/layers.py): gpt_debug on cp [4], 2 rows of 16,384
+# tokens, measured 271-289 MiB, 184 with freed memory unmapped, so 87-105 MiB of holes for 137 MiB of
+# activations (0.6-0.75x; FRAGMENTATION of the cycled peak gives 54). Before, when they kept 185 MiB, the holes
+# were 85 MiB (0.46x) and FRAGMENTATION alone fitted: the ring's blocks, not the saved bytes, set most of them.
 # A pipeline's are measured in heap extent too (mallinfo2 at each action, 25M dp2 x pp4, rank 0):
 # the heap grows as the four micro-batches' activations come and go, then by ddp's flat buffers.
 STEP_FRAGMENTATION = 0.6
@@ -174,7 +175,7 @@ def host_overhead(cfg: RunConfig, plan: ParallelPlan, cycled: float, blocks: lis
     if cfg.launch.unmap_freed_memory:
         return 0.0
     flat, per_param = fsdp_heap_buffers(cfg, plan, blocks)
-    steps = STEP_FRAGMENTATION * step_activations if plan.mesh.world_size > 1 and plan.cp_size == 1 else 0.0
+    steps = STEP_FRAGMENTATION * step_activations if plan.mesh.world_size > 1 else 0.0
     flat_holes = FSDP_FLAT * sum(flat)
     # a pipelined stage's flat buffers and activations cycle at other times; larger flat buffers fit in
     # none of the activations' holes; else the activations' holes hold the flat buffers
