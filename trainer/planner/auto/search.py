@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable
 
@@ -333,7 +332,7 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     tensor_parallel: its degree (heads, shapes) and the ep and cp sizes beside it (cp: tp of a row's share);
     pipeline: its section and the dp, pp, ep, tp sizes."""
     sizes = dict(zip(c.parallel["dims"], c.mesh))
-    dp = math.prod(s for a, s in sizes.items() if a.startswith("dp"))
+    dp = MeshSpec(tuple(c.mesh), tuple(c.parallel["dims"])).size([a for a in sizes if a.startswith("dp")])
     pipeline = c.parallel.get("pipeline")
     return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1), sizes.get("cp", 1)),
             "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),
