@@ -98,7 +98,7 @@ def _run(raw: dict, sweeping: bool, session: LaunchSession) -> LaunchOutcome | N
     if cfg.dry_run:
         _dry_run(cfg, plan, ranking)
         return None
-    outcome = session.launch(cfg)
+    outcome = session.launch(cfg, plan=plan)
     if not sweeping:
         sys.exit(outcome.exit_code)
     return outcome if outcome.ok else _job_failed(outcome)

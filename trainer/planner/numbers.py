@@ -15,7 +15,8 @@ from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import ParallelPlan
 from parallel.sharding.adapters import adapter_placements
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, decoder_config
+from trainer.models import decoder_config
+from trainer.models.skeleton import meta_model
 
 MIB, GIB = 2**20, 2**30
 BYTES = 4  # fp32 master weights, gradients and AdamW state
@@ -61,7 +62,7 @@ def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, Par
     which every stage has that stage's layout (mesh ``[stages, *its sub-mesh]``). Stage ``i``'s
     numbers in view ``i`` (parameters held, communication, memory) are the stage's own, so the
     uniform arithmetic serves both forms."""
-    model = build_model(cfg.model, device="meta")
+    model = meta_model(cfg.model)
     par, pp = cfg.parallel, cfg.parallel.pipeline
     views = []
     for stage in pp.stages:
@@ -116,7 +117,7 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     if plan.pipeline is not None and plan.pipeline.stages:
         return _stage_numbers(cfg, plan)
 
-    model = model if model is not None else build_model(cfg.model, device="meta")
+    model = model if model is not None else meta_model(cfg.model)
     units = list(plan.units)
     pp = plan.pipeline
     num_stages = pp.num_stages if pp else 1

@@ -24,7 +24,8 @@ from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import DataParallelSpec, MeshSpec, ParallelPlan
 from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, decoder_config
+from trainer.models import decoder_config
+from trainer.models.skeleton import meta_model
 from trainer.planner.auto.layouts import Layouts
 from trainer.planner.auto.order import price_all, price_best_first, ranked
 from trainer.planner.auto.ranking import Candidate
@@ -81,7 +82,7 @@ class Search(Layouts):
         # (a bench ranking a given layout exactly: tests/bench/bench_profiles.py --planner).
         self.rank_below = rank_below
         self.progress = progress or Progress(None)
-        self.model = build_model(base.model, device="meta")  # the only model this search builds
+        self.model = meta_model(base.model)  # the only model this search builds (validation's after it, too)
         self.decoder = decoder_config(base.model)
         self.budget, self.budget_source = memory_budget(base.model_copy(update={"mesh": [world]}))
         # As the validator: a GPU profile's layout is dropped only beyond the prediction's measured error
