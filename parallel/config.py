@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
 from parallel.placements import PlacementSpec, parse_placement
+from parallel.topology import mesh_rank_ids, mesh_shape_of  # re-exported: a mesh value's words
 
 
 class Section(BaseModel):
@@ -242,24 +243,3 @@ def flat_ranks(ranks: list) -> list[int]:
     return [r for row in ranks for r in (row if isinstance(row, list) else [row])]
 
 MeshValue = list[int] | list[Any]
-
-
-def mesh_shape_of(mesh: Any) -> tuple[int, ...]:
-    """Shape of a mesh value: a flat list is the shape; a nested list is rank ids, shaped as nested."""
-    if mesh is None:
-        return (1,)
-    if mesh and all(isinstance(x, int) for x in mesh):
-        return tuple(mesh)
-    shape: list[int] = []
-    node = mesh
-    while isinstance(node, list):
-        shape.append(len(node))
-        node = node[0] if node else None
-    return tuple(shape)
-
-
-def mesh_rank_ids(mesh: Any) -> list | None:
-    """The explicit nested rank ids of a mesh value, or None when it is a plain shape."""
-    if mesh is None or all(isinstance(x, int) for x in mesh):
-        return None
-    return mesh

@@ -79,7 +79,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
         raise ValueError("a model on the meta device needs init= to give its shards their values")
     heads = HeadGradients()  # filled part by part: parameters applied per attention head under tp
     part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile, heads=heads)
-    if plan.mesh.world_size == 1:  # no placements, no data parallelism: materialise, AC, compile
+    if plan.topology.world_size == 1:  # no placements, no data parallelism: materialise, AC, compile
         _parallelize_part(model, None, plan, pipelined=False, **part_options)
         return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None),
                              tied_names=tied_groups(model))
@@ -118,21 +118,22 @@ def _parallelize_on_mesh(model: nn.Module, plan: ParallelPlan, *, device: torch.
     if pp is not None and groups:
         ties = StageTies.build(groups, [part for _, part in stages], holders_on_mesh(groups, plan, mesh), pairing="shards")
         ties.copy_values()
-    dp_names = list(plan.batch_dim_names)  # the batch's axes: data parallel, expert parallel
+    topology = plan.topology  # the batch's axes: data parallel, expert parallel
     return ParallelModel(
         model_parts=[part for _, part in stages],
         mesh=mesh,
-        dp_rank=axis_rank(mesh, dp_names),
-        dp_size=plan.dp_size,
-        cp_rank=axis_rank(mesh, plan.context_parallel.dim) if plan.context_parallel else 0,
-        cp_size=plan.cp_size,
+        dp_rank=axis_rank(mesh, list(topology.batch_axes)),
+        dp_size=topology.dp_size,
+        cp_rank=axis_rank(mesh, topology.cp_axis) if topology.cp_axis else 0,
+        cp_size=topology.cp_size,
         stage_indices=[index for index, _ in stages],
         pipeline=pp,
         device=device,
         placement_report=report,
         autocast=_autocast_dtype(precision, plan.param_data_parallel),
         pp_group=mesh.get_group(pp.dim) if pp is not None else None,
-        replicas=mesh.size() // plan.pp_size,
+        replicas=topology.replicas,
+        repeats=topology.repeats,
         ties=ties,
         tied_names=groups,
         heads=heads,
@@ -188,9 +189,9 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
                         heads: HeadGradients) -> ParallelModel:
     """Per-stage layouts (``parallel.pipeline.stages``): every stage on its own sub-mesh with its
     own layout, the schedule along lanes of one rank per stage (:mod:`parallel.pipeline.stage_io`)."""
-    pp = plan.pipeline
-    if dist.get_world_size() != plan.mesh.world_size:
-        raise ValueError(f"the mesh has {plan.mesh.world_size} ranks but the world has {dist.get_world_size()}")
+    pp, topology = plan.pipeline, plan.topology
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(f"the mesh has {topology.world_size} ranks but the world has {dist.get_world_size()}")
     # Every rank builds every stage's mesh and every lane's group: both are collectives.
     meshes = [build_mesh(s.layout.mesh.shape, s.layout.mesh.dim_names, rank_ids=s.rank_ids, device_type=device.type)
               for s in pp.stages]
@@ -210,9 +211,10 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
     attach_boundaries(part, mesh, dp_axes=dp.dim_names if dp is not None else ())
     lane_ranks, lane_group = lanes[lane]
     return ParallelModel(
-        model_parts=[part], mesh=mesh, dp_rank=lane, dp_size=len(stage.ranks), stage_indices=[index], pipeline=pp,
+        model_parts=[part], mesh=mesh, dp_rank=lane, dp_size=topology.dp_size, stage_indices=[index], pipeline=pp,
         device=device, placement_report=report, autocast=_autocast_dtype(precision, dp), pp_group=lane_group,
-        replicas=len(stage.ranks), lanes=len(stage.ranks), stage_to_group_rank=stage_to_group_rank(lane_ranks),
+        replicas=topology.replicas, repeats=topology.repeats, lanes=topology.stage_lanes,
+        stage_to_group_rank=stage_to_group_rank(lane_ranks),
         ties=ties, tied_names=groups, heads=heads, loss_parallel=stage.layout.loss_parallel,
     )
 

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallel.topology import flat_rank_ids, rank_id_of  # re-exported: the worker binds by them
+
 # Sub-meshes made once per (mesh, axes): the engine asks for the same axis for every module.
 _SUBMESHES: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], DeviceMesh]] = weakref.WeakKeyDictionary()
 
@@ -89,23 +91,6 @@ def unordered_axes(rank_ids: torch.Tensor, dim_names: Sequence[str]) -> list[str
         if bool((lines[:, 1:] <= lines[:, :-1]).any()):
             bad.append(name)
     return bad
-
-
-def flat_rank_ids(rank_ids: Sequence) -> list[int]:
-    """Nested rank ids flattened row-major: element ``r`` is the id of the worker whose torch
-    rank is ``r`` (``[[2, 4, 5], [0, 1, 3]]`` -> ``[2, 4, 5, 0, 1, 3]``)."""
-    return [i for node in rank_ids for i in (flat_rank_ids(node) if isinstance(node, Sequence) else [int(node)])]
-
-
-def rank_id_of(rank_ids: Sequence | None, rank: int) -> int:
-    """The rank id of the worker whose torch rank is ``rank`` (see :func:`flat_rank_ids`), or
-    ``rank`` itself when there are no explicit ids (a plain mesh shape)."""
-    if rank_ids is None:
-        return rank
-    ids = flat_rank_ids(rank_ids)
-    if not 0 <= rank < len(ids):
-        raise ValueError(f"torch rank {rank} is outside the mesh of {len(ids)} rank ids {rank_ids}")
-    return ids[rank]
 
 
 def device_slot(rank_id: int, num_slots: int) -> int:

@@ -44,6 +44,7 @@ class ParallelModel:
             gets its chunks of the same rows (:func:`parallel.context.shard_sequence`).
         is_last_stage: whether this rank computes the loss (always true without a pipeline).
         replicas: how many ranks hold this rank's stage (the world without a pipeline).
+        repeats: how many of those see the same rows (tensor parallelism's ranks): they count a row once.
         placement_report: ``{module FQN: style}`` from tensor parallelism, per stage.
         tied_names: the model's tied parameters' names, first name first; a pipeline holds one
             copy per stage of a tie's names (:mod:`parallel.pipeline.ties`).
@@ -65,6 +66,7 @@ class ParallelModel:
         autocast: torch.dtype | None = None,
         pp_group: dist.ProcessGroup | None = None,
         replicas: int = 1,
+        repeats: int = 1,
         lanes: int = 1,
         stage_to_group_rank: dict[int, int] | None = None,
         ties: StageTies | None = None,
@@ -91,9 +93,9 @@ class ParallelModel:
         self._stage_term: Callable[[nn.Module], torch.Tensor | None] | None = None
         self._term_total: torch.Tensor | None = None  # this call's stage terms, scaled as the losses
         self._inferring = False  # the schedule's metadata inference is running
-        self.pp_size = num_stages // pipeline.stages_per_rank if pipeline is not None else 1
         self._pp_group = pp_group
         self.replicas = replicas  # ranks holding each stage (the last stage's all hold a loss)
+        self.repeats = repeats
         self._lanes = lanes  # per-stage layouts: lanes a micro-batch is split over between stages
         self._stage_to_group_rank = stage_to_group_rank
         self._ties = ties or StageTies()

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from parallel.config import mesh_shape_of
+from parallel.topology import mesh_shape_of, mesh_world_size
 from parallel.errors import ConfigError, ConfigIssue
 from service.settings import Settings
 from service.store import Job, JobState
@@ -51,7 +51,7 @@ def workers_per_node(raw: dict[str, Any]) -> int:
     launch = raw.get("launch") if isinstance(raw.get("launch"), dict) else {}
     nnodes = launch.get("nnodes", 1)
     try:
-        world = math.prod(mesh_shape_of(raw.get("mesh")))
+        world = mesh_world_size(raw.get("mesh"))
     except (TypeError, ValueError):
         return 1
     if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
@@ -87,7 +87,7 @@ def _mesh_extent(mesh: Any) -> tuple[int, int] | None:
         return None
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
         return None
-    return math.prod(max(n, 1) for n in shape), len(shape)
+    return max(1, mesh_world_size(mesh)), len(shape)
 
 
 def _int_at(raw: dict[str, Any], *keys: str) -> int | None:

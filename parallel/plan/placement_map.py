@@ -23,14 +23,14 @@ user wrote (explicit rank ids) for display.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 
 from parallel.placements import PlacementSpec
-from parallel.plan.spec import AxisSpecs, DataParallelSpec, ParallelPlan
+from parallel.plan.spec import AxisSpecs, ParallelPlan
+from parallel.topology import MeshSpec
 
 Slices = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
 
@@ -115,13 +115,12 @@ def param_slices(plan: ParallelPlan, param_shapes: Mapping[str, Sequence[int]]) 
         shape = tuple(int(n) for n in shape)
         stage = stage_of(fqn)
         layout = plan.pipeline.stages[stage].layout if plan.pipeline is not None and plan.pipeline.stages else plan
-        # param_data_parallel: the cp ranks shard parameters with the dp ranks (FSDP over dp x cp).
-        axes, grid, dp = layout.placements.get(fqn, {}), grids[stage], layout.param_data_parallel
-        axes, beside = _with_experts(layout, fqn, axes, dp)
-        key = (shape, tuple(sorted((a, repr(p)) for a, p in axes.items())), grid.dim_names, grid.shape,
-               (dp.mode, dp.dim_names) if dp is not None else None, beside)
+        # The topology's rule: an expert Shard(0) over ep; FSDP over the dp axes and cp (and ep beside experts).
+        topology, grid = layout.topology, grids[stage]
+        axes, fsdp_axes = topology.placed(fqn, layout.placements.get(fqn, {})), topology.fsdp_axes(fqn)
+        key = (shape, tuple(sorted((a, repr(p)) for a, p in axes.items())), grid.dim_names, grid.shape, fsdp_axes)
         if key not in cache:
-            cache[key] = _layout_slices(shape, grid, dp, axes, beside)
+            cache[key] = _layout_slices(shape, grid, axes, fsdp_axes)
         placements, by_position = cache[key]
         out[fqn] = ParamSlices(fqn, shape, stage, placements, dict(zip(grid.ranks, by_position)))
     return out
@@ -170,23 +169,10 @@ def placement_groups_from_table(table: Mapping[str, Any]) -> list[PlacementGroup
 # --------------------------------------------------------------------------- arithmetic
 
 
-def _with_experts(layout: ParallelPlan, fqn: str, axes: AxisSpecs, dp: DataParallelSpec | None
-                  ) -> tuple[AxisSpecs, tuple[str, ...]]:
-    """``(axes, axes FSDP shards over beside dp's)`` of ``fqn`` under expert parallelism, as the engine
-    places them: an expert's ``Shard(0)`` over ep (then FSDP over dp alone); every other parameter
-    FSDP over dp x ep where data parallelism shards (fsdp, zero2), else replicated over ep."""
-    ep = layout.expert_parallel
-    if ep is None:
-        return axes, ()
-    if fqn.startswith(tuple(f"{m}." for m in ep.modules)):
-        return {**axes, ep.dim: PlacementSpec("shard", 0)}, ()
-    return axes, (ep.dim,) if dp is not None and dp.mode in ("fsdp", "zero2") else ()
-
-
-def _layout_slices(shape: tuple[int, ...], grid: StageGrid, dp: DataParallelSpec | None,
-                   axes: AxisSpecs, beside: tuple[str, ...] = ()) -> tuple[dict[str, str], list[Slices]]:
+def _layout_slices(shape: tuple[int, ...], grid: StageGrid, axes: AxisSpecs,
+                   fsdp_axes: tuple[str, ...]) -> tuple[dict[str, str], list[Slices]]:
     """``(placement per grid axis, slices per grid position)`` of a parameter of ``shape`` placed
-    ``axes`` on ``grid`` with data parallelism ``dp`` (FSDP over dp's sharding axes and ``beside``).
+    ``axes`` on ``grid`` and sharded by FSDP over ``fsdp_axes`` (:meth:`~parallel.topology.Topology.fsdp_axes`).
 
     The shards are the engine's: the config's placements on tensor-parallel axes, then FSDP2's
     dim-0 shard over the (flattened) sharding dp axes cut from each rank's tp shard, since
@@ -203,11 +189,11 @@ def _layout_slices(shape: tuple[int, ...], grid: StageGrid, dp: DataParallelSpec
 
     ndim = len(shape)
     tp = [(a, _dim_of(axes[a], ndim)) for a in grid.dim_names if a in axes and axes[a].is_shard]
-    shard_axes = tuple(a for a in (*dp.shard_dim_names, *beside) if a in grid.dim_names) if dp is not None and ndim else ()
+    shard_axes = tuple(a for a in fsdp_axes if a in grid.dim_names) if ndim else ()
     size = dict(zip(grid.dim_names, grid.shape))
     names = [(a,) for a, _ in tp] + ([shard_axes] if shard_axes else [])
     torch_placements = [Shard(d) for _, d in tp] + ([Shard(0)] if shard_axes else [])
-    mesh_shape = [math.prod(size[a] for a in group) for group in names]
+    mesh_shape = [MeshSpec(grid.shape, grid.dim_names).size(group) for group in names]
     slices: list[Slices] = []
     for position in range(len(grid.ranks)):
         coord = dict(zip(grid.dim_names, _unravel(position, grid.shape)))

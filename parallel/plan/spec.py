@@ -3,21 +3,20 @@ layouts, as frozen values that hold names, shapes and placements only (no proces
 
 :func:`parallel.plan.resolve.resolve_plan` builds a :class:`ParallelPlan`; validation, the dry run,
 the planner and the engine all read it, and ask it (not recompute) what follows from it: the unit a
-parameter belongs to, the dp and pp sizes, the axes parameters are sharded over.
+parameter belongs to, and through its :attr:`ParallelPlan.topology` every size and divisor.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from parallel.config import flat_ranks
 from parallel.errors import ConfigIssue
-from parallel.mesh import rank_id_of
 from parallel.placements import PlacementSpec
+from parallel.topology import MeshSpec, Topology, shard_axes_of
 
 AxisSpecs = Mapping[str, PlacementSpec]
 # A model-specific check of one placements glob: (its config path, placements, the FQNs it matched, the mesh
@@ -71,32 +70,6 @@ def _derived(name: str, source: object, extra: tuple, compute: Callable[[], Any]
 
 
 @dataclass(frozen=True)
-class MeshSpec:
-    """Axis sizes (outermost first), their names, and optional nested explicit rank ids.
-
-    The mesh's positions are torch ranks ``0 .. n-1`` row-major whatever ``rank_ids`` says; a
-    rank id (PaddlePaddle's process id) only names the device the worker at that position runs
-    on (:func:`parallel.mesh.rank_id_of`)."""
-
-    shape: tuple[int, ...] = (1,)
-    dim_names: tuple[str, ...] = ()
-    rank_ids: Any = None
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(self.shape)
-
-    def rank_id(self, rank: int) -> int:
-        """The rank id of the worker whose torch rank is ``rank`` (``rank`` itself without explicit ids)."""
-        return rank_id_of(self.rank_ids, rank)
-
-    def size(self, names: str | Sequence[str]) -> int:
-        """Product of the sizes of the axes ``names`` (an axis the mesh lacks counts 1)."""
-        names = [names] if isinstance(names, str) else list(names)
-        return math.prod(self.shape[self.dim_names.index(n)] for n in names if n in self.dim_names)
-
-
-@dataclass(frozen=True)
 class DataParallelSpec:
     """``mode`` (ddp | fsdp | zero2 | hsdp) over the mesh axes ``dim_names``."""
 
@@ -107,7 +80,7 @@ class DataParallelSpec:
     def shard_dim_names(self) -> tuple[str, ...]:
         """The axes parameters are sharded over: all dp axes (fsdp, zero2), hsdp's after its replicate axis
         (its shard axis, and a cp axis folded in), none for ddp."""
-        return {"ddp": (), "hsdp": self.dim_names[1:]}.get(self.mode, self.dim_names)
+        return shard_axes_of(self.mode, self.dim_names)
 
 
 @dataclass(frozen=True)
@@ -210,36 +183,43 @@ class ParallelPlan:
             a for layout in self.layouts.values() for a, pl in layout.input.items()
             if pl.is_shard and self.mesh.size(a) > 1))
 
+    @functools.cached_property
+    def topology(self) -> Topology:
+        """The mesh and what each of its axes splits: every size this plan implies is asked of it."""
+        dp, pp, cp, ep = self.data_parallel, self.pipeline, self.context_parallel, self.expert_parallel
+        stages = pp.stages if pp is not None else ()
+        return Topology(
+            self.mesh, dp_axes=dp.dim_names if dp else (), dp_mode=dp.mode if dp else None,
+            pp_axis=pp.dim if pp else None, cp_axis=cp.dim if cp else None, ep_axis=ep.dim if ep else None,
+            expert_modules=ep.modules if ep else (), tp_axes=tuple(sorted(self.sharded_axes)),
+            stage_lanes=len(stages[0].ranks) if stages else 0, num_layout_stages=pp.num_stages if stages else 0,
+        )
+
     @property
     def batch_dim_names(self) -> tuple[str, ...]:
         """The axes the batch is split over: the data-parallel ones, then the expert-parallel one."""
-        dp = self.data_parallel.dim_names if self.data_parallel else ()
-        return (*dp, *((self.expert_parallel.dim,) if self.expert_parallel else ()))
+        return self.topology.batch_axes
 
     @property
     def dp_size(self) -> int:
         """Ranks the batch is split over (the data-parallel axes and the expert-parallel one)."""
-        return self.mesh.size(self.batch_dim_names)
+        return self.topology.dp_size
 
     @property
     def cp_size(self) -> int:
-        return self.mesh.size(self.context_parallel.dim) if self.context_parallel else 1
+        return self.topology.cp_size
 
     @property
     def param_data_parallel(self) -> DataParallelSpec | None:
-        """Data parallelism as it wraps the parameters: the dp axes, then the cp axis, whose ranks hold
-        other tokens of the same rows, so they average gradients like dp ranks and shard parameters
-        like them (FSDP over cp alone when there is no dp). Without cp: ``data_parallel``."""
-        cp, dp = self.context_parallel, self.data_parallel
-        if cp is None:
-            return dp
-        return DataParallelSpec(dp.mode if dp is not None else "fsdp", (dp.dim_names if dp is not None else ()) + (cp.dim,))
+        """Data parallelism as it wraps the parameters (:attr:`Topology.param_dp_axes`): the dp axes, then
+        the cp axis (FSDP over cp alone when there is no dp). Without cp: ``data_parallel``."""
+        if self.context_parallel is None:
+            return self.data_parallel
+        return DataParallelSpec(self.topology.param_dp_mode, self.topology.param_dp_axes)
 
     @property
     def pp_size(self) -> int:
-        if self.pipeline is not None and self.pipeline.stages:
-            return self.pipeline.num_stages
-        return self.mesh.size(self.pipeline.dim) if self.pipeline else 1
+        return self.topology.pp_size
 
     def unit_of(self, fqn: str) -> str:
         """The unit holding parameter (or module) ``fqn``: the unit itself or its ancestor."""

@@ -7,13 +7,13 @@ worker starts, printing each problem as ``path: reason (fix)``.
 
 from __future__ import annotations
 
-import math
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from parallel.errors import ConfigError
+from parallel.topology import mesh_world_size
 from trainer.config.compose import CONF_DIR, group_option_issues, register_defaults, to_plain, with_preset
 from trainer.config.schema import RunConfig
 from trainer.launch.launcher import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, LaunchOutcome, LaunchSession
@@ -76,12 +76,7 @@ def _starts_workers(raw: dict) -> bool:
     """Whether this config, once valid, launches workers: a mesh of several ranks, not a dry run."""
     if raw.get("dry_run") is True or raw.get("validate_only") is True or not isinstance(raw.get("mesh"), list):
         return False
-    leaves, count = list(raw["mesh"]), 1
-    if all(isinstance(n, int) for n in leaves):
-        count = math.prod(leaves)
-    else:  # explicit rank ids: one per rank
-        count = sum(len(row) if isinstance(row, list) else 1 for row in leaves)
-    return count > 1
+    return mesh_world_size(raw["mesh"]) > 1  # explicit rank ids, of any depth: one worker per id
 
 
 def _run(raw: dict, sweeping: bool, session: LaunchSession) -> LaunchOutcome | None:
@@ -103,7 +98,7 @@ def _run(raw: dict, sweeping: bool, session: LaunchSession) -> LaunchOutcome | N
     if cfg.dry_run:
         _dry_run(cfg, plan, ranking)
         return None
-    outcome = session.launch(cfg)
+    outcome = session.launch(cfg, plan=plan)
     if not sweeping:
         sys.exit(outcome.exit_code)
     return outcome if outcome.ok else _job_failed(outcome)

@@ -16,8 +16,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from parallel.config import MeshValue, ParallelConfig, Precision, mesh_shape_of
+from parallel.config import MeshValue, ParallelConfig, Precision
 from parallel.config import Section as _Section
+from parallel.topology import Topology, mesh_shape_of
 from trainer.config.chat_data import ChatDataConfig  # noqa: F401 - re-exported with the other data sections
 from trainer.config.data_schema import (  # noqa: F401 - re-exported: callers name every section from here
     DATA_SECTIONS,
@@ -217,32 +218,28 @@ class RunConfig(_Section):
         return mesh_shape_of(self.mesh)
 
     @property
+    def topology(self) -> Topology:
+        """The mesh and what each axis splits (before resolution: no expert modules or tensor-parallel axes);
+        every size below is asked of it. Built on each call: a copy with other values has its own."""
+        return Topology.of_config(self.mesh, self.parallel)
+
+    @property
     def world_size(self) -> int:
-        return math.prod(self.mesh_shape)
+        return self.topology.world_size
 
     def axis_size(self, name: str) -> int:
         """Size of the mesh axis called ``name`` (1 when there is no such axis)."""
-        if self.parallel is None or name not in self.parallel.dims:
-            return 1
-        return self.mesh_shape[self.parallel.dims.index(name)]
+        return self.topology.size(name)
 
     @property
     def dp_size(self) -> int:
         """Ranks the batch is split over: the data-parallel axes and the expert-parallel one (with
         per-stage layouts: the lanes)."""
-        if (stages := self.stages) and stages[0].ranks:
-            return len(stages[0].rank_list)
-        dp = self.parallel.data_parallel if self.parallel else None
-        ep = self.parallel.expert_parallel if self.parallel else None
-        return math.prod(self.axis_size(n) for n in dp.dim_names) * (self.axis_size(ep.dim) if ep else 1) if dp \
-            else (self.axis_size(ep.dim) if ep else 1)
+        return self.topology.dp_size
 
     @property
     def pp_size(self) -> int:
-        if stages := self.stages:
-            return len(stages)
-        pp = self.parallel.pipeline if self.parallel else None
-        return self.axis_size(pp.dim) if pp else 1
+        return self.topology.pp_size
 
     @property
     def stages(self) -> list | None:

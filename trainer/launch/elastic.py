@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.launch.console import one_warning_each
 from trainer.launch.processes import START_METHOD, cheap_method_names
@@ -40,9 +41,11 @@ class RendezvousFailure(RuntimeError):
     """The nodes of a run did not all meet at the rendezvous in time."""
 
 
-def launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: str, pictures_dir: str) -> dict:
+def launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: str, pictures_dir: str, *,
+                   plan: ParallelPlan | None = None) -> dict:
     """This node's workers, from start to end, inside the launch's fork server: rank 0's summary
-    (this node's lowest rank's on another node), ``{}`` when it returned none."""
+    (this node's lowest rank's on another node), ``{}`` when it returned none. ``plan``: the config's,
+    as validation resolved it (priced here for rank 0 to report)."""
     # With the rendezvous store shared into the workers (torch's default), a restarted round
     # reuses that store and the workers' process sub-groups read the dead round's addresses
     # (gloo: "connectFullMesh ... Connection refused"). A fresh worker store per round avoids it.
@@ -54,7 +57,7 @@ def launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: s
         config_path.write_text(cfg.model_dump_json())
         cheap_method_names()
         with one_warning_each():
-            results = _run_elastic(launch_config, (str(config_path), run_id, pictures_dir, _predicted_peak_mib(cfg)), cfg)
+            results = _run_elastic(launch_config, (str(config_path), run_id, pictures_dir, _predicted_peak_mib(cfg, plan)), cfg)
     ln = cfg.launch
     if ln.nnodes > 1:
         print(f"node {ln.node_rank} of {ln.nnodes}: its {cfg.world_size // ln.nnodes} workers finished", flush=True)
@@ -116,12 +119,12 @@ def _say_what_starts(cfg: RunConfig, log_dir: Path, rdzv_id: str) -> None:
         print(f"starting {nproc} workers: mesh {list(cfg.mesh_shape)}, dims [{dims}]{kept}", flush=True)
 
 
-def _predicted_peak_mib(cfg: RunConfig) -> float | None:
+def _predicted_peak_mib(cfg: RunConfig, plan: ParallelPlan | None) -> float | None:
     """The plan's per-rank peak for rank 0 to report; the validation and plan.txt priced this
     config already, so it is looked up, not a meta pass in rank 0 that every rank would wait for.
     None when it cannot be priced: rank 0 tries and says why."""
     try:
-        return predicted_peak_mib(cfg)
+        return predicted_peak_mib(cfg, plan)
     except Exception:  # noqa: BLE001 - e.g. a custom module the meta device cannot run
         return None
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.launch.console import log_config_changes, show_config
 from trainer.launch.elastic import RendezvousFailure, WorkerFailure, launch_workers
@@ -34,7 +35,8 @@ from trainer.launch.processes import worker_server
 from trainer.run.metrics import Progress
 from trainer.tracking.mlflow_tracker import make_tracker
 from trainer.tracking.run_info import run_name, run_url
-from trainer.tracking.run_record import log_final_model, record_start, summary, system_metrics, tee_output, upload_logs
+from trainer.tracking.run_record import (log_final_model, plan_of, record_start, summary, system_metrics, tee_output,
+                                         upload_logs)
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -102,19 +104,20 @@ class LaunchSession:
             self._stack.enter_context(worker_server(also_preload=worker_preload(self._tracking)))
             self._serving = True
 
-    def launch(self, cfg: RunConfig) -> LaunchOutcome:
-        """Train as ``cfg`` says: one device in this process, or the workers, forked from this session's server."""
+    def launch(self, cfg: RunConfig, *, plan: ParallelPlan | None = None) -> LaunchOutcome:
+        """Train as ``cfg`` says: one device in this process, or the workers, forked from this session's server.
+        ``plan``: the config's, as validation resolved it; else resolved here, once."""
         began = time.monotonic()
         if cfg.world_size > 1:  # the workers' fork server imports while the launcher makes the run
             self.start_workers_server()
-        return _launch_tracked(cfg, began)
+        return _launch_tracked(cfg, began, plan if plan is not None else plan_of(cfg))
 
 
-def launch(cfg: RunConfig) -> LaunchOutcome:
+def launch(cfg: RunConfig, *, plan: ParallelPlan | None = None) -> LaunchOutcome:
     """Train as the config says, in a :class:`LaunchSession` of its own; return the outcome (its
-    ``exit_code`` is the process's exit code)."""
+    ``exit_code`` is the process's exit code). ``plan``: the config's resolved plan, when the caller has it."""
     with LaunchSession(cfg.tracking) as session:
-        return session.launch(cfg)
+        return session.launch(cfg, plan=plan)
 
 
 def worker_preload(tracking: TrackingConfig | Mapping[str, Any]) -> tuple[str, ...]:
@@ -130,7 +133,7 @@ def worker_preload(tracking: TrackingConfig | Mapping[str, Any]) -> tuple[str, .
     return "mlflow.tracking", "mlflow.entities", f"mlflow.store.tracking.{store}"
 
 
-def _launch_tracked(cfg: RunConfig, began: float) -> LaunchOutcome:
+def _launch_tracked(cfg: RunConfig, began: float, plan: ParallelPlan | None) -> LaunchOutcome:
     """:meth:`LaunchSession.launch` inside the workers' server: the MLflow run, the training, the summary."""
     if cfg.launch.node_rank == 0:  # node 0 shows the run, as it owns its MLflow run: first, what runs
         show_config(cfg)
@@ -144,7 +147,7 @@ def _launch_tracked(cfg: RunConfig, began: float) -> LaunchOutcome:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
             if cfg.launch.node_rank == 0:
                 log_config_changes(cfg, tracker)
-            outcome = _train_and_record(cfg, tracker, began)
+            outcome = _train_and_record(cfg, tracker, began, plan)
         return LaunchOutcome(EXIT_OK, run_id=tracker.run_id, losses=list(outcome.get("losses") or []),
                              step_times=list(outcome.get("step_times") or []), wall_s=time.monotonic() - began,
                              details=outcome)
@@ -162,14 +165,15 @@ def _launch_tracked(cfg: RunConfig, began: float) -> LaunchOutcome:
         return LaunchOutcome(EXIT_FAILED, run_id=tracker.run_id, wall_s=time.monotonic() - began)
 
 
-def _train_and_record(cfg: RunConfig, tracker, began: float) -> dict:
+def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ParallelPlan | None) -> dict:
     """The run's pictures, its training, its logs and model uploaded and (node 0) its summary
     printed: rank 0's summary of the loop, with the pictures."""
     rdzv_id = rendezvous_id(cfg)
     with _worker_logs(cfg) as log_base:
-        pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)), artifacts=_auto_plan_artifacts(cfg))
+        pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)), plan=plan,
+                                artifacts=_auto_plan_artifacts(cfg))
         try:
-            outcome = _train(cfg, tracker, log_base, rdzv_id)
+            outcome = _train(cfg, tracker, log_base, rdzv_id, plan)
             outcome["pictures"] = {**pictures.result(), **(outcome.get("pictures") or {})}
         finally:
             # torch elastic puts this run's logs in <log_base>/<rdzv id>_<random>/
@@ -207,7 +211,7 @@ def _auto_plan_artifacts(cfg: RunConfig) -> dict[str, str]:
     return ranking_artifacts(cfg)
 
 
-def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str) -> dict:
+def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str, plan: ParallelPlan | None) -> dict:
     """One device in this process, or the workers through torch's elastic launcher: rank 0's outcome."""
     if cfg.world_size == 1:
         # start-up: the training loop (DTensor, pipelining: about 0.7 s) only where training runs here,
@@ -217,7 +221,7 @@ def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str) -> dict
         # the same layout as the workers' logs: the console's copy is this run's job log
         with tee_output(log_base / f"{rdzv_id}_local" / "attempt_0" / "0" / "stdout.log"):
             return train(cfg, tracker=tracker, progress=Progress(), pictures_dir=_pictures_dir(log_base, rdzv_id)).summary()
-    return launch_workers(cfg, tracker.run_id, log_base, rdzv_id, _pictures_dir(log_base, rdzv_id))
+    return launch_workers(cfg, tracker.run_id, log_base, rdzv_id, _pictures_dir(log_base, rdzv_id), plan=plan)
 
 
 def _newest_log_dir(log_base: Path, rdzv_id: str) -> Path | None:

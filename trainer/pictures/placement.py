@@ -43,7 +43,7 @@ from parallel.plan.placement_map import (
 )
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
-from trainer.models import build_model
+from trainer.models.skeleton import meta_model
 
 DRY_RUN_DIR = Path("meshflow-plan")  # under the current directory: next to checkpoints/ and mlflow.db
 MAX_SEPARATE = 8
@@ -62,7 +62,7 @@ class _Row:
 def placement_report(cfg: RunConfig, plan: ParallelPlan) -> tuple[list[PlacementGroup], dict]:
     """The parameter groups of ``cfg``'s model under ``plan`` and their JSON table (what
     ``placement.json`` holds, and what a REST plan can return)."""
-    model = build_model(cfg.model, device="meta")
+    model = meta_model(cfg.model)
     groups = placement_groups(plan, {name: tuple(p.shape) for name, p in model.named_parameters()})
     return groups, placement_table(plan, groups)
 

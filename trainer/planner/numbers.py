@@ -6,7 +6,6 @@ mesh axis (analytic, ring algorithms). The dry run prints them, the memory model
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, replace
 
@@ -16,7 +15,8 @@ from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import ParallelPlan
 from parallel.sharding.adapters import adapter_placements
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, decoder_config
+from trainer.models import decoder_config
+from trainer.models.skeleton import meta_model
 
 MIB, GIB = 2**20, 2**30
 BYTES = 4  # fp32 master weights, gradients and AdamW state
@@ -62,7 +62,7 @@ def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, Par
     which every stage has that stage's layout (mesh ``[stages, *its sub-mesh]``). Stage ``i``'s
     numbers in view ``i`` (parameters held, communication, memory) are the stage's own, so the
     uniform arithmetic serves both forms."""
-    model = build_model(cfg.model, device="meta")
+    model = meta_model(cfg.model)
     par, pp = cfg.parallel, cfg.parallel.pipeline
     views = []
     for stage in pp.stages:
@@ -117,7 +117,7 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     if plan.pipeline is not None and plan.pipeline.stages:
         return _stage_numbers(cfg, plan)
 
-    model = model if model is not None else build_model(cfg.model, device="meta")
+    model = model if model is not None else meta_model(cfg.model)
     units = list(plan.units)
     pp = plan.pipeline
     num_stages = pp.num_stages if pp else 1
@@ -125,14 +125,9 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     stage_of = {unit: s for s, group in enumerate(groups) for unit in group}
     bounds = pp.boundaries if pp else []
 
-    # ddp shards over no axis (size 1); fsdp / zero2 over every dp axis (and cp), hsdp over its inner one.
-    dp = plan.param_data_parallel
-    shard_dp = plan.mesh.size(dp.shard_dim_names) if dp else 1
-    # Expert parallelism: experts split over ep (then dp-sharded over dp), the rest dp-sharded over dp x ep too.
-    ep = plan.expert_parallel
-    ep_size = plan.mesh.size(ep.dim) if ep is not None else 1
-    experts = tuple(f"{m}." for m in ep.modules) if ep is not None else ()
-    rest_dp = shard_dp * (ep_size if shard_dp > 1 or (dp and dp.mode != "ddp") else 1)
+    # The topology's divisors: tp (and ep for an expert) cut a parameter into blocks; FSDP shards a block over
+    # the dp axes (and cp; hsdp: its inner one; ddp: none), and a parameter beside the experts over ep too.
+    topology = plan.topology
     stage_params = [0] * num_stages
     stage_local = [0.0] * num_stages
     stage_sharded = [0.0] * num_stages
@@ -143,16 +138,13 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     unit_of = _units_of(model, plan.units)
     for fqn, numel, trainable in parameter_list(model):
         axes = placements.get(fqn, {})
-        tp_div = math.prod(plan.mesh.size(a) for a, pl in axes.items() if pl.is_shard)
-        expert = bool(experts) and fqn.startswith(experts)
-        tp_div *= ep_size if expert else 1
-        dp_div = shard_dp if expert or not experts else rest_dp
+        tp_div, dp_div = topology.local_divisor(fqn, axes), topology.fsdp_divisor(fqn)
         s = stage_of[unit_of[fqn]]
         stage_params[s] += numel
         stage_local[s] += numel / tp_div
         stage_sharded[s] += numel / tp_div / dp_div
         stage_trainable[s] += numel / tp_div / dp_div if trainable else 0.0
-        if fqn.startswith(experts):
+        if topology.is_expert(fqn):
             stage_experts[s] += numel / tp_div / dp_div * (4 if trainable else 1)
             stage_expert_local[s] += numel / tp_div
 
@@ -195,7 +187,7 @@ def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int, elem: int) 
     ``cp - 1`` others in forward and their gradients back in the reduce-scatter; a checkpointed block's
     recomputed forward sends its K/V again. A pipeline rank does it for its stages' layers only."""
     cp = plan.cp_size
-    tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
+    tp = plan.topology.size(plan.placement_axes)  # each axis the placements name, once
     block = 2 * rows * (cfg.train.seq_len // cp) * decoder.num_kv_heads / tp * decoder.head_width
     # A checkpointed block's forward runs again in backward, and its ring (or all-gather) with it.
     ac, blocks = plan.activation_checkpointing, max(1, len(plan.blocks))

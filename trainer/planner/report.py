@@ -21,8 +21,9 @@ from typing import Any
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, count_parameters, moe_config
+from trainer.models import count_parameters, moe_config
 from trainer.models.moe import expert_parameter_count
+from trainer.models.skeleton import meta_model
 from trainer.pictures.placement import write_placement
 from trainer.pictures.timeline_chart import bubble_text, write_predicted_timeline
 from trainer.planner.memory.budget import memory_budget, memory_verdict
@@ -38,7 +39,7 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
     against, as plain JSON values: what the dry run prints and REST's plan endpoint returns."""
     numbers = plan_numbers(cfg, plan)
     report = asdict(numbers)
-    model = build_model(cfg.model, device="meta")
+    model = meta_model(cfg.model)
     total, (experts, active_experts) = count_parameters(model), expert_parameter_count(model)
     # A token goes through top_k of each block's experts: the parameters a token's forward uses.
     report["parameters"] = {"total": total, "active": total - experts + active_experts, "experts": experts}

@@ -49,7 +49,7 @@ def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
     hf_files = isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path))
     if cfg.train.init_from:
         check_weights_fit(model, cfg.train.init_from)
-    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, init=init,
+    pm = parallelize(model, worker_plan(cfg, model), device=device, init=init,
                      precision=cfg.train.precision, compile=cfg.train.compile)
     if cfg.train.init_from:
         load_weights(pm.model_parts, cfg.train.init_from, tied=pm.tied_names)
@@ -66,10 +66,16 @@ def _build_in_full(cfg: RunConfig, device: torch.device) -> ParallelModel:
     model = build_model(cfg.model, seed=cfg.train.seed)
     if cfg.train.init_from:
         load_weights(model, cfg.train.init_from)
-    pm = parallelize(model, resolve_plan(cfg.parallel, cfg.mesh, model), device=device, precision=cfg.train.precision,
+    pm = parallelize(model, worker_plan(cfg, model), device=device, precision=cfg.train.precision,
                      compile=cfg.train.compile)
     check_loaded(pm, cfg)
     return pm
+
+
+def worker_plan(cfg: RunConfig, model: nn.Module) -> ParallelPlan:
+    """The plan of this worker's own model build: the one resolution a worker makes (the launcher's was
+    validation's), so the engine places the very modules it was given."""
+    return resolve_plan(cfg.parallel, cfg.mesh, model)
 
 
 def check_loaded(pm: ParallelModel, cfg: RunConfig) -> None:

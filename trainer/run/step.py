@@ -140,4 +140,4 @@ def _summed(value: torch.Tensor, pm: ParallelModel) -> torch.Tensor:
 
     total = value.clone()
     dist.all_reduce(total)
-    return total / (pm.replicas // (pm.dp_size * pm.cp_size))
+    return total / pm.repeats

@@ -27,8 +27,9 @@ from typing import Any
 import yaml
 
 from parallel.plan.resolve import resolve_plan
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
-from trainer.models import build_model
+from trainer.models.skeleton import meta_model
 from trainer.pictures.placement import write_placement
 from trainer.planner.report import describe_plan
 from trainer.tracking.credentials import connect_uri
@@ -38,15 +39,15 @@ from trainer.tracking.tracker import NullTracker, Tracker
 log = logging.getLogger(__name__)
 
 
-def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path, *,
+def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path, *, plan: ParallelPlan | None = None,
                  artifacts: Mapping[str, str] | None = None) -> Future[dict[str, str]]:
     """Tags, params, the resolved config and dry-run plan as artifacts (with ``artifacts``: more
     text artifacts by name, e.g. the auto-planner's ranking), the data as a dataset input, and
     (``tracking.pictures``) the placement picture written into ``pictures_dir`` and logged under
     ``pictures/``. The picture is drawn in a thread: matplotlib's import and drawing (2-4 s on a
     small host) then run while the workers start, not before. The future gives the pictures'
-    paths by name."""
-    plan = _plan(cfg) if cfg.tracking.pictures or not isinstance(tracker, NullTracker) else None
+    paths by name. ``plan``: the config's resolved plan (None: none could be resolved, no plan.txt nor picture)."""
+    plan = plan if cfg.tracking.pictures or not isinstance(tracker, NullTracker) else None
     drawing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement-picture")
     pictures = drawing.submit(_placement_pictures, tracker, cfg, plan, pictures_dir)
     drawing.shutdown(wait=False)  # the thread ends after its one picture
@@ -75,11 +76,12 @@ def _placement_pictures(tracker: Tracker, cfg: RunConfig, plan, pictures_dir: Pa
     return pictures
 
 
-def _plan(cfg: RunConfig):
-    """The config's resolved plan (what ``dry_run=true`` reports), or None when the model cannot be
-    planned on the meta device (a custom module that needs real tensors): the run trains anyway."""
+def plan_of(cfg: RunConfig) -> ParallelPlan | None:
+    """The config's resolved plan (what ``dry_run=true`` reports), for a config validated elsewhere (the
+    control plane's job), or None when the model cannot be planned on the meta device (a custom module
+    that needs real tensors): the run trains anyway."""
     try:
-        return resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+        return resolve_plan(cfg.parallel, cfg.mesh, meta_model(cfg.model))
     except Exception as err:  # noqa: BLE001 - the plan only describes the run
         log.warning("no plan.txt or placement picture for this run: %s: %s", type(err).__name__, err)
         return None

@@ -19,9 +19,10 @@ from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig,
 from trainer.data import chat_tokenizer_path
 from trainer.data.text import resolve_root
 from trainer.data.tokenizer import load_tokenizer
-from trainer.models import build_model, decoder_config
+from trainer.models import decoder_config
 from trainer.models.custom import CustomModelError, resolve_builder
 from trainer.models.lora import LoRAError
+from trainer.models.skeleton import meta_model
 from trainer.planner.memory.budget import check_memory
 from trainer.validate.context_checks import check_context_model
 
@@ -45,7 +46,7 @@ def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple
         return None, issues
     issues += _check_resume(cfg)
     try:
-        model = build_model(cfg.model, device="meta")
+        model = meta_model(cfg.model)
     except CustomModelError as err:  # the user's builder raised on the meta device
         return None, issues + [ConfigIssue("model.kwargs", err.reason, err.fix)]
     except LoRAError as err:  # a target glob matching no Linear, a rank above a target's size

@@ -26,13 +26,13 @@ cannot be faster. Every loser says why it lost.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 
 from parallel.config import AutoPlanConfig
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.spec import ParallelPlan
+from parallel.topology import mesh_world_size
 from trainer.config.schema import RunConfig
 from trainer.planner.auto.ranking import AutoPlan
 from trainer.planner.cost.calibration import Calibration
@@ -124,7 +124,7 @@ def plan_layouts(raw: dict, *, calibration: Calibration | None = None,
     if any(isinstance(x, list) for x in mesh):
         raise ConfigError([ConfigIssue("mesh", "the auto-planner lays out a mesh shape, not explicit rank ids",
                                        "give the number of ranks, e.g. mesh=[8]")])
-    world = math.prod(mesh)
+    world = mesh_world_size(mesh)
     base = RunConfig.model_validate({**raw, "mesh": None, "parallel": None})
     # start-up: the search imports DTensor and the cost model, the probe the training loop (about 2 s);
     # only +parallel=auto pays for them, not every validation of a hand-written layout.

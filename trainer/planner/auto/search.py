@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable
 
@@ -25,7 +24,8 @@ from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import DataParallelSpec, MeshSpec, ParallelPlan
 from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, decoder_config
+from trainer.models import decoder_config
+from trainer.models.skeleton import meta_model
 from trainer.planner.auto.layouts import Layouts
 from trainer.planner.auto.order import price_all, price_best_first, ranked
 from trainer.planner.auto.ranking import Candidate
@@ -82,7 +82,7 @@ class Search(Layouts):
         # (a bench ranking a given layout exactly: tests/bench/bench_profiles.py --planner).
         self.rank_below = rank_below
         self.progress = progress or Progress(None)
-        self.model = build_model(base.model, device="meta")  # the only model this search builds
+        self.model = meta_model(base.model)  # the only model this search builds (validation's after it, too)
         self.decoder = decoder_config(base.model)
         self.budget, self.budget_source = memory_budget(base.model_copy(update={"mesh": [world]}))
         # As the validator: a GPU profile's layout is dropped only beyond the prediction's measured error
@@ -333,7 +333,7 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     tensor_parallel: its degree (heads, shapes) and the ep and cp sizes beside it (cp: tp of a row's share);
     pipeline: its section and the dp, pp, ep, tp sizes."""
     sizes = dict(zip(c.parallel["dims"], c.mesh))
-    dp = math.prod(s for a, s in sizes.items() if a.startswith("dp"))
+    dp = MeshSpec(tuple(c.mesh), tuple(c.parallel["dims"])).size([a for a in sizes if a.startswith("dp")])
     pipeline = c.parallel.get("pipeline")
     return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1), sizes.get("cp", 1)),
             "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),

@@ -16,7 +16,6 @@ adds them to the step's compute (no overlap on CPU).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 from torch import nn
@@ -58,13 +57,11 @@ def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, 
     """Per pipeline unit: ``(tp- and ep-local parameter count, parameter tensors, of which experts)``
     of one rank (experts split over ep: each rank holds 1/ep of them)."""
     out: dict[str, list] = {u: [0.0, 0, 0.0] for u in plan.units}
-    ep = plan.expert_parallel
-    experts = tuple(f"{m}." for m in ep.modules) if ep is not None else ()
+    topology = plan.topology
     for fqn, p in model.named_parameters():
         unit = plan.unit_of(fqn)
-        div = math.prod(plan.mesh.size(a) for a, pl in plan.placements.get(fqn, {}).items() if pl.is_shard)
-        expert = bool(experts) and fqn.startswith(experts)
-        local = p.numel() / div / (plan.mesh.size(ep.dim) if expert else 1)
+        expert = topology.is_expert(fqn)
+        local = p.numel() / topology.local_divisor(fqn, plan.placements.get(fqn, {}))
         out[unit][0] += local
         out[unit][1] += 1
         out[unit][2] += local if expert else 0.0

@@ -74,7 +74,8 @@ from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan
 from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, decoder_config
+from trainer.models import decoder_config
+from trainer.models.skeleton import meta_model
 from trainer.planner.cost.comm import unit_params
 from trainer.planner.cost.model import _FLASH_CPU, StepTime, flash_flops, placed_params, unit_pass
 from trainer.planner.cost.overlap import _waits, pipeline_bubble_s
@@ -226,7 +227,7 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     """The step time of ``cfg`` laid out as ``plan`` on ``profile``'s devices (see the module
     docstring). ``costs``, ``params``: the layout's meta pass and :func:`unit_params`, when a
     planner has them cached."""
-    model = model if model is not None else build_model(cfg.model, device="meta")
+    model = model if model is not None else meta_model(cfg.model)
     t, pp = cfg.train, plan.pipeline
     micro = cfg.micro_batch_size
     speed = DeviceSpeed.of(profile, t.precision, compiled=t.compile)

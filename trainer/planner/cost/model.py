@@ -53,7 +53,8 @@ from torch.utils.flop_counter import flop_registry
 from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan, unit_owner
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, loss_fn_for
+from trainer.models import loss_fn_for
+from trainer.models.skeleton import meta_model
 from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.comm import comm_ops, unit_params
 from trainer.planner.cost.reference import rank_units, with_reference_costs
@@ -165,7 +166,7 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
     tp-placed parameters at their local shapes, under the dispatch mode ``mode(where)`` builds;
     ``where()`` names the pipeline unit and phase (forward, backward) each op belongs to. Returns
     the meta model it ran (a copy of ``model`` when given)."""
-    model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
+    model = copy.deepcopy(model if model is not None else meta_model(cfg.model))
     _local_shapes(model, plan)
     if cfg.train.precision == "bf16":
         model.to(torch.bfloat16)
@@ -241,7 +242,7 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
                       costs: dict[str, UnitCost] | None = None, model: nn.Module | None = None) -> StepTime:
     """The step time of ``cfg`` laid out as ``plan`` on the calibrated host. ``costs``: this
     layout's :func:`unit_costs` when a planner has them cached; ``model``: the meta model."""
-    model = model if model is not None else build_model(cfg.model, device="meta")
+    model = model if model is not None else meta_model(cfg.model)
     micro = cfg.micro_batch_size
     costs = costs if costs is not None else unit_costs(cfg, plan, micro, model=model)
     params = unit_params(plan, model)

@@ -47,8 +47,7 @@ def layout_degrees(plan: ParallelPlan) -> dict[str, int]:
 
 def tp_degree(plan: ParallelPlan) -> int:
     """The product of the mesh axes the plan's placements shard a parameter over."""
-    axes = set(plan.sharded_axes)
-    return math.prod(plan.mesh.size(a) for a in axes)
+    return plan.topology.tp_size
 
 
 def layout_efficiency(plan: ParallelPlan, calibration: Calibration) -> float:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
-from trainer.models import build_model
+from trainer.models.skeleton import meta_model
 from trainer.planner.cost.calibration import Calibration
 from trainer.planner.cost.links import group_link
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
@@ -89,7 +89,7 @@ def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
         pricing = HostPricing(calibration)
     else:
         pricing = ProfilePricing(hw)
-    model = build_model(cfg.model, device="meta")
+    model = meta_model(cfg.model)
     try:
         step = pricing.step(cfg, plan, pricing.unit_costs(cfg, plan, cfg.micro_batch_size, model), model)
     except Exception as err:  # noqa: BLE001 - recorded as an error: the dry run prints the rest and exits 1

@@ -30,7 +30,7 @@ from parallel.errors import ConfigIssue
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
-from trainer.models import build_model
+from trainer.models.skeleton import meta_model
 from trainer.planner.memory.host import WORKER_FLOOR, has_mallopt
 from trainer.planner.memory.layout import on_cuda
 from trainer.planner.memory.predict import MemoryEstimate, predict_memory
@@ -164,10 +164,11 @@ def _peak(cfg: RunConfig) -> float:
         return math.inf
 
 
-def predicted_peak_mib(cfg: RunConfig) -> float:
+def predicted_peak_mib(cfg: RunConfig, plan: ParallelPlan | None = None) -> float:
     """The plan's per-rank peak (the largest over pipeline ranks), MiB; raises what resolving the
-    plan or the meta pass raises (e.g. a custom module the meta device cannot run)."""
-    plan = resolve_plan(cfg.parallel, cfg.mesh, build_model(cfg.model, device="meta"))
+    plan or the meta pass raises (e.g. a custom module the meta device cannot run). ``plan``: the
+    config's, when the caller has it (the launcher: validation's)."""
+    plan = plan if plan is not None else resolve_plan(cfg.parallel, cfg.mesh, meta_model(cfg.model))
     return max(e.total for e in predict_memory(cfg, plan)) / 2**20
 
 

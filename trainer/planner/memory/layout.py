@@ -150,8 +150,7 @@ def gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list
 
 def expert_split(plan: ParallelPlan) -> tuple[int, tuple[str, ...]]:
     """``(ep size, the expert modules' FQN prefixes)``: ``(1, ())`` without expert parallelism."""
-    ep = plan.expert_parallel
-    return (plan.mesh.size(ep.dim), tuple(f"{m}." for m in ep.modules)) if ep is not None else (1, ())
+    return plan.topology.ep_size, plan.topology.expert_prefixes
 
 
 def expert_share(plan: ParallelPlan, numbers) -> float:

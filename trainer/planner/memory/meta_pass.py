@@ -34,7 +34,8 @@ from parallel.context import ring_alone
 from parallel.plan.spec import ParallelPlan, owning_unit
 from parallel.sharding.tp_styles import with_ties
 from trainer.config.schema import RunConfig
-from trainer.models import build_model, loss_fn_for
+from trainer.models import loss_fn_for
+from trainer.models.skeleton import meta_model
 from trainer.planner.memory.layout import expert_split
 from trainer.planner.numbers import held_placements
 
@@ -197,7 +198,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     pass runs for ``F.scaled_dot_product_attention`` (its arguments), in this thread only
     (:class:`AttentionKernel`); default :func:`flash_attention_for_cpu`, what a CPU run saves."""
     # A given model is copied: the pass gives its parameters their tp-local shapes.
-    model = copy.deepcopy(model) if model is not None else build_model(cfg.model, device="meta")
+    model = copy.deepcopy(model if model is not None else meta_model(cfg.model))
     _local_shapes(model, plan)
     unit_params: dict[str, list[float]] = defaultdict(list)
     trainable: list[float] = [0.0]
