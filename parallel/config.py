@@ -129,7 +129,8 @@ class StageConfig(LayoutSection):
     match its own parameters and modules only."""
 
     ranks: list[int] | list[list[int]] = Field(
-        description="Global ranks holding this stage: a list ([0, 1]) or a nested list for a 2-D sub-mesh ([[0,1],[2,3]]).",
+        description="Global ranks holding this stage: a list ([0, 1]) or a nested list for a 2-D sub-mesh "
+                    "([[0,1],[2,3]]).",
     )
 
     @property

@@ -55,7 +55,8 @@ def build_mesh(
     """
     mesh_shape, dim_names = tuple(int(s) for s in mesh_shape), tuple(dim_names)
     if len(mesh_shape) != len(dim_names):
-        raise ValueError(f"mesh shape {list(mesh_shape)} has {len(mesh_shape)} axes but {len(dim_names)} names {list(dim_names)}")
+        raise ValueError(f"mesh shape {list(mesh_shape)} has {len(mesh_shape)} axes but {len(dim_names)} names "
+                         f"{list(dim_names)}")
     if len(set(dim_names)) != len(dim_names):
         raise ValueError(f"mesh axis names must be unique, got {list(dim_names)}")
     if rank_ids is None:

@@ -91,7 +91,8 @@ def stage_grids(plan: ParallelPlan) -> list[StageGrid]:
     names, shape = tuple(mesh.dim_names), tuple(mesh.shape) if mesh.dim_names else ()  # () : one device
     coords = [_unravel(r, shape) for r in range(mesh.world_size)]
     if pp is None:
-        return [StageGrid(0, names, shape, tuple(range(mesh.world_size)), tuple(label(r) for r in range(mesh.world_size)))]
+        return [StageGrid(0, names, shape, tuple(range(mesh.world_size)),
+                          tuple(label(r) for r in range(mesh.world_size)))]
     axis = names.index(pp.dim)
     keep = [i for i in range(len(shape)) if i != axis]  # none: a pipeline-only mesh, one rank per stage
     grids = []
@@ -148,7 +149,8 @@ def placement_table(plan: ParallelPlan, groups: Sequence[PlacementGroup]) -> dic
     name a list with one entry per (stage, shape, placements): ``{stage, params, shape,
     placements, ranks: {torch rank: [[start, stop], ...]}}`` (ranks holding nothing absent)."""
     table: dict[str, Any] = {
-        "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names), "rank_ids": plan.mesh.rank_ids},
+        "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names),
+                 "rank_ids": plan.mesh.rank_ids},
         "stages": [{"stage": g.stage, "dim_names": list(g.dim_names), "shape": list(g.shape), "ranks": list(g.ranks),
                     "labels": list(g.labels)} for g in stage_grids(plan)],
         "groups": {},
@@ -203,7 +205,8 @@ def _layout_slices(shape: tuple[int, ...], grid: StageGrid, dp: DataParallelSpec
 
     ndim = len(shape)
     tp = [(a, _dim_of(axes[a], ndim)) for a in grid.dim_names if a in axes and axes[a].is_shard]
-    shard_axes = tuple(a for a in (*dp.shard_dim_names, *beside) if a in grid.dim_names) if dp is not None and ndim else ()
+    shard_axes = tuple(a for a in (*dp.shard_dim_names, *beside)
+                       if a in grid.dim_names) if dp is not None and ndim else ()
     size = dict(zip(grid.dim_names, grid.shape))
     names = [(a,) for a, _ in tp] + ([shard_axes] if shard_axes else [])
     torch_placements = [Shard(d) for _, d in tp] + ([Shard(0)] if shard_axes else [])

@@ -233,7 +233,8 @@ class ParallelPlan:
         cp, dp = self.context_parallel, self.data_parallel
         if cp is None:
             return dp
-        return DataParallelSpec(dp.mode if dp is not None else "fsdp", (dp.dim_names if dp is not None else ()) + (cp.dim,))
+        return DataParallelSpec(dp.mode if dp is not None else "fsdp",
+                                (dp.dim_names if dp is not None else ()) + (cp.dim,))
 
     @property
     def pp_size(self) -> int:
