@@ -45,8 +45,7 @@ def validate_config(raw: dict[str, Any], *, check_model: bool = True) -> RunConf
 def validate_with_plan(raw: dict[str, Any], *, check_model: bool = True) -> tuple[RunConfig, ParallelPlan | None]:
     """:func:`validate_config` and the parallel plan it resolved on the way (None without ``check_model``)."""
     if not isinstance(raw, dict):
-        raise ConfigError([ConfigIssue("<root>", f"expected a mapping, got {type(raw).__name__}",
-                                       "pass a YAML mapping")])
+        raise ConfigError([ConfigIssue("<root>", f"expected a mapping, got {type(raw).__name__}", "pass a YAML mapping")])
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as err:
@@ -108,8 +107,7 @@ def _check_mesh(mesh: Any, par: Any) -> list[ConfigIssue]:
                 issues.append(ConfigIssue(format_path("mesh", i), f"axis size must be an int, got {x!r}",
                                           f"give one positive int per axis, e.g. {example}"))
             elif x < 1:
-                issues.append(ConfigIssue(format_path("mesh", i), f"axis size must be >= 1, got {x}",
-                                          "use a positive size"))
+                issues.append(ConfigIssue(format_path("mesh", i), f"axis size must be >= 1, got {x}", "use a positive size"))
         return issues
     return _check_rank_ids(mesh)
 
@@ -127,8 +125,7 @@ def _check_rank_ids(mesh: list) -> list[ConfigIssue]:
             flat.append(node)
             return None
         if not isinstance(node, list) or len(node) != shape[depth]:
-            return (f"{format_path('mesh', *path)} has {len(node) if isinstance(node, list) else 'no'} entries, "
-                    f"expected {shape[depth]}")
+            return f"{format_path('mesh', *path)} has {len(node) if isinstance(node, list) else 'no'} entries, expected {shape[depth]}"
         for i, child in enumerate(node):
             if problem := walk(child, depth + 1, (*path, i)):
                 return problem
@@ -151,8 +148,7 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
     par, shape = cfg.parallel, cfg.mesh_shape
     if par is None:
         if cfg.world_size > 1:
-            # one with as many axes
-            preset = {1: "+parallel=fsdp", 2: "+parallel=2d", 3: "+parallel=3d"}.get(len(shape))
+            preset = {1: "+parallel=fsdp", 2: "+parallel=2d", 3: "+parallel=3d"}.get(len(shape))  # one with as many axes
             example = f"e.g. {preset}" if preset else f"one naming {len(shape)} axes"
             return [ConfigIssue("mesh", f"{list(shape)} has {cfg.world_size} devices but there is no parallel section",
                                 f"add a preset, {example}, or drop mesh for one device")]
@@ -163,8 +159,7 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
                             f"e.g. mesh=[{','.join(['2'] * len(par.dims))}]")]
     issues: list[ConfigIssue] = []
     if len(par.dims) != len(shape):
-        return [ConfigIssue("parallel.dims", f"names {len(par.dims)} axes {par.dims} but mesh {cfg.mesh} has "
-                                             f"{len(shape)}",
+        return [ConfigIssue("parallel.dims", f"names {len(par.dims)} axes {par.dims} but mesh {cfg.mesh} has {len(shape)}",
                             "give one name per mesh axis, or change mesh")]
     for i, name in enumerate(par.dims):
         if not name.isidentifier():
@@ -180,8 +175,7 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         if len(names) != want:
             fix = ("give two axes: dim: [replicate_axis, shard_axis]" if dp.mode == "hsdp"
                    else "give one axis name, or use mode: hsdp for two")
-            issues.append(ConfigIssue("parallel.data_parallel.dim", f"mode {dp.mode} takes {want} axis "
-                                                                    f"name(s), got {names}", fix))
+            issues.append(ConfigIssue("parallel.data_parallel.dim", f"mode {dp.mode} takes {want} axis name(s), got {names}", fix))
         elif len(set(names)) != len(names):
             issues.append(ConfigIssue("parallel.data_parallel.dim", f"names axis {names[0]!r} twice: {names}",
                                       "give two different axes: dim: [replicate_axis, shard_axis]"))
@@ -227,8 +221,7 @@ def _check_own_axis(section: str, axis: str, dims: list[str], role: dict[str, st
 
 
 def _unknown_axis(path: str, name: str, dims: list[str]) -> ConfigIssue:
-    return ConfigIssue(path, f"axis {name!r} is not in parallel.dims {dims}",
-                       f"use one of {dims} or add it to parallel.dims")
+    return ConfigIssue(path, f"axis {name!r} is not in parallel.dims {dims}", f"use one of {dims} or add it to parallel.dims")
 
 
 def _check_placements(par, role: dict[str, str]) -> list[ConfigIssue]:
@@ -239,8 +232,7 @@ def _check_placements(par, role: dict[str, str]) -> list[ConfigIssue]:
             if axis not in par.dims:
                 issues.append(_unknown_axis(path, axis, par.dims))
             elif axis in role:
-                issues.append(ConfigIssue(path, f"axis {axis!r} is the {role[axis]} axis; parameters are "
-                                                "placed on it by "
+                issues.append(ConfigIssue(path, f"axis {axis!r} is the {role[axis]} axis; parameters are placed on it by "
                                           f"parallel.{role[axis]}", "place parameters only on tensor-parallel axes"))
             elif placement.kind == "partial":
                 issues.append(ConfigIssue(path, f"{placement} on a parameter: a parameter's value must be whole, "
@@ -258,12 +250,10 @@ def _check_schedule(pp, pp_size: int) -> list[ConfigIssue]:
     issues = []
     spr, name = pp.stages_per_rank, pp.schedule
     if name in INTERLEAVED_SCHEDULES and spr < 2:
-        issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"{name} interleaves stages, needs >= "
-                                                                       f"2, got {spr}",
+        issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"{name} interleaves stages, needs >= 2, got {spr}",
                                   "set parallel.pipeline.stages_per_rank=2, or use parallel.pipeline.schedule=1F1B"))
     elif name == "ZBV" and spr != 2:
-        issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", "ZBV places exactly 2 stages per rank (a "
-                                                                       f"V), got {spr}",
+        issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"ZBV places exactly 2 stages per rank (a V), got {spr}",
                                   "set parallel.pipeline.stages_per_rank=2"))
     elif name in ("GPipe", "1F1B") and spr != 1:
         issues.append(ConfigIssue("parallel.pipeline.stages_per_rank", f"{name} runs one stage per rank, got {spr}",
@@ -271,17 +261,14 @@ def _check_schedule(pp, pp_size: int) -> list[ConfigIssue]:
                                   "parallel.pipeline.schedule=Interleaved1F1B for several"))
     if name != "GPipe" and pp.microbatches < pp_size:
         issues.append(ConfigIssue("parallel.pipeline.microbatches",
-                                  f"{name} needs at least one micro-batch per pipeline rank: {pp.microbatches} < pp "
-                                  f"size {pp_size}",
+                                  f"{name} needs at least one micro-batch per pipeline rank: {pp.microbatches} < pp size {pp_size}",
                                   f"set parallel.pipeline.microbatches={pp_size} or more "
                                   "(a multiple of it keeps the bubble small)"))
     if name in INTERLEAVED_SCHEDULES + ("ZBV",) and pp.microbatches % pp_size:
         issues.append(ConfigIssue("parallel.pipeline.microbatches",
-                                  f"{name} needs microbatches divisible by the pp size {pp_size}, got "
-                                  f"{pp.microbatches}",
+                                  f"{name} needs microbatches divisible by the pp size {pp_size}, got {pp.microbatches}",
                                   f"use a multiple of {pp_size}, e.g. "
-                                  "parallel.pipeline.microbatches="
-                                  f"{pp_size * max(1, round(pp.microbatches / pp_size))}"))
+                                  f"parallel.pipeline.microbatches={pp_size * max(1, round(pp.microbatches / pp_size))}"))
     return issues
 
 
@@ -304,8 +291,7 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
     if ln.node_rank >= ln.nnodes:
         issues.append(ConfigIssue("launch.node_rank", f"{ln.node_rank} is not below launch.nnodes {ln.nnodes} "
                                   "(hosts are numbered from 0)",
-                                  f"use a node_rank from 0 to {ln.nnodes - 1}, e.g. launch.node_rank=0, or raise "
-                                  "launch.nnodes"))
+                                  f"use a node_rank from 0 to {ln.nnodes - 1}, e.g. launch.node_rank=0, or raise launch.nnodes"))
     if cfg.world_size % ln.nnodes:
         issues.append(ConfigIssue("launch.nnodes", f"world size {cfg.world_size} does not split over {ln.nnodes} hosts",
                                   "use an nnodes that divides the number of mesh devices"))
@@ -321,10 +307,8 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
                                   "write it as host:port, e.g. launch.rdzv_endpoint=127.0.0.1:29500"))
     elif ln.nnodes > 1 and int(port) == 0 and not plans_elsewhere(cfg):  # a plan starts no rendezvous
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"port 0 with launch.nnodes={ln.nnodes}: the other nodes "
-                                  "cannot know which free port node 0 picked", "give node 0's address and a "
-                                                                               "fixed port, e.g. "
-                                                                               "launch.rdzv_endpoint=10.0.0.1:29500, "
-                                                                               "the same on every node"))
+                                  "cannot know which free port node 0 picked", "give node 0's address and a fixed port, "
+                                  "e.g. launch.rdzv_endpoint=10.0.0.1:29500, the same on every node"))
     if ln.unmap_freed_memory and not has_mallopt():
         issues.append(ConfigIssue("launch.unmap_freed_memory", "needs glibc's mallopt; this host's C library is "
                                   f"{platform.libc_ver()[0] or 'unknown'}", "set launch.unmap_freed_memory=false"))
@@ -339,8 +323,7 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
                                       f"use a seed from 0 to 2**63 - 1, e.g. {path}=0"))
     if cfg.train.init_from and not Path(cfg.train.init_from).is_file():
         issues.append(ConfigIssue("train.init_from", f"{cfg.train.init_from!r} is not a file",
-                                  "give a safetensors file written by python -m trainer.export, or "
-                                  "train.init_from=null"))
+                                  "give a safetensors file written by python -m trainer.export, or train.init_from=null"))
     ckpt = cfg.train.checkpoint
     if ckpt.every > cfg.train.steps:
         issues.append(ConfigIssue("train.checkpoint.every", f"{ckpt.every} is more than train.steps {cfg.train.steps}; "
@@ -352,11 +335,9 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
         import torch
 
         if not torch.cuda.is_available():
-            issues.append(ConfigIssue("device", "cuda requested but no CUDA device is visible", "use device=cpu "
-                                                                                                "or device=auto"))
+            issues.append(ConfigIssue("device", "cuda requested but no CUDA device is visible", "use device=cpu or device=auto"))
         elif cfg.world_size > torch.cuda.device_count() * cfg.launch.nnodes:
-            issues.append(ConfigIssue("mesh", f"{cfg.world_size} workers but only {torch.cuda.device_count()} "
-                                              "GPUs per host",
+            issues.append(ConfigIssue("mesh", f"{cfg.world_size} workers but only {torch.cuda.device_count()} GPUs per host",
                                       "use a smaller mesh or more hosts (launch.nnodes)"))
     return issues
 
@@ -384,12 +365,11 @@ def _check_compile(cfg: RunConfig) -> list[ConfigIssue]:
     pp = cfg.parallel.pipeline if cfg.parallel else None
     if pp is not None and pp.schedule in SPLIT_BACKWARD_SCHEDULES:
         issues.append(ConfigIssue(
-            "train.compile", f"torch.compile does not compose with parallel.pipeline.schedule {pp.schedule}: a "
-                             "zero-bubble "
-            "schedule splits each backward into an input-gradient and a weight-gradient pass, but a compiled "
-            "block is one autograd node, so the weight pass re-runs its whole backward; and in torch 2.13 the "
-            "graph retained for it can get wrong gradients (Inductor's FX graph cache may serve a backward compiled "
-            "with donated buffers, which overwrites the saved activations)",
+            "train.compile", f"torch.compile does not compose with parallel.pipeline.schedule {pp.schedule}: a zero-bubble "
+            "schedule splits each backward into an input-gradient and a weight-gradient pass, but a compiled block is one "
+            "autograd node, so the weight pass re-runs its whole backward; and in torch 2.13 the graph retained for it can get "
+            "wrong gradients (Inductor's FX graph cache may serve a backward compiled with donated buffers, which "
+            "overwrites the saved activations)",
             "to compile, use parallel.pipeline.schedule=Interleaved1F1B, or "
             "parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1; "
             "or set train.compile=false"))
@@ -404,8 +384,7 @@ def _check_cxx() -> ConfigIssue | None:
         if shutil.which(cxx) is None:
             return ConfigIssue("train.compile", f"torch.compile (Inductor) needs a C++ compiler: $CXX is {cxx!r}, "
                                "which is not an executable on PATH",
-                               "point CXX at an installed C++ compiler (or unset it to use g++), or set "
-                               "train.compile=false")
+                               "point CXX at an installed C++ compiler (or unset it to use g++), or set train.compile=false")
         return None
     if shutil.which("g++") is not None:
         return None
