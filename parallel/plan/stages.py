@@ -118,8 +118,8 @@ def check_stage_ranks(stages: Sequence[StageConfig], world_size: int) -> list[Co
                                               "every process group's ranks ascending, so shards along it would be "
                                               "gathered out of order", "list the ranks increasing along every axis"))
     if len(set(sizes)) > 1:
-        issues.append(ConfigIssue("parallel.pipeline.stages", f"the stages hold {sizes} ranks; every stage "
-                                                              "needs the same "
+        issues.append(ConfigIssue("parallel.pipeline.stages",
+                                  f"the stages hold {sizes} ranks; every stage needs the same "
                                   "number, since activations travel along lanes of one rank per stage",
                                   f"give every stage {max(sizes)} ranks (or {min(sizes)})"))
     missing = sorted(set(range(world_size)) - set(owner))

@@ -55,8 +55,8 @@ def resolve_auto(raw: dict, *, calibration: Calibration | None = None,
     ``progress``: where the search's progress lines go (the CLI: the console)."""
     result = plan_layouts(raw, calibration=calibration, progress=progress)
     if result.winner.status != "chosen":
-        raise ConfigError([ConfigIssue("parallel.auto", f"no layout of {result.world_size} ranks is valid "
-                                                        "and predicted "
+        raise ConfigError([ConfigIssue("parallel.auto",
+                                       f"no layout of {result.world_size} ranks is valid and predicted "
                                        f"to fit: {result.winner.reason}", "change the mesh, the batch or the knobs "
                                        "(a dry run prints every candidate and why it lost)")])
     chosen = result.winner
