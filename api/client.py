@@ -79,7 +79,8 @@ class MeshflowClient:
         return self._call("POST", "/v1/plans", json=body).json()
 
     def list(self, *, state: str | None = None, owner: str | None = None, limit: int = 50, offset: int = 0) -> dict:
-        params = {k: v for k, v in {"state": state, "owner": owner, "limit": limit, "offset": offset}.items() if v is not None}
+        params = {k: v for k, v in {"state": state, "owner": owner, "limit": limit, "offset": offset}.items()
+                  if v is not None}
         return self._call("GET", "/v1/jobs", params=params).json()
 
     def get(self, job_id: str) -> dict:

@@ -1,4 +1,5 @@
-"""Dependencies shared by the routes, as ``Annotated`` aliases: the control plane, settings, a DB session, the caller."""
+"""Dependencies shared by the routes, as ``Annotated`` aliases: the control plane, settings, a DB session, the
+caller."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from service.settings import Settings
 
 LOCAL_USER = "local"
 
-bearer_scheme = HTTPBearer(auto_error=False, description="A token from MESHFLOW_TOKENS: `Authorization: Bearer <token>`.")
+bearer_scheme = HTTPBearer(auto_error=False,
+                           description="A token from MESHFLOW_TOKENS: `Authorization: Bearer <token>`.")
 
 
 # The dependencies that do no I/O are coroutines: FastAPI runs a plain function in its thread pool,

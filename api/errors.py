@@ -25,7 +25,8 @@ STORE_RETRY_AFTER_S = 5  # what a 503 tells clients to wait while the job store 
 # Documented on every route, so clients (and schemathesis) know each status's body.
 ERROR_RESPONSES: dict[int | str, dict] = {
     401: {"model": Message, "description": "Missing or unknown bearer token."},
-    422: {"model": ProblemList, "description": "The request or the config is invalid: every problem's path, reason and fix."},
+    422: {"model": ProblemList, "description": "The request or the config is invalid: every problem's path, "
+                                               "reason and fix."},
     503: {"model": Message, "description": "The job store (or the MLflow store) is unreachable for now: try again "
           "after `Retry-After` seconds.", "headers": {"Retry-After": {"description": "Seconds to wait.",
                                                                       "schema": {"type": "integer"}}}},

@@ -105,7 +105,8 @@ class JsonDepthLimit:
                        "fix": "send a flatter document: a config is a few levels deep"}
             payload = json.dumps({"detail": [problem]}).encode()
             await send({"type": "http.response.start", "status": 422,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+                        "headers": [(b"content-type", b"application/json"), (b"content-length",
+                                                                             str(len(payload)).encode())]})
             await send({"type": "http.response.body", "body": payload})
             return
 

@@ -49,14 +49,16 @@ class JobCreate(BaseModel):
     def _one_source(self) -> "JobCreate":
         if (self.overrides is None) == (self.config is None):
             raise ValueError("give exactly one of overrides (a list of Hydra overrides; [] for the defaults) "
-                             "and config (a whole document), not " + ("both" if self.overrides is not None else "neither"))
+                             "and config (a whole document), not " + ("both" if self.overrides is not None
+                                                                      else "neither"))
         return self
 
 
 class Problem(BaseModel):
     """One thing wrong with a request, as the CLI reports it."""
 
-    path: str = Field(description="Config path (`train.checkpoint.dir`, `parallel.placements[\"...\"].tp`) or request field.")
+    path: str = Field(description="Config path (`train.checkpoint.dir`, `parallel.placements[\"...\"].tp`) or "
+                                  "request field.")
     reason: str = Field(description="What is wrong.")
     fix: str = Field(description="How to make it right.")
 
@@ -87,19 +89,23 @@ class JobSummary(BaseModel):
     id: str = Field(description="Job id (UUID).")
     name: str = Field(description="The label given at submission.")
     owner: str = Field(description="The user who submitted it.")
-    state: JobState = Field(description="QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED (CANCELLING between).")
+    state: JobState = Field(description="QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED "
+                                        "(CANCELLING between).")
     priority: int = Field(description="Higher starts first.")
     overrides: list[str] | None = Field(description="The overrides submitted, if the job was submitted as overrides.")
     world_size: int = Field(description="Worker processes (= worker slots) the job needs: prod(mesh).")
     created_at: datetime = Field(description="When the job was accepted (UTC).")
     started_at: datetime | None = Field(description="When its process started (UTC).")
     finished_at: datetime | None = Field(description="When it ended (UTC).")
-    exit_code: int | None = Field(description="The trainer's exit code: 0 ok, 1 worker failure, 2 bad config, 143 SIGTERM.")
+    exit_code: int | None = Field(description="The trainer's exit code: 0 ok, 1 worker failure, 2 bad config, "
+                                              "143 SIGTERM.")
     error: str | None = Field(description="Why it failed: the reason and the last lines of its log.")
-    executor: str | None = Field(None, description="What runs the job: local (processes on the service's host), ray or kubernetes.")
+    executor: str | None = Field(None, description="What runs the job: local (processes on the service's host), ray "
+                                                   "or kubernetes.")
     pid: int | None = Field(description="Process id of the job's process group leader, while known (local jobs).")
     mlflow_run_id: str | None = Field(description="The MLflow run the job logs to (created at submission).")
-    mlflow_ui_url: str | None = Field(description="Link to the run in the MLflow UI, when the service knows the UI's address.")
+    mlflow_ui_url: str | None = Field(description="Link to the run in the MLflow UI, when the service knows the "
+                                                  "UI's address.")
 
     @classmethod
     def fields_of(cls, job: Any, ui_url: str | None) -> dict[str, Any]:
@@ -107,7 +113,8 @@ class JobSummary(BaseModel):
         return dict(id=job.id, name=job.name, owner=job.owner, state=JobState(job.state), priority=job.priority,
                     overrides=job.overrides, world_size=job.world_size, created_at=_utc(job.created_at),
                     started_at=_utc(job.started_at), finished_at=_utc(job.finished_at), exit_code=job.exit_code,
-                    error=job.error, executor=job.executor, pid=job.pid, mlflow_run_id=job.mlflow_run_id, mlflow_ui_url=ui_url)
+                    error=job.error, executor=job.executor, pid=job.pid, mlflow_run_id=job.mlflow_run_id,
+                    mlflow_ui_url=ui_url)
 
 
 class JobPublic(JobSummary):
@@ -164,7 +171,8 @@ class MetricsPublic(BaseModel):
     job_id: str = Field(description="Job id.")
     mlflow_run_id: str | None = Field(description="The MLflow run read; null for `tracking=none` jobs.")
     run_status: str | None = Field(description="MLflow's status of the run: RUNNING, FINISHED, FAILED, KILLED.")
-    metrics: dict[str, list[MetricPoint]] = Field(description="Metric name (`loss`, `lr`, `grad_norm`, ...) -> history by step.")
+    metrics: dict[str, list[MetricPoint]] = Field(description="Metric name (`loss`, `lr`, `grad_norm`, ...) -> "
+                                                              "history by step.")
 
 
 class PlanRank(BaseModel):
@@ -176,23 +184,25 @@ class PlanRank(BaseModel):
     param_bytes: float = Field(description="Bytes of parameters per rank after data-parallel sharding.")
     grad_bytes: float = Field(description="Bytes of gradients per rank.")
     optim_bytes: float = Field(description="Bytes of AdamW state per rank.")
-    gathered_bytes: float = Field(0.0, description="Bytes of FSDP's gathered (unsharded) parameters, or autocast's bf16 "
-                                  "weight copies, at the peak.")
+    gathered_bytes: float = Field(0.0, description="Bytes of FSDP's gathered (unsharded) parameters, or "
+                                                   "autocast's bf16 weight copies, at the peak.")
     activation_bytes: float = Field(0.0, description="Bytes of activations saved for backward at the peak, over the "
                                     "micro-batches in flight.")
     microbatches_in_flight: int = Field(1, description="Micro-batch passes whose activations this rank holds at once.")
     backward_bytes: float = Field(0.0, description="Bytes backward adds to the saved activations at its worst moment "
                                   "(gradients of the largest activations and of the logits).")
     process_bytes: float = Field(0.0, description="Bytes of the worker's runtime and, on CPU, of glibc's heap holes.")
-    peak_bytes: float = Field(0.0, description="Predicted peak bytes per rank: weights + grads + AdamW + gathered + the "
-                              "larger of (activations + backward) and the optimizer step's temporaries + process.")
+    peak_bytes: float = Field(0.0, description="Predicted peak bytes per rank: weights + grads + AdamW + "
+                                               "gathered + the larger of (activations + backward) and the optimizer "
+                                               "step's temporaries + process.")
     peak_phase: str | None = Field(None, description="The moment of the step the peak is at: backward, gradient reduce "
                                    "or optimizer step; null where the activations could not be predicted.")
     terms_bytes: dict[str, float] | None = Field(None, description="The peak by named term (weights, optimizer_state, "
-                                                 "gradients, gathered_parameters, activations, recompute, logits_and_loss, "
-                                                 "backward_transient, gradient_reduce_buffers, optimizer_step_temporaries, "
-                                                 "runtime, allocator_slack), adding up to peak_bytes (docs/planning.md, "
-                                                 "Memory); null where the activations could not be predicted.")
+                                                 "gradients, gathered_parameters, activations, recompute, "
+                                                 "logits_and_loss, backward_transient, gradient_reduce_buffers, "
+                                                 "optimizer_step_temporaries, runtime, allocator_slack), adding up "
+                                                 "to peak_bytes (docs/planning.md, Memory); null where the "
+                                                 "activations could not be predicted.")
 
 
 class PlanPictures(BaseModel):
@@ -202,16 +212,18 @@ class PlanPictures(BaseModel):
                                "and each parameter group cut into the slices its ranks hold.")
     placement: dict[str, Any] = Field(description="The slice table behind it: per group and stage, shape, placements "
                                       "and each rank's [start, stop) per tensor dim.")
-    timeline_png: str | None = Field(None, description="With a pipeline: the schedule's predicted timeline (unit costs: "
-                                     "a forward 1, a backward 2), PNG, base64.")
-    timeline: dict[str, Any] | None = Field(None, description="The same timeline as a Chrome trace (Perfetto opens it).")
+    timeline_png: str | None = Field(None, description="With a pipeline: the schedule's predicted timeline "
+                                                       "(unit costs: a forward 1, a backward 2), PNG, base64.")
+    timeline: dict[str, Any] | None = Field(None,
+                                            description="The same timeline as a Chrome trace (Perfetto opens it).")
     bubble_theory: float | None = Field(None, description="The schedule's theoretical bubble, e.g. (p-1)/(m+p-1).")
 
 
 class AutoPlanRowPublic(BaseModel):
     """One layout the auto-planner considered (``+parallel=auto``), in ranking order."""
 
-    label: str = Field(description="The layout in short: dp x pp x tp with modes, schedule, micro-batches, AC, precision.")
+    label: str = Field(description="The layout in short: dp x pp x tp with modes, schedule, micro-batches, "
+                                   "AC, precision.")
     status: str = Field(description="chosen, slower, does not fit, pruned or invalid.")
     reason: str = Field(description="Why it was chosen or why it lost.")
     mesh: list[int] = Field(description="Its mesh shape.")
@@ -238,14 +250,16 @@ class PlanPublic(BaseModel):
     stage_params: list[int] = Field(description="Parameters per pipeline stage.")
     per_pp_rank: list[PlanRank] = Field(description="Memory per pipeline rank.")
     bubble: float = Field(description="Pipeline bubble fraction (0 without a pipeline).")
-    comm_bytes_per_step: dict[str, float] = Field(description="Bytes each rank sends per optimizer step, per mesh axis.")
+    comm_bytes_per_step: dict[str, float] = Field(description="Bytes each rank sends per optimizer step, "
+                                                              "per mesh axis.")
     memory_budget_bytes: float = Field(0.0, description="The per-rank budget a run is checked against "
                                        "(launch.memory_budget_gb, the GPU's memory, or a share of the host's).")
     memory_note: str | None = Field(None, description="Why activations were not predicted (then each rank's peak "
                                     "is weights + grads + AdamW only, a lower bound); null when they were.")
     pictures: PlanPictures | None = Field(None, description="The plan drawn (null with tracking.pictures=false).")
     pictures_note: str | None = Field(None, description="Why the pictures were left out although tracking.pictures "
-                                      "is on (the reply would pass the service's max_plan_reply_bytes); null otherwise.")
+                                      "is on (the reply would pass the service's max_plan_reply_bytes); "
+                                      "null otherwise.")
     auto_plan: list[AutoPlanRowPublic] | None = Field(
         None, description="With parallel.auto: one page (auto_plan_offset, auto_plan_limit) of the layouts the planner "
         "considered, in ranking order, the chosen one first; null otherwise.")

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
 from parallel.placements import PlacementSpec, parse_placement
-from parallel.topology import mesh_rank_ids, mesh_shape_of  # re-exported: a mesh value's words
+from parallel.topology import mesh_rank_ids, mesh_shape_of  # noqa: F401 - re-exported: a mesh value's words
 
 
 class Section(BaseModel):
@@ -130,7 +130,8 @@ class StageConfig(LayoutSection):
     match its own parameters and modules only."""
 
     ranks: list[int] | list[list[int]] = Field(
-        description="Global ranks holding this stage: a list ([0, 1]) or a nested list for a 2-D sub-mesh ([[0,1],[2,3]]).",
+        description="Global ranks holding this stage: a list ([0, 1]) or a nested list for a 2-D sub-mesh "
+                    "([[0,1],[2,3]]).",
     )
 
     @property

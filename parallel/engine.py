@@ -9,9 +9,9 @@
 
 Order of application, as torchtitan does it: split into pipeline stages -> tensor parallel
 (placements, layouts) -> expert parallel (experts ``Shard(0)``, all-to-all around them) -> activation
-checkpointing -> torch.compile per block (``compile=True``) -> data parallel -> (a meta model only) allocate this rank's shards and initialise them. The
-model is either built and initialised in full on every rank, or built on the ``meta`` device and
-initialised after sharding (``parallelize(meta_model, plan, device=..., init=lambda part:
+checkpointing -> torch.compile per block (``compile=True``) -> data parallel -> (a meta model only) allocate this rank's
+shards and initialise them. The model is either built and initialised in full on every rank, or built on the ``meta``
+device and initialised after sharding (``parallelize(meta_model, plan, device=..., init=lambda part:
 part.init_weights(seed))``); because the initial values depend only on (seed, FQN, shape), both
 give every value of one device. A tied parameter (input and output embeddings) stays one
 parameter on a stage holding all its names; a pipeline that puts its names on different stages
@@ -78,7 +78,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     if on_meta and init is None:
         raise ValueError("a model on the meta device needs init= to give its shards their values")
     heads = HeadGradients()  # filled part by part: parameters applied per attention head under tp
-    part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile, heads=heads)
+    part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile,
+                        heads=heads)
     if plan.topology.world_size == 1:  # no placements, no data parallelism: materialise, AC, compile
         _parallelize_part(model, None, plan, pipelined=False, **part_options)
         return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None),
@@ -116,7 +117,8 @@ def _parallelize_on_mesh(model: nn.Module, plan: ParallelPlan, *, device: torch.
                                         init=init, precision=precision, compile=compile, heads=heads))
     ties = None
     if pp is not None and groups:
-        ties = StageTies.build(groups, [part for _, part in stages], holders_on_mesh(groups, plan, mesh), pairing="shards")
+        ties = StageTies.build(groups, [part for _, part in stages], holders_on_mesh(groups, plan, mesh),
+                               pairing="shards")
         ties.copy_values()
     topology = plan.topology  # the batch's axes: data parallel, expert parallel
     return ParallelModel(
@@ -141,14 +143,16 @@ def _parallelize_on_mesh(model: nn.Module, plan: ParallelPlan, *, device: torch.
     )
 
 
-def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: ParallelPlan, *, pipelined: bool, device: torch.device,
+def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: ParallelPlan, *, pipelined: bool,
+                      device: torch.device,
                       init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
                       heads: HeadGradients, model_ties: list[list[str]] = ()) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
     tensor parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> data
     parallel (over the dp and cp axes) -> (``init``: a meta part) allocate and initialise this rank's shards.
-    Returns tensor parallelism's report and adds the part's per-head parameters to ``heads`` (:mod:`parallel.sharding.head_params`). A tied
-    parameter (input and output embeddings) stays one parameter throughout (:mod:`parallel.sharding.ties`)."""
+    Returns tensor parallelism's report and adds the part's per-head parameters to ``heads``
+    (:mod:`parallel.sharding.head_params`). A tied parameter (input and output embeddings) stays one parameter
+    throughout (:mod:`parallel.sharding.ties`)."""
     report: dict[str, str] = {}
     tied = tied_groups(part)
     if init is None:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from parallel.topology import flat_rank_ids, rank_id_of  # re-exported: the worker binds by them
+from parallel.topology import flat_rank_ids, rank_id_of  # noqa: F401 - re-exported: the worker binds by them
 
 # Sub-meshes made once per (mesh, axes): the engine asks for the same axis for every module.
 _SUBMESHES: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], DeviceMesh]] = weakref.WeakKeyDictionary()
@@ -57,7 +57,8 @@ def build_mesh(
     """
     mesh_shape, dim_names = tuple(int(s) for s in mesh_shape), tuple(dim_names)
     if len(mesh_shape) != len(dim_names):
-        raise ValueError(f"mesh shape {list(mesh_shape)} has {len(mesh_shape)} axes but {len(dim_names)} names {list(dim_names)}")
+        raise ValueError(f"mesh shape {list(mesh_shape)} has {len(mesh_shape)} axes but {len(dim_names)} names "
+                         f"{list(dim_names)}")
     if len(set(dim_names)) != len(dim_names):
         raise ValueError(f"mesh axis names must be unique, got {list(dim_names)}")
     if rank_ids is None:

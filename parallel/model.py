@@ -146,7 +146,8 @@ class ParallelModel:
             with self._precision(), self._loss_context():
                 loss = _plain(loss_fn(model(inputs, **_extra(positions)), targets))
         elif self._pipeline.schedule == "ZBV":
-            raise NotImplementedError("the ZBV schedule has no forward-only pass in torch; evaluate with another schedule")
+            raise NotImplementedError("the ZBV schedule has no forward-only pass in torch; evaluate with "
+                                      "another schedule")
         else:
             with self._precision(), self._loss_context():
                 loss = self._run_schedule(inputs, targets, loss_fn, 1.0, backward=False, positions=positions)
@@ -292,7 +293,8 @@ class ParallelModel:
             if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
                 # Sum a pending Partial gradient (sequence-parallel norm weights) once, here: left
                 # Partial, every optimizer op touching it would all-reduce it again.
-                p.grad = g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+                p.grad = g.redistribute(g.device_mesh,
+                                        [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
         self._ties.sum_grads()
         self._heads.sum_grads()
         aliases = self._ties.alias_copies
@@ -308,7 +310,9 @@ class ParallelModel:
         norm = float(total.sqrt())
         if max_norm is not None:
             # Same arithmetic as torch.nn.utils.clip_grad_norm_ (so one device matches exactly).
-            coef = torch.clamp(torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+            coef = torch.clamp(torch.tensor(max_norm,
+                                            dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6),
+                               max=1.0)
             for g in grads:
                 (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
         return norm

@@ -40,11 +40,11 @@ def mesh_shape_of(mesh: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def mesh_rank_ids(mesh: Any) -> list | None:
+def mesh_rank_ids(mesh: Any) -> list[Any] | None:
     """The explicit nested rank ids of a mesh value, or None when it is a plain shape."""
     if mesh is None or all(isinstance(x, int) for x in mesh):
         return None
-    return mesh
+    return list(mesh)
 
 
 def mesh_world_size(mesh: Any) -> int:
@@ -52,13 +52,13 @@ def mesh_world_size(mesh: Any) -> int:
     return math.prod(mesh_shape_of(mesh))
 
 
-def flat_rank_ids(rank_ids: Sequence) -> list[int]:
+def flat_rank_ids(rank_ids: Sequence[Any]) -> list[int]:
     """Nested rank ids flattened row-major: element ``r`` is the id of the worker whose torch
     rank is ``r`` (``[[2, 4, 5], [0, 1, 3]]`` -> ``[2, 4, 5, 0, 1, 3]``)."""
     return [i for node in rank_ids for i in (flat_rank_ids(node) if isinstance(node, Sequence) else [int(node)])]
 
 
-def rank_id_of(rank_ids: Sequence | None, rank: int) -> int:
+def rank_id_of(rank_ids: Sequence[Any] | None, rank: int) -> int:
     """The rank id of the worker whose torch rank is ``rank`` (see :func:`flat_rank_ids`), or
     ``rank`` itself when there are no explicit ids (a plain mesh shape)."""
     if rank_ids is None:

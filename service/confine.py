@@ -103,5 +103,6 @@ def check_relative_glob(glob: str, key: str) -> ConfigIssue | None:
     """A glob applied below an already confined directory (``data.glob``): relative, no ``..``."""
     parts = PurePosixPath(glob).parts
     if PurePosixPath(glob).is_absolute() or ".." in parts or glob.startswith("~"):
-        return ConfigIssue(key, f"{glob!r} reaches outside data.root", "use a relative glob without `..`, e.g. `**/*.txt`")
+        return ConfigIssue(key, f"{glob!r} reaches outside data.root",
+                           "use a relative glob without `..`, e.g. `**/*.txt`")
     return None

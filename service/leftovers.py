@@ -40,7 +40,8 @@ def record_worker(workspace: Path) -> None:
     me = psutil.Process()
     parent = me.parent()
     record = {"pid": me.pid, "create_time": me.create_time(), "cmdline": me.cmdline(),
-              "server_pid": parent.pid if parent else None, "server_create_time": parent.create_time() if parent else None}
+              "server_pid": parent.pid if parent else None,
+              "server_create_time": parent.create_time() if parent else None}
     directory = Path(workspace) / WORKERS_DIR
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -96,7 +97,8 @@ def end_leftovers(workspace: Path, *, grace_s: float = 5.0) -> list[int]:
         except psutil.Error:
             log.exception("could not end validation worker %s left by a previous server", record["pid"])
             continue
-        log.warning("ended validation worker %s left by a previous server (pid %s)", record["pid"], record.get("server_pid"))
+        log.warning("ended validation worker %s left by a previous server (pid %s)", record["pid"],
+                    record.get("server_pid"))
         ended.append(record["pid"])
         path.unlink(missing_ok=True)
     return ended

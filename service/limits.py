@@ -61,7 +61,8 @@ def workers_per_node(raw: dict[str, Any]) -> int:
 
 def cap_memory_budget(raw: dict[str, Any], settings: Settings) -> list[ConfigIssue]:
     """Set ``launch.memory_budget_gb`` to the service's per-rank limit (the trainer then refuses a
-    model predicted to need more, by :func:`trainer.planner.memory.budget.check_memory`); a larger one sent is refused."""
+    model predicted to need more, by :func:`trainer.planner.memory.budget.check_memory`); a larger one sent is
+    refused."""
     launch = raw.setdefault("launch", {})
     if not isinstance(launch, dict):
         return []
@@ -109,7 +110,8 @@ def check_size_ceilings(raw: dict[str, Any], settings: Settings) -> list[ConfigI
         if 0 < settings.capacity < limit:
             limit, setting = settings.capacity, "capacity"
         if world > limit:
-            issues.append(ConfigIssue("mesh", f"needs {world} worker slots; this service's limit is {limit} ({setting})",
+            issues.append(ConfigIssue("mesh", f"needs {world} worker slots; this service's limit is "
+                                              f"{limit} ({setting})",
                                       f"use a mesh of at most {limit} devices, e.g. mesh=[{limit}]"))
         if axes > MAX_MESH_AXES:
             issues.append(ConfigIssue("mesh", f"has {axes} axes; a mesh has at most {MAX_MESH_AXES}",
@@ -123,7 +125,8 @@ def check_size_ceilings(raw: dict[str, Any], settings: Settings) -> list[ConfigI
     if microbatches is not None and microbatches > settings.max_microbatches:
         limit = settings.max_microbatches
         issues.append(ConfigIssue("parallel.pipeline.microbatches", f"{microbatches} is above this service's limit "
-                                  f"of {limit} (max_microbatches)", f"use parallel.pipeline.microbatches={limit} or less"))
+                                  f"of {limit} (max_microbatches)",
+                                  f"use parallel.pipeline.microbatches={limit} or less"))
     return issues
 
 

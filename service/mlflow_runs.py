@@ -57,16 +57,19 @@ class MlflowRuns:
             with self._lock:
                 experiment_id = self._experiments.get(experiment)
                 try:
-                    run = self._client.create_run(experiment_id, run_name=run_name, tags=tags) if experiment_id else None
+                    run = self._client.create_run(experiment_id, run_name=run_name,
+                                                  tags=tags) if experiment_id else None
                 except Exception:  # deleted (or renamed) since it was looked up: look again
                     run = None
                 if run is None:
-                    experiment_id = get_or_create_experiment(self._client, experiment, self.artifact_location(experiment))
+                    experiment_id = get_or_create_experiment(self._client, experiment,
+                                                             self.artifact_location(experiment))
                     run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
                     self._experiments[experiment] = experiment_id
         except TrackingError:
             raise ConfigError([ConfigIssue("tracking.experiment", f"MLflow experiment {experiment!r} is deleted",
-                                           "restore it (`mlflow experiments restore`) or choose another name")]) from None
+                                           "restore it (`mlflow experiments restore`) or choose another "
+                                           "name")]) from None
         except Exception as err:
             log.exception("could not create an MLflow run in %s", self.tracking_uri)
             raise TrackingUnavailable(f"the MLflow store did not accept a new run: {err}") from err
@@ -115,7 +118,8 @@ class MlflowRuns:
         return run.info.status, out
 
     def ui_link(self, experiment_id: str | None, run_id: str | None) -> str | None:
-        """The run's page: on ``mlflow_ui_url``, else on the tracking server, else where :meth:`ui_command` serves it."""
+        """The run's page: on ``mlflow_ui_url``, else on the tracking server, else where :meth:`ui_command` serves
+        it."""
         return run_url(self.tracking_uri, experiment_id, run_id, self.ui_url)
 
     def ui_command(self) -> str | None:

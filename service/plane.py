@@ -230,7 +230,8 @@ class ControlPlane:
     # ------------------------------------------------------------------ change
 
     def cancel_job(self, session: Session, job_id: str, *, user: str) -> Job:
-        """Stop a job: a queued one is CANCELLED at once, a running one gets SIGTERM (SIGKILL later) from the scheduler."""
+        """Stop a job: a queued one is CANCELLED at once, a running one gets SIGTERM (SIGKILL later) from the
+        scheduler."""
         job = self.get_job(session, job_id, user=user)
         state = job.job_state
         if state is JobState.QUEUED:
@@ -270,9 +271,11 @@ class ControlPlane:
             ("meshflow_queue_depth", "gauge", "Jobs waiting for worker slots.", counts.get("QUEUED", 0)),
             ("meshflow_slots_in_use", "gauge", "Worker slots held by active jobs.", slots),
             ("meshflow_slots_capacity", "gauge", "Worker slots this service schedules onto.", self.settings.capacity),
-            ("meshflow_max_slots_in_use", "gauge", "Most slots held at once since start.", self.scheduler.max_slots_in_use),
+            ("meshflow_max_slots_in_use", "gauge", "Most slots held at once since start.",
+             self.scheduler.max_slots_in_use),
             ("meshflow_submissions_total", "counter", "Jobs accepted since start.", self.submissions_total),
-            ("meshflow_job_failures_total", "counter", "Jobs that ended FAILED since start.", self.scheduler.failures_total),
+            ("meshflow_job_failures_total", "counter", "Jobs that ended FAILED since start.",
+             self.scheduler.failures_total),
         ]
         for name, kind, help_text, value in metrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]

@@ -191,7 +191,8 @@ class Scheduler:
         else:
             state, run_status = JobState.FAILED, "FAILED"
             tail = runner.log_tail(Path(job.workdir), self.settings.log_tail_lines)
-            error = "\n".join(part for part in (reason, f"exit code {code}" if code is not None else None, tail) if part)
+            error = "\n".join(part for part in (reason, f"exit code {code}" if code is not None else None, tail)
+                              if part)
         if transition(session, job.id, state, exit_code=code, error=error):
             log.info("job %s: %s (exit code %s)", job.id, state.value, code)
             if state is JobState.FAILED:

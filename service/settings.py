@@ -57,23 +57,32 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address uvicorn binds to.")
     port: int = Field(8000, ge=0, le=65535, description="Port uvicorn binds to.")
-    workspace: Path = Field(Path("meshflow-workspace"), description="Directory holding every job's files; all job paths stay inside it.")
-    database_url: str | None = Field(None, description="SQLAlchemy URL of the job store; null = SQLite file `<workspace>/meshflow.db`.")
-    mlflow_tracking_uri: str | None = Field(None, description="MLflow store the jobs log to; null = `sqlite:///<workspace>/mlflow.db`.")
+    workspace: Path = Field(Path("meshflow-workspace"),
+                            description="Directory holding every job's files; all job paths stay inside it.")
+    database_url: str | None = Field(None, description="SQLAlchemy URL of the job store; null = SQLite file "
+                                                       "`<workspace>/meshflow.db`.")
+    mlflow_tracking_uri: str | None = Field(None,
+                                            description="MLflow store the jobs log to; null = "
+                                                        "`sqlite:///<workspace>/mlflow.db`.")
     mlflow_artifact_root: Path | None = Field(None, description="Where new MLflow experiments keep their runs' "
                                               "artifacts when the service writes the store itself (a database URI); "
                                               "null = `<workspace>/mlartifacts`. An MLflow server's own setting wins.")
     mlflow_ui_url: str | None = Field(None, description="Base URL of the MLflow UI showing the jobs' store, for each "
                                       "job's run link (`mlflow_ui_url` in replies, the job log's summary); null = the "
                                       "tracking server itself, or for a database store http://127.0.0.1:5000, where "
-                                      "`mlflow ui --backend-store-uri <the store> --port 5000` serves it (logged at start).")
-    tokens: dict[str, str] = Field(default_factory=dict, description="User -> bearer token (plain, hashed on load) or `sha256$salt$hex`.")
+                                      "`mlflow ui --backend-store-uri <the store> --port 5000` serves it "
+                                      "(logged at start).")
+    tokens: dict[str, str] = Field(default_factory=dict,
+                                   description="User -> bearer token (plain, hashed on load) or `sha256$salt$hex`.")
     admin_users: list[str] = Field(default_factory=list, description="Users who see and cancel every job.")
-    auth_disabled: bool = Field(False, description="Serve without authentication (local use only); every caller is an admin.")
+    auth_disabled: bool = Field(False, description="Serve without authentication (local use only); every caller "
+                                                   "is an admin.")
     # 8 CPU workers run (slowly) even on a 2-core host, so the README's 3d job fits by default.
     capacity: int = Field(default_factory=lambda: max(8, os.cpu_count() or 8), ge=0,
-                          description="Worker slots; a job needs prod(mesh) of them. 0 queues jobs and never starts one.")
-    max_request_bytes: int = Field(1_000_000, ge=1024, description="Largest accepted request body; larger ones get 413.")
+                          description="Worker slots; a job needs prod(mesh) of them. 0 queues jobs and "
+                                      "never starts one.")
+    max_request_bytes: int = Field(1_000_000, ge=1024,
+                                   description="Largest accepted request body; larger ones get 413.")
     cancel_grace_s: float = Field(10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when cancelling a job.")
     poll_interval_s: float = Field(0.25, gt=0, description=(
         "How often the scheduler looks at running jobs and the queue while a job is active "
@@ -89,15 +98,18 @@ class Settings(BaseSettings):
         None, gt=0, description="Ceiling on a job's predicted peak memory per rank (GiB, by the plan's prediction); "
         "null = 90% of this host's memory shared by the job's own workers on a node (not by `capacity`: "
         "a single-device job may use the host, an 8-worker one an eighth of it each).")
-    max_json_depth: int = Field(32, ge=4, le=200, description="Deepest nesting of a request's JSON body; deeper gets 422.")
+    max_json_depth: int = Field(32, ge=4, le=200,
+                                description="Deepest nesting of a request's JSON body; deeper gets 422.")
     max_queued_per_user: int = Field(20, ge=1, description="Jobs one user may have QUEUED at once; more get 429.")
     max_running_per_user: int = Field(4, ge=1, description="Jobs of one user the scheduler runs at once; "
                                       "the rest wait without blocking other users' jobs.")
-    max_log_streams_per_user: int = Field(4, ge=1, description="Live `logs?follow=true` streams one user may hold; more get 429.")
+    max_log_streams_per_user: int = Field(4, ge=1,
+                                          description="Live `logs?follow=true` streams one user may hold; "
+                                                      "more get 429.")
     validation_workers: int = Field(
         default_factory=lambda: min(2, os.cpu_count() or 1), ge=0, le=64,
-        description="Worker processes validating submissions and computing plans in parallel (Hydra composition + model checks); "
-        "0 validates in the request's thread, one composition at a time.")
+        description="Worker processes validating submissions and computing plans in parallel (Hydra composition + "
+                    "model checks); 0 validates in the request's thread, one composition at a time.")
     # Plans (POST /v1/plans) and submissions are bounded before and while they are computed (service/plans.py).
     max_world_size: int = Field(4096, ge=1, description="Ceiling on prod(mesh) of a plan or a job, checked before "
                                 "any planning (a job also needs at most `capacity` slots when that is not 0).")
@@ -111,17 +123,20 @@ class Settings(BaseSettings):
     plan_memory_gb: float = Field(4.0, gt=0, description="Address space (GiB) one plan or validation may add in its "
                                   "pool worker (RLIMIT_AS); past it the request gets 422.")
     max_plan_reply_bytes: int = Field(4_000_000, ge=10_000, description="Largest plan reply (JSON): past it the "
-                                      "pictures are left out (`pictures_note` says so), and a plan still larger is refused.")
+                                      "pictures are left out (`pictures_note` says so), and a plan still "
+                                      "larger is refused.")
     max_plans_per_user: int = Field(4, ge=1, description="Plans one user may have computing at once; more get 429 "
                                     "with Retry-After.")
     validation_cache_size: int = Field(256, ge=0, description="Validated submissions remembered, so an identical "
-                                       "one is answered without composing again (only configs whose checks read no file).")
+                                       "one is answered without composing again (only configs whose checks "
+                                       "read no file).")
     # The control plane shares the host with its local jobs: while a job's processes import torch and
     # train on every core, requests would otherwise wait for CPU time (docs/control-plane-load.md).
     job_nice: int = Field(10, ge=0, le=19, description="How far below the server's CPU priority local jobs run "
                           "(`nice`); 0 = the same priority. Only matters when jobs and requests compete for cores.")
     job_env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables every job gets "
-                                    "(on top of the allow-listed ones: PATH, HOME, locale, torch / OMP / CUDA / NCCL ...).")
+                                    "(on top of the allow-listed ones: PATH, HOME, locale, torch / OMP / CUDA "
+                                    "/ NCCL ...).")
     # -- where jobs run (service/executors) -------------------------------------------------
     executor: Literal["local", "ray", "kubernetes"] = Field(
         "local", description="Which engine runs the jobs: `local` processes on this host, a `ray` cluster, or "

@@ -123,7 +123,8 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 10, pool_t
     pool = {"pool_size": pool_size, "max_overflow": max_overflow, "pool_timeout": pool_timeout}
     if url.startswith("sqlite"):
         in_memory = url in ("sqlite://", "sqlite:///:memory:")  # one shared connection, no pool to size
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **({} if in_memory else pool))
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               **({} if in_memory else pool))
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -269,7 +270,8 @@ def _page_statements(by_owner: bool, by_state: bool) -> tuple[Select, Select]:
     """The count and the page query of a job list filtered by owner and / or state, built once:
     the values come as bound parameters (``owner``, ``state``, ``limit``, ``offset``), so the busiest
     endpoint neither rebuilds the statements nor misses SQLAlchemy's compiled-statement cache."""
-    where = ([Job.owner == bindparam("owner")] if by_owner else []) + ([Job.state == bindparam("state")] if by_state else [])
+    where = ([Job.owner == bindparam("owner")] if by_owner else []) + ([Job.state == bindparam("state")]
+                                                                       if by_state else [])
     count = select(func.count()).select_from(Job).where(*where)
     page = (select(*SUMMARY_COLUMNS).where(*where).order_by(Job.created_at.desc(), Job.id.desc())
             .limit(bindparam("limit", type_=Integer)).offset(bindparam("offset", type_=Integer)))

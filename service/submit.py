@@ -69,13 +69,16 @@ def check_overrides(overrides: list[str]) -> list[ConfigIssue]:
             issues.append(ConfigIssue(path, "hydra.* settings are owned by the service", "remove this override"))
         elif override.type in (OverrideType.DEL, OverrideType.FORCE_ADD):
             form = "~key" if override.type == OverrideType.DEL else "++key"
-            issues.append(ConfigIssue(path, f"the {form} form is not accepted over REST", "use key=value or +group=preset"))
+            issues.append(ConfigIssue(path, f"the {form} form is not accepted over REST", "use key=value or "
+                                                                                          "+group=preset"))
         elif override.package is not None:
-            issues.append(ConfigIssue(path, "@package overrides are not accepted over REST", "use key=value or group=preset"))
+            issues.append(ConfigIssue(path, "@package overrides are not accepted over REST", "use key=value or "
+                                                                                             "group=preset"))
         elif override.is_sweep_override():
             issues.append(ConfigIssue(path, "sweeps are not accepted; one job is one config", "give a single value"))
         elif "/" in key:
-            issues.append(ConfigIssue(path, f"{key!r} is not a config group", f"use one of the groups {sorted(groups)}"))
+            issues.append(ConfigIssue(path, f"{key!r} is not a config group", "use one of the groups "
+                                                                              f"{sorted(groups)}"))
         elif key in groups:
             value = override.value()
             if not isinstance(value, str) or value not in groups[key]:
@@ -95,7 +98,8 @@ def compose_overrides(overrides: list[str]) -> dict[str, Any]:
         raise
     except Exception as err:  # Hydra's composition errors (unknown key, bad type) become 422s
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError([ConfigIssue("overrides", message, "check the keys with `python -m trainer --help`")]) from None
+        raise ConfigError([ConfigIssue("overrides", message,
+                                       "check the keys with `python -m trainer --help`")]) from None
 
 
 def check_document(doc: Any, path: str = "") -> list[ConfigIssue]:
@@ -192,7 +196,8 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
     if isinstance(checkpoint, dict):
         issues += _confine_key(checkpoint, "dir", "train.checkpoint.dir", workspace, workdir, read_only_ok=False)
         if checkpoint.get("resume") not in ("none", "auto", None, ""):
-            issues += _confine_key(checkpoint, "resume", "train.checkpoint.resume", workspace, workdir, read_only_ok=False)
+            issues += _confine_key(checkpoint, "resume", "train.checkpoint.resume", workspace, workdir,
+                                   read_only_ok=False)
         if "dir" not in checkpoint:
             checkpoint["dir"] = str(workdir / "checkpoints")
     data = out.get("data")
@@ -206,7 +211,8 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
     model = out.get("model")
     if isinstance(model, dict) and model.get("arch") == "custom" and model.get("builder") is not None:
         issues.append(ConfigIssue("model.builder", "an import path over REST would run code the service was sent",
-                                  "use model.name=<a model the operator installed under the meshflow.models entry points>"))
+                                  "use model.name=<a model the operator installed under the meshflow.models "
+                                  "entry points>"))
     if isinstance(model, dict) and model.get("arch") == "hf":
         issues += _confine_key(model, "path", "model.path", workspace, workdir, read_only_ok=True)
     launch = out.setdefault("launch", {})
@@ -215,7 +221,8 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
         issues += _confine_key(launch, "log_dir", "launch.log_dir", workspace, workdir, read_only_ok=False)
         if launch.get("nnodes", 1) != 1 and not multi_node:
             issues.append(ConfigIssue("launch.nnodes", "this service runs jobs on its own host only (executor: local)",
-                                      "set launch.nnodes=1, or ask the operator for MESHFLOW_EXECUTOR=ray or kubernetes"))
+                                      "set launch.nnodes=1, or ask the operator for MESHFLOW_EXECUTOR=ray "
+                                      "or kubernetes"))
         if launch.get("node_rank", 0) != 0:
             issues.append(ConfigIssue("launch.node_rank", "the service gives every node its rank",
                                       "leave launch.node_rank out"))

@@ -1,4 +1,5 @@
-"""``python -m service.supervise [--nice N] <exit-code-file> -- <command...>``: run a job's command, record its exit code.
+"""``python -m service.supervise [--nice N] <exit-code-file> -- <command...>``: run a job's command, record its exit
+code.
 
 The control plane starts every job through this tiny supervisor (stdlib only, ~30 ms) so that
 a job's exit status outlives the control plane: a restarted server is not the parent of a job

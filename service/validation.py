@@ -199,7 +199,8 @@ class Validator:
             with self._lock:
                 if self._pool is None:
                     self._pool = ProcessPool(self.workers, context=multiprocessing.get_context("spawn"),
-                                             initializer=_follow_parent, initargs=(os.getpid(), self.settings.workspace))
+                                             initializer=_follow_parent, initargs=(os.getpid(),
+                                                                                   self.settings.workspace))
                     self._warming = [self._pool.schedule(self.warm_up, (self.settings,)) for _ in range(self.workers)]
 
     def wait_warm(self, timeout: float | None = None) -> bool:

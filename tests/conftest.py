@@ -27,7 +27,8 @@ def compose():
     return _compose
 
 
-def run_cli(args: list[str], *, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], *, cwd: Path, timeout: float = 300,
+            env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m trainer <args>`` in ``cwd``, as a user would type it; ``timeout`` guards against a
     hang (idle-host seconds, scaled by the host's slowness: tests/timing.py)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -34,8 +34,8 @@ def write_tiny_moe(path, *, model_type: str = "qwen3_moe", seed: int = 0, vocab_
     attention heads over 2 kv heads of width 16, 4 experts of width 48, each token to 2 of them.
     ``model_type`` qwen3_moe (per-head q/k norms, made non-trivial here; norm_topk_prob false, the
     config's default) or mixtral (top-k weights always rescaled). ``output_router_logits`` with a
-    ``router_aux_loss_coef`` of 0.02: the trainer adds its balance loss (weight 0.04). The routers' weights are drawn wide
-    (std 0.5) so that each token's choices are clear-cut, not decided by rounding."""
+    ``router_aux_loss_coef`` of 0.02: the trainer adds its balance loss (weight 0.04). The routers' weights are drawn
+    wide (std 0.5) so that each token's choices are clear-cut, not decided by rounding."""
     import transformers
 
     torch.manual_seed(seed)

@@ -74,7 +74,8 @@ def require_postgres() -> Path:
 
     bin_dir = find_bin_dir()
     if bin_dir is None:
-        reason = f"PostgreSQL is missing: no initdb/pg_ctl/postgres on PATH or in /usr/lib/postgresql/*/bin ({INSTALL_HINT})"
+        reason = ("PostgreSQL is missing: no initdb/pg_ctl/postgres on PATH or in /usr/lib/postgresql/*/bin "
+                  f"({INSTALL_HINT})")
         if in_ci():
             pytest.fail(reason + "; under CI=true this is an error", pytrace=False)
         pytest.skip(reason)
@@ -170,7 +171,7 @@ def start_postgres(tmp_dir: Path) -> PostgresServer:
     unless we are root, in which case a fresh directory the server's account can reach is used."""
     bin_dir = find_bin_dir()
     if bin_dir is None:
-        raise FileNotFoundError(f"PostgreSQL's initdb/pg_ctl/postgres are not on PATH nor in /usr/lib/postgresql/*/bin")
+        raise FileNotFoundError("PostgreSQL's initdb/pg_ctl/postgres are not on PATH nor in /usr/lib/postgresql/*/bin")
     user = server_user()
     if user is None:
         root = Path(tmp_dir) / "postgres"

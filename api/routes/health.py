@@ -29,7 +29,8 @@ def read_health() -> HealthPublic:
 @router.get("/readyz", response_model=HealthPublic,
             responses={503: {"model": Message, "description": "Still warming up, or the job store is unreachable."}})
 def read_readiness(plane: PlaneDep, session: SessionDep) -> HealthPublic:
-    """Readiness: warmed up (a first validation ran here and in each validation worker) and the job store answers a query."""
+    """Readiness: warmed up (a first validation ran here and in each validation worker) and the job store answers a
+    query."""
     if not plane.warm.is_set():  # traffic now would wait seconds for the first validations
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "warming up: the first validations are running",
                             headers={"Retry-After": "1"})

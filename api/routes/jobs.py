@@ -27,7 +27,8 @@ def _public(plane: ControlPlane, job) -> JobPublic:
                         503: {"model": Message, "description": "The MLflow store is unreachable."},
                         **CONFLICT, **BODY_RESPONSES, **QUOTA_RESPONSES})
 def create_job(body: JobCreate, plane: PlaneDep, session: SessionDep, user: CurrentUser, response: Response,
-               idempotency_key: Annotated[str | None, Header(max_length=200, description="Same key, same owner: same job.")] = None,
+               idempotency_key: Annotated[str | None, Header(max_length=200, description="Same key, same "
+                                                                                         "owner: same job.")] = None,
                ) -> JobPublic:
     """Validate a config (overrides or a whole document) and queue it as a job."""
     job, created = plane.submit_job(session, owner=user, name=body.name, overrides=body.overrides,

@@ -33,12 +33,14 @@ LOG_CONTENT = {"text/plain": {"schema": {"type": "string"}}, "text/event-stream"
 
 
 @router.get("/{job_id}/logs",
-            responses={200: {"content": LOG_CONTENT, "description": "The log; with follow=true, SSE until the job ends."},
+            responses={200: {"content": LOG_CONTENT, "description": "The log; with follow=true, SSE until "
+                                                                    "the job ends."},
                        206: {"content": {"text/plain": {"schema": {"type": "string"}}},
                              "description": "The bytes a `Range: bytes=a-b` header asked for."},
                        **JOB_RESPONSES, **QUOTA_RESPONSES})
 def read_job_logs(job_id: str, request: Request, plane: PlaneDep, user: CurrentUser,
-                  follow: Annotated[bool, Query(description="Stream new lines as Server-Sent Events until the job ends.")] = False,
+                  follow: Annotated[bool, Query(description="Stream new lines as Server-Sent Events until "
+                                                            "the job ends.")] = False,
                   tail: Annotated[int | None, Query(ge=1, le=1_000_000, description="Only the last N lines (with "
                                                     "follow: start there).")] = None,
                   ) -> Response:

@@ -25,19 +25,22 @@ def create_plan(body: JobCreate, plane: PlaneDep, user: CurrentUser,
                 auto_plan_limit: Annotated[int, Query(ge=1, le=1000, description="With parallel.auto: candidate "
                                                       "layouts per page.")] = 100,
                 ) -> PlanPublic:
-    """Validate a config and describe its plan: world size, mesh, stages, memory and communication per rank, pictures."""
+    """Validate a config and describe its plan: world size, mesh, stages, memory and communication per rank,
+    pictures."""
     answer = plane.plan(owner=user, overrides=body.overrides, document=body.config,
                         page=AutoPlanPage(offset=auto_plan_offset, limit=auto_plan_limit))
     numbers, config = answer.numbers, answer.config
     dims = list(config["parallel"]["dims"]) if config.get("parallel") else []
     return PlanPublic(
         world_size=numbers["world_size"], mesh_shape=list(numbers["mesh_shape"]), dims=dims,
-        model=config["model"]["arch"], stage_boundaries=list(numbers["boundaries"]), stage_params=list(numbers["stage_params"]),
+        model=config["model"]["arch"], stage_boundaries=list(numbers["boundaries"]),
+        stage_params=list(numbers["stage_params"]),
         per_pp_rank=[PlanRank(**{**memory, **rank})
                      for rank, memory in zip(numbers["per_pp_rank"], numbers["memory"], strict=True)],
         bubble=float(numbers["bubble"]), comm_bytes_per_step={axis: float(n) for axis, n in numbers["comm"].items()},
         memory_budget_bytes=float(numbers["memory_budget"]["bytes"]), memory_note=numbers["memory_note"],
         pictures=numbers["pictures"], pictures_note=answer.pictures_note, config=config,
-        auto_plan=[AutoPlanRowPublic(**row) for row in numbers["auto_plan"]] if numbers["auto_plan"] is not None else None,
+        auto_plan=[AutoPlanRowPublic(**row) for row in numbers["auto_plan"]] if numbers["auto_plan"] is not None
+        else None,
         auto_plan_total=answer.auto_plan_total,
     )

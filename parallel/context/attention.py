@@ -89,7 +89,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shar
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     docs = _gather_plain(doc, shard) if doc is not None else None
     if shard.method == "allgather":
-        return _allgather_attention(q, k, v, shard=shard, q_index=q_index, causal=causal, doc=doc, docs=docs, scale=scale)
+        return _allgather_attention(q, k, v, shard=shard, q_index=q_index, causal=causal, doc=doc, docs=docs,
+                                    scale=scale)
     return _ring_attention(q, k, v, shard=shard, q_index=q_index, causal=causal, doc=doc, docs=docs, scale=scale)
 
 
@@ -173,7 +174,8 @@ def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int
     tokens = k.shape[2]
     half = slice(0, tokens // 2)
     if not merged or blocks <= 3:
-        return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal else None,
+        return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal
+                          else None,
                           send=lambda x: (lambda c=x.clone(): c), steps=blocks, scale=scale)
     # Merged: two steps, the second's block the received blocks' keys side by side (longer than the
     # rank's own: a causal row's cp - 1 halves, cp - 1 > 2); the hop home gives back the own block's shape.

@@ -61,7 +61,8 @@ class ContextShard:
     size: int
     method: ContextParallelMethod = "ring"
 
-    def token_index(self, local_len: int, *, rank: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    def token_index(self, local_len: int, *, rank: int | None = None,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
         """The true positions of the ``local_len`` tokens cp rank ``rank`` (default: this one) holds."""
         index = token_index(local_len * self.size, cp_rank=self.rank if rank is None else rank, cp_size=self.size)
         return index.to(device)

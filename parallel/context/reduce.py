@@ -3,8 +3,8 @@ of every row, so a statistic of the whole row is the sum over the cp ranks of th
 
     total = sum_over_context(share, shard)   # every cp rank: the whole rows' sum, with its gradient
 
-The backward sums the ranks' gradients as well (an all-reduce each way, ``torch.distributed.nn``'s): every cp rank computes the
-same function of the total and adds it to its own loss, and data parallelism averages the gradients
+The backward sums the ranks' gradients as well (an all-reduce each way, ``torch.distributed.nn``'s): every cp rank
+computes the same function of the total and adds it to its own loss, and data parallelism averages the gradients
 over the cp ranks, so each rank's share must carry the gradient of all of them. That is the token
 loss's scale too: each cp rank's loss is its share of the rows' sum over ``1 / cp`` of their tokens
 (``cp`` times its share of the mean), and the average over the cp ranks is the whole rows' gradient.

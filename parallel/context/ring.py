@@ -231,7 +231,8 @@ def _math_forward(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tens
 
 def _math_backward(grad, q, k, v, out, lse, mask, scale: float):
     """Flash attention's backward by tensor operations, against the merged ``out`` and ``lse``:
-    ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dQ = dS K scale``, ``dK = dS^T Q scale``."""
+    ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dQ = dS K scale``,
+    ``dK = dS^T Q scale``."""
     b, heads, tq, d = q.shape
     groups = (b, k.shape[1], heads // k.shape[1], tq, d)
     probs = _probabilities(_math_scores(q, k, mask, scale), lse.view(groups[:-1]))

@@ -88,7 +88,8 @@ def parse_action(name: str) -> tuple[int, str, int]:
     return int(name[:digits]), kind, int(rest[len(kind):])
 
 
-def predicted_events(order: dict[int, list[str]], *, num_stages: int, costs: dict[str, float] = UNIT_COSTS) -> list[dict]:
+def predicted_events(order: dict[int, list[str]], *, num_stages: int,
+                     costs: dict[str, float] = UNIT_COSTS) -> list[dict]:
     """Lay ``order`` out in time: each rank runs its actions in order, each as soon as the rank is
     free and its input is there; communication costs nothing.
 

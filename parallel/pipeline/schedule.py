@@ -16,8 +16,8 @@ The schedule calls ``loss_fn`` once per micro-batch. The schedules' own ``scale_
 divides the *accumulated* ``.grad`` by the number of micro-batches after every ``step``, which
 also rescales gradients left by an earlier accumulation step; so ``build_schedule`` turns it
 off and the caller's ``loss_fn`` divides by the number of micro-batches itself (the engine
-does), which gives the gradients of the mean loss over the batch under accumulation too. Tensor shapes between stages are inferred at
-run time by ``PipelineStage`` (torch >= 2.13), so no example inputs are needed.
+does), which gives the gradients of the mean loss over the batch under accumulation too. Tensor shapes between stages
+are inferred at run time by ``PipelineStage`` (torch >= 2.13), so no example inputs are needed.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def build_stage_module(model: nn.Module, units: Sequence[str], all_units: Sequen
     return stage
 
 
-def split_stages(model: nn.Module, pipeline: PipelineSpec, *, units: Sequence[str], pp_rank: int) -> list[tuple[int, nn.Module]]:
+def split_stages(model: nn.Module, pipeline: PipelineSpec, *, units: Sequence[str],
+                 pp_rank: int) -> list[tuple[int, nn.Module]]:
     """``[(stage_index, stage_module), ...]`` for the stages pp rank ``pp_rank`` holds (as the
     plan's resolved split says), in increasing stage order."""
     return [(s, build_stage_module(model, pipeline.stage_units[s], units)) for s in pipeline.stages_of(pp_rank)]

@@ -77,7 +77,8 @@ class TimelineRecorder:
 
     def __init__(self, pm: Any, *, rank: int | None = None) -> None:
         self._pm = pm
-        self.rank = rank if rank is not None else (dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        self.rank = rank if rank is not None else (dist.get_rank() if dist.is_available() and dist.is_initialized()
+                                                   else 0)
         self.events: list[dict] = []
         self._step: int | None = None
         self._undo: list[Callable[[], None]] = []
@@ -222,7 +223,8 @@ class TimelineRecorder:
             del self._posted[id(works)]
             ended = _now_us()
             for kind, stage, mb, peer in entry[1]:
-                self._add(action_name(stage, kind, mb), kind, stage, mb, entry[2], ended, peer=peer, wait_us=ended - began)
+                self._add(action_name(stage, kind, mb), kind, stage, mb, entry[2], ended, peer=peer,
+                          wait_us=ended - began)
 
         return wait
 

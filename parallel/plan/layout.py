@@ -143,8 +143,8 @@ def _check_shards(mesh: MeshSpec, where: str, axes: AxisSpecs, shape: tuple[int,
         dim = p.dim if p.dim >= 0 else p.dim + len(shape)
         if not 0 <= dim < len(shape):
             issues.append(ConfigIssue(path, f"{p} but parameter {fqn} has {len(shape)} dims (shape {list(shape)})",
-                                      f"use {'Shard(0)' if len(shape) == 1 else f'Shard(0) .. Shard({len(shape) - 1})'}, "
-                                      "or a glob matching only parameters with more dims"))
+                                      f"use {'Shard(0)' if len(shape) == 1 else f'Shard(0) .. Shard({len(shape) - 1})'}"
+                                      ", or a glob matching only parameters with more dims"))
             continue
         per_dim.setdefault(dim, []).append(axis)
     for dim, names in per_dim.items():
@@ -192,7 +192,8 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
     if provider is None:
         issues.append(ConfigIssue(format_path(*prefix, "tensor_parallel", "plan"),
                                   f"model {type(model).__name__} provides no named plans",
-                                  f"write {format_path(*prefix, 'placements')} globs instead (and drop its tensor_parallel)"))
+                                  f"write {format_path(*prefix, 'placements')} globs instead (and drop its "
+                                  "tensor_parallel)"))
         return [], []
     placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
     if tp.loss_parallel:

@@ -91,7 +91,8 @@ def stage_grids(plan: ParallelPlan) -> list[StageGrid]:
     names, shape = tuple(mesh.dim_names), tuple(mesh.shape) if mesh.dim_names else ()  # () : one device
     coords = [_unravel(r, shape) for r in range(mesh.world_size)]
     if pp is None:
-        return [StageGrid(0, names, shape, tuple(range(mesh.world_size)), tuple(label(r) for r in range(mesh.world_size)))]
+        return [StageGrid(0, names, shape, tuple(range(mesh.world_size)),
+                          tuple(label(r) for r in range(mesh.world_size)))]
     axis = names.index(pp.dim)
     keep = [i for i in range(len(shape)) if i != axis]  # none: a pipeline-only mesh, one rank per stage
     grids = []
@@ -147,7 +148,8 @@ def placement_table(plan: ParallelPlan, groups: Sequence[PlacementGroup]) -> dic
     name a list with one entry per (stage, shape, placements): ``{stage, params, shape,
     placements, ranks: {torch rank: [[start, stop], ...]}}`` (ranks holding nothing absent)."""
     table: dict[str, Any] = {
-        "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names), "rank_ids": plan.mesh.rank_ids},
+        "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.dim_names),
+                 "rank_ids": plan.mesh.rank_ids},
         "stages": [{"stage": g.stage, "dim_names": list(g.dim_names), "shape": list(g.shape), "ranks": list(g.ranks),
                     "labels": list(g.labels)} for g in stage_grids(plan)],
         "groups": {},

@@ -92,7 +92,8 @@ def _resolve_layout(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, 
     return placements, layouts
 
 
-def _expert_parallel_spec(parallel: ParallelConfig, model: nn.Module, issues: list[ConfigIssue]) -> ExpertParallelSpec | None:
+def _expert_parallel_spec(parallel: ParallelConfig, model: nn.Module,
+                          issues: list[ConfigIssue]) -> ExpertParallelSpec | None:
     """The model's modules of stacked experts, as its ``expert_modules()`` names them (a method of its
     root module, like the named tensor-parallel plans); a model without experts cannot use the axis."""
     ep = parallel.expert_parallel

@@ -90,7 +90,8 @@ def check_stage_ranks(stages: Sequence[StageConfig], world_size: int) -> list[Co
         path = format_path("parallel", "pipeline", "stages", index, "ranks")
         rows = stage.ranks if stage.ranks and isinstance(stage.ranks[0], list) else None
         if not stage.ranks or (rows is not None and (len({len(r) for r in rows}) != 1 or not rows[0])):
-            issues.append(ConfigIssue(path, f"{stage.ranks} is not a non-empty list, or a rectangular nested list, of ranks",
+            issues.append(ConfigIssue(path, f"{stage.ranks} is not a non-empty list, or a rectangular nested "
+                                            "list, of ranks",
                                       "give the stage's ranks as [0, 1] or, for a 2-D sub-mesh, [[0, 1], [2, 3]]"))
             continue
         if len(stage.dims) != len(stage.shape):
@@ -101,7 +102,8 @@ def check_stage_ranks(stages: Sequence[StageConfig], world_size: int) -> list[Co
         for rank in stage.rank_list:
             if not 0 <= rank < world_size:
                 issues.append(ConfigIssue(path, f"rank {rank} does not exist: the mesh has ranks 0..{world_size - 1}",
-                                          f"use ranks below {world_size} (a larger mesh would leave ranks in no stage)"))
+                                          f"use ranks below {world_size} (a larger mesh would leave ranks "
+                                          "in no stage)"))
             elif rank in owner:
                 issues.append(ConfigIssue(path, f"rank {rank} is also in stage {owner[rank]}" if owner[rank] != index
                                           else f"rank {rank} is listed twice", "give every rank to exactly one stage"))
@@ -116,11 +118,13 @@ def check_stage_ranks(stages: Sequence[StageConfig], world_size: int) -> list[Co
                                               "every process group's ranks ascending, so shards along it would be "
                                               "gathered out of order", "list the ranks increasing along every axis"))
     if len(set(sizes)) > 1:
-        issues.append(ConfigIssue("parallel.pipeline.stages", f"the stages hold {sizes} ranks; every stage needs the same "
+        issues.append(ConfigIssue("parallel.pipeline.stages",
+                                  f"the stages hold {sizes} ranks; every stage needs the same "
                                   "number, since activations travel along lanes of one rank per stage",
                                   f"give every stage {max(sizes)} ranks (or {min(sizes)})"))
     missing = sorted(set(range(world_size)) - set(owner))
     if missing and not issues:
-        issues.append(ConfigIssue("parallel.pipeline.stages", f"ranks {missing} of the mesh's {world_size} are in no stage",
+        issues.append(ConfigIssue("parallel.pipeline.stages", f"ranks {missing} of the mesh's {world_size} "
+                                                              "are in no stage",
                                   f"give them to a stage, or use mesh=[{len(owner)}]"))
     return issues

@@ -54,7 +54,8 @@ def stage_ranks(num_stages: int, pp_size: int, *, schedule: str) -> list[int]:
     return [s % pp_size for s in range(num_stages)]
 
 
-def stage_boundaries(model: nn.Module, *, boundaries: Sequence[str] | str, num_stages: int, units: Sequence[str]) -> list[list[str]]:
+def stage_boundaries(model: nn.Module, *, boundaries: Sequence[str] | str, num_stages: int,
+                     units: Sequence[str]) -> list[list[str]]:
     """The units of each stage. ``boundaries`` lists the first unit of every stage but the
     first; ``"auto"`` balances parameter counts over contiguous units."""
     units = list(units)
@@ -123,7 +124,8 @@ def check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[s
     units = list(units)
     if pp.boundaries == "auto":
         if num_stages > len(units):
-            return [ConfigIssue("parallel.pipeline.boundaries", f"auto needs {num_stages} stages but the model has only "
+            return [ConfigIssue("parallel.pipeline.boundaries", f"auto needs {num_stages} stages but the "
+                                                                "model has only "
                                 f"{len(units)} pieces to cut between ({', '.join(units)})",
                                 "use a smaller pp size or stages_per_rank, or a deeper model")]
         return []
@@ -147,5 +149,6 @@ def check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[s
                                   f"{len(pp.boundaries)} boundaries make {len(pp.boundaries) + 1} stages, but "
                                   + (f"parallel.pipeline.stages lists {num_stages}" if stages_given else
                                      f"pp size {pp_size} x stages_per_rank {pp.stages_per_rank} needs {num_stages}"),
-                                  f"give {num_stages - 1} boundar{'y' if num_stages == 2 else 'ies'}, or boundaries: auto"))
+                                  f"give {num_stages - 1} boundar{'y' if num_stages == 2 else 'ies'}, or "
+                                  "boundaries: auto"))
     return issues

@@ -71,7 +71,8 @@ class MeshLayout:
         if len(set(flat_ranks)) != len(flat_ranks):
             raise ValueError(f"MeshLayout ranks {self.ranks!r} repeat a rank id")
         if len(placements) != rank_tensor.dim():
-            raise ValueError(f"{len(placements)} placements for a {rank_tensor.dim()}-D mesh {tuple(rank_tensor.shape)}")
+            raise ValueError(f"{len(placements)} placements for a {rank_tensor.dim()}-D mesh "
+                             f"{tuple(rank_tensor.shape)}")
         for placement in placements:
             # Exact types: _StridedShard and _MaskPartial carry state this plan does not model.
             if type(placement) not in (Shard, Replicate, Partial):
@@ -118,7 +119,8 @@ class Box:
 
     def intersect(self, other: Box) -> Box:
         starts = tuple(max(a, b) for a, b in zip(self.offset, other.offset, strict=True))
-        stops = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offset, self.shape, other.offset, other.shape, strict=True))
+        stops = tuple(min(a + n, b + m) for a, n, b,
+                      m in zip(self.offset, self.shape, other.offset, other.shape, strict=True))
         return Box(starts, tuple(max(0, stop - start) for start, stop in zip(starts, stops, strict=True)))
 
     def slices_within(self, outer: Box) -> tuple[slice, ...]:
@@ -176,7 +178,8 @@ def layout_boxes(global_shape: Sequence[int], layout: MeshLayout) -> dict[int, B
     # plain-data helper behind it (same code, mesh shape and coordinate given explicitly).
     boxes = {}
     for rank, coordinate in zip(layout.flat_ranks, layout.coordinates(), strict=True):
-        local_shape, offset = _compute_local_shape_and_global_offset(shape, layout.mesh_shape, list(coordinate), layout.placements)
+        local_shape, offset = _compute_local_shape_and_global_offset(shape, layout.mesh_shape, list(coordinate),
+                                                                     layout.placements)
         boxes[rank] = Box(tuple(offset), tuple(local_shape))
     return boxes
 
@@ -188,7 +191,8 @@ def _check_dims(global_shape: Sequence[int], layout: MeshLayout) -> MeshLayout:
     for placement in layout.placements:
         if isinstance(placement, Shard):
             if not -ndim <= placement.dim < ndim:
-                raise ValueError(f"{placement!r} in {layout!r} does not fit a {ndim}-D tensor of shape {tuple(global_shape)}")
+                raise ValueError(f"{placement!r} in {layout!r} does not fit a {ndim}-D tensor of shape "
+                                 f"{tuple(global_shape)}")
             placement = Shard(placement.dim % ndim)
         placements.append(placement)
     return MeshLayout(layout.ranks, tuple(placements))

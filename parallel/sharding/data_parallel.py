@@ -102,7 +102,8 @@ def apply_data_parallel(
     return module
 
 
-def replicate_beside_experts(module: nn.Module, mesh: DeviceMesh, *, ep_dim: str, experts: Sequence[nn.Module]) -> nn.Module:
+def replicate_beside_experts(module: nn.Module, mesh: DeviceMesh, *, ep_dim: str,
+                             experts: Sequence[nn.Module]) -> nn.Module:
     """Without data parallelism, the expert-parallel axis ``ep_dim`` still splits the batch: every
     parameter but the experts' is replicated over it, its gradients averaged (FSDP2's ``replicate``, as
     ``ddp``); the experts, split over it, are left to :mod:`parallel.sharding.expert_parallel`.

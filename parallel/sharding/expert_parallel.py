@@ -40,7 +40,8 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from parallel.mesh import submesh
 
 
-def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, *, axis: str, module_fqns: Sequence[str]) -> list[nn.Module]:
+def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, *, axis: str,
+                          module_fqns: Sequence[str]) -> list[nn.Module]:
     """Split each module of ``module_fqns`` found in ``module`` (a pipeline stage may hold some)
     ``Shard(0)`` over the mesh axis ``axis`` and route its rows there and back; returns the modules.
     Their gradients still want dividing by the axis size: by data parallelism, or
@@ -118,7 +119,8 @@ def _by_expert(received: torch.Tensor) -> torch.Tensor:
     sizes, starts = sizes[by_expert], starts[by_expert]
     out_starts = torch.cumsum(sizes, dim=0) - sizes
     total = int(sizes.sum())
-    return torch.repeat_interleave(starts - out_starts, sizes, output_size=total) + torch.arange(total, device=sizes.device)
+    return torch.repeat_interleave(starts - out_starts, sizes, output_size=total) + torch.arange(total,
+                                                                                                 device=sizes.device)
 
 
 __all__ = ["apply_expert_parallel"]

@@ -234,7 +234,8 @@ def _scatter_input(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
         if isinstance(x, DTensor):
             shard = x.redistribute(mesh, [Shard(dim)]).to_local()
         else:
-            shard = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
+            shard = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh,
+                                                                                             [Shard(dim)]).to_local()
         return (shard, *args[1:])
 
     # prepend: runs before SequenceParallel's own input hook when the block is the norm itself.
@@ -245,7 +246,8 @@ def _gather_output(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
     def gather(_mod: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
         if isinstance(output, DTensor):
             return output.redistribute(mesh, [Replicate()]).to_local()
-        return DTensor.from_local(output, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+        return DTensor.from_local(output, mesh, [Shard(dim)], run_check=False).redistribute(mesh,
+                                                                                            [Replicate()]).to_local()
 
     module.register_forward_hook(gather)
 

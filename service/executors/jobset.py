@@ -126,7 +126,8 @@ def pod_environment(env: dict[str, str], settings: Settings) -> list[dict[str, A
     (PATH, HOME, TMPDIR...: the image and the pod's scratch give them) and any ``MESHFLOW_*``
     (tokens, database URL) even if one slipped in; never a tracking credential as a value: those are
     ``secretKeyRef`` s to the tracking Secret. Unbuffered output, so the pod's log is live."""
-    allowed = (ENV_NAMES | settings.job_env.keys()) - HOST_ENV_NAMES - {TRACKING_URI_ENV, *MLFLOW_AUTH_ENV, NODE_RANK_ENV}
+    allowed = (ENV_NAMES | settings.job_env.keys()) - HOST_ENV_NAMES - {TRACKING_URI_ENV, *MLFLOW_AUTH_ENV,
+                                                                        NODE_RANK_ENV}
     kept = {k: v for k, v in env.items() if k in allowed and not k.startswith("MESHFLOW_")}
     if leaked := sorted(k for k, v in kept.items() if has_credentials(v)):
         raise ValueError(f"the job's environment variable(s) {', '.join(leaked)} hold credentials (user:password@); "
@@ -191,7 +192,8 @@ def _volumes(settings: Settings, name: str, memory: str, workdir: str) -> tuple[
     if not job_dir.parts or ".." in job_dir.parts:
         raise ValueError(f"the job's directory {workdir} is not a directory below the workspace {workspace}")
     if settings.kubernetes_workspace_pvc:
-        workspace_volume = {"name": "workspace", "persistentVolumeClaim": {"claimName": settings.kubernetes_workspace_pvc}}
+        workspace_volume = {"name": "workspace",
+                            "persistentVolumeClaim": {"claimName": settings.kubernetes_workspace_pvc}}
     else:
         workspace_volume = {"name": "workspace", "emptyDir": {}}
     scratch = f"{max(1, round(settings.kubernetes_scratch_gb * 1024))}Mi"

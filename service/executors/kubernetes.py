@@ -126,7 +126,8 @@ class KubernetesExecutor(Executor):
             jobset = self._get_jobset(namespace, name)
         except self._api_exception as exc:
             if exc.status == 404:
-                return JobStatus(alive=False, reason=f"JobSet {ref} no longer exists (deleted outside the control plane?)")
+                return JobStatus(alive=False, reason=f"JobSet {ref} no longer exists (deleted outside the "
+                                                     "control plane?)")
             raise RuntimeError(self._api_error(f"reading JobSet {ref}", exc)) from exc
         state, message = terminal_state(jobset.get("status") or {})
         if state is None:

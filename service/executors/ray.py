@@ -72,7 +72,8 @@ class RayExecutor(Executor):
                 self._client = JobSubmissionClient(self.address)
             except (ConnectionError, RuntimeError, ValueError) as err:
                 raise ConnectionError(f"MESHFLOW_RAY_ADDRESS={self.address}: no Ray cluster answers there ({err}); "
-                                      "start one (ray start --head) or set the address its dashboard listens on") from None
+                                      "start one (ray start --head) or set the address its dashboard listens "
+                                      "on") from None
         return self._client
 
     # ------------------------------------------------------------------ interface
@@ -89,7 +90,8 @@ class RayExecutor(Executor):
                       f"{launch.world_size} --workdir {launch.workdir} --config {encode_config(config)}")
         env = {k: v for k, v in launch.env.items() if k not in HOST_ONLY}
         # The driver needs the grace to stop the nodes itself before Ray's job supervisor kills it.
-        env.update({STOP_GRACE_ENV: str(self.stop_grace_s), "RAY_JOB_STOP_WAIT_TIME_S": str(int(self.stop_grace_s) + 15)})
+        env.update({STOP_GRACE_ENV: str(self.stop_grace_s),
+                    "RAY_JOB_STOP_WAIT_TIME_S": str(int(self.stop_grace_s) + 15)})
         self.client.submit_job(entrypoint=entrypoint, submission_id=ref, runtime_env={"env_vars": env},
                                metadata={"meshflow_job_id": launch.job_id})
         return ref
@@ -160,4 +162,5 @@ class RayExecutor(Executor):
     def _reason(workdir: Path) -> str | None:
         """The driver's last word on a failure: which node, and how it ended."""
         lines = runner.log_tail(workdir, 50).splitlines()
-        return next((line.removeprefix(REASON_PREFIX) for line in reversed(lines) if line.startswith(REASON_PREFIX)), None)
+        return next((line.removeprefix(REASON_PREFIX) for line in reversed(lines) if line.startswith(REASON_PREFIX)),
+                    None)

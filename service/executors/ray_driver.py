@@ -129,7 +129,8 @@ def run(config: dict[str, Any], *, job_id: str, world_size: int, workdir: str, s
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    ray.init(log_to_driver=False, logging_level=logging.WARNING)  # RAY_ADDRESS comes from the job; the agents' output comes through drain()
+    # RAY_ADDRESS comes from the job; the agents' output comes through drain()
+    ray.init(log_to_driver=False, logging_level=logging.WARNING)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     nnodes = int(config.get("launch", {}).get("nnodes", 1))

@@ -47,7 +47,8 @@ class Server:
         """Start the process and wait for /readyz to answer 200 (or the process to exit); ``timeout``
         (idle-host seconds, scaled: tests/timing.py) only stops a server that hangs."""
         log = open(self.root / f"server-{self.port}.log", "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", "api", "--port", str(self.port), "--log-level", "warning"],
+        self.process = subprocess.Popen([sys.executable, "-m", "api", "--port", str(self.port), "--log-level",
+                                         "warning"],
                                         cwd=self.root, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = Deadline(timeout)
         while not deadline.expired():

@@ -102,7 +102,8 @@ class RayNode:
 
 @dataclass
 class RayCluster:
-    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mfray", dir="/tmp")))  # short: unix sockets
+    # short: unix sockets
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mfray", dir="/tmp")))
     gcs_port: int = field(default_factory=free_port)
     dashboard_port: int = field(default_factory=free_port)
     nodes: list[RayNode] = field(default_factory=list)

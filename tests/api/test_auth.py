@@ -15,7 +15,8 @@ def test_auth_matrix(queue_server):
         job_id = job["id"]
         try:
             anonymous = httpx.Client(base_url=server.url, timeout=scaled(30))
-            wrong = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer not-a-token"}, timeout=scaled(30))
+            wrong = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer not-a-token"},
+                                 timeout=scaled(30))
             for client in (anonymous, wrong):
                 for method, path in (("GET", "/v1/jobs"), ("GET", f"/v1/jobs/{job_id}"), ("POST", "/v1/jobs"),
                                      ("POST", f"/v1/jobs/{job_id}/cancel"), ("GET", f"/v1/jobs/{job_id}/logs"),
@@ -23,7 +24,8 @@ def test_auth_matrix(queue_server):
                     response = client.request(method, path, json={"overrides": []} if method == "POST" else None)
                     assert response.status_code == 401, (method, path, response.text)
                     assert response.headers["www-authenticate"] == "Bearer"
-            basic = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Basic YWxpY2U6eA=="}, timeout=scaled(30))
+            basic = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Basic YWxpY2U6eA=="},
+                              timeout=scaled(30))
             assert basic.status_code == 401
             assert httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": auth("alice")["Authorization"] + "x"},
                              timeout=scaled(30)).status_code == 401

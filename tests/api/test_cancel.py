@@ -66,7 +66,8 @@ def test_cancel_running_3d_job_leaves_no_process(server_for_3d):
         assert job["world_size"] == 8
         try:
             # Follow the log live until training has started on the workers.
-            with alice.stream("GET", f"/v1/jobs/{job['id']}/logs", params={"follow": "true"}, timeout=scaled(240)) as stream:
+            with alice.stream("GET", f"/v1/jobs/{job['id']}/logs", params={"follow": "true"},
+                              timeout=scaled(240)) as stream:
                 for line in stream.iter_lines():
                     if unprefixed(line.removeprefix("data: ")).startswith("step "):  # a worker's "[rank0]: step ..."
                         break
@@ -104,4 +105,5 @@ def test_cancel_queued_job_is_immediate(queue_server):
         assert cancelled["state"] == "CANCELLED" and cancelled["started_at"] is None
         from mlflow.tracking import MlflowClient
 
-        assert MlflowClient(server.env["MESHFLOW_MLFLOW_TRACKING_URI"]).get_run(job["mlflow_run_id"]).info.status == "KILLED"
+        runs = MlflowClient(server.env["MESHFLOW_MLFLOW_TRACKING_URI"])
+        assert runs.get_run(job["mlflow_run_id"]).info.status == "KILLED"

@@ -33,7 +33,8 @@ def max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
 @pytest.mark.parametrize("store", ["sqlite", "postgresql"])
 def test_concurrent_submissions_respect_capacity(store, request, start_server, job_store_url):
     # SQLite: the session's shared server; PostgreSQL: a server of its own on a new database.
-    server = request.getfixturevalue("server") if store == "sqlite" else start_server(capacity=2, **job_store_url(store))
+    server = request.getfixturevalue("server") if store == "sqlite" else start_server(capacity=2,
+                                                                                      **job_store_url(store))
     num_jobs = JOBS_PER_STORE[store]
 
     def submit(i: int):

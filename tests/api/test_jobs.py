@@ -119,8 +119,10 @@ def test_config_document_round_trips_and_plans_launch_nothing(queue_server):
         assert body["stage_boundaries"] == ["layers.2"] and len(body["per_pp_rank"]) == 2
         for rank in body["per_pp_rank"]:  # the peak by named term (docs/planning.md, Memory)
             assert rank["peak_phase"] in ("backward", "gradient reduce", "optimizer step")
-            assert sum(rank["terms_bytes"].values()) == pytest.approx(rank["peak_bytes"]) and rank["terms_bytes"]["weights"] > 0
-        assert body["config"]["parallel"]["tensor_parallel"] == {"dim": "tp", "plan": "megatron", "sequence_parallel": False,
+            assert sum(rank["terms_bytes"].values()) == pytest.approx(rank["peak_bytes"])
+            assert rank["terms_bytes"]["weights"] > 0
+        assert body["config"]["parallel"]["tensor_parallel"] == {"dim": "tp", "plan": "megatron",
+                                                                 "sequence_parallel": False,
                                                                   "loss_parallel": True}
         by_overrides = bob.post("/v1/plans", json={"overrides": ["+parallel=3d", "mesh=[2,2,2]"]}).json()
         assert by_overrides["per_pp_rank"] == body["per_pp_rank"]
@@ -207,7 +209,8 @@ def test_health_readiness_and_prometheus_metrics(server):
         assert client.get("/healthz").json() == {"status": "ok"}
         assert client.get("/readyz").json() == {"status": "ok"}
         text = client.get("/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line
+              and not line.startswith("#")}
     assert values["meshflow_slots_capacity"] == 2
     assert values["meshflow_submissions_total"] >= 0 and 'meshflow_jobs{state="QUEUED"}' in values
     assert values["meshflow_queue_depth"] == values['meshflow_jobs{state="QUEUED"}']

@@ -77,7 +77,8 @@ def test_two_node_job_on_ray_matches_one_device(ray_server):
     assert done["executor"] == "ray" and done["pid"] is None
     assert "2 node(s) on Ray" in log and "[node 1] node 1 of 2: workers rank 2..3 join the rendezvous" in log
     assert log.count("done: steps 1..3") == 1  # node 0's summary, once
-    history = MlflowClient(ray_server.env["MESHFLOW_MLFLOW_TRACKING_URI"]).get_metric_history(done["mlflow_run_id"], "loss")
+    history = MlflowClient(ray_server.env["MESHFLOW_MLFLOW_TRACKING_URI"]).get_metric_history(done["mlflow_run_id"],
+                                                                                              "loss")
     losses = [m.value for m in sorted(history, key=lambda m: m.step)]
     assert len(reference) == 3 and losses == pytest.approx(reference, rel=1e-5)
 
@@ -90,7 +91,8 @@ def test_restarted_control_plane_reattaches_to_a_running_ray_job(ray_server, clu
         wait_for_log(alice, job["id"], "step 1/300")
     ray_server.kill()
     ray_jobs = JobSubmissionClient(cluster.address)
-    assert str(ray_jobs.get_job_status(f"meshflow-{job['id']}")).endswith("RUNNING"), "the job must outlive the control plane"
+    assert str(ray_jobs.get_job_status(f"meshflow-{job['id']}")).endswith("RUNNING"), \
+        "the job must outlive the control plane"
     ray_server.restart()
     with ray_server.client("alice") as alice:
         done = wait_for(alice, job["id"], {"SUCCEEDED", "FAILED"}, timeout=600)

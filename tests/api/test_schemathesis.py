@@ -54,7 +54,8 @@ def run_schemathesis(url: str, workdir: Path, *, max_examples: int, seed: int = 
                "--checks", "all", "--max-examples", str(max_examples), "--phases", "examples,coverage,fuzzing",
                "--request-timeout", f"{scaled(30):.0f}",
                # `--checks all` limits every response to 10 s, a deadline load breaks: scaled like the rest
-               "--max-response-time", f"{scaled(10):.0f}", "--seed", str(seed), "--report", "junit", "--report-dir", str(workdir)]
+               "--max-response-time", f"{scaled(10):.0f}", "--seed", str(seed), "--report", "junit", "--report-dir",
+               str(workdir)]
     return subprocess.run(command, capture_output=True, text=True, timeout=scaled(timeout), cwd=workdir)
 
 

@@ -92,7 +92,8 @@ def test_only_legal_transitions_happen(store):
 def test_the_job_list_is_paged_by_indexes_without_reading_configs(store):
     settings, sessions = store
     for index in range(7):
-        add_job(sessions, settings, JobState.QUEUED if index % 2 else JobState.CANCELLED, owner=("alice", "bob")[index % 3 == 0])
+        add_job(sessions, settings, JobState.QUEUED if index % 2 else JobState.CANCELLED,
+                owner=("alice", "bob")[index % 3 == 0])
     with sessions() as session:
         rows, total = list_page(session, owner="alice", state=None, limit=2, offset=0)
         everyone = list(session.scalars(select(Job).order_by(Job.created_at.desc(), Job.id.desc())))
@@ -107,7 +108,8 @@ def test_the_job_list_is_paged_by_indexes_without_reading_configs(store):
         assert total == 2 and [row.id for row in alices_queued] == [row.id for row in queued if row.owner == "alice"]
         # The endpoint's one-pass page is exactly the page of JobSummary models built one by one.
         link = lambda experiment_id, run_id: f"http://mlflow.example/{experiment_id}/{run_id}"  # noqa: E731
-        by_model = JobList(items=[JobSummary(**JobSummary.fields_of(row, link(row.mlflow_experiment_id, row.mlflow_run_id)))
+        by_model = JobList(items=[JobSummary(**JobSummary.fields_of(row,
+                                                                    link(row.mlflow_experiment_id, row.mlflow_run_id)))
                                   for row in queued], total=3, limit=50, offset=0).model_dump_json()
         assert JobList.page_json(queued, keys=SUMMARY_KEYS, total=3, limit=50, offset=0, ui_link=link) == by_model
         assert '"state":"QUEUED"' in by_model and 'Z","started_at":null' in by_model  # UTC times, as documented
@@ -121,7 +123,8 @@ def test_the_job_list_is_paged_by_indexes_without_reading_configs(store):
         explain = "EXPLAIN" if postgres else "EXPLAIN QUERY PLAN"
         for where in ("owner = 'alice'", "state = 'QUEUED'", "owner = 'alice' AND state = 'QUEUED'", "TRUE"):
             plan = " ".join(str(row[-1]) for row in session.execute(text(
-                f"{explain} SELECT name, state, error FROM jobs WHERE {where} ORDER BY created_at DESC, id DESC LIMIT 50")))
+                f"{explain} SELECT name, state, error FROM jobs WHERE {where} ORDER BY created_at DESC, id "
+                "DESC LIMIT 50")))
             if postgres:
                 assert "Index Scan Backward using ix_jobs_" in plan and "Sort" not in plan, (where, plan)
             else:
@@ -259,7 +262,8 @@ def test_times_read_back_as_the_same_instant_and_are_served_in_utc(store):
     assert (read if read.tzinfo else read.replace(tzinfo=timezone.utc)) == moment
     shown = JobPublic.from_job(state_of(sessions, job.id), None)
     assert shown.created_at == moment and shown.created_at.utcoffset() == timedelta(0)
-    assert shown.model_dump(mode="json")["created_at"] in ("2026-03-08T06:59:58.123456Z", "2026-03-08T06:59:58.123456+00:00")
+    assert shown.model_dump(mode="json")["created_at"] in ("2026-03-08T06:59:58.123456Z",
+                                                           "2026-03-08T06:59:58.123456+00:00")
 
 
 def test_concurrent_submissions_keep_one_job_per_key_and_the_queue_quota(database_url, tmp_path):
@@ -275,7 +279,8 @@ def test_concurrent_submissions_keep_one_job_per_key_and_the_queue_quota(databas
 
     def submit(key: str):
         with plane.sessions() as session:
-            job, created = plane.submit_job(session, owner="alice", name="race", overrides=overrides, idempotency_key=key)
+            job, created = plane.submit_job(session, owner="alice", name="race", overrides=overrides,
+                                            idempotency_key=key)
             return job.id, created
 
     try:

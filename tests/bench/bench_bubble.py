@@ -37,9 +37,9 @@ Three more runs of the same rows: +4.1 / +10.0 / +6.0 / +4.2% (load 7), +12.6 / 
 bubble is always above the theory: every cross-rank hand-over costs a gloo transfer and a wake-up
 (the recorded receives wait 0-15 ms where the theory has no cost), which the load stretches; the
 shorter the actions, the larger that share. Within 10% in 10 of the 16 rows (one at exactly 10.0%);
-m=8 misses it most, with twice the hand-overs per step against a smaller theoretical bubble. ``--work matmul --depth 16`` (F ~16-29 ms): +24.0 /
-+35.8 / +6.5 / +40.0% at p=4; at p=2 (two processes, two busy cores) +55 / +163 / +60 / +90%:
-with real compute this host measures its load, not the schedule.
+m=8 misses it most, with twice the hand-overs per step against a smaller theoretical bubble.
+``--work matmul --depth 16`` (F ~16-29 ms): +24.0 / +35.8 / +6.5 / +40.0% at p=4; at p=2 (two processes, two busy cores)
++55 / +163 / +60 / +90%: with real compute this host measures its load, not the schedule.
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def main() -> None:
     args = ap.parse_args()
     with TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
-        mp.start_processes(_worker, args=(args.pp, free_port(), out, args), nprocs=args.pp, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(args.pp, free_port(), out, args), nprocs=args.pp, join=True,
+                           start_method="spawn")
         rows = json.loads(Path(out).read_text())
     print(f"work={args.work}, p={args.pp}, {args.steps} recorded steps after {args.warmup}; bubble = mean over ranks")
     print(f"{'schedule':<9} {'m':>3} {'theory':>8} {'measured':>9} {'rel. err':>9} {'ranks min-max':>15} "

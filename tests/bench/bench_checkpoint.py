@@ -47,7 +47,8 @@ def _worker(cfg_json: str, out_dir: str, repeats: int) -> None:
     saves, loads = [], []
     for i in range(repeats):
         began = time.perf_counter()
-        path = save_checkpoint(Path(out_dir) / "ck", i + 1, model=module, optimizer=optimizer, extra={"step": i}, keep=1)
+        path = save_checkpoint(Path(out_dir) / "ck", i + 1, model=module, optimizer=optimizer, extra={"step": i},
+                               keep=1)
         saves.append(time.perf_counter() - began)
         began = time.perf_counter()
         load_checkpoint(path, model=module, optimizer=optimizer)
@@ -90,7 +91,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = {name: run_preset(ov, args.model, args.repeats) for name, ov in PRESETS.items()}
     print(f"\ncheckpoint save/load, model={args.model}, median of {args.repeats}, slowest rank")
-    print(f"{'preset':<8} {'ranks':>5} {'save s':>8} {'load s':>8} {'total MiB':>10} {'rank max MiB':>13} {'rank min MiB':>13} {'save vs single':>15}")
+    print(f"{'preset':<8} {'ranks':>5} {'save s':>8} {'load s':>8} {'total MiB':>10} {'rank max MiB':>13} "
+          f"{'rank min MiB':>13} {'save vs single':>15}")
     base = rows["single"]["save_s"]
     for name, r in rows.items():
         print(f"{name:<8} {r['world']:>5} {r['save_s']:>8.3f} {r['load_s']:>8.3f} {r['total_mib']:>10.2f} "

@@ -11,8 +11,8 @@ model (gpt_debug) and train settings (global batch 16 x 128 tokens, AdamW, grad 
 seeded random tokens. Both take ``WARMUP`` steps (the compiled model compiles in its first), then
 ``--steps`` more *alternately* (eager, compiled, eager, ...), so both see the same load from
 whatever else the machine runs and the ratio comes from one run; as a check, their losses are
-compared (they must agree within fp32 rounding). Reported: median s/step of the alternating steps (slowest rank), compiled / eager,
-and per process what compiling cost: the first compiled step's extra seconds over a steady
+compared (they must agree within fp32 rounding). Reported: median s/step of the alternating steps (slowest rank),
+compiled / eager, and per process what compiling cost: the first compiled step's extra seconds over a steady
 step, and the seconds spent in the compiler (fastest and slowest rank). Every process computes
 on one thread: ``trainer.launch`` sets that for workers, and the one-device run follows by
 default (``--threads``): on a busy 2-core machine two OpenMP threads mostly wait for each other.
@@ -93,7 +93,8 @@ def _worker(cfg_json: str, out_dir: str, steps: int, threads: int) -> None:
     # the backward compiled lazily at the first backward.
     from torch._dynamo.utils import compilation_time_metrics as metrics
 
-    in_compiler = sum(metrics.get("_compile.compile_inner", [])) + sum(metrics.get("compile_fx.<locals>.bw_compiler", []))
+    in_compiler = sum(metrics.get("_compile.compile_inner", [])) + sum(metrics.get("compile_fx.<locals>.bw_compiler",
+                                                                                   []))
     result = {"rank": rank, "times": times, "warmup": warmup, "loss_rel": loss_rel, "in_compiler": in_compiler}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     if distributed:
@@ -129,7 +130,8 @@ def run_preset(overrides: list[str], steps: int, warm_cache: bool, threads: int)
     compile_s = [r["warmup"]["compiled"][0] - statistics.median(r["times"]["compiled"]) for r in ranks]
     return {"world": cfg.world_size, "eager": eager, "compiled": compiled, "compile_max": max(compile_s),
             "compile_min": min(compile_s), "wall": wall, "loss_rel": max(r["loss_rel"] for r in ranks),
-            "in_compiler_min": min(r["in_compiler"] for r in ranks), "in_compiler_max": max(r["in_compiler"] for r in ranks)}
+            "in_compiler_min": min(r["in_compiler"] for r in ranks),
+            "in_compiler_max": max(r["in_compiler"] for r in ranks)}
 
 
 def main() -> None:
@@ -142,15 +144,18 @@ def main() -> None:
     args = parser.parse_args()
     if unknown := [p for p in args.presets if p not in PRESETS]:
         parser.error(f"unknown preset(s) {unknown}; choose from {list(PRESETS)}")
-    rows = {name: run_preset(PRESETS[name], args.steps, args.warm_cache, args.threads) for name in args.presets or PRESETS}
+    rows = {name: run_preset(PRESETS[name], args.steps, args.warm_cache, args.threads) for name in args.presets
+            or PRESETS}
     cache = "warm (default dir)" if args.warm_cache else "cold (fresh dir per launch)"
     print(f"\ntorch.compile per block vs eager, gpt_debug, batch 16 x 128, median of {args.steps} alternating "
           f"steps, slowest rank; Inductor cache {cache}; one device on {args.threads} thread(s)")
     print(f"{'preset':<8} {'ranks':>5} {'eager s/step':>13} {'compiled s/step':>16} {'compiled/eager':>15} "
           f"{'first step +s':>15} {'in compiler s':>15} {'launch wall s':>14} {'loss max rel diff':>18}")
     for name, r in rows.items():
-        print(f"{name:<8} {r['world']:>5} {r['eager']:>13.4f} {r['compiled']:>16.4f} {r['compiled'] / r['eager']:>14.2f}x "
-              f"{r['compile_min']:>6.1f} - {r['compile_max']:<6.1f} {r['in_compiler_min']:>6.1f} - {r['in_compiler_max']:<6.1f} "
+        print(f"{name:<8} {r['world']:>5} {r['eager']:>13.4f} {r['compiled']:>16.4f} "
+              f"{r['compiled'] / r['eager']:>14.2f}x "
+              f"{r['compile_min']:>6.1f} - {r['compile_max']:<6.1f} {r['in_compiler_min']:>6.1f} - "
+              f"{r['in_compiler_max']:<6.1f} "
               f"{r['wall']:>14.1f} {r['loss_rel']:>18.1e}")
     print("\nnotes: first step +s is the first compiled step less a steady one and in compiler s the time a\n"
           "process spent in Dynamo, AOTAutograd and Inductor (forward and backward), fastest - slowest rank. The\n"

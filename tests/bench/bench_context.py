@@ -97,7 +97,8 @@ def longest(cp: int) -> int:
 def train(cp: int, seq_len: int) -> dict:
     """3 steps of ``python -m trainer`` at ``seq_len``: finished or not, the peak and tokens/s it printed."""
     began = time.time()
-    run = subprocess.run([sys.executable, "-m", "trainer", *layout(cp, seq_len), f"launch.memory_budget_gb={BUDGET_GB}"],
+    run = subprocess.run([sys.executable, "-m", "trainer", *layout(cp,
+                                                                   seq_len), f"launch.memory_budget_gb={BUDGET_GB}"],
                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     text = run.stdout + run.stderr
     peak = re.findall(r"peak ([\d,]+) MiB", text)

@@ -68,7 +68,8 @@ def main() -> None:
         load_tps = batches * loader.local_batch_size * SEQ_LEN / (time.perf_counter() - began)
 
         proc = subprocess.run(
-            [sys.executable, "-m", "trainer", "+parallel=3d", "mesh=[2,2,2]", "data=files", f"data.paths=[{root}/*.jsonl]",
+            [sys.executable, "-m", "trainer", "+parallel=3d", "mesh=[2,2,2]", "data=files",
+             f"data.paths=[{root}/*.jsonl]",
              f"data.tokenizer={root / 'tok'}", f"data.cache_dir={root / 'cache'}", f"model.vocab_size={VOCAB}",
              f"train.steps={STEPS}", "train.log_every=1", "tracking.backend=none",
              f"train.global_batch_size={GLOBAL_BATCH}", f"train.seq_len={SEQ_LEN}"],

@@ -84,7 +84,8 @@ def run(raw: dict) -> dict:
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
     loss_fn = with_aux_loss(loss_fn_for(cfg.model), pm.model_parts, decoder_config(cfg.model))
     g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, cfg.model.vocab_size, (WARMUP + MEASURED, t.global_batch_size, t.seq_len + 1), generator=g)
+    tokens = torch.randint(0, cfg.model.vocab_size, (WARMUP + MEASURED, t.global_batch_size, t.seq_len + 1),
+                           generator=g)
     per = t.global_batch_size // pm.dp_size
     times, rows, counts = [], [], []
     for step in range(WARMUP + MEASURED):

@@ -119,7 +119,8 @@ def main() -> None:
             rows.append({**recorded[name], "predicted": predict(name)})
             continue
         rows.append(run(name, args.timeout))
-        print(f"{name}: {rows[-1].get('measured')} (predicted {rows[-1].get('predicted')})", file=sys.stderr, flush=True)
+        print(f"{name}: {rows[-1].get('measured')} (predicted {rows[-1].get('predicted')})", file=sys.stderr,
+              flush=True)
         if args.record:
             with args.record.open("a") as f:
                 f.write(json.dumps({k: v for k, v in rows[-1].items() if k != "error"}) + "\n")

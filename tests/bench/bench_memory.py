@@ -126,7 +126,8 @@ LAYOUTS = {  # name -> overrides
     # freed tensors unmapped: no heap holes (launch.unmap_freed_memory); with full recomputation, the leanest fsdp [8]
     "fsdp8_unmap": ["+parallel=fsdp", "mesh=[8]", "launch.unmap_freed_memory=true"],
     "3d_unmap": ["+parallel=3d", "mesh=[2,2,2]", "launch.unmap_freed_memory=true"],
-    "fsdp8_lean": ["+parallel=fsdp", "mesh=[8]", "launch.unmap_freed_memory=true", "+parallel.activation_checkpointing=full"],
+    "fsdp8_lean": ["+parallel=fsdp", "mesh=[8]", "launch.unmap_freed_memory=true",
+                   "+parallel.activation_checkpointing=full"],
 }
 PREDICTED = re.compile(r"memory: predicted peak ([\d,.]+) MiB")
 MEASURED = re.compile(r"step (\d+)/\d+ .*?([\d,]+) ms/step .*\| peak (\d+) MiB")
@@ -220,14 +221,16 @@ def main() -> None:
             row = {**row, "predicted": predict(size, layout, args.steps)}
             rows.append(row)
             ratio = f"{row['predicted'] / row['measured']:.2f}" if row.get("measured") and row.get("predicted") else "-"
-            print(f"{size:>6} {params(SIZES[size]) / 1e6:>6.0f}M {layout:>7} {row.get('predicted', float('nan')):>14,.0f} "
+            print(f"{size:>6} {params(SIZES[size]) / 1e6:>6.0f}M {layout:>7} "
+                  f"{row.get('predicted', float('nan')):>14,.0f} "
                   f"{row.get('measured', float('nan')):>12,.0f} {ratio:>9} "
                   f"{row.get('ms_per_step', float('nan')) / 1000:>7.1f}  {row['status']}", flush=True)
     ok = [r for r in rows if r["status"] == "ok" and r.get("predicted") and r.get("measured")]
     if ok:
         errors = [abs(r["predicted"] / r["measured"] - 1) for r in ok]
         within = sum(e <= 0.10 for e in errors)
-        print(f"\n{within}/{len(ok)} rows within 10%; worst {max(errors):.0%} off, mean {sum(errors) / len(errors):.0%}")
+        print(f"\n{within}/{len(ok)} rows within 10%; worst {max(errors):.0%} off, mean "
+              f"{sum(errors) / len(errors):.0%}")
     for layout in args.layouts:
         trained = [r["size"] for r in rows if r["layout"] == layout and r["status"] == "ok"]
         print(f"largest that trained {args.steps} steps on {layout}: {trained[-1] if trained else 'none'}")

@@ -74,13 +74,14 @@ def main() -> None:
     kinds, ops, held = breakdown(args.row)
     total = sum(s for s, _ in kinds.values())
     blocks = sum(u.startswith("layers.") for u in held)
-    print(f"{args.row}: one micro-batch on the busiest pp rank ({blocks} blocks + {[u for u in held if not u.startswith('layers.')]})")
+    print(f"{args.row}: one micro-batch on the busiest pp rank ({blocks} blocks + "
+          f"{[u for u in held if not u.startswith('layers.')]})")
     for (unit, op), (seconds, flops) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
         rate = f"{flops / seconds / 1e12:7.1f} TFLOP/s" if flops else ""
         print(f"  {unit:>14} {op:>6} {seconds * 1e3:10.3f} ms {seconds / total:6.1%} {rate}")
     print(f"  {'total':>21} {total * 1e3:10.3f} ms")
     if args.ops:
-        for (unit, phase, op), (seconds, flops, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:20]:
+        for (unit, phase, op), (seconds, _flops, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:20]:
             print(f"  {unit:>14} {phase:>8} {op:>52} x{calls:<4} {seconds * 1e3:9.3f} ms")
 
 

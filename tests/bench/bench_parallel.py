@@ -205,7 +205,8 @@ def run_preset(raw: dict, *, count: bool) -> dict:
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
     loss_fn = loss_fn_for(cfg.model)
     g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, cfg.model.vocab_size, (WARMUP + MEASURED, t.global_batch_size, t.seq_len + 1), generator=g)
+    tokens = torch.randint(0, cfg.model.vocab_size, (WARMUP + MEASURED, t.global_batch_size, t.seq_len + 1),
+                           generator=g)
     per = t.global_batch_size // pm.dp_size
     counter = CommCounter(pm.mesh)
     if count:
@@ -305,7 +306,8 @@ def expectation(cfg) -> dict[str, dict[str, tuple[float, float]]]:
     out[scalar_axis]["all_reduce"] = (2, 16)  # grad-norm and loss reductions (float64 scalars)
     dpm = par.data_parallel.mode if par.data_parallel else None
     if dpm == "ddp":
-        out[par.data_parallel.dim_names[0]]["all_reduce"] = (out.get(par.data_parallel.dim_names[0], {}).get("all_reduce", (0, 0))[0] + 1,
+        out[par.data_parallel.dim_names[0]]["all_reduce"] = (out.get(par.data_parallel.dim_names[0],
+                                                                     {}).get("all_reduce", (0, 0))[0] + 1,
                                                              16 + block_b + root_b)
     elif dpm in ("fsdp", "zero2", "hsdp"):
         shard = par.data_parallel.dim_names[-1]
@@ -369,7 +371,8 @@ def main(presets: list[str]) -> None:
     print(f"\nPer optimizer step, rank 0; model {cfg0.model.arch} dim {cfg0.model.dim} x {cfg0.model.n_layers} layers, "
           f"batch {cfg0.train.global_batch_size} x {cfg0.train.seq_len} tokens; * = DTensor functional collective")
     print(f"single device: {t_single * 1000:.0f} ms/step, {tokens / t_single:,.0f} tokens/s\n")
-    header = f"{'preset':7} {'mesh':10} {'axis':12} {'op':26} {'count':>6} {'bytes':>11} | {'expected':>8} {'exp bytes':>11}"
+    header = (f"{'preset':7} {'mesh':10} {'axis':12} {'op':26} {'count':>6} {'bytes':>11} | {'expected':>8} "
+              f"{'exp bytes':>11}")
     print(header)
     print("-" * len(header))
     for p in presets:
@@ -389,7 +392,8 @@ def main(presets: list[str]) -> None:
         mesh = "x".join(map(str, cfg.mesh_shape))
         for i, ((axis, op), (n, b, en, eb)) in enumerate(sorted(rows.items())):
             mark = "" if (round(n, 2) == en and abs(b - eb) <= 0.02 * max(eb, 1)) else "  <>"
-            print(f"{label if i == 0 else '':7} {mesh if i == 0 else '':10} {axis:12} {op:26} {n:6.1f} {_fmt_bytes(b):>11} | "
+            print(f"{label if i == 0 else '':7} {mesh if i == 0 else '':10} {axis:12} {op:26} {n:6.1f} "
+                  f"{_fmt_bytes(b):>11} | "
                   f"{en:8.0f} {_fmt_bytes(eb):>11}{mark}")
         print(f"{'':7} {'':10} step {step * 1000:.0f} ms, {tokens / step:,.0f} tokens/s, "
               f"{t_single / step:.2f}x the single device's throughput")

@@ -121,9 +121,9 @@ this sweep has 57 of 65 (median 9%, max 32%), its 3M pipelines 5-32% slow. The n
 heap holes, summed with the activations' where the flat buffers outweigh them, took both sweeps'
 memory from 61 to 64 of 65.
 
-What moved the memory (43 -> 61 of 65 within 10%; :mod:`trainer.planner.memory.predict`, :mod:`trainer.planner.memory.host`):
-the pipeline's in-use bytes were traced at every pipeline action (``mallinfo2``, 25M). A stage
-peaks at its passes in flight or one fewer beside its first gradients, not at every pass beside all
+What moved the memory (43 -> 61 of 65 within 10%; :mod:`trainer.planner.memory.predict`,
+:mod:`trainer.planner.memory.host`): the pipeline's in-use bytes were traced at every pipeline action (``mallinfo2``,
+25M). A stage peaks at its passes in flight or one fewer beside its first gradients, not at every pass beside all
 gradients and ddp's flat buffer; those buffers extend the heap above that peak at the reduce; a
 pipeline with dp or tp pays no separate import (FSDP2 and DTensor imported ``torch._dynamo``
 first); and the heap holes are at least 0.6 of the activations a step allocates over all its
@@ -327,7 +327,8 @@ def plan_time(ranks: int = 4096) -> str:
     from trainer.planner.auto.plan import plan_layouts
 
     raw = compose_dict(["+parallel=auto", f"mesh=[{ranks}]", "model=gpt_small", "train.global_batch_size=8192",
-                        f"launch.nnodes={ranks // WORKERS}", "launch.rdzv_endpoint=node0:29400"])  # several nodes name node 0
+                        # several nodes name node 0
+                        f"launch.nnodes={ranks // WORKERS}", "launch.rdzv_endpoint=node0:29400"])
     plan_layouts(raw)  # the calibration probe (or its cache) outside the timing
     began = time.perf_counter()
     result = plan_layouts(raw)

@@ -12,10 +12,10 @@ written as this project's config (``hardware=<the row's profile>``, ``launch.nno
 is set beside what the source reports: TFLOP/s per device counted with the source's own formula,
 or tokens/s per device, and peak memory where published. A GPT row (LayerNorm, GELU MLP of 4h)
 becomes the built-in Llama-family decoder with a SwiGLU MLP of 8h/3 (rounded to a multiple of 128,
-which tp splits evenly): the same matmul FLOPs and parameters within 1%. Rows the engine cannot express are listed with the reason (fp8 training); a cp row
-gets a ``cp`` axis (``parallel.context_parallel``, ring attention) between pp and tp. Nothing here is fitted to a row: the profiles' achieved rates come from kernel
-measurements or their cited sources; where a profile's constant was fitted to a row the profile
-says so, and that row is left out of the median.
+which tp splits evenly): the same matmul FLOPs and parameters within 1%. Rows the engine cannot express are listed with
+the reason (fp8 training); a cp row gets a ``cp`` axis (``parallel.context_parallel``, ring attention) between pp and
+tp. Nothing here is fitted to a row: the profiles' achieved rates come from kernel measurements or their cited sources;
+where a profile's constant was fitted to a row the profile says so, and that row is left out of the median.
 
 The medians are printed over all rows, over the rows whose layout the source states in full
 (:func:`fully_stated`), by family over those (:func:`family`: data parallel only, tp x pp, cp) and
@@ -50,7 +50,8 @@ from trainer.planner.cost.device import predict_on_profile  # noqa: E402
 from trainer.planner.memory.predict import predict_memory  # noqa: E402
 
 GIB = 2**30
-MODES = {"ddp": "ddp", "zero1": "zero2", "zero2": "zero2", "fsdp": "fsdp"}  # zero1 (sharded optimizer) has no exact match here
+# zero1 (sharded optimizer) has no exact match here
+MODES = {"ddp": "ddp", "zero1": "zero2", "zero2": "zero2", "fsdp": "fsdp"}
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "trainer" / "conf" / "hardware"
 FAMILIES = ("FSDP (data parallel only)", "tp x pp", "cp")
 SOURCES = ("megatron2021", "korthikanti", "megatron2024", "torchtitan", "llmfoundry", "nanotron", "dgxc")
@@ -196,7 +197,8 @@ def predict_row(row: published.PublishedRun) -> dict:
             / (row.reported.mfu_peak_tflops * 1e12)
     else:
         predicted = step.total_s
-    return {"row": row.name, "stated": fully_stated(row), "family": family(row), "unit": unit, "published": published_value, "predicted": predicted,
+    return {"row": row.name, "stated": fully_stated(row), "family": family(row), "unit": unit,
+            "published": published_value, "predicted": predicted,
             "error": predicted / published_value - 1, "memory_published": row.reported.peak_memory_gib,
             "memory_predicted": peak, "step_s": step.total_s, "mfu": step.model_flops_utilization,
             "parts": {"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
@@ -282,12 +284,14 @@ def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:
         mem_err = (r["memory_predicted"] / r["memory_published"] - 1) if r["memory_published"] else None
         parts = " ".join(f"{k}:{v:.2f}" for k, v in r["parts"].items() if v)
         short = {"FSDP (data parallel only)": "dp", "tp x pp": "tp.pp", "cp": "cp"}[r["family"]]
-        lines.append(f"{r['row']:<44} {short + ('' if r['stated'] else '~'):>7} {r['unit']:>7} {r['published']:>10.1f} {r['predicted']:>10.1f} "
+        lines.append(f"{r['row']:<44} {short + ('' if r['stated'] else '~'):>7} {r['unit']:>7} {r['published']:>10.1f} "
+                     f"{r['predicted']:>10.1f} "
                      f"{r['error']:>+7.1%} {r['memory_published'] or '-':>8} {r['memory_predicted']:>9.1f} "
                      f"{format(mem_err, '+.1%') if mem_err is not None else '-':>8}  {parts}")
-    lines.append("error = predicted / published - 1 (s/iter: + is a slower prediction; TFLOP/s, tok/s, MFU%: + is faster). "
-                 "family: dp = data parallel only (DDP, ZeRO, FSDP), tp.pp = any tensor / pipeline split, cp = any "
-                 "context parallelism; ~ = a layout field the source does not state (left out of the fully-stated medians)")
+    lines.append("error = predicted / published - 1 (s/iter: + is a slower prediction; TFLOP/s, tok/s, MFU%: + "
+                 "is faster). family: dp = data parallel only (DDP, ZeRO, FSDP), tp.pp = any tensor / pipeline "
+                 "split, cp = any context parallelism; ~ = a layout field the source does not state (left out of the "
+                 "fully-stated medians)")
     lines += medians(results)
     for name, why in skipped:
         lines.append(f"not predicted: {name}: {why}")
@@ -328,7 +332,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="", help="only rows whose name starts with this")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--planner", default="", help="also run the auto-planner on the rows whose name starts with this")
+    parser.add_argument("--planner", default="",
+                        help="also run the auto-planner on the rows whose name starts with this")
     parser.add_argument("--memory-terms", action="store_true", help="the rows that publish memory, term by term")
     parser.add_argument("--no-prune", action="store_true", help="with --planner: price every layout in full (slow); "
                         "by default every layout up to the published one's step is, so its rank is exact either way")

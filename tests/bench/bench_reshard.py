@@ -59,7 +59,8 @@ S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
 ALL = list(range(8))
 CASES = [  # (name, global shape, src, dst)
     ("[0..3] S(0) -> [4..7] R", (1024, 1024), MeshLayout([0, 1, 2, 3], (S0,)), MeshLayout([4, 5, 6, 7], (R,))),
-    ("[0..3] S(1) -> [4..7] S(1) (stage handoff)", (1024, 1024), MeshLayout([0, 1, 2, 3], (S1,)), MeshLayout([4, 5, 6, 7], (S1,))),
+    ("[0..3] S(1) -> [4..7] S(1) (stage handoff)", (1024, 1024), MeshLayout([0, 1, 2, 3], (S1,)),
+     MeshLayout([4, 5, 6, 7], (S1,))),
     ("[0..7] S(0) -> [0..7] S(1)", (1024, 1024), MeshLayout(ALL, (S0,)), MeshLayout(ALL, (S1,))),
     ("[0..7] S(0) -> [0..7] R", (1024, 1024), MeshLayout(ALL, (S0,)), MeshLayout(ALL, (R,))),
     ("[[0,1],[2,3]] (S(0),S(1)) -> [0..3] S(0)", (1024, 1024),
@@ -107,7 +108,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     dist.batch_isend_irecv = counting
     rows = []
-    for name, shape, src, dst in CASES:
+    for _name, shape, src, dst in CASES:
         local = _local_piece(rank, shape, src)
         sent[0] = 0
         reshard(local, global_shape=shape, dtype=torch.float32, src=src, dst=dst)

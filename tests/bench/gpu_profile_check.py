@@ -7,8 +7,8 @@ hardware profile's prediction against (``trainer/conf/hardware/*.yaml``).
    decoder's shapes and of 8192^3 (achieved FLOP/s over the datasheet's peak), torch's flash
    attention forward and backward (causal, head dim 128), a device-to-device copy (bytes read +
    written per second), and the time of a tiny elementwise kernel in a loop (launch and dispatch).
-2. Two runs of ``python -m trainer`` on this GPU, eager and with ``train.compile=true`` (bf16, synthetic data, no tracking): its mean
-   tokens/s after the first step and its peak allocated memory (the trainer's step lines), with
+2. Two runs of ``python -m trainer`` on this GPU, eager and with ``train.compile=true`` (bf16, synthetic data, no
+   tracking): its mean tokens/s after the first step and its peak allocated memory (the trainer's step lines), with
    the GPU's used memory (nvidia-smi, the whole process: context, NCCL, the allocator's cache)
    sampled while it runs.
 
@@ -60,7 +60,8 @@ def kernels() -> dict:
     out: dict = {"gemm": {}, "device": torch.cuda.get_device_name(0),
                  "sms": torch.cuda.get_device_properties(0).multi_processor_count,
                  "memory_bytes": torch.cuda.get_device_properties(0).total_memory}
-    for m, k, n in ((8192, 8192, 8192), (8192, 2048, 6144), (8192, 2048, 5632), (8192, 5632, 2048), (8192, 2048, 32000)):
+    for m, k, n in ((8192, 8192, 8192), (8192, 2048, 6144), (8192, 2048, 5632), (8192, 5632, 2048),
+                    (8192, 2048, 32000)):
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
         s = timed(lambda: a @ b)
@@ -70,7 +71,8 @@ def kernels() -> dict:
     fwd = timed(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True))
     o = F.scaled_dot_product_attention(q, k_, v, is_causal=True)
     grad = torch.randn_like(o)
-    both = timed(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k_, v, is_causal=True), (q, k_, v), grad))
+    both = timed(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k_, v, is_causal=True), (q, k_, v),
+                                             grad))
     out["attention_forward_flops"] = flops / fwd
     out["attention_backward_flops"] = 2.5 * flops / max(both - fwd, 1e-9)
     x = torch.empty(2**30, device=dev, dtype=torch.uint8)
@@ -96,12 +98,14 @@ def training_step(repo: Path, extra: tuple[str, ...] = ()) -> dict:
     sampler = threading.Thread(target=sample_used_memory, args=(stop, samples), daemon=True)
     sampler.start()
     began = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "trainer", *STEP_OVERRIDES, *extra], cwd=repo, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "trainer", *STEP_OVERRIDES, *extra], cwd=repo, capture_output=True,
+                         text=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     stop.set()
     sampler.join()
     text = run.stdout + run.stderr
-    steps = [(float(t), float(p)) for t, p in re.findall(r"step \d+/\d+ .*? ([\d.]+) tok/s.*?peak ([\d.]+) MiB", text.replace(",", ""))]
+    steps = [(float(t), float(p)) for t, p in re.findall(r"step \d+/\d+ .*? ([\d.]+) tok/s.*?peak ([\d.]+) MiB",
+                                                         text.replace(",", ""))]
     mean = re.search(r"mean ([\d,]+) tok/s", text)
     return {"overrides": [*STEP_OVERRIDES, *extra], "exit_code": run.returncode, "seconds": time.monotonic() - began,
             "tokens_per_s": float(mean.group(1).replace(",", "")) if mean else None,

@@ -26,7 +26,6 @@ def _mistral_with_a_window() -> str:
 
 def _chat_assets(template: str | None = None) -> str:
     """A tokenizer directory (no chat template, or ``template``) and a chat file, in a temporary directory."""
-    import json
     import tempfile
     from pathlib import Path
 
@@ -44,9 +43,11 @@ def _chat_assets(template: str | None = None) -> str:
 _FORGETFUL = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}{{ m.role }}: {{ m.content }}\n"
               "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 _CHAT = _chat_assets(_FORGETFUL)
-_CHAT_DATA = ["model=gpt_debug", "model.vocab_size=512", "data=chat", f"data.tokenizer={_CHAT}/tok", f"data.paths=[{_CHAT}/chats.jsonl]"]
+_CHAT_DATA = ["model=gpt_debug", "model.vocab_size=512", "data=chat", f"data.tokenizer={_CHAT}/tok",
+              f"data.paths=[{_CHAT}/chats.jsonl]"]
 
-_EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
+_EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding",
+              "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
 
 MORE: dict[str, Bad] = {
     **CONTEXT_CASES,
@@ -63,33 +64,40 @@ MORE: dict[str, Bad] = {
     "more/eval-without-validation-split": bad(["data=synthetic", "train.eval_every=10"], "train.eval_every",
                                               ["no validation split"]),
     "more/zbv-with-validation-split": bad(
-        ["+parallel=pp", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2", "data.val_fraction=0.1"],
+        ["+parallel=pp", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2",
+         "data.val_fraction=0.1"],
         "parallel.pipeline.schedule", ["ZBV cannot evaluate"]),
     "more/custom-model-loss": bad([*_EMBEDDING, "model.loss=mse"], "model.loss", ["trained with the lm loss"]),
     "more/custom-model-on-a-pipeline": bad([*_EMBEDDING, "+parallel=pp"], "parallel.pipeline", ["custom module"]),
-    "more/resume-from-nothing": bad(["train.checkpoint.resume=/nonexistent/meshflow-ckpt"], "train.checkpoint.resume", []),
+    "more/resume-from-nothing": bad(["train.checkpoint.resume=/nonexistent/meshflow-ckpt"], "train.checkpoint.resume",
+                                    []),
     "more/stages-with-rank-ids": bad(["+parallel=pp_stages", "mesh=[[0,1,2,3]]"], "mesh", ["the stages already say"]),
-    "more/init-from-nothing": bad(["train.init_from=/nonexistent/model.safetensors"], "train.init_from", ["not a file"]),
+    "more/init-from-nothing": bad(["train.init_from=/nonexistent/model.safetensors"], "train.init_from",
+                                  ["not a file"]),
     "more/odd-head-width": bad(["model.dim=96", "model.n_heads=32", "model.n_kv_heads=32"], "model.n_heads", ["odd"]),
     "more/memory-budget": bad(["model=gpt_small", "+parallel=pp", "launch.memory_budget_gb=0.40"],
                               "launch.memory_budget_gb", ["exceeds the budget"]),
     "more/eval-at-start-without-a-split": bad(["data=text", "train.eval_at_start=true"], "train.eval_at_start",
                                               ["no validation split"]),
-    "more/sequences-past-a-sliding-window": bad(["model=hf", f"model.path={_mistral_with_a_window()}", "train.seq_len=32"],
+    "more/sequences-past-a-sliding-window": bad(["model=hf", f"model.path={_mistral_with_a_window()}",
+                                                 "train.seq_len=32"],
                                                 "train.seq_len", ["sliding window of 16"]),
     "more/chat-tokenizer-without-a-template": bad(_CHAT_DATA, "data.template", ["has no chat template"]),
     "more/chat-template-unknown": bad([*_CHAT_DATA, "data.template=alpaca"], "data.template", ["neither a built-in"]),
     "more/chat-template-forgets-replies": bad([*_CHAT_DATA, f"data.template={_CHAT}/reasoning.jinja"], "data.template",
                                               ["renders an earlier turn differently"]),
-    "more/chat-two-validation-splits": bad([*_CHAT_DATA, "data.template=chatml", f"data.val_paths=[{_CHAT}/chats.jsonl]",
-                                            "data.val_fraction=0.1"], "data.val_fraction", ["as well as data.val_paths"]),
+    "more/chat-two-validation-splits": bad([*_CHAT_DATA, "data.template=chatml",
+                                            f"data.val_paths=[{_CHAT}/chats.jsonl]",
+                                            "data.val_fraction=0.1"], "data.val_fraction",
+                                           ["as well as data.val_paths"]),
     "more/lora-target-matches-nothing": bad(["model.lora.rank=4", "model.lora.targets=[nothing.*]"],
                                             "model.lora.targets[0]", ["matches no Linear"]),
     "more/lora-rank-above-a-target": bad(["model.lora.rank=100"], "model.lora.rank", ["exceeds min(in, out)"]),
     "more/lora-no-targets": bad(["model.lora.rank=4", "model.lora.targets=[]"], "model.lora.targets", ["is empty"]),
     "more/packing-for-a-custom-model": bad([*_EMBEDDING, "data=files", "data.packing=true"], "data.packing",
                                            ["takes no positions"]),
-    "more/packing-between-stage-layouts": bad(["+parallel=pp_stages", "data=files", "data.packing=true"], "data.packing",
+    "more/packing-between-stage-layouts": bad(["+parallel=pp_stages", "data=files", "data.packing=true"],
+                                              "data.packing",
                                               ["do not pass"]),
     "more/batch-and-heads-in-one-round": bad(  # independent issues come together (issue 30)
         ["+parallel=3d", "mesh=[2,2,4]", "train.global_batch_size=3"],
@@ -104,7 +112,8 @@ MORE: dict[str, Bad] = {
     "moe/per-stage-layouts": bad(["model=gpt_moe", "+parallel=pp_stages"], "parallel.pipeline.stages",
                                  ["per-stage layouts is not built yet"], ["parallel.pipeline.stages=null"]),
     "moe/ep-beside-ddp": bad(["model=gpt_moe", "+parallel=fsdp_ep", "mesh=[2,2]", "parallel.data_parallel.mode=ddp"],
-                             "parallel.data_parallel.mode", ["fsdp, zero2 or hsdp, not ddp"], ["parallel.data_parallel.mode=fsdp"]),
+                             "parallel.data_parallel.mode", ["fsdp, zero2 or hsdp, not ddp"],
+                             ["parallel.data_parallel.mode=fsdp"]),
     "moe/sequence-parallel": bad(["model=gpt_moe", "+parallel=tp_sp"], "parallel.tensor_parallel.sequence_parallel",
                                  ["not built yet"], ["parallel.tensor_parallel.sequence_parallel=false"]),
     "moe/activation-checkpointing": bad(["model=gpt_moe", "+parallel=fsdp", "parallel.activation_checkpointing=full"],
@@ -112,7 +121,8 @@ MORE: dict[str, Bad] = {
                                         ["parallel.activation_checkpointing=none"]),
     # `selective` is Megatron's attention-core recomputation of every block; every n-th block is `full`'s knob.
     "ac/selective-every-n": bad(["+parallel=fsdp", "mesh=[2]", "parallel.activation_checkpointing=selective",
-                                 "parallel.activation_checkpointing_every=2"], "parallel.activation_checkpointing_every",
+                                 "parallel.activation_checkpointing_every=2"],
+                                "parallel.activation_checkpointing_every",
                                 ["attention core", "full with activation_checkpointing_every"],
                                 ["parallel.activation_checkpointing=full"]),
     "ac/selective-without-attention": bad([*_EMBEDDING, "+parallel=fsdp", "mesh=[2]",
@@ -122,10 +132,12 @@ MORE: dict[str, Bad] = {
     "ac/selective-with-cp": bad(["+parallel=cp", "parallel.activation_checkpointing=selective"],
                                 "parallel.activation_checkpointing", ["context parallelism", "not built"],
                                 ["parallel.activation_checkpointing=full"]),
-    "moe/compile": bad(["model=gpt_moe", "train.compile=true"], "train.compile", ["not tested yet"], ["train.compile=false"]),
+    "moe/compile": bad(["model=gpt_moe", "train.compile=true"], "train.compile", ["not tested yet"],
+                       ["train.compile=false"]),
     # Knobs that spend disk, CPU, time or memory have ceilings (issue 36); the fix is the ceiling itself.
     "ceiling/checkpoints-kept": bad(["train.checkpoint.keep=1000000", "train.checkpoint.every=1"],
-                                    "train.checkpoint.keep", ["less than or equal to 1000"], ["train.checkpoint.keep=1000"]),
+                                    "train.checkpoint.keep", ["less than or equal to 1000"],
+                                    ["train.checkpoint.keep=1000"]),
     "ceiling/metrics-interval": bad(["tracking.system_metrics_interval=0.001"], "tracking.system_metrics_interval",
                                     ["greater than or equal to 1"], ["tracking.system_metrics_interval=1"]),
     "ceiling/timeline-steps": bad(["tracking.timeline_steps=1000000"], "tracking.timeline_steps",
@@ -160,7 +172,8 @@ HOST: dict[str, tuple[Bad, dict[str, object]]] = {  # (case, {what the validator
                              {"CXX": "no-such-c++", _WHICH: lambda program: None}),
     "host/only-clang": (bad(["train.compile=true"], "train.compile", ["no g++ on PATH"]),
                         {_WHICH: lambda program: "/usr/bin/clang++" if program == "clang++" else None}),
-    "host/no-compiler": (bad(["train.compile=true"], "train.compile", ["none was found"]), {_WHICH: lambda program: None}),
+    "host/no-compiler": (bad(["train.compile=true"], "train.compile", ["none was found"]),
+                         {_WHICH: lambda program: None}),
     "host/no-mallopt": (bad(["launch.unmap_freed_memory=true"], "launch.unmap_freed_memory", ["mallopt"]),
                         {"trainer.validate.checks.has_mallopt": lambda: False}),
 }
@@ -168,7 +181,8 @@ HOST: dict[str, tuple[Bad, dict[str, object]]] = {  # (case, {what the validator
 _PASSED_ON = "passes on the fix of the error it reports (an HFModelError's, a CustomModelError's, ...), prose there"
 PROSE: dict[str, tuple[str, str]] = {
     # phrase of the ConfigIssue(...) source: (file it is in, why its fix names no override)
-    "module {name}: only a Shard input": ("layout.py", "the fix is to remove a layout or add placements: the user's globs"),
+    "module {name}: only a Shard input": ("layout.py", "the fix is to remove a layout or add placements: the "
+                                                       "user's globs"),
     "provides no named plans": ("layout.py", "the user writes placement globs of their own model"),
     '"pass a YAML mapping"': ("checks.py", "a document, not an override, is wrong"),
     "explicit rank ids must form": ("checks.py", "the user's own rank ids: an example, no override"),

@@ -130,7 +130,8 @@ CASES: dict[str, Bad] = {
         ["+parallel=fsdp", "parallel.data_parallel.mode=zero3"], "parallel.data_parallel.mode",
         ["'zero3'", "'ddp'", "'fsdp'", "'zero2'", "'hsdp'"], ["one of the listed values"]),
     "schema/bad-placement-string": bad(
-        ["+parallel=tp"], placement_path(WO, "tp"), ["'Shard(x)' is not a placement", "Shard(<tensor dim>)", "Replicate"],
+        ["+parallel=tp"], placement_path(WO, "tp"),
+        ["'Shard(x)' is not a placement", "Shard(<tensor dim>)", "Replicate"],
         ["valid value"], edit=put("parallel", "placements", WO, "tp", "Shard(x)")),
     "schema/placement-not-a-string": bad(
         ["+parallel=tp"], placement_path(WO, "tp"), ["expected a placement string", "got 1"],
@@ -217,7 +218,8 @@ CASES: dict[str, Bad] = {
         ["+parallel=pp", "mesh=[8]", "parallel.pipeline.microbatches=8"], "parallel.pipeline.boundaries",
         ["auto needs 8 stages", "only 7 pieces", "tok_embeddings, layers.0"], ["smaller pp size", "deeper model"]),
     "pipeline/auto-too-many-interleaved-stages": bad(
-        ["+parallel=pp", "mesh=[4]", "parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.stages_per_rank=2"],
+        ["+parallel=pp", "mesh=[4]", "parallel.pipeline.schedule=Interleaved1F1B",
+         "parallel.pipeline.stages_per_rank=2"],
         "parallel.pipeline.boundaries", ["auto needs 8 stages", "only 7 pieces"]),
     # --------------------------------------------------------------------------- placements
     "placements/glob-matches-nothing": bad(
@@ -232,7 +234,8 @@ CASES: dict[str, Bad] = {
         ["Shard(d) or Replicate", "layouts"], edit=put("parallel", "placements", WO, "tp", "Partial")),
     "placements/on-dp-axis": bad(
         ["+parallel=2d"], placement_path("tok_embeddings.weight", "dp"), ["axis 'dp' is the data_parallel axis"],
-        ["only on tensor-parallel axes"], edit=put("parallel", "placements", "tok_embeddings.weight", {"dp": "Shard(0)"})),
+        ["only on tensor-parallel axes"], edit=put("parallel", "placements", "tok_embeddings.weight",
+                                                   {"dp": "Shard(0)"})),
     "placements/on-pp-axis": bad(
         ["+parallel=3d"], placement_path("tok_embeddings.weight", "pp"), ["axis 'pp' is the pipeline axis"],
         edit=put("parallel", "placements", "tok_embeddings.weight", {"pp": "Shard(0)"})),
@@ -250,7 +253,8 @@ CASES: dict[str, Bad] = {
     "placements/named-plan-uneven-over-8": bad(  # the same through the model's megatron plan
         ["+parallel=tp", "mesh=[8]"], f'parallel.tensor_parallel.plan[megatron]["{W13}"].tp',
         ["Shard(0) splits dim 0 of size 172 over 8 ranks; 172 is not divisible by 8"],
-        ["use a tp size dividing 172, or Replicate: 'parallel.placements={\"layers.*.mlp.w[13].weight\": {tp: Replicate}}'"]),
+        ["use a tp size dividing 172, or Replicate: 'parallel.placements={\"layers.*.mlp.w[13].weight\": {tp: "
+         "Replicate}}'"]),
     "placements/uneven-2d-tensor-parallel": bad(
         ["+parallel=tp", "mesh=[2,4]", "parallel.dims=[tp,tp2]"], placement_path(W13, "tp2"),
         ["Shard(0) splits dim 0 of size 172 over 8 ranks (tp x tp2); 172 is not divisible by 8"],
@@ -261,7 +265,8 @@ CASES: dict[str, Bad] = {
         edit=put("parallel", "placements", WQKV, {"tp": "Shard(0)"})),
     "placements/named-plan-heads-not-divisible-by-tp": bad(
         ["+parallel=tp", "mesh=[4]"], f'parallel.tensor_parallel.plan[megatron]["{WQKV}"].tp',
-        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "or Replicate: 'parallel.placements={"]),
+        ["split by heads", "model.n_kv_heads=2 over tp size 4"], ["tp size dividing 2", "or Replicate: "
+                                                                                        "'parallel.placements={"]),
     "placements/overlapping-globs": bad(
         ["+parallel=tp"], placement_path("layers.0.attn.wq.weight"),
         ["parameter layers.0.attn.wq.weight is also matched by 'layers.*.attn.w[qkv].weight'"], ["disjoint"],
@@ -286,16 +291,19 @@ CASES: dict[str, Bad] = {
     # -------------------------------------------------------------------- batch, model, misc
     "batch/not-divisible-by-dp-x-microbatches": bad(
         ["+parallel=3d", "train.global_batch_size=12"], "train.global_batch_size",
-        ["12 sequences", "dp size 2 x microbatches 4 x grad_accum 1 = 8"], ["multiple of 8", "e.g. train.global_batch_size=16"]),
+        ["12 sequences", "dp size 2 x microbatches 4 x grad_accum 1 = 8"],
+        ["multiple of 8", "e.g. train.global_batch_size=16"]),
     "batch/not-divisible-with-grad-accum": bad(
         ["+parallel=fsdp", "train.global_batch_size=16", "train.grad_accum=3"], "train.global_batch_size",
-        ["16 sequences", "dp size 2 x microbatches 1 x grad_accum 3 = 6"], ["multiple of 6", "e.g. train.global_batch_size=18"]),
+        ["16 sequences", "dp size 2 x microbatches 1 x grad_accum 3 = 6"],
+        ["multiple of 6", "e.g. train.global_batch_size=18"]),
     "model/seq-len-over-max": bad(
         ["train.seq_len=1000"], "train.seq_len", ["1000 is longer than model.max_seq_len 256"], ["seq_len <= 256"]),
     "model/mlp-with-text-data": bad(
         ["model=mlp"], "data.kind", ["model mlp cannot train on text data"], ["data=regression"]),
     "model/llama-with-regression-data": bad(
-        ["data=regression"], "data.kind", ["model llama cannot train on regression data"], ["data=text", "data=synthetic"]),
+        ["data=regression"], "data.kind", ["model llama cannot train on regression data"],
+        ["data=text", "data=synthetic"]),
     "model/heads-do-not-divide-dim": bad(
         ["model.n_heads=5", "model.n_kv_heads=null"], "model.n_heads", ["dim 64 does not split into 5 heads"]),
     "model/kv-heads-do-not-group": bad(
@@ -317,7 +325,8 @@ CASES: dict[str, Bad] = {
     "train/compile-with-zero-bubble-schedule": bad(
         ["+parallel=pp", "parallel.pipeline.schedule=ZBV", "parallel.pipeline.stages_per_rank=2", "train.compile=true"],
         "train.compile", ["parallel.pipeline.schedule ZBV", "re-runs its whole backward"],
-        ["parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1",
+        ["parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.schedule=1F1B "
+                                                       "parallel.pipeline.stages_per_rank=1",
          "train.compile=false"]),
     "launch/node-rank-not-below-nnodes": bad(
         ["launch.node_rank=1"], "launch.node_rank", ["1 is not below launch.nnodes 1"], ["from 0 to 0"]),
@@ -429,12 +438,13 @@ def test_the_cli_names_a_typo_and_sets_keys_a_preset_does_not_state(tmp_path):
     assert unstated.returncode == 0 and unstated.stdout.startswith("config OK"), unstated.stderr
 
 
-_PARALLEL_OPTIONS = ("options in trainer/conf/parallel: 2d, 3d, 3d_cp, 3d_ep, auto, cp, dp, ep, fsdp, fsdp_cp, fsdp_ep, "
-                     "hsdp, hsdp_tp, pp, pp_stages, tp, tp_sp, zero2")
+_PARALLEL_OPTIONS = ("options in trainer/conf/parallel: 2d, 3d, 3d_cp, 3d_ep, auto, cp, dp, ep, fsdp, "
+                     "fsdp_cp, fsdp_ep, hsdp, hsdp_tp, pp, pp_stages, tp, tp_sp, zero2")
 
 
 @pytest.mark.parametrize(("typed", "line"), [
-    ("+parallel=fdsp", "parallel: unknown option 'fdsp' of config group parallel (did you mean fsdp? write +parallel=fsdp; "
+    ("+parallel=fdsp", "parallel: unknown option 'fdsp' of config group parallel (did you mean fsdp? write "
+                       "+parallel=fsdp; "
                        f"{_PARALLEL_OPTIONS})"),
     ("model=gpt_mo", "model: unknown option 'gpt_mo' of config group model (did you mean gpt_moe? write model=gpt_moe; "
                      "options in trainer/conf/model: custom, gpt_175b, gpt_debug, gpt_moe, gpt_small, hf, mlp)"),

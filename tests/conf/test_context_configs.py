@@ -17,7 +17,8 @@ from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import plan_numbers
 from trainer.validate.checks import validate_config, validate_with_plan
 
-_EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
+_EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, "
+                                                                  "embedding_dim: 256}"]
 
 CASES: dict[str, Bad] = {
     "cp/seq-len-not-in-2cp-chunks": bad(
@@ -27,11 +28,13 @@ CASES: dict[str, Bad] = {
     "cp/sequence-parallel-on-a-cp-share": bad(
         ["+parallel=3d_cp", "mesh=[1,2,4]", "parallel.tensor_parallel.sequence_parallel=true", "train.seq_len=36",
          "model.n_kv_heads=4"],
-        "train.seq_len", ["36 tokens (18 per cp rank) do not split evenly over the sequence-parallel axis 'tp' of size 4"],
+        "train.seq_len", ["36 tokens (18 per cp rank) do not split evenly over the sequence-parallel axis "
+                          "'tp' of size 4"],
         ["multiple of 8", "train.seq_len=32"]),
     "cp/with-compile": bad(
         ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
-        ["torch.compile with context parallelism is not built yet"], ["train.compile=false", "parallel.context_parallel=null"]),
+        ["torch.compile with context parallelism is not built yet"],
+        ["train.compile=false", "parallel.context_parallel=null"]),
     "cp/on-per-stage-layouts": bad(
         ["+parallel=pp_stages", "mesh=[2,2]", "parallel.dims=[pp,cp]", "+parallel.context_parallel={dim: cp}"],
         "parallel.context_parallel", ["on per-stage layouts (parallel.pipeline.stages) is not built yet"],
@@ -84,7 +87,8 @@ def test_hsdp_folds_cp_into_its_shard_axis():
     cfg, plan = _validated("+parallel=hsdp", "mesh=[2,2,2]", "parallel.dims=[dp_replicate,dp_shard,cp]",
                            "+parallel.context_parallel={dim: cp}")
     dp = plan.param_data_parallel
-    assert (dp.mode, dp.dim_names, dp.shard_dim_names) == ("hsdp", ("dp_replicate", "dp_shard", "cp"), ("dp_shard", "cp"))
+    assert (dp.mode, dp.dim_names, dp.shard_dim_names) == ("hsdp", ("dp_replicate", "dp_shard", "cp"),
+                                                           ("dp_shard", "cp"))
     assert (cfg.dp_size, plan.cp_size) == (4, 2)
     model = build_model(cfg.model, device="meta")
     held = plan_numbers(cfg, plan, model=model).per_pp_rank[0].param_bytes / 4  # fp32
@@ -92,7 +96,8 @@ def test_hsdp_folds_cp_into_its_shard_axis():
 
 
 @pytest.mark.parametrize("layout", [["+parallel=cp", "mesh=[2]"], ["+parallel=fsdp_cp", "mesh=[2,2]"],
-                                    ["+parallel=ep", "mesh=[2,2]", "parallel.dims=[ep,cp]", "+parallel.context_parallel={dim: cp}"]],
+                                    ["+parallel=ep", "mesh=[2,2]", "parallel.dims=[ep,cp]",
+                                     "+parallel.context_parallel={dim: cp}"]],
                          ids=["cp", "fsdp_cp", "ep_cp"])
 def test_a_mixture_of_experts_with_cp_is_built_and_planned(layout):
     """gpt_moe on cp layouts validates with the model-side checks (tests/dist/test_context.py trains them) and the
@@ -147,5 +152,6 @@ def test_a_cuda_run_is_priced_with_the_ring_it_runs():
     4 rows x 4 heads x 256 x 256 x 4 bytes, 4 blocks, 4 layers, 16 MiB at least beside these)."""
     row = ["+parallel=cp", "mesh=[4]", "train.seq_len=2048", "model.max_seq_len=2048", "train.global_batch_size=4"]
     (cpu,) = predict_memory(*validate_with_plan(compose_dict([*row, "tracking=none"])))
-    (gpu,) = predict_memory(*validate_with_plan(compose_dict([*row, "hardware=h100_sxm", "dry_run=true", "tracking=none"])))
+    (gpu,) = predict_memory(*validate_with_plan(compose_dict([*row, "hardware=h100_sxm", "dry_run=true",
+                                                              "tracking=none"])))
     assert gpu.activations == pytest.approx(cpu.activations)

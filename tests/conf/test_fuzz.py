@@ -46,7 +46,8 @@ BASES: dict[str, dict[str, Any]] = {
 
 AXES = ["dp", "pp", "tp", "sp", "dp_replicate", "dp_shard", "ep"]
 ODD_AXES = ["", "d-p", "0"]
-PLACEMENTS = ["Shard(0)", "Shard(1)", "Shard(2)", "Shard(-1)", "Replicate", "Partial", "Partial(max)", "S(0)", "Shard(x)"]
+PLACEMENTS = ["Shard(0)", "Shard(1)", "Shard(2)", "Shard(-1)", "Replicate", "Partial", "Partial(max)", "S(0)",
+              "Shard(x)"]
 MODULES = ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "norm", "output", "w0", "nope"]
 MEGATRON = {  # glob -> the tensor dim tensor parallel shards (column, then row)
     "layers.*.attn.w[qkv].weight": 0,
@@ -325,7 +326,8 @@ def _break(draw, raw: dict[str, Any]) -> None:
         pipeline = par.setdefault("pipeline", {"dim": names[0] if names else "pp"})
         pipeline["boundaries"] = draw(st.one_of(st.just("auto"), st.lists(st.sampled_from(MODULES), max_size=5)))
     elif what == "placement":
-        axes = draw(st.dictionaries(st.sampled_from(AXES + ODD_AXES), st.sampled_from(PLACEMENTS), min_size=1, max_size=2))
+        axes = draw(st.dictionaries(st.sampled_from(AXES + ODD_AXES), st.sampled_from(PLACEMENTS), min_size=1,
+                                    max_size=2))
         par["placements"][draw(st.sampled_from(GLOBS))] = axes
     elif what == "layout":
         side = draw(st.sampled_from(["input", "output"]))

@@ -60,7 +60,8 @@ def test_unsupported_checkpoints_are_refused_at_model_path(tmp_path, changes, re
 
 def test_missing_directory_and_missing_path(tmp_path):
     (issue,) = _issues(["model=hf"])
-    assert issue == ("model.path", "model=hf needs a model directory", "set model.path=DIR (a directory with config.json)")
+    assert issue == ("model.path", "model=hf needs a model directory",
+                     "set model.path=DIR (a directory with config.json)")
     (issue,) = _issues(["model=hf", f"model.path={tmp_path / 'nowhere'}"])
     assert issue[0] == "model.path" and "config.json" in issue[1] and "does not exist" in issue[1]
 

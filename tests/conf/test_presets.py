@@ -62,7 +62,8 @@ def group_overrides(group: str, option: str) -> list[str]:
         overrides.append(f"data={DATA_FOR_ARCH[arch]}")
     elif group == "data":
         kind = _section(group, option).get("kind")
-        assert kind in MODEL_FOR_DATA_KIND, f"conf/data/{option}.yaml: kind {kind!r} unknown; extend MODEL_FOR_DATA_KIND"
+        assert kind in MODEL_FOR_DATA_KIND, \
+            f"conf/data/{option}.yaml: kind {kind!r} unknown; extend MODEL_FOR_DATA_KIND"
         overrides.append(f"model={MODEL_FOR_DATA_KIND[kind]}")
     return overrides
 
@@ -109,7 +110,8 @@ def test_group_option_validates(overrides, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(llama_hf_config(LlamaConfig())))
         overrides = [*overrides, f"model.path={tmp_path}"]
     if overrides[0] == "model=custom":  # any importable builder: an embedding table is a (tiny) language model
-        overrides = [*overrides, "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
+        overrides = [*overrides, "model.builder=torch.nn:Embedding", "model.kwargs={num_embeddings: 256, "
+                                                                     "embedding_dim: 256}"]
     if overrides[0] == "data=files":  # files are the data: give it one (byte-level tokens, the default)
         (tmp_path / "corpus.txt").write_text("some text " * 100)
         overrides = [*overrides, f"data.paths=[{tmp_path}/*.txt]"]
@@ -138,7 +140,8 @@ def test_group_option_validates(overrides, tmp_path):
 
 def _experts_preset(preset: str) -> bool:
     """Whether the preset splits experts (``parallel.expert_parallel``): it needs a model with experts."""
-    return "expert_parallel" in (yaml.safe_load((CONF_DIR / "parallel" / f"{preset}.yaml").read_text())["parallel"] or {})
+    return "expert_parallel" in (yaml.safe_load((CONF_DIR / "parallel" / f"{preset}.yaml").read_text())["parallel"]
+                                 or {})
 
 
 # What the mixture-of-experts model is refused on until it is built there (tests/conf/fix_catalogue.py has the fixes).
@@ -317,7 +320,8 @@ def test_cli_bad_override_exits_2_before_any_worker(tmp_path):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("invalid config: 4 problems")
     assert (
-        '  - parallel.tensor_parallel.plan[megatron]["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 of size 172 '
+        '  - parallel.tensor_parallel.plan[megatron]["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 '
+        'of size 172 '
         "over 8 ranks; 172 is not divisible by 8 (use a tp size dividing 172, or Replicate: "
         "'parallel.placements={\"layers.*.mlp.w[13].weight\": {tp: Replicate}}')"
     ) in proc.stderr.splitlines()

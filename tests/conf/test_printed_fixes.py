@@ -66,8 +66,9 @@ def fix_groups(fix: str) -> list[list[str]]:
 
 
 def test_fix_groups_reads_a_fix_as_a_shell_would():
-    fix = ("use a tp size dividing 2, or replicate them: 'parallel.placements={\"layers.*.w[qkv].weight\": {tp: Replicate}}'"
-           " (or set parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1, or train.compile=false).")
+    fix = ("use a tp size dividing 2, or replicate them: 'parallel.placements={\"layers.*.w[qkv].weight\": {tp: "
+           "Replicate}}' (or set parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1, or "
+           "train.compile=false).")
     assert fix_groups(fix) == [['parallel.placements={"layers.*.w[qkv].weight": {tp: Replicate}}'],
                                ["parallel.pipeline.schedule=1F1B", "parallel.pipeline.stages_per_rank=1"],
                                ["train.compile=false"]]

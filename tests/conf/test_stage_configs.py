@@ -25,21 +25,27 @@ CASES: dict[str, Bad] = {
     "ranks-overlap": bad(["+parallel=pp_stages"], "parallel.pipeline.stages[1].ranks", ["rank 1 is also in stage 0"],
                          ["exactly one stage"], edit=stage_put(1, "ranks", [1, 2])),
     "rank-does-not-exist": bad(["+parallel=pp_stages"], "parallel.pipeline.stages[1].ranks",
-                               ["rank 7 does not exist", "0..3"], ["ranks below 4"], edit=stage_put(1, "ranks", [2, 7])),
-    "unequal-stage-sizes": bad(["+parallel=pp_stages", "mesh=[4]"], "parallel.pipeline.stages", ["[1, 3] ranks", "lanes"],
-                               ["give every stage 3 ranks"], edit=both(stage_put(0, "ranks", [0]), stage_put(1, "ranks", [1, 2, 3]))),
-    "ranks-in-no-stage": bad(["+parallel=pp_stages", "mesh=[6]"], "parallel.pipeline.stages", ["ranks [4, 5]", "no stage"],
+                               ["rank 7 does not exist", "0..3"], ["ranks below 4"],
+                               edit=stage_put(1, "ranks", [2, 7])),
+    "unequal-stage-sizes": bad(["+parallel=pp_stages", "mesh=[4]"], "parallel.pipeline.stages",
+                               ["[1, 3] ranks", "lanes"],
+                               ["give every stage 3 ranks"], edit=both(stage_put(0, "ranks", [0]),
+                                                                       stage_put(1, "ranks", [1, 2, 3]))),
+    "ranks-in-no-stage": bad(["+parallel=pp_stages", "mesh=[6]"], "parallel.pipeline.stages",
+                             ["ranks [4, 5]", "no stage"],
                              ["mesh=[4]"]),
     "top-level-placements": bad(["+parallel=pp_stages"], "parallel.placements", ["each stage has its own layout"],
                                 ["parallel.pipeline.stages[i].placements"],
                                 edit=put("parallel", "placements", {"output.weight": {"pp": "Replicate"}})),
     "interleaved-schedule": bad(["+parallel=pp_stages", "parallel.pipeline.schedule=Interleaved1F1B",
                                  "parallel.pipeline.stages_per_rank=2"], "parallel.pipeline.schedule",
-                                ["one stage per rank"], ["parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1"]),
+                                ["one stage per rank"], ["parallel.pipeline.schedule=1F1B "
+                                                         "parallel.pipeline.stages_per_rank=1"]),
     "unknown-stage-axis": bad(["+parallel=pp_stages"], 'parallel.pipeline.stages[1].placements["output.weight"].tq',
                               ["not one of this stage's dims ['tp']"], ["parallel.pipeline.stages[1].dims"],
                               edit=stage_put(1, "placements", {"output.weight": {"tq": "Shard(0)"}})),
-    "placement-on-stage-dp-axis": bad(["+parallel=pp_stages"], 'parallel.pipeline.stages[0].placements["layers.0.*"].dp',
+    "placement-on-stage-dp-axis": bad(["+parallel=pp_stages"],
+                                      'parallel.pipeline.stages[0].placements["layers.0.*"].dp',
                                       ["data-parallel axis"], ["other axes"],
                                       edit=stage_put(0, "placements", {"layers.0.*": {"dp": "Shard(0)"}})),
     "glob-names-another-stages-parameter": bad(
@@ -57,7 +63,8 @@ CASES: dict[str, Bad] = {
                                              ["0 boundaries make 1 stages", "parallel.pipeline.stages lists 2"],
                                              ["give 1 boundary"]),
     "batch-rows-do-not-split-over-lanes": bad(["+parallel=pp_stages", "train.global_batch_size=12"],
-                                              "train.global_batch_size", ["dp size 2 x microbatches 4"], ["multiple of 8"]),
+                                              "train.global_batch_size", ["dp size 2 x microbatches 4"],
+                                              ["multiple of 8"]),
     "explicit-rank-ids-with-stages": bad(["+parallel=pp_stages", "mesh=[[0,1],[2,3]]", "parallel.dims=[pp,x]"], "mesh",
                                          ["stages already say"], ["mesh=[2,2]"]),
     "stage-tp-splits-heads": bad(["+parallel=pp_stages", "mesh=[8]"],
@@ -87,8 +94,10 @@ def test_each_stage_resolves_its_own_layout():
     assert first.layout.data_parallel.mode == "fsdp" and dict(first.layout.placements) == {}
     assert second.layout.data_parallel is None
     placed = {fqn: {a: str(p) for a, p in axes.items()} for fqn, axes in second.layout.placements.items()}
-    assert placed["layers.2.attn.wq.weight"] == {"tp": "Shard(0)"} and placed["layers.3.mlp.w2.weight"] == {"tp": "Shard(1)"}
-    assert placed.pop("output.weight") == {"tp": "Shard(0)"}  # loss parallel: the stage's head split over the vocabulary
+    assert placed["layers.2.attn.wq.weight"] == {"tp": "Shard(0)"}
+    assert placed["layers.3.mlp.w2.weight"] == {"tp": "Shard(1)"}
+    # loss parallel: the stage's head split over the vocabulary
+    assert placed.pop("output.weight") == {"tp": "Shard(0)"}
     assert all(f.startswith(("layers.2.", "layers.3.")) for f in placed), sorted(placed)
     assert len(placed) == 2 * 7  # wq, wk, wv, wo, w1, w2, w3 of each of the stage's two blocks
 
@@ -96,6 +105,7 @@ def test_each_stage_resolves_its_own_layout():
 def test_examples_are_the_seeds_stage_meshes():
     _, plan = validate_with_plan(compose("+examples=stages_dp_x_tp"))
     assert [s.rank_ids for s in plan.pipeline.stages] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    assert [str(s.layout.placements[w]["mp"]) for s, w in zip(plan.pipeline.stages, ("w0", "w1"))] == ["Shard(1)", "Shard(0)"]
+    assert [str(s.layout.placements[w]["mp"]) for s, w in zip(plan.pipeline.stages,
+                                                              ("w0", "w1"))] == ["Shard(1)", "Shard(0)"]
     _, plan = validate_with_plan(compose("+examples=stages_dp_then_tp"))
     assert [s.layout.data_parallel and s.layout.data_parallel.mode for s in plan.pipeline.stages] == ["ddp", None]

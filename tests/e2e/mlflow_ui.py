@@ -220,7 +220,8 @@ def screenshot(page, path: Path, *, max_height: int = 4000) -> Path:
             const shown = e => {
                 let bottom = e.getBoundingClientRect().bottom;
                 for (let a = e.parentElement; a && a !== panel; a = a.parentElement)
-                    if (getComputedStyle(a).overflowY !== 'visible') bottom = Math.min(bottom, a.getBoundingClientRect().bottom);
+                    if (getComputedStyle(a).overflowY !== 'visible')
+                        bottom = Math.min(bottom, a.getBoundingClientRect().bottom);
                 return bottom;
             };
             const leaves = Array.from(panel.querySelectorAll('*')).filter(e => e.childElementCount === 0
@@ -290,7 +291,9 @@ def expect_model_training_view(page, experiment_id: str, experiment_name: str) -
         expect(page.get_by_role("link", name=name, exact=True).first,
                f"the model-training view's link {name!r}").to_be_visible()
     expect(page.get_by_role("link", name="Runs", exact=True).first,
-           "the link to the experiment's runs").to_have_attribute("href", re.compile(rf"#/experiments/{experiment_id}/runs\b"))
+           "the link to the experiment's runs").to_have_attribute("href",
+                                                                  re.compile(rf"#/experiments/{experiment_id}/runs\b"))
     for name in GENAI_ONLY_LINKS:
         expect(page.get_by_role("link", name=name, exact=True), f"the GenAI view's link {name!r}").to_have_count(0)
-    expect(page.get_by_test_id("experiment-runs-link"), "the experiment in the breadcrumb").to_have_text(experiment_name)
+    expect(page.get_by_test_id("experiment-runs-link"),
+           "the experiment in the breadcrumb").to_have_text(experiment_name)

@@ -49,7 +49,8 @@ def test_the_summary_reports_what_the_step_lines_do(compose, capsys):
     speed_line = text.splitlines()[2]
     whole, last = speed_line.split(" | ")
     assert whole == f"  mean {tokens * 5 / sum(times[1:]):,.0f} tok/s over steps 2-6 (step 1 left out: start-up)"
-    assert last == f"last step line (steps 5-6): loss {sum(losses[4:6]) / 2:.4f}, {_TOKS.search(steps[1]).group(1)} tok/s"
+    tokens_per_s = _TOKS.search(steps[1]).group(1)
+    assert last == f"last step line (steps 5-6): loss {sum(losses[4:6]) / 2:.4f}, {tokens_per_s} tok/s"
 
     first_peak = result.peak_memory_mb
     second_peak = _train(cfg, NullProgress()).peak_memory_mb

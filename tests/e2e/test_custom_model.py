@@ -93,7 +93,8 @@ def test_custom_module_trains_with_explicit_placements_and_parity(package, tmp_p
 
 def test_custom_model_errors_name_the_field(package, tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
-    proc = run_cli(["model=custom", "model.builder=my_models.nowhere:build", "validate_only=true"], cwd=tmp_path, env=env)
+    proc = run_cli(["model=custom", "model.builder=my_models.nowhere:build", "validate_only=true"], cwd=tmp_path,
+                   env=env)
     assert proc.returncode == 2 and "model.builder: cannot import 'my_models.nowhere'" in proc.stderr
     proc = run_cli(["model=custom", "model.builder=my_models.net:build", "model.kwargs={colour: red}",
                     "validate_only=true"], cwd=tmp_path, env=env)
@@ -115,7 +116,8 @@ def test_registered_model_by_name_from_cli_and_rest(package, tmp_path, monkeypat
     proc = run_cli(["model=custom", "model.name=tiny_net", "validate_only=true"], cwd=tmp_path, env=env)
     assert proc.returncode == 0 and proc.stdout.startswith("config OK: custom model"), proc.stderr
     monkeypatch.syspath_prepend(str(package))
-    cfg, _ = resolve_config(overrides=["model=custom", "model.name=tiny_net", "model.kwargs={width: 16}"], document=None,
+    cfg, _ = resolve_config(overrides=["model=custom", "model.name=tiny_net", "model.kwargs={width: 16}"],
+                            document=None,
                             workspace=tmp_path, workdir=tmp_path / "job", tracking_uri="sqlite:///x.db", run_id=None)
     assert (cfg.model.name, cfg.model.kwargs) == ("tiny_net", {"width": 16})
 

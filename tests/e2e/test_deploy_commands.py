@@ -36,8 +36,10 @@ def _compose_service(name: str, env: dict[str, str]) -> dict:
     interpolates ${...} from .env.example and ``env``)."""
     binary = Path(compose.__file__).parent / "docker-compose"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MESHFLOW_", "COMPOSE_", "DOCKER_", "MLFLOW_"))}
-    result = subprocess.run([str(binary), "-f", str(DEPLOY / "docker-compose.yml"), "--env-file", str(DEPLOY / ".env.example"),
-                             "config", "--format", "json"], capture_output=True, text=True, timeout=scaled(60), env={**clean, **env})
+    result = subprocess.run([str(binary), "-f", str(DEPLOY / "docker-compose.yml"), "--env-file",
+                             str(DEPLOY / ".env.example"),
+                             "config", "--format", "json"], capture_output=True, text=True, timeout=scaled(60),
+                            env={**clean, **env})
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["services"][name]
 
@@ -87,7 +89,8 @@ def test_compose_mlflow_and_api_commands_run_and_mlflow_checks_hosts(tmp_path):
     # the k8s manifest sets the same variable; it is the one `mlflow server --allowed-hosts` reads
     (option,) = [p for p in mlflow.cli.server.params if p.name == "allowed_hosts"]
     assert option.envvar == "MLFLOW_SERVER_ALLOWED_HOSTS" and option.envvar in mlflow_service["environment"]
-    k8s_mlflow = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "mlflow.yaml").read_text()) if d and d["kind"] == "Deployment"]
+    k8s_mlflow = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "mlflow.yaml").read_text()) if d
+                  and d["kind"] == "Deployment"]
     k8s_env = {e["name"] for e in k8s_mlflow[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert option.envvar in k8s_env
 
@@ -121,5 +124,6 @@ def test_compose_mlflow_and_api_commands_run_and_mlflow_checks_hosts(tmp_path):
         api_url = f"http://127.0.0.1:{api_port}"
         with _process([sys.executable, *api_command[1:]], api_env, tmp_path / "api.log", f"{api_url}/readyz"):
             assert httpx.get(f"{api_url}/v1/jobs", timeout=scaled(30)).status_code == 401
-            listed = httpx.get(f"{api_url}/v1/jobs", headers={"Authorization": "Bearer change-me-token"}, timeout=scaled(30))
+            listed = httpx.get(f"{api_url}/v1/jobs", headers={"Authorization": "Bearer change-me-token"},
+                               timeout=scaled(30))
             assert listed.status_code == 200, listed.text

@@ -49,7 +49,8 @@ def server(tmp_path_factory) -> Iterator[Server]:
 def operations(server) -> dict[tuple[str, str], str]:
     """``{(METHOD, path): summary}`` of every operation in the server's OpenAPI document."""
     document = httpx.get(f"{server.url}/openapi.json", timeout=scaled(60)).json()
-    return {(method.upper(), path): op["summary"] for path, ops in document["paths"].items() for method, op in ops.items()}
+    return {(method.upper(), path): op["summary"] for path, ops in document["paths"].items() for method,
+            op in ops.items()}
 
 
 @pytest.fixture
@@ -77,7 +78,8 @@ def test_swagger_ui_renders_every_operation_without_network(server, operations, 
     page.goto(f"{server.url}/docs")
     blocks = page.locator(".opblock")
     expect(blocks).to_have_count(len(operations))  # one block per operation, once the document is rendered
-    create = page.locator(".opblock-post", has=page.locator(".opblock-summary-path", has_text=re.compile(r"^/v1/jobs$")))
+    create = page.locator(".opblock-post", has=page.locator(".opblock-summary-path",
+                                                            has_text=re.compile(r"^/v1/jobs$")))
     expect(create.locator(".opblock-summary-description")).to_have_text(operations["POST", "/v1/jobs"])
     shown = {(block.locator(".opblock-summary-method").inner_text(),
               block.locator(".opblock-summary-path").inner_text().replace("\u200b", ""))  # Swagger UI's break hints

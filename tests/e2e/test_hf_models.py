@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 VOCAB = 320
 LAYOUTS = {"3d": ["+parallel=3d", "mesh=[2,2,2]"], "fsdp": ["+parallel=fsdp", "mesh=[2]"],
            "tp_sp": ["+parallel=tp_sp", "mesh=[2]"]}
-EVAL_STEPS = [0, 2, 4, 5]  # before step 1 (weights loaded: train.eval_at_start), train.eval_every=2, after the last step
+# before step 1 (weights loaded: train.eval_at_start), train.eval_every=2, after the last step
+EVAL_STEPS = [0, 2, 4, 5]
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,8 @@ def _assert_generate_is_greedy_decoding(checkpoint, exported, hf_dir) -> None:
     from transformers import AutoModelForCausalLM
 
     proc = subprocess.run([sys.executable, "-m", "trainer.generate", str(checkpoint), "--prompt", "the mesh shards",
-                           "--temperature", "0", "--max-new-tokens", "12"], capture_output=True, text=True, timeout=scaled(300))
+                           "--temperature", "0", "--max-new-tokens", "12"], capture_output=True, text=True,
+                          timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     prompt = torch.tensor([tok.encode("the mesh shards", add_special_tokens=False).ids])
@@ -159,7 +161,8 @@ def _assert_generate_is_greedy_decoding(checkpoint, exported, hf_dir) -> None:
 
 
 def run_cli_export(checkpoint, out, cwd):
-    return subprocess.run([sys.executable, "-m", "trainer.export", str(checkpoint), "--format", "hf", "--out", str(out)],
+    return subprocess.run([sys.executable, "-m", "trainer.export", str(checkpoint), "--format", "hf", "--out",
+                           str(out)],
                           cwd=cwd, capture_output=True, text=True, timeout=scaled(300))
 
 

@@ -109,7 +109,8 @@ def test_sigterm_stops_every_worker_and_kills_the_run(tmp_path):
     assert not _left_behind(everything), f"left behind: {_left_behind(everything)}"
 
 
-ONE_DEVICE = ("tracking=none", "tracking.pictures=false", "train.checkpoint.save_final=false", "train.global_batch_size=4",
+ONE_DEVICE = ("tracking=none", "tracking.pictures=false", "train.checkpoint.save_final=false",
+              "train.global_batch_size=4",
               "train.seq_len=32", "train.log_every=1", "data.max_bytes=200000")
 
 

@@ -20,7 +20,8 @@ from timing import scaled
 
 pytestmark = pytest.mark.slow
 
-RUN = ["model=hf", "model.lora.rank=8", "model.lora.alpha=16", 'model.lora.targets=["model.layers.*.self_attn.[qv]_proj"]',
+RUN = ["model=hf", "model.lora.rank=8", "model.lora.alpha=16",
+       'model.lora.targets=["model.layers.*.self_attn.[qv]_proj"]',
        "data=synthetic", "train.seq_len=32", "train.global_batch_size=4", "optim.lr=1e-2", "tracking=none",
        "tracking.pictures=false", "train.checkpoint.save_final=true"]
 
@@ -49,7 +50,8 @@ def test_checkpoint_holds_the_adapters_only_and_resumes(trained):
 
     root, ckpt, output = trained
     keys = stored_model_keys(ckpt)
-    assert keys == {f"model.layers.{i}.self_attn.{p}_proj.lora_{x}.weight" for i in range(4) for p in "qv" for x in "AB"}
+    assert keys == {f"model.layers.{i}.self_attn.{p}_proj.lora_{x}.weight" for i in range(4) for p in "qv"
+                    for x in "AB"}
     assert "resumed from" in output and "step_00000002" in output
 
 
@@ -88,4 +90,5 @@ def test_merged_export_is_base_plus_scaled_update(trained, tmp_path):
     want = base["model.layers.1.self_attn.q_proj.weight"] + 2.0 * q.lora_B.weight.detach() @ q.lora_A.weight.detach()
     assert torch.allclose(merged["model.layers.1.self_attn.q_proj.weight"], want, atol=1e-6)
     assert torch.equal(merged["model.layers.1.self_attn.k_proj.weight"], base["model.layers.1.self_attn.k_proj.weight"])
-    assert not torch.equal(merged["model.layers.1.self_attn.q_proj.weight"], base["model.layers.1.self_attn.q_proj.weight"])
+    assert not torch.equal(merged["model.layers.1.self_attn.q_proj.weight"],
+                           base["model.layers.1.self_attn.q_proj.weight"])

@@ -70,7 +70,8 @@ def test_a_run_logged_over_http_to_postgresql_reads_back_like_one_in_sqlite(post
         experiment_id = over_http.get_run(http_run).info.experiment_id
         http_artifacts = {a.path for a in over_http.list_artifacts(http_run)}
         http_logs = _files(over_http, http_run, "logs")
-        http_config = yaml.safe_load(Path(over_http.download_artifacts(http_run, "config.yaml", str(tmp_path))).read_text())
+        http_config = yaml.safe_load(Path(over_http.download_artifacts(http_run, "config.yaml",
+                                                                       str(tmp_path))).read_text())
     sqlite_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     local_run = _train(sqlite_uri, tmp_path / "local")
     local_metrics = _histories(MlflowClient(tracking_uri=sqlite_uri), local_run)

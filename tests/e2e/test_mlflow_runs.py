@@ -89,7 +89,8 @@ def test_an_optuna_sweep_runs_its_trials_as_children(tmp_path):
     (sweep_dir,) = (tmp_path / "multirun").iterdir()
     result = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
     assert f"its files (optimization_results.yaml) go to multirun/{sweep_dir.name}" in proc.stdout
-    assert proc.stdout.count("sweep: job ") == 2 and f"final loss {result['best_value']:.4f} (Optuna's objective)" in proc.stdout
+    assert proc.stdout.count("sweep: job ") == 2
+    assert f"final loss {result['best_value']:.4f} (Optuna's objective)" in proc.stdout
     assert result["best_value"] == pytest.approx(parent.data.metrics["best_final_loss"])
     assert result["best_params"]["optim.lr"] == pytest.approx(lrs[[c.data.metrics["loss"] for c in children].index(
         min(c.data.metrics["loss"] for c in children))])

@@ -142,7 +142,8 @@ def _contract_problems(client, experiment, run) -> list[str]:
         problems.append(f"a readable run name such as '3d-2x2x2', not {run.info.run_name!r}")
     tags = run.data.tags
     if missing := [k for k in RUN_TAGS if not tags.get(k)]:
-        problems.append(f"run tags {missing} (run tags: { {k: v for k, v in tags.items() if not k.startswith('mlflow.')} })")
+        problems.append(f"run tags {missing} (run tags: "
+                        f"{ {k: v for k, v in tags.items() if not k.startswith('mlflow.')} })")
     expected = {"mesh": "[2, 2, 2]", "preset": "3d", "world_size": "8"}
     if wrong := {k: tags.get(k) for k, v in expected.items() if tags.get(k) not in (None, v)}:
         problems.append(f"run tags {wrong} should be {expected}")

@@ -156,7 +156,8 @@ def test_a_dead_worker_on_node_1_fails_both_nodes_and_is_named(hosts, tmp_path):
     node0, node1 = _finish(procs, timeout=180)
     assert procs[0].returncode == 1 and procs[1].returncode == 1, (node0[-2000:], node1[-2000:])
     assert time.monotonic() - began < scaled(120)  # the failure travels: no timeout had to end it
-    assert f"worker rank 3 on node 1 ({os.uname().nodename}) (pid {pids['rank3']}) was killed by signal SIGKILL" in node1
+    host = os.uname().nodename
+    assert f"worker rank 3 on node 1 ({host}) (pid {pids['rank3']}) was killed by signal SIGKILL" in node1
     assert "training failed: worker rank" in node0 and "on node 0" in node0, node0[-2000:]
     (run,) = _runs(uri)
     assert run.info.status == "FAILED"

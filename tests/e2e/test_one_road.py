@@ -25,7 +25,8 @@ SERVICE_OWNED = [("tracking", "tracking_uri"), ("tracking", "run_id"), ("train",
                  ("tracking", "tags")]
 # Modules that compose or validate a config: none of them may run after the server resolved it.
 # (Workers do resolve the parallel plan of the model they build: that is the engine's input.)
-COMPOSE_OR_VALIDATE = ("hydra", "omegaconf", "trainer.config.compose", "trainer.validate", "trainer.validate.model_checks")
+COMPOSE_OR_VALIDATE = ("hydra", "omegaconf", "trainer.config.compose", "trainer.validate",
+                       "trainer.validate.model_checks")
 
 
 def _without_service_fields(config: dict) -> dict:
@@ -71,13 +72,18 @@ def test_a_submitted_job_is_neither_recomposed_nor_revalidated(tmp_path):
                             workspace=tmp_path, workdir=tmp_path, tracking_uri="sqlite:///svc.db", run_id=None)
     write_job_config(tmp_path, cfg.model_dump(mode="json"))
     python, *args = trainer_command(tmp_path)
-    proc = subprocess.run([python, "-X", "importtime", *args], cwd=tmp_path, capture_output=True, text=True, timeout=scaled(600),
+    proc = subprocess.run([python, "-X", "importtime", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=scaled(600),
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "done: steps 1..2" in proc.stdout
     lines = [unprefixed(line) for line in proc.stderr.splitlines()]  # a worker's lines come as "[rank1]: ..."
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
-    assert "trainer.run.loop" in imported and "parallel.engine" in imported, sorted(m for m in imported if m.startswith(("trainer", "parallel")))  # reached the workers
+    assert "trainer.run.loop" in imported and "parallel.engine" in imported, sorted(m for m in imported
+                                                                                    if m.startswith(("trainer",
+                                                                                                     # reached the
+                                                                                                     # workers
+                                                                                                     "parallel")))
     offenders = sorted(m for m in imported if m.split(".")[0] in ("hydra", "omegaconf") or m in COMPOSE_OR_VALIDATE)
     assert offenders == [], offenders
     # Hugging Face packages are an optional extra, imported only by model=hf and friends.
@@ -95,9 +101,11 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "parallel", "trainer", "service", "api"):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
-        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                            if copy is shutil.copytree else {}))
     wheels = tmp_path / "wheels"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(wheels), str(source)],
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(wheels),
+                            str(source)],
                            capture_output=True, text=True, timeout=scaled(600))
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
     (wheel,) = wheels.glob("meshflow-*.whl")

@@ -15,7 +15,8 @@ from trainer.run.metrics import NullProgress
 from trainer.tracking.tracker import NullTracker
 from timing import Deadline, scaled
 
-TINY = ("tracking=none", "train.checkpoint.save_final=false", "train.steps=6", "train.global_batch_size=4", "train.seq_len=32",
+TINY = ("tracking=none", "train.checkpoint.save_final=false", "train.steps=6", "train.global_batch_size=4",
+        "train.seq_len=32",
         "train.log_every=1", "data.max_bytes=200000")
 
 # Losses of TINY with seed 0, recorded on CPU with torch 2.13.0. A refactor must keep them.
@@ -44,7 +45,8 @@ def test_synthetic_learns_toward_entropy_floor(compose):
     from trainer.data import build_source
 
     steps = 150
-    cfg = compose("data=synthetic", "tracking=none", "train.checkpoint.save_final=false", f"train.steps={steps}", "train.global_batch_size=16",
+    cfg = compose("data=synthetic", "tracking=none", "train.checkpoint.save_final=false", f"train.steps={steps}",
+                  "train.global_batch_size=16",
                   "train.seq_len=64", "train.log_every=50", "optim.lr=3e-3", "optim.warmup_steps=10")
     floor = build_source(cfg.data, seq_len=cfg.train.seq_len, model_cfg=cfg.model).entropy_rate()
     losses = _train(cfg).losses

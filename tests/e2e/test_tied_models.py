@@ -29,7 +29,8 @@ def test_tied_model_on_a_pipeline_then_tp3_equals_one_device_and_exports_tied(tm
     (tmp_path / "single").mkdir()
     single = _run(tmp_path / "single", hf_dir, COMMON)
     (tmp_path / "pp").mkdir()
-    pp = _run(tmp_path / "pp", hf_dir, [*COMMON, "+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=2", "train.checkpoint.every=2",
+    pp = _run(tmp_path / "pp", hf_dir,
+              [*COMMON, "+parallel=pp", "mesh=[2]", "parallel.pipeline.microbatches=2", "train.checkpoint.every=2",
                                         f"train.checkpoint.dir={tmp_path / 'pp_ckpt'}"])
     _assert_same(pp["loss"], single["loss"], range(1, 4))
     # The pipeline's step-2 checkpoint (the tie stored once, from the first stage) resumed on tp 3.

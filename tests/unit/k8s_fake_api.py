@@ -52,7 +52,8 @@ class FakeApiServer:
         data = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
         content_type = "text/plain" if isinstance(answer, str) else "application/json"
         return urllib3.HTTPResponse(body=io.BytesIO(data), status=status, headers={"Content-Type": content_type},
-                                    reason={200: "OK", 201: "Created", 404: "Not Found", 409: "Conflict"}.get(status, ""),
+                                    reason={200: "OK", 201: "Created", 404: "Not Found",
+                                            409: "Conflict"}.get(status, ""),
                                     preload_content=True)
 
     def clear(self) -> None:

@@ -1,4 +1,5 @@
-"""trainer.planner.auto.plan: enumeration, validation reasons, pruning against brute force, integration into validation."""
+"""trainer.planner.auto.plan: enumeration, validation reasons, pruning against brute force, integration into
+validation."""
 
 from __future__ import annotations
 
@@ -116,8 +117,10 @@ def test_the_winner_is_an_ordinary_config(monkeypatch):
 def test_experts_are_split_over_ep_where_that_is_fastest_and_never_for_a_dense_model():
     """gpt_moe with wide experts (3.1M of its 3.2M parameters) on 4 ranks: ep4 holds a quarter of the experts
     and moves tokens by all-to-all (a few MiB) instead of all-reducing or gathering every expert (ten times
-    that with ddp or fsdp), and wins; ep composes with fsdp only (no ddp x ep). A dense model is never given an ep axis."""
-    raw = _raw("model=gpt_moe", "model.moe.hidden_dim=1024", "model.n_layers=2", "mesh=[4]", "+parallel.auto.tensor_parallel=false",
+    that with ddp or fsdp), and wins; ep composes with fsdp only (no ddp x ep). A dense model is never given an ep
+    axis."""
+    raw = _raw("model=gpt_moe", "model.moe.hidden_dim=1024", "model.n_layers=2", "mesh=[4]",
+               "+parallel.auto.tensor_parallel=false",
                "+parallel.auto.pipeline=false", "+parallel.auto.data_parallel_modes=[ddp,fsdp]",
                "+parallel.auto.activation_checkpointing=[none]", "+parallel.auto.grad_accum=[1]")
     result = plan_layouts(raw, calibration=CAL)

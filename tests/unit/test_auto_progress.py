@@ -18,7 +18,8 @@ from trainer.planner.memory.pass_cache import pass_key
 from trainer.validate.model_checks import _check_heads
 
 # gpt_debug on 32 H100s: every split of 32 ranks, one schedule, no checkpointing (a few hundred layouts).
-AUTO = ["+parallel=auto", "mesh=[32]", "hardware=h100_sxm", "launch.nnodes=4", "dry_run=true", "tracking.pictures=false",
+AUTO = ["+parallel=auto", "mesh=[32]", "hardware=h100_sxm", "launch.nnodes=4", "dry_run=true",
+        "tracking.pictures=false",
         "+parallel.auto.schedules=[1F1B]", "+parallel.auto.activation_checkpointing=[none]"]
 
 
@@ -91,7 +92,8 @@ def test_a_shared_resolution_equals_the_candidates_own(index):
         if checked is not None:
             valid.append(checked)
     cfg, plan = valid[index % len(valid)]
-    own = resolve_plan(cfg.parallel, cfg.mesh, search.model, check_glob=lambda *glob: _check_heads(search.decoder, *glob))
+    own = resolve_plan(cfg.parallel, cfg.mesh, search.model,
+                       check_glob=lambda *glob: _check_heads(search.decoder, *glob))
     assert plan == own
 
 
@@ -100,7 +102,6 @@ def test_a_pass_over_two_alike_blocks_prices_every_block_exactly(layout):
     """gpt_small's 8 blocks are alike: the search's two-block pass gives each unit the work of the
     full model's pass, to the FLOP and the second."""
     from parallel.config import AutoPlanConfig
-    from trainer.config.schema import RunConfig
     from trainer.planner.cost.device import device_unit_costs
     from trainer.planner.cost.speed import DeviceSpeed
     from trainer.planner.forecast.pricing import pricing_for

@@ -27,7 +27,8 @@ BASE = ["+parallel=auto", "dry_run=true", "tracking.pictures=false", "hardware=h
 # Megatron's way: zero1 (zero2 here) over dp, interleaved stages, m micro-batches of the dp rank's batch, SP with tp.
 PIPELINE = ("dp2(zero2) x pp2(Interleaved1F1B v2, m4) x tp2(sp), bf16", [2, 2, 2], {
     "dims": ["dp", "pp", "tp"], "data_parallel": {"dim": "dp", "mode": "zero2"},
-    "pipeline": {"dim": "pp", "schedule": "Interleaved1F1B", "microbatches": 4, "stages_per_rank": 2, "boundaries": "auto"},
+    "pipeline": {"dim": "pp", "schedule": "Interleaved1F1B", "microbatches": 4, "stages_per_rank": 2,
+                 "boundaries": "auto"},
     "tensor_parallel": {"dim": "tp", "plan": "megatron", "sequence_parallel": True}}, 1)
 # torchtitan's and llm-foundry's way: FSDP, micro-batches accumulated, every other block checkpointed.
 ACCUMULATED = ("dp4(fsdp) x tp2(sp), accum 4, AC full every 2, bf16", [4, 2], {

@@ -165,7 +165,8 @@ def test_a_packed_document_gives_the_logits_it_gives_alone(assets, model):
         net = build_model(cfg, seed=0)
         load_hf_weights(net, weight_files(cfg.path), tied=False)
     else:
-        net = build_model(LlamaConfig(vocab_size=416, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ), seed=0)
+        net = build_model(LlamaConfig(vocab_size=416, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ),
+                          seed=0)
     source = _source(assets)
     worst = 0.0
     with torch.no_grad():

@@ -21,7 +21,8 @@ from trainer.checkpoint.dcp import (
     save_checkpoint,
 )
 
-BATCHES = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for g in [torch.Generator().manual_seed(0)] for _ in range(8)]
+BATCHES = [(torch.randn(8, 6, generator=g),
+            torch.randn(8, 3, generator=g)) for g in [torch.Generator().manual_seed(0)] for _ in range(8)]
 
 
 def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -50,7 +51,8 @@ def save(ckpt_dir: Path, step: int, keep: int = 3) -> Path:
 def test_resume_gives_identical_losses(tmp_path: Path) -> None:
     model, optimizer = build(seed=0)
     train(model, optimizer, range(3))
-    extra = {"step": 3, "rng": torch.get_rng_state(), "py_rng": random.getstate(), "config": {"lr": 1e-2, "dims": [1, 2]}}
+    extra = {"step": 3, "rng": torch.get_rng_state(), "py_rng": random.getstate(),
+             "config": {"lr": 1e-2, "dims": [1, 2]}}
     path = save_checkpoint(tmp_path, 3, model=model, optimizer=optimizer, extra=extra, keep=2)
     assert path == tmp_path / "step_00000003"
     expected = train(model, optimizer, range(3, 5))

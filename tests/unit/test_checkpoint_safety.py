@@ -64,7 +64,8 @@ def _resave_as_legacy(src: Path, dst: Path, extra_blob: bytes) -> Path:
     """``src`` rewritten as earlier versions wrote it: the extra state a pickled DCP item, no extra.safetensors."""
     with open(src / METADATA_FILE, "rb") as f:
         stored = read_metadata_file(f).state_dict_metadata
-    state = {key: torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+    state = {key: torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata)
+             else None
              for key, item in stored.items()}
     load_dcp(state, src)
     state["extra"] = extra_blob
@@ -125,7 +126,8 @@ def test_crafted_dcp_item_runs_nothing(run, tmp_path):
     marker, src = tmp_path / "pwned", _copy(run, tmp_path)
     with open(src / METADATA_FILE, "rb") as f:
         stored = read_metadata_file(f).state_dict_metadata
-    state = {key: torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+    state = {key: torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata)
+             else None
              for key, item in stored.items()}
     load_dcp(state, src)
     lr_key = next(key for key in state if key.endswith(".lr"))

@@ -22,7 +22,8 @@ from trainer.launch.console import CONFIG_ARTIFACT, _OneWarningEach, config_chan
 from trainer.run.metrics import Progress, format_eta, format_metrics
 from trainer.tracking.tracker import NullTracker
 
-METRICS = {"loss": 3.25, "grad_norm": 1.5, "tokens_per_s": 1234.4, "step_time_s": 0.2, "lr": 1e-3, "peak_memory_mb": 15.2}
+METRICS = {"loss": 3.25, "grad_norm": 1.5, "tokens_per_s": 1234.4, "step_time_s": 0.2, "lr": 1e-3,
+           "peak_memory_mb": 15.2}
 
 
 def _cfg(*overrides: str) -> RunConfig:
@@ -31,7 +32,8 @@ def _cfg(*overrides: str) -> RunConfig:
 
 def test_a_step_line_names_the_steps_its_means_cover():
     assert format_metrics(20, 25, METRICS, first=11) == (
-        "step 20/25 | mean of steps 11-20: loss 3.2500, grad_norm 1.500, 1,234 tok/s, 200 ms/step | lr 1.00e-03 | peak 15 MiB")
+        "step 20/25 | mean of steps 11-20: loss 3.2500, grad_norm 1.500, 1,234 tok/s, 200 ms/step | lr 1.00e-03 "
+        "| peak 15 MiB")
     # a window of one step: its own values, no label
     assert format_metrics(3, 25, METRICS, first=3).startswith("step 3/25 | loss 3.2500, grad_norm")
 
@@ -151,7 +153,8 @@ def _sweep(jobs: list[tuple[float | None, float | None, str | None]], maximize: 
     sweep._maximize = maximize
     sweep._tracking_uri, sweep._experiment_id = "sqlite:///mlflow.db", "1"
     for number, (loss, peak, run_id) in enumerate(jobs):
-        sweep._jobs.append({"job": number, "swept": [f"optim.lr={number + 1}e-3"], "status": "COMPLETED" if loss else "FAILED",
+        sweep._jobs.append({"job": number, "swept": [f"optim.lr={number + 1}e-3"],
+                            "status": "COMPLETED" if loss else "FAILED",
                             "run_id": run_id, "final_loss": loss, "peak_memory_mb": peak})
     return sweep
 
@@ -177,7 +180,8 @@ def test_a_jobs_own_overrides_are_the_swept_ones():
     sweep = SweepParentRun()
     sweep._fixed = {"train.steps", "parallel", "tracking.system_metrics"}
     assert sweep._own(["optim.lr=0.001", "train.steps=2", "+parallel=dp", "++tracking.system_metrics=False",
-                       "tracking.tracking_uri=http://u:pw@h"]) == ["optim.lr=0.001", "tracking.tracking_uri=http://***@h"]
+                       "tracking.tracking_uri=http://u:pw@h"]) == ["optim.lr=0.001",
+                                                                   "tracking.tracking_uri=http://***@h"]
 
 
 def test_a_single_run_passes_the_sweep_callback_by(capsys):
@@ -194,5 +198,6 @@ def test_config_changes_with_placements_are_yaml():
     """Placements are objects (Shard(1)), not YAML: the changes show them as the config writes them."""
     cfg = RunConfig.model_validate(compose_dict(["+examples=unordered_rank_ids"]))
     text = config_text(config_changes(cfg))
-    assert "  parallel: {dims: [x, y], placements: {w0: {x: Shard(1)}, w1: {x: Shard(0), y: Shard(1)}}}" in text.splitlines()
+    assert ("  parallel: {dims: [x, y], placements: {w0: {x: Shard(1)}, w1: {x: Shard(0), y: Shard(1)}}}"
+            in text.splitlines())
     assert yaml.safe_load(yaml.safe_dump(config_changes(cfg)))["mesh"] == [[2, 4, 5], [0, 1, 3]]

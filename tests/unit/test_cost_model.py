@@ -1,4 +1,5 @@
-"""trainer.planner.cost.model: work per unit, communication per axis, bubble and checkpointing, on a hand-made calibration."""
+"""trainer.planner.cost.model: work per unit, communication per axis, bubble and checkpointing, on a hand-made
+calibration."""
 
 from __future__ import annotations
 

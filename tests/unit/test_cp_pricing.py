@@ -34,7 +34,8 @@ def test_the_ring_saves_what_flash_attention_saves_for_its_own_tokens():
     """q, k, v and the output in bf16 and an fp32 log-sum-exp per query and head: for 2 rows, 8 heads
     of 64, 128 local tokens: 4 x 2*8*128*64*2 + 2*8*128*4 = 532,480 bytes, whatever the ring size."""
     for blocks in (2, 3, 8):
-        q, k, v = (torch.empty(2, 8, 128, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        q, k, v = (torch.empty(2, 8, 128, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
         saved: dict[int, int] = {}
 
         def pack(t):

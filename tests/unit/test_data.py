@@ -11,7 +11,6 @@ import torch
 
 from trainer.config.schema import (
     DATA_SECTIONS,
-    FilesDataConfig,
     LlamaConfig,
     MLPConfig,
     RegressionDataConfig,

@@ -142,7 +142,8 @@ def test_compose_services_and_depends_on():
     for name, service in services.items():
         for port in service.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
-    assert services["ray-head"]["profiles"] == ["ray"] and all("profiles" not in services[n] for n in ("api", "mlflow", "postgres"))
+    assert services["ray-head"]["profiles"] == ["ray"] and all("profiles" not in services[n]
+                                                               for n in ("api", "mlflow", "postgres"))
 
 
 def test_compose_api_env_names_are_settings():
@@ -232,7 +233,8 @@ def test_k8s_volumes_and_claims_resolve():
 
 def test_k8s_services_select_their_workloads():
     docs = _k8s_docs()
-    workload_labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in {"Deployment", "StatefulSet"}]
+    workload_labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in {"Deployment",
+                                                                                                  "StatefulSet"}]
     for svc in (d for d in docs if d["kind"] == "Service"):
         selector = svc["spec"]["selector"]
         assert any(selector.items() <= labels.items() for labels in workload_labels), svc["metadata"]["name"]
@@ -261,9 +263,11 @@ def test_k8s_api_is_one_replica_and_runs_jobs_as_jobsets(monkeypatch):
     cpu = container["resources"]["requests"]["cpu"]
     assert (float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)) <= 1, "the api pod runs no workers"
     docs = _k8s_docs()
-    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == settings.kubernetes_workspace_pvc]
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"
+                and d["metadata"]["name"] == settings.kubernetes_workspace_pvc]
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
-    mounted = {v["persistentVolumeClaim"]["claimName"]: v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    mounted = {v["persistentVolumeClaim"]["claimName"]: v["name"] for v in pod["volumes"]
+               if "persistentVolumeClaim" in v}
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == mounted[settings.kubernetes_workspace_pvc]]
     assert mount["mountPath"] == str(settings.workspace)   # the job pods mount it at the same path
     accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}

@@ -25,7 +25,8 @@ HADOLINT = Path(sysconfig.get_path("scripts")) / "hadolint"
 
 
 def _k8s_docs() -> list[tuple[str, dict]]:
-    return [(f"{path.name}:{doc['kind']}/{doc['metadata']['name']}", doc) for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
+    return [(f"{path.name}:{doc['kind']}/{doc['metadata']['name']}", doc)
+            for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
             for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
@@ -38,7 +39,8 @@ def test_k8s_manifests_validate_against_the_kubernetes_schemas(version):
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.utils.ValidationError as exc:
-            pytest.fail(f"{where} is not a valid {doc['kind']} for Kubernetes {version}: {exc.message} at {list(exc.path)}")
+            pytest.fail(f"{where} is not a valid {doc['kind']} for Kubernetes {version}: {exc.message} at "
+                        f"{list(exc.path)}")
     # strict means strict: a misspelt field is refused
     where, deployment = next((w, d) for w, d in docs if d["kind"] == "Deployment")
     deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolice"] = "Always"
@@ -46,7 +48,8 @@ def test_k8s_manifests_validate_against_the_kubernetes_schemas(version):
         kubernetes_validate.validate(deployment, version, strict=True)
 
 
-def _compose(*args: str, file: Path = DEPLOY / "docker-compose.yml", env: dict | None = None) -> subprocess.CompletedProcess:
+def _compose(*args: str, file: Path = DEPLOY / "docker-compose.yml",
+             env: dict | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MESHFLOW_", "COMPOSE_", "DOCKER_", "MLFLOW_"))}
     return subprocess.run([str(COMPOSE_BIN), "-f", str(file), "--project-directory", str(DEPLOY),
                            "--env-file", str(DEPLOY / ".env.example"), *args],
@@ -67,8 +70,10 @@ def test_compose_file_validates_with_docker_compose_v2(tmp_path):
     assert ray.returncode == 0, ray.stderr
     services = json.loads(ray.stdout)["services"]
     assert services["ray-head"]["command"][:3] == ["ray", "start", "--head"]
-    assert services["api"]["environment"]["MESHFLOW_EXECUTOR"] == "ray" and services["api"]["build"]["args"]["EXTRAS"] == "kubernetes,ray"
-    mlflow_hosts = _compose("config", "--format", "json", env={"MLFLOW_ALLOWED_HOSTS": "mlflow.example.com,mlflow:5000"})
+    assert services["api"]["environment"]["MESHFLOW_EXECUTOR"] == "ray"
+    assert services["api"]["build"]["args"]["EXTRAS"] == "kubernetes,ray"
+    mlflow_hosts = _compose("config", "--format", "json",
+                            env={"MLFLOW_ALLOWED_HOSTS": "mlflow.example.com,mlflow:5000"})
     assert json.loads(mlflow_hosts.stdout)["services"]["mlflow"]["environment"]["MLFLOW_SERVER_ALLOWED_HOSTS"] == \
         "mlflow.example.com,mlflow:5000"
     # and it does refuse what the compose spec does not allow

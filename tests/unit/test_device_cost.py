@@ -13,7 +13,6 @@ import torch
 from trainer.config.compose import compose_dict
 from trainer.planner.cost.device import (
     _Pricer,
-    device_unit_costs,
     lower_bound_on_profile,
     predict_on_profile,
 )

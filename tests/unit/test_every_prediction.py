@@ -88,7 +88,8 @@ def test_a_dry_run_whose_prediction_fails_exits_1_naming_it(tmp_path):
     local shapes do not chain across the boundary (a limit of the planner, not of the layout, which
     trains: tests/dist/test_examples.py). The dry run prints the report and exits 1 naming the failure."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "trainer", "+examples=stages_dp_x_tp", "dry_run=true", "tracking=none"],
+    done = subprocess.run([sys.executable, "-m", "trainer", "+examples=stages_dp_x_tp", "dry_run=true",
+                           "tracking=none"],
                           cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "the dry run's prediction failed" in done.stderr and "activations not predicted (RuntimeError" in done.stderr

@@ -113,7 +113,8 @@ def test_ray_executor_copies_the_log_once_and_names_the_failed_node(tmp_path):
 
 def test_several_nodes_only_where_an_executor_places_them(tmp_path):
     raw = {"launch": {"nnodes": 2}}
-    kwargs = {"workspace": tmp_path, "workdir": tmp_path / "jobs" / "j", "tracking_uri": "sqlite:///x.db", "run_id": None}
+    kwargs = {"workspace": tmp_path, "workdir": tmp_path / "jobs" / "j", "tracking_uri": "sqlite:///x.db",
+              "run_id": None}
     _, issues = confine(raw, **kwargs)
     assert [(i.path, i.fix) for i in issues if i.path == "launch.nnodes"] == [
         ("launch.nnodes", "set launch.nnodes=1, or ask the operator for MESHFLOW_EXECUTOR=ray or kubernetes")]
@@ -143,7 +144,8 @@ def test_the_supervisor_lowers_the_job_priority_and_records_its_exit_code(tmp_pa
     report = ("import os, pathlib, sys; group = pathlib.Path('/proc/self/autogroup'); "
               "print(os.nice(0), group.read_text().split()[-1] if group.exists() else 'none'); sys.exit(5)")
     (tmp_path / "job").mkdir()
-    done = subprocess.run([sys.executable, "-m", "service.supervise", "--nice", "3", str(tmp_path / "job" / "exit_code"),
+    done = subprocess.run([sys.executable, "-m", "service.supervise", "--nice", "3",
+                           str(tmp_path / "job" / "exit_code"),
                            "--", sys.executable, "-c", report], capture_output=True, text=True, start_new_session=True,
                           timeout=scaled(60))
     nice, autogroup = done.stdout.split()

@@ -118,11 +118,13 @@ def test_ranks_of_a_host_building_at_once_share_one_token_file(corpus, tmp_path)
 
 def test_validation_split_by_fraction_or_by_files(corpus, tmp_path):
     full = FilesSource(_cfg(corpus, tmp_path), SEQ)
-    by_fraction = build_splits(_cfg(corpus, tmp_path, val_fraction=0.25), seq_len=SEQ, model_cfg=LlamaConfig(vocab_size=320))
+    by_fraction = build_splits(_cfg(corpus, tmp_path, val_fraction=0.25), seq_len=SEQ,
+                               model_cfg=LlamaConfig(vocab_size=320))
     assert len(by_fraction.train) + len(by_fraction.val) == len(full)
     assert len(by_fraction.val) == int(len(full) * 0.25)
     assert torch.equal(by_fraction.val[0][0], full[len(by_fraction.train)][0])  # the tail of the corpus
-    by_files = build_splits(_cfg(corpus, tmp_path, paths=[str(corpus / "a.jsonl")], val_paths=[str(corpus / "b.jsonl")]),
+    by_files = build_splits(_cfg(corpus, tmp_path, paths=[str(corpus / "a.jsonl")],
+                                 val_paths=[str(corpus / "b.jsonl")]),
                             seq_len=SEQ, model_cfg=LlamaConfig(vocab_size=320))
     assert by_files.val.tokens.tolist() == _expected_stream(DOCS[120:], by_files.train.tokenizer)
 
@@ -138,7 +140,8 @@ def test_bad_files_configs_name_the_path_reason_and_fix(corpus, tmp_path):
 
     found = issues(f"data.paths=[{corpus}/a.jsonl,{corpus}/nope*.jsonl]", f"data.tokenizer={tmp_path}/missing")
     assert "matches no file" in found["data.paths[1]"] and "does not exist" in found["data.tokenizer"]
-    assert "vocab_size >= 320" in issues(f"data.paths=[{corpus}/a.jsonl]", f"data.tokenizer={corpus}/tok")["model.vocab_size"]
+    assert "vocab_size >= 320" in issues(f"data.paths=[{corpus}/a.jsonl]",
+                                         f"data.tokenizer={corpus}/tok")["model.vocab_size"]
     assert "mixes formats" in issues(f"data.paths=[{corpus}/a.jsonl,{corpus}/all.parquet]")["data.paths"]
     assert "no validation split" in issues(f"data.paths=[{corpus}/a.jsonl]", "train.eval_every=5")["train.eval_every"]
     assert "names no files" in issues()["data.paths"]

@@ -25,10 +25,12 @@ def test_blocks_add_up_to_the_whole_tensor():
 def test_swapped_blocks_a_wrong_offset_and_one_wrong_element_show():
     full = torch.randn(12, 10, generator=torch.Generator().manual_seed(1))
     whole = {"w": fingerprint(full)}
-    swapped = _blocks_sum([fingerprint(full[4:8], (0, 0)), fingerprint(full[0:4], (4, 0)), fingerprint(full[8:], (8, 0))])
+    swapped = _blocks_sum([fingerprint(full[4:8], (0, 0)), fingerprint(full[0:4], (4, 0)), fingerprint(full[8:],
+                                                                                                       (8, 0))])
     assert swapped[1:3] == whole["w"][1:3] or abs(swapped[1] - whole["w"][1]) < 1e-9  # same values...
     assert mismatches({"w": swapped}, whole, []) == ["w"]  # ...in the wrong places
-    wrong_slice = _blocks_sum([fingerprint(full[0:4], (0, 0)), fingerprint(full[0:4], (4, 0)), fingerprint(full[8:], (8, 0))])
+    wrong_slice = _blocks_sum([fingerprint(full[0:4], (0, 0)), fingerprint(full[0:4], (4, 0)), fingerprint(full[8:],
+                                                                                                           (8, 0))])
     assert mismatches({"w": wrong_slice}, whole, []) == ["w"]
     bumped = full.clone()
     bumped[3, 7] += 1e-3

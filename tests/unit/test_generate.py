@@ -26,7 +26,8 @@ def test_greedy_and_top_k_1_follow_the_likeliest_token_and_stop_at_eos():
                   generator=torch.Generator().manual_seed(0))
     assert top1.tolist() == [3, 4, 5, 6, 7]
     assert sample(NextIsPlusOne(), prompt, max_new_tokens=10, temperature=0, eos_id=6).tolist() == [3, 4, 5, 6]
-    assert sample(NextIsPlusOne(), torch.tensor([0, 1, 2]), max_new_tokens=2, temperature=0, context=1).tolist() == [0, 1, 2, 3, 4]
+    assert sample(NextIsPlusOne(), torch.tensor([0, 1, 2]), max_new_tokens=2, temperature=0,
+                  context=1).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_sampling_is_seeded_and_top_k_2_never_leaves_the_two_likeliest():

@@ -35,14 +35,16 @@ SECRETS = {"MESHFLOW_TOKENS": '{"alice": "s3cret"}', "MESHFLOW_DATABASE_URL": "p
 
 
 def _settings(tmp_path: Path, **kw) -> Settings:
-    return Settings(**{"workspace": tmp_path / "ws", "kubernetes_namespace": "team-a", "kubernetes_image": "reg.example/meshflow:1",
+    return Settings(**{"workspace": tmp_path / "ws", "kubernetes_namespace": "team-a",
+                       "kubernetes_image": "reg.example/meshflow:1",
                        "kubernetes_cpu_per_worker": 1.5, "kubernetes_memory_gb_per_worker": 2,
                        "kubernetes_service_account": "meshflow-job", "kubernetes_workspace_pvc": "meshflow-shared",
                        "mlflow_tracking_uri": "http://mlflow:5000", **kw})
 
 
 def _launch(settings: Settings, *, mesh=(4,), nnodes=2, env=None) -> JobLaunch:
-    config = RunConfig.model_validate({"mesh": list(mesh), "parallel": {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": "fsdp"}},
+    config = RunConfig.model_validate({"mesh": list(mesh),
+                                       "parallel": {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": "fsdp"}},
                                        "launch": {"nnodes": nnodes}}).model_dump(mode="json")
     server_env = {"PATH": "/usr/local/bin:/usr/bin", "HOME": "/home/meshflow", "OMP_NUM_THREADS": "1", **SECRETS}
     env = job_environment({"HF_HUB_OFFLINE": "1"}, source=server_env) if env is None else env
@@ -61,7 +63,8 @@ def strict_jobset(doc: dict) -> JobsetV1alpha2JobSet:
 
 def _diff(a, b, path="") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in a.keys() | b.keys() for d in _diff(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{path}.{k}")]
+        return [d for k in a.keys() | b.keys() for d in _diff(a.get(k, "<missing>"), b.get(k, "<missing>"),
+                                                              f"{path}.{k}")]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
     return [] if a == b else [f"{path}: {a!r} -> {b!r}"]
@@ -70,7 +73,8 @@ def _diff(a, b, path="") -> list[str]:
 def _job_of(jobset: dict) -> dict:
     (replicated,) = jobset["spec"]["replicatedJobs"]
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {**replicated["template"]["metadata"],
-            "name": f"{jobset['metadata']['name']}-{replicated['name']}-0", "namespace": jobset["metadata"]["namespace"]},
+            "name": f"{jobset['metadata']['name']}-{replicated['name']}-0",
+                                                                  "namespace": jobset["metadata"]["namespace"]},
             "spec": replicated["template"]["spec"]}
 
 
@@ -119,16 +123,19 @@ def test_every_node_runs_the_same_command_with_its_rank_and_the_first_pods_endpo
     (container,) = pod["containers"]
     endpoint = f"{NAME}-node-0-0.{NAME}:29400"   # pod 0's hostname . the headless Service (= subdomain)
     assert container["args"] == ["python", "-m", "trainer.launch", "/etc/meshflow/job.json",
-                                 "--node-rank-env", "JOB_COMPLETION_INDEX", "--rdzv-endpoint", endpoint, "--rdzv-id", JOB_ID]
+                                 "--node-rank-env", "JOB_COMPLETION_INDEX", "--rdzv-endpoint", endpoint, "--rdzv-id",
+                                 JOB_ID]
     assert "command" not in container and container["workingDir"] == str(launch.workdir)
     assert container["ports"] == [{"name": "rdzv", "containerPort": 29400, "protocol": "TCP"}]
     # the config every node reads: the job's own, validated by the trainer's model, rendezvous fixed
     node = RunConfig.model_validate(json.loads(rendered.config_map["data"]["job.json"]))
-    assert (node.launch.nnodes, node.launch.node_rank, node.launch.rdzv_endpoint, node.launch.rdzv_id) == (2, 0, endpoint, JOB_ID)
+    assert (node.launch.nnodes, node.launch.node_rank, node.launch.rdzv_endpoint,
+            node.launch.rdzv_id) == (2, 0, endpoint, JOB_ID)
     assert node.model_dump(mode="json", exclude={"launch"}) == {k: v for k, v in launch.config.items() if k != "launch"}
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert mounts["/etc/meshflow"]["readOnly"] and volumes["config"]["configMap"]["name"] == rendered.config_map["metadata"]["name"]
+    assert mounts["/etc/meshflow"]["readOnly"]
+    assert volumes["config"]["configMap"]["name"] == rendered.config_map["metadata"]["name"]
     assert volumes[mounts[str(launch.workdir)]["name"]]["persistentVolumeClaim"] == {"claimName": "meshflow-shared"}
     assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
     assert pod["serviceAccountName"] == "meshflow-job" and pod["automountServiceAccountToken"] is False
@@ -146,7 +153,8 @@ def test_pod_env_has_no_secrets_and_resources_scale_with_workers(tmp_path):
     # a MESHFLOW_* value that reached JobLaunch.env anyway is dropped, the calibration cache dir too (the
     # workspace is not the pod's: it calibrates into its scratch)
     leaked = render(_launch(settings, env={**SECRETS, "MESHFLOW_CACHE_DIR": "/ws/cache"}), settings)
-    leaked_env = leaked.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    leaked_pod = leaked.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    leaked_env = leaked_pod["containers"][0]["env"]
     assert [e["name"] for e in leaked_env] == ["HOME", "PYTHONUNBUFFERED", "TMPDIR"]   # none of SECRETS either
     text = json.dumps([rendered.jobset, rendered.config_map])
     assert "s3cret" not in text and "pw@db" not in text and "xyz" not in text
@@ -154,7 +162,8 @@ def test_pod_env_has_no_secrets_and_resources_scale_with_workers(tmp_path):
     assert container["resources"] == {"requests": {"cpu": "3000m", "memory": "4096Mi"}, "limits": {"memory": "4096Mi"}}
     gpu_settings = _settings(tmp_path, kubernetes_gpus_per_node=2)
     gpu = render(_launch(gpu_settings), gpu_settings)
-    limits = gpu.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    gpu_pod = gpu.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    limits = gpu_pod["containers"][0]["resources"]["limits"]
     assert limits == {"memory": "4096Mi", "nvidia.com/gpu": "2"}
     kubernetes_validate.validate(_job_of(gpu.jobset), K8S_VERSIONS[-1], strict=True)
     with pytest.raises(ValueError, match="4 workers per node but MESHFLOW_KUBERNETES_GPUS_PER_NODE is 2"):
@@ -178,7 +187,8 @@ def test_start_poll_stop_adopt_through_the_official_client(tmp_path):
     ref = executor.start(launch)
     assert ref == f"team-a/{NAME}"
     assert [(c.method, c.path) for c in server.calls] == [
-        ("POST", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/team-a/jobsets"), ("POST", "/api/v1/namespaces/team-a/configmaps")]
+        ("POST", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/team-a/jobsets"), ("POST",
+                                                                               "/api/v1/namespaces/team-a/configmaps")]
     assert server.calls[0].body == rendered.jobset
     jobset = server.objects[("JobSet", "team-a", NAME)]
     owner = server.calls[1].body["metadata"].pop("ownerReferences")
@@ -197,14 +207,17 @@ def test_start_poll_stop_adopt_through_the_official_client(tmp_path):
     server.add_pod("team-a", pod1, jobset=NAME, index=1, exit_code=1, message="Traceback ...\nRuntimeError: boom")
     server.pod_logs.update({pod0: "step 1 loss 5.5\n", pod1: "Traceback ...\nRuntimeError: boom\n"})
     jobset["status"] = {"terminalState": "Failed", "conditions": [
-        {"type": "Failed", "status": "True", "reason": "FailedJobs", "message": "jobset failed due to one or more job failures",
+        {"type": "Failed", "status": "True", "reason": "FailedJobs", "message": "jobset failed due to one or more "
+                                                                                "job failures",
          "lastTransitionTime": "2026-01-01T00:01:00Z"}]}
     status = executor.poll(ref, launch)
     assert (status.alive, status.exit_code) == (False, 143)
     assert f"node 0 (pod {pod0}) exited with code 143" in status.reason
-    assert f"node 1 (pod {pod1}) exited with code 1; its last output:\nTraceback ...\nRuntimeError: boom" in status.reason
+    assert (f"node 1 (pod {pod1}) exited with code 1; its last output:\nTraceback ...\nRuntimeError: boom"
+            in status.reason)
     log = (launch.workdir / "job.log").read_text()
-    assert log.index(f"node 0 (pod {pod0})") < log.index("step 1 loss 5.5") < log.index(f"node 1 (pod {pod1})") < log.index("boom")
+    assert (log.index(f"node 0 (pod {pod0})") < log.index("step 1 loss 5.5") < log.index(f"node 1 (pod {pod1})")
+            < log.index("boom"))
 
     jobset["status"] = {"terminalState": "Completed"}
     assert executor.poll(ref, launch) == type(status)(alive=False, exit_code=0)
@@ -212,7 +225,8 @@ def test_start_poll_stop_adopt_through_the_official_client(tmp_path):
     server.clear()
     executor.stop(ref, force=True)
     (delete_jobset, delete_cm) = server.calls
-    assert (delete_jobset.method, delete_jobset.path) == ("DELETE", f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/team-a/jobsets/{NAME}")
+    assert (delete_jobset.method, delete_jobset.path) == ("DELETE",
+                                                          f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/team-a/jobsets/{NAME}")
     assert delete_jobset.query == {"propagationPolicy": "Foreground", "gracePeriodSeconds": "0"}
     assert (delete_cm.method, delete_cm.path) == ("DELETE", f"/api/v1/namespaces/team-a/configmaps/{NAME}")
     gone = executor.poll(ref, launch)
@@ -264,7 +278,8 @@ def test_the_api_role_allows_every_call_the_executor_makes(tmp_path):
     server.objects[("JobSet", "team-a", NAME)]["status"] = {"terminalState": "Failed"}
     assert executor.poll(ref, launch).exit_code == 1 and executor.adopt(launch) == ref
     executor.stop(ref)
-    path = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)/namespaces/[^/]+/(?P<resource>[^/]+)(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?$")
+    path = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)/namespaces/[^/]+/(?P<resource>[^/]+)"
+                      r"(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?$")
     needed = set()
     for call in server.calls:
         m = path.match(call.path)
@@ -272,9 +287,11 @@ def test_the_api_role_allows_every_call_the_executor_makes(tmp_path):
         verb = {"POST": "create", "DELETE": "delete"}.get(call.method) or ("get" if m["name"] else "list")
         needed.add((m["group"] or "", resource, verb))
     assert needed == {("jobset.x-k8s.io", "jobsets", "create"), ("jobset.x-k8s.io", "jobsets", "get"),
-                      ("jobset.x-k8s.io", "jobsets", "delete"), ("", "configmaps", "create"), ("", "configmaps", "delete"),
+                      ("jobset.x-k8s.io", "jobsets", "delete"), ("", "configmaps", "create"),
+                      ("", "configmaps", "delete"),
                       ("", "pods", "list"), ("", "pods/log", "get")}
     rbac = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "api-rbac.yaml"
     (role,) = [d for d in yaml.safe_load_all(rbac.read_text()) if d and d["kind"] == "Role"]
-    allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
     assert needed <= allowed, f"the Role lacks {needed - allowed}"

@@ -37,8 +37,10 @@ def test_a_pod_mounts_its_own_job_directory_and_the_read_only_areas_only(tmp_pat
     workspace_mounts = {m["mountPath"]: m for m in container["volumeMounts"] if m["name"] == "workspace"}
     assert workspace_mounts == {
         str(launch.workdir): {"name": "workspace", "mountPath": str(launch.workdir), "subPath": f"jobs/{JOB_ID}"},
-        str(ws / "datasets"): {"name": "workspace", "mountPath": str(ws / "datasets"), "subPath": "datasets", "readOnly": True},
-        str(ws / "models"): {"name": "workspace", "mountPath": str(ws / "models"), "subPath": "models", "readOnly": True},
+        str(ws / "datasets"): {"name": "workspace", "mountPath": str(ws / "datasets"), "subPath": "datasets",
+                               "readOnly": True},
+        str(ws / "models"): {"name": "workspace", "mountPath": str(ws / "models"), "subPath": "models",
+                             "readOnly": True},
     }
     # what the pod can write: its job directory, its scratch and /dev/shm, nothing else
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}

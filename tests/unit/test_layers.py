@@ -45,7 +45,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str,
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base
+                                                                                                  else []))
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
@@ -117,7 +118,8 @@ def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]], list[str]]:
 
 
 def test_import_contracts_hold():
-    out = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
+    out = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
+                                                "lint_imports_command()"],
                          cwd=REPO, capture_output=True, text=True)
     assert "Contracts: 3 kept, 0 broken." in out.stdout, out.stdout + out.stderr
 
@@ -158,7 +160,8 @@ def test_rooms_of_a_readable_size():
 def test_functions_of_the_loop_the_launcher_and_the_engine_fit_on_a_screen():
     """No function (method, nested function) in trainer/run/, trainer/launch/ or parallel/engine.py
     is longer than MAX_FUNCTION_LINES, decorators and docstring included."""
-    paths = [path for where in SHORT_FUNCTIONS for path in sorted((REPO / where).rglob("*.py") if (REPO / where).is_dir()
+    paths = [path for where in SHORT_FUNCTIONS for path in sorted((REPO / where).rglob("*.py")
+                                                                  if (REPO / where).is_dir()
                                                                    else [REPO / where])]
     assert len(paths) > 10 and REPO / "trainer" / "run" / "loop.py" in paths  # the walk finds the rooms
     long = {}
@@ -173,6 +176,7 @@ def test_functions_of_the_loop_the_launcher_and_the_engine_fit_on_a_screen():
 
 def test_parallel_does_not_import_trainer_or_mlflow():
     code = "import sys, parallel.engine, parallel.placements, parallel.plan.units; " \
-           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trainer', 'mlflow', 'fastapi', 'service', 'api')))"
+           "print(sorted(m for m in sys.modules" \
+           " if m.split('.')[0] in ('trainer', 'mlflow', 'fastapi', 'service', 'api')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

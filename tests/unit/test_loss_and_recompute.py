@@ -169,7 +169,8 @@ def test_memory_counts_the_attention_core_selective_drops():
     # all blocks' cores dropped; one block's recomputed in backward, counted only beyond what the head
     # (norm, output, loss) saved, which backward frees before it reaches the blocks
     assert selective.parts.recompute == pytest.approx(max(0.0, core - selective.parts.head), rel=1e-6)
-    assert none.activations - selective.activations == pytest.approx(blocks * core - selective.parts.recompute, rel=1e-6)
+    assert none.activations - selective.activations == pytest.approx(blocks * core - selective.parts.recompute,
+                                                                     rel=1e-6)
     assert full.activations < selective.activations
 
 
@@ -184,7 +185,8 @@ def test_loss_parallel_and_chunks_shrink_the_logits_in_the_memory_pass():
             for lp, chunk, prec in (("true", 0, "fp32"), ("false", 0, "fp32"), ("true", 256, "fp32"),
                                     ("true", 0, "bf16"), ("true", 256, "bf16"))}
     assert runs["true", 0, "fp32"][1].loss_parallel and not runs["false", 0, "fp32"][1].loss_parallel
-    head = {key: saved_activations(cfg, plan, cfg.micro_batch_size)["units"]["output"] for key, (cfg, plan) in runs.items()}
+    head = {key: saved_activations(cfg, plan, cfg.micro_batch_size)["units"]["output"] for key,
+            (cfg, plan) in runs.items()}
     transient = {key: predict_memory(*run)[0].parts.transient for key, run in runs.items()}
     shard = 2 * 512 * 8192 // 2  # tokens x this rank's vocabulary columns
     assert head["false", 0, "fp32"] - head["true", 0, "fp32"] == pytest.approx(shard * 4, rel=1e-3)
@@ -256,7 +258,8 @@ def test_the_memory_pass_splits_a_tied_head_with_its_embedding(tmp_path):
     write_tied_llama(tmp_path, vocab_size=258)
     heads = {}
     for lp in ("true", "false"):
-        cfg, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={tmp_path}", "data=synthetic", "+parallel=tp",
+        cfg, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={tmp_path}", "data=synthetic",
+                                                     "+parallel=tp",
                                                      "mesh=[3]", "dry_run=true", "train.loss_chunk_tokens=0",
                                                      f"parallel.tensor_parallel.loss_parallel={lp}"]))
         model = build_model(cfg.model, device="meta")

@@ -37,7 +37,8 @@ def test_activations_scale_with_the_batch_and_shrink_with_checkpointing():
 
 def test_schedules_hold_the_micro_batches_they_keep_in_flight():
     gpipe = _predict("+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=GPipe", "parallel.pipeline.microbatches=4")
-    one_f_one_b = _predict("+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=1F1B", "parallel.pipeline.microbatches=4")
+    one_f_one_b = _predict("+parallel=pp", "mesh=[2]", "parallel.pipeline.schedule=1F1B",
+                           "parallel.pipeline.microbatches=4")
     assert [e.in_flight for e in gpipe] == [4, 4]
     assert [e.in_flight for e in one_f_one_b] == [2, 1]  # pp - rank: warm-up forwards, then one in, one out
     assert gpipe[0].activations == pytest.approx(2 * one_f_one_b[0].activations)

@@ -120,5 +120,6 @@ def test_a_launch_within_the_error_warns_with_the_margin_and_goes_on(capsys):
     # The fix names changes predicted not to be refused: the row checkpoints every other block (torchtitan's
     # per-op policy, as bench_profiles writes it); checkpointing every block brings it in.
     assert "parallel.activation_checkpointing_every=1" in issue.fix
-    fixed = beyond.model_copy(update={"parallel": beyond.parallel.model_copy(update={"activation_checkpointing_every": 1})})
+    every_block = beyond.parallel.model_copy(update={"activation_checkpointing_every": 1})
+    fixed = beyond.model_copy(update={"parallel": every_block})
     assert check_memory(fixed, resolve_plan(fixed.parallel, fixed.mesh, build_model(fixed.model, device="meta"))) == []

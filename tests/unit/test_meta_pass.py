@@ -40,7 +40,8 @@ def test_the_attention_argument_is_what_the_pass_runs_and_counts():
     # the kv heads' width (gpt_debug: 4 heads, 2 kv heads); the argument is what decides it.
     math = saved_activations(cfg, plan, MICRO_BATCH, attention=F.scaled_dot_product_attention)
     kv, head_dim = cfg.model.n_kv_heads, cfg.model.dim // heads
-    per_layer = 4 * MICRO_BATCH * heads * (SEQ * SEQ - SEQ) + 2 * 4 * MICRO_BATCH * (heads - kv) * SEQ * head_dim  # fp32
+    # fp32
+    per_layer = 4 * MICRO_BATCH * heads * (SEQ * SEQ - SEQ) + 2 * 4 * MICRO_BATCH * (heads - kv) * SEQ * head_dim
     assert {unit: math["units"][unit] - fused["units"][unit] for unit in fused["units"]} == {
         unit: per_layer if unit in plan.blocks else 0.0 for unit in fused["units"]}
 

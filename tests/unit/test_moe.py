@@ -193,7 +193,8 @@ def test_gpt_moe_counts_total_and_active_parameters_and_initialises_like_one_dev
     for (name, p), (_, q) in zip(model.named_parameters(), skeleton.named_parameters()):
         assert torch.equal(p, q), name
     w2, w1 = model.layers["0"].mlp.experts.w2, model.layers["0"].mlp.experts.w1
-    assert float(w2.detach().std()) < float(w1.detach().std())  # the residual projection is scaled down, as a dense down projection
+    # the residual projection is scaled down, as a dense down projection
+    assert float(w2.detach().std()) < float(w1.detach().std())
 
 
 class _Metrics:

@@ -55,7 +55,8 @@ def test_a_hugging_face_config_json_is_part_of_the_key(passes, tmp_path):
     written = llama_hf_config(LlamaConfig())
     (tmp_path / "config.json").write_text(json.dumps(written))
     before, _, _ = _predict("model=hf", f"model.path={tmp_path}")
-    (tmp_path / "config.json").write_text(json.dumps({**written, "intermediate_size": 2 * written["intermediate_size"]}))
+    (tmp_path / "config.json").write_text(json.dumps({**written,
+                                                      "intermediate_size": 2 * written["intermediate_size"]}))
     after, _, _ = _predict("model=hf", f"model.path={tmp_path}")
     assert len(passes) == 2 and after[0].activations > before[0].activations
 

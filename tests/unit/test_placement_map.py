@@ -136,8 +136,10 @@ def test_per_stage_layouts_place_each_stage_on_its_own_ranks():
     parallel = {"dims": ["pp"], "pipeline": {"dim": "pp", "boundaries": ["w1"], "microbatches": 2, "stages": [
         stage([[0, 1], [2, 3]], {"w0": {"mp": "Shard(1)"}}), stage([[4, 5], [6, 7]], {"w1": {"mp": "Shard(0)"}})]}}
     held = slices(parallel, [8], Raw(w0=(4, 8), w1=(8, 4)))
-    assert dict(held["w0"].slices) == {0: ((0, 4), (0, 4)), 1: ((0, 4), (4, 8)), 2: ((0, 4), (0, 4)), 3: ((0, 4), (4, 8))}
-    assert dict(held["w1"].slices) == {4: ((0, 4), (0, 4)), 5: ((4, 8), (0, 4)), 6: ((0, 4), (0, 4)), 7: ((4, 8), (0, 4))}
+    assert dict(held["w0"].slices) == {0: ((0, 4), (0, 4)), 1: ((0, 4), (4, 8)), 2: ((0, 4), (0, 4)),
+                                       3: ((0, 4), (4, 8))}
+    assert dict(held["w1"].slices) == {4: ((0, 4), (0, 4)), 5: ((4, 8), (0, 4)), 6: ((0, 4), (0, 4)),
+                                       7: ((4, 8), (0, 4))}
     assert dict(held["w1"].placements) == {"dp": "Replicate()", "mp": "Shard(0)"}
     for p in held.values():
         assert_tiles(p.shape, p.slices)

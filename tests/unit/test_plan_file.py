@@ -74,7 +74,8 @@ def test_a_dry_run_that_would_be_refused_exits_2_and_the_printed_fix_exits_0(tmp
     assert report.returncode == 0, report.stderr[-2000:]
     plan = json.loads((tmp_path / "meshflow-plan" / "plan.json").read_text())
     # The budget: 40 GiB as CUDA shows it (0.9897 of it: trainer.planner.memory.budget.VISIBLE_SHARE)
-    assert not plan["fits"] and plan["peak_memory_gib_per_device"] > plan["memory_budget_gib"] == pytest.approx(40 * 0.9897)
+    assert not plan["fits"]
+    assert plan["peak_memory_gib_per_device"] > plan["memory_budget_gib"] == pytest.approx(40 * 0.9897)
     assert plan["memory_verdict"] == "does not fit"
     from trainer.planner.memory.budget import PUBLISHED_MEMORY_ERROR
 

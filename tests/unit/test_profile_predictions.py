@@ -53,7 +53,8 @@ def test_the_h100_profile_predicts_the_measured_step_within_15_percent(compiled,
     cfg, plan = _config(*(["train.compile=true"] if compiled else []))
     predicted = predict_on_profile(cfg, plan, cfg.hardware).tokens_per_s
     error = predicted / measured["tokens_per_s"] - 1
-    assert abs(error) < 0.15, f"predicted {predicted:,.0f} tokens/s, measured {measured['tokens_per_s']:,.0f} ({error:+.1%})"
+    assert abs(error) < 0.15, \
+        f"predicted {predicted:,.0f} tokens/s, measured {measured['tokens_per_s']:,.0f} ({error:+.1%})"
 
 
 def _as_measured(model_cfg):

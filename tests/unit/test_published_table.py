@@ -253,7 +253,8 @@ def test_dgxc_cp_columns_agree_with_the_readmes_formulas(row):
         assert (rep.aggregate_tokens_per_s, rep.mfu) == (round(2 * 1124478.5), neighbour.mfu)
         assert neighbour.aggregate_tokens_per_s == 1124478
     else:
-        assert rep.aggregate_tokens_per_s == pytest.approx(m.seq_len * lay.global_batch_size / rep.iteration_time_s, abs=1)
+        assert rep.aggregate_tokens_per_s == pytest.approx(m.seq_len * lay.global_batch_size / rep.iteration_time_s,
+                                                           abs=1)
     # The Notes' model flops per sample, s (12 l h^2 (1 + g/a + s/h) + 18 l f h + 6 V h), is 6N + 12 l h s.
     s, l, h, f, v = m.seq_len, m.n_layers, m.dim, m.ffn_hidden_dim, m.vocab_size
     notes = s * (12 * l * h**2 * (1 + m.n_kv_heads / m.n_heads + s / h) + 18 * l * f * h + 6 * v * h)

@@ -121,7 +121,8 @@ def test_bad_layouts_are_refused(ranks, placements, message):
 
 def test_shard_dim_outside_the_tensor_is_refused():
     with pytest.raises(ValueError, match="does not fit a 2-D tensor"):
-        plan_reshard(global_shape=(4, 4), src=MeshLayout([0], (Shard(2),)), dst=MeshLayout([0], (Replicate(),)), itemsize=4)
+        plan_reshard(global_shape=(4, 4), src=MeshLayout([0], (Shard(2),)), dst=MeshLayout([0], (Replicate(),)),
+                     itemsize=4)
 
 
 def _random_layout(rng: random.Random, ndim: int) -> MeshLayout:

@@ -95,13 +95,15 @@ def test_run_url_points_at_the_server_or_the_local_ui(tmp_path, monkeypatch):
     view = "?workflowType=machine_learning"  # MLflow 3.17's model-training view, whatever the browser chose last
     assert run_url("http://127.0.0.1:5005", "3", "ab") == f"http://127.0.0.1:5005/#/experiments/3/runs/ab{view}"
     # a link carries no credentials, and works where the browser signs in
-    assert run_url("https://u:p@mlflow.example.com/", "3", "ab") == f"https://mlflow.example.com/#/experiments/3/runs/ab{view}"
+    assert run_url("https://u:p@mlflow.example.com/", "3",
+                   "ab") == f"https://mlflow.example.com/#/experiments/3/runs/ab{view}"
     assert run_url("sqlite:///mlflow.db", "3", "ab") == f"http://127.0.0.1:5000/#/experiments/3/runs/ab{view}"
     assert run_url("sqlite:///mlflow.db", None, "ab") is None
     # the store's command serves it where its links point (the port is the link's), from any directory
     monkeypatch.chdir(tmp_path)
     assert ui_command("sqlite:///x.db") == f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/x.db --port 5000"
-    assert ui_command("sqlite:////srv/x.db?timeout=20") == "mlflow ui --backend-store-uri 'sqlite:////srv/x.db?timeout=20' --port 5000"
+    assert (ui_command("sqlite:////srv/x.db?timeout=20")
+            == "mlflow ui --backend-store-uri 'sqlite:////srv/x.db?timeout=20' --port 5000")
     assert ui_command("sqlite:////home/a b/.meshflow/mlflow.db") == \
         "mlflow ui --backend-store-uri 'sqlite:////home/a b/.meshflow/mlflow.db' --port 5000"
     assert ui_command("http://h:5000") is None
@@ -168,7 +170,8 @@ def test_summary_reports_time_speed_best_loss_and_where_things_are(tmp_path):
     assert lines[2] == ("  mean 43 tok/s over steps 6-7 (step 5 left out: start-up) | "
                         "last step line (steps 6-7): loss 2.2500, 43 tok/s")
     assert "  last checkpoint: /ck/step_7" in lines
-    assert f"  logs: {ranks}/ holds a folder per rank, 0..1, each with stderr.log, stdout.log; rank 0: {ranks}/0/stdout.log" in lines
+    assert (f"  logs: {ranks}/ holds a folder per rank, 0..1, each with stderr.log, stdout.log; "
+            f"rank 0: {ranks}/0/stdout.log") in lines
     assert "  timeline: /p/timeline.png" in lines
 
 
@@ -184,6 +187,7 @@ def test_the_log_lines_name_paths_that_exist(tmp_path):
             (restarted / f"attempt_{attempt}" / str(rank)).mkdir(parents=True)
             (restarted / f"attempt_{attempt}" / str(rank) / "stdout.log").write_text("")
     (line,) = log_lines(restarted)
-    assert line == (f"  logs: {restarted}/attempt_10/ (the last of 3 attempts) holds a folder per rank, 0..2, each with "
+    assert line == (f"  logs: {restarted}/attempt_10/ (the last of 3 attempts) holds a folder per rank, "
+                    "0..2, each with "
                     f"stdout.log; rank 0: {restarted}/attempt_10/0/stdout.log")
     assert "<" not in line

@@ -11,7 +11,8 @@ from trainer.export.weights import unique_state_dict
 
 def _tied(device: str = "cpu") -> nn.Module:
     with torch.device(device):
-        model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "norm": nn.LayerNorm(4), "head": nn.Linear(4, 10, bias=False)})
+        model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "norm": nn.LayerNorm(4),
+                               "head": nn.Linear(4, 10, bias=False)})
     model["head"].weight = model["embed"].weight
     return model
 

@@ -46,11 +46,13 @@ def test_predicted_bubble_of_gpipe_and_1f1b_is_exactly_the_formula(schedule, p, 
     bubble = bubble_fractions(_predicted(schedule, p, 1, m))
     assert bubble["mean"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
     assert all(b == pytest.approx((p - 1) / (m + p - 1), abs=1e-12) for b in bubble["per_rank"].values())
-    assert theory_bubble(schedule, pp_size=p, stages_per_rank=1, microbatches=m) == ((p - 1) / (m + p - 1), "(p-1)/(m+p-1)")
+    assert theory_bubble(schedule, pp_size=p, stages_per_rank=1, microbatches=m) == ((p - 1) / (m + p - 1),
+                                                                                     "(p-1)/(m+p-1)")
 
 
 @pytest.mark.parametrize("schedule, v, formula", [("Interleaved1F1B", 2, lambda p, v, m: (p - 1) / (v * m + p - 1)),
-                                                  ("InterleavedZeroBubble", 2, lambda p, v, m: (p - 1) / (3 * v * m + p - 1))])
+                                                  ("InterleavedZeroBubble", 2, lambda p, v,
+                                                   m: (p - 1) / (3 * v * m + p - 1))])
 @pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 8)])
 def test_interleaved_and_zero_bubble_theory_is_what_torchs_order_gives(schedule, v, formula, p, m):
     theory, _ = theory_bubble(schedule, pp_size=p, stages_per_rank=v, microbatches=m)
@@ -73,7 +75,7 @@ def test_order_is_torchs_with_1f1b_forwards_numbered_from_zero():
         1: ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]}
     zbv = schedule_order("ZBV", pp_size=2, stages_per_rank=2, microbatches=4)
     assert {parse_action(a)[0] for a in zbv[0]} == {0, 3} and {parse_action(a)[1] for a in zbv[1]} == {"F", "I", "W"}
-    for rank, actions in zbv.items():  # every stage runs each micro-batch's F, I and W once
+    for actions in zbv.values():  # every stage runs each micro-batch's F, I and W once
         assert sorted(actions) == sorted(f"{s}{k}{mb}" for s in {parse_action(a)[0] for a in actions}
                                          for k in "FIW" for mb in range(4))
 
@@ -122,7 +124,8 @@ def test_chrome_trace_has_one_process_per_rank_and_nesting_threads(tmp_path):
     paths = write_timeline(events, tmp_path / "out", title="1F1B p=4 m=8")
     trace = json.loads(paths["timeline_trace"].read_text())
     assert paths["timeline_trace"].name == "timeline.json" and trace["otherData"]["title"] == "1F1B p=4 m=8"
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"
+             and e["name"] == "process_name"}
     assert names == {r: f"rank {r}" for r in range(4)}
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(complete) == len(events) and min(e["ts"] for e in complete) == 0
@@ -147,7 +150,8 @@ def test_dry_run_writes_the_predicted_timeline_and_names_it(compose, tmp_path):
     trace = json.loads((tmp_path / "plan" / "timeline.json").read_text())
     assert "GPipe p=2 m=4" in trace["otherData"]["title"]
     off = compose("+parallel=pp", "mesh=[2]", "tracking=none", "tracking.pictures=false")
-    assert "pictures:" not in describe_plan(off, plan, pictures_dir=tmp_path / "off") and not (tmp_path / "off").exists()
+    assert "pictures:" not in describe_plan(off, plan,
+                                            pictures_dir=tmp_path / "off") and not (tmp_path / "off").exists()
 
 
 class _Tracker:

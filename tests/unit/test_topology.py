@@ -21,7 +21,8 @@ EXPERT, DENSE = "layers.0.mlp.experts.w1", "layers.0.attn.wq.weight"
 
 @pytest.mark.parametrize("mesh, shape, world", [
     ([2, 2, 2], (2, 2, 2), 8), ([8], (8,), 8), (None, (1,), 1),
-    ([[2, 4, 5], [0, 1, 3]], (2, 3), 6), ([[[0, 1]]], (1, 1, 2), 2), ([[[3, 0], [1, 2]], [[7, 4], [5, 6]]], (2, 2, 2), 8)])
+    ([[2, 4, 5], [0, 1, 3]], (2, 3), 6), ([[[0, 1]]], (1, 1, 2), 2),
+    ([[[3, 0], [1, 2]], [[7, 4], [5, 6]]], (2, 2, 2), 8)])
 def test_world_size_of_a_mesh_value_counts_every_rank_id(mesh, shape, world):
     assert mesh_shape_of(mesh) == shape
     assert mesh_world_size(mesh) == world
@@ -37,7 +38,8 @@ def test_a_nested_mesh_of_two_ids_starts_workers():
 
 def test_mesh_sizes_count_an_absent_axis_as_one():
     mesh = MeshSpec((2, 3, 4), ("dp", "pp", "tp"))
-    assert (mesh.world_size, mesh.size("pp"), mesh.size(["dp", "tp"]), mesh.size(["ep"]), mesh.size([])) == (24, 3, 8, 1, 1)
+    sizes = (mesh.world_size, mesh.size("pp"), mesh.size(["dp", "tp"]), mesh.size(["ep"]), mesh.size([]))
+    assert sizes == (24, 3, 8, 1, 1)
 
 
 @pytest.mark.parametrize("mode, axes, shard", [
@@ -101,7 +103,8 @@ def test_the_expert_rule_under_hsdp_zero2_and_without_data_parallelism():
     assert _expert_topology("zero2").fsdp_axes(DENSE) == ("dp", "ep")
     alone = _expert_topology(None)  # ep alone: the rest replicated over it, nothing sharded by FSDP
     assert alone.fsdp_axes(DENSE) == () and alone.fsdp_divisor(DENSE) == 1 and alone.local_divisor(EXPERT, {}) == 4
-    no_ep = Topology(MeshSpec((2, 2), ("dp", "tp")), dp_axes=("dp",), dp_mode="fsdp", expert_modules=("layers.0.mlp.experts",))
+    no_ep = Topology(MeshSpec((2, 2), ("dp", "tp")), dp_axes=("dp",), dp_mode="fsdp",
+                     expert_modules=("layers.0.mlp.experts",))
     assert not no_ep.is_expert(EXPERT) and no_ep.local_divisor(EXPERT, {"tp": SHARD1}) == 2
 
 

@@ -92,7 +92,8 @@ def test_sequence_parallel_gathers_each_norms_output_again_in_backward():
     ops = {op.op: op for op in _tp_ops(cfg, plan)}
     assert (ops["all_gather"].nbytes, ops["all_gather"].count) == (act, 128 + 16 + 64)
     assert (ops["reduce_scatter"].nbytes, ops["reduce_scatter"].count) == (act, 128)
-    (vocab,) = _tp_ops(cfg, plan, role="vocab")  # the embedding's forward sum, once per micro-batch (rank 1: the head's)
+    # the embedding's forward sum, once per micro-batch (rank 1: the head's)
+    (vocab,) = _tp_ops(cfg, plan, role="vocab")
     assert (vocab.op, vocab.nbytes, vocab.count) == ("all_reduce", act, 4 * 2)
     hand = (208 * _ring(cfg, "all_gather", 4, act) + 128 * _ring(cfg, "reduce_scatter", 4, act)
             + 8 * _ring(cfg, "all_reduce", 4, act))
@@ -195,7 +196,8 @@ def test_sequence_parallel_norms_and_residual_adds_run_on_a_quarter_of_the_rows(
     seen = _shares("+parallel=tp", "mesh=[4]", "parallel.tensor_parallel.sequence_parallel=true")
     for phase in ("forward", "backward"):
         assert seen[(phase, "mm")] == {1.0}
-        assert seen[(phase, "_scaled_dot_product_flash_attention_for_cpu" + ("_backward" if phase == "backward" else ""))] == {1.0}
+        assert seen[(phase, "_scaled_dot_product_flash_attention_for_cpu" + ("_backward" if phase == "backward"
+                                                                             else ""))] == {1.0}
         assert seen[(phase, "pow")] == {0.25}
         assert 0.25 in seen[(phase, "add")]  # the residual adds (rotary embedding's adds stay whole)
     assert seen[("forward", "rsqrt")] == seen[("forward", "mean")] == {0.25}
@@ -207,7 +209,8 @@ def test_sequence_parallel_norms_and_residual_adds_run_on_a_quarter_of_the_rows(
 
 @pytest.mark.parametrize("extra", [
     ["parallel.tensor_parallel.sequence_parallel=true"],
-    ["parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.stages_per_rank=2", "parallel.data_parallel.mode=zero2"],
+    ["parallel.pipeline.schedule=Interleaved1F1B", "parallel.pipeline.stages_per_rank=2",
+     "parallel.data_parallel.mode=zero2"],
     ["parallel.data_parallel.mode=ddp", "parallel.activation_checkpointing=full"],
 ])
 def test_the_lower_bound_stays_under_the_prediction_with_these_terms(extra):

@@ -85,7 +85,8 @@ def test_many_params_and_a_long_value(
     # MlflowClient.log_batch chunks by itself in mlflow 3.17; a server's API does not, so we do.
     sizes = []
     real_log_batch = tracker._client.log_batch
-    monkeypatch.setattr(tracker._client, "log_batch", lambda *a, **kw: sizes.append(len(kw["params"])) or real_log_batch(*a, **kw))
+    monkeypatch.setattr(tracker._client, "log_batch", lambda *a,
+                        **kw: sizes.append(len(kw["params"])) or real_log_batch(*a, **kw))
     tracker.log_params(params)
 
     assert sizes == [100, 51]
@@ -116,7 +117,8 @@ def test_once_per_run_numbers_are_params_not_one_point_charts(cfg: TrackingConfi
     tracker = MLflowTracker(cfg)
     tracker.log_summary({"pipeline_bubble": 0.188349, "predicted_peak_memory_mb": 56.25, "checkpoint_bytes": 4096})
     run = client.get_run(tracker.run_id)
-    assert run.data.params == {"pipeline_bubble": "0.1883", "predicted_peak_memory_mb": "56.25", "checkpoint_bytes": "4096"}
+    assert run.data.params == {"pipeline_bubble": "0.1883", "predicted_peak_memory_mb": "56.25",
+                               "checkpoint_bytes": "4096"}
     assert run.data.metrics == {}  # the run's overview lists them; no chart of one point
     # A restarted attempt attaches to the run and measures again: MLflow keeps a param's first value,
     # the attempt goes on, new numbers are added and the kept ones named.
@@ -167,7 +169,8 @@ def test_artifact_text_and_tags(cfg: TrackingConfig, client: MlflowClient, tmp_p
     ("error", "status"),
     [(None, "FINISHED"), (ValueError, "FAILED"), (KeyboardInterrupt, "KILLED"), (Terminated, "KILLED")],
 )
-def test_lifecycle_status(cfg: TrackingConfig, client: MlflowClient, error: type[BaseException] | None, status: str) -> None:
+def test_lifecycle_status(cfg: TrackingConfig, client: MlflowClient, error: type[BaseException] | None,
+                          status: str) -> None:
     tracker = MLflowTracker(cfg)
     assert client.get_run(tracker.run_id).info.status == "RUNNING"
     if error is None:

@@ -44,7 +44,8 @@ def test_the_job_environment_is_allow_listed_by_exact_names():
               "TORCH_EVIL": "x", "TORCHINDUCTOR_CACHE_DIR": "/shared", "LC_SECRET": "s", "CUDA_SECRET": "s",
               "NCCL_TOKEN": "t", "MESHFLOW_TOKENS": '{"a": "b"}', "AWS_SECRET_ACCESS_KEY": "k"}
     env = job_environment(source=source)
-    assert env == {"OMP_NUM_THREADS": "2", "LC_ALL": "C.UTF-8", "NCCL_DEBUG": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+    assert env == {"OMP_NUM_THREADS": "2", "LC_ALL": "C.UTF-8", "NCCL_DEBUG": "INFO",
+                   "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
                    "PATH": "/usr/bin", "PYTHONUNBUFFERED": "1"}
     # the store's credentials by name, only when its URI holds any
     assert job_environment(source={}, tracking_uri="http://u:pw@mlflow:5000")["MLFLOW_TRACKING_URI"] == \

@@ -70,7 +70,8 @@ def test_concurrent_identical_submissions_wait_for_the_first(settings):
     for thread in threads:
         thread.join()
     assert validator.misses == 1 and validator.coalesced + validator.hits == 5
-    assert {results[i].launch.log_dir for i in range(6)} == {str(settings.jobs_dir / f"j{i}" / "logs") for i in range(6)}
+    assert {results[i].launch.log_dir for i in range(6)} == {str(settings.jobs_dir / f"j{i}" / "logs")
+                                                             for i in range(6)}
 
 
 def test_refusals_and_configs_that_read_files_are_never_cached(settings):
@@ -97,10 +98,12 @@ def test_a_worker_process_validates_and_a_dead_one_is_replaced(settings):
         assert validator.wait_warm(timeout=scaled(300))
         assert [future.result() for future in validator._warming] == validator.worker_pids()
         in_pool = validator.resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "p1")
-        local = Validator(settings, workers=0).resolve_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "p1")
+        local = Validator(settings, workers=0).resolve_job(overrides=TINY, document=None,
+                                                           workdir=settings.jobs_dir / "p1")
         assert in_pool.model_dump(mode="json") == local.model_dump(mode="json")
         with pytest.raises(ConfigError) as err:  # a refusal crosses the process boundary with its path and fix
-            validator.resolve_job(overrides=["mesh=[3]", "+parallel=dp"], document=None, workdir=settings.jobs_dir / "p2")
+            validator.resolve_job(overrides=["mesh=[3]", "+parallel=dp"], document=None,
+                                  workdir=settings.jobs_dir / "p2")
         assert err.value.issues and all(i.fix for i in err.value.issues)
         (pid,) = validator.worker_pids()
         os.kill(pid, signal.SIGKILL)  # out of memory, say: the next submission gets a fresh pool
@@ -148,7 +151,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_workers_leave_when_the_server_is_killed(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
                             text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]

@@ -55,7 +55,8 @@ COMPLETE_MARKER = "COMPLETE"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
-_RESUME_FIX = "use `auto` (newest checkpoint in train.checkpoint.dir, if any), `none`, or the path of a step_<n> directory"
+_RESUME_FIX = ("use `auto` (newest checkpoint in train.checkpoint.dir, if any), `none`, or the path of a step_<n> "
+               "directory")
 
 
 # ------------------------------------------------------------------------------ finding
@@ -216,7 +217,8 @@ def save_checkpoint(
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     model_state = {k: v for k, v in model_state.items() if k not in skip}
     aliases = first_names(tied or [])
-    state: dict[str, Any] = {"model": without_aliases(model_state, aliases), "optim": without_aliases(optim_state, aliases)}
+    state: dict[str, Any] = {"model": without_aliases(model_state, aliases),
+                             "optim": without_aliases(optim_state, aliases)}
     try:
         if _rank() == 0:
             write_extra_state(tmp, extra_bytes)
@@ -261,7 +263,8 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
         model_state = {k: v for k, v in model_state.items() if k in held or k not in may_lack}
         options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
     aliases = first_names(tied or [])
-    (model_view, model_links), (optim_view, optim_links) = load_view(model_state, aliases), load_view(optim_state, aliases)
+    (model_view, model_links), (optim_view, optim_links) = load_view(model_state, aliases), load_view(optim_state,
+                                                                                                      aliases)
     state: dict[str, Any] = {"model": model_view, "optim": optim_view}
     load_dcp(state, path)
     extra = read_extra_state(path)

@@ -67,7 +67,8 @@ def _allowed(module: str, name: str) -> bool:
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if not _allowed(module, name):
-            raise UnsafeCheckpoint(f"its {METADATA_FILE} asks for the global {module}.{name}, which DCP metadata never holds")
+            raise UnsafeCheckpoint(f"its {METADATA_FILE} asks for the global {module}.{name}, which DCP "
+                                   "metadata never holds")
         return super().find_class(module, name)
 
 

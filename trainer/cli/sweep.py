@@ -155,13 +155,16 @@ class SweepParentRun(Callback):
         for j in jobs:
             loss = f"{j['final_loss']:.4f}" if j["final_loss"] is not None else "failed"
             peak = f"{j['peak_memory_mb']:.0f}" if j.get("peak_memory_mb") is not None else "-"
-            lines.append(f"  {j['job']:>3}  {loss:>10}  {peak:>8}  {j['run_id'] or '-':<32}  {' '.join(j['swept']) or '-'}")
+            lines.append(f"  {j['job']:>3}  {loss:>10}  {peak:>8}  {j['run_id'] or '-':<32}  "
+                         f"{' '.join(j['swept']) or '-'}")
         if best := self.winner():
             how = "highest" if self._maximize else "lowest"
             objective = " (Optuna's objective)" if self._sweeper == "optuna" else ""
-            url = run_url(self._tracking_uri, self._experiment_id, best["run_id"], self._ui_url) if best["run_id"] else None
+            url = run_url(self._tracking_uri, self._experiment_id, best["run_id"],
+                          self._ui_url) if best["run_id"] else None
             lines.append(f"sweep: best job {best['job']} ({' '.join(best['swept']) or 'the command line only'}): "
-                         f"final loss {best['final_loss']:.4f}{objective}, the {how} of {len(jobs)}" + (f"; run {url}" if url else ""))
+                         f"final loss {best['final_loss']:.4f}{objective}, the {how} of {len(jobs)}"
+                         + (f"; run {url}" if url else ""))
         return "\n".join(lines)
 
     def _close(self, status: str) -> None:

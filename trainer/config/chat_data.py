@@ -16,8 +16,8 @@ from parallel.config import Section
 # ChatML: the layout many instruction-tuned models use; named so a tokenizer without a template can train.
 TEMPLATES = {
     "chatml": (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+        "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     ),
 }
 

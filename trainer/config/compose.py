@@ -140,7 +140,8 @@ def group_option_issues(overrides: list[str] | tuple[str, ...]) -> list[ConfigIs
         plus = "++" if override.is_force_add() else "" if listed else "+"
         if all(option in known for option in chosen) and (override.is_force_add() or override.is_add() != listed):
             continue
-        meant = [option if option in known else next(iter(difflib.get_close_matches(option, presets + theirs, n=1)), None)
+        meant = [option if option in known else next(iter(difflib.get_close_matches(option, presets + theirs, n=1)),
+                                                     None)
                  for option in chosen]
         issues.append(ConfigIssue(group, *_group_option_problem(text, group, chosen, meant, presets, theirs, plus)))
     return issues

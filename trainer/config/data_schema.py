@@ -32,10 +32,12 @@ class TextDataConfig(_Section):
 
 
 class SyntheticDataConfig(_Section):
-    kind: Literal["synthetic"] = Field("synthetic", description="A seeded order-k Markov chain with a known entropy rate.")
+    kind: Literal["synthetic"] = Field("synthetic",
+                                       description="A seeded order-k Markov chain with a known entropy rate.")
     order: int = Field(1, ge=1, le=3, description="Markov order k: each token depends on the previous k.")
     num_symbols: int = Field(16, ge=2, le=256, description="Alphabet size (token ids 0 .. num_symbols-1).")
-    concentration: float = Field(0.1, gt=0, description="Dirichlet concentration of the transition rows; small = peaky.")
+    concentration: float = Field(0.1, gt=0, description="Dirichlet concentration of the transition rows; "
+                                                        "small = peaky.")
     # Generating the stream takes ~17 bytes a token at once (float64 uniforms, int64 states) on every rank:
     # 2**27 tokens is 2.3 GB, 67x the default, more than any entropy-rate experiment needs.
     num_tokens: int = Field(2_000_000, ge=1024, le=2**27, description="Length of the generated token stream; at most "
@@ -44,7 +46,8 @@ class SyntheticDataConfig(_Section):
 
 
 class RegressionDataConfig(_Section):
-    kind: Literal["regression"] = Field("regression", description="x ~ N(0, 1), y = teacher(x) + noise; for the mlp model.")
+    kind: Literal["regression"] = Field("regression",
+                                        description="x ~ N(0, 1), y = teacher(x) + noise; for the mlp model.")
     # Samples are made on demand, but every epoch's order is a permutation of all of them (8 bytes each).
     num_samples: int = Field(65536, ge=16, le=2**27, description="Number of (x, y) pairs; at most 134217728 (each "
                              "epoch's order is a permutation of them all, in memory).")
@@ -53,7 +56,8 @@ class RegressionDataConfig(_Section):
 
 
 class FilesDataConfig(_Section):
-    kind: Literal["files"] = Field("files", description="Documents from your files (jsonl, json, parquet or text), tokenized.")
+    kind: Literal["files"] = Field("files", description="Documents from your files (jsonl, json, parquet or "
+                                                        "text), tokenized.")
     paths: list[str] = Field(
         default_factory=list, description="Files or globs (`**` recurses); jsonl/json/parquet give records, any other "
         "suffix is plain text with one document per file. Each must match at least one file.")

@@ -59,9 +59,9 @@ class Achieved(_Section):
     matmul: float = Field(..., gt=0, le=1, description="A large bf16 GEMM's achieved FLOP/s over the peak (cuBLAS, "
                           "e.g. 8192^3); smaller GEMMs lose more to wave quantisation over `sm_count`.")
     matmul_half_gflop: float = Field(15.0, ge=0, description="The GEMM size, in GFLOP (2 m k n / 1e9), at which "
-                                     "half of `matmul` is reached in bf16 (measured over a sweep of decoder shapes): a GEMM costs this "
-                                     "many FLOPs' time at the bf16 rate on top of its own FLOPs' (prologue and tail: "
-                                     "a fixed time per GEMM, the same in every precision).")
+                                     "half of `matmul` is reached in bf16 (measured over a sweep of decoder shapes): a "
+                                     "GEMM costs this many FLOPs' time at the bf16 rate on top of its own FLOPs' "
+                                     "(prologue and tail: a fixed time per GEMM, the same in every precision).")
     attention_forward: float = Field(..., gt=0, le=1, description="torch's flash attention forward (causal, head "
                                      "dim 128, 2k tokens): achieved FLOP/s over the peak.")
     attention_backward: float = Field(..., gt=0, le=1, description="Its backward (2.5x the forward's FLOPs).")
@@ -115,7 +115,8 @@ class HardwareProfile(_Section):
         """The keys a GPU profile must state and this one leaves empty (validation refuses a ``cuda``
         profile that has any: :func:`trainer.validate.checks.check_hardware`)."""
         missing = [key for key in ("devices_per_node", "memory_gb", "memory_bandwidth_gb_s", "intra_node",
-                                   "inter_node", "runtime_memory", "sm_count", "achieved") if getattr(self, key) is None]
+                                   "inter_node", "runtime_memory", "sm_count", "achieved") if getattr(self,
+                                                                                                      key) is None]
         missing += [f"peak_tflops.{dtype}" for dtype in ("bf16", "fp32") if dtype not in self.peak_tflops]
         return missing
 

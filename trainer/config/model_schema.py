@@ -23,7 +23,8 @@ class RopeScaling(_Section):
     low_freq_factor: float = Field(1.0, gt=0, description="original_max_position_embeddings / low_freq_factor is the "
                                    "wavelength above which the full factor applies.")
     high_freq_factor: float = Field(4.0, gt=0, description="original_max_position_embeddings / high_freq_factor is "
-                                    "the wavelength below which frequencies are kept; between the two they are blended.")
+                                    "the wavelength below which frequencies are kept; between the two they "
+                                    "are blended.")
     original_max_position_embeddings: int = Field(8192, ge=1, description="The context length the model was "
                                                   "pre-trained at, before the context was extended.")
 
@@ -46,13 +47,15 @@ class LoRAConfig(_Section):
                       "min(in, out) of every targeted Linear.")
     alpha: float | None = Field(None, gt=0, description="LoRA alpha: the update is scaled by alpha / rank (PEFT's "
                                 "lora_alpha). null = 2 * rank (a scaling of 2).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (PEFT's lora_dropout); 0 = none. "
-                           "A run with dropout draws other random numbers on every layout, so its losses are not one "
-                           "device's.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (PEFT's "
+                                                        "lora_dropout); 0 = none. A run with dropout draws other "
+                                                        "random numbers on every layout, so its losses are not "
+                                                        "one device's.")
     targets: list[str] | None = Field(
         None, description="Globs over the model's module names choosing the Linears that get adapters (`*` crosses "
-        "dots, as in parallel.placements), e.g. `[\"layers.*.attn.w[qv]\"]` or `[\"model.layers.*.self_attn.*_proj\"]`. "
-        "null = every attention and MLP projection (q, k, v, o, gate, up, down). A glob matching no Linear is refused.")
+        "dots, as in parallel.placements), e.g. `[\"layers.*.attn.w[qv]\"]` or "
+        "`[\"model.layers.*.self_attn.*_proj\"]`. null = every attention and MLP projection (q, k, v, o, gate, up, "
+        "down). A glob matching no Linear is refused.")
     save_base: bool = Field(
         False, description="Checkpoints also hold the frozen base weights. false = adapters (and their optimizer "
         "state) only; the base comes again from model.path, train.init_from or train.seed on resume and export.")
@@ -103,7 +106,8 @@ class LlamaConfig(_Section):
     n_heads: int = Field(4, ge=1, description="Attention heads; `dim` must divide by it.")
     n_kv_heads: int | None = Field(2, ge=1, description="Key/value heads (grouped-query attention); null = n_heads.")
     vocab_size: int = Field(256, ge=2, description="Vocabulary size; 256 for the byte-level tokenizer.")
-    ffn_hidden_dim: int = Field(172, ge=1, description="Hidden width of the SwiGLU MLP (w1, w3: dim -> hidden; w2: back).")
+    ffn_hidden_dim: int = Field(172, ge=1, description="Hidden width of the SwiGLU MLP (w1, w3: dim -> "
+                                                       "hidden; w2: back).")
     # CPU and memory: the rotary table and the activation prediction grow with it (1e10 took the validator
     # 23 s); 2**24 is above the longest published context (10M tokens).
     max_seq_len: int = Field(256, ge=1, le=2**24, description="Longest sequence the rotary table covers; at most "
@@ -148,8 +152,8 @@ class HFModelConfig(_Section):
                                 "Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Mixtral).")
     path: str | None = Field(
         None,
-        description="Directory with the model's config.json (model_type llama, mistral, qwen2, qwen3, or with a mixture "
-        "of experts qwen3_moe or mixtral), plus *.safetensors weights "
+        description="Directory with the model's config.json (model_type llama, mistral, qwen2, qwen3, or "
+                    "with a mixture of experts qwen3_moe or mixtral), plus *.safetensors weights "
         "when present (random init from the config when absent). Nothing is downloaded.",
     )
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters (`model.lora.rank=16` turns "

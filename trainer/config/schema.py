@@ -86,9 +86,11 @@ class CheckpointConfig(_Section):
     # Disk: each checkpoint is the whole model and optimizer state. Nobody keeps more than 1000 of them;
     # a run that needs its whole history saves less often.
     keep: int = Field(3, ge=1, le=1000, description="Keep the newest K checkpoints, delete older ones; at most 1000.")
-    resume: str = Field("none", min_length=1, description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
+    resume: str = Field("none", min_length=1,
+                        description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
     save_final: bool = Field(True, description="Also save after the last step: what `python -m trainer.export` and "
-                             "`python -m trainer.generate` read, and the MLflow run's `model/` artifact. false: only `every`'s saves.")
+                             "`python -m trainer.generate` read, and the MLflow run's `model/` artifact. false: only "
+                             "`every`'s saves.")
 
 
 class TrainConfig(_Section):
@@ -162,7 +164,8 @@ class LaunchConfig(_Section):
         "one per run on one host; with several hosts, a digest of the config all nodes have in common.")
     # Time: a node that waits holds its host; nodes start within minutes, and a day covers one queued behind others.
     rdzv_timeout_s: float = Field(300, gt=0, le=86400, description="Seconds a node waits for the others to join the "
-                                  "rendezvous before it gives up and says which nodes are missing; at most 86400 (a day).")
+                                  "rendezvous before it gives up and says which nodes are missing; at most "
+                                  "86400 (a day).")
     local_addr: str | None = Field(
         None, description="The address the other hosts reach this one at (its workers' store and gloo listen there). "
         "null = this host's name, as torch's launcher resolves it.")
@@ -178,10 +181,10 @@ class LaunchConfig(_Section):
         None, gt=0, description="Memory per worker a run may use (GiB); a config predicted to need more is refused "
         "before any worker starts. null = the GPU's memory, or 90% of the host's memory shared by its workers.")
     unmap_freed_memory: bool = Field(
-        False, description="CPU workers (glibc): give every allocation from 128 KiB up pages of its own, returned to the "
-        "system when freed, so freed tensors leave no heap holes resident. The peak drops toward the live tensors "
-        "(a third less per rank on fsdp [8] of a 1B model), for more CPU time in page faults. false = glibc's "
-        "dynamic threshold.")
+        False, description="CPU workers (glibc): give every allocation from 128 KiB up pages of its own, "
+                           "returned to the system when freed, so freed tensors leave no heap holes resident. The peak "
+                           "drops toward the live tensors (a third less per rank on fsdp [8] of a 1B model), for more "
+                           "CPU time in page faults. false = glibc's dynamic threshold.")
 
 
 # ------------------------------------------------------------------------------- run
@@ -200,7 +203,8 @@ class RunConfig(_Section):
         "row-major flattened mesh, so the worker with id 2 above is torch rank 0 at mesh position [0,0]. "
         "null = one device.",
     )
-    parallel: ParallelConfig | None = Field(None, description="How the model is spread over the mesh; null = one device.")
+    parallel: ParallelConfig | None = Field(None,
+                                            description="How the model is spread over the mesh; null = one device.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How workers are started.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
     hardware: HardwareProfile = Field(default_factory=HardwareProfile, description="What the dry run and "

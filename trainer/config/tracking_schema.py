@@ -43,7 +43,8 @@ def default_tracking_uri() -> str:
 
 
 class TrackingConfig(_Section):
-    backend: Literal["mlflow", "none"] = Field("mlflow", description="`mlflow` logs one run per job; `none` logs nothing.")
+    backend: Literal["mlflow", "none"] = Field("mlflow",
+                                               description="`mlflow` logs one run per job; `none` logs nothing.")
     tracking_uri: str = Field(
         default_factory=default_tracking_uri, description="MLflow tracking URI (sqlite, file, or an http(s) server). "
         "Default: this user's store, `sqlite:///$MESHFLOW_HOME/mlflow.db` (`~/.meshflow/mlflow.db`), the same from "

@@ -164,7 +164,8 @@ def build_splits(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelCo
     if isinstance(data_cfg, ChatDataConfig) and data_cfg.val_paths:
         from trainer.data.chat import ChatSource  # optional: transformers and datasets, the hf extra
 
-        val = ChatSource(data_cfg, seq_len, tokenizer="", paths=data_cfg.val_paths, key="data.val_paths", tok=source.tok)
+        val = ChatSource(data_cfg, seq_len, tokenizer="", paths=data_cfg.val_paths, key="data.val_paths",
+                         tok=source.tok)
         return DataSplits(source, val, notes + [f"validation {note}" for note in val.notes()])
     if isinstance(data_cfg, FilesDataConfig) and data_cfg.val_paths:
         from trainer.data.files import FilesSource  # optional: datasets and tokenizers, the hf extra

@@ -153,7 +153,8 @@ class ChatSource:
         records = read_records(cfg.paths if paths is None else paths, key)
         if records and cfg.messages_field not in records[0] and cfg.prompt_field not in records[0]:
             raise ConfigError([ConfigIssue("data.messages_field", f"the records of {key} have neither "
-                                           f"{cfg.messages_field!r} nor {cfg.prompt_field!r}; they have {sorted(records[0])}",
+                                           f"{cfg.messages_field!r} nor {cfg.prompt_field!r}; they have "
+                                           f"{sorted(records[0])}",
                                            "set data.messages_field (or data.prompt_field / data.completion_field)")])
         self.num_conversations, self.num_cut = len(records), 0
         documents = []
@@ -210,7 +211,8 @@ def pack(documents: list[tuple[list[int], list[int]]], seq_len: int) -> list[lis
     return rows
 
 
-def _stack_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+def _stack_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int,
+                pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
     """``[rows, seq_len]`` inputs, targets and positions; the padding is one more document of its own."""
     inputs = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
     targets = np.full((len(rows), seq_len), IGNORE, dtype=np.int64)

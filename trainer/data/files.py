@@ -15,7 +15,7 @@ The stream is cut into ``seq_len + 1`` windows exactly like the built-in text
 (:class:`~trainer.data.base.TokenWindows`): documents are packed back to back with their EOS
 separators, every token is a target once per epoch (the tail shorter than a window excepted),
 and the loader's seeded, resumable order applies unchanged.
-"""
+"""  # noqa: E501 (the command, whole: a reader copies it)
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def expand_paths(paths: list[str], key: str = "data.paths") -> list[Path]:
         ConfigError: every pattern (``data.paths[i]``) that matches no file, or an empty list.
     """
     if not paths:
-        raise ConfigError([ConfigIssue(key, "names no files", f"give files or globs, e.g. {key}=[/data/corpus/*.jsonl]")])
+        raise ConfigError([ConfigIssue(key, "names no files", "give files or globs, e.g. "
+                                                              f"{key}=[/data/corpus/*.jsonl]")])
     found: set[Path] = set()
     issues = []
     for index, pattern in enumerate(paths):
@@ -83,7 +84,8 @@ def build_token_file(files: list[Path], tokenizer: Tokenizer, *, text_field: str
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per host; the others wait here, then reuse
         if not target.exists():
-            _write_tokens(files, tokenizer, text_field=text_field, cache_dir=cache_dir, target=target, num_proc=num_proc)
+            _write_tokens(files, tokenizer, text_field=text_field, cache_dir=cache_dir, target=target,
+                          num_proc=num_proc)
     return target
 
 

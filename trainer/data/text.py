@@ -158,4 +158,5 @@ class TextSource(TokenWindows):
         if self.available_bytes <= self.num_bytes:
             return notes
         return notes + [f"data: using the first {self.num_bytes / 1e6:.1f} MB of {self.available_bytes / 1e6:.1f} MB "
-                        f"of text ({len(self.files)} files): data.max_bytes={self.cfg.max_bytes} cuts the rest; raise it to use more"]
+                        f"of text ({len(self.files)} files): data.max_bytes={self.cfg.max_bytes} cuts the rest; raise "
+                        "it to use more"]

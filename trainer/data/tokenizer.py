@@ -100,7 +100,8 @@ class HFTokenizer:
 
     def encode_documents(self, texts: Sequence[str]) -> list[list[int]]:
         """Each text's ids followed by the end-of-document id (batched: the Rust side uses every core)."""
-        return [[*encoding.ids, self.eos_id] for encoding in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        return [[*encoding.ids, self.eos_id] for encoding in self._tok.encode_batch(list(texts),
+                                                                                    add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int] | Tensor) -> str:
         if isinstance(ids, Tensor):

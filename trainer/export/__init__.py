@@ -1,1 +1,2 @@
-"""Weights out of a checkpoint: safetensors, Hugging Face directories, PEFT adapter directories, and text generation from any checkpoint."""
+"""Weights out of a checkpoint: safetensors, Hugging Face directories, PEFT adapter directories, and text generation
+from any checkpoint."""

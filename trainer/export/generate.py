@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                         "of the run's")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample at most (default 64)")
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0 = all (default 40)")
+    parser.add_argument("--top-k", type=int, default=40,
+                        help="sample among the k likeliest tokens; 0 = all (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json or directory instead of the run's own")
     args = parser.parse_args(argv)

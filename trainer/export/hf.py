@@ -51,7 +51,8 @@ def llama_hf_config(cfg: LlamaConfig) -> dict:
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "intermediate_size": cfg.ffn_hidden_dim, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
+        "intermediate_size": cfg.ffn_hidden_dim, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu", "attention_bias": False,
         "mlp_bias": False, "tie_word_embeddings": False, "initializer_range": cfg.init_std, "torch_dtype": "float32",
     }
@@ -61,7 +62,8 @@ def llama_hf_config(cfg: LlamaConfig) -> dict:
     return config
 
 
-def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *, tokenizer: str | None = None) -> dict[str, int]:
+def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
+              tokenizer: str | None = None) -> dict[str, int]:
     """Write ``state`` (the full model's weights) of a model built from ``model_cfg`` as a
     Hugging Face directory ``out``, with the tokenizer files of the model directory and of
     ``tokenizer`` (the run's ``data.tokenizer``: a tokenizer.json or a directory holding one);
@@ -81,7 +83,8 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *, tok
         if model_cfg.moe is not None:
             raise ValueError("the built-in mixture-of-experts model has no Hugging Face layout here yet; export it as "
                              "safetensors (--format safetensors)")
-        if model_cfg.qkv_bias or model_cfg.qk_norm or model_cfg.head_dim not in (None, model_cfg.dim // model_cfg.n_heads):
+        if model_cfg.qkv_bias or model_cfg.qk_norm or model_cfg.head_dim not in (None,
+                                                                                 model_cfg.dim // model_cfg.n_heads):
             raise ValueError("the built-in Llama exports to Llama's layout, which has no qkv_bias, qk_norm or free "
                              "head_dim; export it as safetensors (--format safetensors)")
         head_dim = model_cfg.dim // model_cfg.n_heads
@@ -92,7 +95,8 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *, tok
             tensors[hf_name(fqn)] = value
         (out / "config.json").write_text(json.dumps(llama_hf_config(model_cfg), indent=2))
     else:
-        raise ValueError(f"model {model_cfg.arch} has no Hugging Face counterpart; export it as safetensors (--format safetensors)")
+        raise ValueError(f"model {model_cfg.arch} has no Hugging Face counterpart; export it as safetensors (--format "
+                         "safetensors)")
     if tokenizer and Path(tokenizer).exists():  # the run's own tokenizer wins over the model directory's
         file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
         for name in TOKENIZER_FILES:

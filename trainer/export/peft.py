@@ -61,7 +61,8 @@ def export_peft(model: nn.Module, model_cfg, out: str | Path) -> dict[str, int]:
         raise ValueError("--format peft: the run trained no LoRA adapters (model.lora.rank is 0); export the full "
                          "model with --format hf")
     if not isinstance(model_cfg, HFModelConfig):
-        raise ValueError(f"--format peft: model {model_cfg.arch} has no Hugging Face base directory for PEFT to put the "
+        raise ValueError(f"--format peft: model {model_cfg.arch} has no Hugging Face base directory for "
+                         "PEFT to put the "
                          "adapters on; export the merged model with --format hf")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -49,15 +49,19 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
     held = stored_model_keys(checkpoint)
     lacking = sorted(k for k in own if k not in held and k in trainable_names(model))
     if lacking:
-        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: it lacks the trained parameters {lacking[:4]}")
+        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: it lacks the trained parameters "
+                              f"{lacking[:4]}")
     state = {"model": {k: v for k, v in own.items() if k in held}}
     load_dcp(state, checkpoint, no_dist=True)  # one process reading on purpose
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     missing = [k for k in missing if k in held]  # a frozen base weight left out keeps the value built above
     if set(missing) - alias_names(model) or unexpected:  # an alias shares its first name's tensor, now loaded
-        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    if "fingerprints" in extra and (wrong := mismatches(module_fingerprints(model), extra["fingerprints"], tied_groups(model))):
-        raise CheckpointError(f"checkpoint {str(checkpoint)!r} reads back other values than the run saved for {wrong[:4]}",
+        raise CheckpointError(f"cannot read checkpoint {str(checkpoint)!r}: missing {missing[:4]}, unexpected "
+                              f"{unexpected[:4]}")
+    if "fingerprints" in extra and (wrong := mismatches(module_fingerprints(model), extra["fingerprints"],
+                                                        tied_groups(model))):
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} reads back other values than the run saved "
+                              f"for {wrong[:4]}",
                               fix="the checkpoint is damaged: use another one")
     return model, model_cfg, extra
 
@@ -99,7 +103,8 @@ def check_weights_fit(model: torch.nn.Module, path: str | Path) -> None:
     from safetensors import safe_open
 
     if not Path(path).is_file():
-        raise FileNotFoundError(f"train.init_from: {str(path)!r} does not exist (give a file written by python -m trainer.export)")
+        raise FileNotFoundError(f"train.init_from: {str(path)!r} does not exist (give a file written by python -m "
+                                "trainer.export)")
     with safe_open(str(path), framework="pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     # LoRA's adapters start from the seed: a file holds the base model's weights.
@@ -134,7 +139,8 @@ def load_weights(parts: torch.nn.Module | list[torch.nn.Module], path: str | Pat
                     continue
                 key = name if name in in_file else first.get(name, name)
                 offset, local = local_box(tensor)
-                block = f.get_slice(key)[tuple(slice(o, o + k) for o, k in zip(offset, local))] if local else f.get_tensor(key)
+                block = f.get_slice(key)[tuple(slice(o, o + k) for o,
+                                               k in zip(offset, local))] if local else f.get_tensor(key)
                 target = tensor.to_local() if hasattr(tensor, "to_local") else tensor
                 target.copy_(block)
 

@@ -57,7 +57,8 @@ def launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: s
         config_path.write_text(cfg.model_dump_json())
         cheap_method_names()
         with one_warning_each():
-            results = _run_elastic(launch_config, (str(config_path), run_id, pictures_dir, _predicted_peak_mib(cfg, plan)), cfg)
+            results = _run_elastic(launch_config, (str(config_path), run_id, pictures_dir,
+                                                   _predicted_peak_mib(cfg, plan)), cfg)
     ln = cfg.launch
     if ln.nnodes > 1:
         print(f"node {ln.node_rank} of {ln.nnodes}: its {cfg.world_size // ln.nnodes} workers finished", flush=True)

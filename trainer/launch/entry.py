@@ -47,14 +47,16 @@ def as_config(config: RunConfig | Mapping[str, Any] | str | os.PathLike[str]) ->
     if isinstance(config, RunConfig):
         return config
     if isinstance(config, Mapping):
-        return resolve_and_validate(json.loads(json.dumps(dict(config))))[0]  # a plain copy: the validator may fill it in
+        # a plain copy: the validator may fill it in
+        return resolve_and_validate(json.loads(json.dumps(dict(config))))[0]
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
         try:
             return RunConfig.model_validate_json(path.read_text())
         except OSError as err:
             raise FileNotFoundError(f"train({str(path)!r}): cannot read the config ({err.strerror}); pass the path "
-                                    "of a resolved config (RunConfig.model_dump_json()), a dict or a RunConfig") from None
+                                    "of a resolved config (RunConfig.model_dump_json()), a dict or a "
+                                    "RunConfig") from None
     raise TypeError(f"train(config): expected a RunConfig, a dict or the path of a resolved JSON config, "
                     f"got {type(config).__name__}")
 

@@ -140,7 +140,8 @@ def _launch_tracked(cfg: RunConfig, began: float, plan: ParallelPlan | None) -> 
     # One run per job: node 0's launcher owns it (another node's would make a second one).
     tracker = make_tracker(cfg.tracking, is_main=cfg.launch.node_rank == 0, run_id=cfg.tracking.run_id,
                            run_name=run_name(cfg))
-    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id, cfg.tracking.ui_url)
+    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id,
+                  cfg.tracking.ui_url)
     if url:  # start-up says what it is doing: the run's page exists from now on
         print(f"mlflow run: {url}", flush=True)
     try:
@@ -220,7 +221,8 @@ def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str, plan: P
 
         # the same layout as the workers' logs: the console's copy is this run's job log
         with tee_output(log_base / f"{rdzv_id}_local" / "attempt_0" / "0" / "stdout.log"):
-            return train(cfg, tracker=tracker, progress=Progress(), pictures_dir=_pictures_dir(log_base, rdzv_id)).summary()
+            return train(cfg, tracker=tracker, progress=Progress(),
+                         pictures_dir=_pictures_dir(log_base, rdzv_id)).summary()
     return launch_workers(cfg, tracker.run_id, log_base, rdzv_id, _pictures_dir(log_base, rdzv_id), plan=plan)
 
 

@@ -9,8 +9,8 @@ imported those modules once (:data:`PRELOAD`): they start with the imports done.
 entered in one place, a launch's :class:`~trainer.launch.launcher.LaunchSession`, started by the first
 launch that enters it and stopped when the process's last launch ends, so a
 later launch (a sweep's next job) gets one that reads its own environment; an elastic restart
-within the launch, and launches running at once in threads of one process, share it. The server never touches a GPU (importing torch does not
-initialise CUDA), so CUDA is first initialised in each worker, as with ``spawn``.
+within the launch, and launches running at once in threads of one process, share it. The server never touches a GPU
+(importing torch does not initialise CUDA), so CUDA is first initialised in each worker, as with ``spawn``.
 
 torch's dynamic rendezvous names the method that records each rendezvous event by calling
 ``inspect.stack()`` twice (``dynamic_rendezvous.get_method_name``); every call builds the source

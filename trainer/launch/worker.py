@@ -52,7 +52,8 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg = _resume_latest(cfg)  # the elastic agent restarted us after a failure
     torch_rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    rank = node_ordered_rank(cfg, local_rank, int(os.environ["LOCAL_WORLD_SIZE"])) if cfg.launch.nnodes > 1 else torch_rank
+    rank = node_ordered_rank(cfg, local_rank,
+                             int(os.environ["LOCAL_WORLD_SIZE"])) if cfg.launch.nnodes > 1 else torch_rank
     rank_id, device_index = bind_worker(cfg, rank, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     device = resolve_device(cfg.device, device_index)
     torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend

@@ -131,6 +131,7 @@ def check_fingerprints(pm: ParallelModel, want: dict[str, Fingerprint], *, what:
     bad = mismatches(got, want, pm.tied_names)
     if bad:
         first = first_names(pm.tied_names)
-        details = [f"{n}: sum of squares {got[n][2]:.9g}, source {want.get(n, want.get(first.get(n, ''), (0.0,) * 4))[2]:.9g}"
+        details = [f"{n}: sum of squares {got[n][2]:.9g}, source "
+                   f"{want.get(n, want.get(first.get(n, ''), (0.0,) * 4))[2]:.9g}"
                    for n in bad]
         raise LoadMismatch(bad, what, details)

@@ -41,7 +41,8 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
         raise HFModelError("model=hf needs a model directory", "set model.path=DIR (a directory with config.json)")
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise HFModelError(f"{str(config_file)!r} does not exist", "give a Hugging Face model directory with config.json")
+        raise HFModelError(f"{str(config_file)!r} does not exist",
+                           "give a Hugging Face model directory with config.json")
     try:
         hf = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -55,7 +56,8 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
                            "with a mixture of experts)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise HFModelError(f"rope settings {rope!r} in {str(config_file)!r} are not an object", "give a valid config.json")
+        raise HFModelError(f"rope settings {rope!r} in {str(config_file)!r} are not an object",
+                           "give a valid config.json")
     # transformers writes `rope_type` (older versions: `type`); Llama 3.1/3.2 use llama3.
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     unsupported = [
@@ -78,10 +80,12 @@ def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
             moe=MoEConfig(**moe) if moe is not None else None,
         )
     except ValidationError as err:  # each bad value named by its LlamaConfig field, on one line
-        bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+        bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                        for e in err.errors())
         raise HFModelError(f"{str(config_file)!r} has a bad value: {bad}", "give a valid Llama config.json") from None
     except (KeyError, ValueError) as err:
-        raise HFModelError(f"{str(config_file)!r} lacks or has a bad value: {err}", "give a complete Llama config.json") from None
+        raise HFModelError(f"{str(config_file)!r} lacks or has a bad value: {err}",
+                           "give a complete Llama config.json") from None
     for what, bad in unsupported:
         if bad:
             raise HFModelError(f"{what} in {str(config_file)!r} is not supported by the Llama layout here",
@@ -148,7 +152,8 @@ def load_hf_sharded(parts: list[torch.nn.Module], path: str) -> None:
         state.update(part.state_dict())
     state = {k: v for k, v in state.items() if not is_adapter(k)}  # LoRA adapters start from the seed
     keys = {k: file_keys(k, kind, num_experts) for k in state}
-    missing = sorted(key for k, ks in keys.items() for key in ks if key not in in_files and not (tied and k == "lm_head.weight"))
+    missing = sorted(key for k, ks in keys.items() for key in ks if key not in in_files
+                     and not (tied and k == "lm_head.weight"))
     if missing:
         raise HFModelError(f"the safetensors weights do not fit config.json: missing {missing[:4]}",
                            "give the weights saved with this config.json")

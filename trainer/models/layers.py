@@ -129,16 +129,17 @@ def llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Te
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "pairs") -> torch.Tensor:
     """Rotate pairs of dimensions of ``x: [B, T, H, D]`` by the angles at each position.
 
-    ``cos``/``sin`` are ``[T, D // 2]``, or ``[B, T, D // 2]`` at each row's own positions. ``pairs`` rotates adjacent ``(x[2i], x[2i+1])``, Meta's
-    Llama convention; ``halves`` rotates ``(x[i], x[i + D/2])``, Hugging Face's. Written in real
-    arithmetic so it works for any dtype and under DTensor.
+    ``cos``/``sin`` are ``[T, D // 2]``, or ``[B, T, D // 2]`` at each row's own positions. ``pairs`` rotates adjacent
+    ``(x[2i], x[2i+1])``, Meta's Llama convention; ``halves`` rotates ``(x[i], x[i + D/2])``, Hugging Face's. Written in
+    real arithmetic so it works for any dtype and under DTensor.
     """
     if style == "pairs":
         pairs = x.float().unflatten(-1, (-1, 2))
         x0, x1 = pairs[..., 0], pairs[..., 1]
     else:
         x0, x1 = x.float().chunk(2, dim=-1)
-    cos, sin = (cos[:, :, None, :], sin[:, :, None, :]) if cos.dim() == 3 else (cos[None, :, None, :], sin[None, :, None, :])
+    cos, sin = (cos[:, :, None, :], sin[:, :, None, :]) if cos.dim() == 3 else (cos[None, :, None, :],
+                                                                                sin[None, :, None, :])
     r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
     rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if style == "pairs" else torch.cat((r0, r1), dim=-1)
     return rotated.type_as(x)

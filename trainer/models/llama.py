@@ -111,7 +111,8 @@ class Attention(nn.Module):
         cp = self.context_parallel
         index = cp.token_index(seqlen, device=x.device) if cp is not None else None  # true positions in the row
         if seqlen * (cp.size if cp is not None else 1) > self.max_seq_len:
-            raise ValueError(f"sequence length {seqlen * (cp.size if cp else 1)} exceeds max_seq_len {self.max_seq_len}")
+            raise ValueError(f"sequence length {seqlen * (cp.size if cp else 1)} exceeds max_seq_len "
+                             f"{self.max_seq_len}")
         n = self._names
         # -1: the local head count, whatever share of the heads this rank's weights hold.
         q = getattr(self, n.q)(x).view(bsz, seqlen, -1, self.head_dim)
@@ -172,7 +173,8 @@ class TransformerBlock(nn.Module):
             self.add_module(names.mlp, FeedForward(cfg.dim, cfg.ffn_hidden_dim, names))
         else:
             hidden = cfg.moe.hidden_dim or cfg.ffn_hidden_dim
-            shared = FeedForward(cfg.dim, hidden * cfg.moe.num_shared_experts, names) if cfg.moe.num_shared_experts else None
+            shared = FeedForward(cfg.dim, hidden * cfg.moe.num_shared_experts,
+                                 names) if cfg.moe.num_shared_experts else None
             self.add_module(names.mlp, MoE(cfg.dim, cfg.ffn_hidden_dim, cfg.moe, shared=shared))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -85,7 +85,8 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else weight
 
 
-def grouped_mm(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, *, grouped: bool | None = None) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, *,
+               grouped: bool | None = None) -> torch.Tensor:
     """Rows of ``x [M, in]`` sorted by expert, ``counts[e]`` rows for expert ``e``, each times its
     expert's ``weights[e].T`` (``weights [E, out, in]``) -> ``[M, out]``. ``grouped``: force
     ``torch._grouped_mm`` (True) or the loop (False); None = the grouped kernel where it works for
@@ -206,7 +207,8 @@ def sequence_statistics(probs: torch.Tensor, experts: torch.Tensor) -> tuple[tor
     return counts, probs.sum(dim=1)
 
 
-def balance_from_statistics(counts: torch.Tensor, score_sums: torch.Tensor, *, seq_len: int, top_k: int) -> torch.Tensor:
+def balance_from_statistics(counts: torch.Tensor, score_sums: torch.Tensor, *, seq_len: int,
+                            top_k: int) -> torch.Tensor:
     """The balance loss of sequences of ``seq_len`` tokens, ``top_k`` choices each, from their
     :func:`sequence_statistics` (whole sequences' sums)."""
     num_experts = counts.shape[-1]
@@ -280,7 +282,8 @@ class WithAuxLoss:
 
     @property
     def aux(self) -> torch.Tensor | None:
-        """This rank's share of the balance loss over the forwards since :meth:`take` (their mean over micro-batches)."""
+        """This rank's share of the balance loss over the forwards since :meth:`take` (their mean over
+        micro-batches)."""
         if self._aux_sum is None:
             return None
         return self._aux_sum / (self.num_blocks * self._microbatches)

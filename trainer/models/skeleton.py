@@ -46,6 +46,8 @@ def _key(cfg: ModelCfg) -> tuple[str, str] | None:
     files = ""
     if cfg.arch == "hf":
         try:
+            if cfg.path is None:
+                return None
             files = (Path(cfg.path) / "config.json").read_text()
         except (OSError, TypeError):
             return None

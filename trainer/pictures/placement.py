@@ -222,7 +222,8 @@ def _draw_tensor(ax, row: _Row, colours: dict[tuple[int, ...], tuple]) -> None:
     group, grid = row.groups[0], row.grid
     shape = group.shape
     num_rows, num_cols = (shape[0], shape[1]) if len(shape) >= 2 else (1, shape[0]) if shape else (1, 1)
-    as_2d = lambda sl: (sl[0], sl[1]) if len(shape) >= 2 else ((0, 1), sl[0]) if shape else ((0, 1), (0, 1))  # noqa: E731
+    as_2d = lambda sl: (  # noqa: E731
+        (sl[0], sl[1]) if len(shape) >= 2 else ((0, 1), sl[0]) if shape else ((0, 1), (0, 1)))
     blocks = _blocks(group.slices)
     labelled = len(blocks) <= (MAX_LABELLED_BLOCKS if len(shape) >= 2 else MAX_LABELLED_BLOCKS // 2)  # a bar is narrow
     # One collection for the blocks one rank holds, one (hatched) for replicated ones: a [64, 8, 8]
@@ -238,7 +239,8 @@ def _draw_tensor(ax, row: _Row, colours: dict[tuple[int, ...], tuple]) -> None:
     for sl, ranks in blocks.items() if labelled else ():
         (r0, r1), (c0, c1) = as_2d(sl)
         ax.text((c0 + c1) / 2, (r0 + r1) / 2, _holders_text([grid.label(r) for r in ranks]), ha="center", va="center",
-                fontsize=9 if len(blocks) <= 8 else 6, bbox={"facecolor": "white", "alpha": 0.8, "pad": 1, "linewidth": 0})
+                fontsize=9 if len(blocks) <= 8 else 6, bbox={"facecolor": "white", "alpha": 0.8, "pad": 1,
+                                                             "linewidth": 0})
     num_rows, num_cols = max(num_rows, 1), max(num_cols, 1)  # a zero-size dim still gets an (empty) frame
     ax.set_xlim(0, num_cols)
     ax.set_ylim(num_rows, 0)  # row 0 on top, as a matrix is written
@@ -265,7 +267,8 @@ def _draw_tensor(ax, row: _Row, colours: dict[tuple[int, ...], tuple]) -> None:
         lines.append(f"same pattern: {more}")
     if empty:
         lines.append(f"empty shard on {_holders_text(empty)}")
-    ax.set_title("\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in lines), fontsize=9, loc="left")
+    ax.set_title("\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in lines), fontsize=9,
+                 loc="left")
 
 
 __all__ = ["DRY_RUN_DIR", "draw_placement", "placement_report", "write_placement"]

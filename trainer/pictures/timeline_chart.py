@@ -39,7 +39,8 @@ ROW_KINDS = COMPUTE_KINDS + ("OPT",)  # drawn on a rank's main row; the rest is 
 
 def bubble_summary(events: list[dict], *, schedule: str, pp_size: int, stages_per_rank: int, microbatches: int) -> dict:
     """The bubble of ``events`` beside the schedule's theory and torch's order laid out with unit costs."""
-    theory, formula = theory_bubble(schedule, pp_size=pp_size, stages_per_rank=stages_per_rank, microbatches=microbatches)
+    theory, formula = theory_bubble(schedule, pp_size=pp_size, stages_per_rank=stages_per_rank,
+                                    microbatches=microbatches)
     order = schedule_order(schedule, pp_size=pp_size, stages_per_rank=stages_per_rank, microbatches=microbatches)
     predicted = bubble_fractions(predicted_events(order, num_stages=pp_size * stages_per_rank))["mean"]
     measured = bubble_fractions(events)
@@ -175,7 +176,8 @@ def write_timeline(events: list[dict], out_dir: Path, *, title: str = "", name: 
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / f"{name}.json"
     trace.write_text(json.dumps(chrome_trace(events, title=title)))
-    return {"timeline_trace": trace, "timeline_png": draw_gantt(events, out_dir / f"{name}.png", title=title, xlabel=xlabel)}
+    return {"timeline_trace": trace, "timeline_png": draw_gantt(events, out_dir / f"{name}.png", title=title,
+                                                                xlabel=xlabel)}
 
 
 # ------------------------------------------------------------------ dry run and loop

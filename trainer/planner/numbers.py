@@ -191,7 +191,8 @@ def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int, elem: int) 
     block = 2 * rows * (cfg.train.seq_len // cp) * decoder.num_kv_heads / tp * decoder.head_width
     # A checkpointed block's forward runs again in backward, and its ring (or all-gather) with it.
     ac, blocks = plan.activation_checkpointing, max(1, len(plan.blocks))
-    recomputed = 1.0 if ac == "full" else (blocks // plan.activation_checkpointing_every) / blocks if ac == "selective" else 0.0
+    recomputed = (1.0 if ac == "full" else (blocks // plan.activation_checkpointing_every) / blocks
+                  if ac == "selective" else 0.0)
     hops = (2 + recomputed) * (cp - 1) * block * elem
     if plan.context_parallel.method == "ring":
         hops += cp * block * 4

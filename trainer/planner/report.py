@@ -122,7 +122,8 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
     if n["boundaries"]:
         lines.append(f"pipeline: stages begin at {n['boundaries']}; parameters per stage {n['stage_params']}; "
                      f"bubble {n['bubble']:.1%}")
-    lines.append(f"{'pp rank':>8} {'stages':>8} {'params':>12} {'weights MiB':>12} {'grads MiB':>10} {'adam MiB':>9} {'total MiB':>10}")
+    lines.append(f"{'pp rank':>8} {'stages':>8} {'params':>12} {'weights MiB':>12} {'grads MiB':>10} {'adam MiB':>9} "
+                 f"{'total MiB':>10}")
     for r in n["per_pp_rank"]:
         total = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
         lines.append(f"{r['pp_rank']:>8} {str(r['stages']):>8} {r['params']:>12,} {r['param_bytes'] / mib:>12.2f} "
@@ -135,10 +136,12 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
     lines.append(f"{'pp rank':>8} {'gathered MiB':>13} {'activations MiB':>16} {'in flight':>10} {'backward MiB':>13} "
                  f"{'process MiB':>12} {'peak MiB':>10}")
     for m in n["memory"]:
-        lines.append(f"{m['pp_rank']:>8} {m.get('gathered_bytes', 0.0) / mib:>13.2f} {m.get('activation_bytes', 0.0) / mib:>16.2f} "
+        lines.append(f"{m['pp_rank']:>8} {m.get('gathered_bytes', 0.0) / mib:>13.2f} "
+                     f"{m.get('activation_bytes', 0.0) / mib:>16.2f} "
                      f"{m.get('microbatches_in_flight', 0):>10} {m.get('backward_bytes', 0.0) / mib:>13.2f} "
                      f"{m.get('process_bytes', 0.0) / mib:>12.2f} {m['peak_bytes'] / mib:>10.2f}")
-    lines.append(f"(peak, {cfg.train.precision}: weights + grads + AdamW + gathered + the larger of backward's worst moment "
+    lines.append(f"(peak, {cfg.train.precision}: weights + grads + AdamW + gathered + the larger of backward's "
+                 "worst moment "
                  "(activations + what backward adds) and the optimizer step's; process: the runtime and, on CPU, "
                  "glibc's heap holes)")
     worst = max(n["memory"], key=lambda m: m["peak_bytes"])
@@ -158,7 +161,8 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
         except ValueError as err:  # torch's schedule refuses the shape (a dry run despite batch errors)
             lines.append(f"pictures: no predicted timeline ({str(err).splitlines()[0]})")
         else:
-            lines.append(f"pictures: predicted timeline {paths['timeline_png']} (Chrome trace {paths['timeline_trace']}); "
+            lines.append(f"pictures: predicted timeline {paths['timeline_png']} (Chrome trace "
+                         f"{paths['timeline_trace']}); "
                          f"{bubble_text(summary, what='predicted')}")
     return "\n".join(lines)
 
@@ -180,6 +184,7 @@ def plan_pictures(cfg: RunConfig, plan: ParallelPlan) -> dict[str, Any]:
             timeline = None
         if timeline is not None:
             paths, summary = timeline
-            out.update(timeline_png=png(paths["timeline_png"]), timeline=json.loads(paths["timeline_trace"].read_text()),
+            out.update(timeline_png=png(paths["timeline_png"]),
+                       timeline=json.loads(paths["timeline_trace"].read_text()),
                        bubble_theory=summary.get("theory"))
     return out

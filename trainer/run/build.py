@@ -17,9 +17,11 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from parallel.engine import ParallelModel, parallelize
 from parallel.plan.resolve import resolve_plan
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.data import Source
 from trainer.data.loader import GlobalBatchLoader

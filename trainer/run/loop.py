@@ -181,7 +181,8 @@ def _log_val(val_loss: float, step: int, cfg: RunConfig, tracker: Tracker, progr
     """``val_loss`` and ``val_perplexity`` to the tracker at ``step``, and a console line."""
     metrics = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 700))}
     tracker.log_metrics(metrics, step=step)
-    progress.log(f"step {step}/{cfg.train.steps} | val_loss {val_loss:.4f} | val_perplexity {metrics['val_perplexity']:.2f}")
+    progress.log(f"step {step}/{cfg.train.steps} | val_loss {val_loss:.4f} | val_perplexity "
+                 f"{metrics['val_perplexity']:.2f}")
 
 
 def _per_rank(value: float, pm: ParallelModel, device: torch.device) -> list[float]:

@@ -100,7 +100,8 @@ def format_metrics(step: int, total: int, metrics: dict[str, float], first: int 
     """A console step line. ``first``: the first step of the window the means cover (the steps since the
     previous line), named on the line when it spans more than this step."""
     aux = f"aux_loss {metrics['aux_loss']:.4f}, " if "aux_loss" in metrics else ""  # an MoE model's balance loss
-    means = (f"loss {metrics['loss']:.4f}, {aux}grad_norm {metrics['grad_norm']:.3f}, {metrics['tokens_per_s']:,.0f} tok/s, "
+    means = (f"loss {metrics['loss']:.4f}, {aux}grad_norm {metrics['grad_norm']:.3f}, "
+             f"{metrics['tokens_per_s']:,.0f} tok/s, "
              f"{metrics['step_time_s'] * 1000:.0f} ms/step")
     return (f"step {step}/{total} | {_window_label(first, step)}{means} | lr {metrics['lr']:.2e} | "
             f"peak {metrics['peak_memory_mb']:.0f} MiB")

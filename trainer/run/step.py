@@ -117,7 +117,8 @@ def _count_targets(loss_fn, loader: GlobalBatchLoader, samples: int) -> None:
         loss_fn.tokens_per_row = max(1, loader.target_tokens(samples)) / samples / loader.cp_size
 
 
-def _on(device: torch.device, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _on(device: torch.device,
+        batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(inputs, targets, positions or None)`` of a loader batch, on ``device``."""
     inputs, targets, *rest = (x.to(device) for x in batch)
     return inputs, targets, (rest[0] if rest else None)
@@ -127,7 +128,8 @@ def expert_load(tokens_per_expert: torch.Tensor) -> dict[str, float]:
     """The step's rows per expert (summed over the batch, averaged over the MoE blocks) as metrics: the
     least and most loaded expert's, and the imbalance max / mean (1 = balanced)."""
     mean = float(tokens_per_expert.mean())
-    return {"tokens_per_expert_min": float(tokens_per_expert.min()), "tokens_per_expert_max": float(tokens_per_expert.max()),
+    return {"tokens_per_expert_min": float(tokens_per_expert.min()),
+            "tokens_per_expert_max": float(tokens_per_expert.max()),
             "expert_imbalance": float(tokens_per_expert.max()) / mean if mean else 1.0}
 
 

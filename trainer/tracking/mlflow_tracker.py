@@ -281,7 +281,8 @@ class MLflowTracker:
         return f"MLflowTracker(tracking_uri={self._uri!r}, run_id={self._run_id!r})"
 
 
-def make_tracker(cfg: TrackingConfig, *, is_main: bool, run_id: str | None = None, run_name: str | None = None) -> Tracker:
+def make_tracker(cfg: TrackingConfig, *, is_main: bool, run_id: str | None = None,
+                 run_name: str | None = None) -> Tracker:
     """An :class:`MLflowTracker` on the main rank with ``backend=mlflow``, else a :class:`NullTracker`."""
     if cfg.backend == "none" or not is_main:
         return NullTracker()

@@ -37,9 +37,11 @@ NOT_LOGGED = ("tracking.tracking_uri", "tracking.run_id")
 # A key names a secret by one of its words (split at `_`, `-`, `.` and camelCase humps): `hf_token`,
 # `apiKey`, `db.password`. Not a substring test: `num_tokens`, `eos_token`, `tokenizer`, `author`
 # and `max_tokens_per_s` are a count, a piece of text, a path, a name and a rate, never a secret.
-SECRET_WORDS = frozenset({"password", "passwords", "passwd", "pass", "pwd", "passphrase", "secret", "secrets", "token", "tokens",
+SECRET_WORDS = frozenset({"password", "passwords", "passwd", "pass", "pwd", "passphrase", "secret", "secrets", "token",
+                          "tokens",
                           "apikey", "credential", "credentials", "auth", "authorization", "bearer", "cookie"})
-SECRET_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("client", "secret")})
+SECRET_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"),
+                          ("client", "secret")})
 # Words that make a "token" a unit of text (a count of them, a special one, its id) rather than a credential.
 TEXT_TOKEN_WORDS = frozenset({"num", "n", "max", "min", "total", "count", "per", "seq", "eos", "bos", "pad", "unk",
                               "sep", "cls", "mask", "special", "id", "ids", "len", "length", "budget"})
@@ -113,7 +115,8 @@ def run_tags(cfg: RunConfig) -> dict[str, str]:
     elif getattr(cfg.model, "builder", None):
         model = f"{model}:{cfg.model.builder}"
     tags = {
-        "mesh": json.dumps(cfg.mesh if cfg.mesh is not None else list(cfg.mesh_shape)), "dims": json.dumps(list(cfg.parallel.dims) if cfg.parallel else []),
+        "mesh": json.dumps(cfg.mesh if cfg.mesh is not None else list(cfg.mesh_shape)),
+        "dims": json.dumps(list(cfg.parallel.dims) if cfg.parallel else []),
         PRESET_TAG: cfg.tracking.tags.get(PRESET_TAG, "custom"), "world_size": str(cfg.world_size),
         "model": model, "precision": cfg.train.precision, "data": cfg.data.kind,
         "user": _user(), "host": socket.gethostname(),

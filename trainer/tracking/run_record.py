@@ -177,9 +177,11 @@ def summary(cfg: RunConfig, outcome: dict[str, Any], tracker: Tracker, *, wall_s
     last = first + len(losses)
     lines = [f"done: steps {first + 1}..{last}, loss {losses[0]:.4f} -> {losses[-1]:.4f} (single steps){val_text}"]
     best = min(range(len(losses)), key=losses.__getitem__)
-    lines.append(f"  wall time {wall_s:.1f} s | final loss {losses[-1]:.4f} | best {losses[best]:.4f} at step {first + best + 1}")
+    lines.append(f"  wall time {wall_s:.1f} s | final loss {losses[-1]:.4f} | best {losses[best]:.4f} at step "
+                 f"{first + best + 1}")
     lines.append("  " + " | ".join(_speeds(outcome, first, last)))
-    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id, cfg.tracking.ui_url)
+    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id,
+                  cfg.tracking.ui_url)
     if url:
         serve = ui_command(cfg.tracking.tracking_uri, cfg.tracking.ui_url)
         lines.append(f"  mlflow run: {url}" + (f"  (serve it: {serve})" if serve else ""))
@@ -202,7 +204,8 @@ def _speeds(outcome: dict[str, Any], first: int, last: int) -> list[str]:
            + (f" (step {first + 1} left out: start-up)" if len(times) > 1 else "")]
     window = outcome.get("last_window") or {}
     if window and window.get("first") is not None:
-        steps = f"steps {window['first']}-{window['last']}" if window["first"] < window["last"] else f"step {window['last']}"
+        steps = (f"steps {window['first']}-{window['last']}" if window["first"] < window["last"]
+                 else f"step {window['last']}")
         out.append(f"last step line ({steps}): loss {window['loss']:.4f}, {window['tokens_per_s']:,.0f} tok/s")
     return out
 

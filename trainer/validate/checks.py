@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from parallel.config import INTERLEAVED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, mesh_rank_ids, mesh_shape_of
+from parallel.config import INTERLEAVED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from parallel.topology import mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig

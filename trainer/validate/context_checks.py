@@ -33,7 +33,8 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
     chunks = 2 * size
     if size > 1 and cfg.train.seq_len % chunks:
         fit = chunks * max(1, cfg.train.seq_len // chunks)
-        issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens do not cut into 2 x cp = {chunks} equal "
+        issues.append(ConfigIssue("train.seq_len", f"{cfg.train.seq_len} tokens do not cut into 2 x cp = "
+                                                   f"{chunks} equal "
                                   f"chunks: each of the {size} cp ranks holds a head and a tail chunk of every row, so "
                                   "that causal attention costs every rank the same",
                                   f"use a multiple of {chunks}, e.g. {override('train.seq_len', fit)}"))
@@ -43,8 +44,9 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
                                   "built yet: a stage's own layout has no cp axis (one layout for every stage has)",
                                   f"one layout for every stage: {override('parallel.pipeline.stages', None)}"))
     if cfg.train.compile:
-        issues.append(ConfigIssue("train.compile", "torch.compile with context parallelism is not built yet: the ring's "
-                                  "hops and its skipped blocks would break every block's graph",
+        issues.append(ConfigIssue("train.compile", "torch.compile with context parallelism is not built "
+                                                   "yet: the ring's hops and its skipped blocks would break every "
+                                                   "block's graph",
                                   f"set {override('train.compile', False)}, or train without context parallelism "
                                   f"({drop_cp})"))
     return issues
@@ -76,7 +78,7 @@ def check_context_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
     # The cp ranks can still train: as data-parallel ranks (or, beside a dp axis, not at all).
     fix = without_cp(cfg)
     return [ConfigIssue(PATH, f"model.arch {cfg.model.arch}: no module of {type(model).__name__} attends over a split "
-                        "sequence. Context parallelism needs an attention that takes its rank's chunks of every row and "
-                        "sees the whole row (the built-in and Hugging Face Llama-family decoders have one); a module "
-                        "opts in by declaring a context_parallel attribute and calling "
+                        "sequence. Context parallelism needs an attention that takes its rank's chunks of "
+                        "every row and sees the whole row (the built-in and Hugging Face Llama-family decoders have "
+                        "one); a module opts in by declaring a context_parallel attribute and calling "
                         "parallel.context.context_attention", f"use the cp ranks for data instead: {fix}")]

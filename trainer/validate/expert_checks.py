@@ -25,7 +25,8 @@ from trainer.models import moe_config
 # The built-in names and a Hugging Face model's (model.layers.0.mlp...).
 _MLPS = ("layers.0.mlp", "model.layers.0.mlp")
 _MOE_NAMES = {
-    "placements": [name for mlp in _MLPS for name in (f"{mlp}.router.gate.weight", *(f"{mlp}.experts.w{i}" for i in (1, 2, 3)),
+    "placements": [name for mlp in _MLPS for name in (f"{mlp}.router.gate.weight",
+                                                      *(f"{mlp}.experts.w{i}" for i in (1, 2, 3)),
                                                        *(f"{mlp}.shared.w{i}.weight" for i in (1, 2, 3)))],
     "layouts": [name for mlp in _MLPS for name in (mlp, f"{mlp}.router", f"{mlp}.router.gate", f"{mlp}.experts",
                                                     f"{mlp}.shared", *(f"{mlp}.shared.w{i}" for i in (1, 2, 3)))],
@@ -43,9 +44,10 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
     if moe is not None and moe.top_k > moe.num_experts:
         issues.append(ConfigIssue("model.moe.top_k" if built_in else "model.path",
                                   f"{'' if built_in else '(config.json) '}each token goes to {moe.top_k} experts but "
-                                  f"there are only {moe.num_experts}", f"use top_k <= num_experts, e.g. model.moe.top_k="
-                                  f"{moe.num_experts}" if built_in else "give a config.json with num_experts_per_tok <= "
-                                  "its experts"))
+                                  f"there are only {moe.num_experts}", "use top_k <= num_experts, e.g. "
+                                                                       "model.moe.top_k="
+                                  f"{moe.num_experts}" if built_in else "give a config.json with "
+                                                                        "num_experts_per_tok <= its experts"))
     ep = par.expert_parallel if par is not None else None
     if ep is not None and moe is not None and ep.dim in par.dims and len(par.dims) == len(cfg.mesh_shape):
         size = cfg.axis_size(ep.dim)
@@ -81,10 +83,11 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
         for glob in globs:
             if any(fnmatchcase(name, glob) for name in _MOE_NAMES[section]):
                 issues.append(ConfigIssue(f'parallel.{section}["{glob}"]', "placements and layouts of a "
-                                          "mixture-of-experts block (router, experts, shared experts) are not built yet "
-                                          "(its experts are placed by parallel.expert_parallel)",
+                                          "mixture-of-experts block (router, experts, shared experts) are "
+                                          "not built yet (its experts are placed by parallel.expert_parallel)",
                                           "remove this glob, and use data or expert parallelism"))
     if par.activation_checkpointing != "none":
         issues.append(ConfigIssue("parallel.activation_checkpointing", "activation checkpointing of a "
-                                  "mixture-of-experts model is not tested yet", "parallel.activation_checkpointing=none"))
+                                  "mixture-of-experts model is not tested yet",
+                                  "parallel.activation_checkpointing=none"))
     return issues

@@ -8,8 +8,8 @@ from trainer.config.schema import RunConfig
 
 _PROFILE_EXAMPLES = {  # the fix of a GPU profile's missing key, an H100 SXM's value as the example
     "devices_per_node": "hardware.devices_per_node=8", "memory_gb": "hardware.memory_gb=80",
-    "memory_bandwidth_gb_s": "hardware.memory_bandwidth_gb_s=3350", "peak_tflops.bf16": "hardware.peak_tflops.bf16=989.5",
-    "peak_tflops.fp32": "hardware.peak_tflops.fp32=67",
+    "memory_bandwidth_gb_s": "hardware.memory_bandwidth_gb_s=3350",
+    "peak_tflops.bf16": "hardware.peak_tflops.bf16=989.5", "peak_tflops.fp32": "hardware.peak_tflops.fp32=67",
     "intra_node": "'hardware.intra_node={bandwidth_gb_s: 370.8, latency_us: 3.4, source: datasheet}'",
     "inter_node": "'hardware.inter_node={bandwidth_gb_s: 50, latency_us: 14, source: datasheet}'",
     "runtime_memory": "'hardware.runtime_memory={cuda_context_gib: 0.7, nccl_gib: 1.0, allocator_slack: 0.1, "
@@ -35,7 +35,8 @@ def check_hardware(cfg: RunConfig) -> list[ConfigIssue]:
     for key in hw.missing_gpu_keys():
         issues.append(ConfigIssue(f"hardware.{key}", f"profile {hw.name!r} is a cuda profile and states no {key}; "
                                   "the planner prices the run with it",
-                                  f"state your hardware's value in the profile; an H100 SXM's is {_PROFILE_EXAMPLES[key]}"))
+                                  "state your hardware's value in the profile; an H100 SXM's is "
+                                  f"{_PROFILE_EXAMPLES[key]}"))
     if not cfg.dry_run:
         import torch
 

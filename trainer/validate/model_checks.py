@@ -36,7 +36,8 @@ _ATTENTION_PROJECTIONS = {"wq", "wk", "wv", "wo", "q_proj", "k_proj", "v_proj", 
 MAX_LAYERS = 1024
 
 
-def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
+def check_against_model(cfg: RunConfig, *,
+                        predict_memory: bool = True) -> tuple[ParallelPlan | None, list[ConfigIssue]]:
     """The config's plan for its model (None when the model cannot be planned) and every issue found.
     The data's issues and the model's plan are reported together; the plan waits only for the
     model's own issues (it cannot be built without them fixed), the memory prediction for every
@@ -53,8 +54,10 @@ def check_against_model(cfg: RunConfig, *, predict_memory: bool = True) -> tuple
         return None, issues + [ConfigIssue(err.path, err.reason, err.fix)]
     except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # e.g. sizes past int64
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return None, issues + [ConfigIssue("model", f"its tensors are too large to build (torch says: {first_line[:120]})",
-                                           "use model sizes whose tensors fit in memory (each dimension well below 2**31)")]
+        return None, issues + [ConfigIssue("model", "its tensors are too large to build (torch says: "
+                                                    f"{first_line[:120]})",
+                                           "use model sizes whose tensors fit in memory (each dimension well "
+                                           "below 2**31)")]
     plan_issues: list[ConfigIssue] = []
     try:
         decoder = decoder_config(cfg.model)
@@ -90,7 +93,8 @@ def _check_selective(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
                             "parallel.activation_checkpointing=full")]
     if not any(hasattr(m, RECOMPUTE_CORE) for m in model.modules()):
         return [ConfigIssue("parallel.activation_checkpointing", f"selective: model {type(model).__name__} has no "
-                            "attention module offering its core for recomputation", "parallel.activation_checkpointing=full")]
+                            "attention module offering its core for recomputation",
+                            "parallel.activation_checkpointing=full")]
     if par.context_parallel is not None:
         return [ConfigIssue("parallel.activation_checkpointing", "selective with context parallelism: recomputing "
                             "the ring's attention (its K/V exchange) in backward is not built",
@@ -176,7 +180,8 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         # torch 2.13's ZBV schedule cannot run forward-only (its V stages steal the backward input).
         issues.append(ConfigIssue("parallel.pipeline.schedule", "ZBV cannot evaluate the validation split "
                                   "(torch's V schedule has no forward-only pass)",
-                                  "use parallel.pipeline.schedule=InterleavedZeroBubble, or drop data.val_fraction / val_paths"))
+                                  "use parallel.pipeline.schedule=InterleavedZeroBubble, or drop "
+                                  "data.val_fraction / val_paths"))
     data_vocab = None  # the tokenizer's id count, for data=files
     if d.kind == "text":
         try:
@@ -193,7 +198,8 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
         issues += chat_issues
     issues += _check_packing(cfg)
     if isinstance(cfg.model, HFModelConfig):
-        from trainer.models.hf import HFModelError, read_hf_config, sliding_window  # optional: transformers, the hf extra
+        # optional: transformers, the hf extra
+        from trainer.models.hf import HFModelError, read_hf_config, sliding_window
 
         try:
             m, _ = read_hf_config(cfg.model.path)
@@ -205,7 +211,8 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
                                       "(config.json sliding_window); attention here is full, which differs past it",
                                       f"train.seq_len={window}"))
         # The decoder's own checks below speak of config.json's values, reported at model.path.
-        return issues + [ConfigIssue("model.path", f"(config.json) {i.path}: {i.reason}", i.fix) if i.path.startswith("model.")
+        return issues + [ConfigIssue("model.path", f"(config.json) {i.path}: {i.reason}",
+                                     i.fix) if i.path.startswith("model.")
                          else i for i in _check_decoder(m, d, t, data_vocab)]
     if isinstance(cfg.model, LlamaConfig):
         issues += _check_decoder(cfg.model, d, t, data_vocab)
@@ -216,7 +223,8 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
                                       "use data, tensor or sequence parallelism for a custom model"))
         want = "mse" if d.kind == "regression" else "lm"
         if cfg.model.loss != want:
-            issues.append(ConfigIssue("model.loss", f"{d.kind} data is trained with the {want} loss, not {cfg.model.loss}",
+            issues.append(ConfigIssue("model.loss", f"{d.kind} data is trained with the {want} loss, not "
+                                                    f"{cfg.model.loss}",
                                       f"set model.loss={want}"))
         try:
             resolve_builder(cfg.model.builder, cfg.model.name)
@@ -241,16 +249,19 @@ def _check_decoder(m: LlamaConfig, d, t, data_vocab: int | None = None) -> list[
                                   f"head_dim {m.head_width} is odd; rotary embeddings pair dimensions",
                                   "choose an even head width (dim / n_heads, or model.head_dim)"))
     if m.n_heads % m.num_kv_heads:
-        issues.append(ConfigIssue("model.n_kv_heads", f"{m.n_heads} query heads do not group over {m.num_kv_heads} kv heads",
+        issues.append(ConfigIssue("model.n_kv_heads", f"{m.n_heads} query heads do not group over "
+                                                      f"{m.num_kv_heads} kv heads",
                                   "use an n_kv_heads that divides n_heads"))
     if t.seq_len > m.max_seq_len:
         issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} is longer than model.max_seq_len {m.max_seq_len}",
-                                  f"use seq_len <= {m.max_seq_len}, e.g. train.seq_len={m.max_seq_len}, or raise model.max_seq_len"))
+                                  f"use seq_len <= {m.max_seq_len}, e.g. train.seq_len={m.max_seq_len}, or raise "
+                                  "model.max_seq_len"))
     if d.kind == "text" and m.vocab_size < 256:
         issues.append(ConfigIssue("model.vocab_size", f"byte-level text needs 256 token ids, got {m.vocab_size}",
                                   "set model.vocab_size=256"))
     if data_vocab and m.vocab_size < data_vocab:
-        issues.append(ConfigIssue("model.vocab_size", f"the tokenizer ({d.tokenizer or 'bytes'}) has {data_vocab} token "
+        issues.append(ConfigIssue("model.vocab_size", f"the tokenizer ({d.tokenizer or 'bytes'}) has "
+                                                      f"{data_vocab} token "
                                   f"ids, the model's embedding only {m.vocab_size}",
                                   f"use a model with vocab_size >= {data_vocab}, or its own tokenizer"))
     if d.kind == "synthetic" and d.num_symbols ** (d.order + 1) > 2**22:
@@ -295,8 +306,10 @@ def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh:
         for what, heads in (("n_heads", m.n_heads), ("n_kv_heads", m.num_kv_heads)):
             if heads % n:
                 return [ConfigIssue(f"{where}.{axis}",
-                                    f"attention is split by heads: model.{what}={heads} over {axis} size {n} leaves ranks with partial heads",
-                                    f"use a {axis} size dividing {math.gcd(m.n_heads, m.num_kv_heads)}, or {lead}Replicate")]
+                                    f"attention is split by heads: model.{what}={heads} over {axis} size {n} leaves "
+                                    "ranks with partial heads",
+                                    f"use a {axis} size dividing {math.gcd(m.n_heads, m.num_kv_heads)}, or "
+                                    f"{lead}Replicate")]
     return []
 
 

@@ -27,7 +27,8 @@ def check_stages(cfg: RunConfig) -> list[ConfigIssue]:
     issues = []
     if not all(isinstance(x, int) for x in cfg.mesh):
         issues.append(ConfigIssue("mesh", "explicit rank ids with parallel.pipeline.stages: the stages already say "
-                                  "which ranks hold what", f"give the mesh as its shape, mesh=[{','.join(map(str, _plain_shape(cfg)))}]"))
+                                  "which ranks hold what", "give the mesh as its shape, "
+                                                           f"mesh=[{','.join(map(str, _plain_shape(cfg)))}]"))
     for key in ("data_parallel", "tensor_parallel", "placements", "layouts"):
         if getattr(par, key):
             issues.append(ConfigIssue(f"parallel.{key}", "with parallel.pipeline.stages each stage has its own layout; "
@@ -80,7 +81,8 @@ def _check_stage_axes(stage, prefix: tuple) -> list[ConfigIssue]:
                 issues.append(unknown(path, axis))
             elif axis in dp_axes:
                 issues.append(ConfigIssue(path, f"axis {axis!r} is the stage's data-parallel axis; parameters are "
-                                          "placed on it by its data_parallel", "place parameters only on the other axes"))
+                                          "placed on it by its data_parallel", "place parameters only on "
+                                                                               "the other axes"))
             elif placement.kind == "partial":
                 issues.append(ConfigIssue(path, f"{placement} on a parameter: a parameter's value must be whole",
                                           "use Shard(d) or Replicate; put Partial in the stage's layouts outputs"))

@@ -2,9 +2,9 @@
 its modes), cp, pp (its schedules, stages per rank and micro-batches), ep and tp (with sequence parallelism
 and without), gradient accumulation where there is no pipeline, with each activation checkpointing (full:
 every block or every n-th) and precision the knobs allow, as :class:`~trainer.planner.auto.ranking.Candidate`
-sections: the layouts practitioners write, as they write them. :class:`Layouts` is the base of :class:`~trainer.planner.auto.search.Search`, which sets what
-it reads: ``knobs``, ``base`` (the config), ``world``, ``model`` and ``decoder`` (the meta model and its
-decoder config) and ``pricing``.
+sections: the layouts practitioners write, as they write them. :class:`Layouts` is the base of
+:class:`~trainer.planner.auto.search.Search`, which sets what it reads: ``knobs``, ``base`` (the config), ``world``,
+``model`` and ``decoder`` (the meta model and its decoder config) and ``pricing``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class Layouts:
                 continue
             if mode == "hsdp":
                 for replicate in divisors(dp)[1:-1]:
-                    yield f"dp{replicate}x{dp // replicate}(hsdp)", {"dim": ["dp_replicate", "dp_shard"], "mode": "hsdp"}
+                    yield f"dp{replicate}x{dp // replicate}(hsdp)", {"dim": ["dp_replicate", "dp_shard"],
+                                                                     "mode": "hsdp"}
             else:
                 yield f"dp{dp}({mode})", {"dim": "dp", "mode": mode}
 

@@ -45,7 +45,8 @@ def price_best_first(search, valid: Valid) -> None:
         _, c, cfg, plan = valid[i]
         progress.floor = key
         if stage == FLOOR:
-            c.lower_bound_s = search.pricing.lower_bound(cfg, plan, search.params(plan), search.flops_per_sequence(cfg, plan))
+            c.lower_bound_s = search.pricing.lower_bound(cfg, plan, search.params(plan),
+                                                         search.flops_per_sequence(cfg, plan))
             heapq.heappush(heap, (max(c.lower_bound_s, key), i, BOUND))
         elif stage == BOUND:
             search.predict(c, cfg, plan, memory=False)
@@ -66,7 +67,8 @@ def price_best_first(search, valid: Valid) -> None:
 def price_all(search, valid: Valid) -> None:
     """Every layout's bound, time and memory (``parallel.auto.prune=false``: the whole ranking exact)."""
     for _, c, cfg, plan in valid:
-        c.lower_bound_s = search.pricing.lower_bound(cfg, plan, search.params(plan), search.flops_per_sequence(cfg, plan))
+        c.lower_bound_s = search.pricing.lower_bound(cfg, plan, search.params(plan),
+                                                     search.flops_per_sequence(cfg, plan))
         search.predict(c, cfg, plan)
         search.progress.count("priced")
         if c.status == "slower" and (search.progress.best is None or c.step_s < search.progress.best.step_s):

@@ -10,9 +10,9 @@
 Candidates: every split of N into dp x pp x tp (and hsdp's replicate x shard), each data-parallel
 mode, schedule, micro-batch count, stages per rank, accumulation, activation checkpointing, sequence
 parallelism and precision the knobs (:class:`parallel.config.AutoPlanConfig`) allow, with the model family's
-Megatron plan and ``boundaries: auto`` (:mod:`trainer.planner.auto.layouts`). Each is checked by the validator hand-written configs meet
-(:func:`trainer.validate.checks.check_structure`, :func:`parallel.plan.resolve.resolve_plan` with the head-count
-check) against one meta model built once. Axis order is fixed (dp outermost, tp innermost): on
+Megatron plan and ``boundaries: auto`` (:mod:`trainer.planner.auto.layouts`). Each is checked by the validator
+hand-written configs meet (:func:`trainer.validate.checks.check_structure`, :func:`parallel.plan.resolve.resolve_plan`
+with the head-count check) against one meta model built once. Axis order is fixed (dp outermost, tp innermost): on
 one host permuting the axes changes nothing the model predicts, so one order stands for all.
 
 Search, best first (:mod:`trainer.planner.auto.order`): every valid candidate waits at a lower bound of
@@ -55,7 +55,8 @@ def resolve_auto(raw: dict, *, calibration: Calibration | None = None,
     ``progress``: where the search's progress lines go (the CLI: the console)."""
     result = plan_layouts(raw, calibration=calibration, progress=progress)
     if result.winner.status != "chosen":
-        raise ConfigError([ConfigIssue("parallel.auto", f"no layout of {result.world_size} ranks is valid and predicted "
+        raise ConfigError([ConfigIssue("parallel.auto",
+                                       f"no layout of {result.world_size} ranks is valid and predicted "
                                        f"to fit: {result.winner.reason}", "change the mesh, the batch or the knobs "
                                        "(a dry run prints every candidate and why it lost)")])
     chosen = result.winner

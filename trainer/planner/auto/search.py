@@ -5,8 +5,9 @@ validate, bound, predict best first and rank (:mod:`trainer.planner.auto.order`)
     candidates = search.run()           # ranked; candidates[0] is the choice when one fits
 
 One meta model serves every candidate; the meta passes (the work per unit of
-:func:`trainer.planner.cost.model.unit_costs`, the saved activations of :func:`trainer.planner.memory.predict.predict_memory`)
-are cached by what they depend on, so a search of thousands of layouts runs a handful of them.
+:func:`trainer.planner.cost.model.unit_costs`, the saved activations of
+:func:`trainer.planner.memory.predict.predict_memory`) are cached by what they depend on, so a search of thousands of
+layouts runs a handful of them.
 """
 
 from __future__ import annotations
@@ -274,7 +275,8 @@ class Search(Layouts):
         self.progress.count("meta passes", len(cache) - passes)
         if c.peak_bytes > self.limit:
             c.status = "does not fit"
-            c.reason = f"does not fit: {c.peak_bytes / GIB:.2f} GiB > {self.budget / GIB:.2f} GiB budget{self._beyond()}"
+            c.reason = (f"does not fit: {c.peak_bytes / GIB:.2f} GiB > {self.budget / GIB:.2f} GiB "
+                        f"budget{self._beyond()}")
         elif c.peak_bytes > self.budget:
             c.memory_note = (f"may not fit: {c.peak_bytes / GIB:.2f} GiB, {c.peak_bytes / self.budget - 1:+.0%} over "
                              f"the {self.budget / GIB:.2f} GiB budget, within the {self.margin:.0%} measured error")
@@ -312,7 +314,8 @@ class Search(Layouts):
                 progress.count("over the floor")
                 continue
             # The compute floor first (no collective priced): the full bound only for a layout that may win.
-            c.lower_bound_s = self.pricing.compute_floor(cfg, plan, self.params(plan), self.flops_per_sequence(cfg, plan))
+            c.lower_bound_s = self.pricing.compute_floor(cfg, plan, self.params(plan),
+                                                         self.flops_per_sequence(cfg, plan))
             valid.append((c.lower_bound_s, c, cfg, plan))
             progress.count("bounded")
         progress.tick(f"pricing the {len(valid)} valid layouts, lowest bound first", force=True)

@@ -132,7 +132,8 @@ def _worker(rank: int, workers: int, store_path: str, group_sizes: list[int], dt
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch renames *_tensor collectives: noise here
     torch.set_num_threads(1)  # as the launcher's workers run (trainer.launch.worker_main)
-    device = torch.device(device_type, rank % max(1, torch.cuda.device_count())) if device_type == "cuda" else torch.device("cpu")
+    device = (torch.device(device_type, rank % max(1, torch.cuda.device_count())) if device_type == "cuda"
+              else torch.device("cpu"))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store_path}",
                             rank=rank, world_size=workers)
     try:
@@ -162,13 +163,15 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
     began = time.monotonic()
     device = torch.device("cuda" if device_type == "cuda" else "cpu")
     dtypes = ["fp32"] + (["bf16"] if bf16_supported(device) else [])
-    sizes = sorted({g for g in group_sizes if 1 < g <= workers and workers % g == 0} | ({2} if workers % 2 == 0 else set()))
+    sizes = sorted({g for g in group_sizes if 1 < g <= workers and workers % g == 0} | ({2} if workers % 2 == 0
+                                                                                        else set()))
     if workers == 1:  # one device trains in the launcher's own process, with its default threads
         rows = [(_probe_compute(device, dtypes), {})]
     else:
         with tempfile.TemporaryDirectory(prefix="meshflow-probe-") as tmp:
             result = Path(tmp) / "result.json"
-            mp.start_processes(_worker, args=(workers, str(Path(tmp) / "store"), sizes, dtypes, device_type, str(result)),
+            mp.start_processes(_worker, args=(workers, str(Path(tmp) / "store"), sizes, dtypes, device_type,
+                                              str(result)),
                                nprocs=workers, start_method="spawn")
             rows = json.loads(result.read_text())
     compute = [r[0] for r in rows]
@@ -235,12 +238,15 @@ def load_or_probe(workers: int, group_sizes: list[int], *, device_type: str = "c
 def describe(cal: Calibration) -> str:
     lines = [f"calibration: {cal.host}, {cal.device}, {cal.workers} worker(s) at once, probe {cal.probe_s:.1f} s"]
     for dtype, fit in cal.matmul.items():
-        lines.append(f"  matmul {dtype}: {fit.rate / 1e9:.2f} GFLOP/s per worker, {fit.latency_s * 1e6:.1f} us per call")
-    lines.append(f"  elementwise: {cal.elementwise.rate / 1e9:.2f} GB/s per worker, {cal.elementwise.latency_s * 1e6:.1f} us per op")
+        lines.append(f"  matmul {dtype}: {fit.rate / 1e9:.2f} GFLOP/s per worker, "
+                     f"{fit.latency_s * 1e6:.1f} us per call")
+    lines.append(f"  elementwise: {cal.elementwise.rate / 1e9:.2f} GB/s per worker, "
+                 f"{cal.elementwise.latency_s * 1e6:.1f} us per op")
     lines.append(f"  framework: {cal.op_latency_s * 1e6:.1f} us per op in a module's forward + backward, "
                  f"{cal.optimizer_tensor_s * 1e6:.0f} us per parameter tensor in the optimizer step")
     lines.append(f"  DTensor: +{cal.dtensor_linear_s * 1e6:.0f} us per Linear forward + backward, "
-                 f"{cal.optimizer_dtensor_tensor_s * 1e6:.0f} us per parameter in the optimizer step; {cal.cores} cores")
+                 f"{cal.optimizer_dtensor_tensor_s * 1e6:.0f} us per parameter in the optimizer step; "
+                 f"{cal.cores} cores")
     lines.append(f"  a small decoder's forward + backward takes {cal.compute_efficiency:.2f}x what the fits above "
                  "predict: every prediction is scaled by it")
     if cal.step_efficiency:
@@ -266,9 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     mesh = raw.get("mesh")
     world = RunConfig.model_validate({"mesh": mesh}).world_size if mesh is not None else 1
     nnodes = int((raw.get("launch") or {}).get("nnodes", 1))
-    device_type = "cuda" if raw.get("device") == "cuda" or (raw.get("device") == "auto" and torch.cuda.is_available()) else "cpu"
+    device_type = "cuda" if raw.get("device") == "cuda" or (raw.get("device") == "auto"
+                                                            and torch.cuda.is_available()) else "cpu"
     workers = max(1, world // nnodes)
-    cal = load_or_probe(workers, [g for g in range(2, world + 1) if world % g == 0], device_type=device_type, force=args.force)
+    cal = load_or_probe(workers, [g for g in range(2, world + 1) if world % g == 0], device_type=device_type,
+                        force=args.force)
     print(describe(cal))
     print(f"cached at {cache_path(workers, device_type)}")
 

@@ -5,12 +5,11 @@
         op.axis, op.op, op.group_size, op.nbytes, op.count, op.seconds(calibration)
 
 Megatron tp all-reduces of activations (with sequence parallelism, a reduce-scatter and an all-gather in
-place of each, and in backward each norm's output gathered again; loss parallel's embedding and head one each), dp's gradient all-reduce or FSDP's
-all-gathers and reduce-scatters per FSDP unit, pp sends, cp's K/V hops (the ring's; ``role`` "kv" / "kv_grad", which
-:func:`ring_exposed_s` sets against the attention blocks they overlap on a GPU profile) or all-gathers,
-ep's all-to-alls of the tokens routed to experts; each
-priced by the calibrated fit of its op and group size
-(:meth:`trainer.planner.cost.calibration.Calibration.collective_time`). :mod:`trainer.planner.cost.model`
+place of each, and in backward each norm's output gathered again; loss parallel's embedding and head one
+each), dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP unit, pp sends, cp's K/V hops
+(the ring's; ``role`` "kv" / "kv_grad", which :func:`ring_exposed_s` sets against the attention blocks they
+overlap on a GPU profile) or all-gathers, ep's all-to-alls of the tokens routed to experts; each priced by the
+calibrated fit of its op and group size (:meth:`trainer.planner.cost.calibration.Calibration.collective_time`). :mod:`trainer.planner.cost.model`
 adds them to the step's compute (no overlap on CPU).
 """
 
@@ -40,7 +39,9 @@ class CommOp(NamedTuple):
     group_size: int
     nbytes: float
     count: float
-    role: str = ""  # "kv", "kv_grad": the cp ring's K/V hops and their gradients' (ring_exposed_s prices them); "vocab": loss parallel's embedding and head
+    # "kv", "kv_grad": the cp ring's K/V hops and their gradients' (ring_exposed_s prices them);
+    # "vocab": loss parallel's embedding and head
+    role: str = ""
 
     @property
     def sent_bytes(self) -> float:
@@ -127,12 +128,14 @@ def _kv_ops(cp, plan: ParallelPlan, decoder, tokens: int, cdt: int, layers: int,
     g = plan.cp_size
     block = 2 * tokens * decoder.num_kv_heads / tp * decoder.head_width  # K and V elements
     if cp.method == "allgather":
-        return [CommOp(cp.dim, "all_gather", g, g * block * cdt, forwards), CommOp(cp.dim, "reduce_scatter", g, g * block * cdt, layers)]
+        return [CommOp(cp.dim, "all_gather", g, g * block * cdt, forwards),
+                CommOp(cp.dim, "reduce_scatter", g, g * block * cdt, layers)]
     return [CommOp(cp.dim, "send_recv", 2, block * cdt, (g - 1) * (forwards + layers), role="kv"),
             CommOp(cp.dim, "send_recv", 2, block * 4.0, g * layers, role="kv_grad")]
 
 
-def ring_exposed_s(cp: int, hop_s: float, grad_hop_s: float, forward_s: float, backward_s: float) -> tuple[float, float]:
+def ring_exposed_s(cp: int, hop_s: float, grad_hop_s: float, forward_s: float,
+                   backward_s: float) -> tuple[float, float]:
     """``(forward, backward)`` seconds one block pass's ring leaves exposed (``hop_s``: one K/V hop;
     ``grad_hop_s``: one hop of their gradients; ``forward_s``, ``backward_s``: one block's attention,
     i.e. one ring step's, forward and backward). As :func:`parallel.context.ring.fused_ring` runs it:
@@ -183,7 +186,8 @@ def regathers(plan: ParallelPlan, blocks: list[str], axis: str) -> int:
     with ``train.compile`` too, as the memory model counts the shard there: a compiled block keeps the
     gathered input instead (what torch.compile saves is not modelled), while the published Megatron rows
     that ``compile`` stands in for (its fused kernels) gather it again."""
-    norms = [name for name, layout in plan.layouts.items() if (pl := layout.input.get(axis)) is not None and pl.is_shard]
+    norms = [name for name, layout in plan.layouts.items() if (pl := layout.input.get(axis)) is not None
+             and pl.is_shard]
     return sum(any(name.startswith(f"{block}.") for block in blocks) for name in norms)
 
 
@@ -210,7 +214,8 @@ def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, pas
         ops += [op for n in experts for op in (CommOp(axis, "all_gather", g, n * cdt, gathers * passes),
                                                CommOp(axis, "reduce_scatter", g, n * 4.0, passes))]
         shard_axis, g = f"{axis},{ep.dim}", g * plan.mesh.size(ep.dim)
-    block_set = frozenset(plan.blocks)  # asked of every unit held, for every pp rank of every candidate a planner prices
+    # asked of every unit held, for every pp rank of every candidate a planner prices
+    block_set = frozenset(plan.blocks)
     fsdp_units = [params[u][0] - params[u][2] for u in held if u in block_set]
     fsdp_units.append(sum(params[u][0] - params[u][2] for u in held if u not in block_set))  # the root
     for index, n in enumerate(fsdp_units):

@@ -160,7 +160,8 @@ class _Pricer(TorchDispatchMode):
 
 
 def _bytes(args, kwargs, out) -> float:
-    return float(sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)))
+    return float(sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                     if isinstance(t, torch.Tensor)))
 
 
 def device_unit_costs(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, speed: DeviceSpeed, *,

@@ -191,7 +191,8 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
     with AttentionKernel(_over_the_row(flash_attention_for_cpu, plan)), mode(where):
         out = model(x)
         state["unit"] = plan.units[-1]
-        loss = loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+        loss = (loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y)
+                if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum())
         state["phase"] = "backward"
         loss.backward()
     for hook in hooks:
@@ -365,5 +366,6 @@ def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, 
     compute = calibration.compute_efficiency * flops_per_sequence * t.global_batch_size / plan.mesh.world_size / rate
     bubble = expected_bubble(pp.schedule, pp_size=plan.pp_size, stages_per_rank=pp.stages_per_rank,
                              microbatches=pp.num_microbatches) if pp else 0.0
-    itemized = bubble_span(compute, bubble, calibration) + worst_wait(cfg, plan, calibration, params, cfg.micro_batch_size)[0]
+    itemized = bubble_span(compute, bubble, calibration) + worst_wait(cfg, plan, calibration, params,
+                                                                      cfg.micro_batch_size)[0]
     return with_reference_costs(itemized, plan, calibration, t.grad_accum)

@@ -42,7 +42,8 @@ class DeviceSpeed:
         # was measured at: (F + F_half) / R = F / R + F_half / R. A time, not FLOPs: an fp32 GEMM does not
         # pay 15x longer for its prologue because its FLOPs are 15x slower.
         fixed = a.matmul_half_gflop * 1e9 / (profile.peak_flops("bf16") * a.matmul)
-        return cls(matmul_flops=peak * a.matmul, attention_flops=(peak * a.attention_forward, peak * a.attention_backward),
+        return cls(matmul_flops=peak * a.matmul,
+                   attention_flops=(peak * a.attention_forward, peak * a.attention_backward),
                    memory_bytes=profile.memory_bandwidth_gb_s * 1e9 * a.memory, kernel_s=a.kernel_us * 1e-6,
                    sms=profile.sm_count, matmul_fixed_s=fixed, fused=a.compiled_elementwise if compiled else 1.0)
 

@@ -1,1 +1,2 @@
-"""A step forecast: what prices a layout (this host's calibration or a hardware profile) and the dry run's prediction (plan.json)."""
+"""A step forecast: what prices a layout (this host's calibration or a hardware profile) and the dry run's prediction
+(plan.json)."""

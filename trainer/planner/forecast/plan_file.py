@@ -72,9 +72,11 @@ def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
                  "step_time_s": None, "tokens_per_s": None, "tokens_per_s_per_device": None,
                  "model_flops_utilization": None, "peak_memory_gib_per_device": None if errors else peak / GIB,
                  "memory_lower_bound_gib": peak / GIB if errors else None,
-                 "memory_budget_gib": budget / GIB, "fits": (False if peak > budget else None) if errors else peak <= budget,
+                 "memory_budget_gib": budget / GIB, "fits": (False if peak > budget else None) if errors
+                 else peak <= budget,
                  "memory_verdict": None if errors and verdict.status == "fits" else verdict.status,
-                 "memory_margin": {"measured_error": verdict.error, "published_rows": PUBLISHED_MEMORY_ROWS if verdict.error
+                 "memory_margin": {"measured_error": verdict.error,
+                                   "published_rows": PUBLISHED_MEMORY_ROWS if verdict.error
                                    else 0, "refused_above_gib": verdict.limit / GIB, "warning": verdict.warning()},
                  "memory_terms_gib": None, "parts_s": {}, "axes": {}, "note": None, "errors": errors}
     if "terms_bytes" in worst and not errors:
@@ -153,7 +155,8 @@ def summary_lines(summary: dict) -> list[str]:
     if summary["peak_memory_gib_per_device"] is None:
         verdict = "does NOT fit even that" if summary["fits"] is False else "not checked"
         lines.append(f"  peak memory NOT predicted (the lower bound, weights + grads + AdamW: "
-                     f"{summary['memory_lower_bound_gib']:.2f} GiB per device of {summary['memory_budget_gib']:.2f} GiB: "
+                     f"{summary['memory_lower_bound_gib']:.2f} GiB per device of "
+                     f"{summary['memory_budget_gib']:.2f} GiB: "
                      f"{verdict})")
     else:
         verdict = {"fits": "fits", "may not fit": "may not fit (within the prediction's measured error: goes on)",

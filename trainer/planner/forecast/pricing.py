@@ -112,7 +112,8 @@ class ProfilePricing:
         return (f"hardware {p.name}: {p.description}; {p.devices_per_node} devices per node, "
                 f"{p.memory_gb:g} GB at {p.memory_bandwidth_gb_s:,.0f} GB/s, peak "
                 + ", ".join(f"{k} {v:g}" for k, v in p.peak_tflops.items()) + " TFLOP/s; achieved: GEMM "
-                f"{a.matmul:.0%}, attention {a.attention_forward:.0%} / {a.attention_backward:.0%}, HBM {a.memory:.0%}, "
+                f"{a.matmul:.0%}, attention {a.attention_forward:.0%} / {a.attention_backward:.0%}, HBM "
+                f"{a.memory:.0%}, "
                 f"{a.kernel_us:g} us per kernel; links: node {p.intra_node.bandwidth_gb_s:g} GB/s, "
                 f"network {p.inter_node.bandwidth_gb_s:g} GB/s per device")
 

@@ -43,9 +43,9 @@ from trainer.planner.numbers import GIB
 # nanotron's MLP keep silu(gate), this engine's does not), rounded up to a whole percent: 30 rows, 4 torchtitan
 # Llama 3.1 8B FSDP rows on H100 (-3% to +5%) and nanotron's 26 dp x tp x pp layouts on H100 (-43% to +3%,
 # median 19.9%, all but one below: nanotron also keeps fp32 master weights and fp32 gradient accumulators,
-# which this engine does not); median |error| 19.0%. Measured 2026-11-29 after the blocks came to keep what Megatron-LM's
-# kernels keep (trainer/models/layers.py), sequence parallelism kept its shards and the untied embedding was
-# split over the vocabulary. tests/unit/test_memory_margin.py recomputes it from those rows: a change of the
+# which this engine does not); median |error| 19.0%. Measured 2026-11-29 after the blocks came to keep what
+# Megatron-LM's kernels keep (trainer/models/layers.py), sequence parallelism kept its shards and the untied embedding
+# was split over the vocabulary. tests/unit/test_memory_margin.py recomputes it from those rows: a change of the
 # predictor or of the rows that moves it fails there until this line is updated.
 PUBLISHED_MEMORY_ERROR = 0.44
 PUBLISHED_MEMORY_ROWS = 30
@@ -66,8 +66,9 @@ def device_memory(hw) -> float:
 
 def memory_budget(cfg: RunConfig) -> tuple[float, str]:
     """``(bytes per rank, where the number comes from)``: ``launch.memory_budget_gb``, else a
-    hardware profile's device memory, else the GPU's memory when the run will use CUDA, else 90% of this host's memory shared by its workers,
-    less what each worker holds before training (:data:`trainer.planner.memory.host.WORKER_FLOOR`)."""
+    hardware profile's device memory, else the GPU's memory when the run will use CUDA, else 90% of this host's memory
+    shared by its workers, less what each worker holds before training
+    (:data:`trainer.planner.memory.host.WORKER_FLOOR`)."""
     if cfg.launch.memory_budget_gb is not None:
         return cfg.launch.memory_budget_gb * GIB, "launch.memory_budget_gb"
     if not cfg.hardware.is_host and cfg.hardware.memory_gb is not None:
@@ -148,7 +149,8 @@ def check_memory(cfg: RunConfig, plan: ParallelPlan):
             print(line, file=sys.stderr)
         return []
     fits = [what for what, changed in _remedies(cfg) if not memory_verdict(changed, _peak(changed)).refused]
-    fix = ("set " + ", or ".join(fits[:4])) if fits else "use more ranks (a larger mesh with fsdp or tp), or a smaller model"
+    fix = (("set " + ", or ".join(fits[:4])) if fits
+           else "use more ranks (a larger mesh with fsdp or tp), or a smaller model")
     beyond = f", beyond the prediction's measured error of {verdict.error:.0%}" if verdict.error else ""
     return [ConfigIssue("launch.memory_budget_gb",
                         f"predicted peak {worst.total / GIB:.2f} GiB on pp rank {worst.pp_rank} "

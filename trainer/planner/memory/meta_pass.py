@@ -194,8 +194,8 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     bytes saved for backward}, "block_inputs": {block: bytes}, "timeline": [(activations and
     temporaries, gradients) after each op], "forward_ops": n, "unit_params": {unit: [fp32 bytes of
     each tp- and ep-local parameter]}, "largest_trainable": fp32 bytes of the largest parameter that trains}``
-    (the last unit also holds the loss's; frozen weights, LoRA's base, get no gradient here either). ``attention``: what the
-    pass runs for ``F.scaled_dot_product_attention`` (its arguments), in this thread only
+    (the last unit also holds the loss's; frozen weights, LoRA's base, get no gradient here either). ``attention``: what
+    the pass runs for ``F.scaled_dot_product_attention`` (its arguments), in this thread only
     (:class:`AttentionKernel`); default :func:`flash_attention_for_cpu`, what a CPU run saves."""
     # A given model is copied: the pass gives its parameters their tp-local shapes.
     model = copy.deepcopy(model if model is not None else meta_model(cfg.model))
@@ -292,7 +292,8 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             out = model(x)
             # A tp-local output (Partial / Shard) has no loss here: its sum stands in for backward.
-            loss = loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y) if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum()
+            loss = (loss_fn_for(cfg.model, chunk_tokens=cfg.train.loss_chunk_tokens)(out, y)
+                    if out.shape == y.shape or out.shape[:-1] == y.shape else out.sum())
             # The engine passes the output straight to the loss (ParallelModel.forward_backward): nothing holds the
             # logits in backward unless the loss saved them (measured: tp [4], 32k vocabulary, 2048 tokens, 256 MiB
             # of fp32 logits counted here in backward beside a measured peak that had none, bench_loss_memory.py).
@@ -302,5 +303,6 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
             loss.backward()
     for hook in hooks:
         hook.remove()
-    return {"units": dict(units), "cores": dict(cores), "block_inputs": inputs, "timeline": census.timeline, "forward_ops": forward_ops,
+    return {"units": dict(units), "cores": dict(cores), "block_inputs": inputs, "timeline": census.timeline,
+            "forward_ops": forward_ops,
             "unit_params": dict(unit_params), "largest_trainable": max(trainable)}

@@ -8,9 +8,9 @@
   after pipeline split, tensor and data-parallel sharding).
 * Activations and backward: measured, not guessed. The model runs a forward and backward on the
   meta device (:mod:`trainer.planner.memory.meta_pass`), tensor-parallel parameters at their local shapes,
-  on a micro-batch of the run's shape. What autograd saves is counted per pipeline unit and block (``saved_tensors_hooks``), then
-  scaled by the micro-batches the schedule keeps in flight, activation checkpointing and sequence
-  parallelism; a dispatch mode follows every tensor the pass creates until it dies, so what
+  on a micro-batch of the run's shape. What autograd saves is counted per pipeline unit and block
+  (``saved_tensors_hooks``), then scaled by the micro-batches the schedule keeps in flight, activation checkpointing
+  and sequence parallelism; a dispatch mode follows every tensor the pass creates until it dies, so what
   backward adds at its worst moment (gradients of the largest activations, e.g. SwiGLU's
   [b, s, ffn] ones, and of the logits; parameter gradients as they appear) is exact for the model.
 * What the layout adds (:mod:`trainer.planner.memory.layout`): FSDP's unsharded blocks, autocast's bf16
@@ -36,8 +36,8 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import host_overhead, runtime
 from trainer.planner.memory.pass_cache import PASSES, pass_key
-from trainer.planner.memory.layout import (checkpointed, core_recomputed, expert_share, expert_split, fsdp, fsdp2, gathered,
-                                           in_flight_peak, on_cuda,
+from trainer.planner.memory.layout import (checkpointed, core_recomputed, expert_share, expert_split, fsdp, fsdp2,
+                                           gathered, in_flight_peak, on_cuda,
                                            passes_in_flight, replicate_reduce, stage_reduce)
 from trainer.planner.memory.meta_pass import flash_attention_for_cpu, saved_activations
 from trainer.planner.numbers import GIB, plan_numbers, stage_views
@@ -109,7 +109,8 @@ class MemoryEstimate:
         """The moment of the step the peak is at: ``backward`` (its worst moment, the activations all
         there), ``gradient reduce`` (ddp's or a pipelined stage's, after backward) or ``optimizer step``."""
         p = self.parts
-        backward = self.gathered + self.activations + p.transient + p.stage_grads + (self.grads if p.accumulates else 0.0)
+        backward = self.gathered + self.activations + p.transient + p.stage_grads + (self.grads if p.accumulates
+                                                                                     else 0.0)
         moments = {"backward": backward, "gradient reduce": p.reduce, "optimizer step": self.grads + p.step_temporaries}
         return max(moments, key=moments.__getitem__)
 
@@ -160,7 +161,8 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     t = cfg.train
     micro = cfg.micro_batch_size
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
-    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size, expert_split(plan),
+    key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size,
+           expert_split(plan),
            plan.loss_parallel, t.loss_chunk_tokens)
     if cache is None and model is None and (shared := pass_key(cfg, plan, micro, attention)) is not None:
         cache, key = PASSES, shared  # one process validating many configs of a model (pass_cache)
@@ -261,7 +263,8 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
             # A profile's device: the CUDA context and NCCL's buffers, and the caching allocator's
             # blocks held beyond the live tensors at the peak (a share of them).
             estimate = replace(estimate, parts=replace(estimate.parts, runtime=(gpu.cuda_context_gib + (
-                gpu.nccl_gib if plan.mesh.world_size > 1 else 0.0)) * GIB, allocator=gpu.allocator_slack * estimate.live))
+                gpu.nccl_gib if plan.mesh.world_size > 1 else 0.0)) * GIB,
+                                                       allocator=gpu.allocator_slack * estimate.live))
         out.append(estimate)
     return out
 
