@@ -9,8 +9,8 @@ place of each, and in backward each norm's output gathered again; loss parallel'
 each), dp's gradient all-reduce or FSDP's all-gathers and reduce-scatters per FSDP unit, pp sends, cp's K/V hops
 (the ring's; ``role`` "kv" / "kv_grad", which :func:`ring_exposed_s` sets against the attention blocks they
 overlap on a GPU profile) or all-gathers, ep's all-to-alls of the tokens routed to experts; each priced by the
-calibrated fit of its op and group size (:meth:`trainer.planner.cost.calibration.Calibration.collective_time`). :mod:`trainer.planner.cost.model`
-adds them to the step's compute (no overlap on CPU).
+calibrated fit of its op and group size (:meth:`trainer.planner.cost.calibration.Calibration.collective_time`).
+:mod:`trainer.planner.cost.model` adds them to the step's compute (no overlap on CPU).
 """
 
 from __future__ import annotations
