@@ -3,7 +3,9 @@ forked from the fork server the launch entered (:class:`trainer.launch.launcher.
 
     summary = launch_workers(cfg, run_id, log_dir, rdzv_id, pictures_dir)   # rank 0's loop summary
 
-Every worker reads the resolved config from a JSON file written here (:mod:`trainer.launch.worker`);
+Every worker reads the resolved config from a JSON file written here (:mod:`trainer.launch.worker`), and the
+launcher's resolved plan from another beside it (``resolved_plan.json``, :class:`parallel.plan.serial.ResolvedPlan`),
+which it checks against its own model build instead of resolving the plan again;
 their logs go under ``<log_dir>/<rdzv id>_<random>/``; a worker that fails, or a rendezvous that does
 not gather every node, is raised as :class:`WorkerFailure` / :class:`RendezvousFailure` naming the rank
 or the node and how it ended.
@@ -18,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from parallel.plan.serial import ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.launch.console import one_warning_each
@@ -31,6 +34,7 @@ from trainer.tracking.tracker import Terminated
 # torch's rank; on several hosts the trainer numbers ranks by node (node_ordered_rank), and the
 # prefix names the node and the local rank instead
 WORKER_LINE_PREFIX = "[rank${rank}]: "
+PLAN_FILE = "resolved_plan.json"  # beside config.json (the dry run's meshflow-plan/plan.json is its predictions)
 
 
 class WorkerFailure(RuntimeError):
@@ -42,10 +46,11 @@ class RendezvousFailure(RuntimeError):
 
 
 def launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: str, pictures_dir: str, *,
-                   plan: ParallelPlan | None = None) -> dict:
+                   plan: ResolvedPlan | None = None) -> dict:
     """This node's workers, from start to end, inside the launch's fork server: rank 0's summary
     (this node's lowest rank's on another node), ``{}`` when it returned none. ``plan``: the config's,
-    as validation resolved it (priced here for rank 0 to report)."""
+    as the launcher resolved it (priced here for rank 0 to report, and written for the workers to read;
+    without it each worker resolves its own)."""
     # With the rendezvous store shared into the workers (torch's default), a restarted round
     # reuses that store and the workers' process sub-groups read the dead round's addresses
     # (gloo: "connectFullMesh ... Connection refused"). A fresh worker store per round avoids it.
@@ -55,10 +60,14 @@ def launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: s
     with tempfile.TemporaryDirectory(prefix="meshflow-") as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(cfg.model_dump_json())
+        plan_path = Path(tmp) / PLAN_FILE
+        if plan is not None:
+            plan.write(plan_path)
         cheap_method_names()
         with one_warning_each():
             results = _run_elastic(launch_config, (str(config_path), run_id, pictures_dir,
-                                                   _predicted_peak_mib(cfg, plan)), cfg)
+                                                   _predicted_peak_mib(cfg, plan.plan if plan else None),
+                                                   str(plan_path) if plan is not None else None), cfg)
     ln = cfg.launch
     if ln.nnodes > 1:
         print(f"node {ln.node_rank} of {ln.nnodes}: its {cfg.world_size // ln.nnodes} workers finished", flush=True)
@@ -123,7 +132,10 @@ def _say_what_starts(cfg: RunConfig, log_dir: Path, rdzv_id: str) -> None:
 def _predicted_peak_mib(cfg: RunConfig, plan: ParallelPlan | None) -> float | None:
     """The plan's per-rank peak for rank 0 to report; the validation and plan.txt priced this
     config already, so it is looked up, not a meta pass in rank 0 that every rank would wait for.
-    None when it cannot be priced: rank 0 tries and says why."""
+    None when it cannot be priced (no plan: the model cannot be planned on the meta device): rank 0
+    tries and says why."""
+    if plan is None:
+        return None
     try:
         return predicted_peak_mib(cfg, plan)
     except Exception:  # noqa: BLE001 - e.g. a custom module the meta device cannot run

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parallel.plan.serial import ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.launch.console import log_config_changes, show_config
@@ -35,8 +36,8 @@ from trainer.launch.processes import worker_server
 from trainer.run.metrics import Progress
 from trainer.tracking.mlflow_tracker import make_tracker
 from trainer.tracking.run_info import run_name, run_url
-from trainer.tracking.run_record import (log_final_model, plan_of, record_start, summary, system_metrics, tee_output,
-                                         upload_logs)
+from trainer.tracking.run_record import (launch_plan, log_final_model, record_start, summary, system_metrics,
+                                         tee_output, upload_logs)
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -106,11 +107,12 @@ class LaunchSession:
 
     def launch(self, cfg: RunConfig, *, plan: ParallelPlan | None = None) -> LaunchOutcome:
         """Train as ``cfg`` says: one device in this process, or the workers, forked from this session's server.
-        ``plan``: the config's, as validation resolved it; else resolved here, once."""
+        ``plan``: the config's, as validation resolved it; else resolved here, once. Either goes to the
+        workers (or the loop, on one device) with its model's fingerprint: none of them resolves it again."""
         began = time.monotonic()
         if cfg.world_size > 1:  # the workers' fork server imports while the launcher makes the run
             self.start_workers_server()
-        return _launch_tracked(cfg, began, plan if plan is not None else plan_of(cfg))
+        return _launch_tracked(cfg, began, launch_plan(cfg, plan))
 
 
 def launch(cfg: RunConfig, *, plan: ParallelPlan | None = None) -> LaunchOutcome:
@@ -133,7 +135,7 @@ def worker_preload(tracking: TrackingConfig | Mapping[str, Any]) -> tuple[str, .
     return "mlflow.tracking", "mlflow.entities", f"mlflow.store.tracking.{store}"
 
 
-def _launch_tracked(cfg: RunConfig, began: float, plan: ParallelPlan | None) -> LaunchOutcome:
+def _launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> LaunchOutcome:
     """:meth:`LaunchSession.launch` inside the workers' server: the MLflow run, the training, the summary."""
     if cfg.launch.node_rank == 0:  # node 0 shows the run, as it owns its MLflow run: first, what runs
         show_config(cfg)
@@ -166,12 +168,12 @@ def _launch_tracked(cfg: RunConfig, began: float, plan: ParallelPlan | None) -> 
         return LaunchOutcome(EXIT_FAILED, run_id=tracker.run_id, wall_s=time.monotonic() - began)
 
 
-def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ParallelPlan | None) -> dict:
+def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ResolvedPlan | None) -> dict:
     """The run's pictures, its training, its logs and model uploaded and (node 0) its summary
     printed: rank 0's summary of the loop, with the pictures."""
     rdzv_id = rendezvous_id(cfg)
     with _worker_logs(cfg) as log_base:
-        pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)), plan=plan,
+        pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)), plan=plan.plan if plan else None,
                                 artifacts=_auto_plan_artifacts(cfg))
         try:
             outcome = _train(cfg, tracker, log_base, rdzv_id, plan)
@@ -212,7 +214,7 @@ def _auto_plan_artifacts(cfg: RunConfig) -> dict[str, str]:
     return ranking_artifacts(cfg)
 
 
-def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str, plan: ParallelPlan | None) -> dict:
+def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str, plan: ResolvedPlan | None) -> dict:
     """One device in this process, or the workers through torch's elastic launcher: rank 0's outcome."""
     if cfg.world_size == 1:
         # start-up: the training loop (DTensor, pipelining: about 0.7 s) only where training runs here,
@@ -221,8 +223,8 @@ def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str, plan: P
 
         # the same layout as the workers' logs: the console's copy is this run's job log
         with tee_output(log_base / f"{rdzv_id}_local" / "attempt_0" / "0" / "stdout.log"):
-            return train(cfg, tracker=tracker, progress=Progress(),
-                         pictures_dir=_pictures_dir(log_base, rdzv_id)).summary()
+            return train(cfg, tracker=tracker, progress=Progress(), pictures_dir=_pictures_dir(log_base, rdzv_id),
+                         plan=plan).summary()
     return launch_workers(cfg, tracker.run_id, log_base, rdzv_id, _pictures_dir(log_base, rdzv_id), plan=plan)
 
 

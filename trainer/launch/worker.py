@@ -16,6 +16,7 @@ from torch.distributed import DistNetworkError
 
 from parallel.config import mesh_rank_ids
 from parallel.mesh import device_slot, rank_id_of
+from parallel.plan.serial import ResolvedPlan
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import is_loopback_run, worker_store
 from trainer.run.metrics import NullProgress, Progress
@@ -40,15 +41,18 @@ def _resume_latest(cfg: RunConfig) -> RunConfig:
 
 
 def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None = None,
-                predicted_peak_mib: float | None = None) -> dict:
+                predicted_peak_mib: float | None = None, plan_path: str | None = None) -> dict:
     """One worker: join the process group, train, leave. Runs in a process the launcher spawned;
-    ``predicted_peak_mib`` is the launcher's price of the plan, which rank 0 reports."""
+    ``predicted_peak_mib`` is the launcher's price of the plan, which rank 0 reports; ``plan_path`` the
+    launcher's resolved plan, which the worker checks against its own model build and uses (None: the
+    worker resolves the plan of its build itself)."""
     import torch
     import torch.distributed as dist
 
     from trainer.run.loop import resolve_device, train  # start-up: see trainer.launch.launcher._train
 
     cfg = RunConfig.model_validate_json(Path(config_path).read_text())
+    plan = ResolvedPlan.read(Path(plan_path)) if plan_path is not None else None
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg = _resume_latest(cfg)  # the elastic agent restarted us after a failure
     torch_rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -75,7 +79,7 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
         progress = Progress() if is_main else NullProgress()
         try:
             result = train(cfg, tracker=tracker, progress=progress, rank=rank, device_index=device_index,
-                           pictures_dir=pictures_dir, predicted_peak_mib=predicted_peak_mib)
+                           pictures_dir=pictures_dir, predicted_peak_mib=predicted_peak_mib, plan=plan)
         except Exception as err:
             # The agent reports whichever worker it saw die first, often a peer whose collective
             # broke; every worker names its own error so the root cause is in the output.

@@ -21,6 +21,7 @@ from torch import nn
 
 from parallel.engine import ParallelModel, parallelize
 from parallel.plan.resolve import resolve_plan
+from parallel.plan.serial import ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import HFModelConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.data import Source
@@ -32,7 +33,7 @@ from trainer.models.hf import hf_fingerprints, load_hf_sharded, weight_files
 from trainer.models.moe import with_aux_loss
 
 
-def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
+def build_parallel_model(cfg: RunConfig, device: torch.device, *, plan: ResolvedPlan | None = None) -> ParallelModel:
     """This rank's share of the model, split and sharded as the config's plan says, with one
     device's initial values (from the seed, ``train.init_from``, or a Hugging Face directory's
     safetensors).
@@ -41,17 +42,18 @@ def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
     allocated: each rank holds and initialises its own shards (values computed block by block,
     :func:`trainer.models.init.initial_block`) and reads only its slices of a weights file. A
     custom module without ``init_weights`` cannot be initialised that way: every rank builds it
-    in full (its builder sets the values) before sharding."""
+    in full (its builder sets the values) before sharding. ``plan``: the launcher's, for the model
+    this rank builds (:func:`worker_plan`)."""
     init = None
     if cfg.world_size > 1:
         model = build_model(cfg.model, device="meta")
         init = meta_initializer(model, cfg.train.seed)
     if init is None:
-        return _build_in_full(cfg, device)
+        return _build_in_full(cfg, device, plan)
     hf_files = isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path))
     if cfg.train.init_from:
         check_weights_fit(model, cfg.train.init_from)
-    pm = parallelize(model, worker_plan(cfg, model), device=device, init=init,
+    pm = parallelize(model, worker_plan(cfg, model, plan), device=device, init=init,
                      precision=cfg.train.precision, compile=cfg.train.compile)
     if cfg.train.init_from:
         load_weights(pm.model_parts, cfg.train.init_from, tied=pm.tied_names)
@@ -63,20 +65,24 @@ def build_parallel_model(cfg: RunConfig, device: torch.device) -> ParallelModel:
     return pm
 
 
-def _build_in_full(cfg: RunConfig, device: torch.device) -> ParallelModel:
+def _build_in_full(cfg: RunConfig, device: torch.device, plan: ResolvedPlan | None) -> ParallelModel:
     """The whole model built and initialised on every rank, then split and sharded."""
     model = build_model(cfg.model, seed=cfg.train.seed)
     if cfg.train.init_from:
         load_weights(model, cfg.train.init_from)
-    pm = parallelize(model, worker_plan(cfg, model), device=device, precision=cfg.train.precision,
+    pm = parallelize(model, worker_plan(cfg, model, plan), device=device, precision=cfg.train.precision,
                      compile=cfg.train.compile)
     check_loaded(pm, cfg)
     return pm
 
 
-def worker_plan(cfg: RunConfig, model: nn.Module) -> ParallelPlan:
-    """The plan of this worker's own model build: the one resolution a worker makes (the launcher's was
-    validation's), so the engine places the very modules it was given."""
+def worker_plan(cfg: RunConfig, model: nn.Module, given: ResolvedPlan | None = None) -> ParallelPlan:
+    """The plan of this worker's own model build: the launcher's (``given``), once the build is seen to be
+    the model it was resolved for (:class:`~parallel.plan.serial.PlanMismatch` otherwise, never another
+    plan); without one (a direct caller of the loop), resolved for the build, so the engine places the
+    very modules it was given."""
+    if given is not None:
+        return given.plan_for(model)
     return resolve_plan(cfg.parallel, cfg.mesh, model)
 
 

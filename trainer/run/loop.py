@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel.engine import ParallelModel
+from parallel.plan.serial import ResolvedPlan
 from parallel.pipeline.timeline import TimelineRecorder
 from trainer.config.schema import HFModelConfig, RunConfig
 from trainer.data import build_splits
@@ -85,10 +86,12 @@ def resolve_device(device: str, device_index: int = 0) -> torch.device:
 
 
 def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, device_index: int = 0,
-          pictures_dir: str | None = None, predicted_peak_mib: float | None = None) -> TrainResult:
+          pictures_dir: str | None = None, predicted_peak_mib: float | None = None,
+          plan: ResolvedPlan | None = None) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming) on GPU
     ``device_index`` of the host, or the CPU; rank 0 draws the timeline into ``pictures_dir``.
-    ``predicted_peak_mib``: the plan's peak as the launcher priced it (else rank 0 prices it)."""
+    ``predicted_peak_mib``: the plan's peak as the launcher priced it (else rank 0 prices it).
+    ``plan``: the launcher's resolved plan, checked against this rank's model build (else resolved for it)."""
     t = cfg.train
     device = resolve_device(cfg.device, device_index)
     torch.manual_seed(t.seed)
@@ -98,8 +101,8 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
         unmap_freed_memory()
     meter = MemoryMeter(device)  # from here on: the model's memory, beside the plan's prediction
     if rank == 0:
-        _report_predicted_peak(cfg, tracker, progress, predicted_peak_mib)
-    pm = build_parallel_model(cfg, device)
+        _report_predicted_peak(cfg, tracker, progress, predicted_peak_mib, plan)
+    pm = build_parallel_model(cfg, device, plan=plan)
     optimizer, scheduler = build_optimizer(pm, cfg.optim, total_steps=t.steps)
     for note in splits.notes:
         progress.log(note)
@@ -133,11 +136,12 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     return result
 
 
-def _report_predicted_peak(cfg: RunConfig, tracker: Tracker, progress: Progress, predicted: float | None) -> None:
+def _report_predicted_peak(cfg: RunConfig, tracker: Tracker, progress: Progress, predicted: float | None,
+                           plan: ResolvedPlan | None) -> None:
     """Rank 0: the plan's predicted peak per rank (priced here when the launcher did not), to set the
     measured one beside."""
     try:
-        predicted = predicted if predicted is not None else budgeted_peak_mib(cfg)
+        predicted = predicted if predicted is not None else budgeted_peak_mib(cfg, plan.plan if plan else None)
     except Exception as err:  # noqa: BLE001 - a model the meta device cannot run is trained, not predicted
         progress.log(f"memory: no prediction ({type(err).__name__}: {str(err)[:100]})")
     else:

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from parallel.plan.resolve import resolve_plan
+from parallel.plan.serial import ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.models.skeleton import meta_model
@@ -76,12 +77,14 @@ def _placement_pictures(tracker: Tracker, cfg: RunConfig, plan, pictures_dir: Pa
     return pictures
 
 
-def plan_of(cfg: RunConfig) -> ParallelPlan | None:
-    """The config's resolved plan (what ``dry_run=true`` reports), for a config validated elsewhere (the
-    control plane's job), or None when the model cannot be planned on the meta device (a custom module
-    that needs real tensors): the run trains anyway."""
+def launch_plan(cfg: RunConfig, plan: ParallelPlan | None = None) -> ResolvedPlan | None:
+    """The config's resolved plan (what ``dry_run=true`` reports) with the fingerprint of the model it is for, as
+    the launcher hands it to its workers: ``plan`` (validation's, in this process) as given, else resolved here
+    for a config validated elsewhere (the control plane's job). None when the model cannot be planned on the
+    meta device (a custom module that needs real tensors): the run trains anyway, each worker resolving its own."""
     try:
-        return resolve_plan(cfg.parallel, cfg.mesh, meta_model(cfg.model))
+        model = meta_model(cfg.model)  # validation's, when it ran in this process
+        return ResolvedPlan.of(plan if plan is not None else resolve_plan(cfg.parallel, cfg.mesh, model), model)
     except Exception as err:  # noqa: BLE001 - the plan only describes the run
         log.warning("no plan.txt or placement picture for this run: %s: %s", type(err).__name__, err)
         return None
