@@ -18,6 +18,7 @@ import parallel.plan.resolve
 import trainer.launch.elastic
 import trainer.models
 import trainer.models.skeleton
+import trainer.run.build
 from parallel.placements import parse_placement
 from parallel.plan.serial import ResolvedPlan, model_fingerprint
 from trainer.cli.main import _run
@@ -79,3 +80,26 @@ def test_a_3d_launch_resolves_the_plan_and_builds_the_meta_model_once(tmp_path, 
     assert written.plan.placements["layers.0.attn.wq.weight"] == {"tp": parse_placement("Shard(0)")}
     model_cfg = RunConfig.model_validate(compose_dict(["+parallel=3d", "mesh=[2,2,2]"])).model
     assert written.fingerprint == model_fingerprint(build_model(model_cfg, device="meta"))[0]
+
+
+def test_a_one_device_launch_trains_on_validations_plan_in_process(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    counts: Counter = Counter()
+    _count_resolutions(monkeypatch, counts)
+    _count_meta_builds(monkeypatch, counts)
+    given: list[ResolvedPlan | None] = []
+    build = trainer.run.build.worker_plan
+
+    def keep(cfg, model, plan=None):
+        given.append(plan)
+        return build(cfg, model, plan)
+
+    monkeypatch.setattr(trainer.run.build, "worker_plan", keep)
+    raw = compose_dict(["train.steps=1", "tracking=none", "train.global_batch_size=2", "train.seq_len=16",
+                        f"launch.log_dir={tmp_path / 'logs'}"])
+    with LaunchSession(raw["tracking"]) as session:
+        outcome = _run(raw, True, session)
+    assert outcome is not None and outcome.ok and len(outcome.losses) == 1
+    assert len(given) == 1 and given[0] is not None  # the launcher's plan, checked against the real build
+    assert given[0].num_parameters == len(list(build_model(RunConfig.model_validate(raw).model).parameters()))
+    assert dict(counts) == {"resolve_plan": 1, "meta model": 1}  # validation's; the loop and its price reuse them
