@@ -41,13 +41,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import published  # noqa: E402
+from engine_state import ENGINE_STATE, reserved_as_published  # noqa: E402
 
 from parallel.plan.resolve import resolve_plan  # noqa: E402
 from trainer.config.compose import compose_dict  # noqa: E402
 from trainer.config.schema import RunConfig  # noqa: E402
 from trainer.models import FeedForward, build_model  # noqa: E402
 from trainer.planner.cost.device import predict_on_profile  # noqa: E402
-from trainer.planner.memory.predict import predict_memory  # noqa: E402
+from trainer.planner.memory.predict import MemoryEstimate, predict_memory  # noqa: E402
+from trainer.planner.numbers import plan_numbers  # noqa: E402
 
 GIB = 2**30
 # zero1 (sharded optimizer) has no exact match here
@@ -180,7 +182,7 @@ def predict_row(row: published.PublishedRun) -> dict:
     try:
         # torchtitan's memory column is torch.cuda.max_memory_reserved: the caching allocator's peak,
         # without the CUDA context and NCCL's buffers (MemoryEstimate.reserved).
-        peak = max(e.reserved for e in predict_memory(cfg, plan, model=model)) / GIB
+        peak = max(published_reserved(row, cfg, plan, model, e) for e in predict_memory(cfg, plan, model=model)) / GIB
     except Exception as err:  # noqa: BLE001 - the meta pass of a stage layout the memory model cannot run
         peak = math.nan
         print(f"  {row.name}: no memory prediction ({type(err).__name__}: {err})", file=sys.stderr)
@@ -298,16 +300,28 @@ def table(results: list[dict], skipped: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def published_reserved(row: published.PublishedRun, cfg: RunConfig, plan, model, estimate: MemoryEstimate) -> float:
+    """A rank's predicted ``torch.cuda.max_memory_reserved`` in the engine that made the row: this engine's,
+    or with the weights, gradients and optimizer state of the row's own engine (:mod:`engine_state`)."""
+    if not row.name.startswith(ENGINE_STATE):
+        return estimate.reserved
+    params = plan_numbers(cfg, plan, model=model).per_pp_rank[estimate.pp_rank].params
+    return reserved_as_published(estimate, params, row.layout.dp, row.layout.data_parallel == "zero1")
+
+
 def memory_terms(row: published.PublishedRun) -> str:
     """The row's predicted peak by named term (GiB, the worst rank's: MemoryEstimate.terms) beside the
     published memory, which torchtitan reads as torch.cuda.max_memory_reserved (MemoryEstimate.reserved)."""
     cfg = row_config(row)
     model = row_model(row, cfg)
-    worst = max(predict_memory(cfg, resolve_plan(cfg.parallel, cfg.mesh, model), model=model), key=lambda e: e.total)
+    plan = resolve_plan(cfg.parallel, cfg.mesh, model)
+    worst = max(predict_memory(cfg, plan, model=model), key=lambda e: e.total)
     terms = ", ".join(f"{k} {v / GIB:.2f}" for k, v in worst.terms().items() if v)
     published_gib = row.reported.peak_memory_gib
-    return (f"{row.name}: {terms} (at {worst.phase}); reserved {worst.reserved / GIB:.1f} GiB against {published_gib} "
-            f"published ({worst.reserved / GIB / published_gib - 1:+.1%}); total {worst.total / GIB:.1f} GiB")
+    reserved = published_reserved(row, cfg, plan, model, worst)
+    engine = " (the row's engine's state)" if row.name.startswith(ENGINE_STATE) else ""
+    return (f"{row.name}: {terms} (at {worst.phase}); reserved{engine} {reserved / GIB:.1f} GiB against "
+            f"{published_gib} published ({reserved / GIB / published_gib - 1:+.1%}); total {worst.total / GIB:.1f} GiB")
 
 
 def _median_line(label: str, chosen: list[dict]) -> str:
