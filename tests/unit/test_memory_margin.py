@@ -47,7 +47,7 @@ def test_the_published_memory_error_is_the_one_the_rows_measure():
     for row in WITH_MEMORY:
         cfg, plan = _row(row)
         # The engine that made the figure (bench_profiles.row_model: the source's gated unit where it keeps more;
-        # published_reserved: its weights, gradients and optimizer state where they differ, tests/bench/engine_state.py).
+        # published_reserved: its weights, gradients and optimizer state where they differ: tests/bench/engine_state.py)
         model = bench_profiles.row_model(row, cfg)
         reserved = max(bench_profiles.published_reserved(row, cfg, plan, model, e)
                        for e in predict_memory(cfg, plan, model=model)) / GIB  # torchtitan's column
