@@ -19,8 +19,9 @@ from torch import nn
 from parallel.config import LayoutConfig
 from parallel.errors import ConfigIssue, format_path, override
 from parallel.placements import parse_placement
-from parallel.plan.spec import AxisSpecs, GlobCheck, LayoutSpec, MeshSpec
+from parallel.plan.spec import AxisSpecs, GlobCheck, LayoutSpec
 from parallel.sharding.tp_styles import classify
+from parallel.topology import MeshSpec
 
 
 def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module, issues: list[ConfigIssue], *,

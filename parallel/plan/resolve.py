@@ -27,10 +27,11 @@ from torch import nn
 from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.layout import loss_parallel_applies, resolve_layout
-from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, MeshSpec,
-                                 ParallelPlan, PipelineSpec)
+from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, ParallelPlan,
+                                 PipelineSpec)
 from parallel.plan.stages import resolve_stages
 from parallel.plan.units import block_units, check_boundaries, pipeline_units, stage_boundaries, stage_ranks
+from parallel.topology import MeshSpec
 
 
 def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *,

@@ -34,8 +34,9 @@ from torch import nn
 from parallel.config import ParallelConfig, StageConfig
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan.layout import loss_parallel_applies, resolve_layout
-from parallel.plan.spec import DataParallelSpec, GlobCheck, MeshSpec, ParallelPlan, PipelineSpec, StagePlan, owning_unit
+from parallel.plan.spec import DataParallelSpec, GlobCheck, ParallelPlan, PipelineSpec, StagePlan, owning_unit
 from parallel.plan.units import check_boundaries, stage_boundaries
+from parallel.topology import MeshSpec
 
 
 def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *, units: Sequence[str],

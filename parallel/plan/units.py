@@ -14,7 +14,7 @@ from torch import nn
 
 from parallel.config import V_SCHEDULES, ParallelConfig
 from parallel.errors import ConfigIssue, format_path
-from parallel.plan.spec import MeshSpec
+from parallel.topology import MeshSpec
 
 
 def pipeline_units(model: nn.Module) -> list[str]:
