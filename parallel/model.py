@@ -133,7 +133,7 @@ class ParallelModel:
             with self._loss_context():
                 with self._precision():
                     loss = _plain(loss_fn(model(inputs, **_extra(positions)), targets))
-                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+                (loss * loss_scale if loss_scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]  # torch
             return loss.detach()
         with self._precision(), self._loss_context():
             return self._run_schedule(inputs, targets, loss_fn, loss_scale, backward=True, positions=positions)
@@ -244,6 +244,7 @@ class ParallelModel:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The schedule holds this function; the user's loss and factor are set per call.
+        assert self._loss_fn is not None, "_run_schedule sets the loss before the schedule runs"
         return _plain(self._loss_fn(output, target)) * self._loss_factor
 
     def _carry_stage_term(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:

@@ -120,7 +120,7 @@ def build_schedule(
         ScheduleZBVZeroBubble,
     )
 
-    classes = {
+    classes: dict[str, Callable[..., _PipelineSchedule]] = {
         "GPipe": ScheduleGPipe,
         "1F1B": Schedule1F1B,
         "Interleaved1F1B": ScheduleInterleaved1F1B,

@@ -120,7 +120,7 @@ def check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[s
         return []
     pp_size = mesh.size(pp.dim)
     stages_given = num_stages is not None
-    num_stages = num_stages if stages_given else pp_size * pp.stages_per_rank
+    num_stages = num_stages if num_stages is not None else pp_size * pp.stages_per_rank
     units = list(units)
     if pp.boundaries == "auto":
         if num_stages > len(units):
