@@ -44,6 +44,7 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
     """The plan of a config whose ``parallel.pipeline.stages`` give each stage its ranks and
     layout; raises :class:`ConfigError` with every issue found."""
     pp = parallel.pipeline
+    assert pp is not None and pp.stages is not None, "resolve_plan calls it for a pipeline with stages"
     issues = check_stage_ranks(pp.stages, mesh.world_size)
     issues += check_boundaries(parallel, mesh, units, num_stages=len(pp.stages))
     if issues:
