@@ -23,7 +23,7 @@ Two ways to pair copies across ranks:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
@@ -54,7 +54,7 @@ class StageTies:
     pairing: Pairing = "shards"
 
     @classmethod
-    def build(cls, groups: Sequence[Sequence[str]], parts: Sequence[nn.Module], holders: dict[str, Sequence[int]],
+    def build(cls, groups: Sequence[Sequence[str]], parts: Sequence[nn.Module], holders: Mapping[str, Sequence[int]],
               *, pairing: Pairing) -> StageTies:
         """``groups``: the whole model's tied names (:func:`parallel.sharding.ties.tied_groups`);
         ``parts``: this rank's stage modules; ``holders``: for each name, the global ranks, one per
