@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
     os.umask(0o077)  # everything the server writes in the workspace is its own: files 600, dirs 700
+    assert settings.mlflow_tracking_uri is not None, "Settings fills it in"
     print(ui_notice(settings.mlflow_tracking_uri, settings.mlflow_ui_url), flush=True)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
 

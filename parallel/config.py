@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
 from parallel.placements import PlacementSpec, parse_placement
-from parallel.topology import mesh_rank_ids, mesh_shape_of  # noqa: F401 - re-exported: a mesh value's words
+# Re-exported: a mesh value's words.
+from parallel.topology import mesh_rank_ids as mesh_rank_ids, mesh_shape_of as mesh_shape_of
 
 
 class Section(BaseModel):
@@ -239,7 +240,7 @@ class ParallelConfig(LayoutSection):
 # ------------------------------------------------------------------------------ mesh
 
 
-def flat_ranks(ranks: list) -> list[int]:
+def flat_ranks(ranks: list[Any]) -> list[int]:
     """A list or a nested (2-D) list of ranks, row-major."""
     return [r for row in ranks for r in (row if isinstance(row, list) else [row])]
 

@@ -23,15 +23,15 @@ plain forward and backward, so the training loop is the same code for every mesh
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.config import SPLIT_BACKWARD_SCHEDULES, Precision
+from parallel.config import SPLIT_BACKWARD_SCHEDULES, DataParallelMode, Precision
 from parallel.context import apply_context_parallel
 from parallel.mesh import axis_rank, build_mesh, submesh
 from parallel.model import ParallelModel
@@ -78,8 +78,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device,
     if on_meta and init is None:
         raise ValueError("a model on the meta device needs init= to give its shards their values")
     heads = HeadGradients()  # filled part by part: parameters applied per attention head under tp
-    part_options = dict(device=device, init=init if on_meta else None, precision=precision, compile=compile,
-                        heads=heads)
+    part_options: dict[str, Any] = dict(device=device, init=init if on_meta else None, precision=precision,
+                                        compile=compile, heads=heads)
     if plan.topology.world_size == 1:  # no placements, no data parallelism: materialise, AC, compile
         _parallelize_part(model, None, plan, pipelined=False, **part_options)
         return ParallelModel(model_parts=[model], mesh=None, device=device, autocast=_autocast_dtype(precision, None),
@@ -146,7 +146,7 @@ def _parallelize_on_mesh(model: nn.Module, plan: ParallelPlan, *, device: torch.
 def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: ParallelPlan, *, pipelined: bool,
                       device: torch.device,
                       init: Callable[[nn.Module], None] | None, precision: Precision, compile: bool,
-                      heads: HeadGradients, model_ties: list[list[str]] = ()) -> dict[str, str]:
+                      heads: HeadGradients, model_ties: Sequence[list[str]] = ()) -> dict[str, str]:
     """One model part (the model, or a pipeline stage) on ``mesh`` as ``layout`` places it:
     tensor parallel -> context parallel -> expert parallel -> activation checkpointing -> compile -> data
     parallel (over the dp and cp axes) -> (``init``: a meta part) allocate and initialise this rank's shards.
@@ -158,14 +158,17 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if init is None:
         part.to(device)
     if layout.placements or layout.layouts:
+        assert mesh is not None, "a plan with placements spans more than one rank"
         placements = placed_alike(layout.placements, model_ties)
         heads.entries += find_head_parameters(part, classify(part, placements, layout.layouts).col, mesh).entries
         report = apply_placements(part, mesh, placements=placements, layouts=layout.layouts)
         retie(part, tied)  # each holder of a tied parameter was distributed on its own: one parameter again
     cp = layout.context_parallel if layout.cp_size > 1 else None  # one cp rank: whole rows, plain attention
-    if cp is not None and not apply_context_parallel(part, mesh, dim=cp.dim, method=cp.method):
-        raise ValueError(f"context parallelism over {cp.dim!r}: no module of {type(part).__name__} attends over a "
-                         "split sequence (none declares a context_parallel attribute)")
+    if cp is not None:
+        assert mesh is not None, "more than one cp rank: a mesh"
+        if not apply_context_parallel(part, mesh, dim=cp.dim, method=cp.method):
+            raise ValueError(f"context parallelism over {cp.dim!r}: no module of {type(part).__name__} attends over "
+                             "a split sequence (none declares a context_parallel attribute)")
     ep = layout.expert_parallel
     experts = [] if ep is None or mesh is None else apply_expert_parallel(part, mesh, axis=ep.dim,
                                                                           module_fqns=ep.modules)
@@ -175,15 +178,19 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
         apply_compile(part, block_fqns=layout.blocks)
     dp = layout.param_data_parallel  # cp ranks average gradients and shard parameters as dp ranks do
     if dp is not None:
-        apply_data_parallel(part, mesh, mode=dp.mode, dim_names=list(dp.dim_names), block_fqns=layout.blocks,
-                            pipelined=pipelined, precision=precision, experts=experts,
+        assert mesh is not None, "data parallelism spans more than one rank"
+        # The plan's modes are the config's (DataParallelSpec keeps a str, as the topology does).
+        apply_data_parallel(part, mesh, mode=cast(DataParallelMode, dp.mode), dim_names=list(dp.dim_names),
+                            block_fqns=layout.blocks, pipelined=pipelined, precision=precision, experts=experts,
                             ep_dim=ep.dim if ep is not None else None)
     elif experts:
+        assert mesh is not None and ep is not None, "experts are split over an ep axis of a mesh"
         replicate_beside_experts(part, mesh, ep_dim=ep.dim, experts=experts)
     if init is not None:
         _materialize(part, device, init, tied)
     retie(part, tied)
     if experts and dp is None:  # data parallelism divides their gradients by dp x ep; here ep alone
+        assert mesh is not None and ep is not None, "experts are split over an ep axis of a mesh"
         divide_expert_grads(experts, mesh[ep.dim].size())
     return report
 
@@ -194,6 +201,7 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
     """Per-stage layouts (``parallel.pipeline.stages``): every stage on its own sub-mesh with its
     own layout, the schedule along lanes of one rank per stage (:mod:`parallel.pipeline.stage_io`)."""
     pp, topology = plan.pipeline, plan.topology
+    assert pp is not None, "per-stage layouts are a pipeline's"
     if dist.get_world_size() != topology.world_size:
         raise ValueError(f"the mesh has {topology.world_size} ranks but the world has {dist.get_world_size()}")
     # Every rank builds every stage's mesh and every lane's group: both are collectives.

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from parallel.topology import flat_rank_ids, rank_id_of  # noqa: F401 - re-exported: the worker binds by them
+# Re-exported: the worker binds by them.
+from parallel.topology import flat_rank_ids as flat_rank_ids, rank_id_of as rank_id_of
 
 # Sub-meshes made once per (mesh, axes): the engine asks for the same axis for every module.
 _SUBMESHES: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], DeviceMesh]] = weakref.WeakKeyDictionary()
@@ -41,7 +43,7 @@ def build_mesh(
     mesh_shape: Sequence[int],
     dim_names: Sequence[str],
     *,
-    rank_ids: Sequence | None = None,
+    rank_ids: Sequence[Any] | None = None,
     device_type: str = "cpu",
 ) -> DeviceMesh:
     """The ``DeviceMesh`` of ``mesh_shape`` with axes named ``dim_names``.
@@ -130,7 +132,7 @@ def _submesh(mesh: DeviceMesh, names: list[str], *, flatten: bool) -> DeviceMesh
     unknown = [n for n in names if n not in (mesh.mesh_dim_names or ())]
     if unknown:
         raise ValueError(f"mesh has no axis {unknown}; its axes are {list(mesh.mesh_dim_names or ())}")
-    if list(mesh.mesh_dim_names) == names and (mesh.ndim == 1 or not flatten):
+    if list(mesh.mesh_dim_names or ()) == names and (mesh.ndim == 1 or not flatten):
         return mesh
     if len(names) == 1:
         return mesh[names[0]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from parallel.pipeline.stage_terms import carry_term
 from parallel.pipeline.ties import StageTies
 from parallel.plan.spec import PipelineSpec
 from parallel.sharding.head_params import HeadGradients
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -87,7 +90,7 @@ class ParallelModel:
         self._pipeline = pipeline
         self._device = torch.device(device)
         self._autocast = autocast
-        self._schedule = None
+        self._schedule: _PipelineSchedule | None = None
         self._loss_fn: LossFn | None = None
         self._loss_factor = 1.0
         self._stage_term: Callable[[nn.Module], torch.Tensor | None] | None = None
@@ -130,7 +133,7 @@ class ParallelModel:
             with self._loss_context():
                 with self._precision():
                     loss = _plain(loss_fn(model(inputs, **_extra(positions)), targets))
-                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+                (loss * loss_scale if loss_scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]  # torch
             return loss.detach()
         with self._precision(), self._loss_context():
             return self._run_schedule(inputs, targets, loss_fn, loss_scale, backward=True, positions=positions)
@@ -144,7 +147,7 @@ class ParallelModel:
         if self._pipeline is None:
             (model,) = self.model_parts
             with self._precision(), self._loss_context():
-                loss = _plain(loss_fn(model(inputs, **_extra(positions)), targets))
+                loss: torch.Tensor | None = _plain(loss_fn(model(inputs, **_extra(positions)), targets))
         elif self._pipeline.schedule == "ZBV":
             raise NotImplementedError("the ZBV schedule has no forward-only pass in torch; evaluate with "
                                       "another schedule")
@@ -160,19 +163,20 @@ class ParallelModel:
                     module.reshard()
         return loss
 
-    def _precision(self):
+    def _precision(self) -> contextlib.AbstractContextManager[Any]:
         """bf16 autocast where no FSDP mixed-precision policy casts the parameters (one device,
         tp, pp without dp): matmuls in bf16, fp32 weights and gradients. Else a no-op."""
         if self._autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self._device.type, dtype=self._autocast)
 
-    def _loss_context(self):
+    def _loss_context(self) -> contextlib.AbstractContextManager[Any]:
         """torch's ``loss_parallel`` with a vocabulary-sharded head (forward and backward both inside), else a no-op."""
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def _run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, loss_scale: float,
                       *, backward: bool, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        assert self._pipeline is not None, "only a pipelined model runs a schedule"
         microbatches = self._pipeline.num_microbatches
         # Each micro-batch's loss is divided by their number here (not by the schedule's
         # scale_grads, which would also rescale gradients accumulated by earlier calls), and by the
@@ -240,6 +244,7 @@ class ParallelModel:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The schedule holds this function; the user's loss and factor are set per call.
+        assert self._loss_fn is not None, "_run_schedule sets the loss before the schedule runs"
         return _plain(self._loss_fn(output, target)) * self._loss_factor
 
     def _carry_stage_term(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
@@ -326,6 +331,7 @@ class ParallelModel:
         """The global mean loss, identical on every rank: the mean over dp replicas of the
         loss held by the last stage's ranks (``None`` elsewhere)."""
         if self.mesh is None:
+            assert loss is not None, "one device holds the last stage, so its loss"
             return float(loss)
         value = torch.tensor([0.0 if loss is None else float(loss)], dtype=torch.float64)
         dist.all_reduce(value)

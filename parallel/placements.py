@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 _SHARD = re.compile(r"^\s*(?:S|Shard)\s*\(\s*(-?\d+)\s*\)\s*$", re.IGNORECASE)
 _REPLICATE = re.compile(r"^\s*(?:R|Replicate)\s*(?:\(\s*\))?\s*$", re.IGNORECASE)
@@ -51,11 +54,12 @@ class PlacementSpec:
     def is_shard(self) -> bool:
         return self.kind == "shard"
 
-    def to_torch(self):
+    def to_torch(self) -> Placement:
         """The matching ``torch.distributed.tensor`` placement."""
         from torch.distributed.tensor import Partial, Replicate, Shard
 
         if self.kind == "shard":
+            assert self.dim is not None, "a shard placement has a dim"
             return Shard(self.dim)
         if self.kind == "partial":
             return Partial(self.reduce_op)

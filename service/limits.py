@@ -48,7 +48,8 @@ def workers_per_node(raw: dict[str, Any]) -> int:
     """The worker processes one node of the (not yet validated) config ``raw`` starts: its mesh's
     size (a shape, or explicit rank ids) over ``launch.nnodes``; 1 for anything malformed, which
     validation then refuses with its own message."""
-    launch = raw.get("launch") if isinstance(raw.get("launch"), dict) else {}
+    launch = raw.get("launch")
+    launch = launch if isinstance(launch, dict) else {}
     nnodes = launch.get("nnodes", 1)
     try:
         world = mesh_world_size(raw.get("mesh"))

@@ -73,6 +73,7 @@ class MlflowRuns:
         except Exception as err:
             log.exception("could not create an MLflow run in %s", self.tracking_uri)
             raise TrackingUnavailable(f"the MLflow store did not accept a new run: {err}") from err
+        assert experiment_id is not None, "the run was created in it"
         return experiment_id, run.info.run_id
 
     def artifact_location(self, experiment: str) -> str | None:

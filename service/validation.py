@@ -69,6 +69,7 @@ def resolve_as_service(settings: Settings, *, overrides: list[str] | None, docum
     """:func:`resolve_config` with this service's workspace, tracking store, limits (the size
     ceilings before any planning, the memory budget) and executor (a cluster executor takes several
     nodes): what a job and a plan request both get."""
+    assert settings.mlflow_tracking_uri is not None, "Settings fills it in"
     return resolve_config(overrides=overrides, document=document, workspace=settings.workspace, workdir=workdir,
                           tracking_uri=settings.mlflow_tracking_uri, run_id=None,
                           limit_raw=partial(limit_request, settings=settings),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.config import ContextParallelMethod
 from parallel.context.attention import context_attention, ring_alone, visible
 from parallel.context.layout import ContextShard, shard_sequence, token_index, unshard_sequence
 from parallel.context.reduce import sum_over_context
@@ -28,14 +29,14 @@ def supports_context_parallel(module: nn.Module) -> bool:
     return any(hasattr(m, "context_parallel") for m in module.modules())
 
 
-def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, *, dim: str, method: str) -> int:
+def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, *, dim: str, method: ContextParallelMethod) -> int:
     """Give every supporting submodule of ``module`` the cp group of mesh axis ``dim``; returns how many."""
     axis = submesh(mesh, dim)
     shard = ContextShard(group=axis.get_group(), rank=axis.get_local_rank(), size=axis.size(), method=method)
     found = 0
     for m in module.modules():
         if hasattr(m, "context_parallel"):
-            m.context_parallel = shard
+            m.context_parallel = shard  # type: ignore[assignment]  # Module's stub types attributes Tensor | Module
             found += 1
     return found
 

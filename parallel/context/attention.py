@@ -29,6 +29,7 @@ documents. The tests and the CPU workers need both, so the ring is written here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,10 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from parallel.context.layout import ContextShard
-from parallel.context.ring import fused_ring
+from parallel.context.ring import BlockMaskValue, fused_ring
 
 
-def _start_shift(x: torch.Tensor, group: dist.ProcessGroup):
+def _start_shift(x: torch.Tensor, group: dist.ProcessGroup) -> Callable[[], torch.Tensor]:
     """Start sending ``x`` to the next rank of the cp ring and receiving the previous rank's; returns
     a function that waits for both and gives what was received (the fused ring computes meanwhile)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -66,6 +67,7 @@ def visible(q_index: torch.Tensor, k_index: torch.Tensor, *, causal: bool, q_doc
         len(q_index), len(k_index), dtype=torch.bool, device=q_index.device)
     mask = mask[None]
     if q_doc is not None:
+        assert k_doc is not None, "packed documents give the keys' documents too"
         mask = mask & (q_doc[:, :, None] == k_doc[:, None, :])
     return mask
 
@@ -101,7 +103,9 @@ def _gather_plain(x: torch.Tensor, shard: ContextShard) -> list[torch.Tensor]:
     return parts
 
 
-def _allgather_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs, scale) -> torch.Tensor:
+def _allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shard: ContextShard,
+                         q_index: torch.Tensor, causal: bool, doc: torch.Tensor | None,
+                         docs: list[torch.Tensor] | None, scale: float) -> torch.Tensor:
     tl = q.shape[2]
     # One message for K and V; autograd's backward of the gather is a reduce-scatter of their gradients.
     kv = all_gather_single_autograd(torch.stack((k, v)).contiguous(), 3, shard.group)
@@ -115,7 +119,9 @@ def _allgather_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, 
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)
 
 
-def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs, scale) -> torch.Tensor:
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, shard: ContextShard, q_index: torch.Tensor,
+                    causal: bool, doc: torch.Tensor | None, docs: list[torch.Tensor] | None,
+                    scale: float) -> torch.Tensor:
     tl = q.shape[2]
 
     def seen(step: int) -> torch.Tensor:
@@ -124,7 +130,7 @@ def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs,
         return visible(q_index, shard.token_index(tl, rank=source, device=q.device), causal=causal, q_doc=doc,
                        k_doc=docs[source] if docs is not None else None)
 
-    def mask(step: int):
+    def mask(step: int) -> BlockMaskValue:
         if doc is None and (not causal or step == 0):  # the whole block, or its own (positions rise: the triangle)
             return "causal" if causal else None
         if doc is None:  # causal: from the positions alone, no Tl x Tl mask made
@@ -139,13 +145,13 @@ def _ring_attention(q, k, v, *, shard: ContextShard, q_index, causal, doc, docs,
                       scale=scale)
 
 
-def _causal_block(q_index: torch.Tensor, k_index: torch.Tensor):
+def _causal_block(q_index: torch.Tensor, k_index: torch.Tensor) -> BlockMaskValue:
     """The ring's :data:`~parallel.context.ring.BlockMask` of a causal block from rising positions: a
     query sees a prefix of the keys (those at or before it). Under the balanced split every other
     rank's block is a rectangle, all queries over the head chunk or the tail queries over all keys:
     ``(queries, keys)`` slices; any other staircase, the boolean mask."""
     seen = torch.searchsorted(k_index, q_index, right=True)  # how many keys each query sees
-    counts = seen.unique()
+    counts = seen.unique()  # type: ignore[no-untyped-call]  # torch: untyped
     if counts.tolist() == [0]:
         return "skip"
     if counts.tolist() == [len(k_index)]:
@@ -176,15 +182,20 @@ def ring_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, blocks: int
     if not merged or blocks <= 3:
         return fused_ring(q, k, v, masks=lambda step: ("causal" if step == 0 else (slice(None), half)) if causal
                           else None,
-                          send=lambda x: (lambda c=x.clone(): c), steps=blocks, scale=scale)
+                          send=lambda x: _arrived(x.clone()), steps=blocks, scale=scale)
     # Merged: two steps, the second's block the received blocks' keys side by side (longer than the
     # rank's own: a causal row's cp - 1 halves, cp - 1 > 2); the hop home gives back the own block's shape.
     keys = half if causal else slice(None)
 
-    def send(x):
+    def send(x: torch.Tensor) -> Callable[[], torch.Tensor]:
         if x.shape[3] == tokens:
-            return lambda c=x[:, :, :, keys].repeat(1, 1, 1, blocks - 1, 1): c
-        return lambda c=x[:, :, :, :tokens].clone(): c
+            return _arrived(x[:, :, :, keys].repeat(1, 1, 1, blocks - 1, 1))
+        return _arrived(x[:, :, :, :tokens].clone())
 
     return fused_ring(q, k, v, masks=lambda step: "causal" if causal and step == 0 else None, send=send, steps=2,
                       scale=scale)
+
+
+def _arrived(block: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A hop that has already happened: waiting for it gives ``block`` (made when it was sent)."""
+    return lambda: block

@@ -24,4 +24,6 @@ def sum_over_context(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """``x`` summed over the cp ranks of ``shard`` (the same on each); with a gradient when ``x`` has one,
     each rank's share receiving the sum of every rank's gradient of the total (torch's autograd
     all-reduce). A meta tensor (a planner's pass, which has no values) is returned as it is."""
-    return x if x.is_meta else dist_nn.all_reduce(x, group=shard.group)
+    if x.is_meta:
+        return x
+    return dist_nn.all_reduce(x, group=shard.group)  # type: ignore[no-untyped-call, no-any-return]  # torch: untyped

@@ -29,6 +29,7 @@ The kernel, per block (:func:`kernel_for`):
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,12 +43,22 @@ _CUDA_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backwa
 # triangle), "skip" where no query sees any key, a pair of slices ``(queries, keys)`` where exactly
 # those queries see exactly those keys (the balanced split's other blocks under a causal mask: all
 # queries over the head chunk, or the tail queries over all keys), else a boolean [B or 1, Tq, Tk].
-BlockMask = Callable[[int], "torch.Tensor | tuple[slice, slice] | str | None"]
+BlockMaskValue = torch.Tensor | tuple[slice, slice] | str | None
+BlockMask = Callable[[int], BlockMaskValue]
+# A block's mask within the queries and keys it involves: a boolean tensor, "causal", "skip" or None.
+KernelMask = torch.Tensor | str | None
 
 
 # ``send(x)`` starts passing ``x`` to the next rank and receiving the previous rank's; it returns
 # a function that waits for the hop and gives what was received.
 Send = Callable[[torch.Tensor], Callable[[], torch.Tensor]]
+
+# One block's kernel: forward(q, k, v, mask, scale) -> (out, lse); backward(grad, q, k, v, out, lse, mask, scale)
+# -> (dq, dk, dv).
+Tensor = torch.Tensor
+Grads = tuple[Tensor, Tensor, Tensor]
+KernelForward = Callable[[Tensor, Tensor, Tensor, KernelMask, float], tuple[Tensor, Tensor]]
+KernelBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, KernelMask, float], Grads]
 
 
 def fused_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masks: BlockMask,
@@ -61,19 +72,21 @@ def fused_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, masks: Bloc
     and backward), and the K/V gradients of a block go on as the next block's backward starts, waited
     for only when that block's gradients are added to them; only the last hop home is waited for
     with nothing to compute (what :func:`trainer.planner.cost.comm.ring_exposed_s` prices)."""
-    return _FusedRing.apply(q, k, v, masks, send, steps, scale)
+    return _FusedRing.apply(q, k, v, masks, send, steps, scale)  # type: ignore[no-untyped-call, no-any-return]
 
 
 class _FusedRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, masks: BlockMask, send, steps: int, scale: float):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: BlockMask, send: Send, steps: int,
+                scale: float) -> torch.Tensor:
         acc = torch.promote_types(q.dtype, torch.float32)  # the kernel's log-sum-exp dtype; bf16 merges in fp32
         kv = torch.stack((k, v))
         out = torch.zeros_like(q, dtype=acc)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        pending = None
+        pending: Callable[[], torch.Tensor] | None = None
         for step in range(steps):
             if step:
+                assert pending is not None, "every step but the last sends"
                 kv = pending()
             if step < steps - 1:
                 pending = send(kv)  # on its way to the next rank while this rank computes on it
@@ -95,16 +108,18 @@ class _FusedRing(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         acc = lse.dtype
         grad = grad.contiguous()
         kv = torch.stack((k, v))
         dq = torch.zeros_like(q, dtype=acc)
         dkv = torch.zeros_like(kv, dtype=acc)  # the gradient of the block held, travelling with it
-        kv_next = dkv_next = None
+        kv_next: Callable[[], torch.Tensor] | None = None
+        dkv_next: Callable[[], torch.Tensor] | None = None
         for step in range(ctx.steps):
             if step:
+                assert kv_next is not None, "every step but the last sends"
                 kv = kv_next()
             if step < ctx.steps - 1:
                 kv_next = ctx.send(kv)
@@ -116,6 +131,7 @@ class _FusedRing(torch.autograd.Function):
                 block = backward(grad[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                  out[:, :, rows], lse[:, :, rows], mask, ctx.scale)
             if step:  # the held block's gradient so far, sent on by the rank that held it last step
+                assert dkv_next is not None, "with more than one step every step sends"
                 dkv = dkv_next()
             if block is not None:
                 dq[:, :, rows] += block[0]
@@ -124,18 +140,19 @@ class _FusedRing(torch.autograd.Function):
             if ctx.steps > 1:
                 dkv_next = ctx.send(dkv)  # after the last step a rank holds the next rank's block's: one more hop home
         if ctx.steps > 1:
+            assert dkv_next is not None, "the last step sends the gradient home"
             dkv = dkv_next()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _slices(mask) -> tuple[slice, slice, "torch.Tensor | str | None"]:
+def _slices(mask: BlockMaskValue) -> tuple[slice, slice, KernelMask]:
     """The queries and keys a block mask involves, and the mask within them."""
     if isinstance(mask, tuple):
         return mask[0], mask[1], None
     return slice(None), slice(None), mask
 
 
-def _kernel_mask(mask, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None]:
+def _kernel_mask(mask: KernelMask, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None]:
     """The kernel's ``is_causal`` and additive mask (``[B or 1, 1, Tq, Tk]``, -inf where hidden) for a block mask."""
     if mask is None:
         return False, None
@@ -144,7 +161,7 @@ def _kernel_mask(mask, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None]:
     return False, torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
 
 
-def kernel_for(q: torch.Tensor, mask) -> tuple[Callable, Callable]:
+def kernel_for(q: torch.Tensor, mask: KernelMask) -> tuple[KernelForward, KernelBackward]:
     """``(forward, backward)`` of one block (see the module docstring): ``forward(q, k, v, mask, scale)
     -> (out, lse)``, ``backward(grad, q, k, v, out, lse, mask, scale) -> (dq, dk, dv)``, ``out`` and
     ``lse`` in backward the merged ones. ``mask``: the block's mask within its slices."""
@@ -156,7 +173,8 @@ def kernel_for(q: torch.Tensor, mask) -> tuple[Callable, Callable]:
     return _math_forward, _math_backward
 
 
-def _cpu_forward(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: KernelMask, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's normalised output and log-sum-exp ``[B, H, Tq]`` (``-inf`` for a query that sees
     none of its keys: the kernel gives such a row 0 and a log-sum-exp of 0)."""
     causal, additive = _kernel_mask(mask, q.dtype)
@@ -166,12 +184,15 @@ def _cpu_forward(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tenso
     return out, lse
 
 
-def _cpu_backward(grad, q, k, v, out, lse, mask, scale: float):
+def _cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, mask: KernelMask, scale: float) -> Grads:
     causal, additive = _kernel_mask(mask, q.dtype)
-    return _FLASH_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=additive, scale=scale)
+    # torch.ops are untyped.
+    return _FLASH_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=additive,  # type: ignore[no-any-return]
+                           scale=scale)
 
 
-def _repeat_heads(q, k, v):
+def _repeat_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """CUDA's flash call gets K/V with the query's heads (``repeat_interleave``: query head ``h``
     reads kv head ``h // rep``), made for the call and dropped after it."""
     rep = q.shape[1] // k.shape[1]
@@ -180,13 +201,15 @@ def _repeat_heads(q, k, v):
     return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), rep
 
 
-def _cuda_forward(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: KernelMask, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     k, v, _ = _repeat_heads(q, k, v)
     result = _CUDA_FLASH(q.contiguous(), k, v, 0.0, mask == "causal", False, scale=scale)
     return result[0], result[1]  # the output and the fp32 log-sum-exp [B, H, Tq]
 
 
-def _cuda_backward(grad, q, k, v, out, lse, mask, scale: float):
+def _cuda_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, mask: KernelMask, scale: float) -> Grads:
     kv_heads = k.shape[1]
     k, v, rep = _repeat_heads(q, k, v)
     tq, tk = q.shape[2], k.shape[2]
@@ -200,7 +223,7 @@ def _cuda_backward(grad, q, k, v, out, lse, mask, scale: float):
     return dq, dk, dv
 
 
-def _math_scores(q, k, mask, scale: float) -> torch.Tensor:
+def _math_scores(q: torch.Tensor, k: torch.Tensor, mask: KernelMask, scale: float) -> torch.Tensor:
     """``[B, Hkv, rep, Tq, Tk]`` fp32 scores of grouped queries over their kv head, -inf where hidden."""
     b, heads, tq, d = q.shape
     acc = _acc(q)
@@ -222,14 +245,16 @@ def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (scores - lse.masked_fill(lse.isneginf(), 0.0)[..., None]).exp()
 
 
-def _math_forward(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: KernelMask, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _math_scores(q, k, mask, scale)
     lse = scores.logsumexp(-1)
     out = _probabilities(scores, lse) @ v.to(scores.dtype)[:, :, None]
     return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 
-def _math_backward(grad, q, k, v, out, lse, mask, scale: float):
+def _math_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, mask: KernelMask, scale: float) -> Grads:
     """Flash attention's backward by tensor operations, against the merged ``out`` and ``lse``:
     ``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dQ = dS K scale``,
     ``dK = dS^T Q scale``."""

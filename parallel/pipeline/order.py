@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from types import SimpleNamespace
+from typing import Any, cast
 
 # Kinds that keep a rank busy; everything else (communication, optimizer) is not pipeline work.
 COMPUTE_KINDS = ("F", "B", "I", "W", "LOSS", "FB")
@@ -36,7 +37,7 @@ def action_name(stage: int, kind: str, microbatch: int | None) -> str:
     return f"{stage}{kind}{'' if microbatch is None else microbatch}"
 
 
-def compute_order(pipeline_order: dict[int, list]) -> dict[int, list[str]]:
+def compute_order(pipeline_order: dict[int, list[Any]]) -> dict[int, list[str]]:
     """The compute actions (F, B, I, W) of a torch ``pipeline_order``, per pp rank, as names.
 
     torch 2.13's ``Schedule1F1B._get_pipeline_order`` numbers the last rank's forwards 1..m
@@ -89,7 +90,7 @@ def parse_action(name: str) -> tuple[int, str, int]:
 
 
 def predicted_events(order: dict[int, list[str]], *, num_stages: int,
-                     costs: dict[str, float] = UNIT_COSTS) -> list[dict]:
+                     costs: dict[str, float] = UNIT_COSTS) -> list[dict[str, Any]]:
     """Lay ``order`` out in time: each rank runs its actions in order, each as soon as the rank is
     free and its input is there; communication costs nothing.
 
@@ -101,7 +102,7 @@ def predicted_events(order: dict[int, list[str]], *, num_stages: int,
     finished: dict[tuple[int, str, int], float] = {}
     free = {rank: 0.0 for rank in order}
     position = {rank: 0 for rank in order}
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
 
     def needs(stage: int, kind: str, mb: int) -> list[tuple[int, str, int]]:
         if kind == "F" and stage > 0:
@@ -131,7 +132,7 @@ def predicted_events(order: dict[int, list[str]], *, num_stages: int,
     return events
 
 
-def bubble_fractions(events: list[dict]) -> dict:
+def bubble_fractions(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The pipeline bubble of a timeline: the share of the pipeline's time a rank does no compute.
 
     Per step, the pipeline's time ``T`` runs from the first compute action's start on any rank to
@@ -144,7 +145,7 @@ def bubble_fractions(events: list[dict]) -> dict:
     Returns ``{"per_rank": {rank: fraction}, "mean": fraction}`` (``mean``: over ranks), or
     ``{"per_rank": {}, "mean": None}`` when no compute was recorded.
     """
-    by_step: dict[int, list[dict]] = defaultdict(list)
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         if e["kind"] in COMPUTE_KINDS:
             by_step[e["step"]].append(e)
@@ -192,4 +193,4 @@ def expected_bubble(schedule: str, *, pp_size: int, stages_per_rank: int, microb
     if theory is not None:
         return theory
     order = schedule_order(schedule, pp_size=pp_size, stages_per_rank=stages_per_rank, microbatches=microbatches)
-    return bubble_fractions(predicted_events(order, num_stages=pp_size * stages_per_rank))["mean"]
+    return cast(float, bubble_fractions(predicted_events(order, num_stages=pp_size * stages_per_rank))["mean"])

@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from parallel.config import MULTI_STAGE_SCHEDULES, ScheduleName
 from parallel.plan.spec import PipelineSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 class RawParameterStage(nn.Module):
@@ -73,7 +77,8 @@ def build_stage_module(model: nn.Module, units: Sequence[str], all_units: Sequen
         parent_name, _, child = unit.rpartition(".")
         parent = stage.get_submodule(parent_name)
         if isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
-            del parent[child]
+            # A ModuleList takes an int index (and renumbers): a str raises TypeError, so only ModuleDict blocks split.
+            del parent[child]  # type: ignore[arg-type]
         else:
             # None, not delattr: the model's forward skips a missing piece (`getattr(..., None)`).
             setattr(parent, child, None)
@@ -94,10 +99,10 @@ def build_schedule(
     microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     num_stages: int,
-    pp_group: torch.distributed.ProcessGroup,
+    pp_group: torch.distributed.ProcessGroup | None,
     device: torch.device | str,
     stage_to_group_rank: dict[int, int] | None = None,
-):
+) -> _PipelineSchedule:
     """A torch pipelining schedule over this rank's ``stages``; ``step(inputs, target=...,
     losses=[])`` then runs forward and backward of all micro-batches.
 
@@ -115,7 +120,7 @@ def build_schedule(
         ScheduleZBVZeroBubble,
     )
 
-    classes = {
+    classes: dict[str, Callable[..., _PipelineSchedule]] = {
         "GPipe": ScheduleGPipe,
         "1F1B": Schedule1F1B,
         "Interleaved1F1B": ScheduleInterleaved1F1B,

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 
 def lane_groups(stage_ranks: Sequence[Sequence[int]]) -> list[tuple[list[int], dist.ProcessGroup]]:
@@ -52,9 +53,10 @@ def stage_to_group_rank(lane: Sequence[int]) -> dict[int, int]:
     return {stage: order.index(rank) for stage, rank in enumerate(lane)}
 
 
-def stage_placements(mesh: DeviceMesh, dp_axes: Sequence[str]) -> list:
+def stage_placements(mesh: DeviceMesh, dp_axes: Sequence[str]) -> list[Placement]:
     """The layout of an activation inside a stage: split by rows over its data-parallel axes,
     whole over the others."""
+    assert mesh.mesh_dim_names is not None, "the engine's meshes name their axes"
     return [Shard(0) if name in dp_axes else Replicate() for name in mesh.mesh_dim_names]
 
 
@@ -62,12 +64,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient multiplied by ``factor`` in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.factor, None
 
 
@@ -78,23 +80,25 @@ def attach_boundaries(part: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[st
     rows of the targets."""
     transfer = [Shard(0)] * mesh.ndim
     inside = stage_placements(mesh, dp_axes)
-    dp_size = math.prod(mesh.size(mesh.mesh_dim_names.index(name)) for name in dp_axes)
+    dim_names = mesh.mesh_dim_names
+    assert dim_names is not None, "the engine's meshes name their axes"
+    dp_size = math.prod(mesh.size(dim_names.index(name)) for name in dp_axes)
 
-    def to_stage(_mod: nn.Module, args: tuple) -> tuple:
+    def to_stage(_mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x, *rest = args
         if not isinstance(x, torch.Tensor):
             return args
         if transfer != inside:
             x = DTensor.from_local(x, mesh, transfer, run_check=False).redistribute(mesh, inside).to_local()
         if dp_size > 1 and x.requires_grad:
-            x = _ScaleGrad.apply(x, 1.0 / dp_size)
+            x = _ScaleGrad.apply(x, 1.0 / dp_size)  # type: ignore[no-untyped-call]  # torch: untyped
         return (x, *rest)
 
-    def to_transfer(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+    def to_transfer(_mod: nn.Module, _args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
         if isinstance(out, DTensor):  # a stage output left as a DTensor (on its own, e.g. tp, mesh): made whole
             out = out.redistribute(out.device_mesh, [Replicate()] * out.device_mesh.ndim).to_local()
         if dp_size > 1 and out.requires_grad:
-            out = _ScaleGrad.apply(out, float(dp_size))
+            out = _ScaleGrad.apply(out, float(dp_size))  # type: ignore[no-untyped-call]  # torch: untyped
         if transfer == inside:
             return out
         return DTensor.from_local(out, mesh, inside, run_check=False).redistribute(mesh, transfer).to_local()

@@ -16,6 +16,8 @@ send/receive buffers stay as they are.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -23,7 +25,7 @@ class _CarryTerm(torch.autograd.Function):
     """Identity on ``output``; in backward, ``term`` gets ``scale`` (d objective / d term)."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, term: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx: Any, output: torch.Tensor, term: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         ctx.term_meta = (term.shape, term.dtype, term.device)
         # A copy, not a view: the zero-bubble schedules detach a stage's outputs in place after their input
@@ -31,7 +33,7 @@ class _CarryTerm(torch.autograd.Function):
         return output.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         shape, dtype, device = ctx.term_meta
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
@@ -40,7 +42,7 @@ def carry_term(output: torch.Tensor, term: torch.Tensor, scale: float) -> torch.
     """``output`` as it is, whose backward also backpropagates ``term * scale`` (a scalar with its graph)."""
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"a stage that adds a loss term must output one tensor, got {type(output).__name__}")
-    return _CarryTerm.apply(output, term, scale)
+    return _CarryTerm.apply(output, term, scale)  # type: ignore[no-untyped-call, no-any-return]  # torch: untyped
 
 
 __all__ = ["carry_term"]

@@ -23,9 +23,9 @@ Two ways to pair copies across ranks:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ class StageTies:
     pairing: Pairing = "shards"
 
     @classmethod
-    def build(cls, groups: Sequence[Sequence[str]], parts: Sequence[nn.Module], holders: dict[str, Sequence[int]],
+    def build(cls, groups: Sequence[Sequence[str]], parts: Sequence[nn.Module], holders: Mapping[str, Sequence[int]],
               *, pairing: Pairing) -> StageTies:
         """``groups``: the whole model's tied names (:func:`parallel.sharding.ties.tied_groups`);
         ``parts``: this rank's stage modules; ``holders``: for each name, the global ranks, one per
@@ -69,7 +69,7 @@ class StageTies:
             pairs = [sorted(set(ranks)) for ranks in zip(*per_name)]
             group = None
             if any(len(pair) > 1 for pair in pairs):
-                group, _ = dist.new_subgroups_by_enumeration(pairs)
+                group, _ = dist.new_subgroups_by_enumeration(pairs)  # type: ignore[no-untyped-call]  # torch
             copies = _local_copies(names, parts)
             if group is None and len(_distinct(copies)) < 2:
                 continue  # one parameter on this rank: retie already made the names one
@@ -92,19 +92,20 @@ class StageTies:
                 continue  # frozen (LoRA's base weights): no gradient on any stage
             if any(g is None for g in grads):
                 raise RuntimeError(f"the tied parameter {tie.names} has no gradient on one of its stages")
+            held = [g for g in grads if g is not None]  # all of them, as just checked
             if self.pairing == "shards":
-                total = _local(grads[0]).clone()
-                for g in grads[1:]:
+                total = _local(held[0]).clone()
+                for g in held[1:]:
                     total += _local(g)
                 if tie.group is not None:
                     dist.all_reduce(total, group=tie.group)
-                for g in grads:
+                for g in held:
                     _local(g).copy_(total)
             else:
-                total = sum(_whole(g) for g in grads)
+                total = cast(torch.Tensor, sum(_whole(g) for g in held))  # not 0: a tie has copies
                 if tie.group is not None:
                     dist.all_reduce(total, group=tie.group)
-                for g in grads:
+                for g in held:
                     _local(g).copy_(_block(total, g))
 
     @torch.no_grad()
@@ -133,6 +134,7 @@ def holders_on_mesh(groups: Sequence[Sequence[str]], plan: ParallelPlan, mesh: D
     """For each tied name, the global ranks holding its stage on one mesh with a pp axis, ordered
     by the coordinate off the pp axis (so the ``i``-th holders of every name hold the same shard)."""
     pp = plan.pipeline
+    assert pp is not None and mesh.mesh_dim_names is not None, "a pipeline's mesh, with named axes"
     axis = mesh.mesh_dim_names.index(pp.dim)
     rows = torch.movedim(mesh.mesh, axis, -1).reshape(-1, mesh.size(axis))  # [coordinate off pp, pp rank]
     return {name: rows[:, pp.stage_ranks[plan.stage_of(name)]].tolist() for names in groups for name in names}

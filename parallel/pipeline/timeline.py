@@ -79,11 +79,13 @@ class TimelineRecorder:
         self._pm = pm
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_available() and dist.is_initialized()
                                                    else 0)
-        self.events: list[dict] = []
+        self.events: list[dict[str, Any]] = []
         self._step: int | None = None
         self._undo: list[Callable[[], None]] = []
-        self._tags: dict[int, tuple[Any, tuple]] = {}  # id(op) -> (op, tag): the op is held so its id stays its own
-        self._posted: dict[int, tuple[list, list[tuple], float]] = {}  # id(works) -> (works, tags, posted at)
+        # id(op) -> (op, tag): the op is held so its id stays its own.
+        self._tags: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+        # id(works) -> (works, tags, posted at).
+        self._posted: dict[int, tuple[list[Any], list[tuple[Any, ...]], float]] = {}
         first = next(iter(pm.parameters()), None)
         self._cuda = first is not None and first.device.type == "cuda"
 
@@ -94,7 +96,7 @@ class TimelineRecorder:
     def recording(self) -> bool:
         return self._step is not None
 
-    def clock(self) -> dict:
+    def clock(self) -> dict[str, Any]:
         """This rank's host and the wall clock minus the monotonic clock (µs), the smallest of a
         few samples' brackets so that a context switch between the two reads cannot skew it."""
         best = None
@@ -104,6 +106,7 @@ class TimelineRecorder:
             after = time.monotonic_ns()
             if best is None or after - before < best[0]:
                 best = (after - before, (wall - (before + after) / 2) / 1000.0)
+        assert best is not None, "the first sample is the best so far"
         return {"host": socket.gethostname(), "wall_minus_monotonic_us": best[1]}
 
     # -- recording -----------------------------------------------------------------
@@ -151,7 +154,7 @@ class TimelineRecorder:
 
     # -- wrapping ------------------------------------------------------------------
 
-    def _patch(self, owner: Any, attr: str, replacement: Callable) -> None:
+    def _patch(self, owner: Any, attr: str, replacement: Callable[..., Any]) -> None:
         """Set ``owner.attr`` for this step; the undo restores exactly what was there (an
         instance falls back to its class's method again)."""
         own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
@@ -177,7 +180,7 @@ class TimelineRecorder:
         self._patch(schedules, "_batch_p2p", self._posting(schedules._batch_p2p))
         self._patch(schedules, "_wait_batch_p2p", self._waiting(schedules._wait_batch_p2p))
 
-    def _timed(self, fn: Callable, describe: Callable[..., tuple | None]) -> Callable:
+    def _timed(self, fn: Callable[..., Any], describe: Callable[..., Action | None]) -> Callable[..., Any]:
         """``fn`` timed as the action ``describe(*args)`` names (``(kind, stage, mb)``; None: untimed)."""
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -187,25 +190,25 @@ class TimelineRecorder:
             start = self._stamp()
             result = fn(*args, **kwargs)
             kind, stage, mb = what
-            name = "forward_backward" if kind == "FB" else action_name(stage, kind, mb)
+            name = "forward_backward" if kind == "FB" or stage is None else action_name(stage, kind, mb)
             self._add(name, kind, stage, mb, start, self._stamp())
             return result
 
         return timed
 
-    def _tagging(self, getter: Callable, kind: str, stage: int) -> Callable:
-        def tag(chunk: int, *args: Any, **kwargs: Any) -> list:
-            ops = getter(chunk, *args, **kwargs)
+    def _tagging(self, getter: Callable[..., Any], kind: str, stage: int) -> Callable[..., list[Any]]:
+        def tag(chunk: int, *args: Any, **kwargs: Any) -> list[Any]:
+            ops: list[Any] = getter(chunk, *args, **kwargs)
             for op in ops:
                 self._tags[id(op)] = (op, (kind, stage, chunk, getattr(op, "peer", None)))
             return ops
 
         return tag
 
-    def _posting(self, batch_p2p: Callable) -> Callable:
-        def post(p2p_ops: list, *args: Any, **kwargs: Any) -> list:
+    def _posting(self, batch_p2p: Callable[..., Any]) -> Callable[..., list[Any]]:
+        def post(p2p_ops: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
             posted = _now_us()
-            works = batch_p2p(p2p_ops, *args, **kwargs)
+            works: list[Any] = batch_p2p(p2p_ops, *args, **kwargs)
             tags = [self._tags.pop(id(op))[1] for op in p2p_ops if id(op) in self._tags]
             if works and tags:
                 self._posted[id(works)] = (works, tags, posted)
@@ -213,8 +216,8 @@ class TimelineRecorder:
 
         return post
 
-    def _waiting(self, wait_batch_p2p: Callable) -> Callable:
-        def wait(works: list) -> None:
+    def _waiting(self, wait_batch_p2p: Callable[..., Any]) -> Callable[[list[Any]], None]:
+        def wait(works: list[Any]) -> None:
             began = _now_us()
             wait_batch_p2p(works)
             entry = self._posted.get(id(works))
@@ -230,27 +233,29 @@ class TimelineRecorder:
 
 
 # What a wrapped call is, from its arguments: (kind, stage, micro-batch), or None for "not timed".
+Action = tuple[str, int | None, int | None]
 
-def _whole(*args: Any, **kwargs: Any) -> tuple:
+
+def _whole(*args: Any, **kwargs: Any) -> Action:
     return ("FB", None, None)
 
 
-def _chunk(kind: str, stage: int) -> Callable[..., tuple]:
+def _chunk(kind: str, stage: int) -> Callable[..., Action]:
     # forward_one_chunk(fwd_chunk_id, ...), backward_weight_one_chunk(bwd_chunk_id, ...)
     return lambda chunk, *args, **kwargs: (kind, stage, chunk)
 
 
-def _backward(stage: int) -> Callable[..., tuple]:
+def _backward(stage: int) -> Callable[..., Action]:
     # backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
     # a full backward is B; the input-gradient half of a split one (zero-bubble schedules) is I.
-    def describe(chunk: int, *args: Any, **kwargs: Any) -> tuple:
+    def describe(chunk: int, *args: Any, **kwargs: Any) -> Action:
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
         return ("B" if full else "I", stage, chunk)
 
     return describe
 
 
-def _loss(stage: Any, output: Any, targets: Any, chunk: int, *args: Any, **kwargs: Any) -> tuple | None:
+def _loss(stage: Any, output: Any, targets: Any, chunk: int, *args: Any, **kwargs: Any) -> Action | None:
     # _maybe_compute_loss(stage, output, target_mbs, mb_index, ...) computes a loss on the last stage only.
     return ("LOSS", stage.stage_index, chunk) if stage.is_last else None
 

@@ -19,12 +19,13 @@ from torch import nn
 from parallel.config import LayoutConfig
 from parallel.errors import ConfigIssue, format_path, override
 from parallel.placements import parse_placement
-from parallel.plan.spec import AxisSpecs, GlobCheck, LayoutSpec, MeshSpec
+from parallel.plan.spec import AxisSpecs, GlobCheck, LayoutSpec
 from parallel.sharding.tp_styles import classify
+from parallel.topology import MeshSpec
 
 
-def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module, issues: list[ConfigIssue], *,
-                   check_glob: GlobCheck | None = None, only: set[str] | None = None
+def resolve_layout(section: Any, prefix: tuple[object, ...], mesh: MeshSpec, model: nn.Module,
+                   issues: list[ConfigIssue], *, check_glob: GlobCheck | None = None, only: set[str] | None = None
                    ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec]]:
     """``(placements, layouts)`` of one layout section (``parallel``, or a pipeline stage at
     ``prefix`` = ``("parallel", "pipeline", "stages", i)``): the explicit globs, then the model
@@ -33,7 +34,7 @@ def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module
     nothing). Problems are appended to ``issues``."""
     params = {name: tuple(p.shape) for name, p in model.named_parameters() if only is None or name in only}
     modules = [name for name, _ in model.named_modules() if name and (only is None or name in only)]
-    family_placements, family_layouts = _family_plan(section, prefix, model, mesh, issues, only)
+    family_placements, family_layout_entries = _family_plan(section, prefix, model, mesh, issues, only)
     scope = {"scope": "the model"} if only is None else {"scope": f"this stage ({format_path(*prefix)})"}
     # Explicit globs first: what they place, the family's plan does not, so its issues on those
     # parameters (the ones an explicit glob was written to fix) are never raised.
@@ -47,8 +48,8 @@ def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module
     explicit_layouts, explicit_paths = _match_layouts(
         [(glob, layout, format_path(*prefix, "layouts", glob)) for glob, layout in section.layouts.items()],
         modules, issues, **scope)
-    family_layouts, layout_paths = _match_layouts(family_layouts, modules, issues, **scope, required=only is None,
-                                                  taken=set(explicit_layouts))
+    family_layouts, layout_paths = _match_layouts(family_layout_entries, modules, issues, **scope,
+                                                  required=only is None, taken=set(explicit_layouts))
     layout_paths.update(explicit_paths)
     layouts = {name: explicit_layouts[name] if name in explicit_layouts else family_layouts[name]
                for name in modules if name in explicit_layouts or name in family_layouts}
@@ -68,7 +69,7 @@ def resolve_layout(section: Any, prefix: tuple, mesh: MeshSpec, model: nn.Module
 
 def _match_glob(section: str, glob: str, path: str, names: list[str], sources: dict[str, str],
                 issues: list[ConfigIssue], scope: str = "the model", required: bool = True,
-                taken: set[str] = frozenset()) -> list[str]:
+                taken: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """The names ``glob`` (written at ``path``) matches, less those in ``taken`` (an explicit glob
     placed them), recorded in ``sources``; a glob matching nothing (unless not ``required``), or a
     name another glob of the same section already took, is an issue. ``scope``: whose names
@@ -88,7 +89,7 @@ def _match_glob(section: str, glob: str, path: str, names: list[str], sources: d
 
 
 def _match_placements(entries: list[tuple[str, AxisSpecs, str]], mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
-                      issues: list[ConfigIssue], check_glob: GlobCheck | None, **scope) -> dict[str, AxisSpecs]:
+                      issues: list[ConfigIssue], check_glob: GlobCheck | None, **scope: Any) -> dict[str, AxisSpecs]:
     """``entries``: ``(glob, placements, the config path it was written at)``, in order;
     ``scope``: :func:`_match_glob`'s ``scope``, ``required`` and ``taken``."""
     placements: dict[str, AxisSpecs] = {}
@@ -115,7 +116,7 @@ def _with_replicate_override(issue: ConfigIssue, glob: str, path: str) -> Config
 
 def _match_entry(glob: str, axes: AxisSpecs, path: str, mesh: MeshSpec, params: Mapping[str, tuple[int, ...]],
                  placements: dict[str, AxisSpecs], sources: dict[str, str], issues: list[ConfigIssue],
-                 check_glob: GlobCheck | None, scope: dict) -> None:
+                 check_glob: GlobCheck | None, scope: dict[str, Any]) -> None:
     matched = _match_glob("placements", glob, path, list(params), sources, issues, **scope)
     for fqn in matched:
         placements[fqn] = MappingProxyType(dict(axes))
@@ -140,6 +141,7 @@ def _check_shards(mesh: MeshSpec, where: str, axes: AxisSpecs, shape: tuple[int,
         if not p.is_shard:
             continue
         path = f"{where}.{axis}"
+        assert p.dim is not None, "a shard placement has a dim"
         dim = p.dim if p.dim >= 0 else p.dim + len(shape)
         if not 0 <= dim < len(shape):
             issues.append(ConfigIssue(path, f"{p} but parameter {fqn} has {len(shape)} dims (shape {list(shape)})",
@@ -164,7 +166,7 @@ def _check_shards(mesh: MeshSpec, where: str, axes: AxisSpecs, shape: tuple[int,
 
 
 def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[str],
-                   issues: list[ConfigIssue], **scope) -> tuple[dict[str, LayoutSpec], dict[str, str]]:
+                   issues: list[ConfigIssue], **scope: Any) -> tuple[dict[str, LayoutSpec], dict[str, str]]:
     """``(module FQN -> layout, module FQN -> the config path that gave it)``."""
     layouts: dict[str, LayoutSpec] = {}
     paths: dict[str, str] = {}
@@ -180,8 +182,9 @@ def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[s
 # ---------------------------------------------------------------------- named plans
 
 
-def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
-                 issues: list[ConfigIssue], only: set[str] | None = None) -> tuple[list, list]:
+def _family_plan(section: Any, prefix: tuple[object, ...], model: nn.Module, mesh: MeshSpec,
+                 issues: list[ConfigIssue], only: set[str] | None = None
+                 ) -> tuple[list[tuple[str, AxisSpecs, str]], list[tuple[str, LayoutConfig, str]]]:
     """The model family's named tensor-parallel plan of a layout section (at ``prefix``) as
     ``(placement entries, layout entries)``, each entry ``(glob, value, path)``; explicit globs
     override them, parameter by parameter and module by module."""
@@ -205,8 +208,8 @@ def _family_plan(section: Any, prefix: tuple, model: nn.Module, mesh: MeshSpec,
             [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
 
 
-def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpec,
-                         only: set[str] | None = None) -> tuple[dict, dict]:
+def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple[object, ...], mesh: MeshSpec,
+                         only: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Loss parallel's globs (the head column-parallel, its logits vocabulary shards), from the model's
     ``vocab_parallel_plan``. A model without one, or a vocabulary that does not divide over the axis, keeps
     the replicated head, with a warning (no refusal: loss parallel is on by default, and a layout that
@@ -226,7 +229,7 @@ def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple, mesh: MeshSpe
                       stacklevel=2)
         return {}, {}
     # An untied input embedding is split over the vocabulary too, where this layout holds it.
-    embedding = getattr(model, "vocab_parallel_embedding", lambda axis: {})(axis=tp.dim)
+    embedding: dict[str, Any] = getattr(model, "vocab_parallel_embedding", lambda axis: {})(axis=tp.dim)
     embedding = {fqn: axes for fqn, axes in embedding.items() if only is None or fqn in only}
     if only is not None and not set(placements) & only and embedding:
         return embedding, {}  # a first stage: its embedding split, no head

@@ -84,7 +84,10 @@ class PlacementGroup:
 def stage_grids(plan: ParallelPlan) -> list[StageGrid]:
     """One :class:`StageGrid` per pipeline stage (one, stage 0, without a pipeline)."""
     mesh, pp = plan.mesh, plan.pipeline
-    label = lambda r: str(mesh.rank_id(r))  # noqa: E731 - explicit ids as written, else the torch rank
+
+    def label(r: int) -> str:  # explicit ids as written, else the torch rank
+        return str(mesh.rank_id(r))
+
     if pp is not None and pp.stages:  # per-stage layouts: each stage its own sub-mesh of torch ranks
         return [StageGrid(s, tuple(st.layout.mesh.dim_names), tuple(st.layout.mesh.shape), st.ranks,
                           tuple(label(r) for r in st.ranks)) for s, st in enumerate(pp.stages)]
@@ -110,7 +113,7 @@ def param_slices(plan: ParallelPlan, param_shapes: Mapping[str, Sequence[int]]) 
     stage_of = plan.stage_of
     # Slices depend on the shape, the placements and the grid's geometry, not on the stage: the
     # blocks of every stage of a uniform pipeline share them (a [64, 8, 8] mesh: 8 times fewer).
-    cache: dict[tuple, tuple[dict[str, str], list[Slices]]] = {}
+    cache: dict[tuple[Any, ...], tuple[dict[str, str], list[Slices]]] = {}
     out = {}
     for fqn, shape in param_shapes.items():
         shape = tuple(int(n) for n in shape)
@@ -136,7 +139,7 @@ def group_name(fqn: str) -> str:
 def placement_groups(plan: ParallelPlan, param_shapes: Mapping[str, Sequence[int]]) -> list[PlacementGroup]:
     """:func:`param_slices` grouped by role, stage, shape and placements, in model order
     (blocks split over stages give one group per stage)."""
-    merged: dict[tuple, list[ParamSlices]] = {}
+    merged: dict[tuple[Any, ...], list[ParamSlices]] = {}
     for p in param_slices(plan, param_shapes).values():
         merged.setdefault((group_name(p.fqn), p.stage, p.shape, tuple(p.placements.items())), []).append(p)
     return [PlacementGroup(name, stage, shape, dict(placements), tuple(p.fqn for p in members), members[0].slices)
@@ -212,7 +215,8 @@ def _layout_slices(shape: tuple[int, ...], grid: StageGrid, axes: AxisSpecs,
     return placements, slices
 
 
-def _dim_of(placement: Any, ndim: int) -> int:
+def _dim_of(placement: PlacementSpec, ndim: int) -> int:
+    assert placement.dim is not None, "a shard placement has a dim"
     return placement.dim + ndim if placement.dim < 0 else placement.dim
 
 

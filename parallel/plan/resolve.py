@@ -27,14 +27,15 @@ from torch import nn
 from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.layout import loss_parallel_applies, resolve_layout
-from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, MeshSpec,
-                                 ParallelPlan, PipelineSpec)
+from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck,
+                                 LayoutSpec, ParallelPlan, PipelineSpec)
 from parallel.plan.stages import resolve_stages
 from parallel.plan.units import block_units, check_boundaries, pipeline_units, stage_boundaries, stage_ranks
+from parallel.topology import MeshSpec
 
 
 def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *,
-                 check_glob: GlobCheck | None = None, layout_cache: dict | None = None) -> ParallelPlan:
+                 check_glob: GlobCheck | None = None, layout_cache: dict[Any, Any] | None = None) -> ParallelPlan:
     """The plan of ``parallel`` on ``mesh`` (a shape or nested rank ids) for ``model`` (any
     device, ``meta`` included); raises :class:`ConfigError` with every issue found.
 
@@ -74,7 +75,8 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
 
 
 def _resolve_layout(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, issues: list[ConfigIssue],
-                    check_glob: GlobCheck | None, cache: dict | None) -> tuple[dict, dict]:
+                    check_glob: GlobCheck | None, cache: dict[Any, Any] | None
+                    ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec]]:
     """:func:`resolve_layout` of the parallel section, its answer and issues kept in ``cache`` by all it reads:
     the section's placements, layouts and tensor-parallel plan, and of the mesh only the sizes of the axes
     those name (the shards' and heads' divisibility, the vocabulary's split)."""

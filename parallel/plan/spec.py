@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from parallel.config import flat_ranks
+from parallel.config import ActivationCheckpointing, ContextParallelMethod, ScheduleName, flat_ranks
 from parallel.errors import ConfigIssue
 from parallel.placements import PlacementSpec
 from parallel.topology import MeshSpec, Topology, shard_axes_of
@@ -52,10 +52,11 @@ def unit_owner(units: tuple[str, ...]) -> Callable[[str], str | None]:
     return owner
 
 
-_DERIVED: dict[tuple, tuple[object, Any]] = {}
+_DERIVED: dict[tuple[object, ...], tuple[object, Any]] = {}
+T = TypeVar("T")
 
 
-def _derived(name: str, source: object, extra: tuple, compute: Callable[[], Any]) -> Any:
+def _derived(name: str, source: object, extra: tuple[object, ...], compute: Callable[[], T]) -> T:
     """``compute()``, kept per ``name``, ``source`` object and ``extra``: what follows from a plan's placements
     or layouts alone. A planner's candidates of one resolution share those objects (read-only mappings) and
     ask this for every pp rank of thousands of candidates. ``source`` is kept with the answer, so its id
@@ -66,7 +67,7 @@ def _derived(name: str, source: object, extra: tuple, compute: Callable[[], Any]
         if len(_DERIVED) >= 4096:
             _DERIVED.clear()
         hit = _DERIVED[key] = (source, compute())
-    return hit[1]
+    return cast(T, hit[1])
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class ContextParallelSpec:
     """Every sequence split over the mesh axis ``dim``; attention by ``method`` (ring | allgather)."""
 
     dim: str
-    method: str
+    method: ContextParallelMethod
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class PipelineSpec:
     """The schedule and the resolved stage split: the units of each stage and its pp rank."""
 
     dim: str
-    schedule: str
+    schedule: ScheduleName
     num_microbatches: int
     stages_per_rank: int
     stage_units: tuple[tuple[str, ...], ...]
@@ -156,7 +157,7 @@ class ParallelPlan:
     context_parallel: ContextParallelSpec | None = None
     placements: Mapping[str, AxisSpecs] = field(default_factory=dict)
     layouts: Mapping[str, LayoutSpec] = field(default_factory=dict)
-    activation_checkpointing: str = "none"
+    activation_checkpointing: ActivationCheckpointing = "none"
     activation_checkpointing_every: int = 1
     # Loss parallel: the output head's logits leave it as vocabulary shards (a DTensor Shard(2)) and the loss
     # runs under torch's loss_parallel (parallel.model.ParallelModel).
@@ -192,7 +193,8 @@ class ParallelPlan:
             self.mesh, dp_axes=dp.dim_names if dp else (), dp_mode=dp.mode if dp else None,
             pp_axis=pp.dim if pp else None, cp_axis=cp.dim if cp else None, ep_axis=ep.dim if ep else None,
             expert_modules=ep.modules if ep else (), tp_axes=tuple(sorted(self.sharded_axes)),
-            stage_lanes=len(stages[0].ranks) if stages else 0, num_layout_stages=pp.num_stages if stages else 0,
+            stage_lanes=len(stages[0].ranks) if stages else 0,
+            num_layout_stages=pp.num_stages if pp is not None and stages else 0,
         )
 
     @property
@@ -215,6 +217,7 @@ class ParallelPlan:
         the cp axis (FSDP over cp alone when there is no dp). Without cp: ``data_parallel``."""
         if self.context_parallel is None:
             return self.data_parallel
+        assert self.topology.param_dp_mode is not None, "with cp the parameters are sharded over it at least"
         return DataParallelSpec(self.topology.param_dp_mode, self.topology.param_dp_axes)
 
     @property

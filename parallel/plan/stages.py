@@ -34,8 +34,9 @@ from torch import nn
 from parallel.config import ParallelConfig, StageConfig
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan.layout import loss_parallel_applies, resolve_layout
-from parallel.plan.spec import DataParallelSpec, GlobCheck, MeshSpec, ParallelPlan, PipelineSpec, StagePlan, owning_unit
+from parallel.plan.spec import DataParallelSpec, GlobCheck, ParallelPlan, PipelineSpec, StagePlan, owning_unit
 from parallel.plan.units import check_boundaries, stage_boundaries
+from parallel.topology import MeshSpec
 
 
 def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *, units: Sequence[str],
@@ -43,6 +44,7 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
     """The plan of a config whose ``parallel.pipeline.stages`` give each stage its ranks and
     layout; raises :class:`ConfigError` with every issue found."""
     pp = parallel.pipeline
+    assert pp is not None and pp.stages is not None, "resolve_plan calls it for a pipeline with stages"
     issues = check_stage_ranks(pp.stages, mesh.world_size)
     issues += check_boundaries(parallel, mesh, units, num_stages=len(pp.stages))
     if issues:

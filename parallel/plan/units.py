@@ -14,7 +14,7 @@ from torch import nn
 
 from parallel.config import V_SCHEDULES, ParallelConfig
 from parallel.errors import ConfigIssue, format_path
-from parallel.plan.spec import MeshSpec
+from parallel.topology import MeshSpec
 
 
 def pipeline_units(model: nn.Module) -> list[str]:
@@ -120,7 +120,7 @@ def check_boundaries(parallel: ParallelConfig, mesh: MeshSpec, units: Sequence[s
         return []
     pp_size = mesh.size(pp.dim)
     stages_given = num_stages is not None
-    num_stages = num_stages if stages_given else pp_size * pp.stages_per_rank
+    num_stages = num_stages if num_stages is not None else pp_size * pp.stages_per_rank
     units = list(units)
     if pp.boundaries == "auto":
         if num_stages > len(units):

@@ -78,6 +78,7 @@ def reshard(
 
     ops = []
     for peer, transfers in outgoing.items():
+        assert local is not None, "a sender is in the source mesh, so _check_local saw its piece"
         src_box = plan.src_boxes[rank]
         buffer = torch.cat([local[t.box.slices_within(src_box)].reshape(-1) for t in transfers])
         ops.append(dist.P2POp(dist.isend, buffer, peer, group))
@@ -102,7 +103,7 @@ def _check_local(local: torch.Tensor | None, box: Box, dtype: torch.dtype, rank:
 
 
 def _assemble(plan: ReshardPlan, rank: int, local: torch.Tensor | None, received: dict[int, torch.Tensor], *,
-              dtype: torch.dtype, device) -> torch.Tensor:
+              dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """The destination piece from local copies and received buffers, in plan order (the order
     the senders packed their buffers in)."""
     dst_box = plan.dst_boxes[rank]
@@ -112,6 +113,7 @@ def _assemble(plan: ReshardPlan, rank: int, local: torch.Tensor | None, received
         if transfer.dst_rank != rank:
             continue
         if transfer.is_local:
+            assert local is not None, "a local transfer's source is this rank, which holds a piece"
             piece = local[transfer.box.slices_within(plan.src_boxes[rank])]
         else:
             start = read_offset[transfer.src_rank]

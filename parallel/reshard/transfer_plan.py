@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
@@ -86,7 +87,7 @@ class MeshLayout:
         object.__setattr__(self, "flat_ranks", flat_ranks)
 
     @classmethod
-    def from_device_mesh(cls, mesh, placements: Sequence[Placement]) -> MeshLayout:
+    def from_device_mesh(cls, mesh: DeviceMesh, placements: Sequence[Placement]) -> MeshLayout:
         """The layout of a DTensor on ``mesh`` (a ``DeviceMesh``) with ``placements``."""
         return cls(mesh.mesh.tolist(), tuple(placements))
 
@@ -102,7 +103,7 @@ class MeshLayout:
         return f"MeshLayout({nested_ranks}, {list(self.placements)})"
 
 
-def _nested_tuple(value):
+def _nested_tuple(value: Any) -> Any:
     return tuple(_nested_tuple(v) for v in value) if isinstance(value, list) else value
 
 

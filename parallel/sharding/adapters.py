@@ -21,6 +21,7 @@ rules; a replicated ``B`` of a row-parallel Linear gets a ``Partial`` gradient, 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,7 +39,8 @@ def has_adapters(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, name, None), nn.Linear) for name in ADAPTERS)
 
 
-def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, list[Placement]], src_data_rank) -> None:
+def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, list[Placement]],
+                src_data_rank: int | None) -> None:
     """``module``'s own parameters named in ``placements`` as DTensors (``requires_grad`` kept)."""
     for pname, param in list(module.named_parameters(recurse=False)):
         if pname in placements and not isinstance(param, DTensor):
@@ -52,8 +54,10 @@ class ColwiseParallelWithAdapters(ColwiseParallel):
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         # distribute_module calls this for the Linear ("") and each of its children.
-        own = {"": {"weight": [Shard(0)], "bias": [Shard(0)]}, "lora_A": {"weight": [Replicate()]},
-               "lora_B": {"weight": [Shard(0)]}}.get(name, {})
+        by_name: dict[str, dict[str, list[Placement]]] = {
+            "": {"weight": [Shard(0)], "bias": [Shard(0)]}, "lora_A": {"weight": [Replicate()]},
+            "lora_B": {"weight": [Shard(0)]}}
+        own = by_name.get(name, {})
         _distribute(module, device_mesh, own, self.src_data_rank)
 
 
@@ -62,8 +66,10 @@ class RowwiseParallelWithAdapters(RowwiseParallel):
     ``lora_A`` ``Shard(1)``, ``lora_B`` replicated. Keyword arguments are ``RowwiseParallel``'s."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        own = {"": {"weight": [Shard(1)], "bias": [Replicate()]}, "lora_A": {"weight": [Shard(1)]},
-               "lora_B": {"weight": [Replicate()]}}.get(name, {})
+        by_name: dict[str, dict[str, list[Placement]]] = {
+            "": {"weight": [Shard(1)], "bias": [Replicate()]}, "lora_A": {"weight": [Shard(1)]},
+            "lora_B": {"weight": [Replicate()]}}
+        own = by_name.get(name, {})
         _distribute(module, device_mesh, own, self.src_data_rank)
 
 
@@ -85,12 +91,12 @@ def adapter_placements(model: nn.Module, placements: Mapping[str, AxisSpecs]) ->
     return out
 
 
-def colwise_style(module: nn.Module, **kwargs) -> ColwiseParallel:
+def colwise_style(module: nn.Module, **kwargs: Any) -> ColwiseParallel:
     """The column-parallel style for ``module``: with adapters or torch's own."""
     return ColwiseParallelWithAdapters(**kwargs) if has_adapters(module) else ColwiseParallel(**kwargs)
 
 
-def rowwise_style(module: nn.Module, **kwargs) -> RowwiseParallel:
+def rowwise_style(module: nn.Module, **kwargs: Any) -> RowwiseParallel:
     """The row-parallel style for ``module``: with adapters or torch's own."""
     return RowwiseParallelWithAdapters(**kwargs) if has_adapters(module) else RowwiseParallel(**kwargs)
 

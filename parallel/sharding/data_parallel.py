@@ -72,7 +72,8 @@ def apply_data_parallel(
     if mode == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        return replicate(module, mesh=submesh(mesh, dim_names), mp_policy=mp)
+        replicate(module, mesh=submesh(mesh, dim_names), mp_policy=mp)  # in place: the module, typed ReplicateModule
+        return module
     # hsdp keeps its two axes as a 2-D mesh: FSDP2 replicates over the first, shards over the second
     # (with context parallelism, the shard axis and the cp axis flattened into one).
     dp_mesh = hsdp_mesh(mesh, dim_names) if mode == "hsdp" else submesh(mesh, dim_names)
@@ -81,17 +82,17 @@ def apply_data_parallel(
         if ep_dim is None:
             raise ValueError("experts split over an expert-parallel axis need that axis (ep_dim)")
         for unit in experts:
-            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            sharded_unit = fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)  # in place
             # A sum divided afterwards (gloo has no pre-scaled sum for the divide factor to use), but not
             # where the reduce-scatter has one rank: torch 2.13 then divides by the factor as it copies
             # and again after the (hsdp: replicate axis's) all-reduce, gradients factor^2 too small;
             # without the forced sum it divides once and sums over the replicate axis.
-            unit.set_force_sum_reduction_for_comms(dp_mesh.size(dp_mesh.ndim - 1) > 1)
-            unit.set_gradient_divide_factor(float(dp_mesh.size() * mesh[ep_dim].size()))
+            sharded_unit.set_force_sum_reduction_for_comms(dp_mesh.size(dp_mesh.ndim - 1) > 1)
+            sharded_unit.set_gradient_divide_factor(float(dp_mesh.size() * mesh[ep_dim].size()))
         # In the mesh's order (a device mesh slices its axes in order): a cp axis may follow the ep axis.
-        replicate, shard = (dim_names[:1], dim_names[1:]) if mode == "hsdp" else ([], dim_names)
-        shard = sorted([*shard, ep_dim], key=list(mesh.mesh_dim_names).index)
-        dp_mesh = hsdp_mesh(mesh, [*replicate, *shard]) if mode == "hsdp" else submesh(mesh, shard)
+        replicated, shard = (dim_names[:1], dim_names[1:]) if mode == "hsdp" else ([], dim_names)
+        shard = sorted([*shard, ep_dim], key=list(mesh.mesh_dim_names or ()).index)
+        dp_mesh = hsdp_mesh(mesh, [*replicated, *shard]) if mode == "hsdp" else submesh(mesh, shard)
     modules = dict(module.named_modules())
     for fqn in block_fqns:
         if fqn in modules:
@@ -111,4 +112,5 @@ def replicate_beside_experts(module: nn.Module, mesh: DeviceMesh, *, ep_dim: str
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     ignored = {p for unit in experts for p in unit.parameters()}
-    return replicate(module, mesh=submesh(mesh, ep_dim), ignored_params=ignored)
+    replicate(module, mesh=submesh(mesh, ep_dim), ignored_params=ignored)  # in place: the module, typed ReplicateModule
+    return module

@@ -58,7 +58,8 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, *, axis: str,
             if param.shape[0] % size:
                 raise ValueError(f"{fqn}.{name}: {param.shape[0]} experts do not split over {axis} size {size}")
         dispatch = _Dispatch(ep_mesh)
-        distribute_module(experts, ep_mesh, _shard_dim0, dispatch.send, dispatch.bring_back)
+        # torch types input_fn and output_fn as returning None, but uses what they return (new inputs, output).
+        distribute_module(experts, ep_mesh, _shard_dim0, dispatch.send, dispatch.bring_back)  # type: ignore[arg-type]
         done.append(experts)
     return done
 
@@ -71,7 +72,7 @@ def divide_expert_grads(experts: Sequence[nn.Module], size: int) -> None:
     if size > 1:
         for unit in experts:
             for param in unit.parameters():
-                param.register_hook(lambda grad, n=size: grad / n)
+                param.register_hook(lambda grad, n=size: grad / n)  # type: ignore[no-untyped-call]  # torch: untyped
 
 
 def _shard_dim0(_name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -90,7 +91,7 @@ class _Dispatch:
         self.size = mesh.size()
         self.pending: dict[str, Any] = {}
 
-    def send(self, _module: nn.Module, inputs: tuple, _mesh: DeviceMesh) -> tuple:
+    def send(self, _module: nn.Module, inputs: tuple[Any, ...], _mesh: DeviceMesh) -> tuple[Any, ...]:
         x, counts = inputs[0], inputs[1]
         per_rank = counts.shape[0] // self.size
         sent = counts.view(self.size, per_rank)  # [destination rank, its local expert]

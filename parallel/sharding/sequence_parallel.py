@@ -33,7 +33,7 @@ the all-gather moves half the bytes. The norm's gradient comes back in that dtyp
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +44,9 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 
 from parallel.mesh import submesh
 from parallel.sharding.tp_styles import block_of, is_within
+
+# The saved-tensor hooks active before a block's own: (pack, unpack).
+SavedHooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 
 def apply_sequence_parallel(modules: Mapping[str, nn.Module], mesh: DeviceMesh, *, norms: Mapping[str, tuple[str, int]],
@@ -82,7 +85,7 @@ def _sequence_parallel(norm: nn.Module, mesh: DeviceMesh, *, dim: int, keep_dten
     def gather(_mod: nn.Module, _inputs: Any, output: DTensor) -> torch.Tensor:
         device = output.device.type
         if torch.is_autocast_enabled(device) and output.dtype == torch.float32:
-            output = output.to(torch.get_autocast_dtype(device))
+            output = output.to(torch.get_autocast_dtype(device))  # type: ignore[assignment]  # a DTensor's is one
         full = output.redistribute(mesh, [Replicate()])
         if scope is not None:
             scope.remember(output, full)
@@ -101,16 +104,16 @@ class _BlockHooks:
         block.register_forward_pre_hook(self.enter)
         block.register_forward_hook(self.leave, always_call=True)
 
-    def enter(self, _mod: nn.Module, _args: tuple) -> None:
+    def enter(self, _mod: nn.Module, _args: tuple[Any, ...]) -> None:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() \
-                or not torch._C._autograd._saved_tensors_hooks_is_enabled():
+                or not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # no stub
             return
         # torch offers the active pair only privately; it is kept (see the module docstring).
         hooks = _SavedInputs(torch._C._autograd._top_saved_tensors_default_hooks(False))
         torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack, hooks.unpack)
         self.active.append(hooks)
 
-    def leave(self, _mod: nn.Module, _args: tuple, _output: Any) -> None:
+    def leave(self, _mod: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
         if torch.compiler.is_compiling() or not self.active:
             return
         torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -128,7 +131,7 @@ class _SavedInputs:
     as the hooks active before (``outer``) store it, or itself (detached: a saved output must not keep its
     own ``grad_fn`` alive through the pack)."""
 
-    def __init__(self, outer: tuple | None) -> None:
+    def __init__(self, outer: SavedHooks | None) -> None:
         self.outer = outer
         self.inputs: list[_GatheredInput] = []
 
@@ -149,7 +152,7 @@ class _GatheredInput:
     """A norm's gathered output: recognises its views while the block runs forward; keeps the norm's
     shard (or what the outer hooks made of it) from the first view saved; gathers it once in backward."""
 
-    def __init__(self, shard: DTensor, full: DTensor, outer: tuple | None) -> None:
+    def __init__(self, shard: DTensor, full: DTensor, outer: SavedHooks | None) -> None:
         with torch.no_grad():
             local = full.to_local()
             self._shard: Any = shard.to_local().detach()
@@ -166,7 +169,7 @@ class _GatheredInput:
     def view_of(self, t: torch.Tensor) -> _SavedView | None:
         spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         with torch.no_grad():
-            local = t.to_local() if spec is not None else t
+            local = t.to_local() if isinstance(t, DTensor) else t
         base = self._full_ref()
         if (not self._usable or base is None or type(local) not in (torch.Tensor, nn.Parameter)
                 or local.dtype != base.dtype or local.untyped_storage()._cdata != self._storage):
@@ -192,7 +195,8 @@ class _SavedView:
     """What a projection saved of a gathered input: its holder and the view's layout (a DTensor's mesh,
     placements, shape and stride)."""
 
-    def __init__(self, gathered: _GatheredInput, size, stride, offset: int, spec: Any) -> None:
+    def __init__(self, gathered: _GatheredInput, size: torch.Size, stride: tuple[int, ...], offset: int | torch.SymInt,
+                 spec: Any) -> None:
         self.gathered, self.size, self.stride, self.offset, self.spec = gathered, size, stride, offset, spec
 
     def unpack(self) -> torch.Tensor:
@@ -229,7 +233,7 @@ def _scatter_gather_runs(modules: Mapping[str, nn.Module], sp_blocks: Mapping[st
 
 
 def _scatter_input(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
-    def scatter(_mod: nn.Module, args: tuple) -> tuple:
+    def scatter(_mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
         if isinstance(x, DTensor):
             shard = x.redistribute(mesh, [Shard(dim)]).to_local()
@@ -243,7 +247,7 @@ def _scatter_input(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
 
 
 def _gather_output(module: nn.Module, mesh: DeviceMesh, dim: int) -> None:
-    def gather(_mod: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+    def gather(_mod: nn.Module, _args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         if isinstance(output, DTensor):
             return output.redistribute(mesh, [Replicate()]).to_local()
         return DTensor.from_local(output, mesh, [Shard(dim)], run_check=False).redistribute(mesh,

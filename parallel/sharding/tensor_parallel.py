@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from parallel.mesh import submesh
@@ -145,12 +145,13 @@ class _SharedReplicate:
             self.last_input, self.last_output = x, DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
         return self.last_output
 
-    def hook(self, _mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def hook(self, _mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args:
             return (self.convert(args[0]), *args[1:]), kwargs
         return args, {key: self.convert(value) if key == "input" else value for key, value in kwargs.items()}
 
-    def forget(self, _mod: nn.Module, _args: tuple, _output: Any) -> None:
+    def forget(self, _mod: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
         self.last_input = self.last_output = None
 
 
@@ -163,9 +164,9 @@ def _distribute_owner(
 ) -> None:
     """Make every parameter under ``owner`` a DTensor on the sub-mesh of ``owner_axes`` (the
     unnamed ones ``Replicate``, so no plain tensor meets a DTensor in ``forward``)."""
-    sub = mesh if list(mesh.mesh_dim_names) == owner_axes else mesh[tuple(owner_axes)]
+    sub = mesh if list(mesh.mesh_dim_names or ()) == owner_axes else mesh[tuple(owner_axes)]
 
-    def placements_over(axis_specs: Mapping[str, PlacementSpec]) -> list:
+    def placements_over(axis_specs: Mapping[str, PlacementSpec]) -> list[Placement]:
         return [axis_specs.get(a, PlacementSpec("replicate")).to_torch() for a in owner_axes]
 
     def partition(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
@@ -186,7 +187,7 @@ def _distribute_owner(
             return DTensor.from_local(x, sub, in_placements, run_check=False)
         return x
 
-    def input_fn(_mod: nn.Module, inputs: tuple, _mesh: DeviceMesh) -> tuple:
+    def input_fn(_mod: nn.Module, inputs: tuple[Any, ...], _mesh: DeviceMesh) -> tuple[Any, ...]:
         return tuple(to_dtensor(x) for x in inputs)
 
     def from_dtensor(y: Any) -> Any:
@@ -200,7 +201,8 @@ def _distribute_owner(
             return tuple(from_dtensor(y) for y in outputs)
         return from_dtensor(outputs)
 
-    distribute_module(owner, sub, partition, input_fn, output_fn)
+    # torch types input_fn and output_fn as returning None, but uses what they return (new inputs, output).
+    distribute_module(owner, sub, partition, input_fn, output_fn)  # type: ignore[arg-type]
 
 
 __all__ = ["apply_placements"]

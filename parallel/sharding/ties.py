@@ -15,8 +15,12 @@ differently placed parameters (the plan must place a tie's names alike).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 from torch import nn
+
+V = TypeVar("V")
 
 
 def tied_groups(module: nn.Module) -> list[list[str]]:
@@ -28,7 +32,7 @@ def tied_groups(module: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def placed_alike(placements: dict, groups: list[list[str]]) -> dict:
+def placed_alike(placements: Mapping[str, V], groups: Sequence[Sequence[str]]) -> dict[str, V]:
     """``placements`` (FQN -> placements) with every name of a tied group placed as its placed name: a plan
     names a tied parameter once (its first name), but every module holding it must place it alike (each is
     distributed on its own, then tied again), and a pipeline stage may hold the other end only."""
@@ -51,7 +55,7 @@ def first_names(groups: list[list[str]]) -> dict[str, str]:
     return {alias: names[0] for names in groups for alias in names[1:]}
 
 
-def _layout(param: nn.Parameter) -> tuple:
+def _layout(param: nn.Parameter) -> tuple[object, ...]:
     """Shape, mesh and placements (a DTensor's; none for a plain tensor)."""
     return tuple(param.shape), getattr(param, "device_mesh", None), tuple(getattr(param, "placements", ()))
 

@@ -100,10 +100,10 @@ def _megatron_pairs(
         if not isinstance(mod, nn.Linear) or f"{name}.weight" not in specs:
             continue
         sharded = sharded_axes(specs[f"{name}.weight"])
-        bias = specs.get(f"{name}.bias", {})
         if len(sharded) != 1:
             continue
         (axis, p), = sharded.items()
+        assert p.dim is not None, "sharded_axes holds shards only"
         dim = p.dim % 2  # a Linear weight is 2-D: Shard(-1) is Shard(1)
         # The styles shard the bias themselves (column: Shard(0), row: Replicate); a config
         # asking for something else is honoured by the DTensor path instead.
@@ -128,7 +128,8 @@ def _sequence_parallel_norms(
     """Modules whose layout input is ``Shard(d)`` on one axis and whose own parameters are not
     sharded (norms): ``{name: (axis, sequence dim)}``."""
     found: dict[str, tuple[str, int]] = {}
-    owners = set()  # every module above a sharded parameter (one pass, not one per layout: a planner asks this often)
+    # Every module above a sharded parameter (one pass, not one per layout: a planner asks this often).
+    owners: set[str] = set()
     for fqn, spec in specs.items():
         if sharded_axes(spec):
             parts = fqn.split(".")
@@ -140,6 +141,7 @@ def _sequence_parallel_norms(
         (axis, p), = inputs.items()
         if p.kind != "shard":
             continue
+        assert p.dim is not None, "a shard placement has a dim"
         if name not in owners:
             found[name] = (axis, p.dim)
     return found

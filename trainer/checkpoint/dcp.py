@@ -352,5 +352,5 @@ def _merged(modules: list[torch.nn.Module]) -> torch.nn.Module:
             holder.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
     names = list(dict.fromkeys(name for module in distinct for name, _ in module.named_children()))
     for name in names:
-        holder.add_module(name, _merged([m._modules[name] for m in distinct if m._modules.get(name) is not None]))
+        holder.add_module(name, _merged([child for m in distinct if (child := m._modules.get(name)) is not None]))
     return holder

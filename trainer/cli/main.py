@@ -148,6 +148,7 @@ def _plan_despite_batch(raw: dict, err: ConfigError) -> None:
     if issues:
         print(ConfigError(err.issues + issues), file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    assert plan is not None, "a config without issues has a plan"
     text, summary = dry_run_report(cfg, plan)
     print(text)
     _write_pictures(cfg, plan)

@@ -5,7 +5,7 @@ every field described (``python -m trainer --help`` and the REST API's schema sh
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field
 
@@ -81,5 +81,6 @@ class FilesDataConfig(_Section):
         "and positions restart after every end-of-document token (false = the window is one sequence).")
 
 
-DATA_SECTIONS = (TextDataConfig, SyntheticDataConfig, RegressionDataConfig, FilesDataConfig, ChatDataConfig)
-DataConfig = Annotated[Union[DATA_SECTIONS], Field(discriminator="kind")]
+DataConfig = Annotated[TextDataConfig | SyntheticDataConfig | RegressionDataConfig | FilesDataConfig | ChatDataConfig,
+                       Field(discriminator="kind")]
+DATA_SECTIONS = get_args(get_args(DataConfig)[0])

@@ -5,7 +5,7 @@ every field described (``python -m trainer --help`` and the REST API's schema sh
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -174,5 +174,5 @@ class CustomModelConfig(_Section):
 
 
 # The members of each tagged union, once: Hydra's `<tag>_defaults` and `--help` list them from here.
-MODEL_SECTIONS = (LlamaConfig, MLPConfig, HFModelConfig, CustomModelConfig)
-ModelConfig = Annotated[Union[MODEL_SECTIONS], Field(discriminator="arch")]
+ModelConfig = Annotated[LlamaConfig | MLPConfig | HFModelConfig | CustomModelConfig, Field(discriminator="arch")]
+MODEL_SECTIONS = get_args(get_args(ModelConfig)[0])

@@ -66,7 +66,7 @@ def stationary_distribution(table: np.ndarray, *, tol: float = 1e-14, max_iters:
     pi = np.full(num_states, 1.0 / num_states)
     for _ in range(max_iters):
         new = np.bincount(successors, weights=(pi[:, None] * table).ravel(), minlength=num_states)
-        new /= new.sum()
+        new = new / new.sum()  # weighted counts: floats, whatever numpy's stubs say
         if np.abs(new - pi).sum() < tol:
             return new
         pi = new

@@ -81,7 +81,7 @@ class HFTokenizer:
 
     def _find_eos(self, eos_token: str | None) -> int:
         if eos_token:
-            candidates = [eos_token]
+            candidates: list[str | None] = [eos_token]
         else:
             candidates = [_configured_eos(self.file.parent / "tokenizer_config.json"), *COMMON_EOS]
         for token in candidates:

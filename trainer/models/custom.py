@@ -48,6 +48,7 @@ def resolve_builder(builder: str | None, name: str | None) -> Callable[..., nn.M
             raise CustomModelError(f"no model {name!r} is registered under the {ENTRY_POINT_GROUP!r} entry points",
                                    f"use one of {sorted(known)}" if known else "install a package that registers it")
         builder = known[name]
+    assert builder is not None, "exactly one of builder and name is given"
     module_name, _, function_name = builder.partition(":")
     if not module_name or not function_name:
         raise CustomModelError(f"{builder!r} is not module:function", "write e.g. model.builder=my_models.net:build")

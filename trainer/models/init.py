@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -173,7 +173,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def init_named_parameters(
-    named_params: Sequence[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+    named_params: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     seed: int,
     rule: InitRule,
 ) -> None:

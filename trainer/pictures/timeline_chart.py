@@ -209,6 +209,7 @@ def write_predicted_timeline(plan: Any, out_dir: Path) -> tuple[dict[str, Path],
     if (events := predicted_timeline(plan)) is None:
         return None
     shape = pipeline_shape(plan)
+    assert shape is not None, "a predicted timeline is a pipeline's"
     summary = bubble_summary(events, **shape)
     title = f"{schedule_text(**shape)}: {bubble_text(summary, what='predicted (unit costs, no communication)')}"
     return write_timeline(events, out_dir, title=title, xlabel="time (units: a forward = 1, drawn as 1 ms)"), summary

@@ -32,7 +32,7 @@ class DiskFullError(OSError):
 def _chain(err: BaseException) -> Iterator[BaseException]:
     """``err``, its causes and contexts, and the per-rank failures a DCP ``CheckpointException`` holds."""
     seen: set[int] = set()
-    todo = [err]
+    todo: list[BaseException | None] = [err]
     while todo:
         current = todo.pop()
         if current is None or id(current) in seen:

@@ -267,7 +267,8 @@ class MLflowTracker:
         with warnings.catch_warnings():  # a local path matches two registered source kinds; either is right
             warnings.simplefilter("ignore", UserWarning)
             origin = resolve_dataset_source(source) if source else CodeDatasetSource(tags={"generator": name})
-        dataset = MetaDataset(origin, name=name, digest=digest)._to_mlflow_entity()
+        # mlflow types MetaDataset's profile abstract; the class is concrete.
+        dataset = MetaDataset(origin, name=name, digest=digest)._to_mlflow_entity()  # type: ignore[abstract]
         self._client.log_inputs(self._run_id, [DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
 
     def finish(self, status: RunStatus) -> None:

@@ -49,7 +49,8 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
                                   f"{moe.num_experts}" if built_in else "give a config.json with "
                                                                         "num_experts_per_tok <= its experts"))
     ep = par.expert_parallel if par is not None else None
-    if ep is not None and moe is not None and ep.dim in par.dims and len(par.dims) == len(cfg.mesh_shape):
+    if (ep is not None and par is not None and moe is not None and ep.dim in par.dims
+            and len(par.dims) == len(cfg.mesh_shape)):
         size = cfg.axis_size(ep.dim)
         if moe.num_experts % size:
             fit = size * -(-moe.num_experts // size)

@@ -29,7 +29,8 @@ def plans_elsewhere(cfg: RunConfig) -> bool:
 def check_hardware(cfg: RunConfig) -> list[ConfigIssue]:
     """``hardware``: a GPU profile states every number the planner reads; a run that is not a dry run
     has that hardware; ``launch.nnodes`` nodes of the profile hold the mesh."""
-    hw, issues = cfg.hardware, []
+    hw = cfg.hardware
+    issues: list[ConfigIssue] = []
     if hw.device != "cuda" or hw.is_host:
         return issues
     for key in hw.missing_gpu_keys():

@@ -36,7 +36,7 @@ def shallow_model(base: RunConfig, model: nn.Module) -> nn.Module | None:
     if any(b is None for b in blocks):
         return None
     alike = {tuple((name, type(m).__name__, tuple(w.shape) if isinstance(w := getattr(m, "weight", None), nn.Parameter)
-                    else None) for name, m in b.named_modules()) for b in blocks}
+                    else None) for name, m in b.named_modules()) for b in blocks if b is not None}
     if len(alike) != 1:
         return None
     return build_model(base.model.model_copy(update={"n_layers": SHALLOW_BLOCKS}), device="meta")

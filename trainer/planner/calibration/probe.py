@@ -166,7 +166,7 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
     sizes = sorted({g for g in group_sizes if 1 < g <= workers and workers % g == 0} | ({2} if workers % 2 == 0
                                                                                         else set()))
     if workers == 1:  # one device trains in the launcher's own process, with its default threads
-        rows = [(_probe_compute(device, dtypes), {})]
+        rows: list[tuple[dict, dict]] = [(_probe_compute(device, dtypes), {})]
     else:
         with tempfile.TemporaryDirectory(prefix="meshflow-probe-") as tmp:
             result = Path(tmp) / "result.json"

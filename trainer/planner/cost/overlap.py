@@ -109,6 +109,7 @@ def _rank_waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, he
         (hop, count), (grad_hop, grad_count) = hops["kv"], hops["kv_grad"]
         layers = grad_count / g  # block passes backward; forward: a checkpointed block's twice
         forward, backward = ring_exposed_s(g, hop, grad_hop, *step_s)
+        assert plan.context_parallel is not None, "K/V hops are context parallelism's"
         exposed[plan.context_parallel.dim] += forward * (count / (g - 1) - layers) + backward * layers
     if plan.pipeline is None and gathers + reduces:  # prefetched / bucketed behind compute, the last reduce excepted
         dp_s = gathers + reduces

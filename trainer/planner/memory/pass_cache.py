@@ -26,6 +26,8 @@ def pass_key(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, attention: Ca
     """What the meta pass of ``cfg`` under ``plan`` depends on; None when the model's files cannot be read."""
     files = ""
     if cfg.model.arch == "hf":
+        if cfg.model.path is None:
+            return None
         try:
             files = (Path(cfg.model.path) / "config.json").read_text()
         except (OSError, TypeError):

@@ -35,7 +35,7 @@ from torch import nn
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import host_overhead, runtime
-from trainer.planner.memory.pass_cache import PASSES, pass_key
+from trainer.planner.memory.pass_cache import PASSES, PassCache, pass_key
 from trainer.planner.memory.layout import (checkpointed, core_recomputed, expert_share, expert_split, fsdp, fsdp2,
                                            gathered, in_flight_peak, on_cuda,
                                            passes_in_flight, replicate_reduce, stage_reduce)
@@ -152,7 +152,7 @@ def predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | Non
 
 
 def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | None,
-                    cache: dict | None, attention: Callable[..., torch.Tensor]) -> list[MemoryEstimate]:
+                    cache: dict | PassCache | None, attention: Callable[..., torch.Tensor]) -> list[MemoryEstimate]:
     if plan.pipeline is not None and plan.pipeline.stages:  # each stage by its own layout
         return [predict_memory(view_cfg, view, attention=attention)[i]
                 for i, (view_cfg, view) in enumerate(stage_views(cfg, plan))]
