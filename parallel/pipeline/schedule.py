@@ -76,9 +76,13 @@ def build_stage_module(model: nn.Module, units: Sequence[str], all_units: Sequen
             continue
         parent_name, _, child = unit.rpartition(".")
         parent = stage.get_submodule(parent_name)
-        if isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
-            # A ModuleList takes an int index (and renumbers): a str raises TypeError, so only ModuleDict blocks split.
-            del parent[child]  # type: ignore[arg-type]
+        if isinstance(parent, nn.ModuleList):
+            # Deleting from a list renumbers the blocks after it, which renames their parameters.
+            raise ValueError(f"{parent_name or 'the model'} holds its blocks in an nn.ModuleList, which a pipeline "
+                             "cannot split without renaming them: hold them in an nn.ModuleDict keyed '0'..'n-1' "
+                             "(as the built-in decoder does), or train without parallel.pipeline")
+        if isinstance(parent, nn.ModuleDict):
+            del parent[child]
         else:
             # None, not delattr: the model's forward skips a missing piece (`getattr(..., None)`).
             setattr(parent, child, None)

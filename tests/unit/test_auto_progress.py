@@ -15,7 +15,7 @@ from trainer.planner.auto.plan import plan_layouts
 from trainer.planner.auto.search import Progress
 from trainer.planner.memory import predict as predict_module
 from trainer.planner.memory.pass_cache import pass_key
-from trainer.validate.model_checks import _check_heads
+from trainer.validate.model_checks import check_heads
 
 # gpt_debug on 32 H100s: every split of 32 ranks, one schedule, no checkpointing (a few hundred layouts).
 AUTO = ["+parallel=auto", "mesh=[32]", "hardware=h100_sxm", "launch.nnodes=4", "dry_run=true",
@@ -93,7 +93,7 @@ def test_a_shared_resolution_equals_the_candidates_own(index):
             valid.append(checked)
     cfg, plan = valid[index % len(valid)]
     own = resolve_plan(cfg.parallel, cfg.mesh, search.model,
-                       check_glob=lambda *glob: _check_heads(search.decoder, *glob))
+                       check_glob=lambda *glob: check_heads(search.decoder, *glob))
     assert plan == own
 
 

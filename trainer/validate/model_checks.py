@@ -62,7 +62,7 @@ def check_against_model(cfg: RunConfig, *,
     try:
         decoder = decoder_config(cfg.model)
         plan = resolve_plan(cfg.parallel, cfg.mesh, model,
-                            check_glob=lambda *glob: _check_heads(decoder, *glob, sp=_sequence_parallel(cfg, glob[0])))
+                            check_glob=lambda *glob: check_heads(decoder, *glob, sp=_sequence_parallel(cfg, glob[0])))
     except ConfigError as err:
         plan, plan_issues = None, err.issues
     issues += plan_issues + check_context_model(cfg, model)
@@ -289,7 +289,7 @@ def _sequence_parallel(cfg: RunConfig, where: str) -> str | None:
     return f"{key}.tensor_parallel.sequence_parallel=false"
 
 
-def _check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh: MeshSpec, *,
+def check_heads(m: LlamaConfig | None, where: str, axes, fqns: list[str], mesh: MeshSpec, *,
                  sp: str | None = None) -> list[ConfigIssue]:
     """Attention is split by heads: a sharding axis of an attention glob (of ``mesh``: the run's,
     or a pipeline stage's own) must divide the head counts. The fix replicates the attention

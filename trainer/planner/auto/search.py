@@ -41,7 +41,7 @@ from trainer.planner.memory.pass_cache import PASSES, pass_key
 from trainer.planner.memory.predict import predict_memory
 from trainer.planner.numbers import GIB, plan_numbers
 from trainer.validate.checks import check_structure
-from trainer.validate.model_checks import _check_heads
+from trainer.validate.model_checks import check_heads
 
 
 class Progress:
@@ -142,7 +142,7 @@ class Search(Layouts):
                           sort_keys=True), json.dumps(c.parallel.get("tensor_parallel"), sort_keys=True))
         if key not in self._plans:
             self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model, layout_cache=self._layouts,
-                                            check_glob=lambda *glob: _check_heads(self.decoder, *glob))
+                                            check_glob=lambda *glob: check_heads(self.decoder, *glob))
         template, par = self._plans[key], cfg.parallel
         dp = par.data_parallel
         pp = template.pipeline
