@@ -199,7 +199,6 @@ class Road:
 
 def trace(scenario: str) -> dict[str, Any]:
     """One scenario in this process (a fresh one: Hydra and the project keep process-wide state)."""
-    os.chdir(tempfile.mkdtemp(prefix="road-"))
     sys.path.insert(0, str(ROOT))
     import torch.distributed.launcher.api as elastic_api
 
@@ -278,8 +277,9 @@ def main() -> None:
         return
     results = {}
     for name in SCENARIOS if args.scenario == "all" else [args.scenario]:
-        done = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True,
-                              env={**os.environ, "ROAD_ROOT": str(ROOT)})
+        with tempfile.TemporaryDirectory(prefix="road-") as cwd:  # the run's outputs (logs, checkpoints) go here
+            done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", name], cwd=cwd,
+                                  capture_output=True, text=True, env={**os.environ, "ROAD_ROOT": str(ROOT)})
         found = [line for line in done.stdout.splitlines() if line.startswith("ROAD ")]
         if not found:
             raise SystemExit(f"{name}: no result (exit {done.returncode}):\n"
