@@ -64,7 +64,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(os.environ.get("ROAD_ROOT") or Path(__file__).resolve().parents[2])
 PACKAGES = ("api", "service", "trainer", "parallel")  # highest first
@@ -206,7 +206,7 @@ def trace(scenario: str) -> dict[str, Any]:
 
     road = Road(layer_levels(ROOT / "pyproject.toml"))
 
-    def stop(*args: Any, **kwargs: Any) -> None:
+    def stop(*args: Any, **kwargs: Any) -> NoReturn:
         sys.setprofile(None)
         raise WorkersStart
 
