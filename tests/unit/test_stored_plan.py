@@ -60,3 +60,18 @@ def test_a_plan_stored_for_another_model_is_resolved_again(cfg, resolved, caplog
     again = run_record.launch_plan(cfg, stale)
     assert again == resolved and again.fingerprint != stale.fingerprint
     assert "resolving the plan again: the stored plan was resolved for a model with fingerprint 0000" in caplog.text
+
+
+def test_a_store_made_before_plans_were_kept_gains_the_column(tmp_path):
+    from sqlalchemy import create_engine, inspect, text
+
+    from service.store import create_tables
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'jobs.db'}")
+    create_tables(engine)
+    with engine.begin() as connection:  # the table as an older version made it
+        connection.execute(text("ALTER TABLE jobs DROP COLUMN resolved_plan"))
+    assert "resolved_plan" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+    create_tables(engine)  # a newer server starting on it
+    columns = {c["name"]: c for c in inspect(engine).get_columns("jobs")}
+    assert columns["resolved_plan"]["nullable"] and str(columns["resolved_plan"]["type"]) == "JSON"
