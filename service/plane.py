@@ -146,7 +146,7 @@ class ControlPlane:
         session.commit()
         job_id = str(uuid.uuid4())
         workdir = self.settings.jobs_dir / job_id
-        cfg = self.validator.resolve_job(overrides=overrides, document=document, workdir=workdir)
+        cfg, resolved_plan = self.validator.validate_job(overrides=overrides, document=document, workdir=workdir)
         # (the world size against capacity was checked before validating: service.limits.check_size_ceilings)
         issues = check_ceilings(cfg, self.settings, priority=priority, is_admin=self.settings.is_admin(owner))
         if issues:
@@ -160,7 +160,7 @@ class ControlPlane:
             config["tracking"]["run_id"] = run_id
         job = Job(id=job_id, name=name, owner=owner, state=JobState.QUEUED.value, priority=priority,
                   overrides=list(overrides) if overrides is not None else None, config=config,
-                  world_size=cfg.world_size, created_at=utcnow(), mlflow_run_id=run_id,
+                  resolved_plan=resolved_plan, world_size=cfg.world_size, created_at=utcnow(), mlflow_run_id=run_id,
                   mlflow_experiment_id=experiment_id, idempotency_key=idempotency_key,
                   request_hash=request_hash, workdir=str(workdir))
         try:

@@ -23,6 +23,9 @@ from typing import Any
 from trainer.tracking.credentials import TRACKING_URI_ENV, has_credentials
 
 JOB_CONFIG_NAME = "job.json"
+# beside job.json: the plan resolved at submission, which the launcher reads instead of resolving it again
+# (trainer.launch.elastic.PLAN_FILE; not imported from there: the server does not import torch's launcher)
+PLAN_NAME = "resolved_plan.json"
 LOG_NAME = "job.log"
 EXIT_CODE_NAME = "exit_code"
 
@@ -78,10 +81,16 @@ def write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def write_job_config(workdir: Path, config: dict[str, Any]) -> Path:
-    """``<workdir>/job.json``: the resolved, validated config (``RunConfig.model_dump(mode="json")``)."""
+def write_job_config(workdir: Path, config: dict[str, Any], resolved_plan: dict[str, Any] | None = None) -> Path:
+    """``<workdir>/job.json``: the resolved, validated config (``RunConfig.model_dump(mode="json")``), and its
+    plan as resolved at submission (``ResolvedPlan.to_dict()``) in ``resolved_plan.json`` beside it; without
+    one, no plan file is left there (the launcher resolves it)."""
     path = workdir / JOB_CONFIG_NAME
     write_private(path, json.dumps(config, indent=2))
+    if resolved_plan is not None:
+        write_private(workdir / PLAN_NAME, json.dumps(resolved_plan))
+    else:
+        (workdir / PLAN_NAME).unlink(missing_ok=True)
     return path
 
 
@@ -90,13 +99,13 @@ def trainer_command(workdir: Path) -> list[str]:
 
 
 def start_job_process(workdir: Path, config: dict[str, Any], extra_env: dict[str, str] | None = None,
-                      *, niceness: int = 0) -> Started:
-    """Write the config and start the job detached, with the allow-listed environment and a umask
-    that keeps everything it writes private (files 600, dirs 700), ``niceness`` below the server's
-    CPU priority; return its pid and start time."""
+                      *, niceness: int = 0, resolved_plan: dict[str, Any] | None = None) -> Started:
+    """Write the config (and its resolved plan: :func:`write_job_config`) and start the job detached, with the
+    allow-listed environment and a umask that keeps everything it writes private (files 600, dirs 700),
+    ``niceness`` below the server's CPU priority; return its pid and start time."""
     workdir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     workdir.chmod(DIR_MODE)
-    write_job_config(workdir, config)
+    write_job_config(workdir, config, resolved_plan)
     (workdir / EXIT_CODE_NAME).unlink(missing_ok=True)
     command = [sys.executable, "-m", "service.supervise", *(["--nice", str(niceness)] if niceness else []),
                str(workdir / EXIT_CODE_NAME), "--", *trainer_command(workdir)]

@@ -102,7 +102,7 @@ class Scheduler:
 
     def launch_of(self, job: Job) -> JobLaunch:
         return JobLaunch(job_id=job.id, workdir=Path(job.workdir), config=job.config, world_size=job.world_size,
-                         env=runner.job_environment(self.settings.job_env,
+                         resolved_plan=job.resolved_plan, env=runner.job_environment(self.settings.job_env,
                                                     tracking_uri=self.settings.mlflow_tracking_uri))
 
     def executor_of(self, job: Job) -> Executor:

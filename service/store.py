@@ -95,6 +95,9 @@ class Job(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0)
     overrides: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # ResolvedPlan.to_dict() of the config, resolved at submission; the launcher uses it instead of resolving
+    # again. Null: a row from before, or a model that cannot be planned on the meta device.
+    resolved_plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     world_size: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

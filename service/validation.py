@@ -2,7 +2,7 @@
 
     validator = Validator(settings)          # settings.validation_workers processes (0: in the caller)
     validator.start()                        # spawns and warms the pool in the background
-    cfg = validator.resolve_job(overrides=["+parallel=dp", "mesh=[2]"], document=None, workdir=jobs / job_id)
+    cfg, plan = validator.validate_job(overrides=["+parallel=dp", "mesh=[2]"], document=None, workdir=jobs / job_id)
     validator.stop()
 
 Why this shape (measured on the 2-core development machine, see docs/control-plane-load.md):
@@ -57,6 +57,7 @@ from service.submit import resolve_config
 from trainer.config.compose import CONF_DIR
 from trainer.config.schema import RunConfig
 from trainer.data.text import STDLIB
+from trainer.tracking.run_record import launch_plan
 
 WORKDIR_MARK = "\x00workdir\x00"  # stands for the job's workdir in cached results; no path contains NUL
 CACHEABLE_MODELS = ("llama", "mlp")          # built in: the checks read no file
@@ -78,13 +79,16 @@ def resolve_as_service(settings: Settings, *, overrides: list[str] | None, docum
 
 def _resolve(overrides: list[str] | None, document: dict[str, Any] | None, *, workdir: Path,
              settings: Settings) -> tuple[str, Any]:
-    """One submission's validation, in a pool worker or in the caller: ``("ok", config as JSON)`` or
-    ``("invalid", [(path, reason, fix), ...])``. Plain values, so a worker's answer pickles."""
+    """One submission's validation, in a pool worker or in the caller: ``("ok", {"config": config as JSON,
+    "plan": its resolved plan as JSON or None})`` or ``("invalid", [(path, reason, fix), ...])``. Plain values,
+    so a worker's answer pickles. The plan (:class:`~parallel.plan.serial.ResolvedPlan`, with the fingerprint of
+    the meta model validation built) travels with the job to its launcher, which does not resolve it again."""
     try:
-        cfg, _ = resolve_as_service(settings, overrides=overrides, document=document, workdir=workdir)
+        cfg, plan = resolve_as_service(settings, overrides=overrides, document=document, workdir=workdir)
     except ConfigError as err:
         return "invalid", [(i.path, i.reason, i.fix) for i in err.issues]
-    return "ok", cfg.model_dump(mode="json")
+    resolved = launch_plan(cfg, plan)  # None for a model that cannot be planned on the meta device
+    return "ok", {"config": cfg.model_dump(mode="json"), "plan": resolved.to_dict() if resolved else None}
 
 
 def _limit_refusal(path: str, reason: str) -> tuple[str, str, str]:
@@ -266,6 +270,12 @@ class Validator:
     def resolve_job(self, *, overrides: list[str] | None, document: dict[str, Any] | None, workdir: Path) -> RunConfig:
         """The validated, confined config of a new job whose (fresh) workdir is ``workdir``, or
         :class:`ConfigError` naming every problem."""
+        return self.validate_job(overrides=overrides, document=document, workdir=workdir)[0]
+
+    def validate_job(self, *, overrides: list[str] | None, document: dict[str, Any] | None,
+                     workdir: Path) -> tuple[RunConfig, dict[str, Any] | None]:
+        """:meth:`resolve_job`'s config and its resolved plan as JSON (``ResolvedPlan.to_dict()``; None when
+        the model cannot be planned on the meta device)."""
         key = json.dumps([overrides, document, conf_fingerprint()], sort_keys=True, default=str)
         real_workdir = os.path.realpath(workdir)
         with self._lock:
@@ -292,9 +302,11 @@ class Validator:
             with self._lock:
                 self._inflight.pop(key, None)
             raise
-        if answer[0] == "ok" and cacheable(answer[1]):
+        if answer[0] == "ok" and cacheable(answer[1]["config"]):
             with self._lock:
-                self._cache[key] = ("ok", _retarget(answer[1], real_workdir, WORKDIR_MARK))
+                # the plan names no path: only the config is re-targeted
+                self._cache[key] = ("ok", {**answer[1], "config": _retarget(answer[1]["config"], real_workdir,
+                                                                            WORKDIR_MARK)})
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
         mine.set_result((answer, real_workdir))
@@ -306,10 +318,10 @@ class Validator:
         return self.run("<config>", _resolve, overrides, document, workdir=workdir)
 
     @staticmethod
-    def _answer(answer: tuple[str, Any], old_workdir: str, workdir: str) -> RunConfig:
+    def _answer(answer: tuple[str, Any], old_workdir: str, workdir: str) -> tuple[RunConfig, dict[str, Any] | None]:
         kind, value = answer
-        if old_workdir != workdir:
-            value = _retarget(value, old_workdir, workdir)
         if kind == "invalid":
-            raise ConfigError([ConfigIssue(*issue) for issue in value])
-        return RunConfig.model_validate(value)
+            raise ConfigError([ConfigIssue(*(_retarget(part, old_workdir, workdir) for part in issue))
+                               for issue in value])
+        config = value["config"] if old_workdir == workdir else _retarget(value["config"], old_workdir, workdir)
+        return RunConfig.model_validate(config), value["plan"]

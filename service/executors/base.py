@@ -23,6 +23,7 @@ class JobLaunch:
     config: dict[str, Any]         # the resolved, validated RunConfig (RunConfig.model_dump(mode="json"))
     world_size: int
     env: dict[str, str] = field(default_factory=dict)  # allow-listed (service.runner.job_environment): no secrets
+    resolved_plan: dict[str, Any] | None = None  # the config's plan as resolved at submission (ResolvedPlan.to_dict())
 
     @property
     def nnodes(self) -> int:

@@ -50,6 +50,7 @@ JOBSET_API_VERSION = f"{JOBSET_GROUP}/{JOBSET_VERSION}"
 REPLICATED_JOB = "node"
 CONTAINER = "trainer"
 CONFIG_DIR, CONFIG_FILE = "/etc/meshflow", "job.json"
+PLAN_FILE = "resolved_plan.json"  # service.runner.PLAN_NAME: the name the launcher looks for beside job.json
 NODE_RANK_ENV = "JOB_COMPLETION_INDEX"       # set by Kubernetes in every pod of an indexed Job
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"   # JobSet labels its Jobs and pods with it
 JOB_ID_LABEL = "meshflow.dev/job-id"
@@ -181,9 +182,11 @@ def _resources(settings: Settings, workers: int) -> dict[str, Any]:
     return resources
 
 
-def _volumes(settings: Settings, name: str, memory: str, workdir: str) -> tuple[list[dict], list[dict]]:
+def _volumes(settings: Settings, name: str, memory: str, workdir: str,
+             files: tuple[str, ...] = (CONFIG_FILE,)) -> tuple[list[dict], list[dict]]:
     """The pod's volumes and mounts: of the workspace only the job's own directory (read-write) and the
-    read-only areas, each at the api's path; the config read-only; scratch and /dev/shm."""
+    read-only areas, each at the api's path; the config (the ConfigMap's ``files``) read-only; scratch and
+    /dev/shm."""
     workspace = settings.workspace
     try:
         job_dir = PurePosixPath(workdir).relative_to(workspace)
@@ -198,7 +201,7 @@ def _volumes(settings: Settings, name: str, memory: str, workdir: str) -> tuple[
         workspace_volume = {"name": "workspace", "emptyDir": {}}
     scratch = f"{max(1, round(settings.kubernetes_scratch_gb * 1024))}Mi"
     volumes = [
-        {"name": "config", "configMap": {"name": name, "items": [{"key": CONFIG_FILE, "path": CONFIG_FILE}]}},
+        {"name": "config", "configMap": {"name": name, "items": [{"key": key, "path": key} for key in files]}},
         workspace_volume,
         # torch's workers share tensors through /dev/shm; a container's default is 64 MiB
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": memory}},
@@ -226,14 +229,15 @@ def render(launch: JobLaunch, settings: Settings, *, namespace: str | None = Non
     endpoint = rendezvous_endpoint(name, settings.kubernetes_rdzv_port)
     labels = {"app.kubernetes.io/name": "meshflow-job", "app.kubernetes.io/part-of": "meshflow",
               "app.kubernetes.io/managed-by": "meshflow-api", JOB_ID_LABEL: launch.job_id}
-    config_map = {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "data": {CONFIG_FILE: json.dumps(node_config(launch.config, endpoint=endpoint, rdzv_id=launch.job_id,
-                                                     workdir=str(launch.workdir)), indent=2, sort_keys=True)},
-    }
+    files = {CONFIG_FILE: json.dumps(node_config(launch.config, endpoint=endpoint, rdzv_id=launch.job_id,
+                                                 workdir=str(launch.workdir)), indent=2, sort_keys=True)}
+    if launch.resolved_plan is not None:  # beside job.json: the plan resolved at submission, each launcher's
+        files[PLAN_FILE] = json.dumps(launch.resolved_plan)
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": {"name": name, "namespace": namespace, "labels": labels}, "data": files}
     resources = _resources(settings, workers)
-    volumes, mounts = _volumes(settings, name, resources["limits"]["memory"], str(launch.workdir))
+    volumes, mounts = _volumes(settings, name, resources["limits"]["memory"], str(launch.workdir),
+                               tuple(files))
     container = {
         "name": CONTAINER,
         "image": settings.kubernetes_image,

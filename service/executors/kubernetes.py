@@ -104,7 +104,7 @@ class KubernetesExecutor(Executor):
     def start(self, launch: JobLaunch) -> str:
         rendered = render(launch, self.settings, namespace=self.namespace)
         launch.workdir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        write_job_config(launch.workdir, launch.config)   # the record, as with local jobs
+        write_job_config(launch.workdir, launch.config, launch.resolved_plan)   # the record, as with local jobs
         try:
             created = self._custom.create_namespaced_custom_object(
                 JOBSET_GROUP, JOBSET_VERSION, rendered.namespace, JOBSET_PLURAL, rendered.jobset)

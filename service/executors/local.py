@@ -43,7 +43,8 @@ class LocalExecutor(Executor):
         return cls(niceness=settings.job_nice)  # the job environment comes with each JobLaunch
 
     def start(self, launch: JobLaunch) -> str:
-        started = runner.start_job_process(launch.workdir, launch.config, launch.env, niceness=self.niceness)
+        started = runner.start_job_process(launch.workdir, launch.config, launch.env, niceness=self.niceness,
+                                           resolved_plan=launch.resolved_plan)
         ref = make_ref(started.pid, started.start_time)
         self._children[ref] = started.process
         return ref

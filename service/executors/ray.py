@@ -80,7 +80,9 @@ class RayExecutor(Executor):
 
     def start(self, launch: JobLaunch) -> str:
         launch.workdir.mkdir(mode=runner.DIR_MODE, parents=True, exist_ok=True)
-        runner.write_job_config(launch.workdir, launch.config)  # the record, as for a local job
+        # The record, as for a local job. The plan resolved at submission does not travel: it would lengthen
+        # the entrypoint (a parameter's placements each), so each node's launcher resolves it once itself.
+        runner.write_job_config(launch.workdir, launch.config)
         runner.write_private(launch.workdir / runner.LOG_NAME, "")
         ref = submission_id(launch.job_id)
         # The entrypoint is shown by Ray's dashboard and heads the job's log: the config goes without

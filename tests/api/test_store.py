@@ -184,7 +184,7 @@ def test_scheduler_starts_fifo_within_priority_and_respects_slots(store, monkeyp
 
     priorities: list[int] = []
 
-    def fake_start(workdir, config, extra_env=None, *, niceness=0):
+    def fake_start(workdir, config, extra_env=None, *, niceness=0, resolved_plan=None):
         started.append(Path(workdir).name)
         priorities.append(niceness)
         return runner.Started(pid=1, start_time=runner.process_start_time(1), process=FakeProcess())

@@ -67,16 +67,22 @@ def test_a_submitted_job_is_neither_recomposed_nor_revalidated(tmp_path):
     from service.runner import trainer_command, write_job_config
     from service.submit import resolve_config
 
-    cfg, _ = resolve_config(overrides=["+parallel=dp", "mesh=[2]", "data=synthetic", "tracking=none", "train.steps=2",
-                                       "train.global_batch_size=4", "train.seq_len=16"], document=None,
-                            workspace=tmp_path, workdir=tmp_path, tracking_uri="sqlite:///svc.db", run_id=None)
-    write_job_config(tmp_path, cfg.model_dump(mode="json"))
+    from trainer.tracking.run_record import launch_plan
+
+    cfg, plan = resolve_config(overrides=["+parallel=dp", "mesh=[2]", "data=synthetic", "tracking=none",
+                                          "train.steps=2", "train.global_batch_size=4", "train.seq_len=16"],
+                               document=None, workspace=tmp_path, workdir=tmp_path, tracking_uri="sqlite:///svc.db",
+                               run_id=None)
+    resolved = launch_plan(cfg, plan)
+    assert resolved is not None
+    write_job_config(tmp_path, cfg.model_dump(mode="json"), resolved.to_dict())  # and its plan, as the server does
     python, *args = trainer_command(tmp_path)
     proc = subprocess.run([python, "-X", "importtime", *args], cwd=tmp_path, capture_output=True, text=True,
                           timeout=scaled(600),
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "done: steps 1..2" in proc.stdout
+    assert "resolving the plan again" not in proc.stderr and "is resolved again" not in proc.stderr
     lines = [unprefixed(line) for line in proc.stderr.splitlines()]  # a worker's lines come as "[rank1]: ..."
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
     assert "trainer.run.loop" in imported and "parallel.engine" in imported, sorted(m for m in imported

@@ -11,6 +11,7 @@ becomes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -140,6 +141,21 @@ def test_every_node_runs_the_same_command_with_its_rank_and_the_first_pods_endpo
     assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
     assert pod["serviceAccountName"] == "meshflow-job" and pod["automountServiceAccountToken"] is False
     assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_the_plan_resolved_at_submission_is_mounted_beside_job_json(tmp_path):
+    settings = _settings(tmp_path)
+    plan = {"format": 1, "model": {"fingerprint": "0123456789abcdef", "num_parameters": 3}, "plan": {"units": []}}
+    rendered = render(dataclasses.replace(_launch(settings), resolved_plan=plan), settings)
+    assert json.loads(rendered.config_map["data"]["resolved_plan.json"]) == plan
+    pod = rendered.jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (config,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    # both files under /etc/meshflow: the launcher looks for the plan beside the config it is given
+    assert config["configMap"]["items"] == [{"key": "job.json", "path": "job.json"},
+                                            {"key": "resolved_plan.json", "path": "resolved_plan.json"}]
+    kubernetes_validate.validate(rendered.config_map, K8S_VERSIONS[-1], strict=True)
+    without = render(_launch(settings), settings)  # a job stored without one: the launcher resolves it
+    assert list(without.config_map["data"]) == ["job.json"]
 
 
 def test_pod_env_has_no_secrets_and_resources_scale_with_workers(tmp_path):

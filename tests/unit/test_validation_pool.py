@@ -50,6 +50,10 @@ def test_identical_submissions_share_one_validation_each_in_its_own_workdir(sett
                               run_id=None, limit_raw=partial(cap_memory_budget, settings=settings))
     assert second.model_dump(mode="json") == fresh.model_dump(mode="json")
     assert second.launch.memory_budget_gb == 4.0
+    _, cached_plan = validator.validate_job(overrides=TINY, document=None, workdir=settings.jobs_dir / "job-4")
+    # a cached answer carries the plan validation resolved: the dp mesh of 2, for the model's fingerprint
+    assert cached_plan is not None and cached_plan["plan"]["mesh"]["shape"] == [2]
+    assert cached_plan["plan"]["data_parallel"] == {"mode": "ddp", "dim_names": ["dp"]}
     other = validator.resolve_job(overrides=[*TINY[:-1], "train.global_batch_size=8"], document=None,
                                   workdir=settings.jobs_dir / "job-3")
     assert other.train.global_batch_size == 8 and validator.misses == 2
@@ -124,7 +128,11 @@ def test_a_cluster_executor_lets_the_validator_accept_several_nodes(tmp_path):
         settings = Settings(workspace=tmp_path, executor=executor)
         answer = _resolve(overrides, None, workdir=settings.jobs_dir / "j", settings=settings)
         assert answer[0] == verdict, answer
-    assert answer[1]["launch"]["nnodes"] == 2 and answer[1]["launch"]["rdzv_endpoint"] == MULTI_NODE_ENDPOINT
+    launch = answer[1]["config"]["launch"]
+    assert launch["nnodes"] == 2 and launch["rdzv_endpoint"] == MULTI_NODE_ENDPOINT
+    # the plan resolved there travels with the config (the job's launcher does not resolve it again)
+    plan = answer[1]["plan"]["plan"]
+    assert plan["mesh"]["shape"] == [4] and plan["data_parallel"]["mode"] == "fsdp"
 
 
 # A server killed with SIGKILL cannot stop its pool: the workers leave on their own.

@@ -8,6 +8,9 @@ back into the same :class:`RunConfig`: nothing re-composes or re-validates it on
 A config that was validated elsewhere (the control plane writes ``job.json``) is launched with
 
     python -m trainer.launch job.json
+
+and the plan resolved where it was validated, when a ``resolved_plan.json`` lies beside it, goes to the
+workers once this launcher's meta model is seen to be its model: nothing resolves it again.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from parallel.plan.serial import ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.launch.console import log_config_changes, show_config
-from trainer.launch.elastic import RendezvousFailure, WorkerFailure, launch_workers
+from trainer.launch.elastic import PLAN_FILE, RendezvousFailure, WorkerFailure, launch_workers
 from trainer.launch.processes import worker_server
 from trainer.run.metrics import Progress
 from trainer.tracking.mlflow_tracker import make_tracker
@@ -105,9 +108,10 @@ class LaunchSession:
             self._stack.enter_context(worker_server(also_preload=worker_preload(self._tracking)))
             self._serving = True
 
-    def launch(self, cfg: RunConfig, *, plan: ParallelPlan | None = None) -> LaunchOutcome:
+    def launch(self, cfg: RunConfig, *, plan: ParallelPlan | ResolvedPlan | None = None) -> LaunchOutcome:
         """Train as ``cfg`` says: one device in this process, or the workers, forked from this session's server.
-        ``plan``: the config's, as validation resolved it; else resolved here, once. Either goes to the
+        ``plan``: the config's, as validation resolved it (a stored one is checked against the model first);
+        else resolved here, once. Either goes to the
         workers (or the loop, on one device) with its model's fingerprint: none of them resolves it again."""
         began = time.monotonic()
         if cfg.world_size > 1:  # the workers' fork server imports while the launcher makes the run
@@ -115,7 +119,7 @@ class LaunchSession:
         return _launch_tracked(cfg, began, launch_plan(cfg, plan))
 
 
-def launch(cfg: RunConfig, *, plan: ParallelPlan | None = None) -> LaunchOutcome:
+def launch(cfg: RunConfig, *, plan: ParallelPlan | ResolvedPlan | None = None) -> LaunchOutcome:
     """Train as the config says, in a :class:`LaunchSession` of its own; return the outcome (its
     ``exit_code`` is the process's exit code). ``plan``: the config's resolved plan, when the caller has it."""
     with LaunchSession(cfg.tracking) as session:
@@ -275,7 +279,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: not a resolved config for this node ({first}); write it with "
               "RunConfig.model_dump_json(), or run python -m trainer with overrides instead", file=sys.stderr)
         return EXIT_CONFIG
-    return launch(cfg).exit_code
+    return launch(cfg, plan=stored_plan(Path(args.config))).exit_code
+
+
+def stored_plan(config_path: Path) -> ResolvedPlan | None:
+    """The plan resolved where the config was validated: ``resolved_plan.json`` beside it (the control plane
+    writes one beside ``job.json``), or None (none there, or unreadable: resolved here then, with a warning)."""
+    path = config_path.parent / PLAN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return ResolvedPlan.read(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # a file of another version or a damaged one
+        print(f"{path}: not used, the plan is resolved again ({type(err).__name__}: {err})", file=sys.stderr)
+        return None
 
 
 def _with_node_options(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from parallel.plan.resolve import resolve_plan
-from parallel.plan.serial import ResolvedPlan
+from parallel.plan.serial import PlanMismatch, ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.models.skeleton import meta_model
@@ -77,17 +77,32 @@ def _placement_pictures(tracker: Tracker, cfg: RunConfig, plan, pictures_dir: Pa
     return pictures
 
 
-def launch_plan(cfg: RunConfig, plan: ParallelPlan | None = None) -> ResolvedPlan | None:
+def launch_plan(cfg: RunConfig, plan: ParallelPlan | ResolvedPlan | None = None) -> ResolvedPlan | None:
     """The config's resolved plan (what ``dry_run=true`` reports) with the fingerprint of the model it is for, as
-    the launcher hands it to its workers: ``plan`` (validation's, in this process) as given, else resolved here
-    for a config validated elsewhere (the control plane's job). None when the model cannot be planned on the
-    meta device (a custom module that needs real tensors): the run trains anyway, each worker resolving its own."""
+    the launcher hands it to its workers: ``plan`` (validation's, in this process) as given; a stored one (the
+    control plane's, resolved at submission) once this launcher's meta model is seen to be its model; else
+    resolved here. None when the model cannot be planned on the meta device (a custom module that needs real
+    tensors): the run trains anyway, each worker resolving its own."""
     try:
         model = meta_model(cfg.model)  # validation's, when it ran in this process
+        if isinstance(plan, ResolvedPlan):
+            if _fits(plan, model):
+                return plan
+            plan = None
         return ResolvedPlan.of(plan if plan is not None else resolve_plan(cfg.parallel, cfg.mesh, model), model)
     except Exception as err:  # noqa: BLE001 - the plan only describes the run
         log.warning("no plan.txt or placement picture for this run: %s: %s", type(err).__name__, err)
         return None
+
+
+def _fits(stored: ResolvedPlan, model: Any) -> bool:
+    """Whether ``stored`` was resolved for ``model``; if not (the model's files changed since), a warning."""
+    try:
+        stored.plan_for(model, source="the stored plan")
+        return True
+    except PlanMismatch as err:
+        log.warning("resolving the plan again: %s", err)
+        return False
 
 
 def dataset_identity(cfg: RunConfig) -> tuple[str, str | None, str]:
