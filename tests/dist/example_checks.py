@@ -157,8 +157,8 @@ def check_example(raw: dict) -> dict:
     report: dict[str, Any] = {}
     build = loop.build_parallel_model
 
-    def build_and_inspect(run_cfg, device):
-        pm = build(run_cfg, device)
+    def build_and_inspect(run_cfg, device, **options):  # options: the plan the loop was given, if any
+        pm = build(run_cfg, device, **options)
         report.update(params=_param_report(pm, run_cfg), stages=_probe_stages(pm), dp_size=pm.dp_size)
         return pm
 

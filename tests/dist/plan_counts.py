@@ -2,7 +2,7 @@
 appends a line (``resolve_plan``, ``meta model``) to ``$MESHFLOW_TEST_PLAN_COUNTS/<pid>``.
 
 A test adds this module to the workers' fork server's preload list (``trainer.launch.processes.PRELOAD``),
-so every worker forked from the server counts (tests/dist/test_plan_file.py); :func:`install` with a
+so every worker forked from the server counts (tests/dist/test_plan_travels.py); :func:`install` with a
 pytest ``monkeypatch`` counts in the test's own process (the launcher) and is undone after the test.
 """
 

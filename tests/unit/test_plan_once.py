@@ -1,7 +1,7 @@
 """The plan is resolved once and the meta model built once on a launch's road: the command line's
 ``+parallel=3d mesh=[2,2,2]`` through validation, the run's record (plan.txt, the placement picture)
 and the launcher's price of the plan, up to the point where the workers would start, which get the plan as a
-file (the launch with its workers: tests/dist/test_plan_file.py).
+file (the launch with its workers: tests/dist/test_plan_travels.py).
 
     python -m pytest tests/unit/test_plan_once.py -q -n 0
 """

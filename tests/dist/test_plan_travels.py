@@ -3,7 +3,7 @@ resolves it (validation) and builds the meta model once; each of the 8 workers r
 ``resolved_plan.json``, checks it against its own model build and resolves nothing; the losses are the
 ones the trainer recorded before the plan travelled as a file, bit for bit.
 
-    python -m pytest tests/dist/test_plan_file.py -q -n 0      # one launch of 8 workers, ~30 s on 2 cores
+    python -m pytest tests/dist/test_plan_travels.py -q -n 0      # one launch of 8 workers, ~30 s on 2 cores
 """
 
 from __future__ import annotations
