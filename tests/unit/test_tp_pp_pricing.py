@@ -201,8 +201,8 @@ def test_sequence_parallel_norms_and_residual_adds_run_on_a_quarter_of_the_rows(
         assert seen[(phase, "pow")] == {0.25}
         assert 0.25 in seen[(phase, "add")]  # the residual adds (rotary embedding's adds stay whole)
     assert seen[("forward", "rsqrt")] == seen[("forward", "mean")] == {0.25}
-    # The gated unit's backward rebuilds SiLU from its sigmoid (trainer.models.layers.swiglu).
-    assert seen[("forward", "silu")] == seen[("backward", "sigmoid")] == {1.0}
+    # The gated unit's backward rebuilds SiLU and runs its backward (trainer.models.layers.swiglu).
+    assert seen[("forward", "silu")] == seen[("backward", "silu")] == seen[("backward", "silu_backward")] == {1.0}
     plain = _shares("+parallel=tp", "mesh=[4]")
     assert set().union(*plain.values()) == {1.0}
 
