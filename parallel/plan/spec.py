@@ -176,6 +176,12 @@ class ParallelPlan:
         return _derived("named", self.placements, (), lambda: tuple(sorted({a for axes in self.placements.values()
                                                                               for a in axes})))
 
+    def units_placed_over(self, axis: str) -> frozenset[str]:
+        """The units holding a parameter that some placement puts on mesh axis ``axis``."""
+        return _derived("placed units", self.placements, (axis, self.units), lambda: frozenset(
+            unit for fqn, axes in self.placements.items()
+            if axis in axes and (unit := owning_unit(fqn, self.units)) is not None))
+
     @property
     def sequence_parallel_axes(self) -> frozenset[str]:
         """The mesh axes of more than one rank over which the blocks' norms run on sequence shards: a layout

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from parallel.plan.spec import ParallelPlan, owning_unit
+from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
 from trainer.planner.cost.calibration import Calibration
@@ -174,9 +174,8 @@ def vocab_parallel_reduces(plan: ParallelPlan, held: list[str], axis: str) -> in
     the axis splits (loss parallel): the vocabulary-parallel input embedding's masked lookups summed in
     forward, the column-parallel output head's input gradient summed in backward (Megatron's count: one
     each). A head tied to the embedding shares the embedding unit's weight and is not counted again."""
-    blocks = set(plan.blocks)
-    split = {owning_unit(fqn, plan.units) for fqn, axes in plan.placements.items() if axis in axes}
-    return sum(u in split and u not in blocks for u in held)
+    split = plan.units_placed_over(axis) - set(plan.blocks)  # kept per plan: asked for every candidate's pp ranks
+    return sum(u in split for u in held)
 
 
 def regathers(plan: ParallelPlan, blocks: list[str], axis: str) -> int:
