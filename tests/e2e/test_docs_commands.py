@@ -131,3 +131,30 @@ def test_pages_say_how_to_make_the_hf_models_they_use():
         if "data/" in command and not command.startswith("python -m trainer.tools.tiny_hf"):
             assert "python -m trainer.tools.tiny_hf data/" in (REPO / page).read_text(), page
     assert all(not os.path.isabs(p) for p in re.findall(r"model\.path=(\S+)", read_docs()))
+
+
+def _requirements(extra: str, project: dict) -> list[str]:
+    """An extra's requirements, the extras it names (``meshflow[hf,...]``) expanded."""
+    out = []
+    for requirement in project["optional-dependencies"][extra]:
+        if requirement.startswith(f"{project['name']}["):
+            for inner in requirement.split("[", 1)[1].rstrip("]").split(","):
+                out += _requirements(inner, project)
+        else:
+            out.append(requirement)
+    return out
+
+
+def test_readme_install_line_installs_what_its_commands_need():
+    """The README's first command installs the project with the extras its next commands use: the export
+    is a directory transformers loads, and tiny_hf (the pages' models) needs tokenizers."""
+    import tomllib
+
+    from tests.docs_text import readme_blocks
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    install = readme_blocks()[0][0].split("&&")[1].strip()
+    extras = re.fullmatch(r'pip install -e "\.\[([\w,-]+)\]"', install)
+    assert extras, install
+    names = {re.split(r"[<>=\[ ]", r)[0] for extra in extras[1].split(",") for r in _requirements(extra, project)}
+    assert {"transformers", "tokenizers"} <= names, names
