@@ -24,6 +24,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -85,19 +86,20 @@ def write_models(out: Path, *, seed: int = 0) -> dict[str, Path]:
 
     transformers.utils.logging.disable_progress_bar()
     texts = documents(2000) + [turn["content"] for chat in conversations(600) for turn in chat]
-    common = dict(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    configs = {
-        "llama-tiny": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
-            **common, hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)),
-        "smol": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
-            **{**common, "eos_token_id": 2}, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    common: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    # the configs as config.json holds them (from_dict: the same keys transformers writes and reads back)
+    configs: dict[str, tuple[Any, Any]] = {
+        "llama-tiny": (transformers.LlamaForCausalLM, transformers.LlamaConfig.from_dict(dict(
+            common, hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False))),
+        "smol": (transformers.LlamaForCausalLM, transformers.LlamaConfig.from_dict(dict(
+            common, eos_token_id=2, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, rope_theta=100000.0,
-            tie_word_embeddings=True)),
-        "qwen3-moe-tiny": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
-            **common, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=True))),
+        "qwen3-moe-tiny": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig.from_dict(dict(
+            common, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_experts=4, num_experts_per_tok=2, intermediate_size=96, moe_intermediate_size=48,
-            max_position_embeddings=2048, tie_word_embeddings=False)),
+            max_position_embeddings=2048, tie_word_embeddings=False))),
     }
     paths = {}
     for offset, (name, (model_class, config)) in enumerate(configs.items()):
