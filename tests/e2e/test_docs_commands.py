@@ -112,7 +112,12 @@ TRAINER_COMMANDS = sorted({command for page, command in documented_commands() if
                            and "--cfg" not in command and "hydra/sweeper=optuna" not in command})
 
 
-@pytest.mark.parametrize("command", TRAINER_COMMANDS)
+# the planner's search over a 512-device cluster: a minute of CPU, so in the slow pass (which also runs it as written)
+SLOW_TO_PLAN = ("+parallel=auto mesh=[512]",)
+
+
+@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if any(w in c for w in SLOW_TO_PLAN)
+                                     else c for c in TRAINER_COMMANDS])
 def test_documented_trainer_command_is_valid(command, fresh_clone, monkeypatch):
     monkeypatch.chdir(fresh_clone)
     monkeypatch.syspath_prepend(str(fresh_clone))  # `python -m` puts the working directory first
