@@ -22,6 +22,7 @@ import pytest
 
 from parallel.errors import ConfigError, ConfigIssue
 from tests.conftest import run_cli
+from trainer.__main__ import FIRST_LINE
 from trainer.config.compose import compose_dict
 from trainer.validate.checks import validate_config
 
@@ -457,5 +458,5 @@ def test_the_cli_names_a_config_groups_unknown_option(tmp_path, typed, line):
     Hydra's search-path dump and exit 1."""
     proc = run_cli([typed, "validate_only=true"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == ["invalid config: 1 problem", f"  - {line}"]
+    assert proc.stderr.splitlines() == [FIRST_LINE, "invalid config: 1 problem", f"  - {line}"]
     assert proc.stdout == "" and list(tmp_path.iterdir()) == []
