@@ -1,8 +1,8 @@
-"""Chat fine-tuning on fsdp [2], tp [2], pp [2] (with accumulation), cp [2] (validation) and 3d [2,2,2]: the first five
-losses equal one device's (fp32, rel 1e-5) although ranks, micro-batches and accumulation batches
-hold uneven numbers of target tokens; their val_loss over a 7-row validation split in batches of 4 equals
-the split's one-device mean over its targets, each row once (rel 1e-6); and under tp, tp with sequence parallelism and pp each packed document's logits equal the
-document's alone on one device (max abs diff <= 1e-5).
+"""Chat fine-tuning on fsdp [2], tp [2], pp [2] (with accumulation), cp [2] (validation) and 3d [2,2,2]: the
+first five losses equal one device's (fp32, rel 1e-5) although ranks, micro-batches and accumulation batches
+hold uneven numbers of target tokens; their val_loss over a 7-row validation split in batches of 4 equals the
+split's one-device mean over its targets, each row once (rel 1e-6); and under tp, tp with sequence parallelism
+and pp each packed document's logits equal the document's alone on one device (max abs diff <= 1e-5).
 
     pytest tests/dist/test_chat.py -q -m slow      # two launches: 2 and 8 processes
 """
