@@ -44,6 +44,12 @@ class ChatDataConfig(Section):
     train_on: Literal["assistant", "all"] = Field(
         "assistant", description="Which tokens are targets: the assistant's turns (their end-of-turn tokens "
         "included), or every token of the conversation.")
+    # TRL's training templates put ChatML's '<|im_end|>\n' inside {% generation %} (the newline a target);
+    # Axolotl's chat_template strategy trains the content and the end-of-turn token only (docs/fine-tuning.md).
+    train_on_turn_separator: bool = Field(
+        True, description="With train_on=assistant: the whitespace a template writes after an assistant turn's "
+        "last visible text, such as ChatML's newline after <|im_end|>, is a target too (as TRL's assistant-only "
+        "masks); false = the turn's content and its end-of-turn token only (as Axolotl's train_on_eos: turn).")
     packing: bool = Field(
         True, description="Pack conversations into train.seq_len rows, each attending only to itself (positions "
         "restart per conversation); false = one conversation per row, padded.")

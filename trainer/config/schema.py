@@ -133,7 +133,8 @@ class TrainConfig(_Section):
     # Time: every evaluation runs them all; 10000 batches is a validation set larger than most training sets.
     eval_batches: int = Field(
         4, ge=1, le=10_000, description="Validation batches per evaluation (global_batch_size / grad_accum sequences "
-        "each, the same ones every time); fewer when the split is smaller; at most 10000.")
+        "each, the same ones every time); fewer when the split is smaller: each row counts once (the last batch "
+        "padded with rows that count for nothing) and val_loss is the mean over their targets; at most 10000.")
     precision: Precision = Field(
         "fp32", description="fp32, or bf16: bf16 compute with fp32 master weights, optimizer state and gradient "
         "reduction (FSDP2's mixed-precision policy under data parallelism, autocast otherwise).")
