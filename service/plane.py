@@ -129,7 +129,7 @@ class ControlPlane:
         """The validated config and its plan (:mod:`service.plans`), computed in the validation pool
         within the service's limits; at most ``max_plans_per_user`` at once per owner (429 past it)."""
         with self.plan_slots.slot(owner):
-            return plan_in_pool(self.validator, overrides=overrides, document=document, page=page)
+            return plan_in_pool(self.validator, owner=owner, overrides=overrides, document=document, page=page)
 
     def submit_job(self, session: Session, *, owner: str, name: str, overrides: list[str] | None = None,
                    document: dict[str, Any] | None = None, priority: int = 0,
