@@ -276,6 +276,10 @@ class ControlPlane:
             ("meshflow_submissions_total", "counter", "Jobs accepted since start.", self.submissions_total),
             ("meshflow_job_failures_total", "counter", "Jobs that ended FAILED since start.",
              self.scheduler.failures_total),
+            ("meshflow_plans_computing", "gauge", "Plans computing in the plans' validation workers.",
+             sum(self.validator.plans.running().values())),
+            ("meshflow_plans_waiting", "gauge", "Plans waiting for one of the plans' validation workers.",
+             sum(self.validator.plans.waiting().values())),
         ]
         for name, kind, help_text, value in metrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
