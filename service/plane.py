@@ -134,7 +134,7 @@ class ControlPlane:
         """The validated config and its plan (:mod:`service.plans`), computed in the validation pool
         within the service's limits; at most ``max_plans_per_user`` at once per owner (429 past it)."""
         with self.plan_slots.slot(owner):
-            return plan_in_pool(self.validator, overrides=overrides, document=document, page=page)
+            return plan_in_pool(self.validator, owner=owner, overrides=overrides, document=document, page=page)
 
     def submit_job(self, session: Session, *, owner: str, name: str, overrides: list[str] | None = None,
                    document: dict[str, Any] | None = None, priority: int = 0,
@@ -281,6 +281,10 @@ class ControlPlane:
             ("meshflow_submissions_total", "counter", "Jobs accepted since start.", self.submissions_total),
             ("meshflow_job_failures_total", "counter", "Jobs that ended FAILED since start.",
              self.scheduler.failures_total),
+            ("meshflow_plans_computing", "gauge", "Plans computing in the plans' validation workers.",
+             sum(self.validator.plans.running().values())),
+            ("meshflow_plans_waiting", "gauge", "Plans waiting for one of the plans' validation workers.",
+             sum(self.validator.plans.waiting().values())),
         ]
         for name, kind, help_text, value in metrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
