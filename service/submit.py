@@ -25,6 +25,7 @@ from parallel.plan.spec import ParallelPlan
 from service.confine import check_relative_glob, confine_glob, confine_path
 from trainer.config.chat_data import TEMPLATES
 from trainer.config.compose import CONF_DIR, compose_dict
+from trainer.config.path_text import NUL_FIX, NUL_REASON
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import LOOPBACK_HOSTS
 from trainer.planner.auto.plan import resolve_and_validate
@@ -103,18 +104,23 @@ def compose_overrides(overrides: list[str]) -> dict[str, Any]:
 
 
 def check_document(doc: Any, path: str = "") -> list[ConfigIssue]:
-    """``_target_`` keys, interpolations and OmegaConf's ``???`` anywhere in a config document."""
+    """``_target_`` keys, interpolations, OmegaConf's ``???`` and NUL bytes anywhere in a config document
+    (a NUL byte, in a path, would reach ``open`` before the schema's own check: ``PathText``)."""
     issues: list[ConfigIssue] = []
     if isinstance(doc, dict):
         for key, value in doc.items():
             sub = f"{path}.{key}" if path else str(key)
-            if str(key) == "_target_" or "${" in str(key):
+            if "\x00" in str(key):
+                issues.append(ConfigIssue(repr(sub), f"the key {NUL_REASON}", "remove this key"))
+            elif str(key) == "_target_" or "${" in str(key):
                 issues.append(ConfigIssue(sub, "keys naming _target_ or ${...} are refused", "remove this key"))
             else:
                 issues.extend(check_document(value, sub))
     elif isinstance(doc, list):
         for i, value in enumerate(doc):
             issues.extend(check_document(value, f"{path}[{i}]"))
+    elif isinstance(doc, str) and "\x00" in doc:
+        issues.append(ConfigIssue(path or "<root>", NUL_REASON, NUL_FIX))
     elif isinstance(doc, str) and ("${" in doc or doc == "???"):
         issues.append(ConfigIssue(path or "<root>", f"{doc!r} is an interpolation or a missing-value marker",
                                   "write the literal value"))

@@ -36,6 +36,7 @@ def _chat_assets(template: str | None = None) -> str:
     write_chats(path / "chats.jsonl", conversations(2))
     if template is not None:
         (path / "reasoning.jinja").write_text(template)
+    (path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")  # a syntax error
     return str(path)
 
 
@@ -86,6 +87,8 @@ MORE: dict[str, Bad] = {
     "more/chat-template-unknown": bad([*_CHAT_DATA, "data.template=alpaca"], "data.template", ["neither a built-in"]),
     "more/chat-template-forgets-replies": bad([*_CHAT_DATA, f"data.template={_CHAT}/reasoning.jinja"], "data.template",
                                               ["renders an earlier turn differently"]),
+    "more/chat-template-does-not-render": bad([*_CHAT_DATA, f"data.template={_CHAT}/broken.jinja"], "data.template",
+                                              ["does not render a conversation", "TemplateSyntaxError"]),
     "more/chat-two-validation-splits": bad([*_CHAT_DATA, "data.template=chatml",
                                             f"data.val_paths=[{_CHAT}/chats.jsonl]",
                                             "data.val_fraction=0.1"], "data.val_fraction",

@@ -1,0 +1,98 @@
+"""What a tenant sends cannot make the control plane answer 500 or speak for the service: NUL bytes in
+paths and chat templates that do not render are 422s naming the path; the run's owner tags are the
+service's; ``/metrics`` asks for the same token as every other route.
+
+The real app in this process (FastAPI's TestClient: lifespan, middleware, real SQLite job store, the
+session's MLflow store), two tenants (alice, bob) and an admin. Jobs are queued on a capacity-0 plane
+and never run.
+
+    python -m pytest tests/api/test_tenant_input.py -q
+"""
+
+from __future__ import annotations
+
+
+import pytest
+from api_testkit import TOKENS, auth
+from fastapi.testclient import TestClient
+from timing import scaled
+
+from api.main import create_app
+from service.settings import Settings
+
+SMALL = ["train.steps=3", "train.seq_len=32", "train.global_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory, mlflow_uri):
+    """A started capacity-0 plane, validating in the request's thread; its client carries no token."""
+    root = tmp_path_factory.mktemp("tenants")
+    config = Settings(workspace=root / "ws", database_url=f"sqlite:///{root / 'jobs.db'}",
+                      mlflow_tracking_uri=mlflow_uri, tokens=dict(TOKENS), admin_users=["admin"],
+                      validation_workers=0, poll_interval_s=0.1, capacity=0)
+    with TestClient(create_app(config), raise_server_exceptions=False) as client:
+        assert client.app.state.plane.warm.wait(timeout=scaled(600)), "the plane never finished warming up"
+        yield client
+
+
+def _problems(response) -> list[dict]:
+    assert response.status_code == 422, (response.status_code, response.text[-2000:])
+    problems = response.json()["detail"]
+    assert all(set(p) == {"path", "reason", "fix"} and p["fix"] for p in problems), problems
+    return problems
+
+
+@pytest.fixture(scope="module")
+def chat_files(plane):
+    """A chat tokenizer under the workspace's models/ and conversations under its datasets/."""
+    from tests.hf_assets import conversations, write_chat_tokenizer, write_chats
+
+    workspace = plane.app.state.plane.settings.workspace
+    write_chat_tokenizer(workspace / "models" / "chat", vocab_size=256)
+    (workspace / "datasets" / "chats").mkdir(parents=True, exist_ok=True)
+    write_chats(workspace / "datasets" / "chats" / "a.jsonl", conversations(8))
+    return ["data=chat", "data.paths=[datasets/chats/*.jsonl]", "data.tokenizer=models/chat", "model.vocab_size=320",
+            *SMALL]
+
+
+NUL_PATHS = ["train.checkpoint.dir", "train.init_from", "data.root", "launch.log_dir", "data.template"]
+
+
+@pytest.mark.parametrize("key", NUL_PATHS)
+def test_a_nul_byte_in_a_path_is_a_422_naming_it(plane, chat_files, key):
+    value = "models/a\x00b.jinja" if key == "data.template" else "a\x00b"
+    base = chat_files if key == "data.template" else SMALL
+    from trainer.config.compose import compose_dict
+
+    document = compose_dict(base)
+    section = document
+    *parents, leaf = key.split(".")
+    for part in parents:
+        section = section[part]
+    section[leaf] = value
+    for route in ("/v1/jobs", "/v1/plans"):
+        for body in ({"overrides": [*base, f"{key}='{value}'"]}, {"config": document}):
+            problems = _problems(plane.post(route, json=body, headers=auth("bob")))
+            assert [p["path"] for p in problems] == [key], problems
+            assert "NUL byte" in problems[0]["reason"], problems
+
+
+TEMPLATES = {
+    "syntax": "{% for m in messages %}{{ m.content }",
+    "include": "{% include 'secrets.jinja' %}",
+    "sandbox": "{% for m in messages %}{{ m.content.__class__.__mro__ }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("kind", TEMPLATES)
+def test_a_chat_template_that_does_not_render_is_a_422(plane, chat_files, kind):
+    workspace = plane.app.state.plane.settings.workspace
+    (workspace / "datasets" / f"{kind}.jinja").write_text(TEMPLATES[kind])
+    for route in ("/v1/jobs", "/v1/plans"):
+        response = plane.post(route, json={"overrides": [*chat_files, f"data.template=datasets/{kind}.jinja"]},
+                              headers=auth("alice"))
+        problems = _problems(response)
+        assert [p["path"] for p in problems] == ["data.template"], problems
+        assert "does not render" in problems[0]["reason"] and "data.template=chatml" in problems[0]["fix"]
+    good = plane.post("/v1/plans", json={"overrides": [*chat_files, "data.template=chatml"]}, headers=auth("alice"))
+    assert good.status_code == 200, good.text
