@@ -96,3 +96,29 @@ def test_a_chat_template_that_does_not_render_is_a_422(plane, chat_files, kind):
         assert "does not render" in problems[0]["reason"] and "data.template=chatml" in problems[0]["fix"]
     good = plane.post("/v1/plans", json={"overrides": [*chat_files, "data.template=chatml"]}, headers=auth("alice"))
     assert good.status_code == 200, good.text
+
+
+HOSTILE_TAGS = "+tracking.tags={meshflow.owner: bob, meshflow.job_id: not-mine, mlflow.user: bob}"
+
+
+def test_a_tenant_cannot_set_the_service_s_tags(plane, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+
+    from trainer.config.compose import compose_dict
+
+    document = compose_dict(SMALL)
+    document["tracking"]["tags"].update({"meshflow.owner": "bob", "MLflow.user": "bob"})
+    for route in ("/v1/jobs", "/v1/plans"):
+        for body in ({"overrides": [*SMALL, HOSTILE_TAGS]}, {"config": document}):
+            problems = _problems(plane.post(route, json=body, headers=auth("alice")))
+            paths = sorted(p["path"] for p in problems)
+            assert paths == (["tracking.tags.meshflow.job_id", "tracking.tags.meshflow.owner",
+                              "tracking.tags.mlflow.user"] if "overrides" in body else
+                             ["tracking.tags.MLflow.user", "tracking.tags.meshflow.owner"]), problems
+            assert "+tracking.tags.owner=..." in " ".join(p["fix"] for p in problems) or "config" in body
+    created = plane.post("/v1/jobs", json={"overrides": [*SMALL, "+tracking.tags={team: nlp}"]}, headers=auth("alice"))
+    assert created.status_code == 201, created.text
+    job = created.json()
+    tags = MlflowClient(tracking_uri=mlflow_uri).get_run(job["mlflow_run_id"]).data.tags
+    assert (tags["meshflow.owner"], tags["mlflow.user"], tags["meshflow.job_id"]) == ("alice", "alice", job["id"])
+    assert plane.post(f"/v1/jobs/{job['id']}/cancel", headers=auth("alice")).status_code == 200
