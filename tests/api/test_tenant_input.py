@@ -122,3 +122,16 @@ def test_a_tenant_cannot_set_the_service_s_tags(plane, mlflow_uri):
     tags = MlflowClient(tracking_uri=mlflow_uri).get_run(job["mlflow_run_id"]).data.tags
     assert (tags["meshflow.owner"], tags["mlflow.user"], tags["meshflow.job_id"]) == ("alice", "alice", job["id"])
     assert plane.post(f"/v1/jobs/{job['id']}/cancel", headers=auth("alice")).status_code == 200
+
+
+def test_metrics_ask_for_a_token_unless_the_operator_opens_them(plane, tmp_path, mlflow_uri):
+    assert plane.get("/metrics").status_code == 401
+    assert plane.get("/metrics", headers={"Authorization": "Bearer guessed"}).status_code == 401
+    text = plane.get("/metrics", headers=auth("bob")).text
+    assert "meshflow_slots_capacity 0" in text.splitlines()
+    config = Settings(workspace=tmp_path / "ws", database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+                      mlflow_tracking_uri=mlflow_uri, tokens=dict(TOKENS), validation_workers=0, capacity=0,
+                      metrics_public=True)
+    with TestClient(create_app(config)) as open_plane:
+        assert open_plane.get("/metrics").status_code == 200
+        assert open_plane.get("/v1/jobs").status_code == 401  # the rest still asks
