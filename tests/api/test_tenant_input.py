@@ -135,3 +135,18 @@ def test_metrics_ask_for_a_token_unless_the_operator_opens_them(plane, tmp_path,
     with TestClient(create_app(config)) as open_plane:
         assert open_plane.get("/metrics").status_code == 200
         assert open_plane.get("/v1/jobs").status_code == 401  # the rest still asks
+
+
+def test_a_pickle_as_init_from_is_refused_before_the_job(plane):
+    """It used to pass validation and fail in the job's workers with a raw SafetensorError."""
+    import torch
+
+    models = plane.app.state.plane.settings.workspace / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    torch.save({"tok_embeddings.weight": torch.zeros(2, 2)}, models / "model.safetensors")
+    for route in ("/v1/jobs", "/v1/plans"):
+        response = plane.post(route, json={"overrides": [*SMALL, "train.init_from=models/model.safetensors"]},
+                              headers=auth("bob"))
+        [problem] = _problems(response)
+        assert problem["path"] == "train.init_from" and "is a pickle (torch.save)" in problem["reason"], problem
+        assert "python -m trainer.export" in problem["fix"] and "train.init_from=null" in problem["fix"]
