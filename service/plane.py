@@ -161,7 +161,7 @@ class ControlPlane:
         if cfg.tracking.backend == "mlflow":
             experiment_id, run_id = self.mlflow.create_run(
                 cfg.tracking.experiment, cfg.tracking.run_name or name,
-                tags={"meshflow.job_id": job_id, "meshflow.owner": owner})
+                tags={"meshflow.job_id": job_id, "meshflow.owner": owner, "mlflow.user": owner})
             config["tracking"]["run_id"] = run_id
         job = Job(id=job_id, name=name, owner=owner, state=JobState.QUEUED.value, priority=priority,
                   overrides=list(overrides) if overrides is not None else None, config=config,

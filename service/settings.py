@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     tokens: dict[str, str] = Field(default_factory=dict,
                                    description="User -> bearer token (plain, hashed on load) or `sha256$salt$hex`.")
     admin_users: list[str] = Field(default_factory=list, description="Users who see and cancel every job.")
+    metrics_public: bool = Field(False, description="Serve /metrics without a token (a Prometheus scraper on a "
+                                 "private network); by default it asks for a bearer token like every other route: "
+                                 "the counts of jobs and submissions are the tenants' business.")
     auth_disabled: bool = Field(False, description="Serve without authentication (local use only); every caller "
                                                    "is an admin.")
     # 8 CPU workers run (slowly) even on a 2-core host, so the README's 3d job fits by default.

@@ -364,6 +364,12 @@ CASES: dict[str, Bad] = {
     "fixed/placement-key-not-a-string": bad(  # numbers are read as strings (Hydra gives `5` as an int)
         ["+parallel=tp"], 'parallel.placements["5"]', ["matches no parameter"],
         edit=put("parallel", "placements", {5: {"tp": "Shard(0)"}})),
+    **{f"crash/nul-byte-in-{'-'.join(keys)}": bad(  # was ValueError: embedded null byte, from open() or mkdir
+        overrides, ".".join(keys), ["NUL byte"], ["remove the NUL byte"], edit=put(*keys, "a\x00b"))
+       for overrides, keys in [([], ("train", "checkpoint", "dir")), ([], ("train", "init_from")),
+                               ([], ("data", "root")), ([], ("launch", "log_dir")),
+                               (["data=chat"], ("data", "template")), (["data=files"], ("data", "tokenizer")),
+                               (["model=hf"], ("model", "path"))]},
 }
 
 

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from parallel.config import Section
+from trainer.config.path_text import PathText
 
 
 # ChatML: the layout many instruction-tuned models use; named so a tokenizer without a template can train.
@@ -26,7 +27,7 @@ class ChatDataConfig(Section):
     kind: Literal["chat"] = Field(
         "chat", description="Conversations (`messages` lists, or prompt / completion pairs) from jsonl / json / "
         "parquet files, rendered with a chat template; the loss is on the assistant's tokens.")
-    paths: list[str] = Field(
+    paths: list[PathText] = Field(
         default_factory=list, description="Files or globs (`**` recurses) of jsonl / json / parquet records; each "
         "must match at least one file.")
     messages_field: str = Field(
@@ -35,10 +36,10 @@ class ChatDataConfig(Section):
     prompt_field: str = Field("prompt", min_length=1, description="A prompt / completion record's user turn.")
     completion_field: str = Field(
         "completion", min_length=1, description="A prompt / completion record's assistant turn.")
-    tokenizer: str | None = Field(
+    tokenizer: PathText | None = Field(
         None, description="A model directory holding tokenizer.json (and tokenizer_config.json with its "
         "chat_template); null = model.path (model=hf).")
-    template: str | None = Field(
+    template: PathText | None = Field(
         None, description="The chat template: null = the tokenizer's own (tokenizer_config.json's chat_template, "
         "or chat_template.jinja); a built-in name (chatml); or a path to a .jinja file.")
     train_on: Literal["assistant", "all"] = Field(
@@ -53,7 +54,8 @@ class ChatDataConfig(Section):
     packing: bool = Field(
         True, description="Pack conversations into train.seq_len rows, each attending only to itself (positions "
         "restart per conversation); false = one conversation per row, padded.")
-    val_paths: list[str] = Field(default_factory=list, description="Separate validation files or globs (see paths).")
+    val_paths: list[PathText] = Field(default_factory=list,
+                                      description="Separate validation files or globs (see paths).")
     val_fraction: float = Field(
         0.0, ge=0, lt=1, description="Hold out this fraction of the rows, from the end, for validation (when "
         "val_paths is empty); a row holds whole conversations, so none is split.")

@@ -69,7 +69,15 @@ def load_chat_tokenizer(path: str, template: str | None, *, key: str = "data.tok
         raise ConfigError([ConfigIssue("data.template", f"the tokenizer at {str(file.parent)!r} has no chat template "
                                        "(tokenizer_config.json's chat_template, or chat_template.jinja)",
                                        "data.template=chatml")])
-    render(tok, PROBE)  # a template whose replies cannot be located is refused here, before any data is read
+    try:  # a template whose replies cannot be located is refused here, before any data is read
+        render(tok, PROBE)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the template is the user's code: any failure to render is its own
+        # (jinja2's syntax errors, an {% include %} with no loader, the sandbox refusing an attribute, ...)
+        raise ConfigError([ConfigIssue("data.template", f"the chat template does not render a conversation: "
+                                       f"{type(err).__name__}: {err}",
+                                       "fix the template, or use a built-in one: data.template=chatml")]) from None
     return tok
 
 
