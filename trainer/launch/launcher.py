@@ -257,7 +257,7 @@ def _worker_logs(cfg: RunConfig) -> Iterator[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.launch CONFIG.json [--node-rank N | --node-rank-env VAR] [--rdzv-endpoint
-    HOST:PORT] [--rdzv-id ID] [--local-addr ADDR]``: launch a resolved config that was validated
+    HOST:PORT] [--rdzv-id ID] [--local-addr ADDR] [--resume auto|PATH]``: launch a resolved config that was validated
     elsewhere (the control plane's ``job.json``) on this node. The options set the ``launch.*``
     fields that differ between the nodes of one job, so an engine (Ray, a Kubernetes JobSet) runs
     the same file on every node; ``--node-rank-env JOB_COMPLETION_INDEX`` reads the rank from the
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint (host:port of node 0's rendezvous)")
     parser.add_argument("--rdzv-id", help="launch.rdzv_id (the same on every node)")
     parser.add_argument("--local-addr", help="launch.local_addr (this node's address as the others reach it)")
+    parser.add_argument("--resume", help="train.checkpoint.resume (a requeued Slurm job: auto, its last checkpoint)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = RunConfig.model_validate_json(Path(args.config).read_text())
@@ -305,6 +306,9 @@ def _with_node_options(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
         node_rank = int(raw)
     updates = {k: v for k, v in (("node_rank", node_rank), ("rdzv_endpoint", args.rdzv_endpoint),
                                  ("rdzv_id", args.rdzv_id), ("local_addr", args.local_addr)) if v is not None}
+    if args.resume is not None:  # the same directory and keep; only where the run starts from
+        checkpoint = cfg.train.checkpoint.model_copy(update={"resume": args.resume})
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint": checkpoint})})
     if not updates:
         return cfg  # the config as the service validated it: nothing is checked again
 
