@@ -1,0 +1,131 @@
+"""Runs on a real Slurm (``launch.executor=slurm``): the tests start munged, slurmctld and slurmd on this
+host (tests/slurm_cluster.py; Debian's packages installed when missing), submit with the CLI as a user
+would, and stop every daemon at the end, leaving no process behind.
+
+    python -m pytest -q -m slow tests/e2e/test_slurm.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm_cluster import SlurmCluster, start_slurm
+from timing import Deadline, scaled
+
+COMMON = ["train.steps=4", "train.global_batch_size=8", "train.seq_len=32", "data.max_bytes=100000",
+          "train.log_every=1", "tracking.pictures=false"]
+SLURM_PROCESSES = ("munged", "slurmctld", "slurmd", "slurmstepd")
+
+
+def _living(names: tuple[str, ...] = (), *, job: str | None = None) -> list[str]:
+    """``pid name command`` of every process (not a zombie) whose name is one of ``names``, or (``job``) that
+    runs in that Slurm job: its environment has ``SLURM_JOB_ID=<job>`` (the launcher, its fork server, the
+    workers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes().split(b"\0") if job else []
+        except OSError:
+            continue
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if state != "Z" and (name in names or f"SLURM_JOB_ID={job}".encode() in environ):
+            found.append(f"{proc.name} {name} {cmdline[:120]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> SlurmCluster:
+    cluster = start_slurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    deadline = Deadline(30)
+    while _living(SLURM_PROCESSES) and not deadline.expired():  # slurmstepd ends after slurmd
+        time.sleep(0.5)
+    assert not _living(SLURM_PROCESSES), _living(SLURM_PROCESSES)
+
+
+def _cli(args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                                   **env},
+                          capture_output=True, text=True, timeout=scaled(timeout))
+
+
+def _losses(uri: str) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("meshflow").experiment_id])
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+
+
+def _job_id(output: str) -> str:
+    match = re.search(r"slurm job (\d+) submitted", output)
+    assert match, output[-3000:]
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_a_two_process_job_completes_with_a_local_runs_losses(slurm, tmp_path):
+    local_dir, slurm_dir = tmp_path / "local", tmp_path / "slurm"
+    local_dir.mkdir(), slurm_dir.mkdir()
+    local_uri, slurm_uri = f"sqlite:///{local_dir}/mlflow.db", f"sqlite:///{slurm_dir}/mlflow.db"
+    local = _cli([*COMMON, f"tracking.tracking_uri={local_uri}"], cwd=local_dir, env={})
+    assert local.returncode == 0, local.stderr[-2000:]
+
+    done = _cli(["+parallel=fsdp", "mesh=[2]", "launch.executor=slurm", *COMMON, f"tracking.tracking_uri={slurm_uri}"],
+                cwd=slurm_dir, env=slurm.env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    job = _job_id(done.stdout)
+    assert f"slurm job {job}: COMPLETED" in done.stdout
+    assert "[rank0]: step 4/4" in done.stdout and "done: steps 1..4" in done.stdout  # followed as a local run
+    (script,) = (slurm_dir / "logs").glob("fsdp-2-slurm-*/job.sbatch")  # beside the run's logs
+    assert (script.parent / f"slurm-{job}.out").read_text().count("step 4/4") == 1
+    state = slurm.run("scontrol", "show", "job", "--oneliner", job).stdout
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state and f"Command={script}" in state
+    want, got = _losses(local_uri), _losses(slurm_uri)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    assert max(abs(got[s] - want[s]) / abs(want[s]) for s in want) <= 1e-5, (got, want)
+
+
+@pytest.mark.slow
+def test_a_job_cancelled_with_scancel_stops_its_workers_and_the_command_exits_143(slurm, tmp_path):
+    args = ["+parallel=fsdp", "mesh=[2]", "launch.executor=slurm", *[a for a in COMMON if "steps" not in a],
+            "train.steps=100000", "train.checkpoint.save_final=false", "tracking=none"]
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **slurm.env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    seen, deadline, job = [], Deadline(300), None
+    try:
+        while not deadline.expired():
+            line = proc.stdout.readline()
+            seen.append(line)
+            job = job or (re.search(r"slurm job (\d+) submitted", line) or [None, None])[1]
+            if "step 2/100000" in line or not line:
+                break
+        assert job and "step 2/100000" in seen[-1], "".join(seen[-40:])
+        slurm.run("scancel", job)
+        rest, _ = proc.communicate(timeout=scaled(120))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, "".join(seen[-20:]) + rest[-2000:]
+    assert f"slurm job {job}: CANCELLED" in rest and f"slurm job {job} cancelled (exit code 143)" in rest, rest
+    assert "JobState=CANCELLED" in slurm.run("scontrol", "show", "job", "--oneliner", job).stdout
+    deadline = Deadline(60)
+    while _living(job=job) and not deadline.expired():  # Slurm kills the job's processes, the workers with them
+        time.sleep(0.5)
+    assert not _living(job=job), _living(job=job)
