@@ -108,15 +108,9 @@ def test_a_job_cancelled_with_scancel_stops_its_workers_and_the_command_exits_14
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **slurm.env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    seen, deadline, job = [], Deadline(300), None
+    seen: list[str] = []
     try:
-        while not deadline.expired():
-            line = proc.stdout.readline()
-            seen.append(line)
-            job = job or (re.search(r"slurm job (\d+) submitted", line) or [None, None])[1]
-            if "step 2/100000" in line or not line:
-                break
-        assert job and "step 2/100000" in seen[-1], "".join(seen[-40:])
+        job = _follow_until(proc, "step 2/100000", seen)
         slurm.run("scancel", job)
         rest, _ = proc.communicate(timeout=scaled(120))
     finally:
@@ -129,3 +123,57 @@ def test_a_job_cancelled_with_scancel_stops_its_workers_and_the_command_exits_14
     while _living(job=job) and not deadline.expired():  # Slurm kills the job's processes, the workers with them
         time.sleep(0.5)
     assert not _living(job=job), _living(job=job)
+
+
+def _follow_until(proc: subprocess.Popen, text: str, seen: list[str], timeout: float = 300) -> str:
+    """Read the command's output into ``seen`` until a line holds ``text``; the job id it printed."""
+    deadline, job = Deadline(timeout), None
+    while not deadline.expired():
+        line = proc.stdout.readline()
+        seen.append(line)
+        job = job or (re.search(r"slurm job (\d+) submitted", line) or [None, None])[1]
+        if text in line or not line:
+            break
+    assert job and text in seen[-1], "".join(seen[-40:])
+    return job
+
+
+@pytest.mark.slow
+def test_a_warned_job_checkpoints_is_requeued_and_resumes_with_an_uninterrupted_runs_losses(slurm, tmp_path):
+    """Slurm's warning (USR1 to the batch shell, as --signal=B:USR1@<s> sends it before the time limit or at a
+    preemption) mid-run: the run saves a checkpoint after the step it is at, the job requeues itself and
+    resumes from that checkpoint in the same MLflow run; every step's loss equals an uninterrupted run's on
+    the same mesh (a local one: the Slurm job's workers are the same processes)."""
+    steps = 60
+    args = ["+parallel=fsdp", "mesh=[2]", *[a for a in COMMON if "steps" not in a], f"train.steps={steps}"]
+    whole_dir, job_dir = tmp_path / "whole", tmp_path / "job"
+    whole_dir.mkdir(), job_dir.mkdir()
+    whole_uri, job_uri = f"sqlite:///{whole_dir}/mlflow.db", f"sqlite:///{job_dir}/mlflow.db"
+    whole = _cli([*args, f"tracking.tracking_uri={whole_uri}"], cwd=whole_dir, env={})
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "launch.executor=slurm", *args,
+                             f"tracking.tracking_uri={job_uri}"], cwd=job_dir, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **slurm.env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    seen: list[str] = []
+    try:
+        job = _follow_until(proc, f"step 3/{steps}", seen)
+        slurm.run("scancel", "--signal=USR1", "--batch", job)  # what --signal=B:USR1@<s> does at its time
+        rest, _ = proc.communicate(timeout=scaled(400))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-4000:]
+    stopped = int(re.search(r"stopped after step (\d+) as asked", out).group(1))
+    assert 3 <= stopped < steps, out[-4000:]
+    assert f"meshflow: Slurm warns of the end of job {job}: saving a checkpoint" in out
+    assert f"meshflow: checkpoint saved; requeueing job {job} to resume from it" in out
+    assert f"resumed from checkpoints/step_{stopped:08d} at step {stopped}" in out, out[-4000:]
+    assert f"slurm job {job}: COMPLETED" in out and f"done: steps {stopped + 1}..{steps}" in out
+    state = slurm.run("scontrol", "show", "job", "--oneliner", job).stdout
+    assert "JobState=COMPLETED" in state and "Restarts=1" in state, state
+    want, got = _losses(whole_uri), _losses(job_uri)  # one MLflow run: the requeued job continued it
+    assert sorted(got) == sorted(want) == list(range(1, steps + 1)), sorted(got)
+    assert max(abs(got[s] - want[s]) / abs(want[s]) for s in want) <= 1e-5, (got, want)

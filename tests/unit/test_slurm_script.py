@@ -47,7 +47,24 @@ def test_two_nodes_with_every_option_give_these_exact_lines(compose):
     assert ('srun --ntasks-per-node=1 --kill-on-bad-exit=1 /venv/bin/python -m trainer.launch '
             '/shared/runs/logs/job/config.json --node-rank-env SLURM_NODEID --rdzv-id "slurm-$SLURM_JOB_ID" '
             '--rdzv-endpoint "$head_node:29400" "${resume[@]}" &') in lines
-    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(--resume auto); fi' in lines
+    assert lines[19:31] == [
+        "",
+        "set -u",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export MESHFLOW_REQUEUE_DIR=/shared/runs/logs/job  # the run stops after a step with a checkpoint once stop "
+        "is there",
+        'rm -f "$MESHFLOW_REQUEUE_DIR/stop"',
+        """trap 'echo "meshflow: Slurm warns of the end of job $SLURM_JOB_ID: saving a checkpoint"; """
+        """touch "$MESHFLOW_REQUEUE_DIR/stop"' USR1""",
+        "resume=()  # a requeued job resumes from the checkpoint its last allocation saved, in the same MLflow run",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
+        "    resume=(--resume auto)",
+        '    if [ -s "$MESHFLOW_REQUEUE_DIR/mlflow_run_id" ]; then resume+=(--run-id "$(cat '
+        '"$MESHFLOW_REQUEUE_DIR/mlflow_run_id")"); fi',
+        "fi",
+        'echo "meshflow: slurm job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s), '
+        'first $head_node"',
+    ]
     assert lines[-5:] == ['if [ "$code" -eq 75 ]; then',
                           '    echo "meshflow: checkpoint saved; requeueing job $SLURM_JOB_ID to resume from it"',
                           '    scontrol requeue "$SLURM_JOB_ID"', "fi", 'exit "$code"']

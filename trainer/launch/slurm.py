@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 
 from trainer.config.schema import RunConfig
+from trainer.run.stop_request import REQUEUE_DIR_ENV, RUN_ID_FILE, STOP_FILE
 from trainer.tracking.run_info import run_name
 
 EXIT_REQUEUE = 75  # a run that saved a checkpoint on Slurm's warning and stopped, to be requeued (BSD's EX_TEMPFAIL)
@@ -71,7 +72,8 @@ def launcher_command(cfg: RunConfig, *, config_path: Path, python: str = sys.exe
 
 def render_script(cfg: RunConfig, *, folder: Path, workdir: Path, python: str = sys.executable) -> str:
     """The sbatch script of ``cfg``'s run, its config at ``folder/config.json``, started in ``workdir``."""
-    script = folder / SCRIPT_FILE
+    script, quoted = folder / SCRIPT_FILE, shlex.quote(str(folder))
+    stop, run_id = f'"${REQUEUE_DIR_ENV}/{STOP_FILE}"', f'"${REQUEUE_DIR_ENV}/{RUN_ID_FILE}"'
     lines = ["#!/bin/bash",
              f"# meshflow run {run_name(cfg)}, written by python -m trainer; submit it again with: "
              f"sbatch {shlex.quote(str(script))}"]
@@ -80,15 +82,20 @@ def render_script(cfg: RunConfig, *, folder: Path, workdir: Path, python: str = 
         "",
         "set -u",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "resume=()  # a requeued job resumes from the checkpoint its previous allocation saved",
-        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(--resume auto); fi',
+        f"export {REQUEUE_DIR_ENV}={quoted}  # the run stops after a step with a checkpoint once {STOP_FILE} is there",
+        f"rm -f {stop}",
+        "trap 'echo \"meshflow: Slurm warns of the end of job $SLURM_JOB_ID: saving a checkpoint\"; "
+        f"touch {stop}' USR1",
+        "resume=()  # a requeued job resumes from the checkpoint its last allocation saved, in the same MLflow run",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then',
+        "    resume=(--resume auto)",
+        f'    if [ -s {run_id} ]; then resume+=(--run-id "$(cat {run_id})"); fi',
+        "fi",
         'echo "meshflow: slurm job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s), '
         'first $head_node"',
         "srun --ntasks-per-node=1 --kill-on-bad-exit=1 "
         f"{launcher_command(cfg, config_path=folder / CONFIG_FILE, python=python)} &",
         "launcher=$!",
-        "trap 'echo \"meshflow: Slurm warns of the end of job $SLURM_JOB_ID: saving a checkpoint\"; "
-        "kill -USR1 \"$launcher\"' USR1",
         "# wait returns early when the trap runs: wait again until srun has ended",
         'while true; do wait "$launcher"; code=$?; kill -0 "$launcher" 2>/dev/null || break; done',
         f'if [ "$code" -eq {EXIT_REQUEUE} ]; then',

@@ -165,6 +165,7 @@ class MLflowTracker:
         self._client = MlflowClient(tracking_uri=connect_uri(cfg.tracking_uri))  # credentials from the environment
         self._uri = cfg.tracking_uri
         self._finished = False
+        self._attached = False  # a run created elsewhere, or earlier: it may have params already
         run_id = run_id or cfg.run_id
         if run_id is None:
             experiment_id = get_or_create_experiment(self._client, cfg.experiment)
@@ -181,6 +182,7 @@ class MLflowTracker:
         if run.info.status != "RUNNING":  # e.g. a restarted worker after a failed attempt
             self._client.update_run(run_id, status="RUNNING")
         self._run_id, self.experiment_id = run_id, run.info.experiment_id
+        self._attached = True
 
     @property
     def run_id(self) -> str:
@@ -191,7 +193,9 @@ class MLflowTracker:
         """Log a nested dict (the resolved config) as :func:`readable_params`, 100 per request.
 
         Values over MLflow's 6000 characters are cut in the param and logged whole as the
-        text artifact ``params/<key>.txt``.
+        text artifact ``params/<key>.txt``. In a run this tracker attached to, a param it has already
+        keeps its value, with a warning when it differs (a resumed run continued in its run:
+        ``train.checkpoint.resume`` is now ``auto``): MLflow refuses to change a param.
         """
         from mlflow.entities import Param
 
@@ -206,6 +210,11 @@ class MLflowTracker:
                 note = f"... [truncated; full value in artifact {artifact}]"
                 value = value[: MAX_PARAM_VALUE_LENGTH - len(note)] + note
             batch.append(Param(key, value))
+        if self._attached:
+            existing = self._client.get_run(self._run_id).data.params
+            if kept := sorted(p.key for p in batch if existing.get(p.key, p.value) != p.value):
+                log.warning("kept the values MLflow has of %s (a param is written once)", ", ".join(kept))
+            batch = [p for p in batch if p.key not in existing]
         for start in range(0, len(batch), MAX_PARAMS_PER_BATCH):
             self._client.log_batch(self._run_id, params=batch[start : start + MAX_PARAMS_PER_BATCH])
 
