@@ -47,14 +47,14 @@ def output_path(folder: Path, job_id: str) -> Path:
     return folder / OUTPUT_PATTERN.replace("%j", job_id)
 
 
-def sbatch_options(cfg: RunConfig, *, folder: Path, workdir: Path) -> list[str]:
+def sbatch_options(cfg: RunConfig, *, folder: Path, workdir: Path, output_file: str = OUTPUT_PATTERN) -> list[str]:
     """The script's ``#SBATCH`` options, in order: the allocation, then the limits, then where it runs and writes."""
     s, nnodes = cfg.launch.slurm, cfg.launch.nnodes
     options = [f"--job-name={s.job_name or run_name(cfg)}", f"--nodes={nnodes}", "--ntasks-per-node=1"]
     chosen = [("--cpus-per-task", s.cpus_per_task), ("--gpus-per-node", s.gpus_per_node), ("--mem", s.mem),
               ("--time", s.time), ("--partition", s.partition), ("--account", s.account), ("--qos", s.qos)]
     options += [f"{flag}={value}" for flag, value in chosen if value is not None]
-    options += [f"--chdir={workdir}", f"--output={folder / OUTPUT_PATTERN}", "--open-mode=append"]
+    options += [f"--chdir={workdir}", f"--output={folder / output_file}", "--open-mode=append"]
     if s.signal_before_end_s:
         options.append(f"--signal=B:USR1@{s.signal_before_end_s}")  # B: the batch shell, which passes it on
     options.append("--requeue" if s.requeue else "--no-requeue")
@@ -70,14 +70,17 @@ def launcher_command(cfg: RunConfig, *, config_path: Path, python: str = sys.exe
     return command + ' "${resume[@]}"'
 
 
-def render_script(cfg: RunConfig, *, folder: Path, workdir: Path, python: str = sys.executable) -> str:
-    """The sbatch script of ``cfg``'s run, its config at ``folder/config.json``, started in ``workdir``."""
+def render_script(cfg: RunConfig, *, folder: Path, workdir: Path, python: str = sys.executable,
+                  config_file: str = CONFIG_FILE, output_file: str = OUTPUT_PATTERN) -> str:
+    """The sbatch script of ``cfg``'s run, its config at ``folder/config_file``, started in ``workdir``, its
+    output appended to ``folder/output_file`` (the control plane: ``job.json`` and ``job.log``)."""
     script, quoted = folder / SCRIPT_FILE, shlex.quote(str(folder))
     stop, run_id = f'"${REQUEUE_DIR_ENV}/{STOP_FILE}"', f'"${REQUEUE_DIR_ENV}/{RUN_ID_FILE}"'
     lines = ["#!/bin/bash",
              f"# meshflow run {run_name(cfg)}, written by python -m trainer; submit it again with: "
              f"sbatch {shlex.quote(str(script))}"]
-    lines += [f"#SBATCH {option}" for option in sbatch_options(cfg, folder=folder, workdir=workdir)]
+    lines += [f"#SBATCH {option}"
+              for option in sbatch_options(cfg, folder=folder, workdir=workdir, output_file=output_file)]
     lines += [
         "",
         "set -u",
@@ -94,7 +97,7 @@ def render_script(cfg: RunConfig, *, folder: Path, workdir: Path, python: str = 
         'echo "meshflow: slurm job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NUM_NODES node(s), '
         'first $head_node"',
         "srun --ntasks-per-node=1 --kill-on-bad-exit=1 "
-        f"{launcher_command(cfg, config_path=folder / CONFIG_FILE, python=python)} &",
+        f"{launcher_command(cfg, config_path=folder / config_file, python=python)} &",
         "launcher=$!",
         "# wait returns early when the trap runs: wait again until srun has ended",
         'while true; do wait "$launcher"; code=$?; kill -0 "$launcher" 2>/dev/null || break; done',

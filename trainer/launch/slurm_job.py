@@ -57,7 +57,8 @@ class SlurmState:
         return f"slurm job {job_id}: {self.state}{where}{why}{again}"
 
 
-def _command(name: str) -> str:
+def slurm_command(name: str) -> str:
+    """The path of Slurm's client command ``name``; a :class:`SlurmError` saying how to install it when missing."""
     path = shutil.which(name)
     if path is None:
         raise SlurmError(f"launch.executor: slurm: {name} is not on PATH (Slurm's client commands are needed where "
@@ -67,7 +68,7 @@ def _command(name: str) -> str:
 
 
 def _run(*words: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([_command(words[0]), *words[1:]], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([slurm_command(words[0]), *words[1:]], capture_output=True, text=True, timeout=timeout)
 
 
 def submit(script: Path) -> str:
