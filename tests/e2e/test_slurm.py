@@ -177,3 +177,29 @@ def test_a_warned_job_checkpoints_is_requeued_and_resumes_with_an_uninterrupted_
     want, got = _losses(whole_uri), _losses(job_uri)  # one MLflow run: the requeued job continued it
     assert sorted(got) == sorted(want) == list(range(1, steps + 1)), sorted(got)
     assert max(abs(got[s] - want[s]) / abs(want[s]) for s in want) <= 1e-5, (got, want)
+
+
+@pytest.mark.slow
+def test_a_job_nearing_its_time_limit_checkpoints_before_it_and_is_requeued(slurm, tmp_path):
+    """``launch.slurm.time=2`` (minutes) with the warning 100 s before: Slurm itself sends USR1 (within its
+    minute of resolution), the run saves a checkpoint after the step it is at and the job requeues itself,
+    so the time limit takes nothing (the test cancels it then: a run of 100000 steps would go on)."""
+    args = ["+parallel=fsdp", "mesh=[2]", "launch.executor=slurm", "launch.slurm.time=2",
+            "launch.slurm.signal_before_end_s=100", *[a for a in COMMON if "steps" not in a], "train.steps=100000",
+            "tracking=none"]
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **slurm.env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    seen: list[str] = []
+    try:
+        job = _follow_until(proc, "meshflow: checkpoint saved; requeueing job", seen, timeout=400)
+        slurm.run("scancel", job)
+        rest, _ = proc.communicate(timeout=scaled(120))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(seen) + rest
+    assert f"meshflow: Slurm warns of the end of job {job}: saving a checkpoint" in out, out[-3000:]
+    stopped = int(re.search(r"stopped after step (\d+) as asked", out).group(1))
+    assert (tmp_path / "checkpoints" / f"step_{stopped:08d}").is_dir()
+    assert "TIMEOUT" not in slurm.run("scontrol", "show", "job", "--oneliner", job).stdout
