@@ -102,7 +102,10 @@ def test_a_two_process_job_completes_with_a_local_runs_losses(slurm, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_job_cancelled_with_scancel_stops_its_workers_and_the_command_exits_143(slurm, tmp_path):
+@pytest.mark.parametrize("how", ["scancel", "sigterm to the command"])
+def test_a_cancelled_job_stops_its_workers_and_the_command_exits_143(slurm, tmp_path, how):
+    """Cancelled from elsewhere (``scancel``), or the command stopped as a local run is (SIGTERM: it cancels
+    the job itself): the job ends CANCELLED, none of its processes are left, the command exits 143."""
     args = ["+parallel=fsdp", "mesh=[2]", "launch.executor=slurm", *[a for a in COMMON if "steps" not in a],
             "train.steps=100000", "train.checkpoint.save_final=false", "tracking=none"]
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=tmp_path, text=True,
@@ -111,13 +114,18 @@ def test_a_job_cancelled_with_scancel_stops_its_workers_and_the_command_exits_14
     seen: list[str] = []
     try:
         job = _follow_until(proc, "step 2/100000", seen)
-        slurm.run("scancel", job)
+        if how == "scancel":
+            slurm.run("scancel", job)
+        else:
+            proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=scaled(120))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, "".join(seen[-20:]) + rest[-2000:]
-    assert f"slurm job {job}: CANCELLED" in rest and f"slurm job {job} cancelled (exit code 143)" in rest, rest
+    said = (f"slurm job {job}: CANCELLED", f"slurm job {job} cancelled (exit code 143)") if how == "scancel" else \
+        (f"slurm job {job} cancelled (scancel): CANCELLED",)
+    assert all(line in rest for line in said), rest
     assert "JobState=CANCELLED" in slurm.run("scontrol", "show", "job", "--oneliner", job).stdout
     deadline = Deadline(60)
     while _living(job=job) and not deadline.expired():  # Slurm kills the job's processes, the workers with them

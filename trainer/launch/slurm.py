@@ -139,6 +139,18 @@ def environment_note() -> str:
     return f" (SLURM_CONF={conf})" if conf else ""
 
 
+def _wait_until_ended(job_id: str, timeout_s: float = 120) -> str:
+    """Slurm's state of a cancelled job once it has ended (its processes killed), or after ``timeout_s``."""
+    from trainer.launch.slurm_job import job_state
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = job_state(job_id)
+        if state is None or state.ended or time.monotonic() > deadline:
+            return state.state if state else "UNKNOWN"
+        time.sleep(0.5)
+
+
 def submit_and_follow(cfg: RunConfig, *, plan=None):
     """``launch.executor=slurm``: write the job beside the run's logs, submit it, print its id, follow its
     output and state to the end; the :class:`~trainer.launch.launcher.LaunchOutcome` carries the job's exit
@@ -162,7 +174,8 @@ def submit_and_follow(cfg: RunConfig, *, plan=None):
             state = follow(job_id, output)
         except (KeyboardInterrupt, Terminated) as stop:
             cancel(job_id)
-            print(f"slurm job {job_id} cancelled (scancel)", file=sys.stderr, flush=True)
+            ended = _wait_until_ended(job_id)  # as a local run waits for its workers to stop
+            print(f"slurm job {job_id} cancelled (scancel): {ended}", file=sys.stderr, flush=True)
             return LaunchOutcome(EXIT_SIGINT if isinstance(stop, KeyboardInterrupt) else EXIT_SIGTERM,
                                  wall_s=time.monotonic() - began)
     code = exit_code(state)
