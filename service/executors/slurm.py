@@ -9,6 +9,8 @@ checkpointing and requeueing it. Here it runs in the job's directory (``--chdir`
 job's output straight into its ``job.log``, which the control plane streams; that directory (the
 workspace) must be on a file system the nodes share. The ref kept in the job row is Slurm's job id; the
 job is named ``meshflow-<job id>``, so a job submitted just before a crash is found again by that name.
+A job sent over REST may not add ``#SBATCH`` lines (``launch.slurm.extra``): they could point its output
+or working directory outside its workdir.
 States both ways: pending and running (a requeued job too) are alive; an ended job's exit code is
 :func:`trainer.launch.slurm_job.exit_code`'s, and its ``reason`` names Slurm's state and reason.
 """
@@ -44,10 +46,14 @@ class SlurmExecutor(Executor):
         return cls()
 
     def start(self, launch: JobLaunch) -> str:
+        cfg = RunConfig.model_validate(launch.config)
+        if cfg.launch.slurm.extra:  # e.g. --output=/anywhere or --chdir: out of the job's workspace
+            raise ValueError(f"launch.slurm.extra={cfg.launch.slurm.extra}: a control-plane job cannot add sbatch "
+                             "options (they may name paths outside its workdir); leave it out, e.g. "
+                             "launch.slurm.extra=[], and use launch.slurm's own keys (partition, time, ...)")
         workdir = launch.workdir
         workdir.mkdir(mode=runner.DIR_MODE, parents=True, exist_ok=True)
         runner.write_job_config(workdir, launch.config, launch.resolved_plan)
-        cfg = RunConfig.model_validate(launch.config)
         named = cfg.launch.slurm.model_copy(update={"job_name": job_name(launch.job_id)})
         cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"slurm": named})})
         script = workdir / SCRIPT_NAME

@@ -124,3 +124,14 @@ def test_waiting_and_running_states_are_not_ends():
     assert SlurmState("PENDING", reason="Resources").describe("12") == "slurm job 12: PENDING (Resources)"
     running = SlurmState("RUNNING", nodes="n[1-2]", restarts=1)
     assert running.describe("12") == "slurm job 12: RUNNING on n[1-2], restart 1"
+
+
+def test_the_control_plane_refuses_extra_sbatch_lines_before_writing_anything(compose, tmp_path):
+    from service.executors.base import JobLaunch
+    from service.executors.slurm import SlurmExecutor
+
+    cfg = compose("+parallel=fsdp", "mesh=[2]", "launch.slurm.extra=['--output=/etc/cron.d/x']")
+    launch = JobLaunch(job_id="7", workdir=tmp_path / "jobs" / "7", config=cfg.model_dump(mode="json"), world_size=2)
+    with pytest.raises(ValueError, match=r"launch.slurm.extra=\['--output=/etc/cron.d/x'\]: a control-plane job"):
+        SlurmExecutor().start(launch)
+    assert not (tmp_path / "jobs").exists()
