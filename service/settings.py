@@ -150,9 +150,10 @@ class Settings(BaseSettings):
                                     "(on top of the allow-listed ones: PATH, HOME, locale, torch / OMP / CUDA "
                                     "/ NCCL ...).")
     # -- where jobs run (service/executors) -------------------------------------------------
-    executor: Literal["local", "ray", "kubernetes"] = Field(
-        "local", description="Which engine runs the jobs: `local` processes on this host, a `ray` cluster, or "
-        "`kubernetes` (one JobSet per job). Users' configs are the same for every engine.")
+    executor: Literal["local", "ray", "kubernetes", "slurm"] = Field(
+        "local", description="Which engine runs the jobs: `local` processes on this host, a `ray` cluster, "
+        "`kubernetes` (one JobSet per job) or `slurm` (one sbatch job per job, through this host's Slurm client "
+        "commands). Users' configs are the same for every engine.")
     # The Ray executor's settings (MESHFLOW_EXECUTOR=ray; service/executors/ray.py).
     ray_address: str = Field("http://127.0.0.1:8265", description="The Ray cluster's job-submission (dashboard) "
                              "address, as `ray start --head` prints it; used when executor is `ray`.")

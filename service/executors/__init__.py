@@ -1,4 +1,4 @@
-"""Executors: where and how the scheduler's jobs run (``MESHFLOW_EXECUTOR=local | ray | kubernetes``).
+"""Executors: where and how the scheduler's jobs run (``MESHFLOW_EXECUTOR=local | ray | kubernetes | slurm``).
 
     executor = make_executor(settings)          # the one the settings name
     ref = executor.start(launch)                # JobLaunch: job id, workdir, resolved config, env
@@ -7,7 +7,8 @@
 
 ``local`` (the default) needs nothing beyond this package; ``ray`` needs the ``ray`` extra
 (``pip install meshflow[ray]``) and a running cluster; ``kubernetes`` the official client and a
-cluster. Each is imported only when chosen.
+cluster; ``slurm`` Slurm's client commands (sbatch, squeue, scontrol, scancel) on this host. Each is
+imported only when chosen.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ EXECUTORS: dict[str, str] = {
     "local": "service.executors.local:LocalExecutor",
     "ray": "service.executors.ray:RayExecutor",
     "kubernetes": "service.executors.kubernetes:KubernetesExecutor",
+    "slurm": "service.executors.slurm:SlurmExecutor",
 }
 EXTRAS = {"ray": "ray", "kubernetes": "kubernetes"}
 

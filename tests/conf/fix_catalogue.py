@@ -66,6 +66,8 @@ MORE: dict[str, Bad] = {
     "more/data-files-without-paths": bad(["data=files"], "data.paths", ["names no files"]),
     "more/auto-with-rank-ids": bad(["+parallel=auto", "mesh=[[0,1],[2,3]]"], "mesh", ["not explicit rank ids"]),
     "more/rdzv-not-host-port": bad(["launch.rdzv_endpoint=nohost"], "launch.rdzv_endpoint", ["not host:port"]),
+    "more/slurm-node-rank": bad(["+parallel=fsdp", "mesh=[4]", "launch.executor=slurm", "launch.nnodes=2",
+                                 "launch.node_rank=1"], "launch.node_rank", ["with launch.executor=slurm"]),
     "more/print-config-not-a-bool": bad(["train.print_config=maybe"], "train.print_config", ["valid boolean"],
                                         ["train.print_config=true"]),
     "more/progress-every-below-zero": bad(["train.progress_every_s=-1"], "train.progress_every_s",

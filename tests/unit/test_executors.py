@@ -30,9 +30,10 @@ def test_factory_picks_the_setting_and_explains_what_is_missing(tmp_path, monkey
                                  cancel_grace_s=7))
     assert isinstance(ray, RayExecutor) and (ray.address, ray.stop_grace_s) == ("http://10.1.2.3:8265", 7)
     with pytest.raises(ValueError, match="executor"):
-        Settings(workspace=tmp_path, executor="slurm")
-    with pytest.raises(ExecutorUnavailable, match="no such executor; use one of local, ray, kubernetes"):
-        executor_class("slurm")
+        Settings(workspace=tmp_path, executor="lsf")
+    with pytest.raises(ExecutorUnavailable, match="no such executor; use one of local, ray, kubernetes, slurm"):
+        executor_class("lsf")
+    assert executor_class("slurm").__name__ == "SlurmExecutor"
     monkeypatch.setitem(executors.EXECUTORS, "kubernetes", "service.executors.not_built:KubernetesExecutor")
     with pytest.raises(ExecutorUnavailable, match="no service.executors.not_built module; use MESHFLOW_EXECUTOR=local"):
         make_executor(settings, "kubernetes")

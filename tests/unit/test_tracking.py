@@ -196,6 +196,17 @@ def test_attach_to_existing_run(cfg: TrackingConfig, client: MlflowClient) -> No
         MLflowTracker(cfg, run_id="f00")
 
 
+def test_a_run_continued_in_its_mlflow_run_keeps_the_params_it_has(cfg: TrackingConfig, client: MlflowClient) -> None:
+    """A requeued Slurm job resumes with train.checkpoint.resume=auto in the run it continues: MLflow refuses
+    to change a param, so the first value stays (with a warning) and the new params are added."""
+    first = MLflowTracker(cfg)
+    first.log_params({"train": {"checkpoint": {"resume": "none"}, "steps": 60}})
+    again = MLflowTracker(cfg, run_id=first.run_id)
+    again.log_params({"train": {"checkpoint": {"resume": "auto"}, "steps": 60}, "launch": {"nnodes": 2}})
+    params = client.get_run(first.run_id).data.params
+    assert (params["train.checkpoint.resume"], params["train.steps"], params["launch.nnodes"]) == ("none", "60", "2")
+
+
 def test_make_tracker_null_cases(cfg: TrackingConfig) -> None:
     assert isinstance(make_tracker(cfg, is_main=False), NullTracker)
     null = make_tracker(cfg.model_copy(update={"backend": "none"}), is_main=True)

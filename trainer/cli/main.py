@@ -17,10 +17,12 @@ from parallel.topology import mesh_world_size
 from trainer.config.compose import CONF_DIR, group_option_issues, register_defaults, to_plain, with_preset
 from trainer.config.schema import RunConfig
 from trainer.launch.launcher import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, LaunchOutcome, LaunchSession
+from trainer.launch.slurm import dry_run_script, submit_and_follow
 from trainer.pictures.placement import DRY_RUN_DIR, write_placement
 from trainer.planner.auto.plan import resolve_and_validate
 from trainer.planner.forecast.plan_file import dry_run_report
 from trainer.tracking.run_info import SWEEP_JOB_TAG
+from trainer.tracking.run_record import launch_plan
 from trainer.validate.model_checks import check_against_model
 
 _BATCH_PATHS = {"train.global_batch_size", "parallel.pipeline.microbatches"}
@@ -77,6 +79,8 @@ def _starts_workers(raw: dict) -> bool:
     """Whether this config, once valid, launches workers: a mesh of several ranks, not a dry run."""
     if raw.get("dry_run") is True or raw.get("validate_only") is True or not isinstance(raw.get("mesh"), list):
         return False
+    if (raw.get("launch") or {}).get("executor") == "slurm":  # the job's nodes start them
+        return False
     return mesh_world_size(raw["mesh"]) > 1  # explicit rank ids, of any depth: one worker per id
 
 
@@ -99,7 +103,10 @@ def _run(raw: dict, sweeping: bool, session: LaunchSession) -> LaunchOutcome | N
     if cfg.dry_run:
         _dry_run(cfg, plan, ranking)
         return None
-    outcome = session.launch(cfg, plan=plan)
+    if cfg.launch.executor == "slurm":
+        outcome = submit_and_follow(cfg, plan=launch_plan(cfg, plan))
+    else:
+        outcome = session.launch(cfg, plan=plan)
     if not sweeping:
         sys.exit(outcome.exit_code)
     return outcome if outcome.ok else _job_failed(outcome)
@@ -112,6 +119,8 @@ def _dry_run(cfg: RunConfig, plan, ranking) -> None:
     text, summary = dry_run_report(cfg, plan)
     print(text)
     _write_pictures(cfg, plan)
+    if cfg.launch.executor == "slurm":
+        print(dry_run_script(cfg, DRY_RUN_DIR / "slurm"))
     _failed_prediction(summary)
     if summary["memory_verdict"] == "does not fit":  # within the measured error: the report's warning, no refusal
         hint = ("the memory table above says which ranks; fewer bytes per rank: fsdp, tp, pp, activation "

@@ -41,6 +41,7 @@ from trainer.config.model_schema import (  # noqa: F401 - re-exported: callers n
     MoEConfig,
     RopeScaling,
 )
+from trainer.config.slurm_schema import SlurmConfig
 from trainer.config.tracking_schema import TrackingConfig
 
 # ------------------------------------------------------------------ model, data: model_schema, data_schema
@@ -156,6 +157,12 @@ class TrainConfig(_Section):
 
 
 class LaunchConfig(_Section):
+    executor: Literal["local", "slurm"] = Field(
+        "local", description="Where the workers run: `local` = started by this command on this host (each host of "
+        "launch.nnodes its own command); `slurm` = an sbatch job this command writes, submits and follows "
+        "(launch.slurm), one launcher per node of the allocation.")
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="With launch.executor=slurm: what the job "
+                               "asks Slurm for.")
     nnodes: int = Field(1, ge=1, description="Number of hosts; workers per host = world size / nnodes.")
     node_rank: int = Field(0, ge=0, description="This host's rank among nnodes.")
     rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one "

@@ -159,7 +159,8 @@ def _launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> 
             if cfg.launch.node_rank == 0:
                 log_config_changes(cfg, tracker)
             outcome = _train_and_record(cfg, tracker, began, plan)
-        return LaunchOutcome(EXIT_OK, run_id=tracker.run_id, losses=list(outcome.get("losses") or []),
+        code = EXIT_OK if outcome.get("stopped_at") is None else _stopped_to_requeue(cfg, tracker.run_id, outcome)
+        return LaunchOutcome(code, run_id=tracker.run_id, losses=list(outcome.get("losses") or []),
                              step_times=list(outcome.get("step_times") or []), wall_s=time.monotonic() - began,
                              details=outcome)
     except KeyboardInterrupt:
@@ -174,6 +175,20 @@ def _launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> 
     except RendezvousFailure as err:
         print(f"training did not start: {err}", file=sys.stderr)
         return LaunchOutcome(EXIT_FAILED, run_id=tracker.run_id, wall_s=time.monotonic() - began)
+
+
+def _stopped_to_requeue(cfg: RunConfig, run_id: str | None, outcome: dict) -> int:
+    """A run that stopped with a checkpoint when asked (Slurm's warning, :mod:`trainer.run.stop_request`):
+    node 0 leaves its MLflow run's id for the requeued job to continue; the exit code asks for the requeue."""
+    from trainer.launch.slurm import EXIT_REQUEUE
+    from trainer.run.stop_request import RUN_ID_FILE, requeue_dir
+
+    folder = requeue_dir()
+    if folder is not None and run_id and cfg.launch.node_rank == 0:
+        (folder / RUN_ID_FILE).write_text(run_id)
+    print(f"stopped after step {outcome['stopped_at']} with checkpoint {outcome.get('last_checkpoint')}: "
+          f"exit {EXIT_REQUEUE} (requeue)", flush=True)
+    return EXIT_REQUEUE
 
 
 def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ResolvedPlan | None) -> dict:
@@ -261,9 +276,9 @@ def _worker_logs(cfg: RunConfig) -> Iterator[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.launch CONFIG.json [--node-rank N | --node-rank-env VAR] [--rdzv-endpoint
-    HOST:PORT] [--rdzv-id ID] [--local-addr ADDR]``: launch a resolved config that was validated
-    elsewhere (the control plane's ``job.json``) on this node. The options set the ``launch.*``
-    fields that differ between the nodes of one job, so an engine (Ray, a Kubernetes JobSet) runs
+    HOST:PORT] [--rdzv-id ID] [--local-addr ADDR] [--resume auto|PATH] [--run-id ID]``: launch a resolved
+    config that was validated elsewhere (the control plane's ``job.json``) on this node. The options set the
+    ``launch.*`` fields that differ between the nodes of one job, so an engine (Ray, a Kubernetes JobSet) runs
     the same file on every node; ``--node-rank-env JOB_COMPLETION_INDEX`` reads the rank from the
     environment. The exit code is :func:`launch`'s outcome's."""
     parser = argparse.ArgumentParser(prog="python -m trainer.launch", description=main.__doc__.split("\n\n")[0])
@@ -274,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint (host:port of node 0's rendezvous)")
     parser.add_argument("--rdzv-id", help="launch.rdzv_id (the same on every node)")
     parser.add_argument("--local-addr", help="launch.local_addr (this node's address as the others reach it)")
+    parser.add_argument("--resume", help="train.checkpoint.resume (a requeued Slurm job: auto, its last checkpoint)")
+    parser.add_argument("--run-id", help="tracking.run_id (a requeued Slurm job: the MLflow run it continues)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = RunConfig.model_validate_json(Path(args.config).read_text())
@@ -309,6 +326,11 @@ def _with_node_options(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
         node_rank = int(raw)
     updates = {k: v for k, v in (("node_rank", node_rank), ("rdzv_endpoint", args.rdzv_endpoint),
                                  ("rdzv_id", args.rdzv_id), ("local_addr", args.local_addr)) if v is not None}
+    if args.resume is not None:  # the same directory and keep; only where the run starts from
+        checkpoint = cfg.train.checkpoint.model_copy(update={"resume": args.resume})
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint": checkpoint})})
+    if args.run_id is not None:
+        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"run_id": args.run_id})})
     if not updates:
         return cfg  # the config as the service validated it: nothing is checked again
 

@@ -31,6 +31,7 @@ from trainer.run.build import build_loader, build_loss, build_optimizer, build_p
 from trainer.run.checkpointing import Checkpointer, frozen_names
 from trainer.run.metrics import MemoryMeter, Progress, StepLog
 from trainer.run.step import StepStats, evaluate, train_step
+from trainer.run.stop_request import StopRequest
 from trainer.tracking.tracker import Tracker
 
 # lr_lambda and frozen_names: the loop's names for its schedule and LoRA's frozen weights, kept here too
@@ -53,6 +54,7 @@ class TrainResult:
     # the last step line's window: first, last step, and its means (loss, tokens_per_s, ...), as printed
     last_window: dict = field(default_factory=dict)
     peak_memory_mb: float | None = None  # the largest rank's peak at the last logged step
+    stopped_at: int | None = None  # the step after which a stop request (Slurm's warning) ended the run early
 
     @property
     def mean_tokens_per_s(self) -> float | None:
@@ -65,7 +67,7 @@ class TrainResult:
         return {"losses": self.losses, "first_step": self.first_step, "val_loss": self.val_loss,
                 "step_times": self.step_times, "tokens_per_step": self.tokens_per_step,
                 "last_checkpoint": self.last_checkpoint, "pictures": self.pictures, "last_window": self.last_window,
-                "peak_memory_mb": self.peak_memory_mb}
+                "peak_memory_mb": self.peak_memory_mb, "stopped_at": self.stopped_at}
 
     def add(self, stats: StepStats) -> None:
         """One step's numbers."""
@@ -118,6 +120,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
     validate = _Validation(cfg, pm, splits.val, device, tracker, progress)
     if validate.at_start(resumed=start > 0):  # a baseline before any update
         validate(start)
+    stop = StopRequest.from_environment(distributed=torch.distributed.is_initialized(), device=device, rank=rank)
     progress.start(total=t.steps, completed=start, every_s=t.progress_every_s)
     for step in range(start + 1, t.steps + 1):
         stats = train_step(pm, loader, loss_fn, optimizer, scheduler, cfg=cfg, device=device, recorder=recorder,
@@ -128,7 +131,14 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             result.val_loss = validate(step)
         if checkpointer.due(step):
             result.last_checkpoint = checkpointer.save(step, rank=rank, tracker=tracker, progress=progress)
-    if cfg.tracking.pictures:  # a collective: every rank gathers its actions to rank 0, which draws them
+        if step < t.steps and stop.requested():  # Slurm's warning: the job resumes from here when requeued
+            if not checkpointer.due(step):
+                result.last_checkpoint = checkpointer.save(step, rank=rank, tracker=tracker, progress=progress)
+            progress.log(f"stopped after step {step} as asked (checkpoint {result.last_checkpoint})")
+            result.stopped_at = step
+            break
+    # a collective: every rank gathers its actions to rank 0, which draws them (a stopped run recorded none)
+    if cfg.tracking.pictures and result.stopped_at is None:
         result.pictures = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress, out_dir=pictures_dir)
     progress.stop()
     log.finish()

@@ -166,6 +166,7 @@ class MLflowTracker:
         self._uri = cfg.tracking_uri
         self._finished = False
         self._last_step: dict[str, int] = {}  # a metric's last logged step in a run attached to (see log_metrics)
+        self._attached = False  # a run created elsewhere, or earlier: it may have params already
         run_id = run_id or cfg.run_id
         if run_id is None:
             experiment_id = get_or_create_experiment(self._client, cfg.experiment)
@@ -184,6 +185,7 @@ class MLflowTracker:
         self._run_id, self.experiment_id = run_id, run.info.experiment_id
         for key in run.data.metrics:  # what an earlier attempt logged: its steps are not logged twice
             self._last_step[key] = max(m.step for m in self._client.get_metric_history(run_id, key))
+        self._attached = True
 
     @property
     def run_id(self) -> str:
@@ -194,7 +196,9 @@ class MLflowTracker:
         """Log a nested dict (the resolved config) as :func:`readable_params`, 100 per request.
 
         Values over MLflow's 6000 characters are cut in the param and logged whole as the
-        text artifact ``params/<key>.txt``.
+        text artifact ``params/<key>.txt``. In a run this tracker attached to, a param it has already
+        keeps its value, with a warning when it differs (a resumed run continued in its run:
+        ``train.checkpoint.resume`` is now ``auto``): MLflow refuses to change a param.
         """
         from mlflow.entities import Param
 
@@ -209,6 +213,11 @@ class MLflowTracker:
                 note = f"... [truncated; full value in artifact {artifact}]"
                 value = value[: MAX_PARAM_VALUE_LENGTH - len(note)] + note
             batch.append(Param(key, value))
+        if self._attached:
+            existing = self._client.get_run(self._run_id).data.params
+            if kept := sorted(p.key for p in batch if existing.get(p.key, p.value) != p.value):
+                log.warning("kept the values MLflow has of %s (a param is written once)", ", ".join(kept))
+            batch = [p for p in batch if p.key not in existing]
         for start in range(0, len(batch), MAX_PARAMS_PER_BATCH):
             self._client.log_batch(self._run_id, params=batch[start : start + MAX_PARAMS_PER_BATCH])
 

@@ -306,10 +306,15 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"{ln.rdzv_endpoint!r} is not host:port",
                                   "write it as host:port, e.g. launch.rdzv_endpoint=127.0.0.1:29500"))
-    elif ln.nnodes > 1 and int(port) == 0 and not plans_elsewhere(cfg):  # a plan starts no rendezvous
+    # a plan starts no rendezvous; a Slurm job's nodes meet on the first node of its allocation
+    elif ln.nnodes > 1 and int(port) == 0 and not plans_elsewhere(cfg) and ln.executor != "slurm":
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"port 0 with launch.nnodes={ln.nnodes}: the other nodes "
                                   "cannot know which free port node 0 picked", "give node 0's address and a fixed port, "
                                   "e.g. launch.rdzv_endpoint=10.0.0.1:29500, the same on every node"))
+    if ln.executor == "slurm" and ln.node_rank:
+        issues.append(ConfigIssue("launch.node_rank", f"{ln.node_rank} with launch.executor=slurm: one command "
+                                  "submits the job for every node, and Slurm numbers them",
+                                  "leave it out, e.g. launch.node_rank=0"))
     if ln.unmap_freed_memory and not has_mallopt():
         issues.append(ConfigIssue("launch.unmap_freed_memory", "needs glibc's mallopt; this host's C library is "
                                   f"{platform.libc_ver()[0] or 'unknown'}", "set launch.unmap_freed_memory=false"))
