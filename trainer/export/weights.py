@@ -71,9 +71,18 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
     see :mod:`trainer.export.hf`, with the run's tokenizer when it had one, and for ``"peft"``, see
     :mod:`trainer.export.peft`); return {"tensors": n, "bytes": size}. LoRA adapters are merged into
     their base weights except for ``peft``, which writes them alone."""
+    model, model_cfg, extra = load_checkpoint_model(checkpoint)
+    return export_model(model, model_cfg, out, format=format, step=extra.get("step"),
+                        tokenizer=(extra.get("data_config") or {}).get("tokenizer"))
+
+
+def export_model(model: torch.nn.Module, model_cfg: ModelConfig, out: str | Path, *, format: str = "safetensors",
+                 step: int | None = None, tokenizer: str | None = None) -> dict[str, int]:
+    """Write the plain ``model``'s weights (built from ``model_cfg``) to ``out`` as ``format`` says
+    (see :func:`export_checkpoint`); ``step`` goes into a safetensors file's metadata, ``tokenizer``
+    (the run's ``data.tokenizer``) beside a Hugging Face directory's weights."""
     from safetensors.torch import save_file
 
-    model, model_cfg, extra = load_checkpoint_model(checkpoint)
     if format == "peft":
         return export_peft(model, model_cfg, out)
     state = unique_state_dict(model)
@@ -82,11 +91,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
         state = merged_state(model, state)
         model_cfg = model_cfg.model_copy(update={"lora": LoRAConfig()})
     if format == "hf":
-        return export_hf(state, model_cfg, out, tokenizer=(extra.get("data_config") or {}).get("tokenizer"))
+        return export_hf(state, model_cfg, out, tokenizer=tokenizer)
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
-                                           "step": str(extra.get("step"))})
+                                           "step": str(step)})
     return {"tensors": len(tensors), "bytes": Path(out).stat().st_size}
 
 
