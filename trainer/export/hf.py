@@ -67,7 +67,8 @@ def hf_layout_refusal(model_cfg) -> str | None:
     if isinstance(model_cfg, HFModelConfig):
         return None
     if not isinstance(model_cfg, LlamaConfig):
-        return f"model {model_cfg.arch} has no Hugging Face counterpart; export it as safetensors (--format safetensors)"
+        return (f"model {model_cfg.arch} has no Hugging Face counterpart; export it as safetensors (--format "
+                "safetensors)")
     if model_cfg.moe is not None:
         return ("the built-in mixture-of-experts model has no Hugging Face layout here yet; export it as safetensors "
                 "(--format safetensors)")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parallel.errors import ConfigError
 from parallel.plan.serial import ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
@@ -42,6 +43,7 @@ from trainer.tracking.run_info import run_name, run_url
 from trainer.tracking.end_of_run import AfterTraining
 from trainer.tracking.run_record import launch_plan, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
+from trainer.validate.disk_checks import launch_disk_issues
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -114,6 +116,9 @@ class LaunchSession:
         else resolved here, once. Either goes to the
         workers (or the loop, on one device) with its model's fingerprint: none of them resolves it again."""
         began = time.monotonic()
+        if issues := launch_disk_issues(cfg):  # this directory, as the run would use it
+            print(ConfigError(issues), file=sys.stderr)
+            return LaunchOutcome(EXIT_CONFIG)
         if cfg.world_size > 1:  # the workers' fork server imports while the launcher makes the run
             self.start_workers_server()
         return _launch_tracked(cfg, began, launch_plan(cfg, plan))
@@ -186,7 +191,8 @@ def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ResolvedPlan 
             log_dir = _newest_log_dir(log_base, rdzv_id)
             upload_logs(tracker, log_dir)
         # the training finished: what fails from here on is reported and recorded, not the run's exit code
-        after = AfterTraining(tracker, say=lambda line: print(line, flush=True), errors=outcome.get("end_of_run_errors"))
+        after = AfterTraining(tracker, say=lambda line: print(line, flush=True),
+                              errors=outcome.get("end_of_run_errors"))
         with after.guard("the placement picture"):
             outcome["pictures"] = {**pictures.result(), **(outcome.get("pictures") or {})}
         outcome["end_of_run_errors"] = after.errors

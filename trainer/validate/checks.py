@@ -31,6 +31,7 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import has_mallopt
 from trainer.validate.context_checks import check_context
+from trainer.validate.disk_checks import SHARED_DIR_EXAMPLE
 from trainer.validate.expert_checks import check_experts
 from trainer.validate.hardware_checks import check_hardware, plans_elsewhere
 from trainer.validate.model_checks import check_against_model
@@ -310,10 +311,31 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("launch.rdzv_endpoint", f"port 0 with launch.nnodes={ln.nnodes}: the other nodes "
                                   "cannot know which free port node 0 picked", "give node 0's address and a fixed port, "
                                   "e.g. launch.rdzv_endpoint=10.0.0.1:29500, the same on every node"))
+    issues += _check_checkpoint_sharing(cfg)
     if ln.unmap_freed_memory and not has_mallopt():
         issues.append(ConfigIssue("launch.unmap_freed_memory", "needs glibc's mallopt; this host's C library is "
                                   f"{platform.libc_ver()[0] or 'unknown'}", "set launch.unmap_freed_memory=false"))
     return issues
+
+
+def _check_checkpoint_sharing(cfg: RunConfig) -> list[ConfigIssue]:
+    """Several nodes resuming from a relative ``train.checkpoint.dir``: each node's launcher has its own
+    working directory, so unless it is on a disk they share, no node holds a whole checkpoint to resume
+    from. Refused for what resumes (elastic restarts, ``train.checkpoint.resume``); a warning otherwise
+    (:func:`trainer.validate.disk_checks.checkpoint_sharing_warning`)."""
+    ln, ckpt = cfg.launch, cfg.train.checkpoint
+    if ln.nnodes == 1 or Path(ckpt.dir).is_absolute() or plans_elsewhere(cfg):
+        return []
+    resuming = [what for what, on in ((f"launch.max_restarts={ln.max_restarts} (a restart resumes from the latest "
+                                       "checkpoint)", ln.max_restarts > 0),
+                                      (f"train.checkpoint.resume={ckpt.resume}", ckpt.resume != "none")) if on]
+    if not resuming:
+        return []
+    return [ConfigIssue("train.checkpoint.dir", f"{ckpt.dir!r} is relative with launch.nnodes={ln.nnodes}: each node "
+                        "writes its ranks' shards under its own working directory, and "
+                        f"{' and '.join(resuming)} needs every shard of a checkpoint on every node",
+                        "give a directory every node mounts at the same path, e.g. "
+                        f"train.checkpoint.dir={SHARED_DIR_EXAMPLE}")]
 
 
 def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
