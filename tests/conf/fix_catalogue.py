@@ -52,14 +52,22 @@ _EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding",
 
 
 def _used_checkpoint_dir() -> str:
-    """A checkpoint directory holding another run's finished checkpoint (what the launcher refuses to
-    start a fresh run in), in a temporary directory."""
+    """A checkpoint directory holding another run's finished checkpoint of the default model (what the
+    launcher refuses to start a fresh run in, and what train.checkpoint.resume=auto continues), in a
+    temporary directory."""
     import tempfile
     from pathlib import Path
 
+    from trainer.checkpoint.dcp import save_checkpoint
+    from trainer.config.compose import compose_dict
+    from trainer.models import build_model
+    from trainer.validate.checks import validate_config
+
     path = Path(tempfile.mkdtemp(prefix="meshflow-used-")) / "checkpoints"
-    (path / "step_00000100").mkdir(parents=True)
-    (path / "step_00000100" / "COMPLETE").touch()
+    model_cfg = validate_config(compose_dict([])).model
+    model = build_model(model_cfg)
+    save_checkpoint(path, 100, model=model, optimizer=torch.optim.AdamW(model.parameters()), keep=1,
+                    extra={"step": 100, "model_config": model_cfg.model_dump(mode="json")})
     return str(path)
 
 
