@@ -40,8 +40,9 @@ SUITES = {
     "four_rank": [
         ("fsdp_tp", gather_check(["+parallel=2d", "mesh=[2,2]"])),
         ("pp_tp", gather_check(["+parallel=3d", "mesh=[1,2,2]"])),
-        ("pp4_interleaved", gather_check(["+parallel=pp", "mesh=[4]", "parallel.pipeline.schedule=Interleaved1F1B",
-                                          "parallel.pipeline.stages_per_rank=2", "parallel.pipeline.boundaries=auto"])),
+        ("dp_pp_interleaved", gather_check(["+parallel=3d", "mesh=[2,2,1]", "parallel.pipeline.stages_per_rank=2",
+                                            "parallel.pipeline.schedule=Interleaved1F1B",
+                                            "parallel.pipeline.boundaries=auto"])),
         ("pp_stages", gather_check(["+parallel=pp_stages"])),
         ("hsdp", gather_check(["+parallel=hsdp", "mesh=[2,2]"])),
         ("fsdp_cp", gather_check(["+parallel=fsdp_cp", "mesh=[2,2]"])),

@@ -1,5 +1,5 @@
 """The run's final model, gathered to rank 0 over the process group, on every kind of layout: fsdp x tp,
-pp x tp, interleaved pp over 4 stages' ranks, per-stage layouts, hsdp, fsdp x cp and fsdp x ep. Rank 0
+pp x tp, fsdp x interleaved pp (4 stages on 2 ranks' pairs), per-stage layouts, hsdp, fsdp x cp and fsdp x ep. Rank 0
 holds every tensor of the model, equal to the model built whole on one device; the other ranks hold
 nothing.
 
