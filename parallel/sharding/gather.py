@@ -17,6 +17,8 @@ would be dropped; without it every rank keeps its whole stage on its device.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,7 +30,8 @@ def full_state_on_rank0(module: nn.Module) -> dict[str, torch.Tensor] | None:
     """``module``'s whole tensors by name, on the CPU of rank 0 (every tensor of every rank's part);
     None on the other ranks. A collective: every rank calls it, each with its own part. Without a
     process group: the module's own tensors, on the CPU."""
-    local = get_model_state_dict(module, options=StateDictOptions())
+    # a module's state: tensors (DTensor shards under FSDP, tp, ep), nothing nested
+    local = cast(dict[str, torch.Tensor], get_model_state_dict(module, options=StateDictOptions()))
     if not (dist.is_available() and dist.is_initialized()):
         return {name: _whole(value).cpu() for name, value in local.items()}
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -54,7 +57,7 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 def _to_rank0(mine: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor] | None:
     """Every owner's tensors at rank 0: each sent as its bytes (any dtype, on gloo and NCCL alike)."""
     shapes = [(name, tuple(t.shape), t.dtype) for name, t in mine.items()]
-    everyone: list | None = [None] * world if rank == 0 else None
+    everyone: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(shapes, everyone, dst=0)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     if rank != 0:

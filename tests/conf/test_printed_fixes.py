@@ -33,7 +33,7 @@ from parallel.errors import ConfigError, ConfigIssue
 from tests.docs_text import command_line
 from trainer.planner.auto.plan import resolve_and_validate
 from trainer.validate import model_checks
-from trainer.validate.disk_checks import launch_disk_issues
+from trainer.launch.disk_checks import launch_disk_issues
 
 REPO = Path(__file__).resolve().parents[2]
 CATALOGUE: dict[str, Bad] = {**CASES, **{f"stages/{name}": case for name, case in STAGE_CASES.items()}, **MORE}

@@ -19,7 +19,7 @@ from trainer.tracking.end_of_run import ERRORS_TAG, AfterTraining, error_lines
 from trainer.tracking.run_record import summary
 from trainer.tracking.tracker import NullTracker, Terminated
 from trainer.validate.checks import check_launch
-from trainer.validate.disk_checks import checkpoint_sharing_warning, free_dir, launch_disk_issues
+from trainer.launch.disk_checks import checkpoint_sharing_warning, free_dir, launch_disk_issues
 
 
 def _cfg(*overrides: str) -> RunConfig:

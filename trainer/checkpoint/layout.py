@@ -1,6 +1,6 @@
 """Where a run's checkpoints lie on disk, without importing torch: ``<dir>/step_<step:08d>``, finished
 when it holds the ``COMPLETE`` marker (:mod:`trainer.checkpoint.dcp` writes them). The launcher reads
-this before it starts a run (:mod:`trainer.validate.disk_checks`), so it stays light.
+this before it starts a run (:mod:`trainer.launch.disk_checks`), so it stays light.
 
     finished_checkpoints("checkpoints")   # [(100, Path("checkpoints/step_00000100"))], oldest first
 """
@@ -12,6 +12,7 @@ from pathlib import Path
 
 COMPLETE_MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
+SHARED_DIR_EXAMPLE = "/mnt/shared/checkpoints"  # what a fix names for a directory every node of a run mounts
 
 
 def step_dir_name(step: int) -> str:

@@ -70,7 +70,7 @@ def run_job(composed: DictConfig) -> LaunchOutcome | None:
 def _sweep_checkpoint_dir(raw: dict, hydra: Any) -> None:
     """A sweep's job saves under the sweep's own folder, ``multirun/<time>/checkpoints/job<n>``, when the
     command line leaves ``train.checkpoint.dir`` at its default: its jobs run in one directory, and each
-    would otherwise find the one before's checkpoints there (refused: trainer.validate.disk_checks)."""
+    would otherwise find the one before's checkpoints there (refused: trainer.launch.disk_checks)."""
     checkpoint = (raw.get("train") or {}).get("checkpoint")
     if isinstance(checkpoint, dict) and checkpoint.get("dir") == CheckpointConfig.model_fields["dir"].default:
         checkpoint["dir"] = str(Path(hydra.sweep.dir) / "checkpoints" / f"job{hydra.job.num}")

@@ -30,7 +30,7 @@ from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopba
 from trainer.launch.worker import node_ordered_rank, worker_main
 from trainer.planner.memory.budget import predicted_peak_mib
 from trainer.tracking.tracker import Terminated
-from trainer.validate.disk_checks import checkpoint_sharing_warning
+from trainer.launch.disk_checks import checkpoint_sharing_warning
 
 # torch's rank; on several hosts the trainer numbers ranks by node (node_ordered_rank), and the
 # prefix names the node and the local rank instead

@@ -43,7 +43,7 @@ from trainer.tracking.run_info import run_name, run_url
 from trainer.tracking.end_of_run import AfterTraining
 from trainer.tracking.run_record import launch_plan, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
-from trainer.validate.disk_checks import launch_disk_issues
+from trainer.launch.disk_checks import launch_disk_issues
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 

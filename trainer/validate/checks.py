@@ -28,10 +28,10 @@ from parallel.config import INTERLEAVED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from parallel.topology import mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan.spec import ParallelPlan
+from trainer.checkpoint.layout import SHARED_DIR_EXAMPLE
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import has_mallopt
 from trainer.validate.context_checks import check_context
-from trainer.validate.disk_checks import SHARED_DIR_EXAMPLE
 from trainer.validate.expert_checks import check_experts
 from trainer.validate.hardware_checks import check_hardware, plans_elsewhere
 from trainer.validate.model_checks import check_against_model
@@ -322,7 +322,7 @@ def _check_checkpoint_sharing(cfg: RunConfig) -> list[ConfigIssue]:
     """Several nodes resuming from a relative ``train.checkpoint.dir``: each node's launcher has its own
     working directory, so unless it is on a disk they share, no node holds a whole checkpoint to resume
     from. Refused for what resumes (elastic restarts, ``train.checkpoint.resume``); a warning otherwise
-    (:func:`trainer.validate.disk_checks.checkpoint_sharing_warning`)."""
+    (:func:`trainer.launch.disk_checks.checkpoint_sharing_warning`)."""
     ln, ckpt = cfg.launch, cfg.train.checkpoint
     if ln.nnodes == 1 or Path(ckpt.dir).is_absolute() or plans_elsewhere(cfg):
         return []

@@ -15,11 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from parallel.errors import ConfigIssue, override
-from trainer.checkpoint.layout import finished_checkpoints
+from trainer.checkpoint.layout import SHARED_DIR_EXAMPLE, finished_checkpoints
 from trainer.config.schema import RunConfig
-
-SHARED_DIR_EXAMPLE = "/mnt/shared/checkpoints"  # what a fix names for a directory every node mounts
-
 
 def launch_disk_issues(cfg: RunConfig) -> list[ConfigIssue]:
     """What stops ``cfg`` from starting from this directory on this host (none for a plan or a check)."""
