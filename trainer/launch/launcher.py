@@ -35,6 +35,7 @@ from parallel.plan.serial import ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.launch.console import log_config_changes, show_config
+from trainer.launch.disk_checks import launch_disk_issues
 from trainer.launch.elastic import PLAN_FILE, RendezvousFailure, WorkerFailure, launch_workers
 from trainer.launch.processes import worker_server
 from trainer.run.metrics import Progress
@@ -43,7 +44,6 @@ from trainer.tracking.run_info import run_name, run_url
 from trainer.tracking.end_of_run import AfterTraining
 from trainer.tracking.run_record import launch_plan, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
-from trainer.launch.disk_checks import launch_disk_issues
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
