@@ -58,3 +58,10 @@ async def get_current_user(settings: SettingsDep,
 
 
 CurrentUser = Annotated[str, Depends(get_current_user)]
+
+
+async def require_metrics_reader(settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None,
+                                                                               Depends(bearer_scheme)]) -> None:
+    """/metrics: the same bearer token as every other route, unless MESHFLOW_METRICS_PUBLIC opens it."""
+    if not settings.metrics_public:
+        await get_current_user(settings, credentials)

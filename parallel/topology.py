@@ -145,7 +145,7 @@ class Topology:
         stages = (pp.stages if pp is not None else None) or []
         return cls(
             MeshSpec(mesh_shape_of(mesh), tuple(parallel.dims), mesh_rank_ids(mesh)),
-            dp_axes=tuple(dp.dim_names) if dp is not None else (), dp_mode=dp.mode if dp is not None else None,
+            dp_axes=_axes(dp.dim) if dp is not None else (), dp_mode=dp.mode if dp is not None else None,
             pp_axis=pp.dim if pp is not None else None, cp_axis=cp.dim if cp is not None else None,
             ep_axis=ep.dim if ep is not None else None,
             stage_lanes=len(stages[0].rank_list) if stages else 0, num_layout_stages=len(stages),
@@ -256,6 +256,17 @@ class Topology:
         """Into how many blocks tensor and expert parallelism cut parameter ``fqn`` placed ``axes``: each
         rank holds one (before FSDP's shards, :meth:`fsdp_divisor`)."""
         return self.shard_divisor(self.placed(fqn, axes))
+
+    def holding(self, fqn: str, axes: Mapping[str, PlacementSpec]) -> tuple[int, int, bool]:
+        """``(local_divisor, fsdp_divisor, is_expert)`` of parameter ``fqn`` placed ``axes``: how one rank holds
+        it, in one question (the memory and parameter counts ask it of every parameter of the model)."""
+        return self.local_divisor(fqn, axes), self.fsdp_divisor(fqn), self.is_expert(fqn)
+
+
+def _axes(dim: str | Sequence[str]) -> tuple[str, ...]:
+    """A ``dim`` value's axis names (one name, or hsdp's two). Read here rather than asked of the config's
+    ``dim_names``: the config room lies above this one, and each question to it was a climb back up."""
+    return (dim,) if isinstance(dim, str) else tuple(dim)
 
 
 __all__ = ["MeshSpec", "Topology", "flat_rank_ids", "mesh_rank_ids", "mesh_shape_of", "mesh_world_size",

@@ -1,6 +1,6 @@
 """A plan computed in a validation worker, within the request's limits (``POST /v1/plans``).
 
-    answer = plan_in_pool(validator, overrides=["+parallel=fsdp", "mesh=[8]"], document=None,
+    answer = plan_in_pool(validator, owner="alice", overrides=["+parallel=fsdp", "mesh=[8]"], document=None,
                           page=AutoPlanPage(offset=0, limit=100))
     answer.config, answer.numbers, answer.auto_plan_total, answer.pictures_note, answer.pid
 
@@ -9,7 +9,8 @@ What bounds one plan (docs/control-plane.md has the numbers):
 - before anything is planned, the composed document's world size, mesh, global batch and
   micro-batches against the service's ceilings (:func:`service.limits.check_size_ceilings`);
 - the plan runs in a worker of :class:`service.validation.Validator`'s pool, never in the
-  server: ``plan_timeout_s`` (the worker is then replaced) and ``plan_memory_gb`` of address
+  server, and only in one of the plans' ``plan_workers``, handed out fairly between users (the
+  others are the submissions'): ``plan_timeout_s`` (the worker is then replaced) and ``plan_memory_gb`` of address
   space on top of what the worker holds (``RLIMIT_AS``, so an allocation past it fails with
   MemoryError in the worker and the request gets 422);
 - the reply: the auto-planner's candidates come one page at a time (``auto_plan_offset``,
@@ -56,13 +57,14 @@ class PlanAnswer:
     pid: int
 
 
-def plan_in_pool(validator: Validator, *, overrides: list[str] | None, document: dict[str, Any] | None,
+def plan_in_pool(validator: Validator, *, owner: str, overrides: list[str] | None, document: dict[str, Any] | None,
                  page: AutoPlanPage) -> PlanAnswer:
-    """The plan of a request, computed in ``validator``'s pool within its limits, or
+    """The plan of ``owner``'s request, computed in ``validator``'s pool within its limits, once one of the
+    plans' workers is free and ``owner``'s turn (:class:`~service.plan_queue.PlanQueue`), or
     :class:`ConfigError` naming every problem (a limit met included)."""
     settings = validator.settings
-    kind, value = validator.run("<plan>", compute_plan, overrides, document, workdir=settings.jobs_dir / "plan",
-                                page=page)
+    kind, value = validator.run_plan(owner, "<plan>", compute_plan, overrides, document,
+                                     workdir=settings.jobs_dir / "plan", page=page)
     if kind == "invalid":
         raise ConfigError([ConfigIssue(*issue) for issue in value])
     return PlanAnswer(**value)

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     tokens: dict[str, str] = Field(default_factory=dict,
                                    description="User -> bearer token (plain, hashed on load) or `sha256$salt$hex`.")
     admin_users: list[str] = Field(default_factory=list, description="Users who see and cancel every job.")
+    metrics_public: bool = Field(False, description="Serve /metrics without a token (a Prometheus scraper on a "
+                                 "private network); by default it asks for a bearer token like every other route: "
+                                 "the counts of jobs and submissions are the tenants' business.")
     auth_disabled: bool = Field(False, description="Serve without authentication (local use only); every caller "
                                                    "is an admin.")
     # 8 CPU workers run (slowly) even on a 2-core host, so the README's 3d job fits by default.
@@ -125,8 +128,17 @@ class Settings(BaseSettings):
     max_plan_reply_bytes: int = Field(4_000_000, ge=10_000, description="Largest plan reply (JSON): past it the "
                                       "pictures are left out (`pictures_note` says so), and a plan still "
                                       "larger is refused.")
-    max_plans_per_user: int = Field(4, ge=1, description="Plans one user may have computing at once; more get 429 "
-                                    "with Retry-After.")
+    max_plans_per_user: int = Field(4, ge=1, description="Plans one user may have computing or waiting for a worker "
+                                    "at once; more get 429 with Retry-After.")
+    # One user's slow plans had held every validation worker, and other users' submissions waited behind them.
+    plan_workers: int | None = Field(None, ge=1, le=64, description="Validation workers plans may use at once, "
+                                     "handed out fairly between users; the other workers are kept for submissions, "
+                                     "which then never wait behind a plan. null = all but one of "
+                                     "`validation_workers` (at least 1: a single worker is shared).")
+    plan_queue_size: int = Field(16, ge=0, description="Plans that may wait for one of the plans' workers, all users "
+                                 "together; more get 429 with Retry-After, as does a plan that waited "
+                                 "`plan_timeout_s` without one. Each waiting plan holds one of the server's "
+                                 "request threads (40).")
     validation_cache_size: int = Field(256, ge=0, description="Validated submissions remembered, so an identical "
                                        "one is answered without composing again (only configs whose checks "
                                        "read no file).")

@@ -25,10 +25,12 @@ from parallel.plan.spec import ParallelPlan
 from service.confine import check_relative_glob, confine_glob, confine_path
 from trainer.config.chat_data import TEMPLATES
 from trainer.config.compose import CONF_DIR, compose_dict
+from trainer.config.path_text import NUL_FIX, NUL_REASON
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import LOOPBACK_HOSTS
 from trainer.planner.auto.plan import resolve_and_validate
 from trainer.tracking.credentials import strip_credentials
+from trainer.tracking.run_info import RESERVED_TAG_PREFIXES, is_reserved_tag
 
 # Hydra's compose API keeps global state: one composition at a time per process.
 _COMPOSE_LOCK = threading.Lock()
@@ -103,18 +105,23 @@ def compose_overrides(overrides: list[str]) -> dict[str, Any]:
 
 
 def check_document(doc: Any, path: str = "") -> list[ConfigIssue]:
-    """``_target_`` keys, interpolations and OmegaConf's ``???`` anywhere in a config document."""
+    """``_target_`` keys, interpolations, OmegaConf's ``???`` and NUL bytes anywhere in a config document
+    (a NUL byte, in a path, would reach ``open`` before the schema's own check: ``PathText``)."""
     issues: list[ConfigIssue] = []
     if isinstance(doc, dict):
         for key, value in doc.items():
             sub = f"{path}.{key}" if path else str(key)
-            if str(key) == "_target_" or "${" in str(key):
+            if "\x00" in str(key):
+                issues.append(ConfigIssue(repr(sub), f"the key {NUL_REASON}", "remove this key"))
+            elif str(key) == "_target_" or "${" in str(key):
                 issues.append(ConfigIssue(sub, "keys naming _target_ or ${...} are refused", "remove this key"))
             else:
                 issues.extend(check_document(value, sub))
     elif isinstance(doc, list):
         for i, value in enumerate(doc):
             issues.extend(check_document(value, f"{path}[{i}]"))
+    elif isinstance(doc, str) and "\x00" in doc:
+        issues.append(ConfigIssue(path or "<root>", NUL_REASON, NUL_FIX))
     elif isinstance(doc, str) and ("${" in doc or doc == "???"):
         issues.append(ConfigIssue(path or "<root>", f"{doc!r} is an interpolation or a missing-value marker",
                                   "write the literal value"))
@@ -167,6 +174,16 @@ def without_credentials(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "tracking": {**tracking, "tracking_uri": strip_credentials(tracking["tracking_uri"])}}
 
 
+def _reserved_tags(tracking: Any) -> list[ConfigIssue]:
+    """A tenant's ``tracking.tags`` in the namespaces the service's own tags live in (the run's owner,
+    job id, MLflow user): refused, so no job's run can claim another owner."""
+    tags = tracking.get("tags") if isinstance(tracking, dict) else None
+    return [ConfigIssue(f"tracking.tags.{key}", f"the tag namespaces {' and '.join(RESERVED_TAG_PREFIXES)} are "
+                        "the service's (the run's owner, job id and MLflow user)",
+                        f"remove the tag, or name it outside them, e.g. +tracking.tags.{key.rsplit('.', 1)[-1]}=...")
+            for key in (tags if isinstance(tags, dict) else {}) if is_reserved_tag(str(key))]
+
+
 MULTI_NODE_ENDPOINT = "127.0.0.1:29400"  # replaced per job by the executor (first node's address, a free port)
 
 
@@ -188,6 +205,7 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
         tracking["tracking_uri"] = strip_credentials(tracking_uri)
         tracking["run_id"] = run_id
         tracking["ui_url"] = strip_credentials(ui_url) if ui_url else None
+    issues += _reserved_tags(tracking)
     train = out.get("train") if isinstance(out.get("train"), dict) else {}
     # A refused init_from becomes null: the validator would otherwise ask the filesystem about it.
     issues += _confine_key(train, "init_from", "train.init_from", workspace, workdir, read_only_ok=True,

@@ -21,6 +21,10 @@ Why this shape (measured on the 2-core development machine, see docs/control-pla
   whose checks read no file are cached (built-in models, generated data, no init_from): for
   those the answer depends on the request and the (fresh, empty) workdir alone. Anything that
   reads ``datasets/``, ``models/`` or a registered builder is validated afresh every time.
+- Plans never take every worker: at most ``plan_workers`` compute at once (by default all but one of
+  the workers), so a submission waits only behind other submissions, never behind a plan, and the
+  plans' workers go to users in turn (:class:`service.plan_queue.PlanQueue`): four slow plans of one
+  user had made another user's submission wait 277 s (issue 49).
 - Every request computed in a worker has a time limit (``plan_timeout_s``: the worker is then
   replaced, by pebble's pool, and the request refused) and a memory limit (``plan_memory_gb`` of
   address space on top of what the worker holds, by ``RLIMIT_AS``); the plans of
@@ -52,6 +56,7 @@ from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.spec import ParallelPlan
 from service.leftovers import record_worker
 from service.limits import limit_request
+from service.plan_queue import PlanQueue
 from service.settings import Settings
 from service.submit import resolve_config
 from trainer.config.compose import CONF_DIR
@@ -191,6 +196,9 @@ class Validator:
         self.warm_up = warm_up  # run once in every new worker before requests; answers its pid
         self.workers = settings.validation_workers if workers is None else workers
         self.cache_size = settings.validation_cache_size if cache_size is None else cache_size
+        # Plans get at most this many workers at once; with one worker or none, they share it with submissions.
+        plan_workers = settings.plan_workers if settings.plan_workers is not None else max(1, self.workers - 1)
+        self.plans = PlanQueue(plan_workers, max_waiting=settings.plan_queue_size, wait_s=settings.plan_timeout_s)
         self._pool: ProcessPool | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, tuple[str, Any]] = OrderedDict()
@@ -231,18 +239,40 @@ class Validator:
         """``compute(*args, settings=..., **kwargs)`` (a module-level function answering plain values)
         in a pool worker within the time and memory limits, or ``("invalid", [a refusal at path])``
         past them; in the caller, without limits, when the validator has no workers."""
+        return self._run(path, compute, args, kwargs)[0]
+
+    def run_plan(self, owner: str, path: str, compute: Callable[..., tuple[str, Any]], *args: Any,
+                 **kwargs: Any) -> tuple[str, Any]:
+        """:meth:`run` for a plan of ``owner``: it first waits for one of the plans' workers, granted fairly
+        between owners (:class:`~service.plan_queue.PlanQueue`; :class:`~service.limits.QuotaExceeded` when the
+        queue is full or the wait too long). A worker ended at the time limit is replaced and warmed up again;
+        the plans' share stays taken until that warm-up has ended, so it is never the submissions' wait."""
+        release = self.plans.acquire(owner)
+        warming: Future | None = None
+        try:
+            answer, warming = self._run(path, compute, args, kwargs)
+            return answer
+        finally:
+            if warming is None:
+                release()
+            else:
+                warming.add_done_callback(lambda _: release())
+
+    def _run(self, path: str, compute: Callable[..., tuple[str, Any]], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[tuple[str, Any], Future | None]:
+        """:meth:`run`'s answer, and the warm-up of the worker that replaced an ended one (else None)."""
         timeout = self.settings.plan_timeout_s
         for attempt in (1, 2):
             pool = self._pool
             if pool is None:
-                return compute(*args, settings=self.settings, **kwargs)
+                return compute(*args, settings=self.settings, **kwargs), None
             try:
                 try:
                     future = pool.schedule(limited, (path, compute, *args), {"settings": self.settings, **kwargs},
                                            timeout=timeout)
                 except RuntimeError as err:  # pebble's word for a pool that is not running
                     raise BrokenProcessPool(str(err)) from None
-                return future.result()
+                return future.result(), None
             except TimeoutError:  # pebble has ended the worker and started another
                 reason = f"computing it took longer than this service's limit of {timeout:g} s (plan_timeout_s)"
             except ProcessExpired as err:  # killed from outside (the kernel's OOM killer, an operator)
@@ -255,8 +285,8 @@ class Validator:
                     continue
                 raise
             # The new worker warms up before it takes requests (most likely: the other workers are warm and busy).
-            pool.schedule(self.warm_up, (self.settings,))
-            return "invalid", [_limit_refusal(path, reason)]
+            warming = pool.schedule(self.warm_up, (self.settings,))
+            return ("invalid", [_limit_refusal(path, reason)]), warming
         raise AssertionError("unreachable")
 
     def _replace_pool(self, pool: ProcessPool) -> None:

@@ -59,3 +59,47 @@ def readme_links() -> list[str]:
     """The README's relative link targets (no anchors, no web addresses)."""
     return [target.split("#")[0] for target in _LINK.findall(readme())
             if "://" not in target and not target.startswith("#")]
+
+
+COMMAND_FENCES = ("bash", "sh", "shell", "")  # fenced blocks a reader types from; ```text and ```yaml are not
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """Every ``python -m ...`` command of the README and the docs pages, as a reader types it:
+    ``(page, command)`` in page order (:func:`command_blocks`)."""
+    return [(str(path.relative_to(REPO)), command) for path in [README, *sorted(DOCS.rglob("*.md"))]
+            for block in command_blocks(path) for command in block]
+
+
+def command_blocks(path: Path) -> list[list[str]]:
+    """The ``python -m ...`` commands of each fenced block of a page that has some: continuation lines
+    (``\\``) joined, the shell comment dropped. A line chaining installs (``pip install ... && python -m
+    trainer``) gives its ``python -m`` part; two commands side by side on one line (``docs/multi-host.md``'s
+    two hosts) give the first."""
+    found = []
+    for lang, body in _FENCE.findall(path.read_text()):
+        if lang not in COMMAND_FENCES:
+            continue
+        commands = []
+        for line in re.sub(r"\\\n\s*", " ", body).splitlines():
+            if line[:1].isspace():  # a command starts a line; indented text is a listing's (code-layout.md's tree)
+                continue
+            command = _without_comment(line).split("&&")[-1].strip()
+            if command.startswith("python -m ") or re.match(r"^(\w+=('[^']*'|\S+) )+python -m ", command):
+                commands.append(re.split(r"\s{3,}", command)[0])
+        if commands:
+            found.append(commands)
+    return found
+
+
+def _without_comment(line: str) -> str:
+    """``line`` up to its shell comment: a ``#`` outside quotes that starts a word."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, Depends, HTTPException, status
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 from sqlalchemy import text
 
-from api.deps import PlaneDep, SessionDep
+from api.deps import PlaneDep, SessionDep, require_metrics_reader
 from api.errors import STORE_RETRY_AFTER_S
 from api.models import Message
 
@@ -43,9 +43,12 @@ def read_readiness(plane: PlaneDep, session: SessionDep) -> HealthPublic:
     return HealthPublic(status="ok")
 
 
-@router.get("/metrics", response_class=PlainTextResponse,
+@router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(require_metrics_reader)],
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                             "description": "Prometheus text exposition format."}})
+                             "description": "Prometheus text exposition format."},
+                       401: {"model": Message, "description": "No or an unknown bearer token (and "
+                                                              "MESHFLOW_METRICS_PUBLIC is false)."}})
 def read_metrics(plane: PlaneDep, session: SessionDep) -> PlainTextResponse:
-    """Prometheus metrics: jobs by state, queue depth, slots, submissions, failures."""
+    """Prometheus metrics (with a bearer token, unless MESHFLOW_METRICS_PUBLIC): jobs by state, queue depth, slots,
+    submissions, failures."""
     return PlainTextResponse(plane.prometheus_text(session), media_type="text/plain; version=0.0.4")

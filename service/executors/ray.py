@@ -14,7 +14,9 @@ are plain HTTP calls to the cluster's dashboard. The driver the job runs,
 node (``launch.nnodes``, STRICT_SPREAD), each bundle running that node's torch elastic agent
 with the rendezvous on the first bundle's node.
 
-The job's config travels inside the Ray job (no shared filesystem is needed to start it); its
+The job's config travels inside the Ray job (no shared filesystem is needed to start it), and the plan
+resolved at submission in the job's runtime env (a ``working_dir`` of one file, which Ray uploads to the
+cluster; the entrypoint would be too long for a large model's placements); its
 ``job.log`` here is filled from the Ray job's log as the scheduler polls. Paths in the config
 (checkpoints, per-rank logs, a SQLite MLflow store) must be reachable from every Ray node,
 e.g. a workspace on a shared filesystem; an MLflow server avoids the last one.
@@ -25,11 +27,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from service import runner
 from service.executors.base import Executor, JobLaunch, JobStatus
-from service.executors.ray_driver import EXIT_STOPPED, REASON_PREFIX, STOP_GRACE_ENV, encode_config
+from service.executors.ray_driver import EXIT_STOPPED, REASON_PREFIX, STOP_GRACE_ENV, encode_config, plan_package
 from service.submit import without_credentials
 
 log = logging.getLogger(__name__)
@@ -80,9 +82,7 @@ class RayExecutor(Executor):
 
     def start(self, launch: JobLaunch) -> str:
         launch.workdir.mkdir(mode=runner.DIR_MODE, parents=True, exist_ok=True)
-        # The record, as for a local job. The plan resolved at submission does not travel: it would lengthen
-        # the entrypoint (a parameter's placements each), so each node's launcher resolves it once itself.
-        runner.write_job_config(launch.workdir, launch.config)
+        runner.write_job_config(launch.workdir, launch.config, launch.resolved_plan)  # the record, as for a local job
         runner.write_private(launch.workdir / runner.LOG_NAME, "")
         ref = submission_id(launch.job_id)
         # The entrypoint is shown by Ray's dashboard and heads the job's log: the config goes without
@@ -94,8 +94,12 @@ class RayExecutor(Executor):
         # The driver needs the grace to stop the nodes itself before Ray's job supervisor kills it.
         env.update({STOP_GRACE_ENV: str(self.stop_grace_s),
                     "RAY_JOB_STOP_WAIT_TIME_S": str(int(self.stop_grace_s) + 15)})
-        self.client.submit_job(entrypoint=entrypoint, submission_id=ref, runtime_env={"env_vars": env},
-                               metadata={"meshflow_job_id": launch.job_id})
+        with plan_package(launch.resolved_plan) as package:
+            runtime_env: dict[str, Any] = {"env_vars": env}
+            if package is not None:
+                runtime_env["working_dir"] = str(package)
+            self.client.submit_job(entrypoint=entrypoint, submission_id=ref, runtime_env=runtime_env,
+                                   metadata={"meshflow_job_id": launch.job_id})
         return ref
 
     def poll(self, ref: str, launch: JobLaunch) -> JobStatus:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import ctypes
 import json
 import logging
@@ -33,8 +34,11 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from service.runner import PLAN_NAME as PLAN_FILE  # the name the launcher looks for beside job.json
 
 REASON_PREFIX = "meshflow ray: "
 EXIT_STOPPED = 143
@@ -48,6 +52,24 @@ def encode_config(config: dict[str, Any]) -> str:
 
 def decode_config(text: str) -> dict[str, Any]:
     return json.loads(zlib.decompress(base64.urlsafe_b64decode(text.encode())))
+
+
+@contextlib.contextmanager
+def plan_package(plan: dict[str, Any] | None) -> Iterator[Path | None]:
+    """A folder holding only ``plan`` as :data:`PLAN_FILE`, for a Ray job's ``working_dir`` (Ray uploads it with
+    the job and starts the driver in it), removed on leaving; None without a plan."""
+    if plan is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="meshflow-ray-plan-") as folder:
+        (Path(folder) / PLAN_FILE).write_text(json.dumps(plan))
+        yield Path(folder)
+
+
+def carried_plan() -> dict[str, Any] | None:
+    """The plan :func:`plan_package` sent, in the driver (whose working directory is the package), or None."""
+    path = Path.cwd() / PLAN_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _die_with_parent() -> None:
@@ -78,12 +100,14 @@ class NodeAgent:
             probe.bind(("", 0))
             return probe.getsockname()[1]
 
-    def start(self, config: dict[str, Any], args: list[str], workdir: str) -> int:
-        """Start the launcher; its pid. The thread that starts it lives as long as it does (the
-        parent-death signal follows the thread that forked)."""
+    def start(self, config: dict[str, Any], args: list[str], workdir: str, plan: dict[str, Any] | None = None) -> int:
+        """Start the launcher, with ``plan`` (the one resolved at submission) beside its config; its pid. The
+        thread that starts it lives as long as it does (the parent-death signal follows the thread that forked)."""
         folder = Path(tempfile.mkdtemp(prefix="meshflow-node-"))
         config_path = folder / "job.json"
         config_path.write_text(json.dumps(config))
+        if plan is not None:
+            (folder / PLAN_FILE).write_text(json.dumps(plan))
         command = [sys.executable, "-m", "trainer.launch", str(config_path), *args]
         cwd = workdir if os.path.isdir(workdir) else str(folder)
         threading.Thread(target=self._run, args=(command, cwd, folder), daemon=True).start()
@@ -105,7 +129,8 @@ class NodeAgent:
             with self._lock:
                 self._lines.append(line)
         code = self.process.wait()
-        (folder / "job.json").unlink(missing_ok=True)
+        for name in ("job.json", PLAN_FILE):
+            (folder / name).unlink(missing_ok=True)
         folder.rmdir()
         self.exit_code = 128 - code if code < 0 else code
 
@@ -124,7 +149,8 @@ class NodeAgent:
                 pass
 
 
-def run(config: dict[str, Any], *, job_id: str, world_size: int, workdir: str, stop_grace_s: float) -> int:
+def run(config: dict[str, Any], *, job_id: str, world_size: int, workdir: str, stop_grace_s: float,
+        plan: dict[str, Any] | None = None) -> int:
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -156,7 +182,7 @@ def run(config: dict[str, Any], *, job_id: str, world_size: int, workdir: str, s
                                                     in enumerate(nodes)) + f"; rendezvous at {endpoint}", flush=True)
     for k, agent in enumerate(agents):
         args = ["--node-rank", str(k), "--rdzv-endpoint", endpoint, "--rdzv-id", job_id]
-        ray.get(agent.start.remote(config, args, workdir))
+        ray.get(agent.start.remote(config, args, workdir, plan))
     return _watch(agents, nodes, stopping, stop_grace_s)
 
 
@@ -222,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     grace = float(os.environ.get(STOP_GRACE_ENV, "10"))
     return run(decode_config(args.config), job_id=args.job_id, world_size=args.world_size, workdir=args.workdir,
-               stop_grace_s=grace)
+               stop_grace_s=grace, plan=carried_plan())
 
 
 if __name__ == "__main__":

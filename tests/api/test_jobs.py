@@ -214,3 +214,4 @@ def test_health_readiness_and_prometheus_metrics(server):
     assert values["meshflow_slots_capacity"] == 2
     assert values["meshflow_submissions_total"] >= 0 and 'meshflow_jobs{state="QUEUED"}' in values
     assert values["meshflow_queue_depth"] == values['meshflow_jobs{state="QUEUED"}']
+    assert values["meshflow_plans_computing"] == values["meshflow_plans_waiting"] == 0  # no plan asked for

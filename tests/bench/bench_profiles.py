@@ -239,14 +239,18 @@ def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple
     ranking = plan_layouts(raw, progress=lambda line: print(f"  {row.name}: {line}", file=sys.stderr, flush=True),
                            rank_below=published_step * (1 + 1e-6))
     label = _paper_label(row)
-    ranked = [c for c in ranking.candidates if c.status in ("chosen", "slower")]
+    kept = [c for c in ranking.candidates if c.status in ("chosen", "slower")]
     mine = next((c for c in ranking.candidates if c.label == label), None)
+    # The order the planner would choose in: the layouts predicted to fit by step (one within the measured error
+    # of the budget is chosen only when none fits), the published one wherever its memory puts it.
+    ranked = [c for c in kept if not c.memory_note or c is mine]
     return {"row": row.name, "paper": label, "paper_status": mine.status if mine else "not a candidate",
             "published_step_s": published_step, "paper_step_s": mine.step_s if mine else None,
             # ties share a rank: 1 + the layouts predicted to fit and faster (fsdp and zero2 twins often tie)
-            "paper_rank": 1 + sum(c.step_s < mine.step_s for c in ranked) if mine in ranked else None,
+            "paper_rank": 1 + sum(c.step_s < mine.step_s for c in ranked) if mine in kept else None,
+            "may_not_fit_faster": sum(bool(c.memory_note) and c.step_s < mine.step_s for c in kept) if mine else 0,
             "chosen": ranking.winner.label, "chosen_step_s": ranking.winner.step_s,
-            "top5": [f"{c.label} ({c.step_s:.3f} s)" for c in ranked[:5]],
+            "top5": [f"{c.label} ({c.step_s:.3f} s)" for c in sorted(ranked, key=lambda c: c.step_s)[:5]],
             "candidates": len(ranking.candidates), "seconds": time.monotonic() - began}
 
 
@@ -257,7 +261,8 @@ def planner_line(p: dict) -> str:
     written = f"as the planner writes it {step:.3f} s, " if step else ""
     return (f"{p['row']}: {p['candidates']} layouts in {p['seconds']:.0f} s; published {p['paper']}: "
             f"{p['published_step_s']:.3f} s ({written}"
-            f"{p['paper_status']}, rank {p['paper_rank']}); planner's best {p['chosen']}: {p['chosen_step_s']:.3f} s "
+            f"{p['paper_status']}, rank {p['paper_rank']}; {p['may_not_fit_faster']} faster above the budget within "
+            f"the measured error, not chosen); planner's best {p['chosen']}: {p['chosen_step_s']:.3f} s "
             f"({p['chosen_step_s'] / p['published_step_s'] - 1:+.1%}); top 5: {'; '.join(p['top5'])}")
 
 

@@ -36,6 +36,7 @@ def _chat_assets(template: str | None = None) -> str:
     write_chats(path / "chats.jsonl", conversations(2))
     if template is not None:
         (path / "reasoning.jinja").write_text(template)
+    (path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }")  # a syntax error
     return str(path)
 
 
@@ -43,6 +44,17 @@ def _chat_assets(template: str | None = None) -> str:
 _FORGETFUL = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}{{ m.role }}: {{ m.content }}\n"
               "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 _CHAT = _chat_assets(_FORGETFUL)
+
+
+def _pickled_weights() -> str:
+    """A ``torch.save`` file (a pickle) where a safetensors file belongs."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="meshflow-pickle-")) / "model.pt"
+    torch.save({"tok_embeddings.weight": torch.zeros(2, 2)}, path)
+    return str(path)
+
 _CHAT_DATA = ["model=gpt_debug", "model.vocab_size=512", "data=chat", f"data.tokenizer={_CHAT}/tok",
               f"data.paths=[{_CHAT}/chats.jsonl]"]
 
@@ -104,6 +116,8 @@ MORE: dict[str, Bad] = {
     "more/resume-from-nothing": bad(["train.checkpoint.resume=/nonexistent/meshflow-ckpt"], "train.checkpoint.resume",
                                     []),
     "more/stages-with-rank-ids": bad(["+parallel=pp_stages", "mesh=[[0,1,2,3]]"], "mesh", ["the stages already say"]),
+    "more/init-from-a-pickle": bad([f"train.init_from={_pickled_weights()}"], "train.init_from",
+                                   ["is a pickle (torch.save)", "header does not read"]),
     "more/init-from-nothing": bad(["train.init_from=/nonexistent/model.safetensors"], "train.init_from",
                                   ["not a file"]),
     "more/odd-head-width": bad(["model.dim=96", "model.n_heads=32", "model.n_kv_heads=32"], "model.n_heads", ["odd"]),
@@ -118,6 +132,8 @@ MORE: dict[str, Bad] = {
     "more/chat-template-unknown": bad([*_CHAT_DATA, "data.template=alpaca"], "data.template", ["neither a built-in"]),
     "more/chat-template-forgets-replies": bad([*_CHAT_DATA, f"data.template={_CHAT}/reasoning.jinja"], "data.template",
                                               ["renders an earlier turn differently"]),
+    "more/chat-template-does-not-render": bad([*_CHAT_DATA, f"data.template={_CHAT}/broken.jinja"], "data.template",
+                                              ["does not render a conversation", "TemplateSyntaxError"]),
     "more/chat-two-validation-splits": bad([*_CHAT_DATA, "data.template=chatml",
                                             f"data.val_paths=[{_CHAT}/chats.jsonl]",
                                             "data.val_fraction=0.1"], "data.val_fraction",

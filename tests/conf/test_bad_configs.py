@@ -22,6 +22,7 @@ import pytest
 
 from parallel.errors import ConfigError, ConfigIssue
 from tests.conftest import run_cli
+from trainer.__main__ import FIRST_LINE
 from trainer.config.compose import compose_dict
 from trainer.validate.checks import validate_config
 
@@ -363,6 +364,12 @@ CASES: dict[str, Bad] = {
     "fixed/placement-key-not-a-string": bad(  # numbers are read as strings (Hydra gives `5` as an int)
         ["+parallel=tp"], 'parallel.placements["5"]', ["matches no parameter"],
         edit=put("parallel", "placements", {5: {"tp": "Shard(0)"}})),
+    **{f"crash/nul-byte-in-{'-'.join(keys)}": bad(  # was ValueError: embedded null byte, from open() or mkdir
+        overrides, ".".join(keys), ["NUL byte"], ["remove the NUL byte"], edit=put(*keys, "a\x00b"))
+       for overrides, keys in [([], ("train", "checkpoint", "dir")), ([], ("train", "init_from")),
+                               ([], ("data", "root")), ([], ("launch", "log_dir")),
+                               (["data=chat"], ("data", "template")), (["data=files"], ("data", "tokenizer")),
+                               (["model=hf"], ("model", "path"))]},
 }
 
 
@@ -457,5 +464,5 @@ def test_the_cli_names_a_config_groups_unknown_option(tmp_path, typed, line):
     Hydra's search-path dump and exit 1."""
     proc = run_cli([typed, "validate_only=true"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == ["invalid config: 1 problem", f"  - {line}"]
+    assert proc.stderr.splitlines() == [FIRST_LINE, "invalid config: 1 problem", f"  - {line}"]
     assert proc.stdout == "" and list(tmp_path.iterdir()) == []

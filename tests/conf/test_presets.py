@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from parallel.errors import ConfigError
+from trainer.__main__ import FIRST_LINE
 from trainer.config.compose import CONF_DIR, compose_dict
 from trainer.config.schema import RunConfig, TrainConfig
 from trainer.models import build_model
@@ -318,7 +319,7 @@ def test_cli_validate_only_prints_config_ok(tmp_path):
 def test_cli_bad_override_exits_2_before_any_worker(tmp_path):
     proc = _run_trainer(["+parallel=tp", "mesh=[8]"], tmp_path)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert proc.stderr.startswith("invalid config: 4 problems")
+    assert proc.stderr.startswith(f"{FIRST_LINE}\ninvalid config: 4 problems")
     assert (
         '  - parallel.tensor_parallel.plan[megatron]["layers.*.mlp.w[13].weight"].tp: Shard(0) splits dim 0 '
         'of size 172 '

@@ -31,6 +31,7 @@ from test_stage_configs import CASES as STAGE_CASES
 
 from parallel.errors import ConfigError, ConfigIssue
 from tests.docs_text import command_line
+from trainer.__main__ import FIRST_LINE
 from trainer.planner.auto.plan import resolve_and_validate
 from trainer.validate import model_checks
 from trainer.launch.disk_checks import launch_disk_issues
@@ -250,8 +251,9 @@ def test_the_printed_fixes_run_on_the_command_line(tmp_path):
     from tests.conftest import run_cli
 
     refused = run_cli(["+parallel=tp", "mesh=[8]", "validate_only=true"], cwd=tmp_path)
-    assert refused.returncode == 2 and refused.stderr.startswith("invalid config: 4 problems"), refused.stderr
-    printed = [line.rpartition("or Replicate: ")[2].removesuffix(")") for line in refused.stderr.splitlines()[1:]]
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith(f"{FIRST_LINE}\ninvalid config: 4 problems"), refused.stderr
+    printed = [line.rpartition("or Replicate: ")[2].removesuffix(")") for line in refused.stderr.splitlines()[2:]]
     typed = " ".join(printed)  # the command line, as a user pastes the four fixes after it
     assert all(p.startswith("'parallel.placements={") for p in printed) and len(printed) == 4, refused.stderr
     fixed = run_cli(["+parallel=tp", "mesh=[8]", "validate_only=true", *shlex.split(typed)], cwd=tmp_path)

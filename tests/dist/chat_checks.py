@@ -44,6 +44,51 @@ def trained(extra: list[str]):
     return check
 
 
+# A validation split of 7 rows (one conversation each, uneven target counts) in global batches of 4:
+# two batches, the second with a padding row; each row must count once, token-weighted.
+VALIDATION = ["data.packing=false", "train.global_batch_size=4", "train.eval_batches=4"]
+
+
+def validation_overrides(extra: list[str]) -> list[str]:
+    return [f"data.val_paths=[{os.environ[DIR_ENV]}/val.jsonl]", *VALIDATION, *extra]
+
+
+def validated(extra: list[str]):
+    """A check: the layout's ``val_loss`` of the 7-row validation split (:func:`trainer.run.step.evaluate`)."""
+
+    def check(*, rank: int, world_size: int) -> dict:
+        from trainer.data import build_splits
+        from trainer.models import decoder_config
+        from trainer.run.build import build_parallel_model
+        from trainer.run.step import evaluate
+
+        cfg = run_config(validation_overrides(extra))
+        splits = build_splits(cfg.data, seq_len=cfg.train.seq_len, model_cfg=decoder_config(cfg.model),
+                              model_path=cfg.model.path)
+        pm = build_parallel_model(cfg, torch.device("cpu"))
+        return {"val_loss": evaluate(pm, splits.val, cfg, torch.device("cpu")), "rows": len(splits.val)}
+
+    return check
+
+
+def hand_val_loss() -> float:
+    """One device, row by row: the validation split's summed cross-entropy over its target count."""
+    from trainer.data import build_splits
+    from trainer.models import decoder_config
+
+    cfg = run_config(validation_overrides([]))
+    val = build_splits(cfg.data, seq_len=cfg.train.seq_len, model_cfg=decoder_config(cfg.model),
+                              model_path=cfg.model.path).val
+    model, total, count = reference_model(cfg), 0.0, 0
+    with torch.no_grad():
+        for i in range(len(val)):
+            inputs, targets = val[i]
+            logits = model(inputs[None])[0]
+            total += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))  # -100: ignored
+            count += int((targets != -100).sum())
+    return total / count
+
+
 def reference_model(cfg):
     """The whole model with its Hugging Face weights, on this process alone."""
     from trainer.models import build_model
@@ -101,6 +146,10 @@ SUITES = {
         ("tp_logits", packed_logits(["+parallel=tp", "mesh=[2]"])),
         ("tp_sp_logits", packed_logits(["+parallel=tp_sp", "mesh=[2]"])),
         ("pp_logits", packed_logits(["+parallel=pp", "mesh=[2]"])),
+        ("fsdp_val", validated(["+parallel=fsdp", "mesh=[2]"])),
+        ("tp_val", validated(["+parallel=tp", "mesh=[2]"])),
+        ("pp_val", validated(["+parallel=pp", "mesh=[2]"])),
+        ("cp_val", validated(["+parallel=cp", "mesh=[2]"])),
     ],
     "eight_rank": [
         ("3d", trained(["+parallel=3d", "mesh=[2,2,2]"])),

@@ -55,22 +55,20 @@ def _untrained_val_loss(overrides: list[str]) -> float:
 
     from trainer.config.compose import compose_dict
     from trainer.data import build_splits
-    from trainer.data.loader import GlobalBatchLoader
+    from trainer.data.loader import ValidationRows
     from trainer.models import decoder_config
     from trainer.validate.checks import validate_config
 
     cfg = validate_config(compose_dict(overrides))
     t = cfg.train
     val = build_splits(cfg.data, seq_len=t.seq_len, model_cfg=decoder_config(cfg.model) or cfg.model).val
-    loader = GlobalBatchLoader(val, global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, seed=t.seed)
+    rows = ValidationRows(val, global_batch_size=t.global_batch_size, max_batches=t.eval_batches, dp_rank=0,
+                          dp_size=1, seed=t.seed).indices  # each evaluated row once
+    inputs, targets = (torch.stack(column) for column in zip(*(val[i] for i in rows)))
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
-    losses = []
     with torch.no_grad():
-        for _ in range(t.eval_batches):
-            inputs, targets = loader.next_batch()
-            logits = model(inputs).logits
-            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)))
-    return float(sum(losses) / len(losses))
+        logits = model(inputs).logits
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)))
 
 
 def test_val_loss_at_step_0_is_the_pretrained_models(finetune):

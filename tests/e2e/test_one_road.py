@@ -102,7 +102,9 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
 
     Build isolation fetches what pyproject.toml's [build-system] asks for (setuptools), so neither the
     base Python's setuptools nor its ``wheel`` matter. The install takes ``--no-deps --no-index``: the
-    dependencies (torch ...) are the base Python's, seen through the venv's system site."""
+    dependencies (torch ...) are the running interpreter's, which a ``.pth`` file in the new venv names
+    (:func:`see_dependencies_of_this_interpreter`): the running interpreter may itself be a venv (the
+    README's test command in one), whose base Python's site-packages lack them."""
     source = tmp_path / "source"  # pip builds in the tree it is given: not in the repository
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "parallel", "trainer", "service", "api"):
@@ -116,8 +118,9 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
     (wheel,) = wheels.glob("meshflow-*.whl")
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)  # pip: the base Python's
+    venv.EnvBuilder(with_pip=False).create(env_dir)  # pip, like every dependency: the running interpreter's
     python = str(env_dir / "bin" / "python")
+    see_dependencies_of_this_interpreter(python)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing may shadow the installed wheel
     install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                              capture_output=True, text=True, timeout=scaled(300), env=env)
@@ -134,6 +137,24 @@ def test_installed_wheel_trains_from_another_directory(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "done: steps 1..3" in proc.stdout
     assert sys.executable != python
+
+
+def see_dependencies_of_this_interpreter(python: str) -> None:
+    """Make the running interpreter's site-packages (its venv's, and its base's where the venv includes
+    them; its user site) visible to the venv of ``python``: a ``.pth`` file in that venv's site-packages
+    naming them, after the venv's own (so the installed wheel comes first). A ``.pth`` line adds its
+    directory without running the ``.pth`` files inside it, so this interpreter's editable install of the
+    project (an import hook or a path in a ``.pth`` of its own) stays out."""
+    import site
+    import sysconfig
+
+    ours = [*site.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    if site.ENABLE_USER_SITE:
+        ours.append(site.getusersitepackages())
+    dirs = list(dict.fromkeys(d for d in ours if Path(d).is_dir()))
+    theirs = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                            capture_output=True, text=True, timeout=scaled(60), check=True).stdout.strip()
+    (Path(theirs) / "running-interpreter.pth").write_text("".join(f"{d}\n" for d in dirs))
 
 
 def test_launch_of_a_bad_config_file_says_so(tmp_path):

@@ -3,20 +3,25 @@ command in a fresh directory, then the commands that read what it left there, in
 
 from __future__ import annotations
 
+import concurrent.futures
+import math
 import os
+import re
 import shlex
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_cli
-from tests.docs_text import readme_blocks
+from tests.conftest import REPO
+from tests.docs_text import blocks, readme, readme_blocks
 from timing import scaled
 
-MAIN = "pip install torch==2.13.0 && pip install -e . && python -m trainer +parallel=3d mesh=[2,2,2]"
+MAIN = 'pip install torch==2.13.0 && pip install -e ".[hf]" && python -m trainer +parallel=3d mesh=[2,2,2]'
 TESTS = 'pip install torch==2.13.0 && pip install -e ".[dev]" && python -m pytest -q'
 CHECKPOINT = "checkpoints/step_00000100"  # the main run's final checkpoint (100 steps)
 
@@ -43,7 +48,7 @@ def _user_run(tmp_path: Path, args: list[str], timeout: float):
 
     home, work = tmp_path / "home", tmp_path / "work"
     work.mkdir()
-    out = run_cli(args, cwd=work, timeout=timeout, env={"MESHFLOW_HOME": str(home)})
+    out, until_summary = _timed_cli(args, cwd=work, timeout=timeout, env={"MESHFLOW_HOME": str(home)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert not (work / "mlflow.db").exists() and not (work / "mlruns").exists()
     uri = f"sqlite:///{home}/mlflow.db"
@@ -54,8 +59,35 @@ def _user_run(tmp_path: Path, args: list[str], timeout: float):
     assert [r.info.status for r in runs] == ["FINISHED"]
     link = (f"  mlflow run: http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs/{runs[0].info.run_id}"
             f"?workflowType=machine_learning  (serve it: mlflow ui --backend-store-uri {uri} --port 5000)")
-    assert link in out.stdout.splitlines(), out.stdout
+    lines = out.stdout.splitlines()
+    assert link in lines, out.stdout
+    # the same link, with the command that serves it, as the run starts: before its first step line
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    assert lines.index(link.strip()) < first_step, out.stdout
+    # the summary's wall time is the command's, from the process's start to the summary (the
+    # interpreter's own exit after it, seconds on a busy host, is no part of it)
+    wall = float(re.search(r"^  wall time ([\d.]+) s \|", out.stdout, re.M)[1])
+    assert until_summary - scaled(1.0) <= wall <= until_summary, (wall, until_summary)
     return out, client, runs[0]
+
+
+def _timed_cli(args: list[str], *, cwd: Path, timeout: float, env: dict) -> tuple[subprocess.CompletedProcess, float]:
+    """``python -m trainer <args>`` (as :func:`tests.conftest.run_cli`), and the seconds from its start to
+    the moment its summary's wall-time line is read."""
+    began = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    errors = concurrent.futures.ThreadPoolExecutor(1).submit(proc.stderr.read)  # a full stderr pipe would stall it
+    hung = threading.Timer(scaled(timeout), proc.kill)  # a trainer that hangs without a word
+    hung.start()
+    lines, until_summary = [], math.inf
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("  wall time "):
+            until_summary = time.monotonic() - began
+    proc.wait()
+    hung.cancel()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), errors.result()), until_summary
 
 
 @pytest.mark.slow
@@ -115,6 +147,12 @@ def _readme_uses_the_checkpoint(cwd: Path, run, losses: list[float]) -> None:
         loss = torch.nn.functional.cross_entropy(theirs[0, :-1], ids[0, 1:]).item()
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
     assert loss < losses[0] - 1.0, (loss, losses)  # trained weights, not the initial ones
+
+    # the README's python block after them: transformers loads the export, the text's bytes its ids
+    snippet = blocks(readme(), "python")[0]
+    loaded = subprocess.run([sys.executable, "-c", "\n".join(snippet)], cwd=cwd, capture_output=True, text=True,
+                            timeout=scaled(300))
+    assert loaded.returncode == 0 and loaded.stdout.startswith("The mesh"), loaded.stdout + loaded.stderr
 
     out = _typed(generate, cwd)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -181,3 +181,36 @@ def test_a_packed_document_gives_the_logits_it_gives_alone(assets, model):
             # Without positions the same row is one sequence: later documents see earlier ones.
             assert float((net(inputs[None])[0] - packed).abs().max()) > 1e-3
     assert worst <= 1e-5, worst
+
+
+@pytest.mark.parametrize("separator", [True, False])
+def test_exact_targets_with_and_without_the_turn_separator(assets, tmp_path, separator):
+    """``data.train_on_turn_separator``: ChatML's newline after each assistant ``<|im_end|>`` is a target
+    (the default, as TRL's assistant-only masks) or not (as Axolotl's train_on_eos: turn). The mask is
+    built here independently, segment by segment of the ChatML text (special tokens split the text)."""
+    from trainer.data.chat import ChatSource
+
+    root, _ = assets
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the mesh"},
+            {"role": "assistant", "content": "shards every"}, {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "replicate"}]
+    write_chats(tmp_path / "one.jsonl", [chat])
+    source = ChatSource(ChatDataConfig(paths=[str(tmp_path / "one.jsonl")], packing=False,
+                                       train_on_turn_separator=separator), SEQ, tokenizer=str(root / "model"))
+    tok = source.tok
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    ids, is_target = [], []
+    for m in chat:
+        mine = m["role"] == "assistant"
+        for piece, target in ((encode("<|im_start|>" + m["role"] + "\n"), False), (encode(m["content"]), mine),
+                              (encode("<|im_end|>"), mine), (encode("\n"), mine and separator)):
+            ids += piece
+            is_target += [target] * len(piece)
+    assert ids == encode(tok.apply_chat_template(chat, tokenize=False))  # the segments are the whole text's tokens
+    want = [t if keep else -100 for t, keep in zip(ids[1:], is_target[1:])]
+    inputs, targets = source[0]
+    n = len(ids) - 1
+    assert inputs[:n].tolist() == ids[:-1] and targets[:n].tolist() == want
+    assert torch.all(targets[n:] == -100)
+    newline = encode("\n")[0]
+    assert [t for t in want if t != -100].count(newline) == (2 if separator else 0)

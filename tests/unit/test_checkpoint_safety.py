@@ -107,6 +107,26 @@ def test_crafted_metadata_runs_nothing_on_resume_export_or_generate(run, tmp_pat
     assert not marker.exists()
 
 
+def test_the_cli_refuses_a_crafted_metadata_as_a_config_error(run, tmp_path):
+    """Refused by validation (exit 2, one message), not in the worker through a traceback (exit 1)."""
+    from tests.conftest import run_cli
+
+    path, marker = _copy(run, tmp_path), tmp_path / "pwned"
+    with open(path / METADATA_FILE, "rb") as f:
+        metadata = read_metadata_file(f)
+    metadata.storage_meta.modules = [RunsCommand(marker)]
+    (path / METADATA_FILE).write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ConfigError) as info:
+        run[0](f"train.checkpoint.resume={path}")
+    [issue] = info.value.issues
+    assert issue.path == "train.checkpoint.resume" and "posix.system" in issue.reason, issue
+    proc = run_cli([*TINY, f"train.checkpoint.dir={tmp_path / 'new'}", f"train.checkpoint.resume={path}"],
+                   cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"train.checkpoint.resume: refusing checkpoint {str(path)!r}" in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists()
+
+
 def test_crafted_legacy_extra_state_runs_nothing(run, tmp_path, capsys):
     marker = tmp_path / "pwned"
     blob = pickle.dumps({"step": 1, "model_config": RunsCommand(marker)})

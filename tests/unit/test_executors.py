@@ -3,7 +3,10 @@ Ray executor makes of a Ray job's status and log, the service's multi-node rule,
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Column, MetaData, Table, create_engine, insert, inspect
@@ -17,7 +20,7 @@ from service.scheduler import Scheduler
 from service.settings import Settings
 from service.store import Job, make_engine, make_sessionmaker, utcnow
 from service.submit import confine
-from timing import scaled
+from timing import Deadline, scaled
 
 
 def test_factory_picks_the_setting_and_explains_what_is_missing(tmp_path, monkeypatch):
@@ -81,6 +84,11 @@ class RayJobs:
 
     def stop_job(self, ref):
         self.stopped.append(ref)
+
+    def submit_job(self, *, entrypoint, submission_id, runtime_env, metadata):
+        folder = runtime_env.get("working_dir")  # read now: Ray uploads it during the call
+        self.submitted = {"entrypoint": entrypoint, "env": runtime_env["env_vars"],
+                          "files": {p.name: p.read_text() for p in Path(folder).iterdir()} if folder else None}
 
 
 def test_ray_executor_copies_the_log_once_and_names_the_failed_node(tmp_path):
@@ -155,3 +163,43 @@ def test_the_supervisor_lowers_the_job_priority_and_records_its_exit_code(tmp_pa
     bad = subprocess.run([sys.executable, "-m", "service.supervise", "--nice", "x", "f", "--", "true"],
                          capture_output=True, text=True, timeout=scaled(60))
     assert bad.returncode == 2 and "usage: python -m service.supervise [--nice N]" in bad.stderr
+
+
+def test_the_plan_resolved_at_submission_travels_to_every_ray_node(tmp_path, monkeypatch):
+    """The plan goes with the Ray job as its working_dir (one file, removed here after the upload); the driver,
+    started in it, hands it to each node's agent, which writes it beside that node's job.json."""
+    import sys
+
+    from service.executors import ray_driver
+
+    plan = {"version": 1, "plan": {"mesh": {"shape": [4]}}, "fingerprint": "abc"}
+    executor = RayExecutor("http://127.0.0.1:1")
+    executor._client = jobs = RayJobs()
+    launch = JobLaunch(job_id="j1", workdir=tmp_path / "job", config={"launch": {"nnodes": 2}}, world_size=4,
+                       resolved_plan=plan)
+    assert executor.start(launch) == "meshflow-j1"
+    assert jobs.submitted["files"] == {"resolved_plan.json": json.dumps(plan)}
+    assert json.loads((tmp_path / "job" / "resolved_plan.json").read_text()) == plan  # the record, as locally
+    assert "resolved_plan" not in jobs.submitted["entrypoint"]
+    executor.start(JobLaunch(job_id="j1", workdir=tmp_path / "bare", config={}, world_size=1))
+    assert jobs.submitted["files"] is None  # no plan (a custom model the meta device cannot plan): no package
+
+    package = tmp_path / "package"  # the driver's working directory on the cluster
+    package.mkdir()
+    (package / "resolved_plan.json").write_text(json.dumps(plan))
+    monkeypatch.chdir(package)
+    assert ray_driver.carried_plan() == plan
+    # A node's agent: the "launcher" here prints what lies beside the config it was given.
+    launcher = tmp_path / "launcher"
+    launcher.write_text('#!/bin/sh\ncat "$(dirname "$3")/resolved_plan.json"\n')
+    launcher.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(launcher))
+    agent = ray_driver.NodeAgent(1)
+    agent.start({"launch": {}}, ["--node-rank", "1"], str(tmp_path / "job"), plan)
+    deadline, lines, code = Deadline(60), [], None
+    while code is None and not deadline.expired():
+        more, code = agent.drain()
+        lines += more
+        time.sleep(0.05)
+    lines += agent.drain()[0]
+    assert code == 0 and json.loads("".join(lines)) == plan

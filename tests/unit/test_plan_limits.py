@@ -88,7 +88,7 @@ def test_a_plan_runs_in_a_pool_worker_and_one_past_the_time_limit_is_refused(set
     try:
         assert validator.wait_warm(timeout=scaled(600))
         (worker,) = validator.worker_pids()
-        answer = plan_in_pool(validator, overrides=SMALL, document=None, page=AutoPlanPage())
+        answer = plan_in_pool(validator, owner="alice", overrides=SMALL, document=None, page=AutoPlanPage())
         assert answer.pid == worker and answer.pid != os.getpid()
         assert answer.numbers["world_size"] == 2 and answer.config["mesh"] == [2] and answer.numbers["per_pp_rank"]
 
@@ -97,12 +97,12 @@ def test_a_plan_runs_in_a_pool_worker_and_one_past_the_time_limit_is_refused(set
         # request answered within that tick is not stopped: the small plan alone (0.09 s warm) can be.
         validator.settings = settings.model_copy(update={"plan_timeout_s": 0.001})
         with pytest.raises(ConfigError) as err:
-            plan_in_pool(validator, overrides=PICTURED, document=None, page=AutoPlanPage())
+            plan_in_pool(validator, owner="alice", overrides=PICTURED, document=None, page=AutoPlanPage())
         [issue] = err.value.issues
         assert issue.path == "<plan>" and issue.reason.endswith("limit of 0.001 s (plan_timeout_s)") and issue.fix
 
         validator.settings = settings
-        again = plan_in_pool(validator, overrides=SMALL, document=None, page=AutoPlanPage())
+        again = plan_in_pool(validator, owner="alice", overrides=SMALL, document=None, page=AutoPlanPage())
         assert again.numbers == answer.numbers and again.pid != worker
         assert again.pid in validator.worker_pids()
     finally:

@@ -191,3 +191,15 @@ def test_the_log_lines_name_paths_that_exist(tmp_path):
                     "0..2, each with "
                     f"stdout.log; rank 0: {restarted}/attempt_10/0/stdout.log")
     assert "<" not in line
+
+
+def test_the_config_s_tags_never_replace_the_reserved_ones():
+    """On the CLI a user's mlflow.* tag cannot replace the trainer's own; in a run the control plane made
+    for the job (tracking.run_id) no reserved tag comes from the config, and mlflow.user stays its creator's."""
+    hostile = "+tracking.tags={meshflow.owner: bob, meshflow.job_id: not-mine, mlflow.user: bob, team: nlp}"
+    own = run_tags(_cfg(hostile))
+    assert own["mlflow.user"] == own["user"] != "bob" and own["team"] == "nlp"
+    assert own["meshflow.owner"] == "bob"  # the user's own store: a tag like any other
+    served = run_tags(_cfg(hostile, "tracking.run_id=abc123"))
+    assert not any(key.startswith(("meshflow.", "mlflow.user")) for key in served), served
+    assert served["team"] == "nlp" and served["mlflow.source.name"] == "python -m trainer"

@@ -289,3 +289,20 @@ def test_a_sigterm_during_an_mlflow_write_is_raised_once_the_write_is_whole(
     with install_signal_handlers(), pytest.raises(Terminated):  # outside a write it still stops at once
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(1)
+
+
+def test_a_restarted_attempt_logs_each_step_once(cfg: TrackingConfig, client: MlflowClient) -> None:
+    """Workers restarted after a failure resume from the checkpoint at step 2 and replay step 3: MLflow
+    keeps the first attempt's point of each step, and the steps after it come from the new attempt."""
+    first = MLflowTracker(cfg)
+    for step in (1, 2, 3):
+        first.log_metrics({"loss": 10.0 + step, "lr": 0.1}, step=step)
+    first.log_metrics({"val_loss": 5.0}, step=2)
+    again = MLflowTracker(cfg, run_id=first.run_id)
+    for step in (3, 4):
+        again.log_metrics({"loss": 20.0 + step, "lr": 0.2, "val_loss": 6.0}, step=step)
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(first.run_id, "loss"))
+    assert loss == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0)]
+    assert sorted(m.step for m in client.get_metric_history(first.run_id, "lr")) == [1, 2, 3, 4]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(first.run_id, "val_loss")) == \
+        [(2, 5.0), (3, 6.0), (4, 6.0)]

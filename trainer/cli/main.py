@@ -29,7 +29,7 @@ _BATCH_PATHS = {"train.global_batch_size", "parallel.pipeline.microbatches"}
 register_defaults()  # the base config Hydra composes from: the pydantic models' defaults
 
 
-def main() -> int:
+def main(*, started: float | None = None) -> int:
     """``python -m trainer``: one run, or a sweep's jobs (``--multirun``), as Hydra reads the command
     line. A single run exits with its launch's code; after a sweep, the code returned is the first
     failed job's, else 0. Each job returns its :class:`LaunchOutcome` to Hydra (``float()`` of it is the
@@ -39,7 +39,7 @@ def main() -> int:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def job(composed: DictConfig) -> LaunchOutcome | None:
-        outcome = run_job(composed)
+        outcome = run_job(composed, started=started)
         if outcome is not None and not outcome.ok:
             failed.append(outcome.exit_code)
         return outcome
@@ -48,10 +48,11 @@ def main() -> int:
     return failed[0] if failed else EXIT_OK
 
 
-def run_job(composed: DictConfig) -> LaunchOutcome | None:
+def run_job(composed: DictConfig, *, started: float | None = None) -> LaunchOutcome | None:
     """One job: the composed config validated and launched (or planned, or only checked). In a single
     run the process exits with the launch's code; in a sweep a job returns its outcome, a failed one's
-    too, so that Hydra goes on with the next job and the sweep ends failed (:func:`main`)."""
+    too, so that Hydra goes on with the next job and the sweep ends failed (:func:`main`). ``started``:
+    the process's start, for a single run's wall time (a sweep's jobs count from their own launch)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -61,7 +62,7 @@ def run_job(composed: DictConfig) -> LaunchOutcome | None:
         raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
     if sweeping:
         _sweep_checkpoint_dir(raw, HydraConfig.get())
-    with LaunchSession(raw.get("tracking") or {}) as session:
+    with LaunchSession(raw.get("tracking") or {}, started=None if sweeping else started) as session:
         if _starts_workers(raw):  # the workers' fork server imports while the config is checked
             session.start_workers_server()
         return _run(raw, sweeping, session)

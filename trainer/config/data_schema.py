@@ -10,18 +10,19 @@ from typing import Annotated, Literal, get_args
 from pydantic import Field
 
 from parallel.config import Section as _Section
+from trainer.config.path_text import PathText
 from trainer.config.chat_data import ChatDataConfig
 
 
 
 class TextDataConfig(_Section):
     kind: Literal["text"] = Field("text", description="Byte-level tokens from local text files.")
-    root: str = Field(
+    root: PathText = Field(
         "stdlib",
         description="Directory searched for files; `stdlib` means the Python standard library's own source, "
         "which exists offline wherever the project runs.",
     )
-    glob: str = Field("**/*.py", description="Glob (relative to root) selecting the files, read in sorted order.")
+    glob: PathText = Field("**/*.py", description="Glob (relative to root) selecting the files, read in sorted order.")
     # Every rank holds the text in memory (a byte per token): 1 GiB is 130x the default and past any
     # byte-level experiment; bigger corpora are data=files' job, which memory-maps its tokens.
     max_bytes: int = Field(8_000_000, ge=1024, le=2**30, description="Read at most this many bytes of the sorted "
@@ -58,21 +59,22 @@ class RegressionDataConfig(_Section):
 class FilesDataConfig(_Section):
     kind: Literal["files"] = Field("files", description="Documents from your files (jsonl, json, parquet or "
                                                         "text), tokenized.")
-    paths: list[str] = Field(
+    paths: list[PathText] = Field(
         default_factory=list, description="Files or globs (`**` recurses); jsonl/json/parquet give records, any other "
         "suffix is plain text with one document per file. Each must match at least one file.")
     text_field: str = Field("text", min_length=1, description="The record field holding a document's text.")
-    tokenizer: str | None = Field(
+    tokenizer: PathText | None = Field(
         None, description="A tokenizer.json, or a model directory holding one (Hugging Face `tokenizers`); "
         "null = UTF-8 bytes (256 ids, NUL ends a document).")
     eos_token: str | None = Field(
         None, description="The token appended to each document; null = the tokenizer's own (tokenizer_config.json, "
         "then the usual names such as </s> or <|endoftext|>).")
-    cache_dir: str = Field(
+    cache_dir: PathText = Field(
         ".cache/meshflow-tokens", min_length=1, description="Where the tokenized corpus is kept (one memory-mapped "
         "file per corpus and tokenizer, shared by the ranks of a host and reused by later runs).")
     num_proc: int = Field(1, ge=1, le=256, description="Processes tokenizing the corpus the first time.")
-    val_paths: list[str] = Field(default_factory=list, description="Separate validation files or globs (see paths).")
+    val_paths: list[PathText] = Field(default_factory=list,
+                                      description="Separate validation files or globs (see paths).")
     val_fraction: float = Field(
         0.0, ge=0, lt=1, description="Hold out this fraction of the token windows, from the end of the corpus, "
         "for validation (when val_paths is empty).")

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import Field, ValidationInfo, field_validator
 
 from parallel.config import Section as _Section
+from trainer.config.path_text import PathText
 
 
 class RopeScaling(_Section):
@@ -150,7 +151,7 @@ class MLPConfig(_Section):
 class HFModelConfig(_Section):
     arch: Literal["hf"] = Field("hf", description="A Hugging Face causal LM from a local directory (Llama family: "
                                 "Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Mixtral).")
-    path: str | None = Field(
+    path: PathText | None = Field(
         None,
         description="Directory with the model's config.json (model_type llama, mistral, qwen2, qwen3, or "
                     "with a mixture of experts qwen3_moe or mixtral), plus *.safetensors weights "

@@ -29,6 +29,7 @@ from trainer.config.data_schema import (  # noqa: F401 - re-exported: callers na
     TextDataConfig,
 )
 from trainer.config.hardware import HardwareProfile
+from trainer.config.path_text import PathText
 from trainer.config.model_schema import (  # noqa: F401 - re-exported: callers name every section from here
     MODEL_SECTIONS,
     CustomModelConfig,
@@ -81,12 +82,12 @@ class OptimConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    dir: str = Field("checkpoints", min_length=1, description="Directory holding `step_<n>` checkpoint folders.")
+    dir: PathText = Field("checkpoints", min_length=1, description="Directory holding `step_<n>` checkpoint folders.")
     every: int = Field(0, ge=0, description="Save every N steps; 0 saves never (except `save_final`).")
     # Disk: each checkpoint is the whole model and optimizer state. Nobody keeps more than 1000 of them;
     # a run that needs its whole history saves less often.
     keep: int = Field(3, ge=1, le=1000, description="Keep the newest K checkpoints, delete older ones; at most 1000.")
-    resume: str = Field("none", min_length=1,
+    resume: PathText = Field("none", min_length=1,
                         description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
     save_final: bool = Field(True, description="Also save after the last step: what `python -m trainer.export` and "
                              "`python -m trainer.generate` read (the MLflow run's `model/` artifact is gathered "
@@ -133,12 +134,13 @@ class TrainConfig(_Section):
     # Time: every evaluation runs them all; 10000 batches is a validation set larger than most training sets.
     eval_batches: int = Field(
         4, ge=1, le=10_000, description="Validation batches per evaluation (global_batch_size / grad_accum sequences "
-        "each, the same ones every time); fewer when the split is smaller; at most 10000.")
+        "each, the same ones every time); fewer when the split is smaller: each row counts once (the last batch "
+        "padded with rows that count for nothing) and val_loss is the mean over their targets; at most 10000.")
     precision: Precision = Field(
         "fp32", description="fp32, or bf16: bf16 compute with fp32 master weights, optimizer state and gradient "
         "reduction (FSDP2's mixed-precision policy under data parallelism, autocast otherwise).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
-    init_from: str | None = Field(
+    init_from: PathText | None = Field(
         None, description="Initialise the weights from a safetensors file (see `python -m trainer.export`) "
         "instead of from the seed; null = from the seed."
     )
@@ -172,7 +174,7 @@ class LaunchConfig(_Section):
     # Time: every restart starts all workers again from the last checkpoint; a job failing 100 times will not pass.
     max_restarts: int = Field(0, ge=0, le=100, description="Times torch's elastic agent restarts failed workers; "
                               "at most 100.")
-    log_dir: str | None = Field(
+    log_dir: PathText | None = Field(
         "logs", description="Where the workers' per-rank log files go (torch elastic's log options): "
         "`<log_dir>/<run>/attempt_<n>/<rank>/stdout.log` and `stderr.log`, also uploaded to the MLflow run's "
         "`logs/`; rank 0's output and every rank's errors still show on the console. null = a temporary "

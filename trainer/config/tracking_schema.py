@@ -58,7 +58,8 @@ class TrackingConfig(_Section):
                                  "(`3d-2x2x2`).")
     tags: dict[str, str] = Field(
         default_factory=dict, description="Extra MLflow run tags (`+tracking.tags.team=nlp`); the CLI and the "
-        "control plane set `preset` to the config group the run came from.")
+        "control plane set `preset` to the config group the run came from. The `meshflow.` and `mlflow.` namespaces "
+        "are reserved: refused over REST, and on the CLI never replacing the trainer's own (`mlflow.user`).")
     run_id: str | None = Field(
         None, description="Log into this existing MLflow run instead of creating one (set by the control plane)."
     )

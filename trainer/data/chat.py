@@ -8,8 +8,9 @@ template (``tokenizer_config.json``), a built-in one (``data.template=chatml``) 
 file, through transformers' ``apply_chat_template``, and tokenized once with character offsets.
 An assistant turn's tokens are found by rendering the conversation up to the turn twice: with the
 generation prompt (the text before the reply) and with the reply (the text after it); the tokens
-starting between the two are the reply's, its end-of-turn tokens included. Every other target
-is ``IGNORE`` (-100), which the loss skips (``data.train_on=all`` keeps them all).
+starting between the two are the reply's, its end-of-turn tokens included, and the whitespace the
+template writes after them (ChatML's newline after ``<|im_end|>``) unless ``data.train_on_turn_separator=false``.
+Every other target is ``IGNORE`` (-100), which the loss skips (``data.train_on=all`` keeps them all).
 
 Rows: with ``data.packing`` (the default) conversations are packed back to back into rows of
 ``train.seq_len`` (next-fit, in file order; the rest of a row is padding), and each row carries
@@ -68,7 +69,15 @@ def load_chat_tokenizer(path: str, template: str | None, *, key: str = "data.tok
         raise ConfigError([ConfigIssue("data.template", f"the tokenizer at {str(file.parent)!r} has no chat template "
                                        "(tokenizer_config.json's chat_template, or chat_template.jinja)",
                                        "data.template=chatml")])
-    render(tok, PROBE)  # a template whose replies cannot be located is refused here, before any data is read
+    try:  # a template whose replies cannot be located is refused here, before any data is read
+        render(tok, PROBE)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the template is the user's code: any failure to render is its own
+        # (jinja2's syntax errors, an {% include %} with no loader, the sandbox refusing an attribute, ...)
+        raise ConfigError([ConfigIssue("data.template", f"the chat template does not render a conversation: "
+                                       f"{type(err).__name__}: {err}",
+                                       "fix the template, or use a built-in one: data.template=chatml")]) from None
     return tok
 
 
@@ -92,9 +101,11 @@ def _render(tok: Any, messages: list[dict], *, prompt: bool = False) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
 
 
-def render(tok: Any, messages: list[dict], *, train_on: str = "assistant") -> tuple[list[int], list[bool]]:
+def render(tok: Any, messages: list[dict], *, train_on: str = "assistant",
+           turn_separator: bool = True) -> tuple[list[int], list[bool]]:
     """``(token ids, is_target)`` of one conversation: ``is_target[j]`` marks the assistant's tokens
-    (every token with ``train_on="all"``).
+    (every token with ``train_on="all"``); ``turn_separator`` (``data.train_on_turn_separator``): the
+    whitespace after a reply's end-of-turn token (ChatML's newline after ``<|im_end|>``) among them.
 
     Raises:
         ConfigError: at ``data.template`` when the template does not render a conversation as a
@@ -111,7 +122,8 @@ def render(tok: Any, messages: list[dict], *, train_on: str = "assistant") -> tu
                 "data.template", "the chat template renders an earlier turn differently once later turns follow "
                 "(e.g. it drops the reasoning of earlier replies), so the assistant's tokens cannot be located",
                 "data.template=chatml")])
-        spans.append((len(before), len(through)))
+        end = len(through) if turn_separator else len(before) + len(through[len(before):].rstrip())
+        spans.append((len(before), end))
     encoding = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoding["input_ids"])
     if train_on == "all":
@@ -159,7 +171,8 @@ class ChatSource:
         self.num_conversations, self.num_cut = len(records), 0
         documents = []
         for record in records:
-            ids, is_target = render(self.tok, conversation(record, cfg), train_on=cfg.train_on)
+            ids, is_target = render(self.tok, conversation(record, cfg), train_on=cfg.train_on,
+                                    turn_separator=cfg.train_on_turn_separator)
             if len(ids) < 2:
                 continue
             inputs = ids[:-1]

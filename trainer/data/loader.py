@@ -13,10 +13,13 @@ see exactly the samples one rank would have seen::
 With context parallelism (``cp_size > 1``) the ranks of one dp rank get the same rows, each its
 chunks of every row (:func:`parallel.context.shard_sequence`): ``[8, seq_len / cp]`` each.
     saved = loader.state_dict()                  # {"next_sample": 16, ...}
+
+Evaluation reads a validation split with :class:`ValidationRows` instead: each row once, never wrapping.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +29,8 @@ from torch import Tensor
 from parallel.context import shard_sequence
 from trainer.data.base import Source, derive_seed
 
+# A target that does not count: torch's cross_entropy ignore_index, as the chat data's mask.
+IGNORE = -100
 # Permutations kept in memory: the current epoch's and the next, since one batch may span both.
 _CACHED_EPOCHS = 2
 
@@ -151,3 +156,58 @@ class GlobalBatchLoader:
             f"GlobalBatchLoader(global_batch_size={self.global_batch_size}, dp_rank={self.dp_rank}, "
             f"dp_size={self.dp_size}, seed={self.seed}, next_sample={self.next_sample})"
         )
+
+
+class ValidationRows:
+    """A validation split's rows for one evaluation, each exactly once: the first ``max_batches *
+    global_batch_size`` rows of the split's epoch-0 order (the same ones every time; the whole split
+    when it is smaller), in global batches cut over the dp (and cp) ranks as training batches are.
+
+    The last batch is filled up with padding rows whose targets do not count (``IGNORE``; NaN for
+    float targets), so every batch has the shape the layout expects (its dp shares and micro-batches
+    equal) while no row counts twice::
+
+        rows = ValidationRows(source, global_batch_size=8, max_batches=4, dp_rank=0, dp_size=2, seed=0)
+        for batch in range(len(rows)):
+            inputs, targets, *positions = rows.batch(batch)       # this rank's [4, ...] share
+            rows.target_count(batch)                              # the batch's targets, all ranks'
+    """
+
+    def __init__(self, source: Source, *, global_batch_size: int, max_batches: int, dp_rank: int, dp_size: int,
+                 seed: int, cp_rank: int = 0, cp_size: int = 1) -> None:
+        order = GlobalBatchLoader(source, global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                  seed=seed)
+        self.indices = order.source_indices(0, min(len(source), max_batches * global_batch_size))
+        self.source, self.global_batch_size = source, global_batch_size
+        self.dp_rank, self.local_batch_size = dp_rank, order.local_batch_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self._first = source[self.indices[0]]
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.indices) / self.global_batch_size)
+
+    def _rows(self, batch: int) -> list[int]:
+        return self.indices[batch * self.global_batch_size : (batch + 1) * self.global_batch_size]
+
+    def target_count(self, batch: int) -> int:
+        """The targets that count in global batch ``batch`` (every rank's share; padding none)."""
+        rows = self._rows(batch)
+        if hasattr(self.source, "target_count"):  # chat data: rows of their own counts
+            return sum(self.source.target_count(i) for i in rows)
+        return len(rows) * self._first[1].numel()  # every target counts
+
+    def batch(self, batch: int) -> tuple[Tensor, ...]:
+        """This rank's share of global batch ``batch``: ``[local_batch_size, ...]`` each (this cp rank's
+        chunks of every row), padding rows where the split ran out."""
+        rows: list[int | None] = list(self._rows(batch))
+        rows += [None] * (self.global_batch_size - len(rows))
+        mine = rows[self.dp_rank * self.local_batch_size : (self.dp_rank + 1) * self.local_batch_size]
+        samples = [self.source[i] if i is not None else self._padding() for i in mine]
+        return tuple(shard_sequence(torch.stack(column), dim=1, cp_rank=self.cp_rank, cp_size=self.cp_size)
+                     for column in zip(*samples))
+
+    def _padding(self) -> tuple[Tensor, ...]:
+        """A row that counts for nothing: the first row's inputs (and positions), no target."""
+        inputs, targets, *rest = self._first
+        filler = torch.full_like(targets, math.nan if targets.is_floating_point() else IGNORE)
+        return (inputs, filler, *rest)

@@ -79,9 +79,10 @@ def sample(model: nn.Module, prompt: torch.Tensor, *, max_new_tokens: int, tempe
 
 
 def generate(checkpoint: str | Path, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.8,
-             top_k: int | None = 40, seed: int = 0, tokenizer: str | None = None) -> str:
-    """The prompt and the text sampled after it, decoded with the run's tokenizer."""
-    model, model_cfg, extra = load_checkpoint_model(checkpoint)
+             top_k: int | None = 40, seed: int = 0, tokenizer: str | None = None, builder: str | None = None) -> str:
+    """The prompt and the text sampled after it, decoded with the run's tokenizer. ``builder``: a custom
+    model's ``module:function``, which the user names (a checkpoint's own is never imported)."""
+    model, model_cfg, extra = load_checkpoint_model(checkpoint, builder=builder)
     if getattr(model_cfg, "arch", None) == "mlp":
         raise ValueError("model mlp maps vectors to vectors; there is nothing to generate")
     tok = run_tokenizer(extra.get("data_config") or {}, tokenizer)
@@ -115,9 +116,9 @@ def chat_tokenizer_of(extra: dict, tokenizer: str | None = None, template: str |
 
 def chat(checkpoint: str | Path, message: str, *, system: str | None = None, template: str | None = None,
          max_new_tokens: int = 64, temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
-         tokenizer: str | None = None) -> str:
+         tokenizer: str | None = None, builder: str | None = None) -> str:
     """The assistant's reply to ``message`` (after ``system``), rendered with the run's chat template."""
-    model, model_cfg, extra = load_checkpoint_model(checkpoint)
+    model, model_cfg, extra = load_checkpoint_model(checkpoint, builder=builder)
     tok = chat_tokenizer_of(extra, tokenizer, template)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sample among the k likeliest tokens; 0 = all (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json or directory instead of the run's own")
+    parser.add_argument("--builder", default=None, metavar="MODULE:FUNCTION",
+                        help="a custom model's builder function; a checkpoint that names its own is refused "
+                        "unless you name it here (a checkpoint never chooses code to import)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens: must be >= 1")
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--top-k: must be >= 0 (0 = all tokens)")
 
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                    seed=args.seed, tokenizer=args.tokenizer)
+                    seed=args.seed, tokenizer=args.tokenizer, builder=args.builder)
     try:
         if args.chat is not None:
             text = chat(args.checkpoint, args.chat, system=args.system, template=args.template, **sampling)

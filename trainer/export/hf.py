@@ -18,14 +18,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from trainer.config.schema import HFModelConfig, LlamaConfig
+from trainer.export.sources import Source, copy_model_files
 from trainer.models.hf import hf_named_state
 from trainer.models.llama import HF_NAMES, MESHFLOW_NAMES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 _TOP = {"tok_embeddings": "model.embed_tokens", "layers": "model.layers", "norm": "model.norm", "output": "lm_head"}
 _INNER = dict(zip(MESHFLOW_NAMES[:-1], HF_NAMES[:-1]))  # wq -> q_proj, attn -> self_attn, ...
 
@@ -79,11 +80,13 @@ def hf_layout_refusal(model_cfg) -> str | None:
 
 
 def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
-              tokenizer: str | None = None) -> dict[str, int]:
+              tokenizer: Source | None = None, template: str | None = None) -> dict[str, Any]:
     """Write ``state`` (the full model's weights) of a model built from ``model_cfg`` as a
-    Hugging Face directory ``out``, with the tokenizer files of the model directory and of
-    ``tokenizer`` (the run's ``data.tokenizer``: a tokenizer.json or a directory holding one);
-    returns ``{"tensors": n, "bytes": size}``."""
+    Hugging Face directory ``out``, with what a user of the model needs from the model directory
+    and from ``tokenizer`` (the run's: a tokenizer.json or a directory holding one, which wins):
+    tokenizer, chat template, generation config, special-token maps
+    (:data:`trainer.export.sources.MODEL_DIR_FILES`); ``template``, the chat template the run
+    trained with, as ``chat_template.jinja``. Returns ``{"tensors": n, "bytes": size, "files": [...]}``."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -92,9 +95,6 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
         tensors = hf_named_state(state, model_cfg.path)  # a mixture of experts: one tensor per expert again
         source = Path(model_cfg.path)
         shutil.copy(source / "config.json", out / "config.json")
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy(source / name, out / name)
     elif isinstance(model_cfg, LlamaConfig):
         if (refusal := hf_layout_refusal(model_cfg)) is not None:
             raise ValueError(refusal)
@@ -107,12 +107,8 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
         (out / "config.json").write_text(json.dumps(llama_hf_config(model_cfg), indent=2))
     else:
         raise ValueError(hf_layout_refusal(model_cfg))
-    if tokenizer and Path(tokenizer).exists():  # the run's own tokenizer wins over the model directory's
-        file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
-        for name in TOKENIZER_FILES:
-            if (file.parent / name).is_file() and name != "tokenizer.json":
-                shutil.copy(file.parent / name, out / name)
-        shutil.copy(file, out / "tokenizer.json")
+    model_dir = Source(Path(model_cfg.path)) if isinstance(model_cfg, HFModelConfig) else None
+    files = copy_model_files([model_dir, tokenizer], out, template=template)  # the run's tokenizer wins
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return {"tensors": len(tensors), "bytes": (out / "model.safetensors").stat().st_size}
+    return {"tensors": len(tensors), "bytes": (out / "model.safetensors").stat().st_size, "files": files}

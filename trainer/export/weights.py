@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import TypeAdapter
@@ -27,20 +28,23 @@ from pydantic import TypeAdapter
 from parallel.sharding.ties import alias_names, first_names, tied_groups
 from trainer.checkpoint.dcp import CheckpointError, read_extra, stored_model_keys
 from trainer.checkpoint.safe_read import load_dcp
-from trainer.config.schema import LoRAConfig, ModelConfig
+from trainer.config.schema import CustomModelConfig, LoRAConfig, ModelConfig
 from trainer.export.hf import export_hf
 from trainer.export.peft import export_peft
+from trainer.export.sources import Source, template_text, tokenizer_source
 from trainer.models import build_model
 from trainer.models.fingerprint import mismatches, module_fingerprints
 from trainer.models.init import local_box
 from trainer.models.lora import is_adapter, merged_state, trainable_names
 
 
-def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, ModelConfig, dict]:
+def load_checkpoint_model(checkpoint: str | Path, *, builder: str | None = None,
+                          ) -> tuple[torch.nn.Module, ModelConfig, dict]:
     """``(the plain model with the checkpoint's weights, its config, the checkpoint's extra state)``,
-    gathered into one process from any mesh's checkpoint."""
+    gathered into one process from any mesh's checkpoint. ``builder``: the ``module:function`` of a
+    custom model, given by the user (``--builder``); see :func:`trusted_model_config`."""
     extra = read_extra(checkpoint)
-    model_cfg = TypeAdapter(ModelConfig).validate_python(extra["model_config"])
+    model_cfg = trusted_model_config(checkpoint, extra["model_config"], builder)
     base = extra.get("base") or {}  # a LoRA checkpoint without its frozen base: where the run's came from
     model = build_model(model_cfg, seed=base.get("seed", 0))
     if base.get("init_from"):
@@ -66,21 +70,53 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[torch.nn.Module, Mode
     return model, model_cfg, extra
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = "safetensors") -> dict[str, int]:
+def trusted_model_config(checkpoint: str | Path, saved: dict, builder: str | None) -> ModelConfig:
+    """The checkpoint's model config, with no code chosen by the checkpoint: a checkpoint is data, and
+    one from anywhere may name ``os:system`` as its builder. A custom model's ``model.builder`` is
+    imported only when the user names it (``builder``, which replaces the checkpoint's); a model an
+    installed package registers (``model.name``) and the built-ins need nothing."""
+    model_cfg = TypeAdapter(ModelConfig).validate_python(saved)
+    if not isinstance(model_cfg, CustomModelConfig) or model_cfg.name is not None:
+        if builder is not None:
+            raise ValueError(f"--builder: checkpoint {str(checkpoint)!r} holds a model.arch={model_cfg.arch} model, "
+                             "not one built by a function (leave --builder out)")
+        return model_cfg
+    if builder is None:
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} names the model builder {model_cfg.builder!r}, and "
+                              "a checkpoint's own metadata never chooses code to run",
+                              fix=f"if you trust that function, name it yourself: --builder {model_cfg.builder}")
+    return model_cfg.model_copy(update={"builder": builder})
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = "safetensors",
+                      builder: str | None = None, tokenizer: str | None = None,
+                      template: str | None = None) -> dict[str, Any]:
     """Write the checkpoint's model weights to ``out`` (a file; a directory for ``format="hf"``,
-    see :mod:`trainer.export.hf`, with the run's tokenizer when it had one, and for ``"peft"``, see
-    :mod:`trainer.export.peft`); return {"tensors": n, "bytes": size}. LoRA adapters are merged into
-    their base weights except for ``peft``, which writes them alone."""
-    model, model_cfg, extra = load_checkpoint_model(checkpoint)
-    return export_model(model, model_cfg, out, format=format, step=extra.get("step"),
-                        tokenizer=(extra.get("data_config") or {}).get("tokenizer"))
+    see :mod:`trainer.export.hf`, with the run's tokenizer and chat template when it had them, and for
+    ``"peft"``, see :mod:`trainer.export.peft`); return {"tensors": n, "bytes": size} (and for ``hf``
+    the other "files" written). LoRA adapters are merged into
+    their base weights except for ``peft``, which writes them alone. ``builder``: a custom model's
+    ``module:function``, which the user names (:func:`trusted_model_config`); ``tokenizer`` and
+    ``template``: the user's, instead of the run's (which must lie inside the checkpoint or the
+    model's directory: :mod:`trainer.export.sources`)."""
+    tokenizer_files, template_file = None, None
+    if format == "hf":  # what ships beside the weights, refused (if it must be) before any weight is read
+        saved = read_extra(checkpoint)
+        model_dir = saved["model_config"].get("path") if saved["model_config"].get("arch") == "hf" else None
+        tokenizer_files = tokenizer_source(checkpoint, saved, model_dir, given=tokenizer)
+        template_file = template_text(checkpoint, saved, model_dir, given=template)
+    model, model_cfg, extra = load_checkpoint_model(checkpoint, builder=builder)
+    return export_model(model, model_cfg, out, format=format, step=extra.get("step"), tokenizer=tokenizer_files,
+                        template=template_file)
 
 
 def export_model(model: torch.nn.Module, model_cfg: ModelConfig, out: str | Path, *, format: str = "safetensors",
-                 step: int | None = None, tokenizer: str | None = None) -> dict[str, int]:
+                 step: int | None = None, tokenizer: Source | None = None, template: str | None = None
+                 ) -> dict[str, Any]:
     """Write the plain ``model``'s weights (built from ``model_cfg``) to ``out`` as ``format`` says
-    (see :func:`export_checkpoint`); ``step`` goes into a safetensors file's metadata, ``tokenizer``
-    (the run's ``data.tokenizer``) beside a Hugging Face directory's weights."""
+    (see :func:`export_checkpoint`); ``step`` goes into a safetensors file's metadata; ``tokenizer``
+    (where its files come from) and ``template`` (a chat template's text) beside a Hugging Face
+    directory's weights."""
     from safetensors.torch import save_file
 
     if format == "peft":
@@ -91,7 +127,7 @@ def export_model(model: torch.nn.Module, model_cfg: ModelConfig, out: str | Path
         state = merged_state(model, state)
         model_cfg = model_cfg.model_copy(update={"lora": LoRAConfig()})
     if format == "hf":
-        return export_hf(state, model_cfg, out, tokenizer=tokenizer)
+        return export_hf(state, model_cfg, out, tokenizer=tokenizer, template=template)
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
@@ -162,14 +198,24 @@ def main(argv: list[str] | None = None) -> int:
                         "adapters merged into the weights); peft: a LoRA run's adapters as a PEFT adapter directory")
     parser.add_argument("--out", default=None, help="output file, or directory with --format hf / peft "
                                                     "(default model.safetensors / hf_model / adapter)")
+    parser.add_argument("--builder", default=None, metavar="MODULE:FUNCTION",
+                        help="a custom model's builder function; a checkpoint that names its own is refused "
+                        "unless you name it here (a checkpoint never chooses code to import)")
+    parser.add_argument("--tokenizer", default=None, help="with --format hf: a tokenizer.json or directory to ship "
+                        "instead of the run's (a run's own is copied only from inside the checkpoint or the model's "
+                        "directory)")
+    parser.add_argument("--template", default=None, help="with --format hf: the chat template to ship, a built-in "
+                        "name (chatml) or a .jinja file, instead of the run's data.template")
     args = parser.parse_args(argv)
     args.out = args.out or {"hf": "hf_model", "peft": "adapter"}.get(args.format, "model.safetensors")
     try:
-        info = export_checkpoint(args.checkpoint, args.out, format=args.format)
+        info = export_checkpoint(args.checkpoint, args.out, format=args.format, builder=args.builder,
+                                 tokenizer=args.tokenizer, template=args.template)
     except (CheckpointError, KeyError, ValueError) as err:
         print(f"export failed: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB")
+    shipped = f", with {', '.join(info['files'])}" if info.get("files") else ""
+    print(f"wrote {args.out}: {info['tensors']} tensors, {info['bytes'] / 2**20:.1f} MiB{shipped}")
     return 0
 
 

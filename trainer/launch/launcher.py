@@ -40,8 +40,8 @@ from trainer.launch.elastic import PLAN_FILE, RendezvousFailure, WorkerFailure, 
 from trainer.launch.processes import worker_server
 from trainer.run.metrics import Progress
 from trainer.tracking.mlflow_tracker import make_tracker
-from trainer.tracking.run_info import run_name, run_url
 from trainer.tracking.end_of_run import AfterTraining
+from trainer.tracking.run_info import run_name, run_url, ui_command
 from trainer.tracking.run_record import launch_plan, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
 
@@ -91,10 +91,13 @@ class LaunchSession:
 
     :meth:`launch` starts the server itself for a config of several ranks (:func:`launch` is a session
     of one launch); the server stops when the session ends. ``tracking``: the tracking section, or its
-    composed dict before validation (what rank 0 preloads: :func:`worker_preload`)."""
+    composed dict before validation (what rank 0 preloads: :func:`worker_preload`). ``started``: when the
+    process started (``time.monotonic()``; the CLI's entry), from which the first launch's wall time
+    counts, so that the summary's wall time is the command's; else each launch counts from its own call."""
 
-    def __init__(self, tracking: TrackingConfig | Mapping[str, Any]) -> None:
+    def __init__(self, tracking: TrackingConfig | Mapping[str, Any], *, started: float | None = None) -> None:
         self._tracking = tracking
+        self._started = started
         self._stack = ExitStack()
         self._serving = False
 
@@ -115,7 +118,7 @@ class LaunchSession:
         ``plan``: the config's, as validation resolved it (a stored one is checked against the model first);
         else resolved here, once. Either goes to the
         workers (or the loop, on one device) with its model's fingerprint: none of them resolves it again."""
-        began = time.monotonic()
+        began, self._started = self._started or time.monotonic(), None
         if issues := launch_disk_issues(cfg):  # this directory, as the run would use it
             print(ConfigError(issues), file=sys.stderr)
             return LaunchOutcome(EXIT_CONFIG)
@@ -153,8 +156,9 @@ def _launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> 
                            run_name=run_name(cfg))
     url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id,
                   cfg.tracking.ui_url)
-    if url:  # start-up says what it is doing: the run's page exists from now on
-        print(f"mlflow run: {url}", flush=True)
+    if url:  # start-up says what it is doing: the run's page exists from now on, served by the command beside it
+        serve = ui_command(cfg.tracking.tracking_uri, cfg.tracking.ui_url)
+        print(f"mlflow run: {url}" + (f"  (serve it: {serve})" if serve else ""), flush=True)
     try:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
             if cfg.launch.node_rank == 0:

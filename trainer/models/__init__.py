@@ -20,7 +20,7 @@ from torch import nn
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, MLPConfig, MoEConfig
 from trainer.models.custom import build_custom_model
 from trainer.models.init import canonical_fqn, init_named_parameters, init_parameter, stable_seed
-from trainer.models.loss import cross_entropy_mean, cross_entropy_sum
+from trainer.models.loss import IGNORE_INDEX, cross_entropy_mean, cross_entropy_sum
 from trainer.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 from trainer.models.mlp import MatmulMLP
 
@@ -68,6 +68,16 @@ class TargetMeanLoss:
 def mse_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean squared error over every element."""
     return F.mse_loss(output.float(), targets.float())
+
+
+class TargetMeanSquaredError(TargetMeanLoss):
+    """:func:`mse_loss` as :class:`TargetMeanLoss` divides: squared errors summed over the targets that count
+    (an evaluation's padding rows carry NaN, or ``-100`` for integer targets) over ``rows * tokens_per_row``."""
+
+    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        counts = ~targets.isnan() if targets.is_floating_point() else targets != IGNORE_INDEX
+        error = torch.where(counts, output.float() - targets.float().nan_to_num(), 0.0)
+        return error.square().sum() / (targets.shape[0] * self.tokens_per_row)
 
 
 MODEL_REGISTRY: dict[str, Callable[..., nn.Module]] = {"llama": Transformer, "mlp": MatmulMLP}
@@ -156,6 +166,14 @@ def loss_fn_for(cfg: ModelCfg, *, masked: bool = False, chunk_tokens: int | None
     return ChunkedLMLoss(chunk_tokens) if loss is lm_loss and chunk_tokens else loss
 
 
+def eval_loss_for(cfg: ModelCfg, *, chunk_tokens: int | None = None) -> TargetMeanLoss:
+    """The loss an evaluation sums over a validation split: the model's own, as a sum over the targets that
+    count divided by the loop's ``tokens_per_row`` (:class:`TargetMeanLoss`, or its squared-error form), so
+    that padding rows count for nothing and every target weighs the same."""
+    loss = {"lm": lm_loss, "mse": mse_loss}[cfg.loss] if cfg.arch == "custom" else _lookup(LOSS_REGISTRY, cfg.arch)
+    return TargetMeanSquaredError() if loss is mse_loss else TargetMeanLoss(chunk_tokens)
+
+
 def count_parameters(model: nn.Module) -> int:
     """Number of parameter elements; for DTensor parameters the global (unsharded) count."""
     return sum(p.numel() for p in model.parameters())
@@ -170,11 +188,13 @@ __all__ = [
     "MatmulMLP",
     "RMSNorm",
     "TargetMeanLoss",
+    "TargetMeanSquaredError",
     "Transformer",
     "TransformerBlock",
     "build_model",
     "canonical_fqn",
     "count_parameters",
+    "eval_loss_for",
     "decoder_config",
     "init_parameter",
     "lm_loss",

@@ -138,13 +138,13 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     unit_of = _units_of(model, plan.units)
     for fqn, numel, trainable in parameter_list(model):
         axes = placements.get(fqn, {})
-        tp_div, dp_div = topology.local_divisor(fqn, axes), topology.fsdp_divisor(fqn)
+        tp_div, dp_div, expert = topology.holding(fqn, axes)
         s = stage_of[unit_of[fqn]]
         stage_params[s] += numel
         stage_local[s] += numel / tp_div
         stage_sharded[s] += numel / tp_div / dp_div
         stage_trainable[s] += numel / tp_div / dp_div if trainable else 0.0
-        if topology.is_expert(fqn):
+        if expert:
             stage_experts[s] += numel / tp_div / dp_div * (4 if trainable else 1)
             stage_expert_local[s] += numel / tp_div
 

@@ -22,6 +22,7 @@ from parallel.sharding.gather import full_state_on_rank0
 from parallel.sharding.ties import alias_names
 from trainer.config.schema import RunConfig
 from trainer.export.hf import hf_layout_refusal
+from trainer.export.sources import Source, template_text
 from trainer.export.weights import export_model
 from trainer.models import build_model
 from trainer.run.metrics import NullProgress
@@ -41,19 +42,27 @@ def log_final_model(cfg: RunConfig, module: torch.nn.Module, *, tracker: Tracker
     if state is None:
         return
     model = plain_model(cfg, state)
-    tokenizer = getattr(cfg.data, "tokenizer", None)
     with tempfile.TemporaryDirectory(prefix="meshflow-model-") as tmp:
         file = Path(tmp) / "model.safetensors"
-        written = export_model(model, cfg.model, file, step=cfg.train.steps, tokenizer=tokenizer)
+        written = export_model(model, cfg.model, file, step=cfg.train.steps)
         tracker.log_artifact(file, "model")
         logged = ["model/model.safetensors"]
         if hf_layout_refusal(cfg.model) is None:
-            export_model(model, cfg.model, Path(tmp) / "hf", format="hf", tokenizer=tokenizer)
+            export_model(model, cfg.model, Path(tmp) / "hf", format="hf", **run_tokenizer(cfg))
             for path in sorted((Path(tmp) / "hf").iterdir()):
                 tracker.log_artifact(path, "model/hf")
             logged.append("model/hf/")
     progress.log(f"final model: {' and '.join(logged)} in the MLflow run ({written['bytes'] / 2**20:.1f} MiB, "
                  f"{time.perf_counter() - began:.2f} s)")
+
+
+def run_tokenizer(cfg: RunConfig) -> dict:
+    """The run's own tokenizer and chat template for its Hugging Face directory: the user's config names
+    them (``data.tokenizer``, ``data.template``), so, unlike a checkpoint's metadata, it is trusted as the
+    export's ``--tokenizer`` and ``--template`` are."""
+    named, template = getattr(cfg.data, "tokenizer", None), getattr(cfg.data, "template", None)
+    return {"tokenizer": Source(Path(named)) if named and Path(named).exists() else None,
+            "template": template_text("", {}, None, given=template) if template else None}
 
 
 def plain_model(cfg: RunConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -118,7 +118,7 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                   progress=progress, meter=meter, peaks_of_ranks=lambda mine: _per_rank(mine, pm, device))
     recorder = TimelineRecorder(pm)  # the last timeline_steps steps: start-up is not in the picture
     record_from = t.steps - cfg.tracking.timeline_steps + 1 if cfg.tracking.pictures else t.steps + 1
-    validate = _Validation(cfg, pm, splits.val, getattr(loss_fn, "base", loss_fn), device, tracker, progress)
+    validate = _Validation(cfg, pm, splits.val, device, tracker, progress)
     if validate.at_start(resumed=start > 0):  # a baseline before any update
         validate(start)
     progress.start(total=t.steps, completed=start, every_s=t.progress_every_s)
@@ -165,9 +165,9 @@ class _Validation:
     """Evaluation on the validation split (none without one): at the start when weights were loaded,
     every ``train.eval_every`` steps and after the last; each logged as ``val_loss`` and ``val_perplexity``."""
 
-    def __init__(self, cfg: RunConfig, pm: ParallelModel, source, loss_fn, device: torch.device, tracker: Tracker,
+    def __init__(self, cfg: RunConfig, pm: ParallelModel, source, device: torch.device, tracker: Tracker,
                  progress: Progress) -> None:
-        self.cfg, self.pm, self.source, self.loss_fn, self.device = cfg, pm, source, loss_fn, device
+        self.cfg, self.pm, self.source, self.device = cfg, pm, source, device
         self.tracker, self.progress = tracker, progress
 
     def at_start(self, *, resumed: bool) -> bool:
@@ -179,7 +179,7 @@ class _Validation:
 
     def __call__(self, step: int) -> float:
         """Evaluate now (after ``step``) and log it; returns the validation loss."""
-        val_loss = evaluate(self.pm, self.source, self.cfg, self.loss_fn, self.device)
+        val_loss = evaluate(self.pm, self.source, self.cfg, self.device)
         _log_val(val_loss, step, self.cfg, self.tracker, self.progress)
         return val_loss
 

@@ -3,7 +3,7 @@
     stats = train_step(pm, loader, loss_fn, optimizer, scheduler, cfg=cfg, device=device,
                        recorder=recorder, step=step, record=True)
     stats.loss, stats.grad_norm, stats.lr, stats.seconds, stats.figures()   # the step's global numbers
-    val_loss = evaluate(pm, val_source, cfg, eval_loss_fn, device)
+    val_loss = evaluate(pm, val_source, cfg, device)            # each validation row once
 
 A step is ``train.grad_accum`` forward-backward passes over one global batch (each an accumulation
 batch), the gradient clipped, one optimizer and one schedule step; its loss (and an MoE model's
@@ -12,6 +12,7 @@ balance loss and expert load) reduced over the ranks, so every rank holds the gl
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -21,8 +22,8 @@ from parallel.engine import ParallelModel
 from parallel.pipeline.timeline import TimelineRecorder
 from trainer.config.schema import RunConfig, TrainConfig
 from trainer.data import Source
-from trainer.data.loader import GlobalBatchLoader
-from trainer.models import TargetMeanLoss
+from trainer.data.loader import GlobalBatchLoader, ValidationRows
+from trainer.models import TargetMeanLoss, eval_loss_for
 from trainer.models.moe import WithAuxLoss
 
 
@@ -89,23 +90,29 @@ def _accumulate(pm: ParallelModel, loader: GlobalBatchLoader, loss_fn, *, train:
     return local_loss, local_aux, load
 
 
-def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, loss_fn, device: torch.device) -> float:
-    """The mean loss over ``train.eval_batches`` validation batches: the same sequences every
-    time (a fresh loader at position 0), split over the dp ranks as training batches are."""
+def evaluate(pm: ParallelModel, val_source: Source, cfg: RunConfig, device: torch.device) -> float:
+    """The validation loss: the model's loss over the validation split's targets, each row counted once
+    (:class:`ValidationRows`: the first ``train.eval_batches`` batches of ``global_batch_size / grad_accum``
+    rows, the whole split when it is smaller), split over the ranks as training batches are. Every target
+    weighs the same, as in a training step: the sum over the targets divided once by their count."""
     t = cfg.train
-    loader = GlobalBatchLoader(val_source, global_batch_size=t.global_batch_size // t.grad_accum,
-                               dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed, cp_rank=pm.cp_rank,
-                               cp_size=pm.cp_size)
+    rows = ValidationRows(val_source, global_batch_size=t.global_batch_size // t.grad_accum,
+                          max_batches=t.eval_batches, dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=t.seed,
+                          cp_rank=pm.cp_rank, cp_size=pm.cp_size)
+    loss_fn = eval_loss_for(cfg.model, chunk_tokens=t.loss_chunk_tokens)
+    total = count = 0.0
     pm.train(False)
     try:
-        losses = []
-        for _ in range(t.eval_batches):
-            _count_targets(loss_fn, loader, loader.global_batch_size)
-            inputs, targets, positions = _on(device, loader.next_batch())
-            losses.append(pm.reduce_loss(pm.evaluate(inputs, targets, loss_fn, positions)))
+        for batch in range(len(rows)):
+            targets_in_batch = rows.target_count(batch)
+            # The batch's mean over its targets (as _count_targets sets it for a step), weighed by their count.
+            loss_fn.tokens_per_row = max(1, targets_in_batch) / rows.global_batch_size / rows.cp_size
+            inputs, targets, positions = _on(device, rows.batch(batch))
+            total += pm.reduce_loss(pm.evaluate(inputs, targets, loss_fn, positions)) * targets_in_batch
+            count += targets_in_batch
     finally:
         pm.train(True)
-    return sum(losses) / len(losses)
+    return total / count if count else math.nan
 
 
 def _count_targets(loss_fn, loader: GlobalBatchLoader, samples: int) -> None:

@@ -165,6 +165,7 @@ class MLflowTracker:
         self._client = MlflowClient(tracking_uri=connect_uri(cfg.tracking_uri))  # credentials from the environment
         self._uri = cfg.tracking_uri
         self._finished = False
+        self._last_step: dict[str, int] = {}  # a metric's last logged step in a run attached to (see log_metrics)
         run_id = run_id or cfg.run_id
         if run_id is None:
             experiment_id = get_or_create_experiment(self._client, cfg.experiment)
@@ -181,6 +182,8 @@ class MLflowTracker:
         if run.info.status != "RUNNING":  # e.g. a restarted worker after a failed attempt
             self._client.update_run(run_id, status="RUNNING")
         self._run_id, self.experiment_id = run_id, run.info.experiment_id
+        for key in run.data.metrics:  # what an earlier attempt logged: its steps are not logged twice
+            self._last_step[key] = max(m.step for m in self._client.get_metric_history(run_id, key))
 
     @property
     def run_id(self) -> str:
@@ -211,11 +214,14 @@ class MLflowTracker:
 
     @uninterrupted
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Log all metrics of one step in one request (one timestamp, so they line up)."""
+        """Log all metrics of one step in one request (one timestamp, so they line up). In a run attached
+        to, a metric at or below the step an earlier attempt logged it last is left out: a restarted
+        attempt replays the steps after its checkpoint, and MLflow would draw each of them twice."""
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        batch = [Metric(_mlflow_key(k), float(v), now_ms, step) for k, v in metrics.items()]
+        batch = [Metric(key, float(v), now_ms, step) for k, v in metrics.items()
+                 if step > self._last_step.get(key := _mlflow_key(k), -1)]
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
             self._client.log_batch(self._run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH])
 

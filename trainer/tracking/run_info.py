@@ -32,6 +32,14 @@ from trainer.tracking.credentials import strip_credentials
 PRESET_TAG = "preset"
 MODEL_TRAINING_VIEW = "workflowType=machine_learning"
 SWEEP_JOB_TAG = "sweep_job"  # the job's number in a --multirun (trainer.cli.main sets it)
+# Tags whose namespace belongs to whoever runs the trainer: MLflow's own (`mlflow.user`, the source)
+# and the control plane's (`meshflow.owner`, `meshflow.job_id`). A user's tracking.tags never replace them.
+RESERVED_TAG_PREFIXES = ("meshflow.", "mlflow.")
+
+
+def is_reserved_tag(key: str) -> bool:
+    """Whether ``key`` lies in a namespace :data:`RESERVED_TAG_PREFIXES` keeps for the trainer and the service."""
+    return key.lower().startswith(RESERVED_TAG_PREFIXES)
 # The config keys never sent to MLflow: where it is (a URL that may hold credentials) and which run.
 NOT_LOGGED = ("tracking.tracking_uri", "tracking.run_id")
 # A key names a secret by one of its words (split at `_`, `-`, `.` and camelCase humps): `hf_token`,
@@ -108,7 +116,10 @@ def run_name(cfg: RunConfig) -> str:
 
 def run_tags(cfg: RunConfig) -> dict[str, str]:
     """The tags that tell runs apart in MLflow's list, MLflow's own ``mlflow.*`` ones among them
-    (user, git commit, source), and the user's ``tracking.tags``."""
+    (user, git commit, source), and the user's ``tracking.tags``, which never replace a reserved one
+    (:func:`is_reserved_tag`). In a run made for the job by someone else (``tracking.run_id``: the
+    control plane, which set its owner's ``mlflow.user`` and ``meshflow.*`` tags) no reserved tag
+    comes from the config, and the trainer leaves ``mlflow.user`` as its creator set it."""
     model = cfg.model.arch
     if getattr(cfg.model, "path", None):
         model = f"{model}:{Path(cfg.model.path).name}"
@@ -126,7 +137,10 @@ def run_tags(cfg: RunConfig) -> dict[str, str]:
         tags["git_commit"] = tags["mlflow.source.git.commit"] = commit
     if parent := os.environ.get("MESHFLOW_SWEEP_PARENT_RUN"):  # a sweep's job (trainer.cli.sweep)
         tags["mlflow.parentRunId"] = parent
-    tags.update({key: MASK if is_secret_key(key) else redact(str(value)) for key, value in cfg.tracking.tags.items()})
+    if cfg.tracking.run_id is not None:
+        del tags["mlflow.user"]
+    tags.update({key: MASK if is_secret_key(key) else redact(str(value)) for key, value in cfg.tracking.tags.items()
+                 if not (is_reserved_tag(key) and (key in tags or cfg.tracking.run_id is not None))})
     return tags
 
 

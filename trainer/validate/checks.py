@@ -37,6 +37,7 @@ from trainer.validate.hardware_checks import check_hardware, plans_elsewhere
 from trainer.validate.model_checks import check_against_model
 from trainer.validate.schema_issues import schema_issues
 from trainer.validate.stage_checks import check_stages
+from trainer.validate.weights_checks import check_init_from
 
 
 def validate_config(raw: dict[str, Any], *, check_model: bool = True) -> RunConfig:
@@ -344,9 +345,7 @@ def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
         if not -(2**63) <= seed < 2**64:  # torch's manual_seed range: training seeds torch with it
             issues.append(ConfigIssue(path, f"{seed} does not fit in 64 bits",
                                       f"use a seed from 0 to 2**63 - 1, e.g. {path}=0"))
-    if cfg.train.init_from and not Path(cfg.train.init_from).is_file():
-        issues.append(ConfigIssue("train.init_from", f"{cfg.train.init_from!r} is not a file",
-                                  "give a safetensors file written by python -m trainer.export, or train.init_from=null"))
+    issues += check_init_from(cfg.train.init_from)
     ckpt = cfg.train.checkpoint
     if ckpt.every > cfg.train.steps:
         issues.append(ConfigIssue("train.checkpoint.every", f"{ckpt.every} is more than train.steps {cfg.train.steps}; "

@@ -381,11 +381,13 @@ def _check_resume(cfg: RunConfig) -> list[ConfigIssue]:
     # start-up: DCP (torch.distributed.checkpoint, which imports DTensor: about 2 s) only for a run that
     # resumes; validating any other config, and the control plane's start, go without it.
     from trainer.checkpoint.dcp import CheckpointError, check_model_config, read_extra, resolve_resume
+    from trainer.checkpoint.safe_read import stored_keys
 
     try:
         path = resolve_resume(ckpt.resume, ckpt.dir)
         if path is not None:
             check_model_config(path, read_extra(path).get("model_config", {}), cfg.model.model_dump(mode="json"))
+            stored_keys(path)  # its .metadata, by the restricted reader: a crafted one is refused here, not in a worker
     except CheckpointError as err:
         return [ConfigIssue("train.checkpoint.resume", err.reason.removeprefix("train.checkpoint.resume: "),
                             err.fix or "use train.checkpoint.resume=none or auto")]

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from parallel.errors import ConfigIssue, format_path
+from trainer.config.path_text import NUL_FIX, NUL_REASON
 from trainer.config.schema import RunConfig
 
 _UNION_TAGS = {"model": "arch", "data": "kind"}
@@ -81,7 +82,7 @@ def _fix(e: dict, loc: tuple, raw: dict) -> str:
     if kind.startswith(("greater", "less")):
         return _range_fix(e, loc)
     if kind == "value_error":
-        return "write a valid value as the message says"
+        return NUL_FIX if e["msg"].endswith(NUL_REASON) else "write a valid value as the message says"
     if kind in ("bool_parsing", "bool_type") and loc and all(isinstance(p, str) and p.isidentifier() for p in loc):
         return f"use true or false: {'.'.join(loc)}=true or {'.'.join(loc)}=false"
     return "give a value of the expected type"

@@ -54,7 +54,9 @@ def price_best_first(search, valid: Valid) -> None:
             heapq.heappush(heap, (max(c.step_s, key), i, PRICED))
         elif c.step_s < best or c.step_s <= ranked_below:  # the fastest priced layout whose memory is not known yet
             search.predict_memory(c, cfg, plan)
-            if c.status == "slower" and c.step_s < best:
+            # Only a layout predicted to fit ends the search: one above the budget within the prediction's
+            # measured error (a user's own layout that is not refused) is kept, and chosen only if none fits.
+            if c.status == "slower" and not c.memory_note and c.step_s < best:
                 best, progress.best = c.step_s, c
         progress.tick("pricing")
     for key, i, stage in heap:  # every key > best (and rank_below): none of these can be chosen
@@ -71,23 +73,34 @@ def price_all(search, valid: Valid) -> None:
                                                      search.flops_per_sequence(cfg, plan))
         search.predict(c, cfg, plan)
         search.progress.count("priced")
-        if c.status == "slower" and (search.progress.best is None or c.step_s < search.progress.best.step_s):
+        if c.status == "slower" and not c.memory_note and (search.progress.best is None
+                                                           or c.step_s < search.progress.best.step_s):
             search.progress.best = c
         search.progress.tick("pricing")
 
 
 def ranked(valid: Valid, invalid: list[Candidate], overflowing: list[Candidate]) -> list[Candidate]:
-    """The ranking: the layouts predicted to fit (or not checked, being slower) by step, the fastest that
-    fits chosen; then those that do not fit and the pruned; then the invalid."""
+    """The ranking: the choice (the fastest predicted to fit, or within the prediction's measured error when
+    none fits), then the other layouts kept (those that fit, not checked being slower, or may not fit) by step;
+    then those that do not fit and the pruned; then the invalid."""
     # A layout whose memory was predicted goes before an unchecked one of the same step: only it can be chosen.
     predicted = sorted((c for _, c, _, _ in valid if c.status == "slower"), key=lambda c: (c.step_s, c.memory_skipped))
+    # The choice is the fastest predicted to fit; one that may not fit (above the budget, within the measured
+    # error) only when none fits. It heads the ranking; the rest follow by step.
+    fitting = [c for c in predicted if not c.memory_note and not c.memory_skipped]
     if predicted:
-        predicted[0].status = "chosen"
-        predicted[0].reason = ("chosen: fastest within the prediction's measured error of the budget"
-                               if predicted[0].memory_note else "chosen: fastest predicted to fit")
+        chosen = fitting[0] if fitting else predicted[0]
+        predicted.remove(chosen)
+        predicted.insert(0, chosen)
+        chosen.status = "chosen"
+        chosen.reason = ("chosen: fastest predicted to fit" if not chosen.memory_note else "chosen: none is "
+                         "predicted to fit; fastest within the prediction's measured error of the budget")
         for c in predicted[1:]:
-            c.reason = slower_reason(c, predicted[0]) + ("; memory not predicted (it cannot be chosen)"
-                                                          if c.memory_skipped else "")
+            if c.memory_note and c.step_s < chosen.step_s:
+                c.reason = f"not chosen ({c.step_s / chosen.step_s - 1:+.0%} against the choice, which fits)"
+            else:
+                c.reason = slower_reason(c, chosen) + ("; memory not predicted (it cannot be chosen)"
+                                                       if c.memory_skipped else "")
         for c in predicted:
             if c.memory_note:
                 c.reason += f"; {c.memory_note}"

@@ -24,12 +24,14 @@ or ``$MESHFLOW_CACHE_DIR``), so only the first plan on a host pays for it::
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import socket
 import statistics
-import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,6 +48,7 @@ from trainer.planner.calibration.framework import (
     reference_prediction,
     step_efficiency,
 )
+from trainer.planner.calibration.processes import RESULT, run_bound
 from trainer.planner.calibration.timing import MIN_SECONDS, timed, timed_together
 from trainer.planner.cost.calibration import COLLECTIVES, SCHEMA_VERSION, Calibration, Fit, fit_line
 
@@ -124,11 +127,12 @@ def _probe_collectives(rank: int, workers: int, group_sizes: list[int], device: 
     return out
 
 
-def _worker(rank: int, workers: int, store_path: str, group_sizes: list[int], dtypes: list[str],
-            device_type: str, result_path: str) -> None:
+def _worker(rank: int, tmp: str, workers: int, group_sizes: list[int], dtypes: list[str], device_type: str) -> None:
     import warnings
 
     import torch.distributed as dist
+
+    store_path, result_path = str(Path(tmp) / "store"), str(Path(tmp) / RESULT)
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch renames *_tensor collectives: noise here
     torch.set_num_threads(1)  # as the launcher's workers run (trainer.launch.worker_main)
@@ -157,9 +161,8 @@ def _median_fit(per_rank: list[tuple[list, list]]) -> Fit:
 
 
 def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> Calibration:
-    """Run the probe with ``workers`` processes (spawned; one in this process) and fit it."""
-    import torch.multiprocessing as mp
-
+    """Run the probe with ``workers`` processes (spawned, and ending with this one:
+    :mod:`trainer.planner.calibration.processes`; one in this process) and fit it."""
     began = time.monotonic()
     device = torch.device("cuda" if device_type == "cuda" else "cpu")
     dtypes = ["fp32"] + (["bf16"] if bf16_supported(device) else [])
@@ -168,12 +171,7 @@ def probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu") -> 
     if workers == 1:  # one device trains in the launcher's own process, with its default threads
         rows: list[tuple[dict, dict]] = [(_probe_compute(device, dtypes), {})]
     else:
-        with tempfile.TemporaryDirectory(prefix="meshflow-probe-") as tmp:
-            result = Path(tmp) / "result.json"
-            mp.start_processes(_worker, args=(workers, str(Path(tmp) / "store"), sizes, dtypes, device_type,
-                                              str(result)),
-                               nprocs=workers, start_method="spawn")
-            rows = json.loads(result.read_text())
+        rows = json.loads(run_bound(_worker, nprocs=workers, args=(workers, sizes, dtypes, device_type)))
     compute = [r[0] for r in rows]
     collectives = {op: {int(g): _median_fit([r[1][op][g] for r in rows]) for g in rows[0][1][op]}
                    for op in COLLECTIVES} if workers > 1 else {op: {} for op in COLLECTIVES}
@@ -215,23 +213,51 @@ def cache_path(workers: int, device_type: str = "cpu", root: Path | None = None)
     return (root or cache_dir()) / f"{socket.gethostname()}-{device}-w{workers}.json"
 
 
+@contextmanager
+def _one_probe_at_a_time(root: Path) -> Iterator[None]:
+    """Hold this cache's probe lock: the probes of one host share its cores, so two at once would
+    measure each other, and an identical request waiting here reads the first one's result instead
+    of probing beside it. The kernel drops the lock with its process, however that process ends."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".probe.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _cached(path: Path, group_sizes: list[int], workers: int) -> tuple[Calibration | None, list[int]]:
+    """The calibration at ``path`` when it answers every group size, else None; and the group sizes
+    a new probe should measure (``group_sizes`` and those the cached one had)."""
+    try:
+        cal = Calibration.from_json(path.read_text())
+    except FileNotFoundError:
+        return None, group_sizes
+    except (ValueError, KeyError, TypeError):
+        return None, group_sizes  # an older schema or a broken file: probe again
+    needed = {g for g in group_sizes if 1 < g <= workers and workers % g == 0}
+    if cal.schema == SCHEMA_VERSION and needed <= set(cal.collectives["all_reduce"]):
+        return cal, group_sizes
+    return None, sorted(set(group_sizes) | set(cal.collectives["all_reduce"]))
+
+
 def load_or_probe(workers: int, group_sizes: list[int], *, device_type: str = "cpu", force: bool = False,
                   root: Path | None = None) -> Calibration:
     """The cached calibration for this host, device and worker count, probing (and caching) when
-    there is none, when it lacks one of ``group_sizes``, or with ``force``."""
+    there is none, when it lacks one of ``group_sizes``, or with ``force``. One probe at a time per
+    cache; the file is replaced whole, so a probe cut off (a plan's time limit) leaves the old one or none."""
     path = cache_path(workers, device_type, root)
-    if path.is_file() and not force:
-        try:
-            cal = Calibration.from_json(path.read_text())
-        except (ValueError, KeyError, TypeError):
-            cal = None  # an older schema or a broken file: probe again
-        needed = {g for g in group_sizes if 1 < g <= workers and workers % g == 0}
-        if cal is not None and cal.schema == SCHEMA_VERSION and needed <= set(cal.collectives["all_reduce"]):
-            return cal
-        group_sizes = sorted(set(group_sizes) | set(cal.collectives["all_reduce"] if cal else []))
-    cal = probe(workers, group_sizes, device_type=device_type)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(cal.to_json())
+    if not force and (cal := _cached(path, group_sizes, workers)[0]) is not None:
+        return cal
+    with _one_probe_at_a_time(path.parent):
+        cal, group_sizes = _cached(path, group_sizes, workers)
+        if cal is not None and not force:
+            return cal  # probed while this one waited for the lock
+        cal = probe(workers, group_sizes, device_type=device_type)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(cal.to_json())
+        os.replace(partial, path)
     return cal
 
 
