@@ -48,7 +48,7 @@ def test_submit_runs_to_success_with_mlflow_run_and_metrics(server):
         assert f"  mlflow run: {link}  (serve it: {serve})" in log.text.splitlines()
         assert f"MLflow: job run links point at http://127.0.0.1:5000; serve the jobs' store there with: {serve}" \
             in server.log_text().splitlines()
-        assert [a.path for a in mlflow.list_artifacts(run_id, "model")] == ["model/model.safetensors"]
+        assert [a.path for a in mlflow.list_artifacts(run_id, "model")] == ["model/hf", "model/model.safetensors"]
         assert (server.workspace / "jobs" / job["id"] / "checkpoints" / "step_00000006" / "COMPLETE").is_file()
         with client.stream("GET", f"/v1/jobs/{job['id']}/logs", params={"follow": "true"}) as stream:
             assert stream.headers["content-type"].startswith("text/event-stream")

@@ -61,7 +61,39 @@ _CHAT_DATA = ["model=gpt_debug", "model.vocab_size=512", "data=chat", f"data.tok
 _EMBEDDING = ["model=custom", "model.builder=torch.nn:Embedding",
               "model.kwargs={num_embeddings: 256, embedding_dim: 256}"]
 
+
+
+def _used_checkpoint_dir() -> str:
+    """A checkpoint directory holding another run's finished checkpoint of the default model (what the
+    launcher refuses to start a fresh run in, and what train.checkpoint.resume=auto continues), in a
+    temporary directory."""
+    import tempfile
+    from pathlib import Path
+
+    from trainer.checkpoint.dcp import save_checkpoint
+    from trainer.config.compose import compose_dict
+    from trainer.models import build_model
+    from trainer.validate.checks import validate_config
+
+    path = Path(tempfile.mkdtemp(prefix="meshflow-used-")) / "checkpoints"
+    model_cfg = validate_config(compose_dict([])).model
+    model = build_model(model_cfg)
+    save_checkpoint(path, 100, model=model, optimizer=torch.optim.AdamW(model.parameters()), keep=1,
+                    extra={"step": 100, "model_config": model_cfg.model_dump(mode="json")})
+    return str(path)
+
+
+_TWO_NODES = ["+parallel=dp", "mesh=[2]", "launch.nnodes=2", "launch.rdzv_endpoint=10.0.0.1:29500"]
+
 MORE: dict[str, Bad] = {
+    "more/checkpoint-dir-of-another-run": bad([f"train.checkpoint.dir={_used_checkpoint_dir()}"],
+                                              "train.checkpoint.dir", ["already holds another run's checkpoints"],
+                                              ["train.checkpoint.resume=auto", "train.checkpoint.dir="]),
+    "more/restarts-on-node-local-checkpoints": bad([*_TWO_NODES, "launch.max_restarts=1"], "train.checkpoint.dir",
+                                                   ["is relative with launch.nnodes=2"],
+                                                   ["train.checkpoint.dir=/mnt/shared/checkpoints"]),
+    "more/resume-on-node-local-checkpoints": bad([*_TWO_NODES, "train.checkpoint.resume=auto"],
+                                                 "train.checkpoint.dir", ["train.checkpoint.resume=auto needs"]),
     **CONTEXT_CASES,
     "more/data-files-without-paths": bad(["data=files"], "data.paths", ["names no files"]),
     "more/auto-with-rank-ids": bad(["+parallel=auto", "mesh=[[0,1],[2,3]]"], "mesh", ["not explicit rank ids"]),

@@ -34,6 +34,7 @@ from tests.docs_text import command_line
 from trainer.__main__ import FIRST_LINE
 from trainer.planner.auto.plan import resolve_and_validate
 from trainer.validate import model_checks
+from trainer.launch.disk_checks import launch_disk_issues
 
 REPO = Path(__file__).resolve().parents[2]
 CATALOGUE: dict[str, Bad] = {**CASES, **{f"stages/{name}": case for name, case in STAGE_CASES.items()}, **MORE}
@@ -88,10 +89,10 @@ def _issues(case: Bad, fix: list[str] = (), *, memory: bool = True) -> list[Conf
             case.edit(raw)
             _overlay(raw, fix)  # the edit may set the very key the fix sets: the user's fix comes last
         with patch.object(model_checks, "_check_memory", model_checks._check_memory if memory else lambda *_: []):
-            resolve_and_validate(raw)  # as the CLI does: +parallel=auto resolved, then validated
+            cfg = resolve_and_validate(raw)[0]  # as the CLI does: +parallel=auto resolved, then validated
     except ConfigError as err:
         return err.issues
-    return []
+    return launch_disk_issues(cfg)  # then what the launcher checks on this host's disk before it starts
 
 
 def _in_place(overrides: tuple[str, ...], fix: list[str]) -> list[str]:

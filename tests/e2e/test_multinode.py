@@ -76,15 +76,17 @@ def hosts():
     made.remove()
 
 
-def _start_nodes(hosts: Hosts, cwd: Path, args: list[str]) -> list[subprocess.Popen]:
+def _start_nodes(hosts: Hosts, cwd: Path | list[Path], args: list[str]) -> list[subprocess.Popen]:
+    """Node 0 and node 1 of one run, in ``cwd`` (one folder for both, or each its own: no shared disk)."""
     endpoint = f"{hosts.addresses[0]}:{free_port()}"
+    cwds = cwd if isinstance(cwd, list) else [cwd, cwd]
     procs = []
     for node in (1, 0):  # node 1 first: it waits for node 0's store, as on a real cluster
         command = [*hosts.prefixes[node], sys.executable, "-m", "trainer", *args, f"launch.node_rank={node}",
                    f"launch.rdzv_endpoint={endpoint}", f"launch.local_addr={hosts.addresses[node]}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **hosts.envs[node]}
-        procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
+        procs.append(subprocess.Popen(command, cwd=cwds[node], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
     return procs[::-1]  # [node 0, node 1]
 
 
@@ -134,6 +136,51 @@ def test_two_nodes_train_as_one_mesh_with_one_devices_losses(hosts, tmp_path):
     assert max(abs(got[s] - want[s]) / abs(want[s]) for s in want) <= 1e-5, (got, want)
     if hosts.names:  # each node's workers listened on its own address: rank 0's line says where it ran
         assert hosts.addresses[0] != hosts.addresses[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_without_a_shared_disk_finish_and_log_the_model_they_trained(hosts, tmp_path):
+    """Each launcher in its own folder (node-local checkpoints, as hosts without a shared disk): both
+    exit 0; the final model, gathered over the network, loads in transformers with the trained model's
+    logits (the checkpoint's, made whole by putting node 1's shards beside node 0's)."""
+    import torch
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trainer.export.weights import load_checkpoint_model
+
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for folder in folders:
+        folder.mkdir()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"  # node 0 logs; node 1 makes no run
+    procs = _start_nodes(hosts, folders, [*TWO_NODES, *COMMON, f"tracking.tracking_uri={uri}"])
+    node0, node1 = _finish(procs, timeout=400)
+    assert [p.returncode for p in procs] == [0, 0], (node0[-3000:], node1[-3000:])
+    assert "done: steps 1..4" in node0 and "final model: model/model.safetensors and model/hf/" in node0, node0[-3000:]
+    for out in (node0, node1):  # each node learns before the run that its checkpoints are its own
+        assert "train.checkpoint.dir=checkpoints is relative" in out, out[-3000:]
+    step = folders[0] / "checkpoints" / "step_00000004"
+    assert not (step / "__2_0.distcp").exists()  # node 0 holds its own ranks' shards only
+    (run,) = _runs(uri)
+    assert run.info.status == "FINISHED" and "meshflow.end_of_run_errors" not in run.data.tags
+    client = MlflowClient(tracking_uri=uri)
+    hf_dir = Path(client.download_artifacts(run.info.run_id, "model/hf", str(tmp_path / "download")))
+    exported = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
+
+    # the trained model: the checkpoint made whole, as a shared disk would have held it
+    for shard in (folders[1] / "checkpoints").glob(".tmp-step_00000004-*/__*.distcp"):
+        shutil.copy(shard, step / shard.name)
+    trained, _, _ = load_checkpoint_model(step)
+    assert exported.keys() == trained.state_dict().keys()
+    assert all(exported[k].equal(v) for k, v in trained.state_dict().items())  # bit for bit
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
+        ours = trained.eval()(tokens)
+    diff = float((theirs - ours).abs().max())
+    print(f"exported model's logits against the trained model's: max abs diff {diff:.2e}")
+    assert diff <= 1e-5
 
 
 @pytest.mark.slow

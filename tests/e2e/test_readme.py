@@ -180,7 +180,7 @@ def test_plain_trainer_command_runs_one_device(tmp_path):
     assert "pipeline_bubble" not in run.data.params and "pipeline_bubble" not in run.data.metrics
     # the final checkpoint (train.checkpoint.save_final) and its weights in the run
     assert (tmp_path / "work" / "checkpoints" / "step_00000020" / "COMPLETE").is_file()
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/hf", "model/model.safetensors"]
 
 
 def _assert_pictures(client, run, stdout: str) -> None:

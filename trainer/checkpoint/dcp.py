@@ -43,45 +43,23 @@ from torch.distributed.checkpoint.state_dict import (
 from parallel.sharding.ties import first_names
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.extra_state import read_extra_state, serialize, write_extra_state
+from trainer.checkpoint.layout import COMPLETE_MARKER, latest_checkpoint, step_dir_name  # noqa: F401 - re-exported
+from trainer.checkpoint.layout import finished_checkpoints as _finished_checkpoints
 from trainer.checkpoint.safe_read import load_dcp, quiet_dcp, stored_keys
 from trainer.config.schema import ModelConfig
 from trainer.checkpoint.tied_keys import load_view, restore_aliases, without_aliases
 
-COMPLETE_MARKER = "COMPLETE"
 # Flattened optimizer state keys every entry by parameter FQN (``param_groups.<fqn>.lr``). The
 # nested form keys param groups by list index with the saving rank's FQN list, so a checkpoint
 # written by pipeline ranks (each holding other parameters) would lose the groups' lr/betas on
 # load under another pipeline split.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
 _RESUME_FIX = ("use `auto` (newest checkpoint in train.checkpoint.dir, if any), `none`, or the path of a step_<n> "
                "directory")
 
 
 # ------------------------------------------------------------------------------ finding
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _finished_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Finished checkpoints in ``ckpt_dir`` as (step, path), oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = []
-    for child in ckpt_dir.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / COMPLETE_MARKER).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The finished ``step_*`` directory with the highest step, or None."""
-    found = _finished_checkpoints(Path(ckpt_dir))
-    return found[-1][1] if found else None
 
 
 def _why_unfinished(path: Path) -> str | None:

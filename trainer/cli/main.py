@@ -8,6 +8,8 @@ worker starts, printing each problem as ``path: reason (fix)``.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -15,7 +17,7 @@ from omegaconf import DictConfig
 from parallel.errors import ConfigError
 from parallel.topology import mesh_world_size
 from trainer.config.compose import CONF_DIR, group_option_issues, register_defaults, to_plain, with_preset
-from trainer.config.schema import RunConfig
+from trainer.config.schema import CheckpointConfig, RunConfig
 from trainer.launch.launcher import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, LaunchOutcome, LaunchSession
 from trainer.launch.slurm import dry_run_script, submit_and_follow
 from trainer.pictures.placement import DRY_RUN_DIR, write_placement
@@ -60,10 +62,21 @@ def run_job(composed: DictConfig, *, started: float | None = None) -> LaunchOutc
     raw = with_preset(to_plain(composed), HydraConfig.get().runtime.choices)
     if sweeping and isinstance(raw.get("tracking"), dict):  # tells the sweep's runs apart (trainer.tracking.run_info)
         raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
+    if sweeping:
+        _sweep_checkpoint_dir(raw, HydraConfig.get())
     with LaunchSession(raw.get("tracking") or {}, started=None if sweeping else started) as session:
         if _starts_workers(raw):  # the workers' fork server imports while the config is checked
             session.start_workers_server()
         return _run(raw, sweeping, session)
+
+
+def _sweep_checkpoint_dir(raw: dict, hydra: Any) -> None:
+    """A sweep's job saves under the sweep's own folder, ``multirun/<time>/checkpoints/job<n>``, when the
+    command line leaves ``train.checkpoint.dir`` at its default: its jobs run in one directory, and each
+    would otherwise find the one before's checkpoints there (refused: trainer.launch.disk_checks)."""
+    checkpoint = (raw.get("train") or {}).get("checkpoint")
+    if isinstance(checkpoint, dict) and checkpoint.get("dir") == CheckpointConfig.model_fields["dir"].default:
+        checkpoint["dir"] = str(Path(hydra.sweep.dir) / "checkpoints" / f"job{hydra.job.num}")
 
 
 def refuse_unknown_group_options(argv: list[str]) -> None:

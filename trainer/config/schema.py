@@ -91,8 +91,8 @@ class CheckpointConfig(_Section):
     resume: PathText = Field("none", min_length=1,
                         description="`none`, `auto` (latest in dir, if any) or a checkpoint path.")
     save_final: bool = Field(True, description="Also save after the last step: what `python -m trainer.export` and "
-                             "`python -m trainer.generate` read, and the MLflow run's `model/` artifact. false: only "
-                             "`every`'s saves.")
+                             "`python -m trainer.generate` read (the MLflow run's `model/` artifact is gathered "
+                             "without it: tracking.log_model). false: only `every`'s saves.")
 
 
 class TrainConfig(_Section):

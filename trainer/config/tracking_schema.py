@@ -78,6 +78,10 @@ class TrackingConfig(_Section):
     # spends the main rank's CPU and floods the store; slower than an hour records next to nothing.
     system_metrics_interval: float = Field(10.0, ge=1, le=3600, description="Seconds between system-metric "
                                            "samples; from 1 to 3600.")
-    log_model: bool = Field(
-        True, description="When the run saved a checkpoint: the last one's weights as `model/model.safetensors` "
-        "in the MLflow run (python -m trainer.export's file; train.init_from starts a run from it).")
+    log_model: bool | None = Field(
+        None, description="The final weights as MLflow artifacts, gathered from every rank over the process group at "
+        "the end of the run (no checkpoint is read, so nodes need not share a disk): `model/model.safetensors` (python "
+        "-m trainer.export's file; train.init_from starts a run from it) and, for a model with a Hugging Face layout, "
+        "`model/hf/` (a directory transformers loads). null: logged, and a failure is reported and recorded on the run "
+        "(tag `meshflow.end_of_run_errors`) while the run still ends as its training did; true: required, a failure "
+        "fails the run (exit 1); false: not logged.")

@@ -63,6 +63,22 @@ def llama_hf_config(cfg: LlamaConfig) -> dict:
     return config
 
 
+def hf_layout_refusal(model_cfg) -> str | None:
+    """Why a model built from ``model_cfg`` has no Hugging Face directory (None: it has one)."""
+    if isinstance(model_cfg, HFModelConfig):
+        return None
+    if not isinstance(model_cfg, LlamaConfig):
+        return (f"model {model_cfg.arch} has no Hugging Face counterpart; export it as safetensors (--format "
+                "safetensors)")
+    if model_cfg.moe is not None:
+        return ("the built-in mixture-of-experts model has no Hugging Face layout here yet; export it as safetensors "
+                "(--format safetensors)")
+    if model_cfg.qkv_bias or model_cfg.qk_norm or model_cfg.head_dim not in (None, model_cfg.dim // model_cfg.n_heads):
+        return ("the built-in Llama exports to Llama's layout, which has no qkv_bias, qk_norm or free head_dim; export "
+                "it as safetensors (--format safetensors)")
+    return None
+
+
 def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
               tokenizer: Source | None = None, template: str | None = None) -> dict[str, Any]:
     """Write ``state`` (the full model's weights) of a model built from ``model_cfg`` as a
@@ -80,13 +96,8 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
         source = Path(model_cfg.path)
         shutil.copy(source / "config.json", out / "config.json")
     elif isinstance(model_cfg, LlamaConfig):
-        if model_cfg.moe is not None:
-            raise ValueError("the built-in mixture-of-experts model has no Hugging Face layout here yet; export it as "
-                             "safetensors (--format safetensors)")
-        if model_cfg.qkv_bias or model_cfg.qk_norm or model_cfg.head_dim not in (None,
-                                                                                 model_cfg.dim // model_cfg.n_heads):
-            raise ValueError("the built-in Llama exports to Llama's layout, which has no qkv_bias, qk_norm or free "
-                             "head_dim; export it as safetensors (--format safetensors)")
+        if (refusal := hf_layout_refusal(model_cfg)) is not None:
+            raise ValueError(refusal)
         head_dim = model_cfg.dim // model_cfg.n_heads
         tensors = {}
         for fqn, value in state.items():
@@ -95,8 +106,7 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
             tensors[hf_name(fqn)] = value
         (out / "config.json").write_text(json.dumps(llama_hf_config(model_cfg), indent=2))
     else:
-        raise ValueError(f"model {model_cfg.arch} has no Hugging Face counterpart; export it as safetensors (--format "
-                         "safetensors)")
+        raise ValueError(hf_layout_refusal(model_cfg))
     model_dir = Source(Path(model_cfg.path)) if isinstance(model_cfg, HFModelConfig) else None
     files = copy_model_files([model_dir, tokenizer], out, template=template)  # the run's tokenizer wins
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}

@@ -31,7 +31,7 @@ from trainer.checkpoint.safe_read import load_dcp
 from trainer.config.schema import CustomModelConfig, LoRAConfig, ModelConfig
 from trainer.export.hf import export_hf
 from trainer.export.peft import export_peft
-from trainer.export.sources import template_text, tokenizer_source
+from trainer.export.sources import Source, template_text, tokenizer_source
 from trainer.models import build_model
 from trainer.models.fingerprint import mismatches, module_fingerprints
 from trainer.models.init import local_box
@@ -99,14 +99,26 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
     ``module:function``, which the user names (:func:`trusted_model_config`); ``tokenizer`` and
     ``template``: the user's, instead of the run's (which must lie inside the checkpoint or the
     model's directory: :mod:`trainer.export.sources`)."""
-    from safetensors.torch import save_file
-
+    tokenizer_files, template_file = None, None
     if format == "hf":  # what ships beside the weights, refused (if it must be) before any weight is read
         saved = read_extra(checkpoint)
         model_dir = saved["model_config"].get("path") if saved["model_config"].get("arch") == "hf" else None
         tokenizer_files = tokenizer_source(checkpoint, saved, model_dir, given=tokenizer)
         template_file = template_text(checkpoint, saved, model_dir, given=template)
     model, model_cfg, extra = load_checkpoint_model(checkpoint, builder=builder)
+    return export_model(model, model_cfg, out, format=format, step=extra.get("step"), tokenizer=tokenizer_files,
+                        template=template_file)
+
+
+def export_model(model: torch.nn.Module, model_cfg: ModelConfig, out: str | Path, *, format: str = "safetensors",
+                 step: int | None = None, tokenizer: Source | None = None, template: str | None = None
+                 ) -> dict[str, Any]:
+    """Write the plain ``model``'s weights (built from ``model_cfg``) to ``out`` as ``format`` says
+    (see :func:`export_checkpoint`); ``step`` goes into a safetensors file's metadata; ``tokenizer``
+    (where its files come from) and ``template`` (a chat template's text) beside a Hugging Face
+    directory's weights."""
+    from safetensors.torch import save_file
+
     if format == "peft":
         return export_peft(model, model_cfg, out)
     state = unique_state_dict(model)
@@ -115,11 +127,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, format: str = 
         state = merged_state(model, state)
         model_cfg = model_cfg.model_copy(update={"lora": LoRAConfig()})
     if format == "hf":
-        return export_hf(state, model_cfg, out, tokenizer=tokenizer_files, template=template_file)
+        return export_hf(state, model_cfg, out, tokenizer=tokenizer, template=template)
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
-                                           "step": str(extra.get("step"))})
+                                           "step": str(step)})
     return {"tensors": len(tensors), "bytes": Path(out).stat().st_size}
 
 

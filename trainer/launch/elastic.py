@@ -30,6 +30,7 @@ from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopba
 from trainer.launch.worker import node_ordered_rank, worker_main
 from trainer.planner.memory.budget import predicted_peak_mib
 from trainer.tracking.tracker import Terminated
+from trainer.launch.disk_checks import checkpoint_sharing_warning
 
 # torch's rank; on several hosts the trainer numbers ranks by node (node_ordered_rank), and the
 # prefix names the node and the local rank instead
@@ -120,9 +121,8 @@ def _say_what_starts(cfg: RunConfig, log_dir: Path, rdzv_id: str) -> None:
         first = ln.node_rank * nproc
         print(f"node {ln.node_rank} of {ln.nnodes}: workers rank {first}..{first + nproc - 1} join the rendezvous "
               f"{rdzv_id} at {ln.rdzv_endpoint} (logs: {log_dir})", flush=True)
-        if cfg.train.checkpoint.every and ln.node_rank == 0:
-            print(f"node 0 of {ln.nnodes}: checkpoints go to {cfg.train.checkpoint.dir}, which every node must share "
-                  "(each rank writes its own shards there)", flush=True)
+        if warning := checkpoint_sharing_warning(cfg):
+            print(f"node {ln.node_rank} of {ln.nnodes}: {warning}", flush=True)
     if ln.node_rank == 0:
         dims = ", ".join(cfg.parallel.dims) if cfg.parallel else ""
         kept = f"; each rank's output under {log_dir}/{rdzv_id}_*/" if ln.log_dir else ""  # else a temporary folder

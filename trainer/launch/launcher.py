@@ -30,17 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parallel.errors import ConfigError
 from parallel.plan.serial import ResolvedPlan
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
 from trainer.launch.console import log_config_changes, show_config
+from trainer.launch.disk_checks import launch_disk_issues
 from trainer.launch.elastic import PLAN_FILE, RendezvousFailure, WorkerFailure, launch_workers
 from trainer.launch.processes import worker_server
 from trainer.run.metrics import Progress
 from trainer.tracking.mlflow_tracker import make_tracker
+from trainer.tracking.end_of_run import AfterTraining
 from trainer.tracking.run_info import run_name, run_url, ui_command
-from trainer.tracking.run_record import (launch_plan, log_final_model, record_start, summary, system_metrics,
-                                         tee_output, upload_logs)
+from trainer.tracking.run_record import launch_plan, record_start, summary, system_metrics, tee_output, upload_logs
 from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -117,6 +119,9 @@ class LaunchSession:
         else resolved here, once. Either goes to the
         workers (or the loop, on one device) with its model's fingerprint: none of them resolves it again."""
         began, self._started = self._started or time.monotonic(), None
+        if issues := launch_disk_issues(cfg):  # this directory, as the run would use it
+            print(ConfigError(issues), file=sys.stderr)
+            return LaunchOutcome(EXIT_CONFIG)
         if cfg.world_size > 1:  # the workers' fork server imports while the launcher makes the run
             self.start_workers_server()
         return _launch_tracked(cfg, began, launch_plan(cfg, plan))
@@ -192,20 +197,24 @@ def _stopped_to_requeue(cfg: RunConfig, run_id: str | None, outcome: dict) -> in
 
 
 def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ResolvedPlan | None) -> dict:
-    """The run's pictures, its training, its logs and model uploaded and (node 0) its summary
-    printed: rank 0's summary of the loop, with the pictures."""
+    """The run's pictures, its training, its logs uploaded and (node 0) its summary printed: rank 0's
+    summary of the loop, with the pictures and what failed after the last step (``end_of_run_errors``)."""
     rdzv_id = rendezvous_id(cfg)
     with _worker_logs(cfg) as log_base:
         pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)), plan=plan.plan if plan else None,
                                 artifacts=_auto_plan_artifacts(cfg))
         try:
             outcome = _train(cfg, tracker, log_base, rdzv_id, plan)
-            outcome["pictures"] = {**pictures.result(), **(outcome.get("pictures") or {})}
         finally:
             # torch elastic puts this run's logs in <log_base>/<rdzv id>_<random>/
             log_dir = _newest_log_dir(log_base, rdzv_id)
             upload_logs(tracker, log_dir)
-        log_final_model(tracker, cfg, outcome)
+        # the training finished: what fails from here on is reported and recorded, not the run's exit code
+        after = AfterTraining(tracker, say=lambda line: print(line, flush=True),
+                              errors=outcome.get("end_of_run_errors"))
+        with after.guard("the placement picture"):
+            outcome["pictures"] = {**pictures.result(), **(outcome.get("pictures") or {})}
+        outcome["end_of_run_errors"] = after.errors
         if cfg.launch.node_rank == 0:  # node 0 owns the run's summary, as it owns its MLflow run
             print(summary(cfg, outcome, tracker, wall_s=time.monotonic() - began,
                           log_dir=log_dir if cfg.launch.log_dir else None), flush=True)

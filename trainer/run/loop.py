@@ -29,9 +29,11 @@ from trainer.planner.memory.budget import predicted_peak_mib as budgeted_peak_mi
 from trainer.planner.memory.host import unmap_freed_memory
 from trainer.run.build import build_loader, build_loss, build_optimizer, build_parallel_model, lr_lambda
 from trainer.run.checkpointing import Checkpointer, frozen_names
+from trainer.run.final_model import log_final_model, logs_final_model
 from trainer.run.metrics import MemoryMeter, Progress, StepLog
 from trainer.run.step import StepStats, evaluate, train_step
 from trainer.run.stop_request import StopRequest
+from trainer.tracking.end_of_run import AfterTraining
 from trainer.tracking.tracker import Tracker
 
 # lr_lambda and frozen_names: the loop's names for its schedule and LoRA's frozen weights, kept here too
@@ -55,6 +57,7 @@ class TrainResult:
     last_window: dict = field(default_factory=dict)
     peak_memory_mb: float | None = None  # the largest rank's peak at the last logged step
     stopped_at: int | None = None  # the step after which a stop request (Slurm's warning) ended the run early
+    end_of_run_errors: list[str] = field(default_factory=list)  # what failed after the last step (one line each)
 
     @property
     def mean_tokens_per_s(self) -> float | None:
@@ -67,7 +70,8 @@ class TrainResult:
         return {"losses": self.losses, "first_step": self.first_step, "val_loss": self.val_loss,
                 "step_times": self.step_times, "tokens_per_step": self.tokens_per_step,
                 "last_checkpoint": self.last_checkpoint, "pictures": self.pictures, "last_window": self.last_window,
-                "peak_memory_mb": self.peak_memory_mb, "stopped_at": self.stopped_at}
+                "peak_memory_mb": self.peak_memory_mb, "stopped_at": self.stopped_at,
+                "end_of_run_errors": self.end_of_run_errors}
 
     def add(self, stats: StepStats) -> None:
         """One step's numbers."""
@@ -137,11 +141,20 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             progress.log(f"stopped after step {step} as asked (checkpoint {result.last_checkpoint})")
             result.stopped_at = step
             break
-    # a collective: every rank gathers its actions to rank 0, which draws them (a stopped run recorded none)
-    if cfg.tracking.pictures and result.stopped_at is None:
-        result.pictures = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress, out_dir=pictures_dir)
     progress.stop()
-    log.finish()
+    # after the last step: what fails here is reported and recorded, and the training still finished
+    after = AfterTraining(tracker, say=progress.log)
+    with after.guard("the per-rank memory peaks (MLflow metrics/)"):
+        log.finish()
+    finished = result.stopped_at is None  # a stopped run resumes when requeued: its pictures and model come then
+    if cfg.tracking.pictures and finished:  # a collective: every rank gathers its actions to rank 0, which draws them
+        with after.guard("the timeline pictures"):
+            result.pictures = timeline_pictures(recorder, cfg, tracker=tracker, progress=progress,
+                                                out_dir=pictures_dir)
+    if logs_final_model(cfg) and finished:  # a collective: every rank sends its weights to rank 0, which logs them
+        with after.guard("the final model (MLflow model/)", required=cfg.tracking.log_model is True):
+            log_final_model(cfg, checkpointer.state["model"], tracker=tracker, progress=progress)
+    result.end_of_run_errors = after.errors
     result.last_window, result.peak_memory_mb = log.last_window, log.peak_memory_mb
     return result
 

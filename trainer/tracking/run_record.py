@@ -34,6 +34,7 @@ from trainer.models.skeleton import meta_model
 from trainer.pictures.placement import write_placement
 from trainer.planner.report import describe_plan
 from trainer.tracking.credentials import connect_uri
+from trainer.tracking.end_of_run import error_lines
 from trainer.tracking.run_info import public_config, redact, run_tags, run_url, ui_command
 from trainer.tracking.tracker import NullTracker, Tracker
 
@@ -152,23 +153,6 @@ def system_metrics(cfg: TrackingConfig, tracker: Tracker) -> Iterator[None]:
         monitor.finish()
 
 
-def log_final_model(tracker: Tracker, cfg: RunConfig, outcome: dict[str, Any]) -> None:
-    """The last checkpoint's weights, gathered into one safetensors file, as ``model/`` artifacts."""
-    checkpoint = outcome.get("last_checkpoint")
-    if not (checkpoint and cfg.tracking.log_model) or isinstance(tracker, NullTracker):
-        return
-    import tempfile
-
-    # start-up: the export reads DCP (torch.distributed.checkpoint and DTensor: about 2 s), which the
-    # launcher needs only here, after a run that saved a checkpoint.
-    from trainer.export.weights import export_checkpoint
-
-    with tempfile.TemporaryDirectory(prefix="meshflow-model-") as tmp:
-        out = Path(tmp) / "model.safetensors"
-        export_checkpoint(checkpoint, out)
-        tracker.log_artifact(out, "model")
-
-
 def upload_logs(tracker: Tracker, log_dir: Path | None) -> None:
     """The workers' per-rank log files (torch elastic's layout: ``<attempt>/<rank>/stdout.log``) as
     the run's ``logs/`` artifacts. Best effort: the logs are also on disk."""
@@ -209,7 +193,7 @@ def summary(cfg: RunConfig, outcome: dict[str, Any], tracker: Tracker, *, wall_s
         lines += log_lines(log_dir)
     for name, path in sorted((outcome.get("pictures") or {}).items()):
         lines.append(f"  {name}: {path}")
-    return "\n".join(lines)
+    return "\n".join(lines + error_lines(outcome.get("end_of_run_errors") or []))
 
 
 def _speeds(outcome: dict[str, Any], first: int, last: int) -> list[str]:

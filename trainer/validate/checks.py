@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,6 +28,7 @@ from parallel.config import INTERLEAVED_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from parallel.topology import mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan.spec import ParallelPlan
+from trainer.checkpoint.layout import SHARED_DIR_EXAMPLE
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import has_mallopt
 from trainer.validate.context_checks import check_context
@@ -315,10 +317,31 @@ def check_launch(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("launch.node_rank", f"{ln.node_rank} with launch.executor=slurm: one command "
                                   "submits the job for every node, and Slurm numbers them",
                                   "leave it out, e.g. launch.node_rank=0"))
+    issues += _check_checkpoint_sharing(cfg)
     if ln.unmap_freed_memory and not has_mallopt():
         issues.append(ConfigIssue("launch.unmap_freed_memory", "needs glibc's mallopt; this host's C library is "
                                   f"{platform.libc_ver()[0] or 'unknown'}", "set launch.unmap_freed_memory=false"))
     return issues
+
+
+def _check_checkpoint_sharing(cfg: RunConfig) -> list[ConfigIssue]:
+    """Several nodes resuming from a relative ``train.checkpoint.dir``: each node's launcher has its own
+    working directory, so unless it is on a disk they share, no node holds a whole checkpoint to resume
+    from. Refused for what resumes (elastic restarts, ``train.checkpoint.resume``); a warning otherwise
+    (:func:`trainer.launch.disk_checks.checkpoint_sharing_warning`)."""
+    ln, ckpt = cfg.launch, cfg.train.checkpoint
+    if ln.nnodes == 1 or Path(ckpt.dir).is_absolute() or plans_elsewhere(cfg):
+        return []
+    resuming = [what for what, on in ((f"launch.max_restarts={ln.max_restarts} (a restart resumes from the latest "
+                                       "checkpoint)", ln.max_restarts > 0),
+                                      (f"train.checkpoint.resume={ckpt.resume}", ckpt.resume != "none")) if on]
+    if not resuming:
+        return []
+    return [ConfigIssue("train.checkpoint.dir", f"{ckpt.dir!r} is relative with launch.nnodes={ln.nnodes}: each node "
+                        "writes its ranks' shards under its own working directory, and "
+                        f"{' and '.join(resuming)} needs every shard of a checkpoint on every node",
+                        "give a directory every node mounts at the same path, e.g. "
+                        f"train.checkpoint.dir={SHARED_DIR_EXAMPLE}")]
 
 
 def _check_misc(cfg: RunConfig) -> list[ConfigIssue]:
