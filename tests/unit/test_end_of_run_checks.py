@@ -18,7 +18,7 @@ from trainer.config.schema import RunConfig
 from trainer.tracking.end_of_run import ERRORS_TAG, AfterTraining, error_lines
 from trainer.tracking.run_record import summary
 from trainer.tracking.tracker import NullTracker, Terminated
-from trainer.validate.checks import check_launch
+from trainer.validate.launch_checks import check_launch
 from trainer.launch.disk_checks import checkpoint_sharing_warning, free_dir, launch_disk_issues
 
 

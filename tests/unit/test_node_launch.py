@@ -54,7 +54,7 @@ def test_a_bad_node_option_is_a_config_error_that_names_the_field(tmp_path, caps
 
 
 def test_several_hosts_need_a_fixed_rendezvous_port():
-    from trainer.validate.checks import check_launch
+    from trainer.validate.launch_checks import check_launch
 
     (issue,) = check_launch(_cfg(rdzv_endpoint="10.0.0.1:0"))
     assert issue.path == "launch.rdzv_endpoint" and "port 0 with launch.nnodes=2" in str(issue)

@@ -347,7 +347,7 @@ def _with_node_options(cfg: RunConfig, args: argparse.Namespace) -> RunConfig:
     cfg = cfg.model_copy(update={"launch": launch_section})
     # start-up: a validated job.json launches without importing validation; only --node-rank overrides
     # are checked here, by the launch section's own checks.
-    from trainer.validate.checks import check_launch
+    from trainer.validate.launch_checks import check_launch
 
     issues = check_launch(cfg)
     if issues:

@@ -142,7 +142,15 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             result.stopped_at = step
             break
     progress.stop()
-    # after the last step: what fails here is reported and recorded, and the training still finished
+    _after_training(result, cfg, log=log, recorder=recorder, model_state=checkpointer.state["model"], tracker=tracker,
+                    progress=progress, pictures_dir=pictures_dir)
+    return result
+
+
+def _after_training(result: TrainResult, cfg: RunConfig, *, log: StepLog, recorder: TimelineRecorder, model_state,
+                    tracker: Tracker, progress: Progress, pictures_dir) -> None:
+    """After the last step: the memory peaks, the timeline pictures and the final model. What fails here is
+    reported and recorded (``result.end_of_run_errors``), and the training still finished."""
     after = AfterTraining(tracker, say=progress.log)
     with after.guard("the per-rank memory peaks (MLflow metrics/)"):
         log.finish()
@@ -153,10 +161,9 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
                                                 out_dir=pictures_dir)
     if logs_final_model(cfg) and finished:  # a collective: every rank sends its weights to rank 0, which logs them
         with after.guard("the final model (MLflow model/)", required=cfg.tracking.log_model is True):
-            log_final_model(cfg, checkpointer.state["model"], tracker=tracker, progress=progress)
+            log_final_model(cfg, model_state, tracker=tracker, progress=progress)
     result.end_of_run_errors = after.errors
     result.last_window, result.peak_memory_mb = log.last_window, log.peak_memory_mb
-    return result
 
 
 def _report_predicted_peak(cfg: RunConfig, tracker: Tracker, progress: Progress, predicted: float | None,
