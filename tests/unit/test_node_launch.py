@@ -34,6 +34,7 @@ def test_node_options_override_the_launch_section(monkeypatch):
     class Args:
         node_rank, node_rank_env, rdzv_endpoint, rdzv_id, local_addr = (None, "JOB_COMPLETION_INDEX", "h0:29400",
                                                                          "j7", None)
+        resume = run_id = None  # a Slurm requeue's options: not given here
 
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
     cfg = _with_node_options(_cfg(), Args)
