@@ -225,7 +225,7 @@ HOST: dict[str, tuple[Bad, dict[str, object]]] = {  # (case, {what the validator
     "host/no-compiler": (bad(["train.compile=true"], "train.compile", ["none was found"]),
                          {_WHICH: lambda program: None}),
     "host/no-mallopt": (bad(["launch.unmap_freed_memory=true"], "launch.unmap_freed_memory", ["mallopt"]),
-                        {"trainer.validate.checks.has_mallopt": lambda: False}),
+                        {"trainer.validate.launch_checks.has_mallopt": lambda: False}),
 }
 
 _PASSED_ON = "passes on the fix of the error it reports (an HFModelError's, a CustomModelError's, ...), prose there"

@@ -67,6 +67,13 @@ def fix_groups(fix: str) -> list[list[str]]:
     return groups
 
 
+@pytest.fixture(autouse=True)
+def _own_directory(tmp_path, monkeypatch):
+    """Each case in a directory of its own: the launcher's disk checks read the working directory (a
+    ``checkpoints/`` left in the checkout by an earlier run would be another run's checkpoints)."""
+    monkeypatch.chdir(tmp_path)
+
+
 def test_fix_groups_reads_a_fix_as_a_shell_would():
     fix = ("use a tp size dividing 2, or replicate them: 'parallel.placements={\"layers.*.w[qkv].weight\": {tp: "
            "Replicate}}' (or set parallel.pipeline.schedule=1F1B parallel.pipeline.stages_per_rank=1, or "
