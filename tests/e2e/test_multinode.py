@@ -184,6 +184,46 @@ def test_two_nodes_without_a_shared_disk_finish_and_log_the_model_they_trained(h
 
 
 @pytest.mark.slow
+def test_a_shared_checkpoint_of_two_nodes_resumes_on_one_node_with_an_uninterrupted_runs_losses(hosts, tmp_path,
+                                                                                              compose):
+    """Two launchers in their own folders save into one absolute train.checkpoint.dir (a disk both nodes
+    mount): fsdp [4] over two nodes for 4 steps; then one launcher resumes from that directory with
+    resume=auto on fsdp [2] (another node count and world size) to step 8, and steps 5..8 have the
+    losses of one device's uninterrupted 8-step run."""
+    from trainer.run.loop import train
+    from trainer.run.metrics import NullProgress
+    from trainer.tracking.tracker import NullTracker
+
+    # lr warm-up spans steps 1..8 either way: the 4-step run's schedule is the 8-step run's, stopped at 4
+    tiny = [*[a for a in COMMON if not a.startswith("train.steps")], "optim.warmup_steps=10"]
+    shared = tmp_path / "shared"
+    saves = [f"train.checkpoint.dir={shared}", "train.checkpoint.every=2"]
+    folders = [tmp_path / "node0", tmp_path / "node1", tmp_path / "alone"]
+    for folder in folders:
+        folder.mkdir()
+    nodes_uri, alone_uri = f"sqlite:///{folders[0]}/mlflow.db", f"sqlite:///{folders[2]}/mlflow.db"
+    procs = _start_nodes(hosts, folders[:2], [*TWO_NODES, *tiny, "train.steps=4", *saves,
+                                              f"tracking.tracking_uri={nodes_uri}"])
+    node0, node1 = _finish(procs, timeout=400)
+    assert [p.returncode for p in procs] == [0, 0], (node0[-3000:], node1[-3000:])
+    assert "done: steps 1..4" in node0 and "is relative" not in node0 + node1, node0[-3000:]
+    assert sorted(p.name for p in shared.iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (shared / "step_00000004").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+
+    alone = subprocess.run([sys.executable, "-m", "trainer", "+parallel=fsdp", "mesh=[2]", *tiny, "train.steps=8",
+                            *saves, "train.checkpoint.resume=auto", f"tracking.tracking_uri={alone_uri}"],
+                           cwd=folders[2], capture_output=True, text=True, timeout=scaled(300))
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    assert "done: steps 5..8" in alone.stdout, alone.stdout[-3000:]
+
+    one_device = compose(*tiny, "train.steps=8", "tracking=none", "train.checkpoint.save_final=false")
+    want = train(one_device, tracker=NullTracker(), progress=NullProgress()).losses
+    got = {**_losses(nodes_uri), **_losses(alone_uri)}  # steps 1..4 on two nodes, 5..8 on one
+    assert sorted(_losses(alone_uri)) == [5, 6, 7, 8] and sorted(got) == list(range(1, 9)), got
+    assert max(abs(got[s] - want[s - 1]) / abs(want[s - 1]) for s in got) <= 1e-5, (got, want)
+
+
+@pytest.mark.slow
 def test_a_dead_worker_on_node_1_fails_both_nodes_and_is_named(hosts, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = [*TWO_NODES, *[a for a in COMMON if not a.startswith("train.steps")], "train.steps=100000",
