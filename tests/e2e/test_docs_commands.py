@@ -25,7 +25,9 @@ from tests.docs_text import REPO, blocks, documented_commands, read_docs
 NOT_RUN: dict[str, dict[str, str]] = {
     "docs/multi-host.md": {"python -m trainer +parallel=fsdp mesh=[4]": "# host 10.0.0.2"},
     "docs/control-plane.md": {"python -m api.client": "MESHFLOW_URL, MESHFLOW_TOKEN"},
-    "docs/deploy.md": {"python -m api.client": "ray start --head", "MESHFLOW_EXECUTOR=ray": "ray start --head"},
+    "docs/deploy.md": {"python -m api.client": "ray start --head", "MESHFLOW_EXECUTOR=ray": "ray start --head",
+                       "MESHFLOW_EXECUTOR=slurm": "run on a host with Slurm's client commands"},
+    "docs/slurm.md": {"python -m pytest": "installs Debian's `slurmctld`, `slurmd`, `munge`"},
     "README.md": {"python -m pytest": "Run the tests"},
     "docs/testing.md": {"python -m pytest": "pytest"},
 }

@@ -213,7 +213,7 @@ def test_unmapping_drops_the_heap_terms_from_the_plan(monkeypatch):
     assert unmapped.total == unmapped.live + unmapped.parts.runtime
     (ddp,) = _predict("model=gpt_small", "+parallel=dp", "mesh=[2]", "launch.unmap_freed_memory=true")
     assert ddp.parts.reduce == 2 * ddp.params  # backward's freed memory is returned: two flat buffers
-    import trainer.validate.checks as validate
+    import trainer.validate.launch_checks as validate
 
     monkeypatch.setattr(validate, "has_mallopt", lambda: False)
     with pytest.raises(ConfigError) as err:

@@ -185,8 +185,8 @@ def _launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> 
 def _stopped_to_requeue(cfg: RunConfig, run_id: str | None, outcome: dict) -> int:
     """A run that stopped with a checkpoint when asked (Slurm's warning, :mod:`trainer.run.stop_request`):
     node 0 leaves its MLflow run's id for the requeued job to continue; the exit code asks for the requeue."""
-    from trainer.launch.slurm import EXIT_REQUEUE
-    from trainer.run.stop_request import RUN_ID_FILE, requeue_dir
+    # start-up: torch's collectives behind the stop request load only in a run that was asked to stop
+    from trainer.run.stop_request import EXIT_REQUEUE, RUN_ID_FILE, requeue_dir
 
     folder = requeue_dir()
     if folder is not None and run_id and cfg.launch.node_rank == 0:

@@ -27,10 +27,9 @@ import uuid
 from pathlib import Path
 
 from trainer.config.schema import RunConfig
-from trainer.run.stop_request import REQUEUE_DIR_ENV, RUN_ID_FILE, STOP_FILE
+from trainer.run.stop_request import EXIT_REQUEUE, REQUEUE_DIR_ENV, RUN_ID_FILE, STOP_FILE
 from trainer.tracking.run_info import run_name
 
-EXIT_REQUEUE = 75  # a run that saved a checkpoint on Slurm's warning and stopped, to be requeued (BSD's EX_TEMPFAIL)
 SCRIPT_FILE, CONFIG_FILE = "job.sbatch", "config.json"
 OUTPUT_PATTERN = "slurm-%j.out"  # Slurm puts the job id in place of %j
 
@@ -141,6 +140,7 @@ def environment_note() -> str:
 
 def _wait_until_ended(job_id: str, timeout_s: float = 120) -> str:
     """Slurm's state of a cancelled job once it has ended (its processes killed), or after ``timeout_s``."""
+    # start-up: the job's client (scontrol, sbatch) loads only when a job is submitted, not for a dry run's script
     from trainer.launch.slurm_job import job_state
 
     deadline = time.monotonic() + timeout_s
@@ -155,6 +155,8 @@ def submit_and_follow(cfg: RunConfig, *, plan=None):
     """``launch.executor=slurm``: write the job beside the run's logs, submit it, print its id, follow its
     output and state to the end; the :class:`~trainer.launch.launcher.LaunchOutcome` carries the job's exit
     code. Ctrl-C or SIGTERM cancels the job (``scancel``), as they stop a local run."""
+    # start-up: the launcher, the job's client and the tracker's signal handling load only when a job is submitted
+    # (a dry run prints the script without them)
     from trainer.launch.launcher import EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM, LaunchOutcome
     from trainer.launch.slurm_job import SlurmError, cancel, exit_code, follow, submit
     from trainer.tracking.tracker import Terminated, install_signal_handlers
@@ -180,7 +182,7 @@ def submit_and_follow(cfg: RunConfig, *, plan=None):
                                  wall_s=time.monotonic() - began)
     code = exit_code(state)
     if state.state != "COMPLETED" or code:
-        from trainer.launch.slurm_job import ENDED
+        from trainer.launch.slurm_job import ENDED  # start-up: as above
 
         print(f"slurm job {job_id} {ENDED.get(state.state, state.state)} (exit code {code}); its output: {output}",
               file=sys.stderr, flush=True)

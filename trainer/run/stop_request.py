@@ -21,6 +21,7 @@ import torch
 REQUEUE_DIR_ENV = "MESHFLOW_REQUEUE_DIR"
 STOP_FILE = "stop"           # created by the job script when Slurm warns
 RUN_ID_FILE = "mlflow_run_id"  # written by node 0's launcher when it stops: the requeued job continues that run
+EXIT_REQUEUE = 75  # a run that saved a checkpoint on Slurm's warning and stopped, to be requeued (BSD's EX_TEMPFAIL)
 
 
 def requeue_dir() -> Path | None:
