@@ -46,8 +46,9 @@ def read_readiness(plane: PlaneDep, session: SessionDep) -> HealthPublic:
 @router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(require_metrics_reader)],
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                              "description": "Prometheus text exposition format."},
-                       401: {"model": Message, "description": "No or an unknown bearer token (and "
-                                                              "MESHFLOW_METRICS_PUBLIC is false)."}})
+                       # a JSON body, as every 401: given as content, since the route's own media type is text
+                       401: {"content": {"application/json": {"schema": Message.model_json_schema()}},
+                             "description": "No or an unknown bearer token (and MESHFLOW_METRICS_PUBLIC is false)."}})
 def read_metrics(plane: PlaneDep, session: SessionDep) -> PlainTextResponse:
     """Prometheus metrics (with a bearer token, unless MESHFLOW_METRICS_PUBLIC): jobs by state, queue depth, slots,
     submissions, failures."""
