@@ -62,12 +62,12 @@ def _user_run(tmp_path: Path, args: list[str], timeout: float):
     lines = out.stdout.splitlines()
     assert link in lines, out.stdout
     # the same link, with the command that serves it, as the run starts: before its first step line
-    first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    first_step = next(i for i, line in enumerate(lines) if re.match(r"(\[rank\d+\]: )?step ", line))  # rank 0's
     assert lines.index(link.strip()) < first_step, out.stdout
     # the summary's wall time is the command's, from the process's start to the summary (the
     # interpreter's own exit after it, seconds on a busy host, is no part of it)
     wall = float(re.search(r"^  wall time ([\d.]+) s \|", out.stdout, re.M)[1])
-    assert until_summary - scaled(1.0) <= wall <= until_summary, (wall, until_summary)
+    assert until_summary - scaled(1.0) <= wall <= until_summary + 0.05, (wall, until_summary)  # printed to 0.1 s
     return out, client, runs[0]
 
 
