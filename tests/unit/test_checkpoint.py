@@ -187,3 +187,29 @@ def test_resolve_resume(tmp_path: Path) -> None:
     (second / COMPLETE_MARKER).unlink()
     with pytest.raises(CheckpointError, match="COMPLETE"):
         resolve_resume(str(second), tmp_path)
+
+
+def test_a_resume_says_which_optimizer_settings_of_the_checkpoint_it_kept(tmp_path: Path) -> None:
+    """The optimizer's and the schedule's state come back as saved, changed config values included (a
+    higher optim.lr has no effect on a resume): the run names each one it kept, and nothing when they agree."""
+    from trainer.config.schema import OptimConfig
+    from trainer.run.checkpointing import kept_optimizer_settings
+
+    def built(lr: float):
+        model, _ = build(seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    model, optimizer, scheduler = built(1e-2)
+    train(model, optimizer, range(2))
+    path = save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer,
+                           extra={"step": 2, "scheduler": scheduler.state_dict()}, keep=1)
+    for lr, kept in [(2e-2, ["optim.lr=0.02 (the checkpoint's 0.01)"]), (1e-2, [])]:
+        fresh_model, fresh_optimizer, fresh_scheduler = built(lr)
+        extra = load_checkpoint(path, model=fresh_model, optimizer=fresh_optimizer)
+        fresh_scheduler.load_state_dict(extra["scheduler"])
+        assert fresh_optimizer.param_groups[0]["lr"] == 1e-2 and fresh_scheduler.base_lrs == [1e-2]  # as saved
+        assert kept_optimizer_settings(fresh_optimizer, fresh_scheduler,
+                                       OptimConfig(lr=lr, betas=(0.9, 0.999), weight_decay=0.1)) == kept
+    assert kept_optimizer_settings(fresh_optimizer, fresh_scheduler, OptimConfig(lr=1e-2, eps=1e-6)) == [
+        "optim.betas=[0.9, 0.95] (the checkpoint's [0.9, 0.999])", "optim.eps=1e-06 (the checkpoint's 1e-08)"]

@@ -13,6 +13,7 @@ step 1) and where LoRA's frozen base weights, left out, come from.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -28,7 +29,7 @@ from trainer.checkpoint.dcp import (
     resolve_resume,
     save_checkpoint,
 )
-from trainer.config.schema import RunConfig
+from trainer.config.schema import OptimConfig, RunConfig
 from trainer.data.loader import GlobalBatchLoader
 from trainer.models.fingerprint import check_fingerprints, model_fingerprints
 from trainer.models.init import canonical_fqn
@@ -64,6 +65,9 @@ class Checkpointer:
         self.loader.load_state_dict(extra["loader"])
         _set_rng_state(extra["rng"])
         progress.log(f"resumed from {path} at step {int(extra['step'])}")
+        if kept := kept_optimizer_settings(self.state["optimizer"], self.scheduler, self.cfg.optim):
+            progress.log(f"warning: the checkpoint's optimizer settings continue, not the config's: {', '.join(kept)} "
+                         "(a resume keeps AdamW's state and the schedule's base learning rate as saved)")
         tracker.set_tag("resumed_from", str(path))
         return int(extra["step"])
 
@@ -94,6 +98,29 @@ class Checkpointer:
             tracker.set_tag("latest_checkpoint", str(saved.resolve()))
             progress.log(f"checkpoint {saved} ({nbytes / 2**20:.1f} MiB, {seconds:.2f} s)")
         return str(saved.resolve())
+
+
+def kept_optimizer_settings(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                            optim: OptimConfig) -> list[str]:
+    """What a resume kept from the checkpoint against the config (``optim.lr=0.0045 (the checkpoint's 0.003)``):
+    the schedule's base learning rate and AdamW's betas, eps and weight decay are loaded with the optimizer's and
+    the schedule's state, so a value changed in the config since has no effect, and the run says so."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    pairs = [("lr", optim.lr, scheduler.base_lrs[0] if scheduler.base_lrs else optim.lr),
+             ("betas", tuple(optim.betas), tuple(group.get("betas", optim.betas))),
+             ("eps", optim.eps, group.get("eps", optim.eps)),
+             ("weight_decay", optim.weight_decay, group.get("weight_decay", optim.weight_decay))]
+    return [f"optim.{name}={_shown(wanted)} (the checkpoint's {_shown(kept)})" for name, wanted, kept in pairs
+            if not _same(wanted, kept)]
+
+
+def _same(a, b) -> bool:
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return len(a) == len(b) and all(math.isclose(float(x), float(y), rel_tol=1e-9, abs_tol=0.0) for x, y in zip(a, b))
+
+
+def _shown(value) -> str:
+    return f"[{', '.join(f'{v:g}' for v in value)}]" if isinstance(value, tuple) else f"{value:g}"
 
 
 def frozen_names(pm: ParallelModel) -> set[str]:
