@@ -26,7 +26,7 @@ from service import runner
 from service.executors.base import Executor, JobLaunch, JobStatus
 from trainer.config.schema import RunConfig
 from trainer.launch.slurm import render_script
-from trainer.launch.slurm_job import ENDED, SlurmError, cancel, exit_code, job_state, slurm_command
+from trainer.launch.slurm_job import ENDED, cancel, exit_code, job_state, slurm_command, submit
 
 SCRIPT_NAME = "job.sbatch"
 CLIENT_ENV = ("SLURM_CONF",)  # where the client commands find the cluster, when not in /etc/slurm
@@ -61,11 +61,7 @@ class SlurmExecutor(Executor):
                                         config_file=runner.JOB_CONFIG_NAME, output_file=runner.LOG_NAME))
         env = {**runner.job_environment(launch.env),
                **{name: os.environ[name] for name in CLIENT_ENV if name in os.environ}}
-        done = subprocess.run([slurm_command("sbatch"), "--parsable", str(script)], cwd=workdir, env=env,
-                              capture_output=True, text=True, timeout=60)
-        if done.returncode != 0:
-            raise SlurmError(f"sbatch {script} failed (exit {done.returncode}): {done.stderr.strip()}")
-        return done.stdout.strip().split(";")[0]
+        return submit(script, cwd=workdir, env=env)
 
     def poll(self, ref: str, launch: JobLaunch) -> JobStatus:
         state = job_state(ref)

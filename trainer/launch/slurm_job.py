@@ -67,13 +67,16 @@ def slurm_command(name: str) -> str:
     return path
 
 
-def _run(*words: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([slurm_command(words[0]), *words[1:]], capture_output=True, text=True, timeout=timeout)
+def _run(*words: str, timeout: float = 60, cwd: Path | None = None,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([slurm_command(words[0]), *words[1:]], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env=env)
 
 
-def submit(script: Path) -> str:
-    """``sbatch --parsable script``: the job id (without the cluster name a federation adds)."""
-    done = _run("sbatch", "--parsable", str(script))
+def submit(script: Path, *, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
+    """``sbatch --parsable script`` (in ``cwd`` with ``env``, else this process's): the job id (without the
+    cluster name a federation adds)."""
+    done = _run("sbatch", "--parsable", str(script), cwd=cwd, env=env)
     if done.returncode != 0:
         said = done.stderr.strip() or done.stdout.strip()
         raise SlurmError(f"sbatch {script} failed (exit {done.returncode}): {said}")
