@@ -65,18 +65,18 @@ def model_fingerprints(pm: ParallelModel) -> dict[str, Fingerprint]:
             block = param.to_local() if hasattr(param, "to_local") else param
             local[canonical_fqn(name)] = [v / (holders // shard_count(param)) for v in fingerprint(block, offset)]
     if pm.mesh is None:
-        return {name: _four(v) for name, v in local.items()}
+        return {name: as_fingerprint(v) for name, v in local.items()}
     gathered: list[dict[str, list[float]]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
     total: dict[str, list[float]] = {}
     for rank_values in gathered:
         for name, values in rank_values.items():
             total[name] = [a + b for a, b in zip(total.get(name, [0.0] * 4), values)]
-    return {name: _four(v) for name, v in total.items()}
+    return {name: as_fingerprint(v) for name, v in total.items()}
 
 
-def _four(values: Sequence[float]) -> Fingerprint:
-    """A fingerprint summed as a list, as the tuple it is."""
+def as_fingerprint(values: Sequence[float]) -> Fingerprint:
+    """A fingerprint summed as a list of its four numbers, as the tuple it is."""
     elements, total, squares, weighted = values
     return elements, total, squares, weighted
 
