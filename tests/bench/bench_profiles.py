@@ -270,12 +270,12 @@ def _paper_label(row: published.PublishedRun) -> str:
     """The planner's label of the paper's layout (trainer.planner.auto.layouts)."""
     lay = row.layout
     parts = [f"dp{lay.dp}({MODES[lay.data_parallel]})"] if lay.dp > 1 else []
-    if lay.cp > 1:
-        parts.append(f"cp{lay.cp}")
     if lay.pp > 1:
         m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
         v = lay.virtual_stages or 1
         parts.append(f"pp{lay.pp}({'Interleaved1F1B' if v > 1 else '1F1B'}{f' v{v}' if v > 1 else ''}, m{m})")
+    if lay.cp > 1:  # inside pp, beside tp, as row_config's mesh and the planner's
+        parts.append(f"cp{lay.cp}")
     if lay.tp > 1:
         parts.append(f"tp{lay.tp}{'(sp)' if lay.sequence_parallel else ''}")
     accum = row_config(row).train.grad_accum if lay.pp == 1 else 1
