@@ -34,7 +34,8 @@ COMMON = [f"train.steps={STEPS}", "tracking=none", "data=synthetic", "data.num_t
 # (the model and batch overrides, the planner's knobs and budget, the layout it chooses, its mesh)
 CASES = {
     "pp_x_cp": ([o for o in DEEP if not o.startswith(("mesh", "+parallel"))],
-                ["mesh=[4]", *(o for o in DEEP if o.startswith("+parallel")), f"launch.memory_budget_gb={DEEP_BUDGET_GB}"],
+                ["mesh=[4]", *(o for o in DEEP if o.startswith("+parallel")),
+                 f"launch.memory_budget_gb={DEEP_BUDGET_GB}"],
                 "pp2(1F1B, m8) x cp2", [2, 2]),
     "hsdp_x_ep": ([o for o in WIDE_EXPERTS if not o.startswith(("mesh", "+parallel"))],
                   ["mesh=[8]", *(o for o in WIDE_EXPERTS if o.startswith("+parallel"))],
