@@ -117,3 +117,23 @@ def test_layouts_that_cannot_split_are_not_offered_and_are_refused_as_written():
     assert experts == {"dp2x2(hsdp) x ep2"}  # ep 4 leaves dp 2: no replicate x shard split of it
     off = knobs.model_copy(update={"expert_parallel": False})
     assert not any("ep" in c.parallel["dims"] for c in _search(moe, off, 8).layouts())
+
+
+@pytest.mark.parametrize("preset, mesh, dims, rest_axis", [
+    ("fsdp_ep", "[2,4]", [], "dp,ep"),
+    ("hsdp", "[2,2,2]", ["parallel.dims=[dp_replicate,dp_shard,ep]", "+parallel.expert_parallel={dim: ep}"],
+     "dp_shard,ep")])
+def test_fsdp_beside_ep_hides_behind_compute_on_a_gpu_profile(preset, mesh, dims, rest_axis):
+    """The parameters beside the experts are FSDP over the shard axes x ep: on a GPU profile their gathers and
+    reduces are prefetched behind compute as FSDP's over dp are (they were all exposed, as tp's are), and hsdp's
+    are named by its shard axis x ep, not its replicate axis too."""
+    from trainer.config.compose import compose_dict
+    from trainer.planner.cost.device import predict_on_profile
+
+    cfg, plan = validate_with_plan(compose_dict(["model=gpt_moe", f"+parallel={preset}", f"mesh={mesh}", *dims,
+                                                 "hardware=h100_sxm", "launch.nnodes=1", "dry_run=true",
+                                                 "train.precision=bf16"]))
+    step = predict_on_profile(cfg, plan, cfg.hardware)
+    assert step.comm_s[rest_axis] > 0 and step.traffic[rest_axis] > 0
+    assert rest_axis not in (step.exposed_s or {}), step.exposed_s
+    assert not any({"dp_replicate", "ep"} <= set(axis.split(",")) for axis in step.traffic), step.traffic
