@@ -73,9 +73,11 @@ class Layouts:
 
     def _cp_sizes(self, ranks: int) -> list[int]:
         """The cp sizes to consider: 1, and from ``knobs.context_parallel_from`` tokens on every divisor of
-        ``ranks`` that cuts the rows into ``2 x cp`` chunks, for a model whose attention takes a split sequence."""
+        ``ranks`` that cuts the rows into ``2 x cp`` chunks, for a model whose attention takes a split sequence and
+        a run that does not compile (``train.compile`` with cp is refused: :mod:`trainer.validate.context_checks`;
+        each pipeline, dp and tp split of it would be a refused candidate)."""
         start, seq_len = self.knobs.context_parallel_from, self.base.train.seq_len
-        if start is None or seq_len < start or not supports_context_parallel(self.model):
+        if start is None or seq_len < start or self.base.train.compile or not supports_context_parallel(self.model):
             return [1]
         return [cp for cp in divisors(ranks) if seq_len % (2 * cp) == 0]
 
