@@ -100,6 +100,8 @@ def test_layouts_that_cannot_split_are_not_offered_and_are_refused_as_written():
     labels = {c.label for c in search.layouts()}
     assert {"dp2(fsdp) x pp2(1F1B, m4) x cp2", "pp4(1F1B, m4) x cp2", "dp4(fsdp) x cp2"} <= labels
     assert not any("cp4" in label or "cp8" in label or "ep" in label for label in labels)
+    compiled = _raw(*DEEP[1:9], "mesh=[8]", "train.compile=true")  # torch.compile with cp is refused: none offered
+    assert not any("cp" in c.parallel["dims"] for c in _search(compiled, knobs, 8).layouts())
     # Written by hand, the same layouts are refused with the validator's reason.
     cp4 = search._candidate(1, "", None, 2, "pp2(1F1B, m4)", {"dim": "pp", "schedule": "1F1B", "microbatches": 4,
                                                              "stages_per_rank": 1, "boundaries": "auto"},
