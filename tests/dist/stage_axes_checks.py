@@ -14,7 +14,7 @@ from trainer.tracking.tracker import NullTracker
 from trainer.validate.checks import validate_config
 
 STEPS = 5
-# 8 rows of 96 tokens (2 x cp chunks for cp 2, 3 and 4): 4, 3 or 2 lanes x 2 micro-batches.
+# 8 rows of 96 tokens (2 x cp chunks for cp 2, 3 and 4): 4 or 2 lanes x 2 micro-batches (llama9's 3 lanes: 6 rows).
 BASE = ["train.seq_len=96", "train.global_batch_size=8", f"train.steps={STEPS}", "tracking=none",
         "train.checkpoint.save_final=false", "tracking.pictures=false", "train.eval_at_start=false", "optim.lr=1e-3",
         "optim.warmup_steps=0", "data=synthetic", "data.num_tokens=65536"]
@@ -46,7 +46,8 @@ def stage(ranks: list, dims: list[str], **roles: dict) -> dict:
 
 def run_config(model: str, stages: list[dict] | None, extra: list[str] = ()) -> dict:
     """The composed config of ``model`` on ``stages`` (None: one device), as the trainer validates it."""
-    overrides = [*model_overrides(model), *BASE, *extra]
+    # llama9's 3 lanes x 2 micro-batches: 6 rows.
+    overrides = [*model_overrides(model), *BASE, *(["train.global_batch_size=6"] if model == "llama9" else []), *extra]
     if stages is None:
         return compose_dict(overrides)
     world = sum(len(s["ranks"]) if not isinstance(s["ranks"][0], list) else len(s["ranks"]) * len(s["ranks"][0])

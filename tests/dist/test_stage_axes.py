@@ -25,7 +25,7 @@ def data_dir(tmp_path_factory):
     from tests.hf_assets import write_tiny_llama
 
     root = tmp_path_factory.mktemp("stage-axes")
-    write_tiny_llama(root / "llama9", hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+    write_tiny_llama(root / "llama9", hidden_size=72, intermediate_size=180, num_attention_heads=9, num_key_value_heads=3,
                      tie_word_embeddings=True)
     os.environ[DATA_ENV] = str(root)
     yield root
