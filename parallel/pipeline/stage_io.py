@@ -4,8 +4,10 @@ Each stage's ranks are numbered row-major; the ``i``-th rank of every stage form
 (:mod:`parallel.plan.stages`). Between stages an activation travels along the lanes as its
 *transfer layout*: lane ``i`` holds the ``i``-th of ``k`` row blocks of the micro-batch
 (``Shard(0)`` over the stage's ranks in lane order). Inside a stage the activation has the
-stage's own layout: split over the batch on its data-parallel axes, whole on the others
-(tensor-parallel ranks all see the same rows).
+stage's own layout: split over the batch on its data-parallel and expert-parallel axes, over the
+sequence on its context-parallel axis (each cp rank its load-balanced head and tail chunks of every
+row: the sequence is reordered by :func:`cp_order` so that ``Shard(1)`` is that split), whole on the
+others (tensor-parallel ranks all see the same rows).
 
 A stage converts on the way in and out with one DTensor redistribution on its own mesh
 (:func:`attach_boundaries`): ``Shard(0)`` on every axis, which is the transfer layout, to
@@ -16,11 +18,16 @@ tensor-parallel rank the whole micro-batch: the minimum traffic (every stage-1 r
 micro-batch once). Autograd runs the same steps backwards (a slice, and an all-gather of the
 gradients), so gradients are split back the same way.
 
+A cp stage's way in is an all-to-all over its cp ranks (``Shard(0)`` -> ``Shard(1)``), each token
+moved once; its way out the inverse, and its backward both the other way round, so no gradient is
+summed or lost.
+
 Gradients: lane ``i``'s loss is the mean over its rows; the engine divides it by ``k`` so that every
 activation gradient that crosses a boundary is that of the micro-batch's mean loss. Inside a
-stage each data-parallel rank's parameter gradients cover its rows only and must be summed, but
-FSDP2 and replicate average over the ``d`` data-parallel ranks (and gloo has no pre-scaled sum to
-make them sum): so the gradient entering a stage's output is multiplied by ``d`` and the one
+stage each data-parallel rank's parameter gradients cover its rows only (a cp rank's: its tokens) and
+must be summed, but FSDP2 and replicate average over the ``d`` ranks of the dp, ep and cp axes (and
+gloo has no pre-scaled sum to make them sum); the experts' gradients are divided by the ep size for
+the same reason: so the gradient entering a stage's output is multiplied by ``d`` and the one
 leaving its input divided by ``d`` again (:class:`_ScaleGrad`).
 """
 

@@ -12,6 +12,11 @@ examples do (stage 0 data parallel on ranks 0-1, stage 1 tensor parallel on rank
           - {ranks: [0, 1], dims: [dp], data_parallel: {dim: dp, mode: ddp}}
           - {ranks: [2, 3], dims: [tp], placements: {w1: {tp: Shard(1)}}}
 
+A stage may also split its sequences over an axis of its own (``context_parallel: {dim: cp}``) or its
+blocks' experts (``expert_parallel: {dim: ep}``): the stage's plan then holds its
+:class:`~parallel.plan.spec.ContextParallelSpec` (the stage must hold an attention that takes a split
+sequence) or its :class:`~parallel.plan.spec.ExpertParallelSpec` of the expert modules it holds.
+
 Every stage has the same number of ranks ``k``. The ``i``-th rank of every stage (row-major)
 forms *lane* ``i``: torch's pipeline schedule runs along each lane, one rank per stage, and an
 activation crosses a boundary as lane ``i``'s share of the micro-batch (its ``i``-th row block,

@@ -88,10 +88,9 @@ CASES: dict[str, Bad] = {
                                       "parallel.pipeline.stages[1].context_parallel",
                                       ["holds no module of Transformer that attends over a split sequence"],
                                       ["parallel.pipeline.stages.1.context_parallel=null"]),
-    "stage-cp-with-selective-recomputation": bad(["+parallel=pp_stages_cp", "parallel.activation_checkpointing=selective"],
-                                                 "parallel.activation_checkpointing",
-                                                 ["selective with context parallelism"],
-                                                 ["parallel.activation_checkpointing=full"]),
+    "stage-cp-with-selective-recomputation": bad(
+        ["+parallel=pp_stages_cp", "parallel.activation_checkpointing=selective"], "parallel.activation_checkpointing",
+        ["selective with context parallelism"], ["parallel.activation_checkpointing=full"]),
     "stage-cp-on-its-dp-axis": bad(["+parallel=pp_stages_cp"], "parallel.pipeline.stages[0].context_parallel.dim",
                                    ["already the stage's data_parallel axis"], ["its own axis"],
                                    edit=stage_put(0, "context_parallel", {"dim": "dp"})),

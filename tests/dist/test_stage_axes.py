@@ -25,8 +25,8 @@ def data_dir(tmp_path_factory):
     from tests.hf_assets import write_tiny_llama
 
     root = tmp_path_factory.mktemp("stage-axes")
-    write_tiny_llama(root / "llama9", hidden_size=72, intermediate_size=180, num_attention_heads=9, num_key_value_heads=3,
-                     tie_word_embeddings=True)
+    write_tiny_llama(root / "llama9", hidden_size=72, intermediate_size=180, num_attention_heads=9,
+                     num_key_value_heads=3, tie_word_embeddings=True)  # its ffn 180 splits over tp 3
     os.environ[DATA_ENV] = str(root)
     yield root
     os.environ.pop(DATA_ENV, None)
