@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from parallel.config import ParallelConfig, StageConfig
-from parallel.errors import ConfigError, ConfigIssue, format_path, override
+from parallel.errors import ConfigError, ConfigIssue, format_path, override, override_key
 from parallel.plan.layout import loss_parallel_applies, resolve_layout
 from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, ParallelPlan,
                                  PipelineSpec, StagePlan, owning_unit)
@@ -100,15 +100,11 @@ def _stage_context(stage: StageConfig, prefix: tuple[object, ...], model: nn.Mod
         issues.append(ConfigIssue(format_path(*prefix, "context_parallel"),
                                   f"this stage holds no module of {type(model).__name__} that attends over a split "
                                   "sequence (the Llama-family decoders' attention does)",
-                                  f"{override(_key(*prefix, 'context_parallel'), None)}, or move the boundaries so "
-                                  "that the stage holds attention blocks"))
+                                  f"{override(override_key(*prefix, 'context_parallel'), None)}, or move the "
+                                  "boundaries so that the stage holds attention blocks"))
         return None
     return ContextParallelSpec(cp.dim, cp.method)
 
-
-def _key(*parts: object) -> str:
-    """A config path as a Hydra override's key: ``parallel.pipeline.stages.1.context_parallel``."""
-    return ".".join(str(p) for p in parts)
 
 
 def _stage_experts(stage: StageConfig, prefix: tuple[object, ...], model: nn.Module, names: set[str],
@@ -124,8 +120,8 @@ def _stage_experts(stage: StageConfig, prefix: tuple[object, ...], model: nn.Mod
         issues.append(ConfigIssue(format_path(*prefix, "expert_parallel"),
                                   f"this stage holds no experts of model {type(model).__name__} to split over axis "
                                   f"{ep.dim!r} (a mixture-of-experts model's blocks hold them)",
-                                  f"{override(_key(*prefix, 'expert_parallel'), None)}, or move the boundaries so "
-                                  "that it holds mixture-of-experts blocks"))
+                                  f"{override(override_key(*prefix, 'expert_parallel'), None)}, or move the "
+                                  "boundaries so that it holds mixture-of-experts blocks"))
         return None
     return ExpertParallelSpec(ep.dim, modules)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from parallel.errors import ConfigIssue, format_path, override
+from parallel.errors import ConfigIssue, format_path, override, override_key
 from trainer.config.schema import LlamaConfig, RunConfig
 from trainer.models import moe_config
 
@@ -87,14 +87,14 @@ def _check_layout(section, prefix: tuple, has_moe: bool) -> list[ConfigIssue]:
         issues.append(ConfigIssue(format_path(*prefix, "data_parallel", "mode"), "expert parallelism composes with "
                                   "data_parallel mode fsdp, zero2 or hsdp, not ddp yet (its replicas would each hold "
                                   "every expert's gradient whole)",
-                                  override(_key(*prefix, "data_parallel", "mode"), "fsdp")))
+                                  override(override_key(*prefix, "data_parallel", "mode"), "fsdp")))
     if not has_moe:
         return issues
     if section.tensor_parallel is not None and section.tensor_parallel.sequence_parallel:
         path = format_path(*prefix, "tensor_parallel", "sequence_parallel")
         issues.append(ConfigIssue(path, "sequence parallelism of a mixture-of-experts model is not built yet (the "
                                   "router would see the sequence's shards as a DTensor)",
-                                  override(_key(*prefix, "tensor_parallel", "sequence_parallel"), False)))
+                                  override(override_key(*prefix, "tensor_parallel", "sequence_parallel"), False)))
     for key in ("placements", "layouts"):
         for glob in getattr(section, key):
             if any(fnmatchcase(name, glob) for name in _MOE_NAMES[key]):
@@ -120,7 +120,3 @@ def _stage_expert_split(stage, prefix: tuple, moe, built_in: bool) -> list[Confi
                         f"model.moe.num_experts={fit}" if built_in else
                         f"give {format_path(*prefix)} a number of ranks along {ep.dim!r} dividing {moe.num_experts}")]
 
-
-def _key(*parts: object) -> str:
-    """A config path as a Hydra override's key: ``parallel.pipeline.stages.1.data_parallel.mode``."""
-    return ".".join(str(p) for p in parts)
