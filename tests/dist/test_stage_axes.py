@@ -66,6 +66,8 @@ def test_stage_layouts_with_cp_and_ep_equal_one_device(layout, results, referenc
     model, _ = LAYOUTS[layout]
     expected = references(model)
     figures = ["losses", "aux_losses", "grad_norms"] if model == "moe" else ["losses", "grad_norms"]
+    print(f"{layout}: max rel " + ", ".join(f"{f} {max(max_rel(r[f], expected[f]) for r in results(layout)):.1e}"
+                                            for f in figures))
     for figure in figures:
         assert len(expected[figure]) == 5 and len(set(expected[figure])) == 5, (figure, expected[figure])
         for r in results(layout):
