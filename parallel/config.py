@@ -134,6 +134,13 @@ class StageConfig(LayoutSection):
         description="Global ranks holding this stage: a list ([0, 1]) or a nested list for a 2-D sub-mesh "
                     "([[0,1],[2,3]]).",
     )
+    context_parallel: ContextParallelConfig | None = Field(
+        None, description="Context parallelism inside this stage: each micro-batch's sequences split over one of its "
+        "axes (its ranks also shard the stage's parameters, as data-parallel ranks); activations cross the stage's "
+        "boundaries as whole rows, re-split on the way in and joined on the way out; null = none.")
+    expert_parallel: ExpertParallelConfig | None = Field(
+        None, description="Expert parallelism inside this stage: its blocks' stacked experts Shard(0) over one of its "
+        "axes, which splits the stage's rows as a data-parallel axis does; null = none.")
 
     @property
     def rank_list(self) -> list[int]:

@@ -219,12 +219,13 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
     holders = {name: list(pp.stages[plan.stage_of(name)].ranks) for names in groups for name in names}
     ties = StageTies.build(groups, [part], holders, pairing="whole")
     ties.copy_values()
-    dp = stage.layout.data_parallel
-    attach_boundaries(part, mesh, dp_axes=dp.dim_names if dp is not None else ())
+    layout = stage.layout.topology  # the stage's rows split over its dp and ep axes, its sequences over cp
+    attach_boundaries(part, mesh, dp_axes=layout.batch_axes, cp_axis=layout.cp_axis if layout.cp_size > 1 else None)
     lane_ranks, lane_group = lanes[lane]
     return ParallelModel(
         model_parts=[part], mesh=mesh, dp_rank=lane, dp_size=topology.dp_size, stage_indices=[index], pipeline=pp,
-        device=device, placement_report=report, autocast=_autocast_dtype(precision, dp), pp_group=lane_group,
+        device=device, placement_report=report, autocast=_autocast_dtype(precision, stage.layout.param_data_parallel),
+        pp_group=lane_group,
         replicas=topology.replicas, repeats=topology.repeats, lanes=topology.stage_lanes,
         stage_to_group_rank=stage_to_group_rank(lane_ranks),
         ties=ties, tied_names=groups, heads=heads, loss_parallel=stage.layout.loss_parallel,

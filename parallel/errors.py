@@ -72,6 +72,12 @@ def override(key: str, value: object) -> str:
     return shlex.quote(f"{key}={_value(value)}")
 
 
+def override_key(*parts: object) -> str:
+    """A config path as an override's key, list indices as Hydra reads them: ``override_key("parallel",
+    "pipeline", "stages", 1, "context_parallel")`` is ``parallel.pipeline.stages.1.context_parallel``."""
+    return ".".join(str(p) for p in parts)
+
+
 def _value(value: object) -> str:
     if isinstance(value, bool) or value is None:
         return json.dumps(value)

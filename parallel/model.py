@@ -257,7 +257,10 @@ class ParallelModel:
             return None
         value = term.detach() * self._loss_factor
         self._term_total = value if self._term_total is None else self._term_total + value
-        return carry_term(output, term, self._loss_factor)
+        # The term is a mean over the rows this rank's stage sees, as a uniform layout's rank's loss is: its
+        # gradient is the micro-batch's share, not the lane's (per-stage layouts: their data parallelism
+        # averages it, parallel.pipeline.stage_io), so the lanes' division is taken back.
+        return carry_term(output, term, self._loss_factor * self._lanes)
 
     # -- parameters and gradients ----------------------------------------------------
 

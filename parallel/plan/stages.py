@@ -12,6 +12,11 @@ examples do (stage 0 data parallel on ranks 0-1, stage 1 tensor parallel on rank
           - {ranks: [0, 1], dims: [dp], data_parallel: {dim: dp, mode: ddp}}
           - {ranks: [2, 3], dims: [tp], placements: {w1: {tp: Shard(1)}}}
 
+A stage may also split its sequences over an axis of its own (``context_parallel: {dim: cp}``) or its
+blocks' experts (``expert_parallel: {dim: ep}``): the stage's plan then holds its
+:class:`~parallel.plan.spec.ContextParallelSpec` (the stage must hold an attention that takes a split
+sequence) or its :class:`~parallel.plan.spec.ExpertParallelSpec` of the expert modules it holds.
+
 Every stage has the same number of ranks ``k``. The ``i``-th rank of every stage (row-major)
 forms *lane* ``i``: torch's pipeline schedule runs along each lane, one rank per stage, and an
 activation crosses a boundary as lane ``i``'s share of the micro-batch (its ``i``-th row block,
@@ -32,9 +37,10 @@ import torch
 from torch import nn
 
 from parallel.config import ParallelConfig, StageConfig
-from parallel.errors import ConfigError, ConfigIssue, format_path
+from parallel.errors import ConfigError, ConfigIssue, format_path, override, override_key
 from parallel.plan.layout import loss_parallel_applies, resolve_layout
-from parallel.plan.spec import DataParallelSpec, GlobCheck, ParallelPlan, PipelineSpec, StagePlan, owning_unit
+from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, ParallelPlan,
+                                 PipelineSpec, StagePlan, owning_unit)
 from parallel.plan.units import check_boundaries, stage_boundaries
 from parallel.topology import MeshSpec
 
@@ -63,6 +69,8 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
         layout = ParallelPlan(
             mesh=stage_mesh, units=tuple(units), blocks=tuple(blocks),
             data_parallel=DataParallelSpec(dp.mode, tuple(dp.dim_names)) if dp else None,
+            context_parallel=_stage_context(stage, prefix, model, names, issues),
+            expert_parallel=_stage_experts(stage, prefix, model, names, issues),
             placements=MappingProxyType(placements), layouts=MappingProxyType(layouts),
             loss_parallel=loss_parallel_applies(stage, stage_mesh, model, only=names),
             activation_checkpointing=parallel.activation_checkpointing,
@@ -79,6 +87,43 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
         activation_checkpointing=parallel.activation_checkpointing,
         activation_checkpointing_every=parallel.activation_checkpointing_every,
     )
+
+
+def _stage_context(stage: StageConfig, prefix: tuple[object, ...], model: nn.Module, names: set[str],
+                   issues: list[ConfigIssue]) -> ContextParallelSpec | None:
+    """The stage's context parallelism; a stage naming it but holding no module that attends over a split
+    sequence (one declaring ``context_parallel``: the decoders' attention) is an issue."""
+    cp = stage.context_parallel
+    if cp is None:
+        return None
+    if not any(hasattr(module, "context_parallel") for name, module in model.named_modules() if name in names):
+        issues.append(ConfigIssue(format_path(*prefix, "context_parallel"),
+                                  f"this stage holds no module of {type(model).__name__} that attends over a split "
+                                  "sequence (the Llama-family decoders' attention does)",
+                                  f"{override(override_key(*prefix, 'context_parallel'), None)}, or move the "
+                                  "boundaries so that the stage holds attention blocks"))
+        return None
+    return ContextParallelSpec(cp.dim, cp.method)
+
+
+
+def _stage_experts(stage: StageConfig, prefix: tuple[object, ...], model: nn.Module, names: set[str],
+                   issues: list[ConfigIssue]) -> ExpertParallelSpec | None:
+    """The stage's modules of stacked experts (of the model's ``expert_modules()``, those this stage holds),
+    split over its ``expert_parallel`` axis; a stage naming the axis but holding no experts is an issue."""
+    ep = stage.expert_parallel
+    if ep is None:
+        return None
+    provider = getattr(model, "expert_modules", None)
+    modules = tuple(m for m in (provider() if provider is not None else ()) if m in names)
+    if not modules:
+        issues.append(ConfigIssue(format_path(*prefix, "expert_parallel"),
+                                  f"this stage holds no experts of model {type(model).__name__} to split over axis "
+                                  f"{ep.dim!r} (a mixture-of-experts model's blocks hold them)",
+                                  f"{override(override_key(*prefix, 'expert_parallel'), None)}, or move the "
+                                  "boundaries so that it holds mixture-of-experts blocks"))
+        return None
+    return ExpertParallelSpec(ep.dim, modules)
 
 
 def check_stage_ranks(stages: Sequence[StageConfig], world_size: int) -> list[ConfigIssue]:

@@ -35,10 +35,6 @@ CASES: dict[str, Bad] = {
         ["+parallel=cp", "mesh=[2]", "train.compile=true"], "train.compile",
         ["torch.compile with context parallelism is not built yet"],
         ["train.compile=false", "parallel.context_parallel=null"]),
-    "cp/on-per-stage-layouts": bad(
-        ["+parallel=pp_stages", "mesh=[2,2]", "parallel.dims=[pp,cp]", "+parallel.context_parallel={dim: cp}"],
-        "parallel.context_parallel", ["on per-stage layouts (parallel.pipeline.stages) is not built yet"],
-        ["parallel.pipeline.stages=null"]),
     "cp/custom-module": bad(
         ["+parallel=cp", "mesh=[2]", *_EMBEDDING], "parallel.context_parallel",
         ["model.arch custom: no module of Embedding attends over a split sequence", "context_parallel attribute"],

@@ -88,11 +88,8 @@ def test_refusals_name_the_path_the_reason_and_the_fix():
         "model.moe.top_k: each token goes to 9 experts but there are only 8 (use top_k <= num_experts, "
         "e.g. model.moe.top_k=8)")
     _validated("model=gpt_moe", "+parallel=3d")  # built: the family plan splits the attention only, no mlp globs
-    issues = _issues("model=gpt_moe", "+parallel=pp_stages")
-    assert issues["parallel.pipeline.stages"] == (
-        "parallel.pipeline.stages: a mixture-of-experts model on per-stage layouts is not built yet (one layout for "
-        "every stage is: parallel.expert_parallel, data and tensor parallelism beside the pipeline) "
-        "(parallel.pipeline.stages=null)")
+    _validated("model=gpt_moe", "+parallel=pp_stages")  # built: each stage's own layout (tests/dist/test_stage_axes.py)
+    _validated("model=gpt_moe", "+parallel=pp_stages_ep")
 
 
 def test_placements_on_an_moe_model_are_refused_not_ignored():

@@ -74,6 +74,51 @@ CASES: dict[str, Bad] = {
     "stage-tp-on-its-dp-axis": bad(["+parallel=pp_stages"], "parallel.pipeline.stages[0].tensor_parallel.dim",
                                    ["already the stage's data-parallel axis"], ["its own axis"],
                                    edit=stage_put(0, "tensor_parallel", {"dim": "dp"})),
+    # A stage's own cp and ep axes (conf/parallel/pp_stages_cp.yaml, pp_stages_ep.yaml).
+    "top-level-context-parallel": bad(["+parallel=pp_stages", "+parallel.context_parallel={dim: cp}"],
+                                      "parallel.context_parallel", ["each stage has its own layout"],
+                                      ["parallel.pipeline.stages[i].context_parallel"]),
+    "stage-cp-seq-len": bad(["+parallel=pp_stages_cp", "train.seq_len=100"], "train.seq_len",
+                            ["100 tokens do not cut into 2 x cp = 8", "stage 1's cp axis 'cp' of size 4"],
+                            ["train.seq_len=96"]),
+    "stage-cp-with-compile": bad(["+parallel=pp_stages_cp", "train.compile=true"], "train.compile",
+                                 ["torch.compile with context parallelism (stage 1)"],
+                                 ["train.compile=false", "parallel.pipeline.stages.1.context_parallel=null"]),
+    "stage-cp-without-attention": bad(["+parallel=pp_stages_cp", "parallel.pipeline.boundaries=[norm]"],
+                                      "parallel.pipeline.stages[1].context_parallel",
+                                      ["holds no module of Transformer that attends over a split sequence"],
+                                      ["parallel.pipeline.stages.1.context_parallel=null"]),
+    "stage-cp-with-selective-recomputation": bad(
+        ["+parallel=pp_stages_cp", "parallel.activation_checkpointing=selective"], "parallel.activation_checkpointing",
+        ["selective with context parallelism"], ["parallel.activation_checkpointing=full"]),
+    "stage-cp-on-its-dp-axis": bad(["+parallel=pp_stages_cp"], "parallel.pipeline.stages[0].context_parallel.dim",
+                                   ["already the stage's data_parallel axis"], ["its own axis"],
+                                   edit=stage_put(0, "context_parallel", {"dim": "dp"})),
+    "stage-cp-unknown-axis": bad(["+parallel=pp_stages_cp"], "parallel.pipeline.stages[1].context_parallel.dim",
+                                 ["axis 'sp' is not one of this stage's dims ['cp']"],
+                                 ["parallel.pipeline.stages[1].dims"],
+                                 edit=stage_put(1, "context_parallel", {"dim": "sp"})),
+    "placement-on-stage-cp-axis": bad(["+parallel=pp_stages_cp"],
+                                      'parallel.pipeline.stages[1].placements["output.weight"].cp',
+                                      ["context- or expert-parallel axis"], ["other axes"],
+                                      edit=stage_put(1, "placements", {"output.weight": {"cp": "Shard(0)"}})),
+    "stage-ep-without-experts": bad(["+parallel=pp_stages_ep"], "parallel.pipeline.stages[1].expert_parallel",
+                                    ["holds no experts of model Transformer"],
+                                    ["parallel.pipeline.stages.1.expert_parallel=null"]),
+    "stage-ep-experts-do-not-split": bad(["model=gpt_moe", "+parallel=pp_stages_ep", "model.moe.num_experts=6"],
+                                         "model.moe.num_experts", ["6 experts do not split over the stage's "
+                                                                   "expert-parallel axis 'ep' of size 4"],
+                                         ["model.moe.num_experts=8"]),
+    "stage-ep-beside-ddp": bad(["model=gpt_moe", "+parallel=pp_stages_ep"],
+                               "parallel.pipeline.stages[1].data_parallel.mode", ["not ddp yet"],
+                               ["parallel.pipeline.stages.1.data_parallel.mode=fsdp"],
+                               edit=both(stage_put(1, "ranks", [[4, 5], [6, 7]]), stage_put(1, "dims", ["dp", "ep"]),
+                                         stage_put(1, "data_parallel", {"dim": "dp", "mode": "ddp"}))),
+    "stage-moe-sequence-parallel": bad(["model=gpt_moe", "+parallel=pp_stages_ep"],
+                                       "parallel.pipeline.stages[0].tensor_parallel.sequence_parallel",
+                                       ["sequence parallelism of a mixture-of-experts model"],
+                                       ["parallel.pipeline.stages.0.tensor_parallel.sequence_parallel=false"],
+                                       edit=stage_put(0, "tensor_parallel", {"dim": "tp", "sequence_parallel": True})),
 }
 
 
@@ -109,3 +154,18 @@ def test_examples_are_the_seeds_stage_meshes():
                                                               ("w0", "w1"))] == ["Shard(1)", "Shard(0)"]
     _, plan = validate_with_plan(compose("+examples=stages_dp_then_tp"))
     assert [s.layout.data_parallel and s.layout.data_parallel.mode for s in plan.pipeline.stages] == ["ddp", None]
+
+
+def test_a_stage_resolves_its_own_cp_and_ep_axes():
+    """pp_stages_cp: stage 1's layout splits sequences over its cp axis (parameters sharded over it, as data
+    parallel ranks); pp_stages_ep on gpt_moe: stage 1 splits its own blocks' experts over ep, and its rows."""
+    _, plan = validate_with_plan(compose("+parallel=pp_stages_cp"))
+    first, second = plan.pipeline.stages
+    assert first.layout.context_parallel is None and second.layout.context_parallel.dim == "cp"
+    assert second.layout.param_data_parallel.dim_names == ("cp",) and second.layout.cp_size == 4
+    assert plan.cp_size == 1 and plan.dp_size == 4  # between stages: whole rows, a quarter per lane
+    _, plan = validate_with_plan(compose("model=gpt_moe", "+parallel=pp_stages_ep"))
+    first, second = plan.pipeline.stages
+    assert first.layout.expert_parallel is None
+    assert second.layout.expert_parallel.modules == ("layers.2.mlp.experts", "layers.3.mlp.experts")
+    assert second.layout.topology.batch_axes == ("ep",) and second.layout.topology.ep_size == 4

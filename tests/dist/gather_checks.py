@@ -48,4 +48,8 @@ SUITES = {
         ("fsdp_cp", gather_check(["+parallel=fsdp_cp", "mesh=[2,2]"])),
         ("fsdp_ep", gather_check(["model=gpt_moe", "+parallel=fsdp_ep", "mesh=[2,2]"])),
     ],
+    "eight_rank": [  # a stage's own cp axis, and (gpt_moe) a stage's own ep axis, beside an fsdp x tp stage
+        ("pp_stages_cp", gather_check(["+parallel=pp_stages_cp"])),
+        ("pp_stages_ep", gather_check(["model=gpt_moe", "+parallel=pp_stages_ep"])),
+    ],
 }

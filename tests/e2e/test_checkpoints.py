@@ -125,6 +125,19 @@ def test_per_stage_layouts_train_and_move_to_a_uniform_layout_and_back(tmp_path,
 
 
 @pytest.mark.slow
+def test_a_stage_with_its_own_cp_axis_checkpoints_and_resumes_on_a_uniform_layout(tmp_path, reference):
+    """``+parallel=pp_stages_cp`` (stage 0 fsdp x tp on ranks 0-3, stage 1 cp on ranks 4-7; 8 workers): one
+    device's losses, and its step-4 checkpoint resumes on fsdp x tp [2, 2], continuing the one-device run."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    staged = tmp_path / "staged_cp"
+    _cli(tmp_path, uri, "staged_cp", "+parallel=pp_stages_cp", f"train.checkpoint.dir={staged}",
+         "train.checkpoint.every=4")
+    _assert_continues(_losses(uri, "staged_cp"), reference, range(1, 7))
+    _cli(tmp_path, uri, "uniform", "+parallel=2d", "mesh=[2,2]", f"train.checkpoint.resume={staged}/step_00000004")
+    _assert_continues(_losses(uri, "uniform"), reference, range(5, 7))
+
+
+@pytest.mark.slow
 def test_killed_worker_is_restarted_and_the_run_continues_exactly(tmp_path):
     """max_restarts=1: SIGKILL a worker mid-run; the elastic agent restarts the workers, they resume
     from the newest checkpoint, and every step's loss equals the uninterrupted run's."""

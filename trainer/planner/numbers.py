@@ -73,6 +73,7 @@ def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, Par
     for stage in pp.stages:
         view = ParallelConfig(dims=[pp.dim, *stage.dims], data_parallel=stage.data_parallel,
                               tensor_parallel=stage.tensor_parallel, placements=stage.placements, layouts=stage.layouts,
+                              context_parallel=stage.context_parallel, expert_parallel=stage.expert_parallel,
                               pipeline=pp.model_copy(update={"stages": None}),
                               activation_checkpointing=par.activation_checkpointing,
                               activation_checkpointing_every=par.activation_checkpointing_every)

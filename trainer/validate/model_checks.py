@@ -97,7 +97,7 @@ def _check_selective(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
         return [ConfigIssue("parallel.activation_checkpointing", f"selective: model {type(model).__name__} has no "
                             "attention module offering its core for recomputation",
                             "parallel.activation_checkpointing=full")]
-    if par.context_parallel is not None:
+    if par.context_parallel is not None or any(s.context_parallel is not None for s in cfg.stages or ()):
         return [ConfigIssue("parallel.activation_checkpointing", "selective with context parallelism: recomputing "
                             "the ring's attention (its K/V exchange) in backward is not built",
                             "parallel.activation_checkpointing=full")]

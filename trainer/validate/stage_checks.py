@@ -4,7 +4,8 @@ With stages, the ``mesh`` is the world's ranks ([N]) and each stage entry places
 with its own axes and layout; so the top-level layout keys must be empty, the schedule must run
 one stage per rank, every rank must be in exactly one stage (the same number per stage), and each
 stage's axes must be used as the top-level ones are (data parallel on its own axes, parameters
-placed on the others). Each issue names the path under ``parallel.pipeline.stages[i]``.
+placed on the others, context and expert parallelism each on an axis of its own). Each issue names the
+path under ``parallel.pipeline.stages[i]``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def check_stages(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("mesh", "explicit rank ids with parallel.pipeline.stages: the stages already say "
                                   "which ranks hold what", "give the mesh as its shape, "
                                                            f"mesh=[{','.join(map(str, _plain_shape(cfg)))}]"))
-    for key in ("data_parallel", "tensor_parallel", "placements", "layouts"):
+    for key in ("data_parallel", "tensor_parallel", "placements", "layouts", "context_parallel", "expert_parallel"):
         if getattr(par, key):
             issues.append(ConfigIssue(f"parallel.{key}", "with parallel.pipeline.stages each stage has its own layout; "
                                       "a top-level one would be ambiguous",
@@ -77,6 +78,20 @@ def _check_stage_axes(stage, prefix: tuple) -> list[ConfigIssue]:
         elif tp.dim in dp_axes:
             issues.append(ConfigIssue(path, f"axis {tp.dim!r} is already the stage's data-parallel axis",
                                       "give tensor parallelism its own axis of the stage"))
+    roles = {"data_parallel": set(dp_axes), "tensor_parallel": {tp.dim} if tp else set()}
+    for key in ("context_parallel", "expert_parallel"):
+        if (section := getattr(stage, key)) is None:
+            continue
+        path = format_path(*prefix, key, "dim")
+        taken = next((other for other, axes in roles.items() if section.dim in axes), None)
+        if section.dim not in dims:
+            issues.append(unknown(path, section.dim))
+        elif taken is not None:
+            issues.append(ConfigIssue(path, f"axis {section.dim!r} is already the stage's {taken} axis",
+                                      f"give {key} its own axis of the stage (add one to "
+                                      f"{format_path(*prefix, 'dims')} and its ranks)"))
+        roles[key] = {section.dim}
+    placed_roles = {a for key in ("context_parallel", "expert_parallel") for a in roles.get(key, ())}
     for glob, axes in stage.placements.items():
         for axis, placement in axes.items():
             path = format_path(*prefix, "placements", glob, axis)
@@ -86,6 +101,10 @@ def _check_stage_axes(stage, prefix: tuple) -> list[ConfigIssue]:
                 issues.append(ConfigIssue(path, f"axis {axis!r} is the stage's data-parallel axis; parameters are "
                                           "placed on it by its data_parallel", "place parameters only on "
                                                                                "the other axes"))
+            elif axis in placed_roles:
+                issues.append(ConfigIssue(path, f"axis {axis!r} is the stage's context- or expert-parallel axis; "
+                                          "it splits rows or tokens, not this parameter", "place parameters only on "
+                                                                                          "the other axes"))
             elif placement.kind == "partial":
                 issues.append(ConfigIssue(path, f"{placement} on a parameter: a parameter's value must be whole",
                                           "use Shard(d) or Replicate; put Partial in the stage's layouts outputs"))
