@@ -62,11 +62,12 @@ def check_grid(cfg: RunConfig) -> list[ConfigIssue]:
         if getattr(par, field):
             issues.append(ConfigIssue(f"parallel.{field}", "the grid places every block's Linears and activations "
                                       "itself; other placements beside it are not built",
-                                      f"drop them: {override(f'parallel.{field}', {})}"))
+                                      f"remove parallel.{field} from the config"))
     dp = par.data_parallel
     if dp is not None and dp.mode == "hsdp":
         issues.append(ConfigIssue("parallel.data_parallel.mode", "hsdp beside a grid is not built (FSDP2 takes at "
-                                  "most two placements beside its own)", override("parallel.data_parallel.mode", "ddp")))
+                                  "most two placements beside its own)",
+                                  override("parallel.data_parallel", {"dim": dp.dim_names[0], "mode": "fsdp"})))
     if par.activation_checkpointing != "none":
         issues.append(ConfigIssue("parallel.activation_checkpointing", "activation checkpointing of grid blocks is "
                                   "not built yet", override("parallel.activation_checkpointing", "none")))
@@ -91,7 +92,7 @@ def check_grid_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
         return []
     if getattr(cfg.model, "moe", None) is not None:
         return [ConfigIssue(PATH, "a mixture of experts on a grid is not built (its experts are no Linears)",
-                            "use a dense model, or +parallel=ep for the experts")]
+                            f"use a dense model, e.g. {override('model', 'gpt_debug')}")]
     lora = getattr(cfg.model, "lora", None)
     if lora is not None and lora.enabled:
         return [ConfigIssue(PATH, "LoRA adapters on a grid are not built", override("model.lora.rank", 0))]
@@ -100,14 +101,15 @@ def check_grid_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
         return [ConfigIssue(PATH, f"model {type(model).__name__} has no transformer blocks for the grid to split",
                             "use a decoder model (the built-in Llama family or a Hugging Face one)")]
     if "qk_norm" in names:
-        return [ConfigIssue(PATH, "per-head q/k norms (Qwen3) on a grid are not built", "use +parallel=tp")]
+        return [ConfigIssue(PATH, "per-head q/k norms (Qwen3) on a grid are not built",
+                            "use 1-D tensor parallelism (the tp preset) for this model")]
     rows, cols = cfg.axis_size(grid.rows), cfg.axis_size(grid.cols)
     bad = sorted({f"{what} {n}" for what, n in by_rows if n % rows} | {f"{what} {n}" for what, n in by_cols if n % cols})
     if not bad:
         return []
     side = next((q for q in range(2, LARGEST_GRID + 1) if all(n % q == 0 for _, n in (*by_rows, *by_cols))), None)
     fix = (f"use a square grid of side {side}, which splits them: {grid_mesh(cfg, side)}" if side is not None
-           else "use +parallel=tp (1-D tensor parallelism) for this model")
+           else "use 1-D tensor parallelism (the tp preset) for this model")
     return [ConfigIssue(PATH, f"the {rows} x {cols} grid cannot split {', '.join(bad)}: each Linear's inputs split "
                         f"over {grid.rows}, its outputs, the hidden and the (kv) heads over {grid.cols}", fix)]
 
@@ -137,10 +139,15 @@ def grid_sizes(model: nn.Module) -> tuple[list[tuple[str, int]], list[tuple[str,
 
 
 def grid_mesh(cfg: RunConfig, side: int) -> str:
-    """``mesh=[...]`` with the grid's rows and cols of ``side`` ranks, the other axes as they are."""
+    """``mesh=[...]`` with the grid's rows and cols of ``side`` ranks, the other axes as they are, and a global
+    batch size whose share per batch rank splits over ``side`` rows where the config's does not."""
     grid = cfg.parallel.grid_parallel
     shape = [side if name in (grid.rows, grid.cols) else size for name, size in zip(cfg.parallel.dims, cfg.mesh_shape)]
-    return override("mesh", shape)
+    fix = override("mesh", shape)
+    step = cfg.dp_size * cfg.train.grad_accum * side
+    if cfg.train.global_batch_size % step:
+        fix += " " + override("train.global_batch_size", step * max(1, round(cfg.train.global_batch_size / step)))
+    return fix
 
 
 __all__ = ["check_grid", "check_grid_axes", "check_grid_model", "format_path"]
