@@ -12,6 +12,7 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
+import dist_checks
 from dist_checks import train
 from trainer.config.compose import compose_dict
 from trainer.models import decoder_config
@@ -19,6 +20,7 @@ from trainer.run.build import build_parallel_model
 from trainer.validate.checks import validate_config
 
 HF_ENV, SMOL_ENV = "MESHFLOW_TEST_GRID_HF_DIR", "MESHFLOW_TEST_GRID_SMOL_DIR"  # set by the parent test
+SMOL_FIX, SMOL_BATCH = ["mesh=[3,3]", "train.global_batch_size=15"], 15  # tests/conf/test_grid_configs.py checks it
 BASE = ["data=synthetic", "train.seq_len=32", "train.global_batch_size=8", "tracking=none"]
 
 
@@ -29,8 +31,13 @@ def model_overrides(model: str) -> list[str]:
     return ["model=hf", f"model.path={os.environ[HF_ENV if model == 'hf' else SMOL_ENV]}"]
 
 
-def grid_check(model: str, overrides: list[str]):
+def grid_check(model: str, overrides: list[str], *, global_batch: int | None = None):
+    """``global_batch``: sequences per step when the grid's rows do not split ``dist_checks``' 8 (the parent's
+    reference trains on the same)."""
+
     def check(*, rank: int, world_size: int) -> dict:
+        if global_batch is not None:
+            dist_checks.GLOBAL_BATCH = global_batch
         cfg = validate_config(compose_dict([*model_overrides(model), *BASE, *overrides]))
         pm = build_parallel_model(cfg, torch.device("cpu"))
         (part,) = pm.model_parts
@@ -63,5 +70,5 @@ SUITES = {
         ("tp2p5d_hf", grid_check("hf", ["+parallel=tp2p5d"])),
     ],
     # The printed fix for SmolLM2's 9 heads on a 2 x 2 grid, applied as printed.
-    "nine_rank": [("tp2d_smol_3x3", grid_check("smol", ["+parallel=tp2d", "mesh=[3,3]"]))],
+    "nine_rank": [("tp2d_smol_3x3", grid_check("smol", ["+parallel=tp2d", *SMOL_FIX], global_batch=SMOL_BATCH))],
 }
