@@ -155,9 +155,11 @@ def _grid_linear(linear: nn.Linear, grid: DeviceMesh, *, local_out: bool) -> Non
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, grid, STREAM, run_check=False)
+        weight = self.weight
+        assert isinstance(weight, DTensor), "placed by _grid_linear"
         gathered = x.redistribute(grid, GATHERED)
-        y = F.linear(gathered, self.weight.redistribute(grid, WEIGHT_GATHERED), self.bias)
-        return y.to_local() if local_out else y
+        y = F.linear(gathered, weight.redistribute(grid, WEIGHT_GATHERED), self.bias)
+        return y.to_local() if local_out and isinstance(y, DTensor) else y
 
     linear.forward = types.MethodType(forward, linear)  # type: ignore[method-assign]
 
@@ -190,7 +192,8 @@ def _attention_of(block: nn.Module) -> nn.Module | None:
 
 
 def _projects_heads(attention: nn.Module, linear: nn.Linear) -> bool:
-    names = attention._names
+    """Whether ``linear`` is one of the attention's q, k, v projections (named by its ``_names``)."""
+    names: Any = attention._names
     return any(getattr(attention, n, None) is linear for n in (names.q, names.k, names.v))
 
 

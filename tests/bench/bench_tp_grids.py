@@ -24,9 +24,10 @@ Analytic, per step and rank (E = 4 bytes, L blocks, each block's Linears ``(in, 
   (``(q-1)/q x in out/q``); backward reduce-scatters ``dX`` and ``dW`` of the same sizes:
   ``sum over Linears of 2 (q-1)/q (N/q in + in out/q) E``. Beside the Linears: the norms' statistics (one
   all-reduce of ``N/q`` values over c in forward; in backward their gradient, which DTensor keeps Partial:
-  one term of the norm's input gradient, ``N/q x h``, reduce-scattered over c), the norm weights' gradients (all-reduced over r, ``h/q`` each), the stream leaving the grid (forward) and its
-  gradient entering it (backward), all-gathered over c then r (``(q-1)/q N/q h`` and ``(q-1)/q N h`` each way),
-  and data parallelism's all-reduce of this rank's gradients ``2 (d-1)/d P_rank E``.
+  one term of the norm's input gradient, ``N/q x h``, reduce-scattered over c), the norm weights' gradients
+  (all-reduced over r, ``h/q`` each), the stream leaving the grid (forward) and its gradient entering it
+  (backward), all-gathered over c then r (``(q-1)/q N/q h`` and ``(q-1)/q N h`` each way), and data
+  parallelism's all-reduce of this rank's gradients ``2 (d-1)/d P_rank E``.
 * 2.5-D (Wang et al. 2021, Tesseract, sec. 3): each of the d layers runs the 2-D figures on its N/d tokens, and
   ``dW`` is all-reduced among depth: the 2-D terms with N the layer's tokens, plus ``2 (d-1)/d P_rank E``.
 * Every layout: the gradient norm's and the loss's all-reduces (one float64 each over the world).

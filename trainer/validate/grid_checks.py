@@ -41,10 +41,10 @@ def check_grid_axes(par, role: dict[str, str]) -> list[ConfigIssue]:
 def check_grid(cfg: RunConfig) -> list[ConfigIssue]:
     """The config's side (no model needed): a square grid, the layouts it composes with, the batch."""
     par = cfg.parallel
-    grid = par.grid_parallel if par is not None else None
-    if grid is None or cfg.mesh is None or len(par.dims) != len(cfg.mesh_shape) \
-            or any(axis not in par.dims for axis in grid.axes.values()):
+    if par is None or par.grid_parallel is None or cfg.mesh is None or len(par.dims) != len(cfg.mesh_shape) \
+            or any(axis not in par.dims for axis in par.grid_parallel.axes.values()):
         return []
+    grid = par.grid_parallel
     rows, cols = cfg.axis_size(grid.rows), cfg.axis_size(grid.cols)
     issues = []
     if rows != cols:
@@ -57,7 +57,8 @@ def check_grid(cfg: RunConfig) -> list[ConfigIssue]:
     for field, what in drop.items():
         if getattr(par, field) is not None:
             issues.append(ConfigIssue(f"parallel.{field}", f"{what} beside a 2-D / 2.5-D grid is not built: the grid "
-                                      "partitions every block itself", f"drop it: {override(f'parallel.{field}', None)}"))
+                                      "partitions every block itself",
+                                      f"drop it: {override(f'parallel.{field}', None)}"))
     for field in ("placements", "layouts"):
         if getattr(par, field):
             issues.append(ConfigIssue(f"parallel.{field}", "the grid places every block's Linears and activations "
@@ -73,13 +74,15 @@ def check_grid(cfg: RunConfig) -> list[ConfigIssue]:
                                   "not built yet", override("parallel.activation_checkpointing", "none")))
     if cfg.train.compile:
         issues.append(ConfigIssue("train.compile", "torch.compile of grid blocks is not built yet (their weights are "
-                                  "gathered by hooks replacing each Linear's forward)", override("train.compile", False)))
+                                  "gathered by hooks replacing each Linear's forward)",
+                                  override("train.compile", False)))
     split = cfg.dp_size * cfg.train.grad_accum
     if cfg.train.global_batch_size % split == 0 and (cfg.train.global_batch_size // split) % rows:
         step = split * rows
         good = step * max(1, round(cfg.train.global_batch_size / step))
-        issues.append(ConfigIssue("train.global_batch_size", f"each batch rank's {cfg.train.global_batch_size // split} "
-                                  f"sequences do not split over the grid's {rows} rows (each row holds whole sequences)",
+        per_rank = cfg.train.global_batch_size // split
+        issues.append(ConfigIssue("train.global_batch_size", f"each batch rank's {per_rank} sequences do not split "
+                                  f"over the grid's {rows} rows (each row holds whole sequences)",
                                   f"use a multiple of {step}, e.g. {override('train.global_batch_size', good)}"))
     return issues
 
@@ -87,9 +90,10 @@ def check_grid(cfg: RunConfig) -> list[ConfigIssue]:
 def check_grid_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
     """The model's side: the blocks' sizes split over the grid, and nothing the grid does not partition."""
     par = cfg.parallel
-    grid = par.grid_parallel if par is not None else None
-    if grid is None or cfg.mesh is None or any(axis not in par.dims for axis in grid.axes.values()):
+    if par is None or par.grid_parallel is None or cfg.mesh is None \
+            or any(axis not in par.dims for axis in par.grid_parallel.axes.values()):
         return []
+    grid = par.grid_parallel
     if getattr(cfg.model, "moe", None) is not None:
         return [ConfigIssue(PATH, "a mixture of experts on a grid is not built (its experts are no Linears)",
                             f"use a dense model, e.g. {override('model', 'gpt_debug')}")]
@@ -104,7 +108,8 @@ def check_grid_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
         return [ConfigIssue(PATH, "per-head q/k norms (Qwen3) on a grid are not built",
                             "use 1-D tensor parallelism (the tp preset) for this model")]
     rows, cols = cfg.axis_size(grid.rows), cfg.axis_size(grid.cols)
-    bad = sorted({f"{what} {n}" for what, n in by_rows if n % rows} | {f"{what} {n}" for what, n in by_cols if n % cols})
+    bad = sorted({f"{what} {n}" for what, n in by_rows if n % rows}
+                 | {f"{what} {n}" for what, n in by_cols if n % cols})
     if not bad:
         return []
     side = next((q for q in range(2, LARGEST_GRID + 1) if all(n % q == 0 for _, n in (*by_rows, *by_cols))), None)
@@ -141,8 +146,10 @@ def grid_sizes(model: nn.Module) -> tuple[list[tuple[str, int]], list[tuple[str,
 def grid_mesh(cfg: RunConfig, side: int) -> str:
     """``mesh=[...]`` with the grid's rows and cols of ``side`` ranks, the other axes as they are, and a global
     batch size whose share per batch rank splits over ``side`` rows where the config's does not."""
-    grid = cfg.parallel.grid_parallel
-    shape = [side if name in (grid.rows, grid.cols) else size for name, size in zip(cfg.parallel.dims, cfg.mesh_shape)]
+    par = cfg.parallel
+    assert par is not None and par.grid_parallel is not None, "a grid's fix"
+    grid = par.grid_parallel
+    shape = [side if name in (grid.rows, grid.cols) else size for name, size in zip(par.dims, cfg.mesh_shape)]
     fix = override("mesh", shape)
     step = cfg.dp_size * cfg.train.grad_accum * side
     if cfg.train.global_batch_size % step:
