@@ -93,11 +93,11 @@ async def http_error_handler(request: Request, err: StarletteHTTPException) -> R
     registers one route per method (GET /v1/jobs and POST /v1/jobs are two routes).
     """
     if err.status_code == 405:
-        methods = set()
+        methods: set[str] = set()
         for route in _api_routes(request.app.router.routes):
             match, _ = route.matches(request.scope)
             if match != Match.NONE:
-                methods |= route.methods
+                methods |= route.methods or set()
         err = StarletteHTTPException(405, err.detail, headers={"Allow": ", ".join(sorted(methods))})
     return await http_exception_handler(request, err)
 
@@ -116,16 +116,18 @@ async def store_unavailable_handler(_: Request, err: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(TrackingUnavailable, unavailable_handler)
+    # Registered through FastAPI's decorator, which takes a handler of the error class it is for
+    # (Starlette's add_exception_handler is typed for handlers of any Exception).
+    app.exception_handler(TrackingUnavailable)(unavailable_handler)
     # Lost or refused connections and an exhausted pool; other database errors (a constraint, a bad
     # statement) are bugs and stay 500s.
     for unreachable in (db_errors.OperationalError, db_errors.InterfaceError, db_errors.TimeoutError):
-        app.add_exception_handler(unreachable, store_unavailable_handler)
-    app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    app.add_exception_handler(ConfigError, config_error_handler)
-    app.add_exception_handler(QuotaExceeded, quota_handler)
-    app.add_exception_handler(RequestValidationError, request_validation_handler)
-    app.add_exception_handler(JobNotFound, not_found_handler)
-    app.add_exception_handler(JobConflict, conflict_handler)
-    app.add_exception_handler(IllegalTransition, conflict_handler)
-    app.add_exception_handler(Forbidden, forbidden_handler)
+        app.exception_handler(unreachable)(store_unavailable_handler)
+    app.exception_handler(StarletteHTTPException)(http_error_handler)
+    app.exception_handler(ConfigError)(config_error_handler)
+    app.exception_handler(QuotaExceeded)(quota_handler)
+    app.exception_handler(RequestValidationError)(request_validation_handler)
+    app.exception_handler(JobNotFound)(not_found_handler)
+    app.exception_handler(JobConflict)(conflict_handler)
+    app.exception_handler(IllegalTransition)(conflict_handler)
+    app.exception_handler(Forbidden)(forbidden_handler)

@@ -88,7 +88,7 @@ def confine_glob(pattern: str, key: str, *, workspace: Path, workdir: Path) -> t
     """A ``data.paths`` entry: the rule for its literal prefix, and every match stays where the prefix is."""
     pattern = as_sent(pattern, workspace=workspace, workdir=workdir, read_only_ok=True)
     resolved, issue = confine_path(pattern, key, workspace=workspace, workdir=workdir, read_only_ok=True)
-    if issue or not any(_has_glob(p) for p in PurePosixPath(pattern).parts):
+    if issue or resolved is None or not any(_has_glob(p) for p in PurePosixPath(pattern).parts):
         return resolved, issue
     parts = PurePosixPath(pattern).parts
     area = parts[0] if parts and parts[0] in READ_ONLY_AREAS else None

@@ -5,7 +5,7 @@ the orphans among them.
     ended = end_leftovers(workspace)  # ControlPlane.start: the pids it ended
 
 A worker already leaves when its server dies (``service.validation._follow_parent`` looks for its
-parent every second); this is the second line, for a worker that could not (stopped, or busy in
+parent and its server every second); this is the second line, for a worker that could not (stopped, or busy in
 code that never lets its watcher run): ~285 MB each, reparented, for as long as the host runs.
 
 A record is ``<workspace>/.validation-workers/<pid>``: the worker's pid and start time, its
@@ -13,9 +13,9 @@ server's pid and start time, and its command line. A starting server ends a reco
 when all of these hold, so it never ends an unrelated process, nor another live server's worker:
 
 - the pid runs, and started when the record says (not a later process given the same pid);
-- its command line is the recorded one, and a multiprocessing worker's (``--multiprocessing-fork``);
-- its server is gone: the recorded server no longer runs (same pid, same start time), or the worker's
-  parent is no longer that server.
+- its command line is the recorded one, and a multiprocessing worker's (spawned, or forked by a fork server);
+- its server is gone: the recorded server no longer runs (same pid, same start time), or neither the
+  worker's parent nor that parent's parent (a fork server's) is that server.
 
 Every other record is stale (its process ended or is someone else's) and is removed.
 """
@@ -32,13 +32,15 @@ import psutil
 log = logging.getLogger(__name__)
 
 WORKERS_DIR = ".validation-workers"
-WORKER_MARK = "--multiprocessing-fork"  # in the command line of every spawned multiprocessing worker
+# in the command line of every multiprocessing worker: a spawned one's, or the fork server's it was forked from
+WORKER_MARKS = ("--multiprocessing-fork", "multiprocessing.forkserver")
 
 
-def record_worker(workspace: Path) -> None:
-    """Record the calling process, a pool worker, and its server (its parent)."""
+def record_worker(workspace: Path, server_pid: int | None = None) -> None:
+    """Record the calling process, a pool worker, and its server: ``server_pid`` (a worker forked by the
+    server's fork server), else its parent."""
     me = psutil.Process()
-    parent = me.parent()
+    parent = me.parent() if server_pid is None else _runs(server_pid, None)
     record = {"pid": me.pid, "create_time": me.create_time(), "cmdline": me.cmdline(),
               "server_pid": parent.pid if parent else None,
               "server_create_time": parent.create_time() if parent else None}
@@ -53,16 +55,23 @@ def record_worker(workspace: Path) -> None:
 
 
 def _runs(pid: int | None, create_time: float | None) -> psutil.Process | None:
-    """The process ``pid`` if it runs and started at ``create_time``; None otherwise."""
+    """The process ``pid`` if it runs and started at ``create_time`` (None: whenever); None otherwise."""
     if pid is None:
         return None
     try:
         process = psutil.Process(pid)
-        if process.create_time() == create_time and process.status() != psutil.STATUS_ZOMBIE:
+        if create_time in (None, process.create_time()) and process.status() != psutil.STATUS_ZOMBIE:
             return process
     except psutil.Error:
         pass
     return None
+
+
+def _parent_and_grandparent(process: psutil.Process) -> set[int]:
+    """The pids of ``process``'s parent and of its parent's parent (a fork server's worker's server)."""
+    parent = process.parent()
+    grandparent = parent.parent() if parent is not None else None
+    return {p.pid for p in (parent, grandparent) if p is not None}
 
 
 def end_leftovers(workspace: Path, *, grace_s: float = 5.0) -> list[int]:
@@ -80,11 +89,11 @@ def end_leftovers(workspace: Path, *, grace_s: float = 5.0) -> list[int]:
         if worker is None:  # gone, or not ours: a stale record
             path.unlink(missing_ok=True)
             continue
-        if WORKER_MARK not in record["cmdline"]:
+        if not any(mark in word for word in record["cmdline"] for mark in WORKER_MARKS):
             continue  # a record we did not write: leave the process alone
         server = _runs(record.get("server_pid"), record.get("server_create_time"))
         try:
-            if server is not None and worker.ppid() == server.pid:
+            if server is not None and server.pid in _parent_and_grandparent(worker):
                 continue  # a live server's worker (several servers may share a workspace)
             worker.kill()
             try:

@@ -76,6 +76,7 @@ class ControlPlane:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        assert settings.database_url is not None and settings.mlflow_tracking_uri is not None, "Settings fills them in"
         for directory in (settings.workspace, settings.jobs_dir):  # private: jobs' files, tokens' users, the store
             directory.mkdir(mode=runner.DIR_MODE, parents=True, exist_ok=True)
             directory.chmod(runner.DIR_MODE)

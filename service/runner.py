@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ ENV_NAMES = HOST_ENV_NAMES | frozenset({
 FILE_MODE, DIR_MODE = 0o600, 0o700
 
 
-def job_environment(extra: dict[str, str] | None = None, source: dict[str, str] | None = None, *,
+def job_environment(extra: Mapping[str, str] | None = None, source: Mapping[str, str] | None = None, *,
                     tracking_uri: str | None = None) -> dict[str, str]:
     """The allow-listed part of ``source`` (default: this process's environment) and ``extra``
     (the service's ``job_env`` setting), with unbuffered Python output; and ``$MLFLOW_TRACKING_URI``,

@@ -11,7 +11,7 @@ import enum
 import functools
 import uuid
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -20,6 +20,7 @@ from sqlalchemy import (
     Integer,
     Select,
     String,
+    Table,
     Text,
     UniqueConstraint,
     bindparam,
@@ -31,7 +32,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Connection, Engine, Row
+from sqlalchemy.engine import Connection, CursorResult, Engine, Row
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
@@ -179,7 +180,7 @@ def create_tables(engine: Engine) -> None:
             connection.exec_driver_sql("BEGIN IMMEDIATE")
         Base.metadata.create_all(connection)
         add_missing_columns(connection)  # under the same lock: one server adds them
-        for index in Job.__table__.indexes:  # a store made by an older version has the table but not every index
+        for index in jobs_table().indexes:  # a store made by an older version has the table but not every index
             index.create(connection, checkfirst=True)
 
 
@@ -201,14 +202,22 @@ def lock_owner_queue(session: Session, owner: str) -> None:
                         {"namespace": QUEUE_LOCK_NAMESPACE, "owner": owner})
     elif dialect == "sqlite":
         connection = session.connection()
-        if not connection.connection.dbapi_connection.in_transaction:
+        dbapi_connection = connection.connection.dbapi_connection
+        if dbapi_connection is None:  # only a connection invalidated after an error has none
+            raise RuntimeError("job store: the session's SQLite connection was invalidated; retry the submission")
+        if not dbapi_connection.in_transaction:
             connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def add_missing_columns(connection) -> list[str]:
+def jobs_table() -> Table:
+    """The jobs table (``Job.__table__``, as the Table it is; the mapping types it as any FROM clause)."""
+    return Base.metadata.tables[Job.__tablename__]
+
+
+def add_missing_columns(connection: Connection) -> list[str]:
     """``ALTER TABLE jobs ADD COLUMN`` for every (nullable) column a store made by an older version
     lacks: ``create_all`` creates missing tables, never missing columns. Returns the names added."""
-    table = Job.__table__
+    table = jobs_table()
     present = {column["name"] for column in inspect(connection).get_columns(table.name)}
     missing = [column for column in table.columns if column.name not in present]
     for column in missing:
@@ -236,9 +245,10 @@ def transition(session: Session, job_id: str, to_state: JobState, **fields: Any)
     values = {"state": to_state.value, **fields}
     if to_state in TERMINAL_STATES and "finished_at" not in fields:
         values["finished_at"] = utcnow()
-    result = session.execute(
+    # An UPDATE's result is a cursor's, with the rowcount (Session.execute is typed for any statement).
+    result = cast(CursorResult[Any], session.execute(
         update(Job).where(Job.id == job_id, Job.state.in_([s.value for s in sources])).values(**values)
-    )
+    ))
     session.commit()
     return result.rowcount == 1
 

@@ -147,7 +147,9 @@ def _confine_files(data: dict, workspace: Path, workdir: Path) -> list[ConfigIss
     issues: list[ConfigIssue] = []
     for key in ("paths", "val_paths"):
         patterns = data.get(key)
-        for index, pattern in enumerate(patterns if isinstance(patterns, list) else []):
+        if not isinstance(patterns, list):
+            continue
+        for index, pattern in enumerate(patterns):
             if isinstance(pattern, str):
                 resolved, issue = confine_glob(pattern, f"data.{key}[{index}]", workspace=workspace, workdir=workdir)
                 patterns[index] = resolved if resolved is not None else pattern
@@ -206,7 +208,7 @@ def confine(raw: dict[str, Any], *, workspace: Path, workdir: Path, tracking_uri
         tracking["run_id"] = run_id
         tracking["ui_url"] = strip_credentials(ui_url) if ui_url else None
     issues += _reserved_tags(tracking)
-    train = out.get("train") if isinstance(out.get("train"), dict) else {}
+    train = out["train"] if isinstance(out.get("train"), dict) else {}
     # A refused init_from becomes null: the validator would otherwise ask the filesystem about it.
     issues += _confine_key(train, "init_from", "train.init_from", workspace, workdir, read_only_ok=True,
                            keep_refused=False)
@@ -280,5 +282,6 @@ def resolve_config(*, overrides: list[str] | None, document: dict[str, Any] | No
         raise ConfigError(issues + err.issues) from None
     if issues:
         raise ConfigError(issues)
+    assert plan is not None, "a config without issues has a plan"
     return cfg, plan
 

@@ -34,7 +34,6 @@ Why this shape (measured on the 2-core development machine, see docs/control-pla
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import resource
 import threading
@@ -54,6 +53,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.spec import ParallelPlan
+from service import fork_server
 from service.leftovers import record_worker
 from service.limits import limit_request
 from service.plan_queue import PlanQueue
@@ -137,15 +137,19 @@ def limited(path: str, compute: Callable[..., tuple[str, Any]], *args: Any, sett
 
 
 def _follow_parent(parent: int, workspace: Path | None = None) -> None:
-    """A pool worker's initializer: leave when the server that spawned it is gone. A server killed
+    """A pool worker's initializer: leave when the server that started it is gone. A server killed
     with SIGKILL cannot stop its pool, and its workers (hundreds of MB each, torch imported) would
-    otherwise live on, reparented, for as long as the machine runs. The worker also records itself
-    under ``workspace``, so a restarted server ends it should it still run (:mod:`service.leftovers`)."""
+    otherwise live on, reparented, for as long as the machine runs. A worker forked by the fork server
+    (:mod:`service.fork_server`) is that server's child, and the fork server leaves when the server that
+    started it does: the worker leaves when its parent or the server is gone. It also records itself under
+    ``workspace``, so a restarted server ends it should it still run (:mod:`service.leftovers`)."""
     if workspace is not None:
-        record_worker(workspace)
+        record_worker(workspace, server_pid=parent)
+    own_parent = os.getppid()  # the server, or the fork server it started
 
     def watch() -> None:
-        while os.getppid() == parent:
+        # the server itself is looked for too: a fork server leaves only once its interpreter has ended
+        while os.getppid() == own_parent and (own_parent == parent or psutil.pid_exists(parent)):
             time.sleep(1.0)
         os._exit(0)
 
@@ -211,7 +215,7 @@ class Validator:
         if self.workers > 0:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ProcessPool(self.workers, context=multiprocessing.get_context("spawn"),
+                    self._pool = ProcessPool(self.workers, context=fork_server.context(),
                                              initializer=_follow_parent, initargs=(os.getpid(),
                                                                                    self.settings.workspace))
                     self._warming = [self._pool.schedule(self.warm_up, (self.settings,)) for _ in range(self.workers)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Response, status
 
@@ -15,7 +15,7 @@ from service.store import SUMMARY_KEYS, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 
-CONFLICT = {409: {"model": Message, "description": "The job's state forbids this."}}
+CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": Message, "description": "The job's state forbids this."}}
 
 
 def _public(plane: ControlPlane, job) -> JobPublic:

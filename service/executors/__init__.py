@@ -53,7 +53,5 @@ def executor_class(name: str) -> type[Executor]:
 def make_executor(settings: Settings, name: str | None = None) -> Executor:
     """The executor the settings choose (or the one called ``name``: a job an earlier server
     started with another executor is still watched by that one). Each is built from the
-    settings: ``cls.from_settings(settings)`` where it has one, else ``cls(settings)``."""
-    name = name or settings.executor
-    cls = executor_class(name)
-    return cls.from_settings(settings) if hasattr(cls, "from_settings") else cls(settings)
+    settings: ``cls.from_settings(settings)``."""
+    return executor_class(name or settings.executor).from_settings(settings)

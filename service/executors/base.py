@@ -11,7 +11,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # the settings' module is read only for the annotation
+    from service.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class Executor(ABC):
     """Start, watch and stop jobs somewhere. Every method is called from the scheduler's thread."""
 
     name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, settings: Settings) -> Executor:
+        """The executor the service's settings describe (each reads the settings it needs)."""
 
     @abstractmethod
     def start(self, launch: JobLaunch) -> str:

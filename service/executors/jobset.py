@@ -195,24 +195,26 @@ def _volumes(settings: Settings, name: str, memory: str, workdir: str,
     if not job_dir.parts or ".." in job_dir.parts:
         raise ValueError(f"the job's directory {workdir} is not a directory below the workspace {workspace}")
     if settings.kubernetes_workspace_pvc:
-        workspace_volume = {"name": "workspace",
-                            "persistentVolumeClaim": {"claimName": settings.kubernetes_workspace_pvc}}
+        workspace_volume: dict[str, Any] = {"name": "workspace",
+                                            "persistentVolumeClaim": {"claimName": settings.kubernetes_workspace_pvc}}
     else:
         workspace_volume = {"name": "workspace", "emptyDir": {}}
     scratch = f"{max(1, round(settings.kubernetes_scratch_gb * 1024))}Mi"
-    volumes = [
+    volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": name, "items": [{"key": key, "path": key} for key in files]}},
         workspace_volume,
         # torch's workers share tensors through /dev/shm; a container's default is 64 MiB
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": memory}},
         {"name": "scratch", "emptyDir": {"sizeLimit": scratch}},
     ]
-    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-              {"name": "workspace", "mountPath": workdir, "subPath": str(job_dir)},
-              *({"name": "workspace", "mountPath": str(workspace / area), "subPath": area, "readOnly": True}
-                for area in READ_ONLY_AREAS),
-              {"name": "dshm", "mountPath": "/dev/shm"},
-              {"name": "scratch", "mountPath": SCRATCH_DIR}]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "workspace", "mountPath": workdir, "subPath": str(job_dir)},
+        *({"name": "workspace", "mountPath": str(workspace / area), "subPath": area, "readOnly": True}
+          for area in READ_ONLY_AREAS),
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "scratch", "mountPath": SCRATCH_DIR},
+    ]
     return volumes, mounts
 
 

@@ -21,6 +21,7 @@ Install the client with ``pip install 'meshflow[kubernetes]'`` (the image has it
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def _client():
     return kubernetes
 
 
-def connect(environ: dict[str, str] | None = None) -> tuple[Any, str | None]:
+def connect(environ: Mapping[str, str] | None = None) -> tuple[Any, str | None]:
     """``(ApiClient, namespace or None)`` of the cluster this process is configured for: the pod's
     ServiceAccount when it runs in one, else the kubeconfig (``$KUBECONFIG`` or ``~/.kube/config``)."""
     kubernetes = _client()
@@ -86,6 +87,10 @@ class KubernetesExecutor(Executor):
     """Jobs as JobSets in one namespace; see the module docstring."""
 
     name = "kubernetes"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> KubernetesExecutor:
+        return cls(settings)
 
     def __init__(self, settings: Settings, *, api_client: Any = None) -> None:
         kubernetes = _client()

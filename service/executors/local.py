@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from service import runner
 from service.executors.base import Executor, JobLaunch, JobStatus
+from service.settings import Settings
 
 VANISHED = "process vanished while the control plane was down"
 
@@ -39,7 +40,7 @@ class LocalExecutor(Executor):
         self._children: dict[str, subprocess.Popen] = {}  # ref -> the Popen of a job this server started
 
     @classmethod
-    def from_settings(cls, settings) -> "LocalExecutor":
+    def from_settings(cls, settings: Settings) -> LocalExecutor:
         return cls(niceness=settings.job_nice)  # the job environment comes with each JobLaunch
 
     def start(self, launch: JobLaunch) -> str:

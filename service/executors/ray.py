@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from service import runner
 from service.executors.base import Executor, JobLaunch, JobStatus
+from service.settings import Settings
 from service.executors.ray_driver import EXIT_STOPPED, REASON_PREFIX, STOP_GRACE_ENV, encode_config, plan_package
 from service.submit import without_credentials
 
@@ -60,7 +61,7 @@ class RayExecutor(Executor):
         self._log_synced: dict[str, float] = {}  # ref -> when its log was last copied
 
     @classmethod
-    def from_settings(cls, settings) -> "RayExecutor":
+    def from_settings(cls, settings: Settings) -> RayExecutor:
         return cls(settings.ray_address, stop_grace_s=settings.cancel_grace_s)
 
     @property

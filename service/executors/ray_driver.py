@@ -125,6 +125,7 @@ class NodeAgent:
             return
         finally:
             self._started.set()
+        assert self.process.stdout is not None, "opened with stdout=PIPE"
         for line in self.process.stdout:
             with self._lock:
                 self._lines.append(line)
@@ -171,7 +172,8 @@ def run(config: dict[str, Any], *, job_id: str, world_size: int, workdir: str, s
     if stopping.is_set():
         return EXIT_STOPPED
     remote_agent = ray.remote(NodeAgent)
-    agents = [remote_agent.options(num_cpus=per_node, max_concurrency=4, max_restarts=0,
+    # Actor handles: their methods are called through .remote(), which ray's types do not show.
+    agents: list[Any] = [remote_agent.options(num_cpus=per_node, max_concurrency=4, max_restarts=0,
                                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, k)).remote(k)
               for k in range(nnodes)]
     nodes = ray.get([agent.where.remote() for agent in agents])

@@ -24,6 +24,7 @@ from typing import ClassVar
 
 from service import runner
 from service.executors.base import Executor, JobLaunch, JobStatus
+from service.settings import Settings
 from trainer.config.schema import RunConfig
 from trainer.launch.slurm import render_script
 from trainer.launch.slurm_job import ENDED, cancel, exit_code, job_state, slurm_command, submit
@@ -42,7 +43,7 @@ class SlurmExecutor(Executor):
     name: ClassVar[str] = "slurm"
 
     @classmethod
-    def from_settings(cls, settings) -> "SlurmExecutor":
+    def from_settings(cls, settings: Settings) -> SlurmExecutor:
         return cls()
 
     def start(self, launch: JobLaunch) -> str:

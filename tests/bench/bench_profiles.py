@@ -208,16 +208,17 @@ def predict_row(row: published.PublishedRun) -> dict:
             "seconds": time.monotonic() - began}
 
 
-def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple[str, ...] = ("ddp", "fsdp", "zero2")
-                ) -> dict:
-    """The auto-planner on the row's model, batch, devices and hardware: its choice against the published
-    layout, each predicted by the same model. The knobs open every choice a published layout makes: ddp,
-    fsdp and zero2 (zero1's nearest), 1F1B and interleaved (2 and the row's chunks per rank), every micro-batch
-    count and accumulation up to the row's own, checkpointing none, selective, full or every other block,
-    sequence parallelism on or off, bf16; the planner chooses every split and the rest. Every layout predicted
-    at most as slow as the published one is priced in full (time and memory: ``rank_below``), so its rank
-    among the layouts predicted to fit is exact; ``prune=False`` prices every layout. ``modes``: the data-parallel
-    modes allowed. A cp row that the bench prices compiled (a Megatron run's fused kernels) is priced without
+def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple[str, ...] = ("ddp", "fsdp", "zero2"),
+                exact_rank: bool = True) -> dict:
+    """The auto-planner on the row's model, batch, devices and hardware: its choice against the published layout, each
+    predicted by the same model. The knobs open every choice a published layout makes: ddp, fsdp and zero2 (zero1's
+    nearest), 1F1B and interleaved (2 and the row's chunks per rank), every micro-batch count and accumulation up to
+    the row's own, checkpointing none, selective, full or every other block, sequence parallelism on or off, bf16;
+    the planner chooses every split and the rest. Every layout predicted at most as slow as the published one is
+    priced in full (time and memory: ``rank_below``), so its rank among the layouts predicted to fit is exact;
+    ``prune=False`` prices every layout. ``modes``: the data-parallel modes allowed; ``exact_rank=False``: the
+    search alone, as ``+parallel=auto`` runs it (its plan time; the published layout's rank then counts only the
+    layouts it priced). A cp row that the bench prices compiled (a Megatron run's fused kernels) is priced without
     compiling on both sides here: the engine compiles no cp layout, so the planner cannot choose one compiled."""
     from trainer.planner.auto.plan import plan_layouts
 
@@ -235,9 +236,9 @@ def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple
         "max_microbatches": max(16, m), "stages_per_rank": sorted({2, lay.virtual_stages or 2}),
         "activation_checkpointing": ["none", "selective", "full"], "activation_checkpointing_every": [1, 2],
         "sequence_parallel": [False, True], "precisions": ["bf16"], "prune": prune}})
-    began = time.monotonic()
+    began, cpu = time.monotonic(), time.process_time()
     ranking = plan_layouts(raw, progress=lambda line: print(f"  {row.name}: {line}", file=sys.stderr, flush=True),
-                           rank_below=published_step * (1 + 1e-6))
+                           rank_below=published_step * (1 + 1e-6) if exact_rank else 0.0)
     label = _paper_label(row)
     kept = [c for c in ranking.candidates if c.status in ("chosen", "slower")]
     mine = next((c for c in ranking.candidates if c.label == label), None)
@@ -251,7 +252,8 @@ def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple
             "may_not_fit_faster": sum(bool(c.memory_note) and c.step_s < mine.step_s for c in kept) if mine else 0,
             "chosen": ranking.winner.label, "chosen_step_s": ranking.winner.step_s,
             "top5": [f"{c.label} ({c.step_s:.3f} s)" for c in sorted(ranked, key=lambda c: c.step_s)[:5]],
-            "candidates": len(ranking.candidates), "seconds": time.monotonic() - began}
+            "candidates": len(ranking.candidates), "seconds": time.monotonic() - began,
+            "cpu_s": time.process_time() - cpu}
 
 
 def planner_line(p: dict) -> str:
@@ -259,7 +261,8 @@ def planner_line(p: dict) -> str:
     planner's candidate), its rank among the layouts the planner predicts to fit, the planner's best, the top 5."""
     step = p["paper_step_s"]
     written = f"as the planner writes it {step:.3f} s, " if step else ""
-    return (f"{p['row']}: {p['candidates']} layouts in {p['seconds']:.0f} s; published {p['paper']}: "
+    return (f"{p['row']}: {p['candidates']} layouts in {p['seconds']:.0f} s ({p['cpu_s']:.1f} s CPU); published "
+            f"{p['paper']}: "
             f"{p['published_step_s']:.3f} s ({written}"
             f"{p['paper_status']}, rank {p['paper_rank']}; {p['may_not_fit_faster']} faster above the budget within "
             f"the measured error, not chosen); planner's best {p['chosen']}: {p['chosen_step_s']:.3f} s "
@@ -270,12 +273,12 @@ def _paper_label(row: published.PublishedRun) -> str:
     """The planner's label of the paper's layout (trainer.planner.auto.layouts)."""
     lay = row.layout
     parts = [f"dp{lay.dp}({MODES[lay.data_parallel]})"] if lay.dp > 1 else []
-    if lay.cp > 1:
-        parts.append(f"cp{lay.cp}")
     if lay.pp > 1:
         m = lay.global_batch_size // lay.dp // (lay.micro_batch_size or 1)
         v = lay.virtual_stages or 1
         parts.append(f"pp{lay.pp}({'Interleaved1F1B' if v > 1 else '1F1B'}{f' v{v}' if v > 1 else ''}, m{m})")
+    if lay.cp > 1:  # inside pp, beside tp, as row_config's mesh and the planner's
+        parts.append(f"cp{lay.cp}")
     if lay.tp > 1:
         parts.append(f"tp{lay.tp}{'(sp)' if lay.sequence_parallel else ''}")
     accum = row_config(row).train.grad_accum if lay.pp == 1 else 1
@@ -357,6 +360,8 @@ def main() -> None:
     parser.add_argument("--no-prune", action="store_true", help="with --planner: price every layout in full (slow); "
                         "by default every layout up to the published one's step is, so its rank is exact either way")
     parser.add_argument("--prune", action="store_true", help="(the default; kept for the commands in older results)")
+    parser.add_argument("--search-alone", action="store_true", help="with --planner: the search as +parallel=auto "
+                        "runs it, without pricing every layout up to the published one (its plan time)")
     parser.add_argument("--dp-modes", default="ddp,fsdp,zero2", help="with --planner: the data-parallel modes the "
                         "search may use (ddp,zero2: those Megatron-LM has, its distributed optimizer as zero2)")
     args = parser.parse_args()
@@ -369,7 +374,8 @@ def main() -> None:
         for row in published.rows():
             if row.name.startswith(args.planner) and unsupported(row) is None:
                 modes = tuple(args.dp_modes.split(","))
-                print(planner_line(planner_row(row, prune=not args.no_prune, modes=modes)), flush=True)
+                print(planner_line(planner_row(row, prune=not args.no_prune, modes=modes,
+                                               exact_rank=not args.search_alone)), flush=True)
         return
     results, skipped = [], []
     for row in published.rows():

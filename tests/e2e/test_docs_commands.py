@@ -67,12 +67,15 @@ def test_every_documented_command_is_checked_or_says_what_it_needs():
 
 @pytest.fixture(scope="module")
 def fresh_clone(tmp_path_factory) -> Path:
-    """A working directory with what the pages say to make before their commands: the tiny Hugging Face
+    return make_fresh_clone(tmp_path_factory.mktemp("clone"))
+
+
+def make_fresh_clone(cwd: Path) -> Path:
+    """``cwd`` with what the pages say to make before their commands: the tiny Hugging Face
     models and data (``python -m trainer.tools.tiny_hf data/``), the custom model's file
     (docs/models-and-data.md's ``my_models/net.py`` block) and planning.md's hardware file."""
     from trainer.tools.tiny_hf import main as tiny_hf
 
-    cwd = tmp_path_factory.mktemp("clone")
     assert tiny_hf([str(cwd / "data")]) == 0
     net = next(block for block in blocks(read_docs("models-and-data.md"), "python")
                if block[0].startswith("# my_models/net.py"))

@@ -169,7 +169,11 @@ def test_two_nodes_without_a_shared_disk_finish_and_log_the_model_they_trained(h
     exported = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
 
     # the trained model: the checkpoint made whole, as a shared disk would have held it
-    for shard in (folders[1] / "checkpoints").glob(".tmp-step_00000004-*/__*.distcp"):
+    # node 1 keeps its shards under the checkpoint's name, unfinished, and nothing half-saved
+    node1 = folders[1] / "checkpoints"
+    assert sorted(p.name for p in node1.iterdir()) == ["step_00000004"], list(node1.iterdir())
+    assert not (node1 / "step_00000004" / "COMPLETE").exists()
+    for shard in (node1 / "step_00000004").glob("__*.distcp"):
         shutil.copy(shard, step / shard.name)
     trained, _, _ = load_checkpoint_model(step)
     assert exported.keys() == trained.state_dict().keys()

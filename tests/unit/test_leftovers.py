@@ -18,22 +18,31 @@ import pytest
 
 from service.leftovers import WORKERS_DIR, end_leftovers
 
-# A server whose pool worker records itself, as service.validation's do, but does not follow its
-# parent: the worker a server's death leaves running (a watcher that could not run, say).
+# A server whose pool worker (spawned, or forked by the server's fork server as service.fork_server's
+# are) records itself, as service.validation's do, but does not follow its server: the worker a
+# server's death leaves running (a watcher that could not run, say).
 _SERVER = textwrap.dedent("""
     import multiprocessing, os, sys
     from concurrent.futures import ProcessPoolExecutor
     from service.leftovers import record_worker
 
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=record_worker,
-                               initargs=(sys.argv[1],))
-    print(pool.submit(os.getpid).result(), flush=True)
-    sys.stdin.read()  # until killed
+    if __name__ == "__main__":
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context(sys.argv[2]), initializer=record_worker,
+                                   initargs=(sys.argv[1], os.getpid()))
+        print(pool.submit(os.getpid).result(), flush=True)
+        sys.stdin.read()  # until killed
 """)
 
 
-def _server(workspace) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(workspace)], stdin=subprocess.PIPE,
+@pytest.fixture(params=["spawn", "forkserver"])
+def start_method(request) -> str:
+    return request.param
+
+
+def _server(workspace, start_method: str) -> tuple[subprocess.Popen, int]:
+    script = workspace.parent / f"server_{start_method}.py"  # a fork server's child imports __main__ from a file
+    script.write_text(_SERVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(workspace), start_method], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     return proc, int(proc.stdout.readline())
 
@@ -56,9 +65,9 @@ def processes():
             pass
 
 
-def test_a_restarted_server_ends_the_workers_a_killed_one_left(tmp_path, processes):
-    dead, orphan = _server(tmp_path)
-    live, kept = _server(tmp_path)  # another server on the same workspace, still running
+def test_a_restarted_server_ends_the_workers_a_killed_one_left(tmp_path, processes, start_method):
+    dead, orphan = _server(tmp_path, start_method)
+    live, kept = _server(tmp_path, start_method)  # another server on the same workspace, still running
     processes += [dead, live, orphan, kept]
     # An unrelated process, orphaned too, under a record that claims it is a worker of the dead server.
     sleeper = subprocess.Popen(["sleep", "600"])

@@ -212,7 +212,27 @@ def save_checkpoint(
     if _rank() == 0:
         _prune(ckpt_dir, keep, final)
     _barrier()  # no rank returns before the checkpoint is visible under its final name
+    if _rank() != 0 and os.environ.get("LOCAL_RANK", "0") == "0" and tmp.is_dir():
+        _keep_node_shards(tmp, final, keep)
     return final
+
+
+def _keep_node_shards(tmp: Path, final: Path, keep: int) -> None:
+    """A node whose disk is not rank 0's (``tmp`` still here after rank 0 renamed its own): its ranks'
+    shards take the checkpoint's name, unfinished (no ``COMPLETE``: rank 0's node holds the metadata),
+    so that copying the nodes' ``step_*`` folders into one directory makes the checkpoint whole; the
+    node keeps ``keep`` of them, as rank 0 does."""
+    try:
+        if final.exists():
+            _remove_dir(final)
+        os.replace(tmp, final)
+    except FileNotFoundError:  # another node on this disk (not rank 0's) renamed them first
+        return
+    numbered = sorted((int(m[1]), child) for child in final.parent.iterdir()
+                      if (m := re.fullmatch(r"step_(\d+)", child.name)) and child.is_dir())
+    for _, path in numbered[:-keep]:
+        if path != final:
+            _remove_dir(path)
 
 
 # ------------------------------------------------------------------------------ loading

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -91,11 +91,11 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         path = self.fs.concat_path(self.path, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = read_metadata_file(stream)
-        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        with self.fs.create_stream(path, "rb") as stream:  # a file opened "rb" (typed only as an IOBase)
+            metadata = read_metadata_file(cast(BinaryIO, stream))
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()  # as FileSystemReader does
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 

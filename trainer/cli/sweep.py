@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -44,6 +44,11 @@ def fixed_keys(overrides: list[str]) -> set[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     return {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()}
+
+
+def _plain(node: DictConfig) -> dict[str, Any]:
+    """A node of Hydra's own config as a plain dict, unresolved (an override's ${...} stays as typed)."""
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=False))  # Hydra's nodes: names to values
 
 
 def _key(override: str) -> str:
@@ -85,7 +90,7 @@ class SweepParentRun(Callback):
         self._ui_url = tracking.get("ui_url")
         self._client = MlflowClient(tracking_uri=connect_uri(self._tracking_uri))
         self._experiment_id = get_or_create_experiment(self._client, tracking.get("experiment", "meshflow"))
-        sweep = OmegaConf.to_container(config.hydra.overrides, resolve=False)
+        sweep = _plain(config.hydra.overrides)
         preset = next((choices[g] for g in ("examples", "parallel") if choices.get(g)), "single")
         name = tracking.get("run_name") or f"sweep-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
         run = self._client.create_run(self._experiment_id, run_name=name, tags={
@@ -94,7 +99,7 @@ class SweepParentRun(Callback):
         os.environ[PARENT_RUN_ENV] = self._run_id
         atexit.register(self._close, "KILLED")  # a no-op once on_multirun_end closed it
         params = {"sweep.task_overrides": json.dumps(public_config({"o": sweep.get("task", [])})["o"])}
-        sweeper_params = OmegaConf.to_container(config.hydra.sweeper, resolve=False).get("params") or {}
+        sweeper_params = _plain(config.hydra.sweeper).get("params") or {}
         params.update({f"sweep.params.{k}": redact(str(v)) for k, v in sweeper_params.items()})
         from mlflow.entities import Param
 
@@ -123,7 +128,7 @@ class SweepParentRun(Callback):
         self._jobs.append({"job": len(self._jobs), "overrides": list(job_return.overrides or []),
                            "swept": self._own(job_return.overrides), "status": "COMPLETED" if done else "FAILED",
                            "run_id": launched.run_id if launched else None,
-                           "final_loss": launched.losses[-1] if done and launched.losses else None,
+                           "final_loss": launched.losses[-1] if launched and launched.ok and launched.losses else None,
                            "peak_memory_mb": launched.details.get("peak_memory_mb") if launched else None})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

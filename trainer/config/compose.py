@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from parallel.errors import ConfigError, ConfigIssue
 from trainer.config.schema import DATA_SECTIONS, MODEL_SECTIONS, RunConfig
@@ -130,8 +130,9 @@ def group_option_issues(overrides: list[str] | tuple[str, ...]) -> list[ConfigIs
         group = override.key_or_group
         if override.package is not None or override.is_delete() or not (CONF_DIR / group).is_dir():
             continue
-        chosen = list(override.sweep_string_iterator()) if override.is_choice_sweep() else [override.value()]
-        if elsewhere is None or not all(isinstance(option, str) for option in chosen):
+        values = list(override.sweep_string_iterator()) if override.is_choice_sweep() else [override.value()]
+        chosen = [option for option in values if isinstance(option, str)]
+        if elsewhere is None or len(chosen) != len(values):
             continue  # a search path entry this cannot list (pkg://): Hydra looks the options up itself
         presets, theirs = _yaml_options([CONF_DIR], group), _yaml_options(elsewhere, group)
         stored = ConfigStore.instance().list(group) if group in ConfigStore.instance().list("") else []
@@ -186,8 +187,9 @@ def _group_option_problem(typed: str, group: str, chosen: list[str], meant: list
     if None in meant:
         appended = {"+": ", appended with +", "++": ", forced with ++"}.get(plus, "")
         return reason, f"choose one of the {options.replace(':', appended + ':', 1)}"
-    mean = f"did you mean {', '.join(g for g, o in zip(meant, chosen) if g != o)}? " if unknown else ""
-    return reason, f"{mean}{how}write {plus}{group}={','.join(meant)}; {options}"
+    guesses = [guess for guess in meant if guess is not None]  # all of them: each option is known or has a guess
+    mean = f"did you mean {', '.join(g for g, o in zip(guesses, chosen) if g != o)}? " if unknown else ""
+    return reason, f"{mean}{how}write {plus}{group}={','.join(guesses)}; {options}"
 
 
 def _default_groups() -> set[str]:
@@ -237,4 +239,4 @@ def to_plain(cfg: Any) -> dict[str, Any]:
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
-    return OmegaConf.to_container(cfg, resolve=True)
+    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a composed config: names to values

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from parallel.errors import ConfigError, ConfigIssue
 from trainer.config.schema import (
     ChatDataConfig,
+    CustomModelConfig,
     FilesDataConfig,
+    HFModelConfig,
     LlamaConfig,
     MLPConfig,
     RegressionDataConfig,
@@ -34,7 +36,9 @@ from trainer.data.text import TextSource
 from trainer.data.tokenizer import ByteTokenizer
 
 AnyDataConfig = TextDataConfig | SyntheticDataConfig | RegressionDataConfig | FilesDataConfig | ChatDataConfig
-AnyModelConfig = LlamaConfig | MLPConfig
+# The model the data feeds: a decoder's config (a Hugging Face directory's, as decoder_config reads it), the
+# MLP, or a custom module (which takes any token ids).
+AnyModelConfig = LlamaConfig | MLPConfig | HFModelConfig | CustomModelConfig
 
 __all__ = [
     "SOURCE_REGISTRY",
@@ -107,8 +111,8 @@ def chat_tokenizer_path(cfg: ChatDataConfig, model_path: str | None) -> str:
     Raises:
         ConfigError: at ``data.tokenizer`` when neither is given.
     """
-    if cfg.tokenizer or model_path:
-        return cfg.tokenizer or model_path
+    if tokenizer := cfg.tokenizer or model_path:
+        return tokenizer
     raise ConfigError([ConfigIssue("data.tokenizer", "chat data needs a tokenizer with a chat template, and the "
                                    "model (not model=hf) names no directory to take it from",
                                    "set data.tokenizer to a model directory holding tokenizer.json")])
@@ -164,14 +168,17 @@ def build_splits(data_cfg: AnyDataConfig, *, seq_len: int, model_cfg: AnyModelCo
     if isinstance(data_cfg, ChatDataConfig) and data_cfg.val_paths:
         from trainer.data.chat import ChatSource  # optional: transformers and datasets, the hf extra
 
-        val = ChatSource(data_cfg, seq_len, tokenizer="", paths=data_cfg.val_paths, key="data.val_paths",
-                         tok=source.tok)
-        return DataSplits(source, val, notes + [f"validation {note}" for note in val.notes()])
+        assert isinstance(source, ChatSource), "data.kind=chat builds a ChatSource"
+        chat_val = ChatSource(data_cfg, seq_len, tokenizer="", paths=data_cfg.val_paths, key="data.val_paths",
+                              tok=source.tok)
+        return DataSplits(source, chat_val, notes + [f"validation {note}" for note in chat_val.notes()])
     if isinstance(data_cfg, FilesDataConfig) and data_cfg.val_paths:
         from trainer.data.files import FilesSource  # optional: datasets and tokenizers, the hf extra
 
-        val = FilesSource(data_cfg, seq_len, paths=data_cfg.val_paths, key="data.val_paths", tokenizer=source.tokenizer)
-        return DataSplits(source, val, notes + [f"validation {note}" for note in val.notes()])
+        assert isinstance(source, FilesSource), "data.kind=files builds a FilesSource"
+        files_val = FilesSource(data_cfg, seq_len, paths=data_cfg.val_paths, key="data.val_paths",
+                                tokenizer=source.tokenizer)
+        return DataSplits(source, files_val, notes + [f"validation {note}" for note in files_val.notes()])
     train, val = split_tail(source, getattr(data_cfg, "val_fraction", 0.0), path="data.val_fraction")
     if val is not None:
         notes.append(f"data: {len(val)} of {len(source)} windows held out for validation (data.val_fraction)")

@@ -8,6 +8,7 @@ A *source* is an indexable dataset of fixed-size samples, fully determined by it
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -17,11 +18,19 @@ from torch import Tensor
 
 @runtime_checkable
 class Source(Protocol):
-    """An indexable dataset of fixed-size ``(inputs, targets)`` pairs."""
+    """An indexable dataset of fixed-size ``(inputs, targets)`` pairs (and each input token's position
+    in its document, where a source keeps packed documents apart)."""
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]: ...
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]: ...
+
+
+@runtime_checkable
+class CountedSource(Source, Protocol):
+    """A source whose rows mask some targets out of the loss (chat data): it says how many count."""
+
+    def target_count(self, index: int) -> int: ...
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -66,7 +75,7 @@ class TokenWindows:
     def __len__(self) -> int:
         return self._num_windows
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]:
         if not 0 <= index < self._num_windows:
             raise IndexError(f"window {index} out of range [0, {self._num_windows})")
         start = index * self.seq_len
@@ -100,8 +109,8 @@ class WindowRange:
         if not 0 <= start < stop <= len(source):
             raise ValueError(f"window range [{start}, {stop}) is empty or outside [0, {len(source)})")
         self.source, self.start, self.stop = source, start, stop
-        if hasattr(source, "target_count"):  # rows with masked targets (chat): their counts, renumbered too
-            self.target_count = lambda index: source.target_count(start + index)
+        if isinstance(source, CountedSource):  # rows with masked targets (chat): their counts, renumbered too
+            self.target_count: Callable[[int], int] = lambda index: source.target_count(start + index)
 
     def __len__(self) -> int:
         return self.stop - self.start

@@ -185,9 +185,9 @@ class ChatSource:
             raise ConfigError([ConfigIssue(key, "holds no conversation of two tokens or more",
                                            "give files of records with a messages list")])
         rows = pack(documents, seq_len) if cfg.packing else [[doc] for doc in documents]
-        self.inputs, self.targets, self.positions = _stack_rows(rows, seq_len, self.pad_id)
-        if not cfg.packing:
-            self.positions = None  # one conversation per row, padded at its end: the causal mask suffices
+        self.inputs, self.targets, positions = _stack_rows(rows, seq_len, self.pad_id)
+        # without packing one conversation per row, padded at its end: the causal mask suffices
+        self.positions: Tensor | None = positions if cfg.packing else None
         self.counts = (self.targets != IGNORE).sum(dim=1).tolist()
 
     def __len__(self) -> int:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from parallel.context import shard_sequence
-from trainer.data.base import Source, derive_seed
+from trainer.data.base import CountedSource, Source, derive_seed
 
 # A target that does not count: torch's cross_entropy ignore_index, as the chat data's mask.
 IGNORE = -100
@@ -100,7 +100,10 @@ class GlobalBatchLoader:
         """How many targets count in the loss among the next ``count`` global samples (all ranks'
         shares: every rank gets the same number without communicating), from a source whose rows
         know it (``target_count``: chat data)."""
-        return sum(self.source.target_count(i) for i in self.source_indices(self.next_sample, count))
+        source = self.source
+        if not isinstance(source, CountedSource):
+            raise TypeError(f"{type(source).__name__} rows do not count their targets: every target counts")
+        return sum(source.target_count(i) for i in self.source_indices(self.next_sample, count))
 
     def next_batch(self) -> tuple[Tensor, ...]:
         """This rank's slice of the next global batch, stacked: ``[local_batch_size, ...]`` each
@@ -191,9 +194,9 @@ class ValidationRows:
 
     def target_count(self, batch: int) -> int:
         """The targets that count in global batch ``batch`` (every rank's share; padding none)."""
-        rows = self._rows(batch)
-        if hasattr(self.source, "target_count"):  # chat data: rows of their own counts
-            return sum(self.source.target_count(i) for i in rows)
+        rows, source = self._rows(batch), self.source
+        if isinstance(source, CountedSource):  # chat data: rows of their own counts
+            return sum(source.target_count(i) for i in rows)
         return len(rows) * self._first[1].numel()  # every target counts
 
     def batch(self, batch: int) -> tuple[Tensor, ...]:

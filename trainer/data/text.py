@@ -149,7 +149,7 @@ class TextSource(TokenWindows):
 
     @property
     def num_bytes(self) -> int:
-        return self.tokens.numel()
+        return len(self.tokens)  # one byte a token
 
     def notes(self) -> list[str]:
         """What a user should know about the data actually used (printed and tagged at start)."""

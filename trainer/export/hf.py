@@ -24,7 +24,7 @@ import torch
 
 from trainer.config.schema import HFModelConfig, LlamaConfig
 from trainer.export.sources import Source, copy_model_files
-from trainer.models.hf import hf_named_state
+from trainer.models.hf import hf_named_state, model_dir
 from trainer.models.llama import HF_NAMES, MESHFLOW_NAMES
 
 _TOP = {"tok_embeddings": "model.embed_tokens", "layers": "model.layers", "norm": "model.norm", "output": "lm_head"}
@@ -92,8 +92,8 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(model_cfg, HFModelConfig):
-        tensors = hf_named_state(state, model_cfg.path)  # a mixture of experts: one tensor per expert again
-        source = Path(model_cfg.path)
+        tensors = hf_named_state(state, model_dir(model_cfg))  # a mixture of experts: one tensor per expert again
+        source = Path(model_dir(model_cfg))
         shutil.copy(source / "config.json", out / "config.json")
     elif isinstance(model_cfg, LlamaConfig):
         if (refusal := hf_layout_refusal(model_cfg)) is not None:
@@ -107,8 +107,8 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg, out: str | Path, *,
         (out / "config.json").write_text(json.dumps(llama_hf_config(model_cfg), indent=2))
     else:
         raise ValueError(hf_layout_refusal(model_cfg))
-    model_dir = Source(Path(model_cfg.path)) if isinstance(model_cfg, HFModelConfig) else None
-    files = copy_model_files([model_dir, tokenizer], out, template=template)  # the run's tokenizer wins
+    model_files = Source(Path(model_dir(model_cfg))) if isinstance(model_cfg, HFModelConfig) else None
+    files = copy_model_files([model_files, tokenizer], out, template=template)  # the run's tokenizer wins
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return {"tensors": len(tensors), "bytes": (out / "model.safetensors").stat().st_size, "files": files}

@@ -21,6 +21,7 @@ from pathlib import Path
 from torch import nn
 
 from trainer.config.schema import HFModelConfig
+from trainer.models.hf import model_dir
 from trainer.models.init import canonical_fqn
 from trainer.models.lora import LoRALinear, is_adapter
 
@@ -40,9 +41,9 @@ def target_modules(model: nn.Module) -> list[str]:
 
 def adapter_config(model_cfg: HFModelConfig, model: nn.Module) -> dict:
     """``adapter_config.json`` of ``model``'s adapters (PEFT's LoraConfig fields)."""
-    lora = model_cfg.lora
+    lora, base = model_cfg.lora, Path(model_dir(model_cfg)).resolve()
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(Path(model_cfg.path).resolve()),
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
         "r": lora.rank, "lora_alpha": lora.scaling * lora.rank, "lora_dropout": lora.dropout,
         "target_modules": target_modules(model), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
         "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False,

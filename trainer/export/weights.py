@@ -75,7 +75,7 @@ def trusted_model_config(checkpoint: str | Path, saved: dict, builder: str | Non
     one from anywhere may name ``os:system`` as its builder. A custom model's ``model.builder`` is
     imported only when the user names it (``builder``, which replaces the checkpoint's); a model an
     installed package registers (``model.name``) and the built-ins need nothing."""
-    model_cfg = TypeAdapter(ModelConfig).validate_python(saved)
+    model_cfg = TypeAdapter[ModelConfig](ModelConfig).validate_python(saved)
     if not isinstance(model_cfg, CustomModelConfig) or model_cfg.name is not None:
         if builder is not None:
             raise ValueError(f"--builder: checkpoint {str(checkpoint)!r} holds a model.arch={model_cfg.arch} model, "
@@ -130,8 +130,8 @@ def export_model(model: torch.nn.Module, model_cfg: ModelConfig, out: str | Path
         return export_hf(state, model_cfg, out, tokenizer=tokenizer, template=template)
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={"model_config": TypeAdapter(ModelConfig).dump_json(model_cfg).decode(),
-                                           "step": str(step)})
+    saved_config = TypeAdapter[ModelConfig](ModelConfig).dump_json(model_cfg).decode()
+    save_file(tensors, str(out), metadata={"model_config": saved_config, "step": str(step)})
     return {"tensors": len(tensors), "bytes": Path(out).stat().st_size}
 
 

@@ -33,7 +33,7 @@ def config_changes(cfg: RunConfig) -> dict[str, Any]:
     by section, secrets masked as in MLflow (:func:`trainer.tracking.run_info.public_config`)."""
     changes = _diff(cfg, RunConfig())
     for path in _NOT_CHANGES:
-        node = changes
+        node: dict[str, Any] | None = changes
         for key in path[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
@@ -130,7 +130,9 @@ class _OneWarningEach:
         self.repeats = 0
 
     def write(self, text: str) -> int:
-        prefix, body = _PREFIX.match(text).groups()
+        match = _PREFIX.match(text)
+        assert match is not None, "the pattern matches any text"
+        prefix, body = match.groups()
         prefix = prefix or ""
         with self._lock:
             if _WARNING.match(body):

@@ -246,7 +246,7 @@ def _auto_plan_artifacts(cfg: RunConfig) -> dict[str, str]:
     return ranking_artifacts(cfg)
 
 
-def _train(cfg: RunConfig, tracker, log_base: Path | None, rdzv_id: str, plan: ResolvedPlan | None) -> dict:
+def _train(cfg: RunConfig, tracker, log_base: Path, rdzv_id: str, plan: ResolvedPlan | None) -> dict:
     """One device in this process, or the workers through torch's elastic launcher: rank 0's outcome."""
     if cfg.world_size == 1:
         # start-up: the training loop (DTensor, pipelining: about 0.7 s) only where training runs here,
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ``launch.*`` fields that differ between the nodes of one job, so an engine (Ray, a Kubernetes JobSet) runs
     the same file on every node; ``--node-rank-env JOB_COMPLETION_INDEX`` reads the rank from the
     environment. The exit code is :func:`launch`'s outcome's."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.launch", description=main.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.launch", description=(main.__doc__ or "").split("\n\n")[0])
     parser.add_argument("config", help="a resolved config, as RunConfig.model_dump_json() writes it")
     rank = parser.add_mutually_exclusive_group()
     rank.add_argument("--node-rank", type=int, help="launch.node_rank of this node")

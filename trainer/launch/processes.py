@@ -28,6 +28,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 START_METHOD = "forkserver"
 # What every worker imports before its first step (trainer.launch.worker imports torch and the
@@ -70,9 +71,10 @@ def worker_server(also_preload: tuple[str, ...] = ()) -> Iterator[None]:
                 # It is killed first: asked politely it would finish its imports before it reads the
                 # request, 5 CPU-seconds spent for nothing when the config was refused before any
                 # worker started. Its workers, if any, have ended with the launch.
-                if (pid := forkserver._forkserver._forkserver_pid) is not None:
+                server: Any = forkserver._forkserver  # typeshed declares neither of the private names used
+                if (pid := server._forkserver_pid) is not None:
                     os.kill(pid, signal.SIGKILL)
-                forkserver._forkserver._stop()
+                server._stop()
 
 
 def _method_name(depth: int = 2) -> str:

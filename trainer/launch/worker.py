@@ -11,6 +11,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from torch.distributed import DistNetworkError
 
@@ -69,7 +70,7 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
                             rank=rank if store else -1, world_size=int(os.environ["WORLD_SIZE"]) if store else -1)
     try:
         is_main = rank == 0
-        workers = [None] * dist.get_world_size()
+        workers: list[Any] = [None] * dist.get_world_size()  # each rank's (pid, where), once gathered
         dist.all_gather_object(workers, (os.getpid(), _placement(rank, rank_id, device)))
         if is_main:  # lets an operator (and the tests) find and signal one worker
             print("workers: " + " ".join(f"rank{r}={pid}" for r, (pid, _) in enumerate(workers)), flush=True)

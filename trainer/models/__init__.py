@@ -12,6 +12,7 @@ over REST, and a remote user must never be able to name arbitrary code.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -80,11 +81,12 @@ class TargetMeanSquaredError(TargetMeanLoss):
         return error.square().sum() / (targets.shape[0] * self.tokens_per_row)
 
 
-MODEL_REGISTRY: dict[str, Callable[..., nn.Module]] = {"llama": Transformer, "mlp": MatmulMLP}
+_Entry = TypeVar("_Entry")
+MODEL_REGISTRY: dict[str, Callable[..., Transformer | MatmulMLP]] = {"llama": Transformer, "mlp": MatmulMLP}
 LOSS_REGISTRY: dict[str, LossFn] = {"llama": lm_loss, "mlp": mse_loss, "hf": lm_loss}
 
 
-def _lookup(registry: dict, arch: str) -> object:
+def _lookup(registry: dict[str, _Entry], arch: str) -> _Entry:
     if arch not in registry:
         raise ValueError(f"unknown model.arch {arch!r}; known: {sorted(registry)}")
     return registry[arch]
@@ -122,8 +124,8 @@ def meta_initializer(model: nn.Module, seed: int) -> Callable[[nn.Module], None]
         return None
 
     def init(part: nn.Module) -> None:
-        if callable(getattr(part, "init_weights", None)):
-            part.init_weights(seed)
+        if callable(init_weights := getattr(part, "init_weights", None)):
+            init_weights(seed)
         elif rule is not None:
             init_named_parameters(part.named_parameters(), seed, rule)
         else:
@@ -162,7 +164,8 @@ def loss_fn_for(cfg: ModelCfg, *, masked: bool = False, chunk_tokens: int | None
     (``train.loss_chunk_tokens``): a cross-entropy holds the fp32 of that many tokens at a time."""
     if masked:
         return TargetMeanLoss(chunk_tokens)
-    loss = {"lm": lm_loss, "mse": mse_loss}[cfg.loss] if cfg.arch == "custom" else _lookup(LOSS_REGISTRY, cfg.arch)
+    custom: dict[str, LossFn] = {"lm": lm_loss, "mse": mse_loss}
+    loss = custom[cfg.loss] if cfg.arch == "custom" else _lookup(LOSS_REGISTRY, cfg.arch)
     return ChunkedLMLoss(chunk_tokens) if loss is lm_loss and chunk_tokens else loss
 
 
@@ -170,7 +173,8 @@ def eval_loss_for(cfg: ModelCfg, *, chunk_tokens: int | None = None) -> TargetMe
     """The loss an evaluation sums over a validation split: the model's own, as a sum over the targets that
     count divided by the loop's ``tokens_per_row`` (:class:`TargetMeanLoss`, or its squared-error form), so
     that padding rows count for nothing and every target weighs the same."""
-    loss = {"lm": lm_loss, "mse": mse_loss}[cfg.loss] if cfg.arch == "custom" else _lookup(LOSS_REGISTRY, cfg.arch)
+    custom: dict[str, LossFn] = {"lm": lm_loss, "mse": mse_loss}
+    loss = custom[cfg.loss] if cfg.arch == "custom" else _lookup(LOSS_REGISTRY, cfg.arch)
     return TargetMeanSquaredError() if loss is mse_loss else TargetMeanLoss(chunk_tokens)
 
 

@@ -15,7 +15,7 @@ stored them when it was saved.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -65,14 +65,20 @@ def model_fingerprints(pm: ParallelModel) -> dict[str, Fingerprint]:
             block = param.to_local() if hasattr(param, "to_local") else param
             local[canonical_fqn(name)] = [v / (holders // shard_count(param)) for v in fingerprint(block, offset)]
     if pm.mesh is None:
-        return {name: tuple(v) for name, v in local.items()}
+        return {name: as_fingerprint(v) for name, v in local.items()}
     gathered: list[dict[str, list[float]]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
     total: dict[str, list[float]] = {}
-    for part in gathered:
-        for name, values in part.items():
+    for rank_values in gathered:
+        for name, values in rank_values.items():
             total[name] = [a + b for a, b in zip(total.get(name, [0.0] * 4), values)]
-    return {name: tuple(v) for name, v in total.items()}
+    return {name: as_fingerprint(v) for name, v in total.items()}
+
+
+def as_fingerprint(values: Sequence[float]) -> Fingerprint:
+    """A fingerprint summed as a list of its four numbers, as the tuple it is."""
+    elements, total, squares, weighted = values
+    return elements, total, squares, weighted
 
 
 def module_fingerprints(module: torch.nn.Module) -> dict[str, Fingerprint]:
@@ -95,7 +101,7 @@ def file_fingerprints(files: Iterable[Path | str], *, skip: Callable[[str], bool
     return out
 
 
-def source_fingerprints(files: list[Path | str], *, read: Callable[[], dict[str, Fingerprint]] | None = None
+def source_fingerprints(files: Sequence[Path | str], *, read: Callable[[], dict[str, Fingerprint]] | None = None
                         ) -> dict[str, Fingerprint]:
     """:func:`file_fingerprints` (or ``read()``: the files' under the model's names, where they name
     them otherwise), read by rank 0 only and sent to every rank (a collective when a process group is up)."""
@@ -104,6 +110,7 @@ def source_fingerprints(files: list[Path | str], *, read: Callable[[], dict[str,
         return read()
     box = [read() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None, "rank 0 sent its fingerprints"
     return box[0]
 
 

@@ -35,6 +35,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
+def model_dir(cfg: HFModelConfig) -> str:
+    """``model.path``, the directory model=hf needs (validation refuses a config without one)."""
+    if not cfg.path:
+        raise HFModelError("model=hf needs a model directory", "set model.path=DIR (a directory with config.json)")
+    return cfg.path
+
+
 def read_hf_config(path: str | None) -> tuple[LlamaConfig, bool]:
     """``(the decoder's config, tie_word_embeddings)`` of the model directory ``path``."""
     if not path:
@@ -123,13 +130,14 @@ def build_hf_model(cfg: HFModelConfig, *, device: str | torch.device = "cpu", se
     """The model of ``cfg.path``: initialised from ``(seed, FQN)``, then overwritten by the
     directory's safetensors weights when there are any and ``load_weights`` (``device="meta"``:
     shapes only). A sharded run loads them after parallelizing instead: :func:`load_hf_sharded`."""
-    llama, tied = read_hf_config(cfg.path)
+    path = model_dir(cfg)
+    llama, tied = read_hf_config(path)
     with torch.device(device):
         model = Transformer(llama, layout="hf", tie_embeddings=tied, lora=cfg.lora)
     if torch.device(device).type == "meta":
         return model
     model.init_weights(seed)
-    if load_weights and (files := weight_files(cfg.path)):
+    if load_weights and (files := weight_files(path)):
         load_hf_weights(model, files, tied=tied)
     return model
 

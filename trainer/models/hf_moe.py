@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from trainer.models.fingerprint import Fingerprint, fingerprint
+from trainer.models.fingerprint import Fingerprint, as_fingerprint, fingerprint
 from trainer.models.init import local_box
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -102,7 +102,7 @@ def is_stacked(name: str) -> bool:
 
 def hf_state(state: dict[str, torch.Tensor], kind: str | None, num_experts: int) -> dict[str, torch.Tensor]:
     """The model's (full) ``state`` under the files' names: stacked experts split into one tensor each."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, value in state.items():
         keys = file_keys(name, kind, num_experts)
         out.update(zip(keys, value.unbind(0) if is_stacked(name) else [value]))
@@ -127,7 +127,7 @@ def read_stacked(targets: dict[str, tuple[list[str], torch.Tensor]], where: dict
     from safetensors import safe_open
 
     with ExitStack() as opened, torch.no_grad():
-        handles: dict[Path, object] = {}
+        handles: dict[Path, safe_open] = {}
         for keys, tensor in targets.values():
             (first, *rest), (count, *shape) = local_box(tensor)
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -148,4 +148,4 @@ def stacked_fingerprint(keys: list[str], where: dict[str, Path]) -> Fingerprint:
         with safe_open(str(where[key]), framework="pt") as f:
             row = f.get_tensor(key).unsqueeze(0)
         total = [a + b for a, b in zip(total, fingerprint(row, (e, 0, 0)))]
-    return tuple(total)
+    return as_fingerprint(total)

@@ -67,6 +67,9 @@ class Attention(nn.Module):
     config), so a column-sharded ``wq/wk/wv`` simply yields fewer local heads.
     """
 
+    rope_cos: torch.Tensor  # buffers (register_buffer in __init__)
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig, names: Names = MESHFLOW_NAMES) -> None:
         super().__init__()
         self.head_dim = cfg.head_width
@@ -118,7 +121,7 @@ class Attention(nn.Module):
             raise ValueError(f"sequence length {seqlen * (cp.size if cp else 1)} exceeds max_seq_len "
                              f"{self.max_seq_len}")
         q, k, v = (t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (model.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         if positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -127,7 +130,7 @@ class Attention(nn.Module):
         else:
             cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         q, k = apply_rope(q, cos, sin, n.rope), apply_rope(k, cos, sin, n.rope)
-        if cp is not None:  # K/V travel with their kv heads only; a document is known by where it starts
+        if cp is not None and index is not None:  # K/V travel with their kv heads; a document: where it starts
             doc = index - positions if positions is not None else None
             out = context_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), shard=cp, q_index=index,
                                     doc=doc)
@@ -249,7 +252,7 @@ class Transformer(nn.Module):
         [B, T]``: packed documents (each attends only to itself; see :class:`Attention`)."""
         embed, layers, norm, head = (self._piece(p) for p in self.pieces)
         h = embed(tokens) if embed is not None else tokens
-        for layer in layers.values() if layers is not None else ():
+        for layer in layers.values() if isinstance(layers, nn.ModuleDict) else ():
             h = layer(h) if positions is None else layer(h, positions=positions)
         h = norm(h) if norm is not None else h
         return head(h) if head is not None else h

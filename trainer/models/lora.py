@@ -19,7 +19,7 @@ a model built on the meta device and initialised shard by shard included, starts
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 
 import torch
@@ -119,7 +119,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, default_targets: Sequence[s
     return chosen
 
 
-def _suggest(linears: dict[str, nn.Module]) -> str:
+def _suggest(linears: Mapping[str, nn.Module]) -> str:
     """A glob over the first block's projections, with the block index starred."""
     first = next(iter(linears))
     parts = first.split(".")
@@ -140,6 +140,7 @@ def adapter_init(fqn: str, module: nn.Module) -> tuple[InitKind, float] | None:
         return None
     if owner[-2] == "lora_B":
         return "zeros", 0.0
+    assert isinstance(module, nn.Linear), "an adapter is a Linear"
     return "uniform", 1.0 / math.sqrt(module.in_features)
 
 

@@ -151,6 +151,12 @@ class MoE(nn.Module):
         # balance loss then sums its per-sequence statistics over them.
         self.context_parallel: ContextShard | None = None
 
+    def last_forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(aux_loss, tokens_per_expert)`` of the last forward."""
+        if self.aux_loss is None or self.tokens_per_expert is None:
+            raise RuntimeError("an MoE block's balance loss is read before the block ran forward")
+        return self.aux_loss, self.tokens_per_expert
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
@@ -273,8 +279,9 @@ class WithAuxLoss:
 
     def _record(self, blocks: list[MoE]) -> torch.Tensor:
         """The sum of ``blocks``' balance losses (with its graph), its value and their loads kept for :meth:`take`."""
-        aux = torch.stack([block.aux_loss for block in blocks]).sum()
-        load = torch.stack([block.tokens_per_expert for block in blocks]).double().sum(dim=0)
+        recorded = [block.last_forward() for block in blocks]
+        aux = torch.stack([block_aux for block_aux, _ in recorded]).sum()
+        load = torch.stack([block_load for _, block_load in recorded]).double().sum(dim=0)
         self._aux_sum = aux.detach() if self._aux_sum is None else self._aux_sum + aux.detach()
         self._load_sum = load if self._load_sum is None else self._load_sum + load
         self._forwards += 1
@@ -295,7 +302,9 @@ class WithAuxLoss:
     def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(aux, load)`` since the last call, then cleared: this rank's share of the balance loss (0 for a
         rank whose stages hold no block) and of the rows per expert, per block (``None`` without blocks)."""
-        aux = self.aux if self._aux_sum is not None else torch.zeros((), dtype=torch.float64)
+        aux = self.aux
+        if aux is None:
+            aux = torch.zeros((), dtype=torch.float64)
         load = None if self._load_sum is None else self._load_sum / self.num_blocks
         self._aux_sum = self._load_sum = None
         self._forwards = 0

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,7 +132,7 @@ def _pattern(group: PlacementGroup) -> tuple:
                  for rank, sl in sorted(group.slices.items()))
 
 
-def _blocks(slices: dict[int, Slices]) -> dict[Slices, list[int]]:
+def _blocks(slices: Mapping[int, Slices]) -> dict[Slices, list[int]]:
     """Distinct non-empty slices -> the ranks holding them, in order of first holder."""
     out: dict[Slices, list[int]] = {}
     for rank, sl in slices.items():

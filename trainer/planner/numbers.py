@@ -7,10 +7,12 @@ mesh axis (analytic, ring algorithms). The dry run prints them, the memory model
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from parallel.config import ParallelConfig
 from parallel.pipeline.order import expected_bubble
+from parallel.placements import PlacementSpec
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import ParallelPlan
 from parallel.sharding.adapters import adapter_placements
@@ -62,8 +64,11 @@ def stage_views(cfg: RunConfig, plan: ParallelPlan) -> list[tuple[RunConfig, Par
     which every stage has that stage's layout (mesh ``[stages, *its sub-mesh]``). Stage ``i``'s
     numbers in view ``i`` (parameters held, communication, memory) are the stage's own, so the
     uniform arithmetic serves both forms."""
+    par = cfg.parallel
+    pp = par.pipeline if par is not None else None
+    if par is None or pp is None or pp.stages is None:
+        raise ValueError("stage views are those of parallel.pipeline.stages, which this config does not set")
     model = meta_model(cfg.model)
-    par, pp = cfg.parallel, cfg.parallel.pipeline
     views = []
     for stage in pp.stages:
         view = ParallelConfig(dims=[pp.dim, *stage.dims], data_parallel=stage.data_parallel,
@@ -101,7 +106,7 @@ def _units_of(model, units: tuple[str, ...]) -> dict[str, str]:
     return known[units]
 
 
-def held_placements(model, plan: ParallelPlan) -> dict:
+def held_placements(model, plan: ParallelPlan) -> Mapping[str, Mapping[str, PlacementSpec]]:
     """``plan.placements`` (base weights only) with LoRA's adapters as the tp styles shard them
     (:func:`parallel.sharding.adapters.adapter_placements`): what a rank's tp-local shapes follow."""
     if model not in _ADAPTED:  # asked per candidate by a planner: the module walk once per model
@@ -171,11 +176,11 @@ def _stage_numbers(cfg: RunConfig, plan: ParallelPlan) -> PlanNumbers:
     """:func:`plan_numbers` of per-stage layouts: each stage's row from its own view; the
     communication per axis named ``stage <i> <axis>``."""
     views = [plan_numbers(view_cfg, view_plan) for view_cfg, view_plan in stage_views(cfg, plan)]
-    comm = {}
+    assert plan.pipeline is not None, "per-stage layouts are a pipeline's"
+    pp_dim, comm = plan.pipeline.dim, {}
     for index, numbers in enumerate(views):
-        comm.update({f"stage {index} {axis}": nbytes for axis, nbytes in numbers.comm.items()
-                     if axis != plan.pipeline.dim})
-        comm[plan.pipeline.dim] = numbers.comm.get(plan.pipeline.dim, 0.0)
+        comm.update({f"stage {index} {axis}": nbytes for axis, nbytes in numbers.comm.items() if axis != pp_dim})
+        comm[pp_dim] = numbers.comm.get(pp_dim, 0.0)
     return replace(views[0], per_pp_rank=[numbers.per_pp_rank[i] for i, numbers in enumerate(views)], comm=comm)
 
 
@@ -194,7 +199,7 @@ def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int, elem: int) 
     recomputed = (1.0 if ac == "full" else (blocks // plan.activation_checkpointing_every) / blocks
                   if ac == "selective" else 0.0)
     hops = (2 + recomputed) * (cp - 1) * block * elem
-    if plan.context_parallel.method == "ring":
+    if plan.context_parallel is not None and plan.context_parallel.method == "ring":
         hops += cp * block * 4
     return decoder.n_layers / cfg.pp_size * hops
 
@@ -232,10 +237,10 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
             out[axis] = 4 * layers_per_rank * act * 2 * (n - 1) / n
         if pp := par.pipeline:
             out[pp.dim] = 2 * act * pp.stages_per_rank  # activations forward + gradients backward
-        if (ep := par.expert_parallel) is not None and decoder.moe is not None:
-            n = cfg.axis_size(ep.dim)
+        if (ep_cfg := par.expert_parallel) is not None and decoder.moe is not None:
+            n = cfg.axis_size(ep_cfg.dim)
             # Every token's top_k rows out to the experts' ranks and back, forward and backward (the
             # gradients retrace them): 4 all-to-alls per MoE block of this rank's stages, (n-1)/n of the
             # rows leaving the rank when routing is balanced.
-            out[f"{ep.dim} all-to-all"] = 4 * layers_per_rank * act * decoder.moe.top_k * (n - 1) / n
+            out[f"{ep_cfg.dim} all-to-all"] = 4 * layers_per_rank * act * decoder.moe.top_k * (n - 1) / n
     return out

@@ -76,6 +76,7 @@ def expert_report(cfg: RunConfig, plan: ParallelPlan, numbers) -> dict:
     (weights + grads + AdamW, after ep and dp sharding) and the bytes each rank's dispatch and combine
     all-to-alls send per step on the ep axis (0 without ep)."""
     moe = moe_config(cfg.model)
+    assert moe is not None, "asked of a mixture of experts only"
     ep = plan.expert_parallel
     return {"num_experts": moe.num_experts, "top_k": moe.top_k, "aux_loss_weight": moe.aux_loss_weight,
             "ep_axis": ep.dim if ep else None, "ep_size": plan.mesh.size(ep.dim) if ep else 1,
@@ -157,13 +158,14 @@ def describe_plan(cfg: RunConfig, plan: ParallelPlan, *, pictures_dir: Path | No
     lines.append(f"memory budget {budget['bytes'] / mib:,.0f} MiB per rank ({budget['source']}): {said}")
     if cfg.tracking.pictures and pictures_dir is not None and plan.pipeline is not None:
         try:
-            paths, summary = write_predicted_timeline(plan, pictures_dir)
+            written = write_predicted_timeline(plan, pictures_dir)
         except ValueError as err:  # torch's schedule refuses the shape (a dry run despite batch errors)
             lines.append(f"pictures: no predicted timeline ({str(err).splitlines()[0]})")
         else:
-            lines.append(f"pictures: predicted timeline {paths['timeline_png']} (Chrome trace "
-                         f"{paths['timeline_trace']}); "
-                         f"{bubble_text(summary, what='predicted')}")
+            if written is not None:  # None only without a pipeline
+                paths, summary = written
+                lines.append(f"pictures: predicted timeline {paths['timeline_png']} (Chrome trace "
+                             f"{paths['timeline_trace']}); {bubble_text(summary, what='predicted')}")
     return "\n".join(lines)
 
 

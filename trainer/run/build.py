@@ -29,7 +29,7 @@ from trainer.data.loader import GlobalBatchLoader
 from trainer.export.weights import check_weights_fit, load_weights
 from trainer.models import build_model, decoder_config, loss_fn_for, meta_initializer
 from trainer.models.fingerprint import check_fingerprints, source_fingerprints
-from trainer.models.hf import hf_fingerprints, load_hf_sharded, weight_files
+from trainer.models.hf import hf_fingerprints, load_hf_sharded, model_dir, weight_files
 from trainer.models.moe import with_aux_loss
 
 
@@ -50,15 +50,16 @@ def build_parallel_model(cfg: RunConfig, device: torch.device, *, plan: Resolved
         init = meta_initializer(model, cfg.train.seed)
     if init is None:
         return _build_in_full(cfg, device, plan)
-    hf_files = isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path))
+    hf_dir = model_dir(cfg.model) if isinstance(cfg.model, HFModelConfig) else None
+    hf_files = hf_dir is not None and bool(weight_files(hf_dir))
     if cfg.train.init_from:
         check_weights_fit(model, cfg.train.init_from)
     pm = parallelize(model, worker_plan(cfg, model, plan), device=device, init=init,
                      precision=cfg.train.precision, compile=cfg.train.compile)
     if cfg.train.init_from:
         load_weights(pm.model_parts, cfg.train.init_from, tied=pm.tied_names)
-    elif hf_files:
-        load_hf_sharded(pm.model_parts, cfg.model.path)
+    elif hf_dir is not None and hf_files:
+        load_hf_sharded(pm.model_parts, hf_dir)
     if cfg.train.init_from or hf_files:  # the files name a tied parameter once: every stage's copy takes it
         pm.copy_tied_values()
     check_loaded(pm, cfg)
@@ -91,8 +92,8 @@ def check_loaded(pm: ParallelModel, cfg: RunConfig) -> None:
     (nothing to check when the values come from the seed)."""
     if cfg.train.init_from:
         check_fingerprints(pm, source_fingerprints([cfg.train.init_from]), what="train.init_from")
-    elif isinstance(cfg.model, HFModelConfig) and (files := weight_files(cfg.model.path)):
-        path = cfg.model.path  # a mixture of experts' files name each expert apart: hf_fingerprints stacks them
+    elif isinstance(cfg.model, HFModelConfig) and (files := weight_files(model_dir(cfg.model))):
+        path = model_dir(cfg.model)  # a mixture of experts' files name each expert apart: hf_fingerprints stacks them
         check_fingerprints(pm, source_fingerprints(files, read=lambda: hf_fingerprints(path)), what="model.path")
 
 

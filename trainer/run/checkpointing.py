@@ -45,7 +45,7 @@ class Checkpointer:
     def __init__(self, cfg: RunConfig, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, loader: GlobalBatchLoader) -> None:
         self.cfg, self.pm, self.scheduler, self.loader = cfg, pm, scheduler, loader
-        self.state = dict(model=merged_module(pm.model_parts), optimizer=optimizer, tied=pm.tied_names)
+        self.model, self.optimizer, self.tied = merged_module(pm.model_parts), optimizer, pm.tied_names
         # LoRA's base: from model.path, train.init_from or the seed again, not the checkpoint
         self.frozen = frozen_names(pm)
         lora = getattr(cfg.model, "lora", None)
@@ -58,14 +58,14 @@ class Checkpointer:
         if not path:
             return 0
         check_model_config(path, read_extra(path)["model_config"], self.cfg.model.model_dump(mode="json"))
-        extra = load_checkpoint(path, **self.state, may_lack=self.frozen)
+        extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer, tied=self.tied, may_lack=self.frozen)
         if "fingerprints" in extra:  # what the saving mesh held, checked on this one before step 1
             check_fingerprints(self.pm, extra["fingerprints"], what=f"train.checkpoint.resume ({path})")
         self.scheduler.load_state_dict(extra["scheduler"])
         self.loader.load_state_dict(extra["loader"])
         _set_rng_state(extra["rng"])
         progress.log(f"resumed from {path} at step {int(extra['step'])}")
-        if kept := kept_optimizer_settings(self.state["optimizer"], self.scheduler, self.cfg.optim):
+        if kept := kept_optimizer_settings(self.optimizer, self.scheduler, self.cfg.optim):
             progress.log(f"warning: the checkpoint's optimizer settings continue, not the config's: {', '.join(kept)} "
                          "(a resume keeps AdamW's state and the schedule's base learning rate as saved)")
         tracker.set_tag("resumed_from", str(path))
@@ -85,8 +85,9 @@ class Checkpointer:
                  "rng": _rng_state(), "model_config": self.cfg.model.model_dump(mode="json"),
                  "data_config": self.cfg.data.model_dump(mode="json"), "fingerprints": model_fingerprints(self.pm),
                  "base": {"seed": t.seed, "init_from": t.init_from}}  # where frozen weights left out come from
-        with naming_a_full_disk(ckpt.dir, needed_bytes=state_bytes(self.state["model"], self.state["optimizer"])):
-            saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, skip=self.skip, **self.state)
+        with naming_a_full_disk(ckpt.dir, needed_bytes=state_bytes(self.model, self.optimizer)):
+            saved = save_checkpoint(ckpt.dir, step, extra=extra, keep=ckpt.keep, skip=self.skip, model=self.model,
+                                    optimizer=self.optimizer, tied=self.tied)
         seconds = time.perf_counter() - began
         if rank == 0:
             nbytes = checkpoint_bytes(saved)["total"]

@@ -23,14 +23,14 @@ from parallel.pipeline.timeline import TimelineRecorder
 from trainer.config.schema import HFModelConfig, RunConfig
 from trainer.data import build_splits
 from trainer.models import decoder_config
-from trainer.models.hf import weight_files
+from trainer.models.hf import model_dir, weight_files
 from trainer.pictures.timeline_chart import timeline_pictures
 from trainer.planner.memory.budget import predicted_peak_mib as budgeted_peak_mib
 from trainer.planner.memory.host import unmap_freed_memory
 from trainer.run.build import build_loader, build_loss, build_optimizer, build_parallel_model, lr_lambda
 from trainer.run.checkpointing import Checkpointer, frozen_names
 from trainer.run.final_model import log_final_model, logs_final_model
-from trainer.run.metrics import MemoryMeter, Progress, StepLog
+from trainer.run.metrics import MemoryMeter, NullProgress, StepLog
 from trainer.run.step import StepStats, evaluate, train_step
 from trainer.run.stop_request import StopRequest
 from trainer.tracking.end_of_run import AfterTraining
@@ -91,7 +91,7 @@ def resolve_device(device: str, device_index: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0, device_index: int = 0,
+def train(cfg: RunConfig, *, tracker: Tracker, progress: NullProgress, rank: int = 0, device_index: int = 0,
           pictures_dir: str | None = None, predicted_peak_mib: float | None = None,
           plan: ResolvedPlan | None = None) -> TrainResult:
     """Run ``cfg.train.steps`` optimizer steps (from a checkpoint when resuming) on GPU
@@ -142,13 +142,13 @@ def train(cfg: RunConfig, *, tracker: Tracker, progress: Progress, rank: int = 0
             result.stopped_at = step
             break
     progress.stop()
-    _after_training(result, cfg, log=log, recorder=recorder, model_state=checkpointer.state["model"], tracker=tracker,
+    _after_training(result, cfg, log=log, recorder=recorder, model_state=checkpointer.model, tracker=tracker,
                     progress=progress, pictures_dir=pictures_dir)
     return result
 
 
 def _after_training(result: TrainResult, cfg: RunConfig, *, log: StepLog, recorder: TimelineRecorder, model_state,
-                    tracker: Tracker, progress: Progress, pictures_dir) -> None:
+                    tracker: Tracker, progress: NullProgress, pictures_dir) -> None:
     """After the last step: the memory peaks, the timeline pictures and the final model. What fails here is
     reported and recorded (``result.end_of_run_errors``), and the training still finished."""
     after = AfterTraining(tracker, say=progress.log)
@@ -166,7 +166,7 @@ def _after_training(result: TrainResult, cfg: RunConfig, *, log: StepLog, record
     result.last_window, result.peak_memory_mb = log.last_window, log.peak_memory_mb
 
 
-def _report_predicted_peak(cfg: RunConfig, tracker: Tracker, progress: Progress, predicted: float | None,
+def _report_predicted_peak(cfg: RunConfig, tracker: Tracker, progress: NullProgress, predicted: float | None,
                            plan: ResolvedPlan | None) -> None:
     """Rank 0: the plan's predicted peak per rank (priced here when the launcher did not), to set the
     measured one beside."""
@@ -184,7 +184,7 @@ class _Validation:
     every ``train.eval_every`` steps and after the last; each logged as ``val_loss`` and ``val_perplexity``."""
 
     def __init__(self, cfg: RunConfig, pm: ParallelModel, source, device: torch.device, tracker: Tracker,
-                 progress: Progress) -> None:
+                 progress: NullProgress) -> None:
         self.cfg, self.pm, self.source, self.device = cfg, pm, source, device
         self.tracker, self.progress = tracker, progress
 
@@ -207,11 +207,12 @@ def _eval_at_start(cfg: RunConfig, *, resumed: bool) -> bool:
     safetensors, ``train.init_from``) and the run starts fresh (a resumed run's first run evaluated)."""
     if cfg.train.eval_at_start is not None:
         return cfg.train.eval_at_start
-    loaded = bool(cfg.train.init_from) or (isinstance(cfg.model, HFModelConfig) and bool(weight_files(cfg.model.path)))
+    hf_weights = isinstance(cfg.model, HFModelConfig) and bool(weight_files(model_dir(cfg.model)))
+    loaded = bool(cfg.train.init_from) or hf_weights
     return loaded and not resumed
 
 
-def _log_val(val_loss: float, step: int, cfg: RunConfig, tracker: Tracker, progress: Progress) -> None:
+def _log_val(val_loss: float, step: int, cfg: RunConfig, tracker: Tracker, progress: NullProgress) -> None:
     """``val_loss`` and ``val_perplexity`` to the tracker at ``step``, and a console line."""
     metrics = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 700))}
     tracker.log_metrics(metrics, step=step)

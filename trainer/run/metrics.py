@@ -18,11 +18,14 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.tracking.tracker import Tracker
+
+if TYPE_CHECKING:  # rich is imported when a bar is shown (start-up)
+    from rich.progress import Progress as RichProgress
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -141,12 +144,12 @@ class Progress(NullProgress):
     as a step line's are; its eta is the steps left times the mean step time so far (the run's
     first step left out: start-up)."""
 
-    def __init__(self, *, live: bool | None = None, clock=time.monotonic):
+    def __init__(self, *, live: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.live = sys.stdout.isatty() if live is None else live
         self.total = 0
         self.every_s = math.inf  # no plain progress lines until start() says how often
         self._clock = clock
-        self._bar = None
+        self._bar: RichProgress | None = None
         self._window: list[tuple[int, float, float, float]] = []  # (step, loss, tokens, seconds) since the last line
         self._step_times: list[float] = []
         self._last_line = clock()
@@ -162,13 +165,13 @@ class Progress(NullProgress):
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as RichProgress
 
-        self._bar = RichProgress(
+        self._bar = bar = RichProgress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
             TextColumn("ETA"), TimeRemainingColumn(),
         )
-        self._task = self._bar.add_task("train", total=total, completed=completed, loss=float("nan"), tps=0.0)
-        self._bar.start()
+        self._task = bar.add_task("train", total=total, completed=completed, loss=float("nan"), tps=0.0)
+        bar.start()
 
     def advance(self, step: int, **fields: float) -> None:
         if self._bar is not None:

@@ -23,7 +23,7 @@ from parallel.pipeline.timeline import TimelineRecorder
 from trainer.config.schema import RunConfig, TrainConfig
 from trainer.data import Source
 from trainer.data.loader import GlobalBatchLoader, ValidationRows
-from trainer.models import TargetMeanLoss, eval_loss_for
+from trainer.models import TargetMeanLoss, eval_loss_for, moe_config
 from trainer.models.moe import WithAuxLoss
 
 
@@ -62,11 +62,12 @@ def train_step(pm: ParallelModel, loader: GlobalBatchLoader, loss_fn, optimizer:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
     loss = pm.reduce_loss(local_loss)
-    stats = StepStats(loss=loss, grad_norm=float(grad_norm), lr=lr, seconds=time.perf_counter() - began)
+    stats = StepStats(loss=loss, grad_norm=float(grad_norm), lr=float(lr), seconds=time.perf_counter() - began)
     if local_aux is not None:  # every rank has a share of the balance loss
         stats.aux_loss = pm.reduce_loss(local_aux)
-        if load is None:  # a pipeline rank whose stages hold no MoE block still joins the sum
-            load = torch.zeros(cfg.model.moe.num_experts, dtype=torch.float64, device=device)
+        if load is None and (moe := moe_config(cfg.model)) is not None:
+            # a pipeline rank whose stages hold no MoE block still joins the sum
+            load = torch.zeros(moe.num_experts, dtype=torch.float64, device=device)
         stats.expert_load = expert_load(_summed(load, pm))
     return stats
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from trainer.config.model_schema import CustomModelConfig, HFModelConfig
 from trainer.config.schema import RunConfig
 from trainer.config.tracking_schema import DEFAULT_UI_URL
 from trainer.tracking.credentials import strip_credentials
@@ -120,10 +121,10 @@ def run_tags(cfg: RunConfig) -> dict[str, str]:
     (:func:`is_reserved_tag`). In a run made for the job by someone else (``tracking.run_id``: the
     control plane, which set its owner's ``mlflow.user`` and ``meshflow.*`` tags) no reserved tag
     comes from the config, and the trainer leaves ``mlflow.user`` as its creator set it."""
-    model = cfg.model.arch
-    if getattr(cfg.model, "path", None):
+    model: str = cfg.model.arch
+    if isinstance(cfg.model, HFModelConfig) and cfg.model.path:
         model = f"{model}:{Path(cfg.model.path).name}"
-    elif getattr(cfg.model, "builder", None):
+    elif isinstance(cfg.model, CustomModelConfig) and cfg.model.builder:
         model = f"{model}:{cfg.model.builder}"
     tags = {
         "mesh": json.dumps(cfg.mesh if cfg.mesh is not None else list(cfg.mesh_shape)),

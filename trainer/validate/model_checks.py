@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Sequence
 
 from torch import nn
 
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.resolve import resolve_plan
-from parallel.plan.spec import MeshSpec, ParallelPlan
+from parallel.plan.spec import ParallelPlan
+from parallel.topology import MeshSpec
 from parallel.sharding.activation_checkpointing import RECOMPUTE_CORE
 from trainer.config.schema import CustomModelConfig, HFModelConfig, LlamaConfig, RunConfig
 from trainer.data import chat_tokenizer_path
@@ -84,7 +86,7 @@ def _check_selective(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
     """``selective`` is Megatron's attention-core recomputation of every block; what it meant before
     (whole blocks, every n-th) is ``full`` with ``activation_checkpointing_every``."""
     par = cfg.parallel
-    if par.activation_checkpointing != "selective" or cfg.model.arch == "mlp":
+    if par is None or par.activation_checkpointing != "selective" or cfg.model.arch == "mlp":
         return []
     if par.activation_checkpointing_every != 1:
         return [ConfigIssue("parallel.activation_checkpointing_every",
@@ -147,7 +149,7 @@ def _check_memory(cfg: RunConfig, plan: ParallelPlan) -> list[ConfigIssue]:
 _FILE_KINDS = ("files", "chat")
 
 
-def _data_fix(kinds: list[str]) -> str:
+def _data_fix(kinds: Sequence[str]) -> str:
     """``use data=text or data=synthetic``, then the kinds that need the user's files, with an example path."""
     ready = [k for k in kinds if k not in _FILE_KINDS]
     files = [k for k in kinds if k in _FILE_KINDS]
@@ -200,13 +202,14 @@ def _check_model_data(cfg: RunConfig) -> list[ConfigIssue]:
     issues += _check_packing(cfg)
     if isinstance(cfg.model, HFModelConfig):
         # optional: transformers, the hf extra
-        from trainer.models.hf import HFModelError, read_hf_config, sliding_window
+        from trainer.models.hf import HFModelError, model_dir, read_hf_config, sliding_window
 
         try:
-            m, _ = read_hf_config(cfg.model.path)
+            path = model_dir(cfg.model)
+            m, _ = read_hf_config(path)
         except HFModelError as err:
             return issues + [ConfigIssue("model.path", err.reason, err.fix)]
-        if (window := sliding_window(cfg.model.path)) is not None and t.seq_len > window:
+        if (window := sliding_window(path)) is not None and t.seq_len > window:
             # Full attention equals the model's sliding-window attention only while a sequence fits the window.
             issues.append(ConfigIssue("train.seq_len", f"the model attends over a sliding window of {window} tokens "
                                       "(config.json sliding_window); attention here is full, which differs past it",
@@ -281,8 +284,9 @@ def _sequence_parallel(cfg: RunConfig, where: str) -> str | None:
     par = cfg.parallel
     if par is None:
         return None
-    if (stage := re.match(r"parallel\.pipeline\.stages\[(\d+)\]", where)) and par.pipeline is not None:
-        tp, key = par.pipeline.stages[int(stage.group(1))].tensor_parallel, f"parallel.pipeline.stages.{stage.group(1)}"
+    stages = par.pipeline.stages if par.pipeline is not None else None
+    if (stage := re.match(r"parallel\.pipeline\.stages\[(\d+)\]", where)) and stages is not None:
+        tp, key = stages[int(stage.group(1))].tensor_parallel, f"parallel.pipeline.stages.{stage.group(1)}"
     else:
         tp, key = par.tensor_parallel, "parallel"
     if tp is None or not tp.sequence_parallel or ".tensor_parallel.plan[" not in where:

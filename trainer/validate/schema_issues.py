@@ -16,6 +16,7 @@ import difflib
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from parallel.errors import ConfigIssue, format_path
 from trainer.config.path_text import NUL_FIX, NUL_REASON
@@ -48,7 +49,7 @@ def _strip_union_tags(loc: tuple, raw: dict) -> tuple:
     return tuple(p for p in out if not (isinstance(p, str) and ("[" in p and p.endswith("]") and "list" in p)))
 
 
-def _reason(e: dict) -> str:
+def _reason(e: ErrorDetails) -> str:
     value = e.get("input")
     shown = repr(value) if not isinstance(value, dict) and len(repr(value)) < 80 else "the given value"
     if e["type"] == "extra_forbidden":
@@ -64,7 +65,7 @@ def _reason(e: dict) -> str:
     return f"{msg}; got {shown}"
 
 
-def _fix(e: dict, loc: tuple, raw: dict) -> str:
+def _fix(e: ErrorDetails, loc: tuple, raw: dict) -> str:
     kind = e["type"]
     if kind == "extra_forbidden":
         known = _known_keys(loc[:-1], raw)
@@ -91,7 +92,7 @@ def _fix(e: dict, loc: tuple, raw: dict) -> str:
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
-def _range_fix(e: dict, loc: tuple) -> str:
+def _range_fix(e: ErrorDetails, loc: tuple) -> str:
     """``use a value in the allowed range (<= 1000): train.checkpoint.keep=1000``: the nearest allowed
     value as an override, typed as printed; without one (a float's open bound, a path no override
     spells) the bound alone."""
@@ -147,7 +148,7 @@ def _section_model(annotation: Any, node: Any) -> type[BaseModel] | None:
     import typing
 
     candidates = [a for a in typing.get_args(annotation) or (annotation,)]
-    flat = []
+    flat: list[Any] = []
     for c in candidates:
         flat.extend(typing.get_args(c) or (c,))
     models = [c for c in flat if isinstance(c, type) and issubclass(c, BaseModel)]

@@ -18,12 +18,15 @@ ONE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
 def _plain_shape(cfg: RunConfig) -> tuple[int, ...]:
     """The rank ids' shape when it has an axis per name of parallel.dims, else the world's size."""
-    return cfg.mesh_shape if len(cfg.parallel.dims) == len(cfg.mesh_shape) else (cfg.world_size,)
+    dims = cfg.parallel.dims if cfg.parallel is not None else ()
+    return cfg.mesh_shape if len(dims) == len(cfg.mesh_shape) else (cfg.world_size,)
 
 
 def check_stages(cfg: RunConfig) -> list[ConfigIssue]:
     par = cfg.parallel
-    pp = par.pipeline
+    pp = par.pipeline if par is not None else None
+    if par is None or pp is None or pp.stages is None or cfg.mesh is None:
+        return []  # checks of per-stage layouts: a config without them has none (the mesh's own are elsewhere)
     issues = []
     if not all(isinstance(x, int) for x in cfg.mesh):
         issues.append(ConfigIssue("mesh", "explicit rank ids with parallel.pipeline.stages: the stages already say "

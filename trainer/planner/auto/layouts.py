@@ -1,5 +1,6 @@
 """The candidate layouts the auto-planner's search considers: every split of the ranks into dp (and
-its modes), cp, pp (its schedules, stages per rank and micro-batches), ep and tp (with sequence parallelism
+its modes; hsdp's on every replicate x shard split, beside ep too), pp (its schedules, stages per rank and
+micro-batches), cp (long rows; with a pipeline or not), ep (a model with experts) and tp (with sequence parallelism
 and without), gradient accumulation where there is no pipeline, with each activation checkpointing (full:
 every block or every n-th) and precision the knobs allow, as :class:`~trainer.planner.auto.ranking.Candidate`
 sections: the layouts practitioners write, as they write them. :class:`Layouts` is the base of
@@ -38,8 +39,9 @@ class Layouts:
                for every in (k.activation_checkpointing_every if a == "full" else [1])]
         for tp in (divisors(self.world) if tp_ok else [1]):
             for cp in self._cp_sizes(self.world // tp):
-                # A pipeline with cp, and experts with cp, are not searched: cp layouts are dp x cp x tp.
-                for pp in (divisors(self.world // tp) if k.pipeline and cp == 1 else [1]):
+                # cp pairs with a pipeline (every stage holds its cp rank's chunks of each micro-batch's rows);
+                # experts with cp are not searched (layouts with cp are dp x pp x cp x tp).
+                for pp in (divisors(self.world // tp // cp) if k.pipeline else [1]):
                     for ep in (self._ep_sizes(self.world // tp // pp) if cp == 1 else [1]):
                         dp = self.world // tp // pp // cp // ep
                         for (dp_name, dp_section), (pp_name, pipeline, accum), sp, ac, precision in itertools.product(
@@ -71,9 +73,11 @@ class Layouts:
 
     def _cp_sizes(self, ranks: int) -> list[int]:
         """The cp sizes to consider: 1, and from ``knobs.context_parallel_from`` tokens on every divisor of
-        ``ranks`` that cuts the rows into ``2 x cp`` chunks, for a model whose attention takes a split sequence."""
+        ``ranks`` that cuts the rows into ``2 x cp`` chunks, for a model whose attention takes a split sequence and
+        a run that does not compile (``train.compile`` with cp is refused: :mod:`trainer.validate.context_checks`;
+        each pipeline, dp and tp split of it would be a refused candidate)."""
         start, seq_len = self.knobs.context_parallel_from, self.base.train.seq_len
-        if start is None or seq_len < start or not supports_context_parallel(self.model):
+        if start is None or seq_len < start or self.base.train.compile or not supports_context_parallel(self.model):
             return [1]
         return [cp for cp in divisors(ranks) if seq_len % (2 * cp) == 0]
 
@@ -87,7 +91,7 @@ class Layouts:
             yield "", None
             return
         for mode in self.knobs.data_parallel_modes:
-            if ep > 1 and mode not in ("fsdp", "zero2"):  # experts over ep compose with sharded data parallelism
+            if ep > 1 and mode == "ddp":  # experts over ep compose with sharded data parallelism (fsdp, zero2, hsdp)
                 continue
             if mode == "hsdp":
                 for replicate in divisors(dp)[1:-1]:
@@ -120,10 +124,10 @@ class Layouts:
                                          else [("dp", dp)])]
             dims += [a for a, _ in sizes]
             mesh += [s for _, s in sizes]
-        if cp > 1:
-            dims.append("cp"), mesh.append(cp)
         if pipeline is not None:
             dims.append("pp"), mesh.append(pp)
+        if cp > 1:  # inside pp, beside tp (Megatron's and torchtitan's order): the ring's hops on the nearer links
+            dims.append("cp"), mesh.append(cp)
         if ep > 1:
             dims.append("ep"), mesh.append(ep)
         if tp > 1:
@@ -143,7 +147,7 @@ class Layouts:
             parallel["tensor_parallel"] = {"dim": "tp", "plan": "megatron", "sequence_parallel": sp}
         if cp > 1:
             parallel["context_parallel"] = {"dim": "cp", "method": "ring"}
-        label = " x ".join(p for p in (dp_name, f"cp{cp}" if cp > 1 else "", pp_name, f"ep{ep}" if ep > 1 else "",
+        label = " x ".join(p for p in (dp_name, pp_name, f"cp{cp}" if cp > 1 else "", f"ep{ep}" if ep > 1 else "",
                                        f"tp{tp}{'(sp)' if sp else ''}" if tp > 1 else "")
                            if p) or "one rank"
         label += (f", accum {accum}" if accum > 1 and pipeline is None else "")

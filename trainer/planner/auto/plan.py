@@ -7,13 +7,14 @@
     result.winner.parallel              # the chosen `parallel` section, as a user would write it
     print(result.table())
 
-Candidates: every split of N into dp x pp x tp (and hsdp's replicate x shard), each data-parallel
-mode, schedule, micro-batch count, stages per rank, accumulation, activation checkpointing, sequence
-parallelism and precision the knobs (:class:`parallel.config.AutoPlanConfig`) allow, with the model family's
-Megatron plan and ``boundaries: auto`` (:mod:`trainer.planner.auto.layouts`). Each is checked by the validator
-hand-written configs meet (:func:`trainer.validate.checks.check_structure`, :func:`parallel.plan.resolve.resolve_plan`
-with the head-count check) against one meta model built once. Axis order is fixed (dp outermost, tp innermost): on
-one host permuting the axes changes nothing the model predicts, so one order stands for all.
+Candidates: every split of N into dp x pp x cp x ep x tp (hsdp's replicate x shard too, beside cp or ep; cp for long
+rows, ep for a model with experts), each data-parallel mode, schedule, micro-batch count, stages per rank,
+accumulation, activation checkpointing, sequence parallelism and precision the knobs
+(:class:`parallel.config.AutoPlanConfig`) allow, with the model family's Megatron plan and ``boundaries: auto``
+(:mod:`trainer.planner.auto.layouts`). Each is checked by the validator hand-written configs meet
+(:func:`trainer.validate.checks.check_structure`, :func:`parallel.plan.resolve.resolve_plan` with the head-count
+check) against one meta model built once. Axis order is fixed (dp outermost, then pp, cp, ep, tp innermost): on one
+host permuting the axes changes nothing the model predicts, so one order stands for all.
 
 Search, best first (:mod:`trainer.planner.auto.order`): every valid candidate waits at a lower bound of
 its time that needs no meta pass (a compute floor, then :func:`trainer.planner.cost.model.lower_bound_s`),

@@ -334,13 +334,13 @@ def _section_keys(c: Candidate) -> dict[str, tuple]:
     shares it without validating again (symmetry: of 21,206 layouts of 4096 ranks, 17,714 fail
     for a tp degree that does not split the heads or a pipeline the batch or model cannot fill).
     tensor_parallel: its degree (heads, shapes) and the ep and cp sizes beside it (cp: tp of a row's share);
-    pipeline: its section and the dp, pp, ep, tp sizes."""
+    pipeline: its section and the dp, pp, cp, ep, tp sizes."""
     sizes = dict(zip(c.parallel["dims"], c.mesh))
     dp = MeshSpec(tuple(c.mesh), tuple(c.parallel["dims"])).size([a for a in sizes if a.startswith("dp")])
     pipeline = c.parallel.get("pipeline")
     return {"tensor_parallel": ("tensor_parallel", sizes.get("tp", 1), sizes.get("ep", 1), sizes.get("cp", 1)),
-            "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("ep", 1), sizes.get("tp", 1),
-                         tuple(sorted(pipeline.items())) if pipeline else None)}
+            "pipeline": ("pipeline", dp, sizes.get("pp", 1), sizes.get("cp", 1), sizes.get("ep", 1),
+                         sizes.get("tp", 1), tuple(sorted(pipeline.items())) if pipeline else None)}
 
 
 def _sequence_shards(plan: ParallelPlan) -> frozenset[str]:

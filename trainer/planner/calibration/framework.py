@@ -13,6 +13,7 @@ decoder's real forward and backward, against which the raw fits are checked.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, cast
 
 import torch
 
@@ -113,8 +114,8 @@ def probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
     sharded = [nn.Parameter(distribute_tensor(torch.randn(w * workers, w, device=device), mesh, [Shard(0)]))
                for _ in range(FRAMEWORK_DEPTH)]
     plain_s = timed(lambda: torch.nn.functional.linear(x, plain).sum().backward())
-    dtensor_s = timed_together(lambda: torch.nn.functional.linear(
-        DTensor.from_local(x, mesh, [Replicate()]), sharded[0]).to_local().sum().backward(), MIN_SECONDS)
+    dtensor_s = timed_together(lambda: cast(DTensor, torch.nn.functional.linear(  # a linear of DTensors is one
+        DTensor.from_local(x, mesh, [Replicate()]), sharded[0])).to_local().sum().backward(), MIN_SECONDS)
     for p in sharded:
         p.grad = torch.zeros_like(p)
     optimizer = torch.optim.AdamW(sharded, lr=1e-3)
@@ -139,7 +140,7 @@ def probe_dtensor(device: torch.device, workers: int) -> tuple[float, float]:
 # the counted all-reduces, the loop's collectives, a schedule's per-action cost). A dp or tp layout
 # pays each family's ratio to the share of the reference's degree it uses, a pipeline the fixed costs
 # its references leave per schedule action and per tp all-reduce of a stage (:mod:`trainer.planner.cost.reference`).
-STEP_MODEL = dict(REFERENCE_MODEL, n_layers=4, n_heads=8, n_kv_heads=8)
+STEP_MODEL: dict[str, Any] = dict(REFERENCE_MODEL, n_layers=4, n_heads=8, n_kv_heads=8)  # a model config
 STEP_SEQUENCES_PER_RANK = 2  # the global batch is 2 sequences per worker, as the bench's 16 over 8
 RATIO_FAMILIES = ("ddp", "fsdp", "tp")
 PIPELINE_FAMILIES = ("pp", "pp_tp")

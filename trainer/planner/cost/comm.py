@@ -208,11 +208,15 @@ def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, pas
     g = plan.mesh.size(dp.shard_dim_names)
     gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2
     ops = []
-    if (ep := plan.expert_parallel) is not None:  # experts: FSDP units of their own over dp; the rest over dp x ep
+    replicated = 0.0  # hsdp: the gradient bytes a rank all-reduces over the replicate axis (its shards' of each unit)
+    if (ep := plan.expert_parallel) is not None:
+        # Experts: FSDP units of their own over the dp shard axes (hsdp: its shard axis, the replicate axis above);
+        # the rest over those x ep (the ep ranks hold other rows of the batch), as Topology.fsdp_axes wraps them.
         experts = [params[u][2] for u in held if params[u][2]]
-        ops += [op for n in experts for op in (CommOp(axis, "all_gather", g, n * cdt, gathers * passes),
-                                               CommOp(axis, "reduce_scatter", g, n * 4.0, passes))]
-        shard_axis, g = f"{axis},{ep.dim}", g * plan.mesh.size(ep.dim)
+        ops += [op for n in experts for op in (CommOp(shard_axis, "all_gather", g, n * cdt, gathers * passes),
+                                               CommOp(shard_axis, "reduce_scatter", g, n * 4.0, passes))]
+        replicated += 4.0 * sum(experts) / g
+        shard_axis, g = f"{shard_axis},{ep.dim}", g * plan.mesh.size(ep.dim)
     # asked of every unit held, for every pp rank of every candidate a planner prices
     block_set = frozenset(plan.blocks)
     fsdp_units = [params[u][0] - params[u][2] for u in held if u in block_set]
@@ -221,6 +225,7 @@ def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, pas
         root = index == len(fsdp_units) - 1  # stays gathered from forward to backward
         ops.append(CommOp(shard_axis, "all_gather", g, n * cdt, (1 if root else gathers) * passes))
         ops.append(CommOp(shard_axis, "reduce_scatter", g, n * 4.0, passes))
+    replicated += 4.0 * sum(fsdp_units) / g
     if dp.mode == "hsdp":
-        ops.append(CommOp(dp.dim_names[0], "all_reduce", plan.mesh.size(dp.dim_names[0]), 4.0 * sum(numel) / g, passes))
+        ops.append(CommOp(dp.dim_names[0], "all_reduce", plan.mesh.size(dp.dim_names[0]), replicated, passes))
     return [op for op in ops if op.nbytes > 0]

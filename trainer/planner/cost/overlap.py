@@ -48,8 +48,11 @@ def _waits(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, params:
     dp = plan.param_data_parallel  # FSDP over dp x cp: the cp ranks gather, reduce and shard as dp ranks
     shard = plan.mesh.size(dp.shard_dim_names) if dp else 1
     dp_axes = ",".join(dp.dim_names) if dp else None
-    # joined; hsdp's replicate axis and its shard axes (with a cp axis folded in: joined)
+    # joined; hsdp's replicate axis and its shard axes (with a cp axis folded in: joined); beside ep, the parameters
+    # other than the experts are FSDP over the shard axes x ep (comm._dp_ops): prefetched and reduced like the rest
     dp_keys = {dp_axes, *dp.dim_names, ",".join(dp.shard_dim_names)} if dp else set()
+    if dp and plan.expert_parallel is not None:
+        dp_keys.add(",".join((*dp.shard_dim_names, plan.expert_parallel.dim)))
     key_axis = dp_axes or "dp"
     step_s = _ring_step_s(cfg, plan, micro, speed)
     ranks, known = [], {}

@@ -33,6 +33,7 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.models.skeleton import meta_model
 from trainer.planner.cost.calibration import Calibration
+from trainer.planner.cost.device import ProfileStep
 from trainer.planner.cost.links import group_link
 from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.budget import PUBLISHED_MEMORY_ROWS, memory_verdict
@@ -88,7 +89,7 @@ def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
             out["note"] = ("no step time: this host is not calibrated for these workers yet (python -m "
                            f"trainer.calibrate mesh=[{cfg.world_size}] probes it once, about a minute)")
             return out
-        pricing = HostPricing(calibration)
+        pricing: HostPricing | ProfilePricing = HostPricing(calibration)
     else:
         pricing = ProfilePricing(hw)
     model = meta_model(cfg.model)
@@ -101,7 +102,7 @@ def plan_summary(cfg: RunConfig, plan: ParallelPlan, report: dict) -> dict:
                tokens_per_s_per_device=step.tokens_per_s / cfg.world_size,
                parts_s={"compute": step.compute_s, "bubble": step.bubble_s, "optimizer": step.optimizer_s,
                         "unitemized": step.overhead_s})
-    if not hw.is_host:
+    if isinstance(step, ProfileStep):  # a GPU profile's (a host's step has no peak to measure against)
         out["model_flops_utilization"] = step.model_flops_utilization
         out["model_flops_per_step"] = step.model_flops
     exposed = getattr(step, "exposed_s", None) or step.comm_s

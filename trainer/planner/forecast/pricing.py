@@ -24,7 +24,7 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
 from trainer.planner.cost.calibration import Calibration
-from trainer.planner.cost.device import device_unit_costs, lower_bound_on_profile, predict_on_profile
+from trainer.planner.cost.device import ProfileStep, device_unit_costs, lower_bound_on_profile, predict_on_profile
 from trainer.planner.cost.model import StepTime, lower_bound_s, predict_step_time, unit_costs
 from trainer.planner.cost.speed import DeviceSpeed
 from trainer.planner.memory.pass_cache import PassCache, pass_key
@@ -37,7 +37,9 @@ COSTS = PassCache(size=8)
 
 
 def _costs_key(cfg: RunConfig, plan: ParallelPlan, micro: int, pricer: str) -> tuple | None:
-    key = pass_key(cfg, plan, micro, None)
+    # None: the costs hold for any attention (pass_key's annotation says Callable; memory/pass_cache.py is to
+    # widen it to Callable | None, when this ignore goes)
+    key = pass_key(cfg, plan, micro, None)  # type: ignore[arg-type]
     return None if key is None else (key, pricer, cfg.train.compile)
 
 
@@ -90,7 +92,8 @@ class ProfilePricing:
         if (key := _costs_key(cfg, plan, micro, self.profile.model_dump_json())) is not None:
             COSTS[key] = costs
 
-    def step(self, cfg: RunConfig, plan: ParallelPlan, costs, model: nn.Module, params: dict | None = None) -> StepTime:
+    def step(self, cfg: RunConfig, plan: ParallelPlan, costs, model: nn.Module,
+             params: dict | None = None) -> ProfileStep:
         return predict_on_profile(cfg, plan, self.profile, costs=costs, model=model, params=params)
 
     def lower_bound(self, cfg: RunConfig, plan: ParallelPlan, params: dict, flops_per_sequence: float) -> float:
@@ -109,6 +112,8 @@ class ProfilePricing:
 
     def describe(self) -> str:
         p, a = self.profile, self.profile.achieved
+        # a GPU profile has them all (HardwareProfile's validator)
+        assert a is not None and p.intra_node is not None and p.inter_node is not None, "a GPU profile's figures"
         return (f"hardware {p.name}: {p.description}; {p.devices_per_node} devices per node, "
                 f"{p.memory_gb:g} GB at {p.memory_bandwidth_gb_s:,.0f} GB/s, peak "
                 + ", ".join(f"{k} {v:g}" for k, v in p.peak_tflops.items()) + " TFLOP/s; achieved: GEMM "
