@@ -102,6 +102,25 @@ class ExpertParallelConfig(Section):
     dim: str = Field("ep", description="Mesh axis name the experts are split over (and the batch with them).")
 
 
+class GridParallelConfig(Section):
+    """Colossal-AI's 2-D (Optimus / SUMMA) and 2.5-D (Tesseract) tensor parallelism (``+parallel=tp2d``,
+    ``+parallel=tp2p5d``): every block's Linears and activations partitioned over a q x q grid of ranks
+    (:mod:`parallel.sharding.tp_grid`)."""
+
+    rows: str = Field("row", description="Mesh axis of the grid's rows: the tokens (batch rows) and each Linear's "
+                      "input features are split over it.")
+    cols: str = Field("col", description="Mesh axis of the grid's columns, as long as rows: the hidden (and so the "
+                      "attention heads) and each Linear's output features are split over it.")
+    depth: str | None = Field(None, description="2.5-D: mesh axis of the grid's layers (Tesseract's depth d): the "
+                              "batch is split further over it and each layer holds the same weight blocks, their "
+                              "gradients summed over it; null = 2-D.")
+
+    @property
+    def axes(self) -> dict[str, str]:
+        """``{field: axis}`` of the axes the grid names."""
+        return {"rows": self.rows, "cols": self.cols, **({"depth": self.depth} if self.depth else {})}
+
+
 class LayoutConfig(Section):
     input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
     output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
@@ -235,6 +254,9 @@ class ParallelConfig(LayoutSection):
     expert_parallel: ExpertParallelConfig | None = Field(
         None, description="Expert parallelism for a mixture-of-experts model (`+parallel=ep`): experts Shard(0) over "
         "this axis, tokens moved to them and back by all-to-all; null = none.")
+    grid_parallel: GridParallelConfig | None = Field(
+        None, description="2-D / 2.5-D tensor parallelism over a q x q grid (`+parallel=tp2d`, `+parallel=tp2p5d`); "
+        "null = none.")
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="Recompute activations in backward: none; full = whole blocks (every block, or every "
         "n-th with activation_checkpointing_every), only each block's input kept; selective = Megatron-LM's "

@@ -49,6 +49,7 @@ from parallel.sharding.data_parallel import apply_data_parallel, replicate_besid
 from parallel.sharding.expert_parallel import apply_expert_parallel, divide_expert_grads
 from parallel.sharding.head_params import HeadGradients, find_head_parameters
 from parallel.sharding.tensor_parallel import apply_placements
+from parallel.sharding.tp_grid import apply_grid
 from parallel.sharding.ties import placed_alike, retie, tied_groups
 from parallel.sharding.tp_styles import classify
 
@@ -163,6 +164,9 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
         heads.entries += find_head_parameters(part, classify(part, placements, layout.layouts).col, mesh).entries
         report = apply_placements(part, mesh, placements=placements, layouts=layout.layouts)
         retie(part, tied)  # each holder of a tied parameter was distributed on its own: one parameter again
+    if layout.grid is not None:  # 2-D / 2.5-D tensor parallelism: the blocks over the rows x cols grid
+        assert mesh is not None, "a grid spans more than one rank"
+        report.update(apply_grid(part, mesh, rows=layout.grid.rows, cols=layout.grid.cols, blocks=layout.blocks))
     cp = layout.context_parallel if layout.cp_size > 1 else None  # one cp rank: whole rows, plain attention
     if cp is not None:
         assert mesh is not None, "more than one cp rank: a mesh"

@@ -119,6 +119,8 @@ class Topology:
         ep_axis, expert_modules: the axis the stacked experts are split ``Shard(0)`` over, and the modules
             holding them (the batch is split over the axis too).
         tp_axes: the axes some placement shards a parameter over (tensor parallelism).
+        depth_axis: 2.5-D tensor parallelism's depth (:mod:`parallel.sharding.tp_grid`): it splits the batch and
+            wraps the parameters as a data-parallel axis does (each layer of grids holds the same weight blocks).
         stage_lanes, num_layout_stages: per-stage layouts (``parallel.pipeline.stages``): the ranks of a
             stage (its lanes), and how many stages; 0 without.
     """
@@ -131,6 +133,7 @@ class Topology:
     ep_axis: str | None = None
     expert_modules: tuple[str, ...] = ()
     tp_axes: tuple[str, ...] = ()
+    depth_axis: str | None = None
     stage_lanes: int = 0
     num_layout_stages: int = 0
 
@@ -148,6 +151,7 @@ class Topology:
             dp_axes=_axes(dp.dim) if dp is not None else (), dp_mode=dp.mode if dp is not None else None,
             pp_axis=pp.dim if pp is not None else None, cp_axis=cp.dim if cp is not None else None,
             ep_axis=ep.dim if ep is not None else None,
+            depth_axis=grid.depth if (grid := getattr(parallel, "grid_parallel", None)) is not None else None,
             stage_lanes=len(stages[0].rank_list) if stages else 0, num_layout_stages=len(stages),
         )
 
@@ -163,8 +167,9 @@ class Topology:
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The axes the batch is split over: the data-parallel ones, then the expert-parallel one."""
-        return (*self.dp_axes, *((self.ep_axis,) if self.ep_axis else ()))
+        """The axes the batch is split over: the data-parallel ones, a grid's depth, then the expert-parallel one."""
+        return (*self.dp_axes, *((self.depth_axis,) if self.depth_axis else ()),
+                *((self.ep_axis,) if self.ep_axis else ()))
 
     @property
     def dp_size(self) -> int:
@@ -207,14 +212,17 @@ class Topology:
     def param_dp_axes(self) -> tuple[str, ...]:
         """Data parallelism as it wraps the parameters: the dp axes, then the cp axis, whose ranks hold other
         tokens of the same rows and so average gradients and shard parameters like dp ranks."""
-        return (*self.dp_axes, *((self.cp_axis,) if self.cp_axis else ()))
+        return (*self.dp_axes, *((self.cp_axis,) if self.cp_axis else ()),
+                *((self.depth_axis,) if self.depth_axis else ()))
 
     @property
     def param_dp_mode(self) -> str | None:
         """The mode of :attr:`param_dp_axes`: the dp mode; fsdp over cp alone when there is no dp."""
         if self.dp_mode is not None:
             return self.dp_mode
-        return "fsdp" if self.cp_axis else None
+        if self.cp_axis:
+            return "fsdp"
+        return "ddp" if self.depth_axis else None  # Tesseract: every layer of grids holds the weights whole
 
     @property
     def shard_axes(self) -> tuple[str, ...]:

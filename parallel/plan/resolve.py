@@ -28,7 +28,7 @@ from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.layout import loss_parallel_applies, resolve_layout
 from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck,
-                                 LayoutSpec, ParallelPlan, PipelineSpec)
+                                 GridSpec, LayoutSpec, ParallelPlan, PipelineSpec)
 from parallel.plan.stages import resolve_stages
 from parallel.plan.units import block_units, check_boundaries, pipeline_units, stage_boundaries, stage_ranks
 from parallel.topology import MeshSpec
@@ -71,6 +71,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         activation_checkpointing_every=parallel.activation_checkpointing_every,
         loss_parallel=loss_parallel_applies(parallel, mesh_spec, model),
         expert_parallel=experts,
+        grid=GridSpec(grid.rows, grid.cols, grid.depth) if (grid := parallel.grid_parallel) is not None else None,
     )
 
 

@@ -24,8 +24,8 @@ from typing import Any
 from torch import nn
 
 from parallel.placements import PlacementSpec, parse_placement
-from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, LayoutSpec,
-                                ParallelPlan, PipelineSpec, StagePlan)
+from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GridSpec,
+                                LayoutSpec, ParallelPlan, PipelineSpec, StagePlan)
 from parallel.topology import MeshSpec
 
 FORMAT = 1  # the file's layout; a reader refuses another
@@ -107,6 +107,8 @@ def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
         "activation_checkpointing_every": plan.activation_checkpointing_every,
         "loss_parallel": plan.loss_parallel,
         "expert_parallel": None if ep is None else {"dim": ep.dim, "modules": list(ep.modules)},
+        "grid": None if plan.grid is None else {"rows": plan.grid.rows, "cols": plan.grid.cols,
+                                                "depth": plan.grid.depth},
     }
 
 
@@ -128,6 +130,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> ParallelPlan:
         activation_checkpointing_every=data["activation_checkpointing_every"],
         loss_parallel=data["loss_parallel"],
         expert_parallel=None if ep is None else ExpertParallelSpec(ep["dim"], tuple(ep["modules"])),
+        grid=GridSpec(**data["grid"]) if data.get("grid") is not None else None,
     )
 
 

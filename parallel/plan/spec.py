@@ -103,6 +103,16 @@ class ExpertParallelSpec:
 
 
 @dataclass(frozen=True)
+class GridSpec:
+    """2-D / 2.5-D tensor parallelism: the blocks partitioned over the grid of mesh axes ``rows`` x ``cols``;
+    ``depth`` (2.5-D) splits the batch further (:mod:`parallel.sharding.tp_grid`)."""
+
+    rows: str
+    cols: str
+    depth: str | None = None
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     """The schedule and the resolved stage split: the units of each stage and its pp rank."""
 
@@ -163,6 +173,7 @@ class ParallelPlan:
     # runs under torch's loss_parallel (parallel.model.ParallelModel).
     loss_parallel: bool = False
     expert_parallel: ExpertParallelSpec | None = None
+    grid: GridSpec | None = None
 
     @property
     def sharded_axes(self) -> frozenset[str]:
@@ -198,7 +209,9 @@ class ParallelPlan:
         return Topology(
             self.mesh, dp_axes=dp.dim_names if dp else (), dp_mode=dp.mode if dp else None,
             pp_axis=pp.dim if pp else None, cp_axis=cp.dim if cp else None, ep_axis=ep.dim if ep else None,
-            expert_modules=ep.modules if ep else (), tp_axes=tuple(sorted(self.sharded_axes)),
+            expert_modules=ep.modules if ep else (),
+            tp_axes=tuple(sorted({*self.sharded_axes, *((self.grid.rows, self.grid.cols) if self.grid else ())})),
+            depth_axis=self.grid.depth if self.grid is not None else None,
             stage_lanes=len(stages[0].ranks) if stages else 0,
             num_layout_stages=pp.num_stages if pp is not None and stages else 0,
         )
@@ -221,9 +234,9 @@ class ParallelPlan:
     def param_data_parallel(self) -> DataParallelSpec | None:
         """Data parallelism as it wraps the parameters (:attr:`Topology.param_dp_axes`): the dp axes, then
         the cp axis (FSDP over cp alone when there is no dp). Without cp: ``data_parallel``."""
-        if self.context_parallel is None:
+        if self.context_parallel is None and (self.grid is None or self.grid.depth is None):
             return self.data_parallel
-        assert self.topology.param_dp_mode is not None, "with cp the parameters are sharded over it at least"
+        assert self.topology.param_dp_mode is not None, "with cp or a depth the parameters are wrapped over it"
         return DataParallelSpec(self.topology.param_dp_mode, self.topology.param_dp_axes)
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from test_bad_configs import Bad, bad
 from test_context_configs import CASES as CONTEXT_CASES
+from test_grid_configs import CASES as GRID_CASES
 
 def _mistral_with_a_window() -> str:
     """A Mistral config.json (no weights: validation reads the config) whose attention slides over 16 tokens."""
@@ -95,6 +96,7 @@ MORE: dict[str, Bad] = {
     "more/resume-on-node-local-checkpoints": bad([*_TWO_NODES, "train.checkpoint.resume=auto"],
                                                  "train.checkpoint.dir", ["train.checkpoint.resume=auto needs"]),
     **CONTEXT_CASES,
+    **GRID_CASES,
     "more/data-files-without-paths": bad(["data=files"], "data.paths", ["names no files"]),
     "more/auto-with-rank-ids": bad(["+parallel=auto", "mesh=[[0,1],[2,3]]"], "mesh", ["not explicit rank ids"]),
     "more/rdzv-not-host-port": bad(["launch.rdzv_endpoint=nohost"], "launch.rdzv_endpoint", ["not host:port"]),
@@ -243,6 +245,12 @@ PROSE: dict[str, tuple[str, str]] = {
     "takes {want} axis name(s)": ("checks.py", "the user chooses the axes"),
     "names axis {names[0]!r} twice": ("checks.py", "the user chooses the axes"),
     "is used by nothing": ("checks.py", "the user chooses what uses the axis"),
+    "other placements beside it are not built": ("grid_checks.py", "the user's own placement globs to remove"),
+    "is not in parallel.dims {par.dims}": ("grid_checks.py", "the user chooses the grid's axes"),
+    "is already the {role[axis]} axis": ("grid_checks.py", "the user chooses the grid's axes"),
+    "per-head q/k norms (Qwen3) on a grid": ("grid_checks.py", "another preset: its mesh and axes are the user's"),
+    "has no transformer blocks for the grid": ("grid_checks.py", "another model: its data is the user's choice"),
+    "use 1-D tensor parallelism (the tp preset)": ("grid_checks.py", "another preset: its mesh is the user's"),
     "parameters are placed on it by": ("checks.py", "the user's own placement glob"),
     "on a parameter: a parameter's value must be whole": ("checks.py", "the user's own placement glob"),
     "does not split over": ("checks.py", "how many hosts is the user's choice"),

@@ -110,17 +110,17 @@ class Attention(nn.Module):
         attention within its document only (:func:`document_mask`); ``None``: ``0 .. T-1``, causal.
         Under context parallelism ``x`` holds this rank's tokens of each row (:mod:`parallel.context`):
         rotary angles and the mask follow each token's true position in the row."""
-        bsz, seqlen, _ = x.shape
+        n = self._names
+        # The projections' outputs give this rank's sizes: -1 below its share of the heads, and bsz its batch
+        # rows (2-D tensor parallelism splits them over a grid axis: parallel.sharding.tp_grid).
+        q, k, v = (getattr(self, name)(x) for name in (n.q, n.k, n.v))
+        bsz, seqlen = q.shape[0], q.shape[1]
         cp = self.context_parallel
         index = cp.token_index(seqlen, device=x.device) if cp is not None else None  # true positions in the row
         if seqlen * (cp.size if cp is not None else 1) > self.max_seq_len:
             raise ValueError(f"sequence length {seqlen * (cp.size if cp else 1)} exceeds max_seq_len "
                              f"{self.max_seq_len}")
-        n = self._names
-        # -1: the local head count, whatever share of the heads this rank's weights hold.
-        q = getattr(self, n.q)(x).view(bsz, seqlen, -1, self.head_dim)
-        k = getattr(self, n.k)(x).view(bsz, seqlen, -1, self.head_dim)
-        v = getattr(self, n.v)(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k, v = (t.view(bsz, seqlen, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (model.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         if positions is not None:

@@ -29,6 +29,7 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.validate.context_checks import check_context
 from trainer.validate.expert_checks import check_experts
+from trainer.validate.grid_checks import check_grid, check_grid_axes
 from trainer.validate.hardware_checks import check_hardware, plans_elsewhere
 from trainer.validate.launch_checks import check_launch
 from trainer.validate.model_checks import check_against_model
@@ -87,7 +88,7 @@ def _check_run(cfg: RunConfig) -> list[ConfigIssue]:
     par = cfg.parallel
     if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
         issues += _check_batch(cfg)  # axis sizes (dp size) are only defined once dims match the mesh
-    issues += _check_misc(cfg) + check_context(cfg) + check_experts(cfg)
+    issues += _check_misc(cfg) + check_context(cfg) + check_experts(cfg) + check_grid(cfg)
     if cfg.train.compile:
         issues += _check_compile(cfg)
     return issues
@@ -195,6 +196,8 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
     if ep := par.expert_parallel:
         issues += _check_own_axis("expert_parallel", ep.dim, par.dims, role, "expert parallelism")
         role[ep.dim] = "expert_parallel"
+    if par.grid_parallel is not None:
+        issues += check_grid_axes(par, role)
     issues += _check_placements(par, role)
     used = set(role) | {a for p in par.placements.values() for a in p}
     used |= {par.tensor_parallel.dim} if par.tensor_parallel else set()
@@ -203,7 +206,8 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
         if size > 1 and name not in used:
             issues.append(ConfigIssue(format_path("parallel", "dims", par.dims.index(name)),
                                       f"axis {name!r} of size {size} is used by nothing (no data_parallel, pipeline, "
-                                      "context_parallel, tensor_parallel, expert_parallel or placement names it)",
+                                      "context_parallel, tensor_parallel, expert_parallel, grid_parallel or placement "
+                                      "names it)",
                                       "name it in data_parallel, pipeline, context_parallel, tensor_parallel, "
                                       "expert_parallel or placements, or set its mesh size to 1"))
     return issues

@@ -27,6 +27,7 @@ from trainer.models.lora import LoRAError
 from trainer.models.skeleton import meta_model
 from trainer.planner.memory.budget import check_memory
 from trainer.validate.context_checks import check_context_model
+from trainer.validate.grid_checks import check_grid_model
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def check_against_model(cfg: RunConfig, *,
                             check_glob=lambda *glob: check_heads(decoder, *glob, sp=_sequence_parallel(cfg, glob[0])))
     except ConfigError as err:
         plan, plan_issues = None, err.issues
-    issues += plan_issues + check_context_model(cfg, model)
+    issues += plan_issues + check_context_model(cfg, model) + check_grid_model(cfg, model)
     if cfg.parallel is not None:
         if cfg.parallel.activation_checkpointing != "none" and cfg.model.arch == "mlp":
             issues.append(ConfigIssue("parallel.activation_checkpointing",
