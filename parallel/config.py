@@ -102,6 +102,15 @@ class ExpertParallelConfig(Section):
     dim: str = Field("ep", description="Mesh axis name the experts are split over (and the batch with them).")
 
 
+class Cube3DConfig(Section):
+    """``parallel.tensor_parallel_3d``: Colossal-AI's 3-D tensor parallelism (:mod:`parallel.sharding.tp_cube`)."""
+
+    dims: list[str] = Field(
+        ["ca", "cb", "cc"], min_length=3, max_length=3,
+        description="The three mesh axes of the q x q x q cube, in the paper's roles (a, b, c): a splits the token "
+        "rows and gathers the weights, b and c alternate as the Linears' reduce and gather axes. Equal sizes.")
+
+
 class LayoutConfig(Section):
     input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
     output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
@@ -228,6 +237,9 @@ class ParallelConfig(LayoutSection):
     expert_parallel: ExpertParallelConfig | None = Field(
         None, description="Expert parallelism for a mixture-of-experts model (`+parallel=ep`): experts Shard(0) over "
         "this axis, tokens moved to them and back by all-to-all; null = none.")
+    tensor_parallel_3d: Cube3DConfig | None = Field(
+        None, description="Colossal-AI's 3-D tensor parallelism (`+parallel=tp3d`): the blocks' Linears, norms and "
+        "activations split over a q x q x q cube of mesh axes; null = none.")
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="Recompute activations in backward: none; full = whole blocks (every block, or every "
         "n-th with activation_checkpointing_every), only each block's input kept; selective = Megatron-LM's "

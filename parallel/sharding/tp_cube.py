@@ -36,8 +36,8 @@ block of the embedding's output, the last block's output is all-gathered.
 states where backward's contributions are partial (a block used by ranks that differ along an axis), so
 autograd's redistributions do the backward collectives. Weights are DTensors on the mesh with its axes
 ordered (b, c, a): a tensor dim split over two axes is split in mesh order, and a weight's further split over
-a is the inner one. The norm weights' gradients, partial over a and c, are summed by a redistribute in a
-gradient hook. FSDP2 takes DTensor parameters of at most two placements (torch 2.13), so data parallelism
+a is the inner one. The norm weights' gradients, partial over a and c, are summed by a redistribute too.
+FSDP2 takes DTensor parameters of at most two placements (torch 2.13), so data parallelism
 is the cube weights' own axis (``Replicate`` over dp, the gradient ``Partial`` until the backward
 redistribute sums it) beside FSDP2's ``replicate`` for the whole parameters (:mod:`parallel.engine`).
 """
@@ -122,7 +122,6 @@ class CubeLinear:
         weight = linear.weight
         dt = distribute_tensor(weight.detach(), m.weights, self.w_stored, src_data_rank=None)
         linear.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
-        _average_over_dp(linear.weight, m)
         linear.forward = self.forward  # type: ignore[method-assign]  # this Linear's own forward, per instance
         self.linear = linear
 
@@ -131,7 +130,7 @@ class CubeLinear:
         xs = DTensor.from_local(x, m.cube, self.x_in, run_check=False)
         x_block = xs.redistribute(m.cube, self.x_gathered).to_local(grad_placements=self.x_grad)
         weight: DTensor = self.linear.weight  # type: ignore[assignment]  # a DTensor since __init__
-        w_block = weight.redistribute(m.weights, self.w_gathered).to_local(grad_placements=self.w_grad)
+        w_block = _average_over_dp(weight.redistribute(m.weights, self.w_gathered).to_local(grad_placements=self.w_grad), m)
         y = DTensor.from_local(F.linear(x_block, w_block), m.cube, self.y_partial, run_check=False)
         return y.redistribute(m.cube, self.y_out).redistribute(m.cube, self.y_final).to_local()
 
@@ -152,25 +151,10 @@ class CubeRMSNorm:
         weight = norm.weight
         dt = distribute_tensor(weight.detach(), m.weights, self.w_stored, src_data_rank=None)
         norm.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
-        param: DTensor = norm.weight  # type: ignore[assignment]  # just registered
-        if param.requires_grad:
-            param.register_hook(self._sum_grad)
         self.dim = int(weight.shape[0])
         self.eps = norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
         norm.forward = self.forward  # type: ignore[method-assign]  # this norm's own forward, per instance
         self.norm = norm
-
-    def _sum_grad(self, grad: DTensor) -> DTensor:
-        """The rows' contributions, partial over dp, a and c, summed (over dp: averaged), one axis at a time
-        (a flattened (c, a) axis would be one all-reduce, but torch 2.13 then gathers nested shards out of order)."""
-        m = self.meshes
-        grad = grad / m.dp_size if m.dp_size > 1 else grad
-        placements = list(grad.placements)
-        for index in reversed(range(len(placements))):
-            if placements[index].is_partial():
-                placements[index] = Replicate()
-                grad = grad.redistribute(m.weights, placements)
-        return grad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.meshes
@@ -179,14 +163,28 @@ class CubeRMSNorm:
         total = partial.redistribute(m.cube, self.stats).to_local(grad_placements=self.stats_partial)
         rstd = torch.rsqrt(total / self.dim + self.eps)
         weight: DTensor = self.norm.weight  # type: ignore[assignment]  # a DTensor since __init__
-        w = weight.to_local(grad_placements=self.w_grad)
+        # Stored as used: the redistribute moves nothing forward; backward it sums the rows' contributions
+        # (partial over dp, c and a) into the stored placements.
+        w = _average_over_dp(weight.redistribute(m.weights, self.w_stored).to_local(grad_placements=self.w_grad), m)
         return (xf * rstd * w.to(xf.dtype)).type_as(x)
 
 
-def _average_over_dp(param: nn.Parameter, meshes: _Meshes) -> None:
-    """The weight's gradient arrives summed over the dp axes (backward's redistribute): their mean."""
-    if meshes.dp_size > 1 and param.requires_grad:
-        param.register_hook(lambda g: g / meshes.dp_size)
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale`` (no communication)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _average_over_dp(block: torch.Tensor, meshes: _Meshes) -> torch.Tensor:
+    """A weight's local block whose gradient backward's redistribute sums over the dp axes: scaled to their mean."""
+    return _ScaleGrad.apply(block, 1.0 / meshes.dp_size) if meshes.dp_size > 1 else block
 
 
 def _scatter_into_cube(meshes: _Meshes) -> Any:
