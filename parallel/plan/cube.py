@@ -61,8 +61,8 @@ def resolve_cube(parallel: object, mesh: MeshSpec, model: nn.Module, issues: lis
     provider = getattr(model, "parallel_plan", None)
     if provider is None:
         issues.append(ConfigIssue(PATH, f"model {type(model).__name__} provides no Megatron plan, whose column- and "
-                                  "row-parallel Linears the cube splits", "use a Llama-family model, e.g. "
-                                  "model=gpt_debug, or tensor parallelism by placements"))
+                                  "row-parallel Linears the cube splits", "use a Llama-family model (one with a "
+                                  "Megatron plan), or tensor parallelism by placements"))
         return None
     placements, layouts = provider("megatron", axis="tp", sequence_parallel=True)
     modules = dict(model.named_modules())
@@ -115,8 +115,8 @@ def _check_sizes(spec: CubeSpec, modules: dict[str, nn.Module], mesh: MeshSpec, 
     biased = [name for name in (*spec.first, *spec.second) if getattr(modules[name], "bias", None) is not None]
     if biased:
         return [ConfigIssue(PATH, f"Linear {biased[0]} has a bias, which the 3-D Linear does not add",
-                            "use tensor parallelism for a model with biased projections: +parallel=tp instead of "
-                            "+parallel=tp3d")]
+                            "use tensor parallelism for a model with biased projections: +parallel=tp (in place of the "
+                            "tp3d preset)")]
     bad = _unsplit(spec, modules, side)
     if not bad:
         return []

@@ -51,7 +51,7 @@ def check_cube(cfg: RunConfig) -> list[ConfigIssue]:
     if par.placements or par.layouts:
         key = "parallel.placements" if par.placements else "parallel.layouts"
         issues.append(ConfigIssue(key, "explicit placements or layouts beside the cube: the cube places the "
-                                  "blocks itself", f"drop them: {override(key, {})}"))
+                                  "blocks itself", f"drop them: ~{key}"))
     if dp is not None and dp.mode != "ddp":
         issues.append(ConfigIssue("parallel.data_parallel.mode", f"{dp.mode} shards parameters with FSDP2, which takes "
                                   "DTensor parameters of at most two placements; a cube weight has three (and one "
