@@ -87,7 +87,7 @@ def _linears(placements: dict, modules: dict[str, nn.Module], placement: str) ->
 def _heads_split(attention: nn.Module, first: list[str], modules: dict[str, nn.Module], name: str,
                  side: int) -> bool:
     """Whether every column-parallel projection of ``attention`` (q, k, v) holds a multiple of ``side`` heads."""
-    head_dim = int(getattr(attention, "head_dim"))
+    head_dim = int(attention.head_dim)
     widths = [modules[n].out_features for n in first if n.rpartition(".")[0] == name]
     return all(w % head_dim == 0 and (w // head_dim) % side == 0 for w in widths)
 
@@ -103,7 +103,7 @@ def _unsplit(spec: CubeSpec, modules: dict[str, nn.Module], side: int) -> list[s
         if linear.in_features % side:
             bad.append(f"{name}: in features ({linear.in_features}) do not divide by {side}")
     for name in spec.norms:
-        width = int(getattr(modules[name], "weight").shape[0])
+        width = int(modules[name].weight.shape[0])
         if width % side:
             bad.append(f"{name}: width ({width}) does not divide by {side}")
     return bad
@@ -160,4 +160,23 @@ def cube_traffic(spec: CubeSpec, model: nn.Module, *, side: int, tokens: int, dt
              "norm statistics": len(widths) * 2 * ring * m / q**2,
              "norm weights": sum(2 * ring * w / q for w in widths),
              "entry / exit": 2 * m * hidden * (1 - 1 / q**3)}
+    return {term: value * dtype_bytes for term, value in terms.items()}
+
+
+def cube_memory(spec: CubeSpec, model: nn.Module, *, side: int, tokens: int, dtype_bytes: int = 4) -> dict[str, float]:
+    """Bytes one rank holds, by term: its blocks of the cube's weights (a Linear ``[n, k]``: ``kn / q^3``; a norm:
+    ``H / q``), the other weights whole, and what the cube keeps for backward of ``tokens`` token rows: each
+    Linear its gathered input block ``[m / q, k / q]`` and gathered weight block ``[n / q, k / q]``, each norm its
+    input and normalised input ``[m / q^2, H / q]`` and one scale per row (``m / q^2``)."""
+    modules = dict(model.named_modules())
+    q, m = side, tokens
+    cube_params = {id(p) for name in spec.modules for p in modules[name].parameters()}
+    linears = [modules[name] for name in (*spec.first, *spec.second)]
+    widths = [int(modules[name].weight.shape[0]) for name in spec.norms]
+    terms = {
+        "cube weights": sum(lin.in_features * lin.out_features / q**3 for lin in linears) + sum(w / q for w in widths),
+        "whole weights": float(sum(p.numel() for p in model.parameters() if id(p) not in cube_params)),
+        "Linear activations": sum((m * lin.in_features + lin.out_features * lin.in_features) / q**2 for lin in linears),
+        "norm activations": sum(2 * m * w / q**3 + m / q**2 for w in widths),
+    }
     return {term: value * dtype_bytes for term, value in terms.items()}

@@ -130,7 +130,8 @@ class CubeLinear:
         xs = DTensor.from_local(x, m.cube, self.x_in, run_check=False)
         x_block = xs.redistribute(m.cube, self.x_gathered).to_local(grad_placements=self.x_grad)
         weight: DTensor = self.linear.weight  # type: ignore[assignment]  # a DTensor since __init__
-        w_block = _average_over_dp(weight.redistribute(m.weights, self.w_gathered).to_local(grad_placements=self.w_grad), m)
+        w_block = weight.redistribute(m.weights, self.w_gathered).to_local(grad_placements=self.w_grad)
+        w_block = _average_over_dp(w_block, m)
         y = DTensor.from_local(F.linear(x_block, w_block), m.cube, self.y_partial, run_check=False)
         return y.redistribute(m.cube, self.y_out).redistribute(m.cube, self.y_final).to_local()
 
@@ -212,7 +213,8 @@ def _gather_from_cube(meshes: _Meshes) -> Any:
 
 
 def apply_cube(model: nn.Module, mesh: DeviceMesh, *, axes: CubeAxes, first: Sequence[str], second: Sequence[str],
-               norms: Sequence[str], attention: Sequence[str], split_heads: bool, blocks: Sequence[str]) -> dict[str, str]:
+               norms: Sequence[str], attention: Sequence[str], split_heads: bool,
+               blocks: Sequence[str]) -> dict[str, str]:
     """Colossal-AI's 3-D layout on ``model``'s blocks; returns ``{module FQN: "cube"}``.
 
     Args:

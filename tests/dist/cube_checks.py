@@ -105,28 +105,39 @@ def _axis_groups(mesh) -> dict[tuple[int, ...], str]:
 
 def bytes_check(*, rank: int, world_size: int) -> dict:
     """One forward and backward of gpt_debug on the cube [2, 2, 2] (this rank's share of one batch): the bytes
-    sent by collective and axis; this rank's parameter bytes (cube blocks and whole ones); what autograd keeps."""
+    sent by collective and axis; this rank's parameter bytes (cube blocks and whole ones); the bytes autograd
+    keeps for backward (parameters aside), by where they are saved: the cube's Linears, its norms, elsewhere."""
     mesh, par = load_preset("tp3d")
     cfg = llama_cfg()
     pm = parallelize_preset(build_model(cfg, device="meta"), mesh, par)
+    model = pm.model_parts[0]
     inputs, targets = batches(cfg)[0]
     counter = SentBytes(_axis_groups(pm.mesh))
-    saved: dict[int, int] = {}
+    params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage()._cdata for p in pm.parameters()}
+    saved: dict[str, int] = defaultdict(int)
+    seen: set[int] = set()
+    scope: list[str] = []
+    for name, module in model.named_modules():
+        if pm.placement_report.get(name) == "cube":
+            kind = "linear" if isinstance(module, torch.nn.Linear) else "norm"
+            module.register_forward_pre_hook(lambda _m, _a, kind=kind: scope.append(kind))
+            module.register_forward_hook(lambda *_: scope.pop() and None)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if not isinstance(t, torch.nn.Parameter):
-            saved.setdefault(local.untyped_storage()._cdata, local.untyped_storage().nbytes())
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        if storage._cdata not in params and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            saved[scope[-1] if scope else "other"] += storage.nbytes()
         return t
 
     with counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_fn_for(cfg)(pm.model_parts[0](inputs), targets)
+            loss = loss_fn_for(cfg)(model(inputs), targets)
         loss.backward()
     cube = sum(p.to_local().numel() * 4 for p in pm.parameters() if isinstance(p, DTensor))
     whole = sum(p.numel() * 4 for p in pm.parameters() if not isinstance(p, DTensor))
     return {"sent": dict(counter.sent), "cube_param_bytes": cube, "whole_param_bytes": whole,
-            "saved_bytes": sum(saved.values()), "rows": inputs.shape[0], "seq_len": inputs.shape[1]}
+            "saved_bytes": dict(saved), "rows": inputs.shape[0], "seq_len": inputs.shape[1]}
 
 
 SUITES = {

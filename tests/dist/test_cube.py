@@ -1,7 +1,8 @@
 """Colossal-AI's 3-D tensor parallelism (``+parallel=tp3d``) equals one device: losses and gradient norms (fp32,
 rel 1e-5) on the built-in model and on a Hugging Face Llama with 9 heads over 3 kv heads and tied embeddings
 (heads gathered over c: 9 does not divide by 2), dp x cube, and the bytes each rank sends against the paper's
-volume (with the cube's other terms) within 5%.
+volume (with the cube's other terms) within 5%, and each rank's memory for weights and activations against the
+prediction within 5%.
 
     pytest tests/dist/test_cube.py -q -m slow      # the 8-process launch (~3 minutes on 2 cores)
     pytest tests/dist/test_cube.py -q              # dp x cube on 2 processes
@@ -84,7 +85,7 @@ def test_tp3d_equals_one_device_on_a_tied_llama_with_9_heads(results, tied_dir):
 
 @pytest.mark.slow
 def test_bytes_sent_per_rank_match_the_papers_volume(results):
-    from parallel.plan.cube import cube_traffic
+    from parallel.plan.cube import cube_memory, cube_traffic
     from parallel.plan.resolve import resolve_plan
     from tests.dist.dist_checks import load_preset
     from trainer.models import build_model
@@ -103,3 +104,11 @@ def test_bytes_sent_per_rank_match_the_papers_volume(results):
         linears = sum(v for k, v in result["sent"].items() if not k.startswith("all_reduce"))
         expected = analytic["3-D matmul (paper)"] + analytic["heads gathered"] + analytic["entry / exit"]
         assert abs(linears - expected) / expected < 0.05, (result["sent"], analytic)
+    # Memory per rank: its weight blocks, and what the cube's Linears and norms keep for backward.
+    memory = cube_memory(spec, model, side=2, tokens=tokens)
+    for result in per_rank:
+        measured = {"cube weights": result["cube_param_bytes"], "whole weights": result["whole_param_bytes"],
+                    "Linear activations": result["saved_bytes"]["linear"],
+                    "norm activations": result["saved_bytes"]["norm"]}
+        for term, value in memory.items():
+            assert abs(measured[term] - value) / value < 0.05, (term, measured[term], value)

@@ -55,7 +55,8 @@ def check_cube(cfg: RunConfig) -> list[ConfigIssue]:
     if dp is not None and dp.mode != "ddp":
         issues.append(ConfigIssue("parallel.data_parallel.mode", f"{dp.mode} shards parameters with FSDP2, which takes "
                                   "DTensor parameters of at most two placements; a cube weight has three (and one "
-                                  "more over dp)", f"replicate over dp: {override('parallel.data_parallel.mode', 'ddp')}"))
+                                  "more over dp)",
+                                  f"replicate over dp: {override('parallel.data_parallel.mode', 'ddp')}"))
     issues += _check_rows(cfg, axes)
     issues += _check_extras(cfg)
     return issues
