@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
 from parallel.errors import ConfigIssue, override
@@ -77,7 +78,7 @@ def resolve_cube(parallel: object, mesh: MeshSpec, model: nn.Module, issues: lis
     return spec
 
 
-def _linears(placements: dict, modules: dict[str, nn.Module], placement: str) -> list[str]:
+def _linears(placements: dict[str, dict[str, str]], modules: dict[str, nn.Module], placement: str) -> list[str]:
     globs = [glob.removesuffix(".weight") for glob, axes in placements.items()
              if glob.endswith(".weight") and axes.get("tp") == placement]
     return [name for name, module in modules.items()
@@ -87,8 +88,8 @@ def _linears(placements: dict, modules: dict[str, nn.Module], placement: str) ->
 def _heads_split(attention: nn.Module, first: list[str], modules: dict[str, nn.Module], name: str,
                  side: int) -> bool:
     """Whether every column-parallel projection of ``attention`` (q, k, v) holds a multiple of ``side`` heads."""
-    head_dim = int(attention.head_dim)
-    widths = [modules[n].out_features for n in first if n.rpartition(".")[0] == name]
+    head_dim = int(getattr(attention, "head_dim"))  # noqa: B009  (mypy: nn.Module's attributes are Tensor | Module)
+    widths = [_linear(modules, n).out_features for n in first if n.rpartition(".")[0] == name]
     return all(w % head_dim == 0 and (w // head_dim) % side == 0 for w in widths)
 
 
@@ -97,16 +98,28 @@ def _unsplit(spec: CubeSpec, modules: dict[str, nn.Module], side: int) -> list[s
     side, a norm's width into side."""
     bad = []
     for name in (*spec.first, *spec.second):
-        linear = modules[name]
+        linear = _linear(modules, name)
         if linear.out_features % (side * side):
             bad.append(f"{name}: out features ({linear.out_features}) do not divide by {side * side}")
         if linear.in_features % side:
             bad.append(f"{name}: in features ({linear.in_features}) do not divide by {side}")
     for name in spec.norms:
-        width = int(modules[name].weight.shape[0])
+        width = _width(modules, name)
         if width % side:
             bad.append(f"{name}: width ({width}) does not divide by {side}")
     return bad
+
+
+def _linear(modules: dict[str, nn.Module], name: str) -> nn.Linear:
+    module = modules[name]
+    assert isinstance(module, nn.Linear), "the family's Megatron plan places Linears"
+    return module
+
+
+def _width(modules: dict[str, nn.Module], name: str) -> int:
+    weight = modules[name].weight
+    assert isinstance(weight, torch.Tensor), "a norm has a weight"
+    return int(weight.shape[0])
 
 
 def _check_sizes(spec: CubeSpec, modules: dict[str, nn.Module], mesh: MeshSpec, side: int) -> list[ConfigIssue]:
@@ -146,7 +159,7 @@ def cube_traffic(spec: CubeSpec, model: nn.Module, *, side: int, tokens: int, dt
     attention_first = {n for n in spec.first if n.rpartition(".")[0] in spec.attention}
     attention_second = {n for n in spec.second if n.rpartition(".")[0] in spec.attention}
     for name in (*spec.first, *spec.second):
-        linear = modules[name]
+        linear = _linear(modules, name)
         k, n = linear.in_features, linear.out_features
         matmul += 2 * (q - 1) / q**3 * (m * k + k * n + m * n)
         if not spec.split_heads and name in attention_first:
@@ -154,7 +167,7 @@ def cube_traffic(spec: CubeSpec, model: nn.Module, *, side: int, tokens: int, dt
         if not spec.split_heads and name in attention_second:
             gathered += (q - 1) / q**3 * m * k
     ring = 2 * (q - 1) / q  # an all-reduce over q ranks, per element
-    widths = [int(modules[name].weight.shape[0]) for name in spec.norms]
+    widths = [_width(modules, name) for name in spec.norms]
     hidden = widths[0] if widths else 0
     terms = {"3-D matmul (paper)": matmul, "heads gathered": gathered,
              "norm statistics": len(widths) * 2 * ring * m / q**2,
@@ -171,8 +184,8 @@ def cube_memory(spec: CubeSpec, model: nn.Module, *, side: int, tokens: int, dty
     modules = dict(model.named_modules())
     q, m = side, tokens
     cube_params = {id(p) for name in spec.modules for p in modules[name].parameters()}
-    linears = [modules[name] for name in (*spec.first, *spec.second)]
-    widths = [int(modules[name].weight.shape[0]) for name in spec.norms]
+    linears = [_linear(modules, name) for name in (*spec.first, *spec.second)]
+    widths = [_width(modules, name) for name in spec.norms]
     terms = {
         "cube weights": sum(lin.in_features * lin.out_features / q**3 for lin in linears) + sum(w / q for w in widths),
         "whole weights": float(sum(p.numel() for p in model.parameters() if id(p) not in cube_params)),

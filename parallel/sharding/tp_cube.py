@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +99,17 @@ class CubeLinear:
     k over j]``, output ``[rows over i then j, n over l]``. ``input_whole``: the input arrives whole over j
     (gathered heads) and the Linear takes its block; ``gather_output``: the output is all-gathered over l."""
 
+    meshes: _Meshes
+    linear: nn.Linear
+    x_in: list[Placement]
+    x_gathered: list[Placement]
+    x_grad: list[Placement]
+    w_gathered: list[Placement]
+    w_grad: list[Placement]
+    y_partial: list[Placement]
+    y_out: list[Placement]
+    y_final: list[Placement]
+
     def __init__(self, linear: nn.Linear, meshes: _Meshes, roles: tuple[str, str, str], *,
                  input_whole: bool = False, gather_output: bool = False) -> None:
         if linear.bias is not None:
@@ -122,14 +133,14 @@ class CubeLinear:
         weight = linear.weight
         dt = distribute_tensor(weight.detach(), m.weights, self.w_stored, src_data_rank=None)
         linear.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
-        linear.forward = self.forward  # type: ignore[method-assign]  # this Linear's own forward, per instance
         self.linear = linear
+        linear.forward = self.forward  # this Linear's own forward, per instance
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.meshes
         xs = DTensor.from_local(x, m.cube, self.x_in, run_check=False)
         x_block = xs.redistribute(m.cube, self.x_gathered).to_local(grad_placements=self.x_grad)
-        weight: DTensor = self.linear.weight  # type: ignore[assignment]  # a DTensor since __init__
+        weight = cast(DTensor, self.linear.weight)  # a DTensor since __init__
         w_block = weight.redistribute(m.weights, self.w_gathered).to_local(grad_placements=self.w_grad)
         w_block = _average_over_dp(w_block, m)
         y = DTensor.from_local(F.linear(x_block, w_block), m.cube, self.y_partial, run_check=False)
@@ -144,18 +155,18 @@ class CubeRMSNorm:
     def __init__(self, norm: nn.Module, meshes: _Meshes) -> None:
         self.meshes = meshes
         m = meshes
-        self.stream = m.act(a=Shard(ROWS), b=Shard(HIDDEN), c=Shard(ROWS))
         self.stats_partial = m.act(a=Shard(ROWS), b=Partial(), c=Shard(ROWS))
         self.stats = m.act(a=Shard(ROWS), c=Shard(ROWS))
         self.w_stored = m.weight(b=Shard(0))
         self.w_grad = m.weight(dp=Partial(), b=Shard(0), c=Partial(), a=Partial())
-        weight = norm.weight
+        weight = cast(torch.Tensor, norm.weight)
         dt = distribute_tensor(weight.detach(), m.weights, self.w_stored, src_data_rank=None)
         norm.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
         self.dim = int(weight.shape[0])
-        self.eps = norm.eps if norm.eps is not None else torch.finfo(weight.dtype).eps
-        norm.forward = self.forward  # type: ignore[method-assign]  # this norm's own forward, per instance
+        eps = getattr(norm, "eps", None)
+        self.eps = float(eps) if eps is not None else torch.finfo(weight.dtype).eps
         self.norm = norm
+        norm.forward = self.forward  # this norm's own forward, per instance
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.meshes
@@ -163,7 +174,7 @@ class CubeRMSNorm:
         partial = DTensor.from_local(xf.pow(2).sum(-1, keepdim=True), m.cube, self.stats_partial, run_check=False)
         total = partial.redistribute(m.cube, self.stats).to_local(grad_placements=self.stats_partial)
         rstd = torch.rsqrt(total / self.dim + self.eps)
-        weight: DTensor = self.norm.weight  # type: ignore[assignment]  # a DTensor since __init__
+        weight = cast(DTensor, self.norm.weight)  # a DTensor since __init__
         # Stored as used: the redistribute moves nothing forward; backward it sums the rows' contributions
         # (partial over dp, c and a) into the stored placements.
         w = _average_over_dp(weight.redistribute(m.weights, self.w_stored).to_local(grad_placements=self.w_grad), m)
@@ -185,7 +196,9 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _average_over_dp(block: torch.Tensor, meshes: _Meshes) -> torch.Tensor:
     """A weight's local block whose gradient backward's redistribute sums over the dp axes: scaled to their mean."""
-    return _ScaleGrad.apply(block, 1.0 / meshes.dp_size) if meshes.dp_size > 1 else block
+    if meshes.dp_size == 1:
+        return block
+    return cast(torch.Tensor, _ScaleGrad.apply(block, 1.0 / meshes.dp_size))  # type: ignore[no-untyped-call]
 
 
 def _scatter_into_cube(meshes: _Meshes) -> Any:

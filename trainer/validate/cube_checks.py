@@ -28,7 +28,7 @@ def check_cube(cfg: RunConfig) -> list[ConfigIssue]:
     """The config's side of the cube (no model needed); empty without ``parallel.tensor_parallel_3d``."""
     par = cfg.parallel
     axes = cube_axes(cfg)
-    if not axes or cfg.mesh is None or len(par.dims) != len(cfg.mesh_shape):
+    if par is None or not axes or cfg.mesh is None or len(par.dims) != len(cfg.mesh_shape):
         return []
     issues = [ConfigIssue(f"{PATH}.dims", f"axis {name!r} is not in parallel.dims {par.dims}",
                           f"use three of {par.dims}, or add it to parallel.dims")
