@@ -65,6 +65,11 @@ def resolve_cube(parallel: object, mesh: MeshSpec, model: nn.Module, issues: lis
                                   "row-parallel Linears the cube splits", "use a Llama-family model (one with a "
                                   "Megatron plan), or tensor parallelism by placements"))
         return None
+    if getattr(model, "expert_modules", lambda: [])():
+        issues.append(ConfigIssue(PATH, f"model {type(model).__name__} has experts, whose MLP would read the cube's "
+                                  "residual block (its hidden split over b) as whole tokens",
+                                  "split the experts instead: +parallel=ep (in place of the tp3d preset)"))
+        return None
     placements, layouts = provider("megatron", axis="tp", sequence_parallel=True)
     modules = dict(model.named_modules())
     first = _linears(placements, modules, "Shard(0)")

@@ -18,6 +18,8 @@ CASES: dict[str, Bad] = {
                            ["axes ['ca', 'cb', 'cc'] of sizes [2, 2, 1] are not a cube"], ["mesh=[2,2,2]"]),
     "cube/model-without-a-plan": bad(["+parallel=tp3d", "model=mlp", "data=regression"], "parallel.tensor_parallel_3d",
                                      ["provides no Megatron plan"], ["Llama-family model"]),
+    "cube/experts": bad(["+parallel=tp3d", "model=gpt_moe"], "parallel.tensor_parallel_3d", ["has experts"],
+                        ["+parallel=ep"]),
     "cube/biased-projections": bad(["+parallel=tp3d", "model.qkv_bias=true"], "parallel.tensor_parallel_3d",
                                    ["has a bias"], ["+parallel=tp"]),
     "cube/ffn-does-not-split": bad(["+parallel=tp3d", "model.ffn_hidden_dim=170"], "parallel.tensor_parallel_3d",
@@ -29,12 +31,12 @@ CASES: dict[str, Bad] = {
                            "parallel.tensor_parallel_3d.dims", ["names an axis twice"]),
     "cube/beside-megatron": bad(["+parallel=tp3d", "+parallel.tensor_parallel={dim: ca}"], "parallel.tensor_parallel",
                                 ["beside 3-D tensor parallelism is not built"], ["parallel.tensor_parallel=null"]),
-    "cube/dp-on-a-cube-axis": bad(["+parallel=tp3d_dp", "mesh=[1,2,2,2]", "parallel.data_parallel.dim=ca"],
+    "cube/dp-on-a-cube-axis": bad(["+parallel=tp3d_dp", "parallel.data_parallel.dim=ca"],
                                   "parallel.data_parallel.dim", ["are the cube's"]),
     "cube/placements-beside": bad(["+parallel=tp3d", "+parallel.placements={layers.*.mlp.w2.weight: {ca: Shard(0)}}"],
                                   "parallel.placements", ["the cube places the blocks itself"],
                                   ["~parallel.placements"]),
-    "cube/fsdp": bad(["+parallel=tp3d_dp", "mesh=[1,2,2,2]", "parallel.data_parallel.mode=fsdp"],
+    "cube/fsdp": bad(["+parallel=tp3d_dp", "parallel.data_parallel.mode=fsdp"],
                      "parallel.data_parallel.mode", ["at most two placements"], ["parallel.data_parallel.mode=ddp"]),
     "cube/rows-do-not-split": bad(["+parallel=tp3d", "train.global_batch_size=6"], "train.global_batch_size",
                                   ["6 rows, which do not split over the cube's 2 x 2 row blocks"],
@@ -57,7 +59,8 @@ def test_cube_refusal(name: str):
 
 @pytest.mark.parametrize("preset", ["tp3d", "tp3d_dp"])
 def test_cube_presets_resolve_the_blocks_into_the_cube(preset: str):
-    cfg, plan = validate_with_plan(compose_dict([f"+parallel={preset}"]))
+    mesh = ["mesh=[2,2,2,2]"] if preset == "tp3d_dp" else []
+    cfg, plan = validate_with_plan(compose_dict([f"+parallel={preset}", *mesh]))
     cube = plan.cube
     assert cube.dims == ("ca", "cb", "cc") and cube.split_heads  # gpt_debug: 4 heads over 2 kv heads, q = 2
     assert cube.first[:5] == ("layers.0.attn.wq", "layers.0.attn.wk", "layers.0.attn.wv", "layers.0.mlp.w1",
