@@ -77,6 +77,13 @@ def resolve_cube(parallel: object, mesh: MeshSpec, model: nn.Module, issues: lis
     norms = [name for name in modules if any(fnmatchcase(name, glob) for glob in layouts)]
     attention = sorted({name.rpartition(".")[0] for name in [*first, *second]
                         if hasattr(modules[name.rpartition(".")[0]], "head_dim")})
+    per_head = [a for a in attention if getattr(modules[a], "head_parameters", ())]
+    if per_head:
+        issues.append(ConfigIssue(PATH, f"attention {per_head[0]} applies parameters to each head (per-head q/k "
+                                  "norms), whose gradients the cube's row blocks would leave partial",
+                                  "use tensor parallelism for per-head norms: +parallel=tp (in place of the tp3d "
+                                  "preset)"))
+        return None
     spec = CubeSpec(dims, tuple(first), tuple(second), tuple(norms), tuple(attention),
                     split_heads=all(_heads_split(modules[a], first, modules, a, sizes[0]) for a in attention))
     issues += _check_sizes(spec, modules, mesh, sizes[0])

@@ -20,6 +20,8 @@ CASES: dict[str, Bad] = {
                                      ["provides no Megatron plan"], ["Llama-family model"]),
     "cube/experts": bad(["+parallel=tp3d", "model=gpt_moe"], "parallel.tensor_parallel_3d", ["has experts"],
                         ["+parallel=ep"]),
+    "cube/per-head-norms": bad(["+parallel=tp3d", "model.qk_norm=true"], "parallel.tensor_parallel_3d",
+                               ["applies parameters to each head"], ["+parallel=tp"]),
     "cube/biased-projections": bad(["+parallel=tp3d", "model.qkv_bias=true"], "parallel.tensor_parallel_3d",
                                    ["has a bias"], ["+parallel=tp"]),
     "cube/ffn-does-not-split": bad(["+parallel=tp3d", "model.ffn_hidden_dim=170"], "parallel.tensor_parallel_3d",
