@@ -36,7 +36,8 @@ class CubeSpec:
 
     @property
     def modules(self) -> tuple[str, ...]:
-        return (*self.first, *self.second, *self.norms)
+        """The modules whose parameters the cube holds (attention's per-head norms with their attention)."""
+        return (*self.first, *self.second, *self.norms, *self.attention)
 
 
 def cube_side(mesh: MeshSpec, dims: tuple[str, ...]) -> int:
@@ -77,13 +78,6 @@ def resolve_cube(parallel: object, mesh: MeshSpec, model: nn.Module, issues: lis
     norms = [name for name in modules if any(fnmatchcase(name, glob) for glob in layouts)]
     attention = sorted({name.rpartition(".")[0] for name in [*first, *second]
                         if hasattr(modules[name.rpartition(".")[0]], "head_dim")})
-    per_head = [a for a in attention if getattr(modules[a], "head_parameters", ())]
-    if per_head:
-        issues.append(ConfigIssue(PATH, f"attention {per_head[0]} applies parameters to each head (per-head q/k "
-                                  "norms), whose gradients the cube's row blocks would leave partial",
-                                  "use tensor parallelism for per-head norms: +parallel=tp (in place of the tp3d "
-                                  "preset)"))
-        return None
     spec = CubeSpec(dims, tuple(first), tuple(second), tuple(norms), tuple(attention),
                     split_heads=all(_heads_split(modules[a], first, modules, a, sizes[0]) for a in attention))
     issues += _check_sizes(spec, modules, mesh, sizes[0])
@@ -135,13 +129,7 @@ def _width(modules: dict[str, nn.Module], name: str) -> int:
 
 
 def _check_sizes(spec: CubeSpec, modules: dict[str, nn.Module], mesh: MeshSpec, side: int) -> list[ConfigIssue]:
-    """No bias (the 3-D Linear adds none), and every width splits (:func:`_unsplit`); the fix is the largest
-    smaller cube that splits them all."""
-    biased = [name for name in (*spec.first, *spec.second) if getattr(modules[name], "bias", None) is not None]
-    if biased:
-        return [ConfigIssue(PATH, f"Linear {biased[0]} has a bias, which the 3-D Linear does not add",
-                            "use tensor parallelism for a model with biased projections: +parallel=tp (in place of the "
-                            "tp3d preset)")]
+    """Every width splits (:func:`_unsplit`); the fix is the largest smaller cube that splits them all."""
     bad = _unsplit(spec, modules, side)
     if not bad:
         return []

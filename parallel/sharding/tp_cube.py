@@ -28,8 +28,9 @@ read. The norms run on it with the hidden split over b: each row's sum of square
 (Colossal-AI's ``LayerNorm3D``), the weight split over b like the hidden. Attention acts where heads split
 cleanly: q/k/v leave their Linears with the heads over c; when the head or kv-head count does not divide by
 q, they are gathered over c (heads whole, the attention core repeated on each c rank) and o takes its block
-of them. The embedding, final norm and head stay whole on every rank: the first block takes this rank's
-block of the embedding's output, the last block's output is all-gathered.
+of them. A bias is split like the output's columns; per-head norms (Qwen3's q/k norms) act on the heads a
+rank holds (:class:`CubeHeadNorm`). The embedding, final norm and head stay whole on every rank: the first
+block takes this rank's block of the embedding's output, the last block's output is all-gathered.
 
 **DTensor, explicitly.** Activations cross the module boundaries as local tensors; every move above is a
 ``DTensor.redistribute`` between the placements named (``_Layouts``), and ``to_local(grad_placements=...)``
@@ -109,11 +110,11 @@ class CubeLinear:
     y_partial: list[Placement]
     y_out: list[Placement]
     y_final: list[Placement]
+    b_stored: list[Placement]
+    b_grad: list[Placement]
 
     def __init__(self, linear: nn.Linear, meshes: _Meshes, roles: tuple[str, str, str], *,
                  input_whole: bool = False, gather_output: bool = False) -> None:
-        if linear.bias is not None:
-            raise ValueError("a 3-D Linear with a bias is not supported (the cube plan refuses biased models)")
         i, j, l_ = roles
         self.meshes = meshes
         m = meshes
@@ -133,8 +134,15 @@ class CubeLinear:
         weight = linear.weight
         dt = distribute_tensor(weight.detach(), m.weights, self.w_stored, src_data_rank=None)
         linear.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
+        # A bias is split like Y's columns (over l); the rows' contributions to its gradient are partial over i, j.
+        self.b_stored = m.weight(**{l_: Shard(0)})
+        self.b_grad = m.weight(dp=Partial(), **{l_: Shard(0), i: Partial(), j: Partial()})
+        if linear.bias is not None:
+            bias = linear.bias
+            dt = distribute_tensor(bias.detach(), m.weights, self.b_stored, src_data_rank=None)
+            linear.register_parameter("bias", nn.Parameter(dt, requires_grad=bias.requires_grad))
         self.linear = linear
-        linear.forward = self.forward  # this Linear's own forward, per instance
+        linear.forward = self.forward  # type: ignore[method-assign,assignment]  # this instance's own forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.meshes
@@ -144,7 +152,12 @@ class CubeLinear:
         w_block = weight.redistribute(m.weights, self.w_gathered).to_local(grad_placements=self.w_grad)
         w_block = _average_over_dp(w_block, m)
         y = DTensor.from_local(F.linear(x_block, w_block), m.cube, self.y_partial, run_check=False)
-        return y.redistribute(m.cube, self.y_out).redistribute(m.cube, self.y_final).to_local()
+        y = y.redistribute(m.cube, self.y_out)
+        if self.linear.bias is not None:
+            bias = cast(DTensor, self.linear.bias)
+            b_block = bias.redistribute(m.weights, self.b_stored).to_local(grad_placements=self.b_grad)
+            y = DTensor.from_local(y.to_local() + _average_over_dp(b_block, m), m.cube, self.y_out, run_check=False)
+        return y.redistribute(m.cube, self.y_final).to_local()
 
 
 class CubeRMSNorm:
@@ -178,6 +191,33 @@ class CubeRMSNorm:
         # Stored as used: the redistribute moves nothing forward; backward it sums the rows' contributions
         # (partial over dp, c and a) into the stored placements.
         w = _average_over_dp(weight.redistribute(m.weights, self.w_stored).to_local(grad_placements=self.w_grad), m)
+        return (xf * rstd * w.to(xf.dtype)).type_as(x)
+
+
+class CubeHeadNorm:
+    """A per-head RMSNorm (Qwen3's q/k norms: one weight of head_dim shared by every head) on the heads this rank
+    holds: the weight whole on every rank, its gradient's contributions partial over the rows' axes (a, b) and,
+    with the heads split over c, over c too (gathered heads are the same on every c rank)."""
+
+    def __init__(self, norm: nn.Module, meshes: _Meshes, *, heads_split: bool) -> None:
+        self.meshes = meshes
+        m = meshes
+        self.w_stored = m.weight()
+        self.w_grad = m.weight(dp=Partial(), a=Partial(), b=Partial(), c=Partial() if heads_split else Replicate())
+        weight = cast(torch.Tensor, norm.weight)
+        dt = distribute_tensor(weight.detach(), m.weights, self.w_stored, src_data_rank=None)
+        norm.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
+        eps = getattr(norm, "eps", None)
+        self.eps = float(eps) if eps is not None else torch.finfo(weight.dtype).eps
+        self.norm = norm
+        norm.forward = self.forward  # this norm's own forward, per instance
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.meshes
+        weight = cast(DTensor, self.norm.weight)  # a DTensor since __init__
+        w = _average_over_dp(weight.redistribute(m.weights, self.w_stored).to_local(grad_placements=self.w_grad), m)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * rstd * w.to(xf.dtype)).type_as(x)
 
 
@@ -254,6 +294,11 @@ def apply_cube(model: nn.Module, mesh: DeviceMesh, *, axes: CubeAxes, first: Seq
     for name in norms:
         CubeRMSNorm(modules[name], meshes)
         report[name] = "cube"
+    for name in attention:  # per-head parameters (q/k norms), as the module names them
+        for pname in getattr(modules[name], "head_parameters", ()):
+            owner = pname.rpartition(".")[0]
+            CubeHeadNorm(modules[f"{name}.{owner}"], meshes, heads_split=split_heads)
+            report[f"{name}.{owner}"] = "cube"
     present = [b for b in blocks if b in modules]
     if present:
         modules[present[0]].register_forward_pre_hook(_scatter_into_cube(meshes), with_kwargs=True)
@@ -261,4 +306,4 @@ def apply_cube(model: nn.Module, mesh: DeviceMesh, *, axes: CubeAxes, first: Seq
     return report
 
 
-__all__ = ["CubeAxes", "CubeLinear", "CubeRMSNorm", "apply_cube"]
+__all__ = ["CubeAxes", "CubeHeadNorm", "CubeLinear", "CubeRMSNorm", "apply_cube"]
