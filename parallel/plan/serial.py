@@ -13,6 +13,8 @@ given a plan for another model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 from collections.abc import Mapping
@@ -24,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from parallel.placements import PlacementSpec, parse_placement
+from parallel.plan.cube import CubeSpec
 from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, LayoutSpec,
                                 ParallelPlan, PipelineSpec, StagePlan)
 from parallel.topology import MeshSpec
@@ -107,6 +110,7 @@ def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
         "activation_checkpointing_every": plan.activation_checkpointing_every,
         "loss_parallel": plan.loss_parallel,
         "expert_parallel": None if ep is None else {"dim": ep.dim, "modules": list(ep.modules)},
+        "cube": None if plan.cube is None else {**dataclasses.asdict(plan.cube)},
     }
 
 
@@ -128,7 +132,14 @@ def plan_from_dict(data: Mapping[str, Any]) -> ParallelPlan:
         activation_checkpointing_every=data["activation_checkpointing_every"],
         loss_parallel=data["loss_parallel"],
         expert_parallel=None if ep is None else ExpertParallelSpec(ep["dim"], tuple(ep["modules"])),
+        cube=_cube_from_dict(data.get("cube")),
     )
+
+
+def _cube_from_dict(cube: Mapping[str, Any] | None) -> CubeSpec | None:
+    if cube is None:
+        return None
+    return CubeSpec(**{key: value if isinstance(value, bool) else tuple(value) for key, value in cube.items()})
 
 
 def _pipeline_to_dict(pp: PipelineSpec) -> dict[str, Any]:

@@ -75,3 +75,14 @@ def test_nine_heads_are_gathered_not_refused(tmp_path):
     _, plan = validate_with_plan(compose_dict(["model=hf", f"model.path={tmp_path}", "data=synthetic",
                                                "+parallel=tp3d", "train.global_batch_size=8"]))
     assert not plan.cube.split_heads and plan.cube.attention[0] == "model.layers.0.self_attn"
+
+
+def test_the_cube_travels_with_the_plan_to_the_workers():
+    """The launcher writes the resolved plan, the workers read it back (parallel.plan.serial): the cube with it."""
+    import json
+
+    from parallel.plan.serial import plan_from_dict, plan_to_dict
+
+    _, plan = validate_with_plan(compose_dict(["+parallel=tp3d"]))
+    back = plan_from_dict(json.loads(json.dumps(plan_to_dict(plan))))
+    assert back.cube == plan.cube and back.cube is not None and back == plan
