@@ -139,7 +139,9 @@ def plan_from_dict(data: Mapping[str, Any]) -> ParallelPlan:
 def _cube_from_dict(cube: Mapping[str, Any] | None) -> CubeSpec | None:
     if cube is None:
         return None
-    return CubeSpec(**{key: value if isinstance(value, bool) else tuple(value) for key, value in cube.items()})
+    dims = cube["dims"]
+    return CubeSpec((dims[0], dims[1], dims[2]), tuple(cube["first"]), tuple(cube["second"]), tuple(cube["norms"]),
+                    tuple(cube["attention"]), split_heads=bool(cube["split_heads"]))
 
 
 def _pipeline_to_dict(pp: PipelineSpec) -> dict[str, Any]:
