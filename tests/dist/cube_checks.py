@@ -4,6 +4,7 @@
 * ``tied``: a SmolLM2-shaped Hugging Face Llama (9 heads over 3 kv heads, tied embeddings) on [2, 2, 2]:
   its heads do not divide by 2, so q/k/v are gathered over c for the attention core;
 * ``dp``: ddp x a cube of side 1 ([2, 1, 1, 1]), the cube weights averaging their gradients over dp;
+  ``dp_cube``: ddp x the cube [2, 2, 2, 2] (16 processes);
 * ``bytes``: the bytes each rank sends in one forward and backward of gpt_debug on [2, 2, 2], by collective and
   axis (:func:`sent_bytes`), for ``tests/bench/bench_tp_cube.py`` and the test's analytic volume;
   the bytes of this rank's parameters and of what autograd keeps for backward, per kind.
@@ -42,9 +43,11 @@ def builtin_check(*, rank: int, world_size: int) -> dict:
 
 
 def dp_check(*, rank: int, world_size: int) -> dict:
+    """ddp over dp x the cube: [2, 1, 1, 1] on 2 ranks, [2, 2, 2, 2] on 16."""
     mesh, par = load_preset("tp3d_dp")
     cfg = llama_cfg()
-    pm = parallelize_preset(build_model(cfg, device="meta"), [2, 1, 1, 1], par)
+    side = 2 if world_size == 16 else 1
+    pm = parallelize_preset(build_model(cfg, device="meta"), [2, side, side, side], par)
     return _summary(pm, train(pm, cfg))
 
 
@@ -143,4 +146,5 @@ def bytes_check(*, rank: int, world_size: int) -> dict:
 SUITES = {
     "two_rank": [("dp", dp_check)],
     "eight_rank": [("builtin", builtin_check), ("tied", tied_check), ("bytes", bytes_check)],
+    "sixteen_rank": [("dp_cube", dp_check)],
 }

@@ -4,7 +4,7 @@ rel 1e-5) on the built-in model and on a Hugging Face Llama with 9 heads over 3 
 volume (with the cube's other terms) within 5%, and each rank's memory for weights and activations against the
 prediction within 5%.
 
-    pytest tests/dist/test_cube.py -q -m slow      # the 8-process launch (~3 minutes on 2 cores)
+    pytest tests/dist/test_cube.py -q -m slow      # the 8- and 16-process launches (~3 minutes on 2 cores)
     pytest tests/dist/test_cube.py -q              # dp x cube on 2 processes
 """
 
@@ -18,7 +18,7 @@ from cube_checks import SUITES, TIED_ENV
 from dist_checks import llama_cfg, reference_run
 from dist_harness import SuiteResults, max_rel
 
-WORLD_SIZE = {"two_rank": 2, "eight_rank": 8}
+WORLD_SIZE = {"two_rank": 2, "eight_rank": 8, "sixteen_rank": 16}
 REL = 1e-5
 
 
@@ -56,6 +56,12 @@ def test_dp_times_cube_equals_one_device(results, builtin_reference):
     _assert_parity(per_rank, builtin_reference)
     # The cube's weights carry the dp axis (replicated over it) before the cube's three.
     assert per_rank[0]["placements"]["layers.0.attn.wq.weight"] == ["R", "S(1)", "S(0)", "S(0)"]
+
+
+@pytest.mark.slow
+def test_dp_times_a_cube_of_side_2_equals_one_device(results, builtin_reference):
+    """16 processes: dp 2 x the cube [2, 2, 2]."""
+    _assert_parity(results("dp_cube"), builtin_reference)
 
 
 @pytest.mark.slow
