@@ -121,6 +121,15 @@ class GridParallelConfig(Section):
         return {"rows": self.rows, "cols": self.cols, **({"depth": self.depth} if self.depth else {})}
 
 
+class Cube3DConfig(Section):
+    """``parallel.tensor_parallel_3d``: Colossal-AI's 3-D tensor parallelism (:mod:`parallel.sharding.tp_cube`)."""
+
+    dims: list[str] = Field(
+        ["ca", "cb", "cc"], min_length=3, max_length=3,
+        description="The three mesh axes of the q x q x q cube, in the paper's roles (a, b, c): a splits the token "
+        "rows and gathers the weights, b and c alternate as the Linears' reduce and gather axes. Equal sizes.")
+
+
 class LayoutConfig(Section):
     input: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's input.")
     output: AxisPlacements | None = Field(None, description="Placement per mesh axis of the module's output.")
@@ -257,6 +266,9 @@ class ParallelConfig(LayoutSection):
     grid_parallel: GridParallelConfig | None = Field(
         None, description="2-D / 2.5-D tensor parallelism over a q x q grid (`+parallel=tp2d`, `+parallel=tp2p5d`); "
         "null = none.")
+    tensor_parallel_3d: Cube3DConfig | None = Field(
+        None, description="Colossal-AI's 3-D tensor parallelism (`+parallel=tp3d`): the blocks' Linears, norms and "
+        "activations split over a q x q x q cube of mesh axes; null = none.")
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="Recompute activations in backward: none; full = whole blocks (every block, or every "
         "n-th with activation_checkpointing_every), only each block's input kept; selective = Megatron-LM's "

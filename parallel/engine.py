@@ -50,6 +50,7 @@ from parallel.sharding.expert_parallel import apply_expert_parallel, divide_expe
 from parallel.sharding.head_params import HeadGradients, find_head_parameters
 from parallel.sharding.tensor_parallel import apply_placements
 from parallel.sharding.tp_grid import apply_grid
+from parallel.sharding.tp_cube import CubeAxes, apply_cube
 from parallel.sharding.ties import placed_alike, retie, tied_groups
 from parallel.sharding.tp_styles import classify
 
@@ -167,6 +168,9 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if layout.grid is not None:  # 2-D / 2.5-D tensor parallelism: the blocks over the rows x cols grid
         assert mesh is not None, "a grid spans more than one rank"
         report.update(apply_grid(part, mesh, rows=layout.grid.rows, cols=layout.grid.cols, blocks=layout.blocks))
+    if layout.cube is not None:
+        assert mesh is not None, "a cube spans more than one rank"
+        report.update(_apply_cube(part, mesh, layout))
     cp = layout.context_parallel if layout.cp_size > 1 else None  # one cp rank: whole rows, plain attention
     if cp is not None:
         assert mesh is not None, "more than one cp rank: a mesh"
@@ -181,7 +185,14 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if compile:
         apply_compile(part, block_fqns=layout.blocks)
     dp = layout.param_data_parallel  # cp ranks average gradients and shard parameters as dp ranks do
-    if dp is not None:
+    if dp is not None and layout.cube is not None:
+        assert mesh is not None, "data parallelism spans more than one rank"
+        # The cube's weights carry the dp axes themselves (parallel.sharding.tp_cube); FSDP2's replicate the rest.
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        cube = {p for name in layout.cube.modules for p in part.get_submodule(name).parameters()}
+        replicate(part, mesh=submesh(mesh, list(dp.dim_names)), ignored_params=cube)
+    elif dp is not None:
         assert mesh is not None, "data parallelism spans more than one rank"
         # The plan's modes are the config's (DataParallelSpec keeps a str, as the topology does).
         apply_data_parallel(part, mesh, mode=cast(DataParallelMode, dp.mode), dim_names=list(dp.dim_names),
@@ -197,6 +208,16 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
         assert mesh is not None and ep is not None, "experts are split over an ep axis of a mesh"
         divide_expert_grads(experts, mesh[ep.dim].size())
     return report
+
+
+def _apply_cube(part: nn.Module, mesh: DeviceMesh, layout: ParallelPlan) -> dict[str, str]:
+    """Colossal-AI's 3-D tensor parallelism on ``part``'s blocks (:mod:`parallel.sharding.tp_cube`)."""
+    cube = layout.cube
+    assert cube is not None, "called for a plan with a cube"
+    dp = layout.data_parallel
+    axes = CubeAxes(*cube.dims, dp=tuple(dp.dim_names) if dp is not None else ())
+    return apply_cube(part, mesh, axes=axes, first=cube.first, second=cube.second, norms=cube.norms,
+                      attention=cube.attention, split_heads=cube.split_heads, blocks=layout.blocks)
 
 
 def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.device,

@@ -26,6 +26,7 @@ from torch import nn
 
 from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
+from parallel.plan.cube import resolve_cube
 from parallel.plan.layout import loss_parallel_applies, resolve_layout
 from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck,
                                  GridSpec, LayoutSpec, ParallelPlan, PipelineSpec)
@@ -55,6 +56,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     placements, layouts = _resolve_layout(parallel, mesh_spec, model, issues, check_glob, layout_cache)
     issues += check_boundaries(parallel, mesh_spec, units)
     experts = _expert_parallel_spec(parallel, model, issues)
+    cube = resolve_cube(parallel, mesh_spec, model, issues)
     if issues:
         raise ConfigError(issues)
     dp, cp = parallel.data_parallel, parallel.context_parallel
@@ -72,6 +74,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         loss_parallel=loss_parallel_applies(parallel, mesh_spec, model),
         expert_parallel=experts,
         grid=GridSpec(grid.rows, grid.cols, grid.depth) if (grid := parallel.grid_parallel) is not None else None,
+        cube=cube,
     )
 
 

@@ -13,6 +13,8 @@ given a plan for another model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 from collections.abc import Mapping
@@ -24,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from parallel.placements import PlacementSpec, parse_placement
+from parallel.plan.cube import CubeSpec
 from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GridSpec,
                                 LayoutSpec, ParallelPlan, PipelineSpec, StagePlan)
 from parallel.topology import MeshSpec
@@ -109,6 +112,7 @@ def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
         "expert_parallel": None if ep is None else {"dim": ep.dim, "modules": list(ep.modules)},
         "grid": None if plan.grid is None else {"rows": plan.grid.rows, "cols": plan.grid.cols,
                                                 "depth": plan.grid.depth},
+        "cube": None if plan.cube is None else {**dataclasses.asdict(plan.cube)},
     }
 
 
@@ -131,7 +135,16 @@ def plan_from_dict(data: Mapping[str, Any]) -> ParallelPlan:
         loss_parallel=data["loss_parallel"],
         expert_parallel=None if ep is None else ExpertParallelSpec(ep["dim"], tuple(ep["modules"])),
         grid=GridSpec(**data["grid"]) if data.get("grid") is not None else None,
+        cube=_cube_from_dict(data.get("cube")),
     )
+
+
+def _cube_from_dict(cube: Mapping[str, Any] | None) -> CubeSpec | None:
+    if cube is None:
+        return None
+    dims = cube["dims"]
+    return CubeSpec((dims[0], dims[1], dims[2]), tuple(cube["first"]), tuple(cube["second"]), tuple(cube["norms"]),
+                    tuple(cube["attention"]), split_heads=bool(cube["split_heads"]))
 
 
 def _pipeline_to_dict(pp: PipelineSpec) -> dict[str, Any]:

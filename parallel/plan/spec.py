@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 from parallel.config import ActivationCheckpointing, ContextParallelMethod, ScheduleName, flat_ranks
 from parallel.errors import ConfigIssue
 from parallel.placements import PlacementSpec
+from parallel.plan.cube import CubeSpec
 from parallel.topology import MeshSpec, Topology, shard_axes_of
 
 AxisSpecs = Mapping[str, PlacementSpec]
@@ -174,6 +175,8 @@ class ParallelPlan:
     loss_parallel: bool = False
     expert_parallel: ExpertParallelSpec | None = None
     grid: GridSpec | None = None
+    # ``parallel.tensor_parallel_3d``: the blocks on a q x q x q cube (parallel.plan.cube, parallel.sharding.tp_cube).
+    cube: CubeSpec | None = None
 
     @property
     def sharded_axes(self) -> frozenset[str]:
@@ -210,7 +213,8 @@ class ParallelPlan:
             self.mesh, dp_axes=dp.dim_names if dp else (), dp_mode=dp.mode if dp else None,
             pp_axis=pp.dim if pp else None, cp_axis=cp.dim if cp else None, ep_axis=ep.dim if ep else None,
             expert_modules=ep.modules if ep else (),
-            tp_axes=tuple(sorted({*self.sharded_axes, *((self.grid.rows, self.grid.cols) if self.grid else ())})),
+            tp_axes=tuple(sorted({*self.sharded_axes, *((self.grid.rows, self.grid.cols) if self.grid else ()),
+                                  *(self.cube.dims if self.cube else ())})),
             depth_axis=self.grid.depth if self.grid is not None else None,
             stage_lanes=len(stages[0].ranks) if stages else 0,
             num_layout_stages=pp.num_stages if pp is not None and stages else 0,

@@ -10,6 +10,7 @@ import torch
 from test_bad_configs import Bad, bad
 from test_context_configs import CASES as CONTEXT_CASES
 from test_grid_configs import CASES as GRID_CASES
+from test_cube_configs import CASES as CUBE_CASES
 
 def _mistral_with_a_window() -> str:
     """A Mistral config.json (no weights: validation reads the config) whose attention slides over 16 tokens."""
@@ -97,6 +98,7 @@ MORE: dict[str, Bad] = {
                                                  "train.checkpoint.dir", ["train.checkpoint.resume=auto needs"]),
     **CONTEXT_CASES,
     **GRID_CASES,
+    **CUBE_CASES,
     "more/data-files-without-paths": bad(["data=files"], "data.paths", ["names no files"]),
     "more/auto-with-rank-ids": bad(["+parallel=auto", "mesh=[[0,1],[2,3]]"], "mesh", ["not explicit rank ids"]),
     "more/rdzv-not-host-port": bad(["launch.rdzv_endpoint=nohost"], "launch.rdzv_endpoint", ["not host:port"]),
@@ -234,6 +236,7 @@ PROSE: dict[str, tuple[str, str]] = {
     "module {name}: only a Shard input": ("layout.py", "the fix is to remove a layout or add placements: the "
                                                        "user's globs"),
     "provides no named plans": ("layout.py", "the user writes placement globs of their own model"),
+    "provides no Megatron plan": ("cube.py", "another model (one with a Megatron plan) is the user's choice"),
     '"pass a YAML mapping"': ("checks.py", "a document, not an override, is wrong"),
     "explicit rank ids must form": ("checks.py", "the user's own rank ids: an example, no override"),
     "hold no rank id": ("checks.py", "the user's own rank ids"),

@@ -148,7 +148,8 @@ def _experts_preset(preset: str) -> bool:
 
 # What the mixture-of-experts model is refused on until it is built there (tests/conf/fix_catalogue.py has the fixes).
 MOE_REFUSED = {"tp_sp": "parallel.tensor_parallel.sequence_parallel",
-               **dict.fromkeys(("tp2d", "tp2d_dp", "tp2p5d"), "parallel.grid_parallel")}
+               **dict.fromkeys(("tp2d", "tp2d_dp", "tp2p5d"), "parallel.grid_parallel"),
+               "tp3d": "parallel.tensor_parallel_3d", "tp3d_dp": "parallel.tensor_parallel_3d"}
 
 
 @pytest.mark.parametrize("preset", PARALLEL)

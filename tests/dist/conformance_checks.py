@@ -31,7 +31,7 @@ ARCHS = ["smollm2", "qwen25", "llama32", "mistral", "qwen3"]
 PRESETS = {  # preset -> world size (its own mesh)
     "dp": 2, "fsdp": 2, "zero2": 2, "tp": 2, "tp_sp": 2, "pp": 2,
     "hsdp": 4, "2d": 4, "pp_stages": 4,
-    "3d": 8, "hsdp_tp": 8, "pp_stages_cp": 8,
+    "3d": 8, "hsdp_tp": 8, "pp_stages_cp": 8, "tp3d": 8,
 }
 _OVERRIDE = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.\[\]*-]*=")
 

@@ -28,6 +28,7 @@ from parallel.errors import ConfigError, ConfigIssue, format_path
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.validate.context_checks import check_context
+from trainer.validate.cube_checks import check_cube, cube_axes
 from trainer.validate.expert_checks import check_experts
 from trainer.validate.grid_checks import check_grid, check_grid_axes
 from trainer.validate.hardware_checks import check_hardware, plans_elsewhere
@@ -88,7 +89,7 @@ def _check_run(cfg: RunConfig) -> list[ConfigIssue]:
     par = cfg.parallel
     if par is None or (cfg.mesh is not None and len(par.dims) == len(cfg.mesh_shape)):
         issues += _check_batch(cfg)  # axis sizes (dp size) are only defined once dims match the mesh
-    issues += _check_misc(cfg) + check_context(cfg) + check_experts(cfg) + check_grid(cfg)
+    issues += _check_misc(cfg) + check_context(cfg) + check_experts(cfg) + check_grid(cfg) + check_cube(cfg)
     if cfg.train.compile:
         issues += _check_compile(cfg)
     return issues
@@ -201,6 +202,7 @@ def _check_parallel(cfg: RunConfig) -> list[ConfigIssue]:
     issues += _check_placements(par, role)
     used = set(role) | {a for p in par.placements.values() for a in p}
     used |= {par.tensor_parallel.dim} if par.tensor_parallel else set()
+    used |= set(cube_axes(cfg))
     used |= {a for lay in par.layouts.values() for side in (lay.input, lay.output) if side for a in side}
     for name, size in zip(par.dims, shape):
         if size > 1 and name not in used:
