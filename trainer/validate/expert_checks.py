@@ -70,10 +70,10 @@ def check_experts(cfg: RunConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("parallel.pipeline.stages", f"{what} on per-stage layouts is not built yet (one "
                                   "layout for every stage is: parallel.expert_parallel, data and tensor parallelism "
                                   "beside the pipeline)", f"{override('parallel.pipeline.stages', None)}"))
-    if ep is not None and par.data_parallel is not None and par.data_parallel.mode == "ddp":
+    if ep is not None and par.data_parallel is not None and par.data_parallel.mode in ("ddp", "zero1"):
         issues.append(ConfigIssue("parallel.data_parallel.mode", "expert parallelism composes with data_parallel "
-                                  "mode fsdp, zero2 or hsdp, not ddp yet (its replicas would each hold every "
-                                  "expert's gradient whole)", "parallel.data_parallel.mode=fsdp"))
+                                  "mode fsdp, zero2 or hsdp, not ddp or zero1 yet (their replicas would each hold "
+                                  "every expert's gradient whole)", "parallel.data_parallel.mode=fsdp"))
     if moe is None:
         return issues
     if par.tensor_parallel is not None and par.tensor_parallel.sequence_parallel:
