@@ -179,8 +179,8 @@ class AutoPlanConfig(Section):
     Every list narrows the search; the defaults search everything the engine runs."""
 
     data_parallel_modes: list[DataParallelMode] = Field(
-        ["ddp", "zero1", "fsdp", "zero2", "hsdp"], min_length=1, description="Data-parallel modes to consider (hsdp on every "
-        "split of the dp ranks into replicate x shard groups).")
+        ["ddp", "zero1", "fsdp", "zero2", "hsdp"], min_length=1, description="Data-parallel modes to consider (hsdp "
+        "on every split of the dp ranks into replicate x shard groups).")
     schedules: list[ScheduleName] = Field(
         ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"], min_length=1,
         description="Pipeline schedules to consider.")

@@ -214,7 +214,8 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
         # ddp: all-reduce of grads; fsdp: all-gather fwd + all-gather bwd + reduce-scatter;
         # zero2: one all-gather + reduce-scatter; zero1: ddp's all-reduce + the updated parameters' all-gather;
         # each all-gather/reduce-scatter moves (n-1)/n.
-        factor = {"ddp": ring, "zero1": ring + (n - 1) / n, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n, "hsdp": 3 * (n - 1) / n}[dp.mode]
+        factor = {"ddp": ring, "zero1": ring + (n - 1) / n, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n,
+                  "hsdp": 3 * (n - 1) / n}[dp.mode]
         out[",".join(dp.dim_names)] = factor * local * cfg.train.grad_accum ** (dp.mode == "fsdp")
     elif (ep := plan.expert_parallel) is not None and (n := plan.mesh.size(ep.dim)) > 1:
         # ep alone splits the batch: the parameters beside the experts are replicated over it, gradients all-reduced.
