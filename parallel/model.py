@@ -118,7 +118,7 @@ class ParallelModel:
 
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, loss_scale: float = 1.0,
-        positions: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, reduce_grads: bool = True,
     ) -> torch.Tensor | None:
         """Forward and backward over this rank's dp share of an (accumulation) batch.
 
@@ -134,9 +134,16 @@ class ParallelModel:
         block's balance loss, added to the objective on that stage (:mod:`parallel.pipeline.stage_terms`);
         the value returned then includes this rank's terms too (on every rank that has some), so that
         :meth:`reduce_loss` gives the whole objective.
+
+        ``reduce_grads=False``: an accumulation pass before the step's last. Under ``zero1`` (no pipeline) the
+        gradients then stay this rank's own, summed locally, and are all-reduced once, in the last pass's
+        backward (FSDP2's ``set_requires_gradient_sync``), as Megatron's distributed optimizer reduces once a
+        step; every other mode reduces every pass, as its memory model counts.
         """
         if self._pipeline is None:
             (model,) = self.model_parts
+            if self.optimizer_shard_axes and isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(reduce_grads)
             with self._loss_context():
                 with self._precision():
                     loss = _plain(loss_fn(model(inputs, **_extra(positions)), targets))

@@ -52,8 +52,8 @@ from trainer.planner.memory.predict import MemoryEstimate, predict_memory  # noq
 from trainer.planner.numbers import plan_numbers  # noqa: E402
 
 GIB = 2**30
-# zero1 (sharded optimizer) has no exact match here
-MODES = {"ddp": "ddp", "zero1": "zero2", "zero2": "zero2", "fsdp": "fsdp"}
+# The rows' data-parallel modes as this engine's (zero1: Megatron's distributed optimizer, nanotron's ZeRO-1)
+MODES = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "trainer" / "conf" / "hardware"
 FAMILIES = ("FSDP (data parallel only)", "tp x pp", "cp")
 SOURCES = ("megatron2021", "korthikanti", "megatron2024", "torchtitan", "llmfoundry", "nanotron", "dgxc")

@@ -89,6 +89,34 @@ def parity_check(layout: str):
     return check
 
 
+def accumulation_check(*, rank: int, world_size: int) -> dict:
+    """zero1 [2] with two accumulation passes a step, the first with ``reduce_grads=False``: after it each
+    rank's gradients are its own half-batch's (they differ between the ranks), after the second one device's."""
+    import torch.distributed as dist
+
+    cfg = llama_cfg()
+    pm, optimizer = built_in("zero1")
+    loss_fn, out = loss_fn_for(cfg), {"losses": [], "grad_norms": [], "first_pass_grad_spread": []}
+    for inputs, targets in batches(cfg):
+        per = inputs.shape[0] // pm.dp_size
+        pieces = zip(inputs[pm.dp_rank * per:(pm.dp_rank + 1) * per].chunk(2),
+                     targets[pm.dp_rank * per:(pm.dp_rank + 1) * per].chunk(2))
+        loss = None
+        for index, (x, y) in enumerate(pieces):
+            piece = pm.forward_backward(x, y, loss_fn, loss_scale=0.5, reduce_grads=index == 1)
+            loss = piece / 2 if loss is None else loss + piece / 2
+            if index == 0:  # the ranks' first-pass gradients, compared: 0 only if they were reduced
+                local = torch.cat([p.grad.to_local().flatten() for p in pm.parameters() if p.grad is not None])
+                spread = local.clone()
+                dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+                out["first_pass_grad_spread"].append(float((spread - local).abs().max()))
+        out["grad_norms"].append(pm.clip_grad_norm_(GRAD_CLIP))
+        optimizer.step()
+        optimizer.zero_grad()
+        out["losses"].append(pm.reduce_loss(loss))
+    return out
+
+
 def resume_check(saved_as: str, resumed_as: str, *, name: str, at: int = 3):
     """``at`` steps under ``saved_as``, a checkpoint, then the rest under ``resumed_as`` (another mode or
     mesh) from that checkpoint: the losses of both halves, to be one device's."""
@@ -133,6 +161,7 @@ SUITES = {
         ("hf_zero1", hf_check(["+parallel=zero1"])),
         ("resume_zero1_as_fsdp", resume_check("zero1", "fsdp", name="zero1_as_fsdp")),
         ("resume_fsdp_as_zero1", resume_check("fsdp", "zero1", name="fsdp_as_zero1")),
+        ("zero1_grad_accum", accumulation_check),
     ],
     "four_rank": [
         ("zero1_tp", parity_check("zero1_tp")),

@@ -77,3 +77,17 @@ def test_the_auto_planner_ranks_zero1_among_the_default_modes():
                         "+parallel.auto.data_parallel_modes=[ddp,zero1]"])
     labels = sorted(c.label for c in plan_layouts(raw, calibration=CAL).candidates)
     assert labels == ["dp2(ddp)", "dp2(zero1)", "pp2(1F1B, m2)", "tp2"]
+
+
+def test_zero1_is_priced_one_all_reduce_a_step_under_accumulation():
+    """grad_accum 4: ddp all-reduces every pass, zero1 once (its last pass) plus its all-gather."""
+    from trainer.planner.cost.comm import _dp_ops
+
+    counts = {}
+    for preset in ("zero1", "dp"):
+        cfg, plan = validate_with_plan(compose_dict(["model=gpt_debug", f"+parallel={preset}", "mesh=[2]",
+                                                     "train.grad_accum=4", "dry_run=true"]))
+        ops = _dp_ops(plan.param_data_parallel, plan, list(plan.units), {u: (10.0, 0, 0.0) for u in plan.units},
+                      4, passes=cfg.train.grad_accum)
+        counts[preset] = sorted((op.op, op.count) for op in ops)
+    assert counts == {"zero1": [("all_gather", 1), ("all_reduce", 1)], "dp": [("all_reduce", 4)]}
