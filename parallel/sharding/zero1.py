@@ -38,7 +38,7 @@ parameters, (n-1)/n of them each way: 3 (n-1)/n of the parameters in all, one co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -65,7 +65,7 @@ class _ShardedSteps:
 
     def __init__(self, dim_names: Sequence[str]) -> None:
         self.dim_names = list(dim_names)
-        self.swapped: list[tuple[dict, int, DTensor, DTensor]] = []  # (group, index, parameter, its shard)
+        self.swapped: list[tuple[dict[str, Any], int, DTensor, DTensor]] = []  # (group, index, parameter, its shard)
 
     def to_shards(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         for group in optimizer.param_groups:
@@ -75,8 +75,8 @@ class _ShardedSteps:
                 placements = shard_placements(param, self.dim_names)
                 if placements is None:
                     continue
-                shard = param.detach().redistribute(param.device_mesh, placements)
-                shard.grad = param.grad.redistribute(param.device_mesh, placements)
+                shard = cast(DTensor, param.detach()).redistribute(param.device_mesh, placements)
+                shard.grad = cast(DTensor, param.grad).redistribute(param.device_mesh, placements)
                 if param in optimizer.state:
                     optimizer.state[shard] = optimizer.state.pop(param)
                 group["params"][index] = shard

@@ -208,11 +208,11 @@ def predict_row(row: published.PublishedRun) -> dict:
             "seconds": time.monotonic() - began}
 
 
-def planner_row(row: published.PublishedRun, *, prune: bool = True, modes: tuple[str, ...] = ("ddp", "fsdp", "zero2")
-                ) -> dict:
+def planner_row(row: published.PublishedRun, *, prune: bool = True,
+                modes: tuple[str, ...] = ("ddp", "zero1", "fsdp", "zero2")) -> dict:
     """The auto-planner on the row's model, batch, devices and hardware: its choice against the published
     layout, each predicted by the same model. The knobs open every choice a published layout makes: ddp,
-    fsdp and zero2 (zero1's nearest), 1F1B and interleaved (2 and the row's chunks per rank), every micro-batch
+    zero1, fsdp and zero2, 1F1B and interleaved (2 and the row's chunks per rank), every micro-batch
     count and accumulation up to the row's own, checkpointing none, selective, full or every other block,
     sequence parallelism on or off, bf16; the planner chooses every split and the rest. Every layout predicted
     at most as slow as the published one is priced in full (time and memory: ``rank_below``), so its rank
@@ -357,8 +357,8 @@ def main() -> None:
     parser.add_argument("--no-prune", action="store_true", help="with --planner: price every layout in full (slow); "
                         "by default every layout up to the published one's step is, so its rank is exact either way")
     parser.add_argument("--prune", action="store_true", help="(the default; kept for the commands in older results)")
-    parser.add_argument("--dp-modes", default="ddp,fsdp,zero2", help="with --planner: the data-parallel modes the "
-                        "search may use (ddp,zero2: those Megatron-LM has, its distributed optimizer as zero2)")
+    parser.add_argument("--dp-modes", default="ddp,zero1,fsdp,zero2", help="with --planner: the data-parallel modes "
+                        "the search may use (ddp,zero1: those Megatron-LM has, its distributed optimizer zero1)")
     args = parser.parse_args()
     if args.memory_terms:
         for row in published.rows():
