@@ -22,7 +22,7 @@ from zero1_checks import DIR_ENV, OUT_ENV, SUITES
 WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "eight_rank": 8}
 TOL = 1e-5
 STEP_BYTES = 4  # AdamW's step count: one fp32 scalar per parameter, on every rank
-BUILT_IN = ["zero1", "zero1_grad_accum", "zero1_tp", "resume_zero1_as_fsdp", "resume_fsdp_as_zero1", "resume_zero1_tp_as_zero1_4"]
+BUILT_IN = ["zero1", "zero1_grad_accum", "zero1_tp", "stages_zero1_then_tp", "resume_zero1_as_fsdp", "resume_fsdp_as_zero1", "resume_zero1_tp_as_zero1_4"]
 HF = ["hf_zero1", "hf_zero1_pp"]
 # check -> (dp size, mesh shape): the bytes each rank holds
 HELD = {"zero1": (2, [2]), "zero1_tp": (2, [2, 2]), "hf_zero1": (2, [2]), "hf_zero1_pp": (2, [2, 2, 1]),
@@ -100,6 +100,18 @@ def test_each_rank_holds_half_the_moments_and_whole_parameters_and_gradients(che
         count = sum(p.numel() for p in build_model(llama_cfg()).parameters())
         assert {r["param_bytes"] for r in per_rank} == {4 * count}
         assert [r["state_bytes"] - STEP_BYTES * r["tensors"] for r in per_rank] == [4 * count, 4 * count]
+
+
+def test_a_stage_of_its_own_on_zero1_shards_its_adamw_over_its_ranks(results):
+    """Per-stage layouts: stage 0's ranks (zero1 over 2) hold half their stage's moments each, stage 1's
+    (tensor parallel, no data parallelism) their whole tp shards' moments."""
+    per_rank = results("stages_zero1_then_tp")
+    assert [r["stages"] for r in per_rank] == [[0], [0], [1], [1]]
+    first = per_rank[:2]
+    assert first[0]["param_bytes"] == first[1]["param_bytes"] == first[0]["grad_bytes"]
+    moments = [r["state_bytes"] - STEP_BYTES * r["tensors"] for r in per_rank]
+    assert sum(moments[:2]) == 2 * first[0]["param_bytes"]
+    assert moments[2:] == [2 * r["param_bytes"] for r in per_rank[2:]]
 
 
 def test_zero1_reduces_gradients_once_a_step_under_accumulation(results):

@@ -30,6 +30,11 @@ LAYOUTS = {
     "fsdp": ([2], {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": "fsdp"}}),
     "zero1_tp": ([2, 2], {"dims": ["dp", "tp"], "data_parallel": ZERO1, "tensor_parallel": TP}),
     "zero1_4": ([4], {"dims": ["dp"], "data_parallel": ZERO1}),
+    # per-stage layouts: stage 0 zero1 over ranks 0-1, stage 1 tensor parallel over ranks 2-3
+    "stages_zero1_then_tp": ([4], {"dims": ["pp"], "pipeline": {
+        "dim": "pp", "schedule": "1F1B", "microbatches": 4, "boundaries": "auto", "stages": [
+            {"ranks": [0, 1], "dims": ["dp"], "data_parallel": ZERO1},
+            {"ranks": [2, 3], "dims": ["tp"], "tensor_parallel": TP}]}}),
     "zero1_pp_tp": ([2, 2, 2], {"dims": ["dp", "pp", "tp"], "data_parallel": ZERO1, "tensor_parallel": TP,
                                 "pipeline": {"dim": "pp", "schedule": "1F1B", "microbatches": 2,
                                              "boundaries": "auto"}}),
@@ -159,6 +164,7 @@ SUITES = {
     ],
     "four_rank": [
         ("zero1_tp", parity_check("zero1_tp")),
+        ("stages_zero1_then_tp", parity_check("stages_zero1_then_tp")),
         ("hf_zero1_pp", hf_check(["+parallel=3d", "mesh=[2,2,1]", "parallel.data_parallel.mode=zero1"])),
         ("resume_zero1_tp_as_zero1_4", resume_check("zero1_tp", "zero1_4", name="zero1_tp_as_zero1_4")),
     ],
