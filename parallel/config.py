@@ -31,7 +31,10 @@ class Section(BaseModel):
 Placement = Annotated[PlacementSpec, BeforeValidator(parse_placement), PlainSerializer(str, return_type=str)]
 AxisPlacements = dict[str, Placement]
 
-DataParallelMode = Literal["ddp", "fsdp", "zero2", "hsdp"]
+DataParallelMode = Literal["ddp", "zero1", "fsdp", "zero2", "hsdp"]
+# Modes whose parameters (and gradients) stay whole on every dp rank: FSDP2's replicate (zero1: its optimizer's
+# state sharded over dp); the others shard parameters with fully_shard.
+REPLICATED_DP_MODES = ("ddp", "zero1")
 ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
 # full: whole blocks recomputed (every block, or every n-th with activation_checkpointing_every); selective:
 # Megatron-LM's selective recomputation, only each block's attention core (Korthikanti et al. 2022, sec. 5).
@@ -51,7 +54,8 @@ class DataParallelConfig(Section):
         "dp", description="Mesh axis name for data parallelism; hsdp takes two: [replicate_axis, shard_axis]."
     )
     mode: DataParallelMode = Field(
-        "fsdp", description="ddp (replicate), fsdp (ZeRO-3), zero2 (no reshard after forward), hsdp (2-D)."
+        "fsdp", description="ddp (replicate), zero1 (replicate, optimizer state sharded), fsdp (ZeRO-3), zero2 (no "
+        "reshard after forward), hsdp (2-D)."
     )
 
     @property
@@ -210,8 +214,8 @@ class AutoPlanConfig(Section):
     Every list narrows the search; the defaults search everything the engine runs."""
 
     data_parallel_modes: list[DataParallelMode] = Field(
-        ["ddp", "fsdp", "zero2", "hsdp"], min_length=1, description="Data-parallel modes to consider (hsdp on every "
-        "split of the dp ranks into replicate x shard groups).")
+        ["ddp", "zero1", "fsdp", "zero2", "hsdp"], min_length=1, description="Data-parallel modes to consider (hsdp "
+        "on every split of the dp ranks into replicate x shard groups).")
     schedules: list[ScheduleName] = Field(
         ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"], min_length=1,
         description="Pipeline schedules to consider.")

@@ -142,6 +142,7 @@ def _parallelize_on_mesh(model: nn.Module, plan: ParallelPlan, *, device: torch.
         tied_names=groups,
         heads=heads,
         loss_parallel=plan.loss_parallel,
+        optimizer_shard_axes=_optimizer_shard_axes(plan.param_data_parallel),
     )
 
 
@@ -254,7 +255,13 @@ def _parallelize_stages(model: nn.Module, plan: ParallelPlan, *, device: torch.d
         replicas=topology.replicas, repeats=topology.repeats, lanes=topology.stage_lanes,
         stage_to_group_rank=stage_to_group_rank(lane_ranks),
         ties=ties, tied_names=groups, heads=heads, loss_parallel=stage.layout.loss_parallel,
+        optimizer_shard_axes=_optimizer_shard_axes(stage.layout.param_data_parallel),
     )
+
+
+def _optimizer_shard_axes(dp: Any) -> tuple[str, ...]:
+    """zero1's data-parallel axes (the optimizer's state is sharded over them); none for other modes."""
+    return tuple(dp.dim_names) if dp is not None and dp.mode == "zero1" else ()
 
 
 def _autocast_dtype(precision: Precision, dp: Any) -> torch.dtype | None:

@@ -6,6 +6,9 @@ one module, evaluation, the global gradient norm and clipping, and the global me
     grad_norm = pm.clip_grad_norm_(1.0)                       # ties summed first (once per step)
     optimizer.step(); optimizer.zero_grad()
     print(pm.reduce_loss(loss))                               # the global mean, on every rank
+
+(The optimizer is built over ``pm.parameters()`` and passed through ``pm.shard_optimizer(optimizer)``,
+which shards its state under ``zero1``.)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from parallel.pipeline.stage_terms import carry_term
 from parallel.pipeline.ties import StageTies
 from parallel.plan.spec import PipelineSpec
 from parallel.sharding.head_params import HeadGradients
+from parallel.sharding.zero1 import shard_optimizer_state
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -76,6 +80,7 @@ class ParallelModel:
         tied_names: list[list[str]] | None = None,
         heads: HeadGradients | None = None,
         loss_parallel: bool = False,
+        optimizer_shard_axes: Sequence[str] = (),
     ) -> None:
         self.model_parts = model_parts
         self.mesh = mesh
@@ -107,11 +112,13 @@ class ParallelModel:
         # The head's logits are vocabulary shards (a Shard(2) DTensor): the loss, and its backward, run under
         # torch's loss_parallel, whose cross-entropy reduces over the shards instead of gathering them.
         self.loss_parallel = loss_parallel
+        # zero1: the data-parallel axes its optimizer's state is sharded over (none for every other mode).
+        self.optimizer_shard_axes = tuple(optimizer_shard_axes)
     # -- training step -------------------------------------------------------------
 
     def forward_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn, *, loss_scale: float = 1.0,
-        positions: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, reduce_grads: bool = True,
     ) -> torch.Tensor | None:
         """Forward and backward over this rank's dp share of an (accumulation) batch.
 
@@ -127,9 +134,16 @@ class ParallelModel:
         block's balance loss, added to the objective on that stage (:mod:`parallel.pipeline.stage_terms`);
         the value returned then includes this rank's terms too (on every rank that has some), so that
         :meth:`reduce_loss` gives the whole objective.
+
+        ``reduce_grads=False``: an accumulation pass before the step's last. Under ``zero1`` (no pipeline) the
+        gradients then stay this rank's own, summed locally, and are all-reduced once, in the last pass's
+        backward (FSDP2's ``set_requires_gradient_sync``), as Megatron's distributed optimizer reduces once a
+        step; every other mode reduces every pass, as its memory model counts.
         """
         if self._pipeline is None:
             (model,) = self.model_parts
+            if self.optimizer_shard_axes and isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(reduce_grads)
             with self._loss_context():
                 with self._precision():
                     loss = _plain(loss_fn(model(inputs, **_extra(positions)), targets))
@@ -324,6 +338,14 @@ class ParallelModel:
             for g in grads:
                 (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
         return norm
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` (over :meth:`parameters`) as the plan's data parallelism wants it: under ``zero1``
+        its state sharded over the dp axes (:func:`parallel.sharding.zero1.shard_optimizer_state`);
+        unchanged under every other mode (FSDP2's modes shard the parameters, and so the state, already)."""
+        if not self.optimizer_shard_axes:
+            return optimizer
+        return shard_optimizer_state(optimizer, dim_names=self.optimizer_shard_axes)
 
     def copy_tied_values(self) -> None:
         """Give every stage's copy of a tied parameter its first name's values: after loading

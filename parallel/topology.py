@@ -71,8 +71,9 @@ def rank_id_of(rank_ids: Sequence[Any] | None, rank: int) -> int:
 
 def shard_axes_of(mode: str, dim_names: Sequence[str]) -> tuple[str, ...]:
     """The axes data parallelism in ``mode`` shards parameters over: all its axes (fsdp, zero2), hsdp's
-    after its replicate axis (its shard axis, and a cp axis folded in), none for ddp."""
-    return {"ddp": (), "hsdp": tuple(dim_names[1:])}.get(mode, tuple(dim_names))
+    after its replicate axis (its shard axis, and a cp axis folded in), none for ddp and zero1 (which shards
+    only the optimizer's state)."""
+    return {"ddp": (), "zero1": (), "hsdp": tuple(dim_names[1:])}.get(mode, tuple(dim_names))
 
 
 # ------------------------------------------------------------------------------ the mesh
@@ -231,6 +232,13 @@ class Topology:
         return shard_axes_of(mode, self.param_dp_axes) if mode is not None else ()
 
     @property
+    def optimizer_divisor(self) -> int:
+        """Into how many shards the optimizer's state is cut beyond the parameters' own: zero1 shards it over
+        :attr:`param_dp_axes` while the parameters stay whole there; 1 for every other mode (the state follows
+        the parameters, sharded or not)."""
+        return self.size(self.param_dp_axes) if self.param_dp_mode == "zero1" else 1
+
+    @property
     def expert_prefixes(self) -> tuple[str, ...]:
         """``"<module>."`` for every module of stacked experts (none without expert parallelism)."""
         return tuple(f"{m}." for m in self.expert_modules) if self.ep_axis else ()
@@ -244,7 +252,7 @@ class Topology:
         """The axes FSDP shards parameter ``fqn`` over, as the engine wraps it: an expert over the data-parallel
         sharding axes alone; every other parameter over those and the ep axis where data parallelism shards
         (fsdp, zero2, hsdp), since the ep ranks hold other rows of the batch."""
-        if self.ep_axis is None or self.is_expert(fqn) or self.param_dp_mode in (None, "ddp"):
+        if self.ep_axis is None or self.is_expert(fqn) or self.param_dp_mode in (None, "ddp", "zero1"):
             return self.shard_axes
         return (*self.shard_axes, self.ep_axis)
 

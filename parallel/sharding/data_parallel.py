@@ -9,7 +9,9 @@ per-parameter DTensor machinery.
   ``FSDPModule``), unlike the older hook-based ``_composable.replicate``.
 * ``fsdp``  -> ``fully_shard`` on every block, then on the root, ``reshard_after_forward=True``
   (ZeRO-3: parameters gathered per block in forward and again in backward).
-* ``zero2`` -> the same with ``reshard_after_forward=False`` (parameters stay gathered from
+* ``zero1`` -> ``replicate`` as ``ddp``; the optimizer's state is sharded over dp by
+  :func:`parallel.sharding.zero1.shard_optimizer_state` (parameters and gradients stay whole).
+* ``zero2`` -> ``fully_shard`` with ``reshard_after_forward=False`` (parameters stay gathered from
   forward to backward; gradients and optimizer state are sharded).
 * ``hsdp``  -> ``fully_shard`` over the 2-D (replicate, shard) sub-mesh.
 
@@ -48,7 +50,8 @@ def apply_data_parallel(
     axes ``dim_names``; returns it (modified in place).
 
     Args:
-        mode: ``ddp`` | ``fsdp`` | ``zero2`` | ``hsdp``.
+        mode: ``ddp`` | ``zero1`` | ``fsdp`` | ``zero2`` | ``hsdp`` (``zero1`` wraps the module as ``ddp``;
+            its optimizer is sharded by :func:`parallel.sharding.zero1.shard_optimizer_state`).
         dim_names: the dp axes; ``hsdp`` takes two, ``[replicate_axis, shard_axis]``.
         block_fqns: submodules sharded as their own FSDP units (e.g. ``["layers.0", ...]``),
             so parameters are gathered one block at a time; those absent from ``module``
@@ -69,7 +72,7 @@ def apply_data_parallel(
     dim_names = list(dim_names)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
-    if mode == "ddp":
+    if mode in ("ddp", "zero1"):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(module, mesh=submesh(mesh, dim_names), mp_policy=mp)  # in place: the module, typed ReplicateModule

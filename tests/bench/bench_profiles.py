@@ -52,7 +52,11 @@ from trainer.planner.memory.predict import MemoryEstimate, predict_memory  # noq
 from trainer.planner.numbers import plan_numbers  # noqa: E402
 
 GIB = 2**30
-# zero1 (sharded optimizer) has no exact match here
+# The rows' data-parallel modes as this engine's. zero1 rows (Megatron's distributed optimizer, nanotron's ZeRO-1)
+# are priced as zero2: those engines reduce-scatter gradients in buckets during backward and gather bf16 weights,
+# which is how this engine's zero2 communicates; its own zero1 all-reduces gradients after backward and gathers
+# fp32 weights after the step, unoverlapped. Priced as this zero1, the 58 rows' median throughput error went from
+# 5.6% to 13.8% (tests/bench/results/zero1_rows_2026-11-29.txt).
 MODES = {"ddp": "ddp", "zero1": "zero2", "zero2": "zero2", "fsdp": "fsdp"}
 HARDWARE_DIR = Path(__file__).resolve().parents[2] / "trainer" / "conf" / "hardware"
 FAMILIES = ("FSDP (data parallel only)", "tp x pp", "cp")

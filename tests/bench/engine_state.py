@@ -15,8 +15,8 @@ tp- and pp-local parameter ``N``:
 * with dp > 1, torch DDP (``trainer.py``, ``DistributedDataParallel(model, ...)``) and its gradient buckets
   in the weights' dtype: ``2 N``.
 
-This engine instead keeps fp32 weights, gradients and moments sharded over dp (FSDP2; zero1 rows map to
-``zero2``) and gathers bf16 blocks: the rows' state is replaced here by nanotron's, the activations,
+This engine instead keeps fp32 weights and gradients whole and fp32 moments sharded over dp (its ``zero1``;
+ddp: all whole) beside a bf16 copy of the weights: the rows' state is replaced here by nanotron's, the activations,
 backward's transient and the allocator's slack kept as predicted.
 """
 

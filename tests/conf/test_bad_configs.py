@@ -129,7 +129,7 @@ CASES: dict[str, Bad] = {
         ["'Foo'", "'GPipe'", "'1F1B'", "'ZBV'"], ["one of the listed values"]),
     "schema/bad-enum-dp-mode": bad(
         ["+parallel=fsdp", "parallel.data_parallel.mode=zero3"], "parallel.data_parallel.mode",
-        ["'zero3'", "'ddp'", "'fsdp'", "'zero2'", "'hsdp'"], ["one of the listed values"]),
+        ["'zero3'", "'ddp'", "'zero1'", "'fsdp'", "'zero2'", "'hsdp'"], ["one of the listed values"]),
     "schema/bad-placement-string": bad(
         ["+parallel=tp"], placement_path(WO, "tp"),
         ["'Shard(x)' is not a placement", "Shard(<tensor dim>)", "Replicate"],
@@ -446,7 +446,7 @@ def test_the_cli_names_a_typo_and_sets_keys_a_preset_does_not_state(tmp_path):
 
 
 _PARALLEL_OPTIONS = ("options in trainer/conf/parallel: 2d, 3d, 3d_cp, 3d_ep, auto, cp, dp, ep, fsdp, "
-                     "fsdp_cp, fsdp_ep, hsdp, hsdp_tp, pp, pp_stages, tp, tp_sp, zero2")
+                     "fsdp_cp, fsdp_ep, hsdp, hsdp_tp, pp, pp_stages, tp, tp_sp, zero1, zero2")
 
 
 @pytest.mark.parametrize(("typed", "line"), [

@@ -69,7 +69,7 @@ GLOBS = [
     "nothing.*",
 ]
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV"]
-DP_MODES = ["ddp", "fsdp", "zero2", "hsdp"]
+DP_MODES = ["ddp", "zero1", "fsdp", "zero2", "hsdp"]
 
 INTERESTING_INTS = st.sampled_from([0, -1, 1, 2, 3, 7, 172, 2**31, 2**63, 2**64, 2**70, 10**6])
 PLAUSIBLE_TEXT = st.sampled_from(
@@ -241,7 +241,7 @@ def coherent_parallel(draw) -> dict[str, Any]:
     par: dict[str, Any] = {"dims": names, "placements": {}, "layouts": {}}
     dp_axes = [n for n, r in zip(names, roles) if r == "dp"]
     if dp_axes:
-        mode = "hsdp" if len(dp_axes) == 2 else draw(st.sampled_from(["ddp", "fsdp", "zero2"]))
+        mode = "hsdp" if len(dp_axes) == 2 else draw(st.sampled_from(["ddp", "zero1", "fsdp", "zero2"]))
         par["data_parallel"] = {"dim": dp_axes if len(dp_axes) == 2 else dp_axes[0], "mode": mode}
     pp_axes = [n for n, r in zip(names, roles) if r == "pp"]
     if pp_axes:

@@ -283,6 +283,7 @@ PRESET_VALUES = {
     "tp_sp": check_tp_sp,
     "dp": _check_plain_dp("ddp"),
     "fsdp": _check_plain_dp("fsdp"),
+    "zero1": _check_plain_dp("zero1"),
     "zero2": _check_plain_dp("zero2"),
     "hsdp": check_hsdp,
     "hsdp_tp": check_hsdp_tp,

@@ -110,7 +110,7 @@ CASES: dict[str, Bad] = {
                                                                    "expert-parallel axis 'ep' of size 4"],
                                          ["model.moe.num_experts=8"]),
     "stage-ep-beside-ddp": bad(["model=gpt_moe", "+parallel=pp_stages_ep"],
-                               "parallel.pipeline.stages[1].data_parallel.mode", ["not ddp yet"],
+                               "parallel.pipeline.stages[1].data_parallel.mode", ["not ddp or zero1 yet"],
                                ["parallel.pipeline.stages.1.data_parallel.mode=fsdp"],
                                edit=both(stage_put(1, "ranks", [[4, 5], [6, 7]]), stage_put(1, "dims", ["dp", "ep"]),
                                          stage_put(1, "data_parallel", {"dim": "dp", "mode": "ddp"}))),

@@ -29,7 +29,7 @@ STEPS, GRAD_CLIP = 3, 1.0
 ARCH_DIRS_ENV = "MESHFLOW_TEST_CONFORMANCE_DIRS"  # JSON {arch: model directory}, set by the parent test
 ARCHS = ["smollm2", "qwen25", "llama32", "mistral", "qwen3"]
 PRESETS = {  # preset -> world size (its own mesh)
-    "dp": 2, "fsdp": 2, "zero2": 2, "tp": 2, "tp_sp": 2, "pp": 2,
+    "dp": 2, "zero1": 2, "fsdp": 2, "zero2": 2, "tp": 2, "tp_sp": 2, "pp": 2,
     "hsdp": 4, "2d": 4, "pp_stages": 4,
     "3d": 8, "hsdp_tp": 8, "pp_stages_cp": 8, "tp3d": 8,
 }
@@ -75,7 +75,7 @@ def resolve_cell(arch: str, preset: str) -> tuple[object | None, dict]:
 def train_losses(pm, cfg) -> list[float]:
     """``STEPS`` optimizer steps on this rank's dp share of the shared batches; the global losses."""
     decoder = decoder_config(cfg.model)
-    optimizer, loss_fn = make_optimizer(pm.parameters()), loss_fn_for(cfg.model)
+    optimizer, loss_fn = pm.shard_optimizer(make_optimizer(pm.parameters())), loss_fn_for(cfg.model)  # zero1: sharded
     losses = []
     for inputs, targets in batches(decoder)[:STEPS]:
         per = inputs.shape[0] // pm.dp_size

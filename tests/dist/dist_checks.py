@@ -115,7 +115,8 @@ def train(pm: ParallelModel, model_cfg, *, grad_accum: int = 1, loss_fn=None, ta
     trainer's loop does); losses as every rank sees them. The last step is recorded by a
     :class:`TimelineRecorder`, as the trainer's loop records its last steps: ``timeline`` holds
     this rank's actions, ``pipeline_order`` the schedule's compute order per pp rank."""
-    optimizer, loss_fn = make_optimizer(pm.parameters()), loss_fn or loss_fn_for(model_cfg)
+    # zero1: the optimizer's state sharded over dp, as the trainer's build_optimizer does (other modes: as made)
+    optimizer, loss_fn = pm.shard_optimizer(make_optimizer(pm.parameters())), loss_fn or loss_fn_for(model_cfg)
     losses, norms = [], []
     recorder = TimelineRecorder(pm)
     for step, (inputs, targets) in enumerate(batches(model_cfg), start=1):

@@ -43,7 +43,8 @@ def test_mesh_sizes_count_an_absent_axis_as_one():
 
 
 @pytest.mark.parametrize("mode, axes, shard", [
-    ("ddp", ("dp",), ()), ("fsdp", ("dp", "cp"), ("dp", "cp")), ("zero2", ("dp",), ("dp",)),
+    ("ddp", ("dp",), ()), ("zero1", ("dp", "cp"), ()), ("fsdp", ("dp", "cp"), ("dp", "cp")),
+    ("zero2", ("dp",), ("dp",)),
     ("hsdp", ("dp_replicate", "dp_shard", "cp"), ("dp_shard", "cp"))])
 def test_what_each_data_parallel_mode_shards_over(mode, axes, shard):
     assert shard_axes_of(mode, axes) == shard

@@ -162,7 +162,8 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
         sharded = sum(stage_sharded[s] for s in stages)  # weights, gradients and each AdamW moment
         trained = sum(stage_trainable[s] for s in stages)
         per_rank.append(RankHoldings(pp_rank=r, stages=stages, params=int(local), param_bytes=sharded * BYTES,
-                                     grad_bytes=trained * BYTES, optim_bytes=2 * trained * BYTES,
+                                     grad_bytes=trained * BYTES,
+                                     optim_bytes=2 * trained * BYTES / topology.optimizer_divisor,
                                      expert_bytes=sum(stage_experts[s] for s in stages) * BYTES,
                                      expert_params=int(sum(stage_expert_local[s] for s in stages))))
 
@@ -217,8 +218,10 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
         n = plan.mesh.size(dp.dim_names)
         ring = 2 * (n - 1) / n
         # ddp: all-reduce of grads; fsdp: all-gather fwd + all-gather bwd + reduce-scatter;
-        # zero2: one all-gather + reduce-scatter; each all-gather/reduce-scatter moves (n-1)/n.
-        factor = {"ddp": ring, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n, "hsdp": 3 * (n - 1) / n}[dp.mode]
+        # zero2: one all-gather + reduce-scatter; zero1: ddp's all-reduce + the updated parameters' all-gather;
+        # each all-gather/reduce-scatter moves (n-1)/n.
+        factor = {"ddp": ring, "zero1": ring + (n - 1) / n, "fsdp": 3 * (n - 1) / n, "zero2": 2 * (n - 1) / n,
+                  "hsdp": 3 * (n - 1) / n}[dp.mode]
         out[",".join(dp.dim_names)] = factor * local * cfg.train.grad_accum ** (dp.mode == "fsdp")
     elif (ep := plan.expert_parallel) is not None and (n := plan.mesh.size(ep.dim)) > 1:
         # ep alone splits the batch: the parameters beside the experts are replicated over it, gradients all-reduced.

@@ -101,11 +101,11 @@ def build_optimizer(pm: ParallelModel, optim: OptimConfig, *, total_steps: int) 
         torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the parameters that train, and its learning-rate schedule over ``total_steps``
     (:func:`lr_lambda`). LoRA: only the adapters train; frozen base weights get no gradient and no
-    AdamW state."""
-    optimizer = torch.optim.AdamW(
+    AdamW state. ``zero1``: the state sharded over the data-parallel axes (:meth:`ParallelModel.shard_optimizer`)."""
+    optimizer = pm.shard_optimizer(torch.optim.AdamW(
         [p for p in pm.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, eps=optim.eps,
         weight_decay=optim.weight_decay,
-    )
+    ))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
 
 

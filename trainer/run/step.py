@@ -78,9 +78,10 @@ def _accumulate(pm: ParallelModel, loader: GlobalBatchLoader, loss_fn, *, train:
     mean loss (None on a pipeline rank without the last stage), its balance loss and its expert load."""
     local_loss = local_aux = load = None
     _count_targets(getattr(loss_fn, "base", loss_fn), loader, train.global_batch_size)  # every accumulation batch's
-    for _ in range(train.grad_accum):
+    for index in range(train.grad_accum):
         inputs, targets, positions = _on(device, loader.next_batch())
-        loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / train.grad_accum, positions=positions)
+        loss = pm.forward_backward(inputs, targets, loss_fn, loss_scale=1.0 / train.grad_accum, positions=positions,
+                                   reduce_grads=index == train.grad_accum - 1)
         if loss is not None:
             local_loss = loss / train.grad_accum if local_loss is None else local_loss + loss / train.grad_accum
         if isinstance(loss_fn, WithAuxLoss):  # this rank's share of the balance loss (every rank has one)

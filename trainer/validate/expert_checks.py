@@ -83,10 +83,10 @@ def _check_layout(section, prefix: tuple, has_moe: bool) -> list[ConfigIssue]:
     experts (``has_moe``) or an ep axis: what of it the dispatch and the balance loss do not cross yet."""
     issues = []
     ep, dp = section.expert_parallel, section.data_parallel
-    if ep is not None and dp is not None and dp.mode == "ddp":
+    if ep is not None and dp is not None and dp.mode in ("ddp", "zero1"):
         issues.append(ConfigIssue(format_path(*prefix, "data_parallel", "mode"), "expert parallelism composes with "
-                                  "data_parallel mode fsdp, zero2 or hsdp, not ddp yet (its replicas would each hold "
-                                  "every expert's gradient whole)",
+                                  "data_parallel mode fsdp, zero2 or hsdp, not ddp or zero1 yet (their replicas would "
+                                  "each hold every expert's gradient whole)",
                                   override(override_key(*prefix, "data_parallel", "mode"), "fsdp")))
     if not has_moe:
         return issues

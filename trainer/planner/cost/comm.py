@@ -202,8 +202,13 @@ def _dp_ops(dp, plan: ParallelPlan, held: list[str], params: dict, cdt: int, pas
     micro-batch (torch's PipelineStage), as does ddp (FSDP2's replicate: one all-reduce)."""
     axis = ",".join(dp.dim_names)
     numel = [params[u][0] for u in held]
-    if dp.mode == "ddp":
-        return [CommOp(axis, "all_reduce", plan.mesh.size(dp.dim_names), 4.0 * sum(numel), passes)]
+    if dp.mode in ("ddp", "zero1"):
+        # zero1 without a pipeline reduces once a step, in the last accumulation pass (ParallelModel.forward_backward)
+        reduces = 1 if dp.mode == "zero1" and plan.pipeline is None else passes
+        ops = [CommOp(axis, "all_reduce", plan.mesh.size(dp.dim_names), 4.0 * sum(numel), reduces)]
+        if dp.mode == "zero1":  # after the step, every rank's updated fp32 shard gathered back (once per step)
+            ops.append(CommOp(axis, "all_gather", plan.mesh.size(dp.dim_names), 4.0 * sum(numel), 1))
+        return ops
     shard_axis = ",".join(dp.shard_dim_names) if dp.mode == "hsdp" else axis
     g = plan.mesh.size(dp.shard_dim_names)
     gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2

@@ -35,11 +35,11 @@ from trainer.planner.cost.comm import tp_all_reduces_per_block
 
 def layout_degrees(plan: ParallelPlan) -> dict[str, int]:
     """The layout's degree in each family the calibration measures a reference step of: its dp
-    size under its dp mode's family (``ddp``; ``fsdp`` for fsdp, zero2 and hsdp: FSDP2's
-    sharded parameters) and its tp size (the product of the axes its placements shard)."""
+    size under its dp mode's family (``ddp`` for ddp and zero1, whose parameters are replicated; ``fsdp`` for
+    fsdp, zero2 and hsdp: FSDP2's sharded parameters) and its tp size (the product of the axes its placements shard)."""
     out: dict[str, int] = {}
     if (dp := plan.data_parallel) is not None and (size := plan.mesh.size(dp.dim_names)) > 1:
-        out["ddp" if dp.mode == "ddp" else "fsdp"] = size
+        out["ddp" if dp.mode in ("ddp", "zero1") else "fsdp"] = size
     if (tp := tp_degree(plan)) > 1:
         out["tp"] = tp
     return out

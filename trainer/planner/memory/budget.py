@@ -189,7 +189,7 @@ def _remedies(cfg: RunConfig):
                 yield f"parallel.pipeline.microbatches={m}", cfg.model_copy(update={"parallel": par.model_copy(
                     update={"pipeline": par.pipeline.model_copy(update={"microbatches": m})})})
                 break
-    if par is not None and par.data_parallel is not None and par.data_parallel.mode in ("ddp", "zero2"):
+    if par is not None and par.data_parallel is not None and par.data_parallel.mode in ("ddp", "zero1", "zero2"):
         yield "parallel.data_parallel.mode=fsdp", cfg.model_copy(update={"parallel": par.model_copy(
             update={"data_parallel": par.data_parallel.model_copy(update={"mode": "fsdp"})})})
     for factor in (2, 4, 8):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import platform
 
+from parallel.config import REPLICATED_DP_MODES
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.numbers import MIB
@@ -143,7 +144,7 @@ def fsdp_heap_buffers(cfg: RunConfig, plan: ParallelPlan, blocks: list[list[floa
     allocation; bytes of its per-parameter unsharded tensors from the heap in one step)``
     (``blocks``: each held block's tp-local fp32 parameter sizes); nothing without FSDP."""
     dp = plan.param_data_parallel  # FSDP shards over the cp ranks too
-    if dp is None or dp.mode == "ddp" or plan.mesh.world_size == 1:
+    if dp is None or dp.mode in REPLICATED_DP_MODES or plan.mesh.world_size == 1:
         return [], 0.0
     pdt = 0.5 if cfg.train.precision == "bf16" else 1.0  # all-gathers move the compute dtype
     gathers = 1 if dp.mode == "zero2" or plan.pipeline is not None else 2  # per block and step

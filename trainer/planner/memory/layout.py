@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.config import INTERLEAVED_SCHEDULES, V_SCHEDULES
+from parallel.config import INTERLEAVED_SCHEDULES, REPLICATED_DP_MODES, V_SCHEDULES
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import MMAP_FROM
@@ -64,12 +64,12 @@ def on_cuda(cfg: RunConfig) -> bool:
 
 def fsdp(plan: ParallelPlan) -> bool:  # FSDP2 shards parameters (one rank: no data parallelism at all)
     dp = plan.param_data_parallel  # cp ranks shard parameters as dp ranks
-    return dp is not None and dp.mode != "ddp" and plan.mesh.world_size > 1
+    return dp is not None and dp.mode not in REPLICATED_DP_MODES and plan.mesh.world_size > 1
 
 
-def replicated(plan: ParallelPlan) -> bool:  # ddp: FSDP2's replicate, the whole model (or stage) one unit
+def replicated(plan: ParallelPlan) -> bool:  # ddp, zero1: FSDP2's replicate, the whole model (or stage) one unit
     dp = plan.param_data_parallel
-    return dp is not None and dp.mode == "ddp" and plan.mesh.world_size > 1
+    return dp is not None and dp.mode in REPLICATED_DP_MODES and plan.mesh.world_size > 1
 
 
 def fsdp2(plan: ParallelPlan) -> bool:  # either runs on FSDP2's parameter groups

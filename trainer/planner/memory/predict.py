@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from parallel.config import REPLICATED_DP_MODES
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import host_overhead, runtime
@@ -186,7 +187,7 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     # backward's worst moment, where this step's gradients are made again in the same blocks.
     stream_held = on_cuda(cfg) and fsdp(plan) and pp is None
     accumulates = pp is not None or t.grad_accum > 1 or stream_held
-    keep = 0.0 if accumulates else 1.0 / shard if dp is not None and dp.mode != "ddp" else 1.0
+    keep = 0.0 if accumulates else 1.0 / shard if dp is not None and dp.mode not in REPLICATED_DP_MODES else 1.0
     keep *= expert_share(plan, numbers)  # ep: the meta pass makes every expert's gradient, a rank 1/ep of them
     # A pipelined stage accumulates its micro-batches' gradients (FSDP2's unsharded: in_flight_peak);
     # FSDP2's sharded ones appear only as the stage's final reduce frees those, so beside the
