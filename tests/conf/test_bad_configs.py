@@ -446,7 +446,8 @@ def test_the_cli_names_a_typo_and_sets_keys_a_preset_does_not_state(tmp_path):
 
 
 _PARALLEL_OPTIONS = ("options in trainer/conf/parallel: 2d, 3d, 3d_cp, 3d_ep, auto, cp, dp, ep, fsdp, "
-                     "fsdp_cp, fsdp_ep, hsdp, hsdp_tp, pp, pp_stages, tp, tp_sp, zero1, zero2")
+                     "fsdp_cp, fsdp_ep, hsdp, hsdp_tp, pp, pp_stages, pp_stages_cp, pp_stages_ep, tp, tp2d, tp2d_dp, "
+                     "tp2p5d, tp3d, tp3d_dp, tp_sp, zero1, zero2")
 
 
 @pytest.mark.parametrize(("typed", "line"), [
