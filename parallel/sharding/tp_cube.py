@@ -16,7 +16,7 @@ neural networks", the scheme Colossal-AI's ``Linear3D`` implements). ``Y = X W``
   input: rows over a then b, columns over c.
 * Backward mirrors it: dY all-gathered over b, dX reduce-scattered over c, dW reduce-scattered over a.
   Per rank and per Linear that is ``2 (q - 1) / q^3 (mk + kn + mn)`` elements sent (forward + backward):
-  each of X, W, Y moves ``(q - 1)`` times its stored block, twice (``tests/bench/bench_tp_cube.py``).
+  each of X, W, Y moves ``(q - 1)`` times its stored block, twice (``tests/bench/bench_tp_grids.py``).
 * The next Linear swaps the roles of b and c (Colossal-AI's ``swap_in_out_group``): its input is the
   previous output, ``[rows over a then b, k over c]``, gathered over b, reduce-scattered over c.
 

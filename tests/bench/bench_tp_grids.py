@@ -1,11 +1,13 @@
 """Colossal-AI's tensor-parallel family on 8 workers: bytes each rank sends per step, and its memory for weights
 and activations, measured in real gloo processes beside each scheme's analytic figures.
 
-    python tests/bench/bench_tp_grids.py            # one launch of 8 processes, ~3 minutes on 2 cores
+    python tests/bench/bench_tp_grids.py            # one launch of 8 processes, ~4 minutes on 2 cores
+    python tests/bench/bench_tp_grids.py --out tests/bench/results/tp_grids_2026-11-29.txt
+    python tests/bench/bench_tp_grids.py --raw > m.json; python tests/bench/bench_tp_grids.py --measured m.json
 
 Layouts (one model, 8 workers): 1-D tp 8 (Megatron), 2-D 2 x 2 with dp 2 (``+parallel=tp2d_dp``, Optimus /
-SUMMA), 2.5-D 2 x 2 x 2 (``+parallel=tp2p5d``, Tesseract). The 3-D row (``tp3d``) is another bench's
-(tests/bench/bench_tp_cube.py); its slot is printed empty here. The model is gpt_debug made splittable 8
+SUMMA), 2.5-D 2 x 2 x 2 (``+parallel=tp2p5d``, Tesseract), 3-D 2 x 2 x 2 (``+parallel=tp3d``, Bian et al.'s
+cube; each rank's cube holds the whole batch). The model is gpt_debug made splittable 8
 ways (8 heads over 8 kv heads, dim 64, ffn 176, 4 layers, vocabulary 256), fp32, global batch 16 x 128 tokens;
 the head is replicated in every layout (``loss_parallel=false`` for tp, which the grids keep anyway), so the
 figures compare the blocks' partitioning and nothing else.
@@ -30,11 +32,16 @@ Analytic, per step and rank (E = 4 bytes, L blocks, each block's Linears ``(in, 
   parallelism's all-reduce of this rank's gradients ``2 (d-1)/d P_rank E``.
 * 2.5-D (Wang et al. 2021, Tesseract, sec. 3): each of the d layers runs the 2-D figures on its N/d tokens, and
   ``dW`` is all-reduced among depth: the 2-D terms with N the layer's tokens, plus ``2 (d-1)/d P_rank E``.
+* 3-D (Agarwal et al. 1995; Bian et al. 2021): :func:`parallel.plan.cube.cube_traffic` on the batch's N tokens,
+  the paper's per-Linear ``2 (q-1)/q^3 (N in + in out + N out)`` plus the norms' statistics and weight gradients
+  and the stream gathered whole at the cube's exit (forward) and entry (backward). Its axes (ca, cb, cc) are
+  compared together, as one ``cube`` row.
 * Every layout: the gradient norm's and the loss's all-reduces (one float64 each over the world).
 
-Memory per rank: weights = this rank's parameter bytes (local shards) against ``P_rank E``; activations = the
-bytes autograd saves for backward in one forward (unique storages, counted by a saved-tensors hook), measured
-only (no prediction of the grids' activations yet).
+Memory per rank: weights = this rank's parameter bytes (local shards) against ``P_rank E`` (3-D:
+:func:`~parallel.plan.cube.cube_memory`'s cube and whole weights); activations = the bytes autograd saves for
+backward in one forward (unique storages, counted by a saved-tensors hook), measured only, except the 3-D row's
+share kept inside the cube's Linears and norms (a hook scoped by module), against ``cube_memory``'s prediction.
 """
 
 from __future__ import annotations
@@ -64,8 +71,10 @@ LAYOUTS = {
     "1-D tp 8": ["+parallel=tp", "mesh=[8]", "parallel.tensor_parallel.loss_parallel=false"],
     "2-D 2x2, dp 2": ["+parallel=tp2d_dp"],
     "2.5-D 2x2x2": ["+parallel=tp2p5d"],
+    "3-D 2x2x2": ["+parallel=tp3d"],
 }
-CUBE_ROW = "3-D 2x2x2"  # tests/bench/bench_tp_cube.py
+CUBE = "3-D 2x2x2"
+CUBE_AXES = ("ca", "cb", "cc")  # conf/parallel/tp3d.yaml's dims, the roles (a, b, c); compared as one "cube" row
 RESULTS = REPO / "tests" / "bench" / "results"
 
 
@@ -137,28 +146,38 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def _saved_bytes(pm, batch: torch.Tensor, loss_fn) -> int:
+def _saved_bytes(pm, batch: torch.Tensor, loss_fn) -> dict[str, int]:
     """Bytes of the distinct storages autograd keeps for backward over one forward of this rank's batch (not
-    parameters: their storage is the weights')."""
+    parameters: their storage is the weights'), by where they are saved: inside the cube's Linears
+    (``linear``), its norms (``norm``), elsewhere (``other``; every byte of the other layouts)."""
     params = {_local(p).untyped_storage().data_ptr() for p in pm.parameters()}
-    seen: dict[int, int] = {}
+    seen: dict[int, tuple[str, int]] = {}
+    scope: list[str] = []
+    (model,) = pm.model_parts
+    hooks = []
+    for name, module in model.named_modules():
+        if pm.placement_report.get(name) == "cube":
+            kind = "linear" if isinstance(module, torch.nn.Linear) else "norm"
+            hooks += [module.register_forward_pre_hook(lambda _m, _a, kind=kind: scope.append(kind)),
+                      module.register_forward_hook(lambda *_: scope.pop() and None)]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen[storage.data_ptr()] = (scope[-1] if scope else "other", storage.nbytes())
         return t
 
-    (model,) = pm.model_parts
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = loss_fn(model(batch[:, :-1]), batch[:, 1:])
     loss.backward()
+    for hook in hooks:
+        hook.remove()
     for p in pm.parameters():
         p.grad = None
-    return sum(seen.values())
+    kinds: dict[str, int] = defaultdict(int)
+    for kind, nbytes in seen.values():
+        kinds[kind] += nbytes
+    return dict(kinds)
 
 
 def _entry(rank: int, port: int, out_dir: str) -> None:
@@ -233,17 +252,45 @@ def two_d(s: dict, q: int, batch_ranks: int, batch_axis: str | None) -> dict[str
     return out
 
 
+def cube() -> tuple:
+    """``(CubeSpec, model on meta, tokens a rank's cube holds)`` of the 3-D row, for
+    :func:`parallel.plan.cube.cube_traffic` and :func:`~parallel.plan.cube.cube_memory`."""
+    from parallel.plan.resolve import resolve_plan
+    from trainer.models import build_model
+    from trainer.validate.checks import validate_config
+
+    cfg = validate_config(raw_config(CUBE))
+    model = build_model(cfg.model, device="meta")
+    spec = resolve_plan(cfg.parallel, cfg.mesh, model).cube
+    return spec, model, cfg.train.global_batch_size * cfg.train.seq_len
+
+
 def analytic(layout: str, s: dict) -> dict[str, float]:
     scalars = 2 * 2 * 7 / 8 * 8  # the grad norm's and the loss's float64 all-reduces over the 8 workers
+    if layout == CUBE:
+        from parallel.plan.cube import cube_traffic
+
+        spec, model, tokens = cube()
+        return {"cube": sum(cube_traffic(spec, model, side=2, tokens=tokens, dtype_bytes=E).values()),
+                "world": scalars}
     per_axis = {"1-D tp 8": lambda: one_d(s, 8), "2-D 2x2, dp 2": lambda: two_d(s, 2, 2, "dp"),
                 "2.5-D 2x2x2": lambda: two_d(s, 2, 2, "depth")}[layout]()
     return {**per_axis, "world": scalars}
 
 
-def predicted_weights(layout: str, s: dict) -> int:
+def predicted_weights(layout: str, s: dict) -> float:
+    if layout == CUBE:
+        return sum(_cube_memory()[k] for k in ("cube weights", "whole weights"))
     if layout == "1-D tp 8":
         return params_per_rank(s, block_divisor=8, norm_divisor=1) * E
     return params_per_rank(s, block_divisor=4, norm_divisor=2) * E
+
+
+def _cube_memory() -> dict[str, float]:
+    from parallel.plan.cube import cube_memory
+
+    spec, model, tokens = cube()
+    return cube_memory(spec, model, side=2, tokens=tokens, dtype_bytes=E)
 
 
 # ------------------------------------------------------------------------------ the table
@@ -252,11 +299,11 @@ def predicted_weights(layout: str, s: dict) -> int:
 def table(measured: dict, s: dict) -> list[str]:
     lines = [f"{'layout':15} {'axis':6} {'sent KiB/step':>13} {'analytic KiB':>12} {'diff':>7}"]
     worst = 0.0
-    for layout in [*LAYOUTS, CUBE_ROW]:
-        if layout not in measured:
-            lines.append(f"{layout:15} {'-':6} {'(tests/bench/bench_tp_cube.py)':>34}")
-            continue
+    for layout in LAYOUTS:
         sent, want = dict(measured[layout]["sent"]), analytic(layout, s)
+        if layout == CUBE:  # cube_traffic prices the cube's three axes together; each is shown, measured only
+            lines += [f"{layout:15} {axis:6} {sent[axis] / 1024:13.1f}" for axis in CUBE_AXES if axis in sent]
+            sent["cube"] = sum(sent.pop(axis, 0.0) for axis in [*CUBE_AXES, "+".join(CUBE_AXES)])
         if "world" not in sent and "tp" in sent:  # 1-D: the tp group is the world, the scalars ride on it
             want["tp"] += want.pop("world")
         for axis in sorted(set(sent) | set(want)):
@@ -268,31 +315,45 @@ def table(measured: dict, s: dict) -> list[str]:
         lines.append(f"{layout:15} {'total':6} {total / 1024:13.1f} {total_want / 1024:12.1f} "
                      f"{100 * abs(total - total_want) / total_want:6.2f}%")
     lines.append(f"largest difference: {100 * worst:.2f}% (within 5%: {worst <= 0.05})")
-    lines += ["", f"{'layout':15} {'weights KiB':>11} {'predicted':>9} {'activations KiB':>15}"]
+    lines += ["", f"{'layout':15} {'weights KiB':>11} {'predicted':>9} {'activations KiB':>15} "
+              f"{'in the cube':>11} {'predicted':>9}"]
     for layout in LAYOUTS:
         m = measured[layout]
-        lines.append(f"{layout:15} {m['weights'] / 1024:11.1f} {predicted_weights(layout, s) / 1024:9.1f} "
-                     f"{m['activations'] / 1024:15.1f}")
-    lines.append(f"{CUBE_ROW:15} {'(tests/bench/bench_tp_cube.py)':>37}")
+        acts = m["activations"]
+        line = (f"{layout:15} {m['weights'] / 1024:11.1f} {predicted_weights(layout, s) / 1024:9.1f} "
+                f"{sum(acts.values()) / 1024:15.1f}")
+        if layout == CUBE:  # what the cube's Linears and norms keep, against cube_memory
+            memory = _cube_memory()
+            got = acts.get("linear", 0) + acts.get("norm", 0)
+            line += f" {got / 1024:11.1f} {(memory['Linear activations'] + memory['norm activations']) / 1024:9.1f}"
+        lines.append(line)
     return lines
 
 
 def main() -> None:
+    import argparse
     import datetime
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="where the table goes (default: results/tp_grids_<today>.txt)")
+    parser.add_argument("--raw", action="store_true", help="print rank 0's measurements as JSON, no table")
+    parser.add_argument("--measured", type=Path, help="build the table from a --raw JSON instead of launching")
+    args = parser.parse_args()
+    measured = json.loads(args.measured.read_text()) if args.measured else launch()
+    if args.raw:
+        print(json.dumps(measured, indent=1))
+        return
     s = shapes()
-    lines = table(launch(), s)
+    lines = table(measured, s)
     header = (f"bench_tp_grids {datetime.date.today()}: gpt_debug 8 heads / 8 kv heads, dim {s['h']}, ffn 176, "
               f"{s['L']} layers, fp32, global batch {s['B']} x {s['T']} tokens, 8 gloo workers; bytes sent per rank "
               "per step (rank 0, the step after one warm-up)")
     text = "\n".join([header, *lines]) + "\n"
     print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"tp_grids_{datetime.date.today()}.txt").write_text(text)
+    out = args.out or RESULTS / f"tp_grids_{datetime.date.today()}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
 
 
 if __name__ == "__main__":
-    if "--raw" in sys.argv:
-        print(json.dumps(launch(), indent=1))
-    else:
-        main()
+    main()

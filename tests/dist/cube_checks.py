@@ -6,7 +6,7 @@
 * ``dp``: ddp x a cube of side 1 ([2, 1, 1, 1]), the cube weights averaging their gradients over dp;
   ``dp_cube``: ddp x the cube [2, 2, 2, 2] (16 processes);
 * ``bytes``: the bytes each rank sends in one forward and backward of gpt_debug on [2, 2, 2], by collective and
-  axis (:func:`sent_bytes`), for ``tests/bench/bench_tp_cube.py`` and the test's analytic volume;
+  axis (:class:`SentBytes`), against the analytic volume (the bench is ``tests/bench/bench_tp_grids.py``);
   the bytes of this rank's parameters and of what autograd keeps for backward, per kind.
 
 The parent compares losses and gradient norms with one device (fp32, rel 1e-5).
