@@ -231,21 +231,12 @@ def one_d(s: dict, p: int) -> dict[str, float]:
 
 
 def two_d(s: dict, q: int, batch_ranks: int, batch_axis: str | None) -> dict[str, float]:
-    """Optimus on a q x q grid holding ``B / batch_ranks`` sequences (2-D with dp, or one Tesseract layer)."""
-    n = s["B"] // batch_ranks * s["T"] // q  # tokens per rank
-    h, k = s["h"], (q - 1) / q
-    linear_col = sum(2 * k * n * i for i, _ in s["linears"])            # X gathered, dX reduce-scattered
-    linear_row = sum(2 * k * i * o / q for i, o in s["linears"])        # W gathered, dW reduce-scattered
-    norms = s["L"] * s["norms"]
-    # a norm: its statistics all-reduced over c (N/q values) in forward; in backward DTensor keeps their
-    # gradient Partial over c, so one term of the input's gradient is reduce-scattered (N/q x h)
-    col = s["L"] * linear_col + norms * (2 * k * n + k * n * h)
-    row = s["L"] * linear_row + norms * 2 * k * h / q                   # the norm weights' gradients
-    # the stream leaving the grid (forward) and its gradient entering it (backward): gathered over c (n x h
-    # after), then over r (n q x h after)
-    col += 2 * k * n * h
-    row += 2 * k * n * q * h
-    out = {"col": col * E, "row": row * E}
+    """Optimus on a q x q grid holding ``B / batch_ranks`` sequences (2-D with dp, or one Tesseract layer):
+    :func:`trainer.planner.cost.grids.grid_traffic`, the dry run's formula, and dp's (or depth's) all-reduce."""
+    from trainer.planner.cost.grids import grid_traffic
+
+    out = grid_traffic(s["linears"], layers=s["L"], norms=s["norms"], hidden=s["h"], side=q,
+                       tokens=s["B"] // batch_ranks * s["T"], dtype_bytes=E)
     if batch_axis is not None:
         held = params_per_rank(s, block_divisor=q * q, norm_divisor=q)
         out[batch_axis] = 2 * (batch_ranks - 1) / batch_ranks * held * E

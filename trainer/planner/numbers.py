@@ -14,10 +14,12 @@ from parallel.config import ParallelConfig
 from parallel.pipeline.order import expected_bubble
 from parallel.placements import PlacementSpec
 from parallel.plan.resolve import resolve_plan
+from parallel.plan.held import layout_placements
 from parallel.plan.spec import ParallelPlan
 from parallel.sharding.adapters import adapter_placements
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
+from trainer.planner.cost.grids import layout_traffic
 from trainer.models.skeleton import meta_model
 
 MIB, GIB = 2**20, 2**30
@@ -140,7 +142,8 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     stage_trainable = [0.0] * num_stages  # frozen weights (LoRA's base) have no gradient nor AdamW state
     stage_experts = [0.0] * num_stages  # the experts' weights + gradients + AdamW moments, in parameters
     stage_expert_local = [0.0] * num_stages
-    placements = held_placements(model, plan)
+    # the grid's or cube's blocks as they hold them (the meta pass runs them whole: held_placements alone)
+    placements = {**held_placements(model, plan), **layout_placements(plan, model)}
     unit_of = _units_of(model, plan.units)
     for fqn, numel, trainable in parameter_list(model):
         axes = placements.get(fqn, {})
@@ -170,7 +173,7 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     m = cfg.num_microbatches
     # (p-1)/(m+p-1), over v for interleaving; the zero-bubble schedules' own (parallel.pipeline.order).
     bubble = expected_bubble(pp.schedule, pp_size=cfg.pp_size, stages_per_rank=spr, microbatches=m) if pp else 0.0
-    comm = _comm_bytes(cfg, plan, per_rank)
+    comm = _comm_bytes(cfg, plan, per_rank, model)
     return PlanNumbers(stage_params=stage_params, boundaries=bounds, per_pp_rank=per_rank, bubble=bubble, comm=comm)
 
 
@@ -206,8 +209,9 @@ def kv_bytes(cfg: RunConfig, plan: ParallelPlan, decoder, rows: int, elem: int) 
     return decoder.n_layers / cfg.pp_size * hops
 
 
-def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]) -> dict[str, float]:
-    """Bytes each rank sends per optimizer step on each mesh axis (ring collectives)."""
+def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings], model) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step on each mesh axis (ring collectives); ``model`` on the meta
+    device (the grid's and cube's formulas read its Linears)."""
     par = cfg.parallel
     out: dict[str, float] = {}
     if par is None:
@@ -239,6 +243,10 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
             n = cfg.axis_size(axis)
             # Megatron: 2 all-reduces per block forward and 2 backward.
             out[axis] = 4 * layers_per_rank * act * 2 * (n - 1) / n
+        # 2-D / 2.5-D / 3-D: the grid's or cube's own collectives, per accumulation pass (trainer.planner.cost.grids)
+        passes = cfg.train.grad_accum
+        for axis, nbytes in layout_traffic(plan, model, tokens=tokens // passes, dtype_bytes=elem).items():
+            out[axis] = out.get(axis, 0.0) + nbytes * passes
         if pp := par.pipeline:
             out[pp.dim] = 2 * act * pp.stages_per_rank  # activations forward + gradients backward
         if (ep_cfg := par.expert_parallel) is not None and decoder.moe is not None:

@@ -1,11 +1,11 @@
 """The candidate layouts the auto-planner's search considers: every split of the ranks into dp (and
 its modes; hsdp's on every replicate x shard split, beside ep too), pp (its schedules, stages per rank and
 micro-batches), cp (long rows; with a pipeline or not), ep (a model with experts) and tp (with sequence parallelism
-and without), gradient accumulation where there is no pipeline, with each activation checkpointing (full:
-every block or every n-th) and precision the knobs allow, as :class:`~trainer.planner.auto.ranking.Candidate`
-sections: the layouts practitioners write, as they write them. :class:`Layouts` is the base of
-:class:`~trainer.planner.auto.search.Search`, which sets what it reads: ``knobs``, ``base`` (the config), ``world``,
-``model`` and ``decoder`` (the meta model and its decoder config) and ``pricing``.
+and without; 2-D grids and 3-D cubes where the ranks make one), gradient accumulation where there is no pipeline,
+with each activation checkpointing (full: every block or every n-th) and precision the knobs allow, as
+:class:`~trainer.planner.auto.ranking.Candidate` sections: the layouts practitioners write, as they write them.
+:class:`Layouts` is the base of :class:`~trainer.planner.auto.search.Search`, which sets what it reads: ``knobs``,
+``base`` (the config), ``world``, ``model`` and ``decoder`` (the meta model and its decoder config) and ``pricing``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,26 @@ class Layouts:
                                 k.sequence_parallel if tp > 1 else [False], acs, precisions):
                             yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac, precision,
                                                   cp=cp, sp=sp, accum=accum)
+        if tp_ok:  # Colossal-AI's 2-D and 3-D tensor parallelism where the ranks make a square or a cube
+            for side, dims, dp_section in self._grids():
+                splits = self._batch_splits(1, self.world // side ** len(dims))
+                for (_, _, accum), ac, precision in itertools.product(splits, acs, precisions):
+                    yield _grid_candidate(self.world, side, dims, dp_section, ac, precision, accum)
+
+    def _grids(self) -> Iterator[tuple[int, tuple[str, ...], dict | None]]:
+        """``(side q, grid axes, data-parallel section)`` of each q x q grid (``parallel.grid_parallel``) and
+        q x q x q cube (``parallel.tensor_parallel_3d``) whose ranks divide the world, the rest data-parallel
+        (a grid's with each of the knobs' ddp / fsdp, a cube's with ddp: FSDP2 takes at most two placements).
+        Whether the model splits over it, validation decides (a refused candidate is listed as invalid)."""
+        modes = [m for m in self.knobs.data_parallel_modes if m in ("ddp", "fsdp")]
+        for dims, allowed in ((("row", "col"), modes), (("ca", "cb", "cc"), [m for m in modes if m == "ddp"])):
+            side = 2
+            while side ** len(dims) <= self.world:
+                dp = self.world // side ** len(dims)
+                if self.world % side ** len(dims) == 0:
+                    sections = [None] if dp == 1 else [{"dim": "dp", "mode": m} for m in allowed]
+                    yield from ((side, dims, section) for section in sections)
+                side += 1
 
     def _batch_splits(self, pp: int, dp: int) -> Iterator[tuple[str, dict | None, int]]:
         """``(pipeline label, pipeline section, gradient-accumulation steps)``: each pipeline of
@@ -154,6 +174,29 @@ class Layouts:
         label += (f", AC {ac}" if ac != "none" else "") + (f" every {every}" if every > 1 else "")
         label += ", bf16" if precision == "bf16" else ""
         return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision, grad_accum=accum)
+
+
+def _grid_candidate(world: int, side: int, dims: tuple[str, ...], dp_section: dict | None,
+                    checkpointing: tuple[str, int], precision: str, accum: int) -> Candidate:
+    """A candidate of :meth:`Layouts._grids`: the tp2d(_dp) / tp3d(_dp) presets' sections at these sizes."""
+    ac, every = checkpointing
+    dp = world // side ** len(dims)
+    parallel: dict[str, Any] = {"dims": [*(["dp"] if dp_section else []), *dims], "activation_checkpointing": ac,
+                                "activation_checkpointing_every": every}
+    if dp_section is not None:
+        parallel["data_parallel"] = dp_section
+    if len(dims) == 2:
+        parallel["grid_parallel"] = {"rows": dims[0], "cols": dims[1]}
+    else:
+        parallel["tensor_parallel_3d"] = {"dims": list(dims)}
+    shape = "x".join([str(side)] * len(dims))
+    label = " x ".join(p for p in (f"dp{dp}({dp_section['mode']})" if dp_section else "",
+                                   f"{'grid' if len(dims) == 2 else 'cube'} {shape}") if p)
+    label += (f", accum {accum}" if accum > 1 else "")
+    label += (f", AC {ac}" if ac != "none" else "") + (f" every {every}" if every > 1 else "")
+    label += ", bf16" if precision == "bf16" else ""
+    return Candidate(label=label, mesh=[*([dp] if dp_section else []), *[side] * len(dims)], parallel=parallel,
+                     precision=precision, grad_accum=accum)
 
 
 def _hsdp_sizes(label: str) -> list[int]:

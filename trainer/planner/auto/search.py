@@ -139,7 +139,10 @@ class Search(Layouts):
         pipeline = c.parallel.get("pipeline")
         key = (sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("cp", 1), sizes.get("ep", 1),
                json.dumps({k: v for k, v in (pipeline or {}).items() if k not in ("schedule", "microbatches")},
-                          sort_keys=True), json.dumps(c.parallel.get("tensor_parallel"), sort_keys=True))
+                          sort_keys=True), json.dumps(c.parallel.get("tensor_parallel"), sort_keys=True),
+               # a 2-D grid or 3-D cube (trainer.planner.auto.layouts._grids): its section and side
+               json.dumps([c.parallel.get("grid_parallel"), c.parallel.get("tensor_parallel_3d")], sort_keys=True),
+               sizes.get("row", 1), sizes.get("ca", 1))
         if key not in self._plans:
             self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model, layout_cache=self._layouts,
                                             check_glob=lambda *glob: check_heads(self.decoder, *glob))
@@ -167,7 +170,8 @@ class Search(Layouts):
     # ------------------------------------------------------------------ prediction
 
     def params(self, plan: ParallelPlan) -> dict:
-        key = (self.params_key(plan), plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
+        key = (self.params_key(plan), plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1,
+               plan.grid, plan.cube, plan.topology.tp_size)  # a grid's or cube's blocks: held as they split them
         if key not in self._params:
             self._params[key] = unit_params(plan, self.model)
         return self._params[key]

@@ -19,10 +19,13 @@ from typing import NamedTuple
 
 from torch import nn
 
+from parallel.plan.held import layout_placements
 from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
+from trainer.models.skeleton import meta_model
 from trainer.planner.cost.calibration import Calibration
+from trainer.planner.cost.grids import layout_calls, layout_traffic
 from trainer.planner.memory.layout import checkpointed
 
 
@@ -59,10 +62,11 @@ def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, 
     of one rank (experts split over ep: each rank holds 1/ep of them)."""
     out: dict[str, list] = {u: [0.0, 0, 0.0] for u in plan.units}
     topology = plan.topology
+    placements = {**plan.placements, **layout_placements(plan, model)}  # the grid's or cube's blocks too
     for fqn, p in model.named_parameters():
         unit = plan.unit_of(fqn)
         expert = topology.is_expert(fqn)
-        local = p.numel() / topology.local_divisor(fqn, plan.placements.get(fqn, {}))
+        local = p.numel() / topology.local_divisor(fqn, placements.get(fqn, {}))
         out[unit][0] += local
         out[unit][1] += 1
         out[unit][2] += local if expert else 0.0
@@ -107,6 +111,8 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
                 ops.append(CommOp(axis, "all_reduce", g, act, count))
             if (outside := vocab_parallel_reduces(plan, held, axis)) > 0:
                 ops.append(CommOp(axis, "all_reduce", g, act, outside * m * t.grad_accum, role="vocab"))
+    if (plan.grid is not None or plan.cube is not None) and blocks:
+        ops += _layout_ops(cfg, plan, micro_batch * t.seq_len, cdt, passes=m * t.grad_accum)
     if pp is not None and plan.pp_size > 1:
         ops.append(CommOp(pp.dim, "send_recv", 2, act, 2 * pp.stages_per_rank * m * t.grad_accum))
     if (ep := plan.expert_parallel) is not None and decoder is not None and decoder.moe is not None:
@@ -116,6 +122,19 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
         count = (4 + 2 * (plan.activation_checkpointing == "full")) * moe_blocks * m * t.grad_accum
         ops.append(CommOp(ep.dim, "all_to_all", plan.mesh.size(ep.dim), act * decoder.moe.top_k, count))
     return [op for op in ops if op.count > 0 and op.group_size > 1]
+
+
+def _layout_ops(cfg: RunConfig, plan: ParallelPlan, tokens: int, cdt: int, passes: int) -> list[CommOp]:
+    """2-D / 2.5-D / 3-D tensor parallelism's collectives in ``passes`` forward and backward passes of ``tokens``
+    token rows: :func:`trainer.planner.cost.grids.layout_traffic`'s bytes per axis, as gathers of one size
+    (:func:`~trainer.planner.cost.grids.layout_calls` of them per pass) whose ring sends those bytes."""
+    model = meta_model(cfg.model)
+    calls = layout_calls(plan, model)
+    ops = []
+    for axis, sent in layout_traffic(plan, model, tokens=tokens, dtype_bytes=cdt).items():
+        g = plan.mesh.size(axis.split(",")[0])
+        ops.append(CommOp(axis, "all_gather", g, sent * g / (g - 1) / calls[axis], calls[axis] * passes))
+    return ops
 
 
 def _kv_ops(cp, plan: ParallelPlan, decoder, tokens: int, cdt: int, layers: int, forwards: int) -> list[CommOp]:

@@ -141,8 +141,8 @@ def summary_lines(summary: dict) -> list[str]:
     where = (f"hardware {summary['hardware']}, {summary['nnodes']} node(s) x {summary['devices_per_node']} devices"
              if summary["hardware"] != "this_host" else "this host")
     lines = [f"predicted on {where}:"]
-    if summary["step_time_s"] is None and summary["note"]:
-        lines.append(f"  {summary['note']}")
+    if summary["step_time_s"] is None:  # not predicted: the note (an uncalibrated host) or the errors say why
+        lines += [f"  {text}" for text in ([summary["note"]] if summary["note"] else summary["errors"])]
     else:
         mfu = summary["model_flops_utilization"]
         parts = ", ".join(f"{k} {v:.3g} s" for k, v in summary["parts_s"].items() if v)
