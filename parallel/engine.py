@@ -156,22 +156,10 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     Returns tensor parallelism's report and adds the part's per-head parameters to ``heads``
     (:mod:`parallel.sharding.head_params`). A tied parameter (input and output embeddings) stays one parameter
     throughout (:mod:`parallel.sharding.ties`)."""
-    report: dict[str, str] = {}
     tied = tied_groups(part)
     if init is None:
         part.to(device)
-    if layout.placements or layout.layouts:
-        assert mesh is not None, "a plan with placements spans more than one rank"
-        placements = placed_alike(layout.placements, model_ties)
-        heads.entries += find_head_parameters(part, classify(part, placements, layout.layouts).col, mesh).entries
-        report = apply_placements(part, mesh, placements=placements, layouts=layout.layouts)
-        retie(part, tied)  # each holder of a tied parameter was distributed on its own: one parameter again
-    if layout.grid is not None:  # 2-D / 2.5-D tensor parallelism: the blocks over the rows x cols grid
-        assert mesh is not None, "a grid spans more than one rank"
-        report.update(apply_grid(part, mesh, rows=layout.grid.rows, cols=layout.grid.cols, blocks=layout.blocks))
-    if layout.cube is not None:
-        assert mesh is not None, "a cube spans more than one rank"
-        report.update(_apply_cube(part, mesh, layout))
+    report = _apply_tensor_parallel(part, mesh, layout, heads=heads, model_ties=model_ties, tied=tied)
     cp = layout.context_parallel if layout.cp_size > 1 else None  # one cp rank: whole rows, plain attention
     if cp is not None:
         assert mesh is not None, "more than one cp rank: a mesh"
@@ -208,6 +196,26 @@ def _parallelize_part(part: nn.Module, mesh: DeviceMesh | None, layout: Parallel
     if experts and dp is None:  # data parallelism divides their gradients by dp x ep; here ep alone
         assert mesh is not None and ep is not None, "experts are split over an ep axis of a mesh"
         divide_expert_grads(experts, mesh[ep.dim].size())
+    return report
+
+
+def _apply_tensor_parallel(part: nn.Module, mesh: DeviceMesh | None, layout: ParallelPlan, *, heads: HeadGradients,
+                           model_ties: Sequence[list[str]], tied: list[list[str]]) -> dict[str, str]:
+    """The part's tensor parallelism: per-parameter placements (1-D tp, sequence parallel), Colossal-AI's 2-D /
+    2.5-D grid or its 3-D cube; their report (``{module FQN: style}``)."""
+    report: dict[str, str] = {}
+    if layout.placements or layout.layouts:
+        assert mesh is not None, "a plan with placements spans more than one rank"
+        placements = placed_alike(layout.placements, model_ties)
+        heads.entries += find_head_parameters(part, classify(part, placements, layout.layouts).col, mesh).entries
+        report = apply_placements(part, mesh, placements=placements, layouts=layout.layouts)
+        retie(part, tied)  # each holder of a tied parameter was distributed on its own: one parameter again
+    if layout.grid is not None:  # 2-D / 2.5-D tensor parallelism: the blocks over the rows x cols grid
+        assert mesh is not None, "a grid spans more than one rank"
+        report.update(apply_grid(part, mesh, rows=layout.grid.rows, cols=layout.grid.cols, blocks=layout.blocks))
+    if layout.cube is not None:
+        assert mesh is not None, "a cube spans more than one rank"
+        report.update(_apply_cube(part, mesh, layout))
     return report
 
 

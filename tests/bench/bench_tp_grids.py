@@ -232,8 +232,8 @@ def one_d(s: dict, p: int) -> dict[str, float]:
 
 def two_d(s: dict, q: int, batch_ranks: int, batch_axis: str | None) -> dict[str, float]:
     """Optimus on a q x q grid holding ``B / batch_ranks`` sequences (2-D with dp, or one Tesseract layer):
-    :func:`trainer.planner.cost.grids.grid_traffic`, the dry run's formula, and dp's (or depth's) all-reduce."""
-    from trainer.planner.cost.grids import grid_traffic
+    :func:`parallel.plan.traffic.grid_traffic`, the dry run's formula, and dp's (or depth's) all-reduce."""
+    from parallel.plan.traffic import grid_traffic
 
     out = grid_traffic(s["linears"], layers=s["L"], norms=s["norms"], hidden=s["h"], side=q,
                        tokens=s["B"] // batch_ranks * s["T"], dtype_bytes=E)

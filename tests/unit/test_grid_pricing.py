@@ -1,6 +1,6 @@
 """The dry run prices 2-D, 2.5-D (``parallel.grid_parallel``) and 3-D (``parallel.tensor_parallel_3d``) tensor
 parallelism as their layouts hold and send: per-rank weights / gradients / AdamW of the grid's or cube's blocks
-(parallel/plan/held.py), and per-axis traffic from the schemes' formulas (trainer/planner/cost/grids.py), equal to
+(parallel/plan/held.py), and per-axis traffic from the schemes' formulas (parallel/plan/traffic.py), equal to
 the benches' measured tables (tests/bench/results/tp_grids_2026-11-29.txt, tp_cube_2026-11-29.txt).
 
     PYTHONPATH=$PWD python -m pytest -q -p no:randomly tests/unit/test_grid_pricing.py

@@ -19,7 +19,7 @@ from parallel.plan.spec import ParallelPlan
 from parallel.sharding.adapters import adapter_placements
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
-from trainer.planner.cost.grids import layout_traffic
+from parallel.plan.traffic import layout_traffic
 from trainer.models.skeleton import meta_model
 
 MIB, GIB = 2**20, 2**30
@@ -243,7 +243,7 @@ def _comm_bytes(cfg: RunConfig, plan: ParallelPlan, per_rank: list[RankHoldings]
             n = cfg.axis_size(axis)
             # Megatron: 2 all-reduces per block forward and 2 backward.
             out[axis] = 4 * layers_per_rank * act * 2 * (n - 1) / n
-        # 2-D / 2.5-D / 3-D: the grid's or cube's own collectives, per accumulation pass (trainer.planner.cost.grids)
+        # 2-D / 2.5-D / 3-D: the grid's or cube's own collectives, per accumulation pass (parallel.plan.traffic)
         passes = cfg.train.grad_accum
         for axis, nbytes in layout_traffic(plan, model, tokens=tokens // passes, dtype_bytes=elem).items():
             out[axis] = out.get(axis, 0.0) + nbytes * passes

@@ -25,7 +25,7 @@ from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
 from trainer.models.skeleton import meta_model
 from trainer.planner.cost.calibration import Calibration
-from trainer.planner.cost.grids import layout_calls, layout_traffic
+from parallel.plan.traffic import layout_calls, layout_traffic
 from trainer.planner.memory.layout import checkpointed
 
 
@@ -126,8 +126,8 @@ def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[s
 
 def _layout_ops(cfg: RunConfig, plan: ParallelPlan, tokens: int, cdt: int, passes: int) -> list[CommOp]:
     """2-D / 2.5-D / 3-D tensor parallelism's collectives in ``passes`` forward and backward passes of ``tokens``
-    token rows: :func:`trainer.planner.cost.grids.layout_traffic`'s bytes per axis, as gathers of one size
-    (:func:`~trainer.planner.cost.grids.layout_calls` of them per pass) whose ring sends those bytes."""
+    token rows: :func:`parallel.plan.traffic.layout_traffic`'s bytes per axis, as gathers of one size
+    (:func:`~parallel.plan.traffic.layout_calls` of them per pass) whose ring sends those bytes."""
     model = meta_model(cfg.model)
     calls = layout_calls(plan, model)
     ops = []
