@@ -11,7 +11,8 @@ from pathlib import Path
 
 from mkdocs.structure.files import File, Files
 
-_SPEC = importlib.util.spec_from_file_location("gen_config_reference", Path(__file__).with_name("gen_config_reference.py"))
+_SPEC = importlib.util.spec_from_file_location("gen_config_reference",
+                                               Path(__file__).with_name("gen_config_reference.py"))
 reference = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(reference)
 
