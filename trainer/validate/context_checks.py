@@ -30,7 +30,7 @@ def check_context(cfg: RunConfig) -> list[ConfigIssue]:
         return check_stage_context(cfg)
     cp = par.context_parallel if par is not None else None
     # An unknown axis, or dims that do not match the mesh, are reported with the other axes' issues.
-    if cp is None or cp.dim not in par.dims or cfg.mesh is None or len(par.dims) != len(cfg.mesh_shape):
+    if par is None or cp is None or cp.dim not in par.dims or cfg.mesh is None or len(par.dims) != len(cfg.mesh_shape):
         return []
     issues = []
     size = cfg.axis_size(cp.dim)
@@ -56,8 +56,10 @@ def check_stage_context(cfg: RunConfig) -> list[ConfigIssue]:
     """Per-stage layouts: each stage's own ``context_parallel`` (a top-level one is the stage checks' issue)
     cuts ``train.seq_len`` into 2 x its cp size chunks, and is not compiled. The stages' activations cross
     their boundaries as whole rows, so each stage's cp size is its own."""
+    par = cfg.parallel
+    assert par is not None and par.pipeline is not None and par.pipeline.stages, "called for staged layouts"
     issues = []
-    for index, stage in enumerate(cfg.parallel.pipeline.stages):
+    for index, stage in enumerate(par.pipeline.stages):
         cp = stage.context_parallel
         if cp is None or cp.dim not in stage.dims or len(stage.dims) != len(stage.shape):
             continue  # an unknown axis is the stage checks' issue
@@ -83,6 +85,7 @@ def without_cp(cfg: RunConfig) -> str:
     data-parallel ranks (fsdp over the cp axis) when there is no dp axis, else the cp axis shrinks
     to size 1 (an axis of several ranks that no role names is refused)."""
     par = cfg.parallel
+    assert par is not None and par.context_parallel is not None, "called for a cp layout"
     cp = par.context_parallel
     if par.data_parallel is None:
         return f"{override(PATH, None)} {override('parallel.data_parallel', {'dim': cp.dim, 'mode': 'fsdp'})}"
@@ -91,6 +94,7 @@ def without_cp(cfg: RunConfig) -> str:
 
 def _mesh_without(cfg: RunConfig, axis: str) -> str:
     """``mesh=[...]`` with ``axis`` shrunk to size 1, the other axes as they are."""
+    assert cfg.parallel is not None, "called for a parallel layout"
     shape = [1 if name == axis else size for name, size in zip(cfg.parallel.dims, cfg.mesh_shape)]
     return override("mesh", shape)
 

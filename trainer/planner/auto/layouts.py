@@ -14,12 +14,15 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from parallel.config import INTERLEAVED_SCHEDULES
+from torch import nn
+
+from parallel.config import INTERLEAVED_SCHEDULES, AutoPlanConfig
 from parallel.context import supports_context_parallel
 from trainer.config.schema import RunConfig
 from trainer.planner.auto.ranking import Candidate
 from trainer.planner.calibration.probe import bf16_supported
-from trainer.planner.forecast.pricing import ProfilePricing
+from trainer.config.model_schema import LlamaConfig
+from trainer.planner.forecast.pricing import HostPricing, ProfilePricing
 from trainer.planner.memory.layout import on_cuda
 
 
@@ -29,6 +32,14 @@ def divisors(n: int) -> list[int]:
 
 class Layouts:
     """Enumerates the candidates (see the module docstring)."""
+
+    # Set by the subclass (:class:`~trainer.planner.auto.search.Search`) before any layout is asked for.
+    knobs: AutoPlanConfig
+    base: RunConfig
+    world: int
+    model: nn.Module
+    decoder: LlamaConfig | None
+    pricing: HostPricing | ProfilePricing
 
     def layouts(self) -> Iterator[Candidate]:
         """Every candidate the knobs allow."""
@@ -145,13 +156,17 @@ class Layouts:
             dims += [a for a, _ in sizes]
             mesh += [s for _, s in sizes]
         if pipeline is not None:
-            dims.append("pp"), mesh.append(pp)
+            dims.append("pp")
+            mesh.append(pp)
         if cp > 1:  # inside pp, beside tp (Megatron's and torchtitan's order): the ring's hops on the nearer links
-            dims.append("cp"), mesh.append(cp)
+            dims.append("cp")
+            mesh.append(cp)
         if ep > 1:
-            dims.append("ep"), mesh.append(ep)
+            dims.append("ep")
+            mesh.append(ep)
         if tp > 1:
-            dims.append("tp"), mesh.append(tp)
+            dims.append("tp")
+            mesh.append(tp)
         ac, every = checkpointing  # the mode, and with full every n-th block
         parallel: dict[str, Any] = {"dims": dims or ["dp"], "activation_checkpointing": ac,
                                     "activation_checkpointing_every": every}

@@ -51,13 +51,13 @@ def price_best_first(search, valid: Valid) -> None:
         elif stage == BOUND:
             search.predict(c, cfg, plan, memory=False)
             progress.count("priced")
-            heapq.heappush(heap, (max(c.step_s, key), i, PRICED))
-        elif c.step_s < best or c.step_s <= ranked_below:  # the fastest priced layout whose memory is not known yet
+            heapq.heappush(heap, (max(priced_step(c), key), i, PRICED))
+        elif (step := priced_step(c)) < best or step <= ranked_below:  # the fastest priced, memory not known yet
             search.predict_memory(c, cfg, plan)
             # Only a layout predicted to fit ends the search: one above the budget within the prediction's
             # measured error (a user's own layout that is not refused) is kept, and chosen only if none fits.
-            if c.status == "slower" and not c.memory_note and c.step_s < best:
-                best, progress.best = c.step_s, c
+            if c.status == "slower" and not c.memory_note and step < best:
+                best, progress.best = step, c
         progress.tick("pricing")
     for key, i, stage in heap:  # every key > best (and rank_below): none of these can be chosen
         c = valid[i][1]
@@ -74,7 +74,7 @@ def price_all(search, valid: Valid) -> None:
         search.predict(c, cfg, plan)
         search.progress.count("priced")
         if c.status == "slower" and not c.memory_note and (search.progress.best is None
-                                                           or c.step_s < search.progress.best.step_s):
+                                                           or priced_step(c) < priced_step(search.progress.best)):
             search.progress.best = c
         search.progress.tick("pricing")
 
@@ -96,8 +96,9 @@ def ranked(valid: Valid, invalid: list[Candidate], overflowing: list[Candidate])
         chosen.reason = ("chosen: fastest predicted to fit" if not chosen.memory_note else "chosen: none is "
                          "predicted to fit; fastest within the prediction's measured error of the budget")
         for c in predicted[1:]:
-            if c.memory_note and c.step_s < chosen.step_s:
-                c.reason = f"not chosen ({c.step_s / chosen.step_s - 1:+.0%} against the choice, which fits)"
+            if c.memory_note and priced_step(c) < priced_step(chosen):
+                c.reason = (f"not chosen ({priced_step(c) / priced_step(chosen) - 1:+.0%} against the choice, "
+                            "which fits)")
             else:
                 c.reason = slower_reason(c, chosen) + ("; memory not predicted (it cannot be chosen)"
                                                        if c.memory_skipped else "")
@@ -113,4 +114,10 @@ def slower_reason(c: Candidate, winner: Candidate) -> str:
     """``slower: +23% (+4.1 ms comm tp)``: how much, and the part that grew most against the winner."""
     diffs = {part: c.parts_s.get(part, 0.0) - winner.parts_s.get(part, 0.0) for part in {**c.parts_s, **winner.parts_s}}
     part, extra = max(diffs.items(), key=lambda kv: kv[1])
-    return f"slower: +{(c.step_s / winner.step_s - 1):.0%} (+{extra * 1e3:.1f} ms {part})"
+    return f"slower: +{(priced_step(c) / priced_step(winner) - 1):.0%} (+{extra * 1e3:.1f} ms {part})"
+
+
+def priced_step(c: Candidate) -> float:
+    """A priced candidate's predicted step, in seconds."""
+    assert c.step_s is not None, f"{c.label} is not priced"
+    return c.step_s

@@ -22,13 +22,14 @@ from torch import nn
 from parallel.config import AutoPlanConfig, ParallelConfig
 from parallel.errors import ConfigError
 from parallel.plan.resolve import resolve_plan
-from parallel.plan.spec import DataParallelSpec, MeshSpec, ParallelPlan
+from parallel.plan.spec import DataParallelSpec, ParallelPlan
+from parallel.topology import MeshSpec
 from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
 from trainer.models.skeleton import meta_model
 from trainer.planner.auto.layouts import Layouts
-from trainer.planner.auto.order import price_all, price_best_first, ranked
+from trainer.planner.auto.order import price_all, price_best_first, priced_step, ranked
 from trainer.planner.auto.ranking import Candidate
 from trainer.planner.auto.shallow import Given, cut_plan, expand, memory_floor, shallow_model
 from trainer.planner.cost.comm import unit_params
@@ -67,7 +68,7 @@ class Progress:
             return
         self.last = now
         done = ", ".join(f"{n} {what}" for what, n in self.counts.items() if n)
-        best = (f"; best so far {self.best.label}: {self.best.step_s * 1e3:,.1f} ms a step"
+        best = (f"; best so far {self.best.label}: {priced_step(self.best) * 1e3:,.1f} ms a step"
                 if self.best is not None else "")
         if self.floor is not None and self.best is None:  # until a layout fits: how far the search has come
             best = f"; none left faster than {self.floor * 1e3:,.1f} ms a step"
@@ -96,7 +97,8 @@ class Search(Layouts):
         self._flops: dict = {}
         self._floors: dict = {}
         self._axes: dict[int, tuple] = {}  # id(placements) -> (placements, the axes they name): see params_key
-        self._shallow_model: nn.Module | None | bool = False  # not looked at yet (see _shallow)
+        self._shallow_model: nn.Module | None = None  # see _shallow
+        self._shallow_known = False  # _shallow_model looked at yet
         self._floor_passes: dict = {}  # two-block memory passes (memory_floor)
         self._failed: dict[tuple, str] = {}  # a section's failure -> the reason (see validate)
         self._plans: dict[tuple, ParallelPlan] = {}  # a parallel section (less its checkpointing) -> its plan
@@ -147,9 +149,11 @@ class Search(Layouts):
             self._plans[key] = resolve_plan(cfg.parallel, cfg.mesh, self.model, layout_cache=self._layouts,
                                             check_glob=lambda *glob: check_heads(self.decoder, *glob))
         template, par = self._plans[key], cfg.parallel
+        assert par is not None, "a candidate's config has its parallel section"
         dp = par.data_parallel
         pp = template.pipeline
         if pp is not None:
+            assert par.pipeline is not None, "a plan's pipeline is its section's"
             pp = dataclasses.replace(pp, schedule=par.pipeline.schedule, num_microbatches=par.pipeline.microbatches,
                                      stage_ranks=tuple(stage_ranks(pp.num_stages, sizes["pp"],
                                                                    schedule=par.pipeline.schedule)))
@@ -212,8 +216,8 @@ class Search(Layouts):
 
     def _shallow(self) -> nn.Module | None:
         """The model cut to two blocks when its blocks are alike (:mod:`trainer.planner.auto.shallow`), else None."""
-        if self._shallow_model is False:
-            self._shallow_model = shallow_model(self.base, self.model)
+        if not self._shallow_known:
+            self._shallow_model, self._shallow_known = shallow_model(self.base, self.model), True
         return self._shallow_model
 
     def unit_costs(self, cfg: RunConfig, plan: ParallelPlan, micro: int, pricing) -> dict:
@@ -275,7 +279,8 @@ class Search(Layouts):
         passes = len(cache)
         c.peak_bytes = max(e.total for e in predict_memory(cfg, plan, model=self.model, cache=cache))
         if len(cache) > passes:  # a full pass: the process's cache gets it too, for the dry run of the winner
-            PASSES[pass_key(cfg, plan, cfg.micro_batch_size, flash_attention_for_cpu)] = cache.last
+            if (key := pass_key(cfg, plan, cfg.micro_batch_size, flash_attention_for_cpu)) is not None:
+                PASSES[key] = cache.last  # (None: the model's files cannot be read; predict_memory looks up none)
         self.progress.count("meta passes", len(cache) - passes)
         if c.peak_bytes > self.limit:
             c.status = "does not fit"

@@ -41,7 +41,8 @@ class CommOp(NamedTuple):
     op: str
     group_size: int
     nbytes: float
-    count: float
+    # Shadows tuple.count (a method) by design: the field is read as ``op.count`` everywhere.
+    count: float  # type: ignore[assignment]  # a NamedTuple field named like tuple's method
     # "kv", "kv_grad": the cp ring's K/V hops and their gradients' (ring_exposed_s prices them);
     # "vocab": loss parallel's embedding and head
     role: str = ""
@@ -57,7 +58,11 @@ class CommOp(NamedTuple):
         return self.count * cal.collective_time(self.op, self.group_size, self.nbytes)
 
 
-def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, int, float]]:
+# Per pipeline unit: (tp- and ep-local parameter count, parameter tensors, of which experts): unit_params.
+UnitParams = dict[str, tuple[float, int, float]]
+
+
+def unit_params(plan: ParallelPlan, model: nn.Module) -> UnitParams:
     """Per pipeline unit: ``(tp- and ep-local parameter count, parameter tensors, of which experts)``
     of one rank (experts split over ep: each rank holds 1/ep of them)."""
     out: dict[str, list] = {u: [0.0, 0, 0.0] for u in plan.units}
@@ -73,7 +78,7 @@ def unit_params(plan: ParallelPlan, model: nn.Module) -> dict[str, tuple[float, 
     return {u: (v[0], v[1], v[2]) for u, v in out.items()}
 
 
-def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: dict[str, tuple[float, int]],
+def comm_ops(cfg: RunConfig, plan: ParallelPlan, held: list[str], params: UnitParams,
              micro_batch: int) -> list[CommOp]:
     """The collectives of the pp rank holding units ``held`` in one optimizer step (see the module
     docstring); ``params``: :func:`unit_params`."""

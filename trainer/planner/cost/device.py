@@ -76,7 +76,7 @@ from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
 from trainer.models.skeleton import meta_model
-from trainer.planner.cost.comm import unit_params
+from trainer.planner.cost.comm import UnitParams, unit_params
 from trainer.planner.cost.model import _FLASH_CPU, StepTime, flash_flops, placed_params, unit_pass
 from trainer.planner.cost.overlap import _waits, pipeline_bubble_s
 from trainer.planner.cost.reference import rank_units
@@ -185,6 +185,7 @@ def _ring_steps_left_out(cfg: RunConfig, plan: ParallelPlan, micro: int, speed: 
     merged call). One step's: a ring of 3 blocks less a ring of 2, priced on the rank's q, k, v with
     attention's FLOPs free (a kernel call still costs its launch)."""
     decoder = decoder_config(cfg.model)
+    assert decoder is not None, "a cp ring runs in a decoder's attention"
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     tokens = cfg.train.seq_len // plan.cp_size
@@ -224,7 +225,7 @@ class ProfileStep(StepTime):
 
 def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile, *,
                        costs: dict[str, DeviceCost] | None = None, model: nn.Module | None = None,
-                       params: dict[str, tuple[float, int]] | None = None) -> ProfileStep:
+                       params: UnitParams | None = None) -> ProfileStep:
     """The step time of ``cfg`` laid out as ``plan`` on ``profile``'s devices (see the module
     docstring). ``costs``, ``params``: the layout's meta pass and :func:`unit_params`, when a
     planner has them cached."""
@@ -264,7 +265,7 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
 
 
 def lower_bound_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProfile,
-                           params: dict[str, tuple[float, int]], flops_per_sequence: float) -> float:
+                           params: UnitParams, flops_per_sequence: float) -> float:
     """A time :func:`predict_on_profile` never undercuts, without a meta pass: the step's FLOPs shared
     perfectly over the devices at the achieved GEMM rate, stretched by the bubble; the exposed
     communication that needs no pass (tp, pipelined dp, the fill and drain); the optimizer step."""

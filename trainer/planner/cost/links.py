@@ -121,7 +121,9 @@ def collective_seconds(profile: HardwareProfile, op: str, link: AxisLink, nbytes
     g, local, nodes = link.group_size, link.local, link.nodes
     if g <= 1 or nbytes <= 0:
         return 0.0
-    intra, inter = profile.intra_node, profile.inter_node
+    # Only multi-node groups read ``inter``, and for them the check above found it: a single node's stands in.
+    intra = profile.intra_node
+    inter = profile.inter_node if profile.inter_node is not None else intra
     if op == "send_recv":
         hop = intra if nodes == 1 else inter
         return _lat(hop) + nbytes / _bw(hop)
@@ -139,7 +141,7 @@ def collective_seconds(profile: HardwareProfile, op: str, link: AxisLink, nbytes
     return min(candidates)
 
 
-def _ring(op: str, g: int, nodes: int, nbytes: float, intra: Link, inter: Link | None, local: int) -> float:
+def _ring(op: str, g: int, nodes: int, nbytes: float, intra: Link, inter: Link, local: int) -> float:
     """A flat ring over ``g`` ranks on ``nodes`` nodes (``local`` per node)."""
     factor = 2 if op == "all_reduce" else 1
     steps, inter_steps = factor * (g - 1), factor * (nodes - 1)

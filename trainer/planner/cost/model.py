@@ -52,11 +52,12 @@ from torch.utils.flop_counter import flop_registry
 
 from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan, unit_owner
+from trainer.config.model_schema import MLPConfig
 from trainer.config.schema import RunConfig
 from trainer.models import loss_fn_for
 from trainer.models.skeleton import meta_model
 from trainer.planner.cost.calibration import Calibration
-from trainer.planner.cost.comm import comm_ops, unit_params
+from trainer.planner.cost.comm import UnitParams, comm_ops, unit_params
 from trainer.planner.cost.reference import rank_units, with_reference_costs
 from trainer.planner.cost.sequence import _Enter, _mark_sequence_shards, _Where, sequence_share
 from trainer.planner.memory.layout import checkpointed, core_recomputed
@@ -180,7 +181,7 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
                 lambda _m, _a, out, u=unit: _Enter.apply(out, lambda: state.update(unit=u))
                 if isinstance(out, torch.Tensor) and out.requires_grad else None))
     hooks += _mark_sequence_shards(plan, modules, state)
-    if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
+    if isinstance(cfg.model, MLPConfig):  # regression: features in, predictions out
         x = torch.empty(micro_batch, cfg.model.in_features, device="meta")
         y = torch.empty(micro_batch, cfg.model.out_features, device="meta")
     else:
@@ -334,7 +335,7 @@ def bubble_span(compute: float, bubble: float, calibration: Calibration) -> floa
     return span
 
 
-def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: dict[str, tuple[float, int]],
+def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: UnitParams,
                micro: int) -> tuple[float, dict[str, float], float, dict[str, float]]:
     """``(seconds, comm seconds per axis, optimizer seconds, bytes sent per axis)`` of the pp rank
     that spends the longest outside compute: communicating (no overlap) and in its optimizer step."""
@@ -355,7 +356,7 @@ def worst_wait(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, par
     return max(waits, key=lambda w: w[0])
 
 
-def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: dict[str, tuple[float, int]],
+def lower_bound_s(cfg: RunConfig, plan: ParallelPlan, calibration: Calibration, params: UnitParams,
                   flops_per_sequence: float) -> float:
     """A step time :func:`predict_step_time` can never undercut, without a meta pass: the whole
     model's matmul FLOPs for the global batch (``flops_per_sequence``: forward and backward of one

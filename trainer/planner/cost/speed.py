@@ -36,7 +36,9 @@ class DeviceSpeed:
 
     @classmethod
     def of(cls, profile: HardwareProfile, precision: str, *, compiled: bool = False) -> DeviceSpeed:
-        a = profile.achieved
+        a, bandwidth, sms = profile.achieved, profile.memory_bandwidth_gb_s, profile.sm_count
+        assert a is not None and bandwidth is not None and sms is not None, \
+            f"profile {profile.name!r} lacks a GPU key: {profile.missing_gpu_keys()}"
         peak = profile.peak_flops(precision)
         # The size curve F / (F + F_half) of the bf16 sweep is a fixed time per GEMM, F_half at the rate it
         # was measured at: (F + F_half) / R = F / R + F_half / R. A time, not FLOPs: an fp32 GEMM does not
@@ -44,8 +46,8 @@ class DeviceSpeed:
         fixed = a.matmul_half_gflop * 1e9 / (profile.peak_flops("bf16") * a.matmul)
         return cls(matmul_flops=peak * a.matmul,
                    attention_flops=(peak * a.attention_forward, peak * a.attention_backward),
-                   memory_bytes=profile.memory_bandwidth_gb_s * 1e9 * a.memory, kernel_s=a.kernel_us * 1e-6,
-                   sms=profile.sm_count, matmul_fixed_s=fixed, fused=a.compiled_elementwise if compiled else 1.0)
+                   memory_bytes=bandwidth * 1e9 * a.memory, kernel_s=a.kernel_us * 1e-6,
+                   sms=sms, matmul_fixed_s=fixed, fused=a.compiled_elementwise if compiled else 1.0)
 
     def matmul_s(self, flops: float, nbytes: float, tiles_of) -> float:
         """A GEMM: its FLOPs over the rate its waves leave, plus the fixed time; at least its bytes' time

@@ -46,7 +46,10 @@ def in_flight_peak(plan: ParallelPlan, in_flight: int, per_pass: float, stage_gr
     an earlier accumulation step, all there from the start."""
     pp = plan.pipeline
     first = stage_grads / chunks  # the stage that runs backward first
-    if accumulated or pp.schedule not in ("GPipe", "1F1B") + INTERLEAVED_SCHEDULES + V_SCHEDULES:
+    if accumulated:
+        return per_pass * in_flight, stage_grads
+    assert pp is not None, "in flight: a pipeline's passes"
+    if pp.schedule not in ("GPipe", "1F1B") + INTERLEAVED_SCHEDULES + V_SCHEDULES:
         return per_pass * in_flight, stage_grads  # an unmodelled order: the bound
     passes = pp.num_microbatches * chunks
     options = [(per_pass * in_flight, 0.0), (per_pass * (in_flight - 1), first)]
@@ -143,7 +146,9 @@ def gathered(cfg: RunConfig, plan: ParallelPlan, local: float, blocks: list[list
     if not fsdp(plan):
         return local * 0.5 if half else 0.0
     block = max((sum(b) for b in blocks), default=0.0)
-    if plan.param_data_parallel.mode == "zero2":
+    dp = plan.param_data_parallel
+    assert dp is not None, "fsdp(plan) holds"
+    if dp.mode == "zero2":
         return local * pdt + block * (pdt + 1.0)
     return root * pdt + 3 * block * pdt
 

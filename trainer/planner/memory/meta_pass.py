@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from parallel.context import ring_alone
 from parallel.plan.spec import ParallelPlan, owning_unit
 from parallel.sharding.tp_styles import with_ties
+from trainer.config.model_schema import MLPConfig
 from trainer.config.schema import RunConfig
 from trainer.models import loss_fn_for
 from trainer.models.skeleton import meta_model
@@ -110,6 +111,7 @@ def _local_shapes(model: nn.Module, plan: ParallelPlan) -> None:
             shape = list(param.shape)
             for axis, placement in axes.items():
                 if placement.is_shard:
+                    assert placement.dim is not None, "a shard placement names its dim"
                     dim = placement.dim % len(shape)
                     shape[dim] = math.ceil(shape[dim] / plan.mesh.size(axis))
             local[id(param)] = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=param.requires_grad)
@@ -129,12 +131,14 @@ class _Census(TorchDispatchMode):
         self._bytes: dict[int, list[float]] = {}  # key -> [column, bytes]
         self._keys = itertools.count(1)
         for t in [*model.parameters(), *model.buffers()]:
-            t.untyped_storage()._census = 0
+            # The census tags each storage it counts (0: a parameter's or buffer's, never counted).
+            t.untyped_storage()._census = 0  # type: ignore[attr-defined]  # our own attribute on torch's storage
         for p in model.parameters():
             if p.requires_grad:  # frozen weights (LoRA's base) get no gradient
                 p.register_post_accumulate_grad_hook(self._to_grads)
 
     def _to_grads(self, p: torch.Tensor) -> None:
+        assert p.grad is not None, "autograd calls this hook once it has accumulated the gradient"
         entry = self._bytes.get(getattr(p.grad.untyped_storage(), "_census", 0))
         if entry is not None and entry[0] == 0:
             entry[0] = 1
@@ -171,14 +175,16 @@ class _Regather:
 
     def gather(self) -> torch.Tensor:
         if self.full is None:
-            nbytes = self.output.untyped_storage().nbytes()
-            self.full = torch.empty(nbytes // self.output.element_size(), dtype=self.output.dtype, device="meta")
+            output = self.output
+            assert output is not None, "the shard is dropped only once the whole is gathered"
+            nbytes = output.untyped_storage().nbytes()
+            self.full = torch.empty(nbytes // output.element_size(), dtype=output.dtype, device="meta")
             self.output = None
         return self.full
 
 
 class _SavedView:
-    def __init__(self, regather: _Regather, size, stride, offset: int) -> None:
+    def __init__(self, regather: _Regather, size, stride, offset: int | torch.SymInt) -> None:
         self.regather, self.size, self.stride, self.offset = regather, size, stride, offset
 
 
@@ -280,7 +286,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         return core
 
     seq = cfg.train.seq_len // plan.cp_size  # a cp rank holds 1/cp of every row
-    if hasattr(cfg.model, "in_features"):  # regression: features in, predictions out
+    if isinstance(cfg.model, MLPConfig):  # regression: features in, predictions out
         x = torch.empty(micro_batch, cfg.model.in_features, device="meta")
         y = torch.empty(micro_batch, cfg.model.out_features, device="meta")
     else:
