@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
+import os
+import signal
 import threading
 from multiprocessing import forkserver
+
+import pytest
 
 from trainer.launch.processes import PRELOAD, START_METHOD, _method_name, worker_server
 
@@ -27,7 +31,18 @@ def _start_one() -> list[bool]:
     return queue.get()
 
 
-def test_overlapping_launches_share_the_server_and_the_last_stops_it():
+@pytest.fixture
+def no_fork_server_yet():
+    """This process runs no fork server when the test starts. A test before this one in the same
+    process may have left one running: the control plane's validation pool starts its own, with the
+    service's preload (service.fork_server), and a launch then reuses it (one fork server per process)."""
+    server = forkserver._forkserver
+    if (pid := server._forkserver_pid) is not None:
+        os.kill(pid, signal.SIGKILL)
+        server._stop()
+
+
+def test_overlapping_launches_share_the_server_and_the_last_stops_it(no_fork_server_yet):
     first_inside, first_may_leave = threading.Event(), threading.Event()
     seen: dict[str, list[bool]] = {}
 
