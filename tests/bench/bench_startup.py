@@ -70,7 +70,8 @@ def main() -> None:
         rows, phases = [], []
         for r in range(1, args.rounds + 1):
             floor_s, _ = timed(floor_cmd, cwd, "all_reduce done")
-            first_step_s, phases = timed(trainer, cwd, "step 1/1")
+            # each round its own checkpoint directory: a run refuses to start over another run's checkpoints
+            first_step_s, phases = timed([*trainer, f"train.checkpoint.dir=checkpoints-{r}"], cwd, "step 1/1")
             rows.append((r, floor_s, first_step_s))
             print(f"round {r}: floor {floor_s:.1f} s, trainer {first_step_s:.1f} s", file=sys.stderr, flush=True)
     print(f"time to the first step, 8 workers on {len(os.sched_getaffinity(0))} cores, tracking={args.tracking}")
