@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from dist_harness import SuiteResults, max_rel
+from dist_harness import SuiteResults, max_rel, one_device_figures
 from stage_axes_checks import DATA_ENV, LAYOUTS, SUITES, run_config
 
 WORLD_SIZE = {"four_rank": 4, "six_rank": 6, "eight_rank": 8}
@@ -35,21 +35,7 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(data_dir):
     """One device's figures per model (the same loop), each computed when first asked for."""
-    from trainer.run.loop import train
-    from trainer.run.metrics import NullProgress
-    from trainer.tracking.tracker import NullTracker
-    from trainer.validate.checks import validate_config
-
-    cache: dict[str, dict[str, list[float]]] = {}
-
-    def figures(model: str) -> dict[str, list[float]]:
-        if model not in cache:
-            cfg = validate_config(run_config(model, None), check_model=False)
-            result = train(cfg, tracker=NullTracker(), progress=NullProgress(), predicted_peak_mib=0.0)
-            cache[model] = {"losses": result.losses, "aux_losses": result.aux_losses, "grad_norms": result.grad_norms}
-        return cache[model]
-
-    return figures
+    return one_device_figures(lambda model: run_config(model, None))
 
 
 @pytest.fixture(scope="module")
