@@ -31,6 +31,8 @@ def _smollm2_config() -> str:
 
 
 SMOL = ["model=hf", f"model.path={_smollm2_config()}"]
+DP_AND_DEPTH = ["+parallel=tp2p5d", "mesh=[2,2,2,2]", "parallel.dims=[dp,depth,row,col]",
+                "+parallel.data_parallel={dim: dp, mode: fsdp}", "train.global_batch_size=16"]  # docs/layouts.md's
 
 CASES: dict[str, Bad] = {
     "grid/not-square": bad(["+parallel=tp2d", "mesh=[2,4]"], "mesh",
@@ -42,6 +44,9 @@ CASES: dict[str, Bad] = {
     "grid/nine-heads-on-depth": bad([*SMOL, "+parallel=tp2p5d"], "parallel.grid_parallel",
                                     ["heads 9"], ["'mesh=[1,3,3]' train.global_batch_size=15 (9 ranks",
                                                   "'mesh=[2,3,3]' train.global_batch_size=18 (18 ranks)"]),
+    "grid/nine-heads-on-dp-and-depth": bad([*SMOL, *DP_AND_DEPTH], "parallel.grid_parallel", ["heads 9"],
+                                           ["'mesh=[2,1,3,3]' train.global_batch_size=18 (18 ranks",
+                                            "'mesh=[2,2,3,3]' train.global_batch_size=12 (36 ranks)"]),
     "grid/with-a-pipeline": bad(["+parallel=tp2d", "+parallel.pipeline={dim: row}"], "parallel.pipeline",
                                 ["a pipeline beside a 2-D / 2.5-D grid is not built"], ["parallel.pipeline=null"]),
     "grid/with-1d-tp": bad(["+parallel=tp2d_dp", "+parallel.tensor_parallel={dim: dp}"], "parallel.tensor_parallel",
