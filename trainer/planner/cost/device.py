@@ -120,23 +120,28 @@ class _Pricer(TorchDispatchMode):
         unit, phase = self.where()
         cost, backward = self.costs[unit], phase == "backward"
         share = self.where.share() if hasattr(self.where, "share") else 1.0  # sequence parallel: 1/tp of the rows
+        split = getattr(self.where, "split", None)  # a grid's or cube's block: the rank's share of every op
         if func in _FLASH_CPU:
             full, flops = flash_flops(func, args, kwargs)
+            if split is not None:
+                full, flops = full * split(core=True), flops * split(core=True)
             seconds = max(flops / self.speed.attention_flops[backward], self.speed.kernel_s)
             cost.attention_flops += flops
             if not backward:
                 cost.attention_model_flops += 3 * self._model_count(cost, full, func, args, kwargs)
                 cost.core_forward_s += seconds
         elif func.overloadpacket in flop_registry:
-            flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
-            nbytes = _bytes(args, kwargs, out)
+            part = split() if split is not None else 1.0
+            flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out) * part
+            nbytes = _bytes(args, kwargs, out) * part
             shape = out.shape if isinstance(out, torch.Tensor) else (1, 1)
             batch, m, n = math.prod(shape[:-2]), (shape[-2] if len(shape) > 1 else 1), shape[-1]
+            m = max(1, round(m * part))  # a grid's or cube's rank: its rows of the product (for the waves)
             seconds = self.speed.matmul_s(flops, nbytes, lambda sms: wave_efficiency(batch, m, n, sms))
         elif func.overloadpacket in _FREE:
             return out
         elif not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
-            flops, seconds = 0.0, self.speed.memory_s(_bytes(args, kwargs, out) * share)
+            flops, seconds = 0.0, self.speed.memory_s(_bytes(args, kwargs, out) * share * (split() if split else 1.0))
         else:
             return out
         if backward:
