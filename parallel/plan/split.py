@@ -62,9 +62,11 @@ def layout_shares(plan: ParallelPlan, model: nn.Module) -> LayoutShares | None:
         q = plan.mesh.size(cube.dims[0])
         if q == 1:
             return None
-        linears = {name: (1 / q**2, 1 / q**2) for name in (*cube.first, *cube.second)}
+        # (a planner's two-block model holds some of the cube's modules)
+        linears = {name: (1 / q**2, 1 / q**2) for name in (*cube.first, *cube.second) if name in modules}
+        norms = frozenset(name for name in cube.norms if name in modules)
         core = 1 / q**3 if cube.split_heads else 1 / q**2
-        return LayoutShares(frozenset(blocks), 1 / q**3, core, 1 / q**2, linears, frozenset(cube.norms))
+        return LayoutShares(frozenset(blocks), 1 / q**3, core, 1 / q**2, linears, norms)
     return None
 
 

@@ -72,6 +72,7 @@ from torch.utils.flop_counter import flop_registry
 from parallel.context import ring_alone
 from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan
+from parallel.plan.split import layout_shares
 from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
@@ -260,7 +261,10 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     # a unit tp leaves whole (the Megatron plan's output head) did all of it on every tp rank.
     tp = plan.mesh.size(sorted(plan.sharded_axes))
     split = placed_params(plan)
-    flops_per_micro = sum(x.model_flops * (tp if split.get(u) else 1) for u, x in costs.items())
+    # A grid's or cube's block did its share of the block's work on this rank (parallel.plan.split).
+    layout = layout_shares(plan, model)
+    flops_per_micro = sum(x.model_flops * (tp if split.get(u) else 1) / (
+        layout.block if layout is not None and u in layout.blocks else 1.0) for u, x in costs.items())
     sequences = t.global_batch_size
     # A cp rank's pass covers 1/cp of its micro-batch's tokens: the cp ranks together do the micro-batch.
     model_flops = flops_per_micro * plan.cp_size * sequences / micro

@@ -256,7 +256,7 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
     wrapped, cores = checkpointed(plan), core_recomputed(plan)
     busy = []
-    placed = placed_params(plan)
+    placed = placed_params(plan, model)
     for held in rank_units(plan):
         per_pass = calibration.dtensor_linear_s * sum(placed.get(u, 0) for u in held)
         for unit in held:
@@ -277,10 +277,16 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
                     traffic=traffic, tokens_per_step=t.global_batch_size * t.seq_len, overhead_s=total - itemized)
 
 
-def placed_params(plan: ParallelPlan) -> dict[str, int]:
+def placed_params(plan: ParallelPlan, model: nn.Module | None = None) -> dict[str, int]:
     """Per pipeline unit: its parameters the plan places (tp): DTensors in forward and backward,
-    each costing about one Linear's DTensor dispatch per pass (``Calibration.dtensor_linear_s``)."""
+    each costing about one Linear's DTensor dispatch per pass (``Calibration.dtensor_linear_s``). With the
+    ``model``, a grid's or cube's too (its Linears and norms, placed by their own code: parallel.plan.split)."""
     out: dict[str, int] = defaultdict(int)
+    if model is not None and (shares := layout_shares(plan, model)) is not None:
+        owner = unit_owner(tuple(plan.units))
+        for name in (*shares.linears, *shares.norms):
+            if (unit := owner(name)) is not None:
+                out[unit] += 1
     split = {a for a, size in zip(plan.mesh.dim_names, plan.mesh.shape) if size > 1}  # a planner asks per candidate
     owner = unit_owner(tuple(plan.units))
     for fqn, axes in plan.placements.items():
@@ -298,7 +304,8 @@ def placed_params(plan: ParallelPlan) -> dict[str, int]:
 
 def _dtensor_params(plan: ParallelPlan) -> bool:
     """The optimizer steps DTensors: FSDP2 (any dp mode) or tp placed the parameters."""
-    return plan.mesh.world_size > 1 and (plan.data_parallel is not None or bool(placed_params(plan)))
+    return plan.mesh.world_size > 1 and (plan.data_parallel is not None or bool(placed_params(plan))
+                                         or plan.grid is not None or plan.cube is not None)
 
 
 def stage_span(busy: list[float], calibration: Calibration) -> float:
