@@ -10,7 +10,9 @@ kernel (:func:`flash_attention_for_cpu`) through a torch function mode of its ow
 a rank's queries over the whole row (:func:`_over_the_row`). Sequence parallelism runs the blocks' norms
 on 1/tp of the rows; their outputs, which the engine gathers for the projections, are kept for backward
 as those shards and gathered again in backward (:class:`_Regather`), as
-:mod:`parallel.sharding.sequence_parallel` does. The time model's pass
+:mod:`parallel.sharding.sequence_parallel` does. A 2-D / 2.5-D grid's or 3-D cube's blocks run whole, each op
+counted at the rank's share and each Linear with its own gathered input and weight block
+(:mod:`trainer.planner.memory.layout_census`, :mod:`parallel.plan.split`). The time model's pass
 (:func:`trainer.planner.cost.model.unit_pass`) uses the same kernel, mode and shapes.
 """
 
@@ -250,8 +252,7 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     if layout is not None:
         hooks.extend(layout.hooks(model))
         for name in layout.shares.norms:
-            hooks.append(model.get_submodule(name).register_forward_hook(
-                lambda _m, _a, out: keep(layout.normalised(out))))
+            hooks.append(model.get_submodule(name).register_forward_hook(lambda _m, _a, out: normalised(out)))
     for name, module in model.named_modules():
         if name in plan.units or name in sp_norms:
             hooks.append(module.register_forward_pre_hook(lambda _m, args, name=name: _enter(name, args)))
@@ -275,6 +276,11 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
 
     def keep(nbytes: float) -> None:  # saved for backward by the unit running
         units[next((c for c in current if c in plan.units), plan.units[-1])] += nbytes
+
+    def normalised(out: torch.Tensor) -> None:  # a grid's or cube's norm keeps its normalised input too
+        assert layout is not None, "hooked for a grid's or cube's norms only"
+        keep(nbytes := layout.normalised(out))
+        census.hold(out, nbytes)
 
     def share(t: torch.Tensor | None = None) -> float:
         # a grid's or cube's block: the rank's share; sequence parallel: a norm and the residual stream run on
