@@ -70,7 +70,7 @@ def layout_shares(plan: ParallelPlan, model: nn.Module) -> LayoutShares | None:
     return None
 
 
-def split_key(plan: ParallelPlan) -> tuple:
+def split_key(plan: ParallelPlan) -> tuple[object, ...]:
     """What :func:`layout_shares` depends on beside the model (a cache key's part): the grid or cube and its side."""
     if plan.grid is not None:
         return plan.grid.rows, plan.grid.cols, plan.mesh.size(plan.grid.rows)
