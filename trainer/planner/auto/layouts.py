@@ -1,8 +1,8 @@
 """The candidate layouts the auto-planner's search considers: every split of the ranks into dp (and
 its modes; hsdp's on every replicate x shard split, beside ep too), pp (its schedules, stages per rank and
 micro-batches), cp (long rows; with a pipeline or not), ep (a model with experts) and tp (with sequence parallelism
-and without; 2-D grids and 3-D cubes where the ranks make one), gradient accumulation where there is no pipeline,
-with each activation checkpointing (full: every block or every n-th) and precision the knobs allow, as
+and without; 2-D and 2.5-D grids and 3-D cubes where the ranks make one), gradient accumulation where there is no
+pipeline, with each activation checkpointing (full: every block or every n-th) and precision the knobs allow, as
 :class:`~trainer.planner.auto.ranking.Candidate` sections: the layouts practitioners write, as they write them.
 :class:`Layouts` is the base of :class:`~trainer.planner.auto.search.Search`, which sets what it reads: ``knobs``,
 ``base`` (the config), ``world``, ``model`` and ``decoder`` (the meta model and its decoder config) and ``pricing``.
@@ -61,24 +61,27 @@ class Layouts:
                             yield self._candidate(dp, dp_name, dp_section, pp, pp_name, pipeline, tp, ep, ac, precision,
                                                   cp=cp, sp=sp, accum=accum)
         if tp_ok:  # Colossal-AI's 2-D and 3-D tensor parallelism where the ranks make a square or a cube
-            for side, dims, dp_section in self._grids():
+            for side, dims, depth, dp_section in self._grids():
                 splits = self._batch_splits(1, self.world // side ** len(dims))
                 for (_, _, accum), ac, precision in itertools.product(splits, acs, precisions):
-                    yield _grid_candidate(self.world, side, dims, dp_section, ac, precision, accum)
+                    yield _grid_candidate(self.world, side, dims, depth, dp_section, ac, precision, accum)
 
-    def _grids(self) -> Iterator[tuple[int, tuple[str, ...], dict | None]]:
-        """``(side q, grid axes, data-parallel section)`` of each q x q grid (``parallel.grid_parallel``) and
-        q x q x q cube (``parallel.tensor_parallel_3d``) whose ranks divide the world, the rest data-parallel
-        (a grid's with each of the knobs' ddp / fsdp, a cube's with ddp: FSDP2 takes at most two placements).
-        Whether the model splits over it, validation decides (a refused candidate is listed as invalid)."""
+    def _grids(self) -> Iterator[tuple[int, tuple[str, ...], int, dict | None]]:
+        """``(side q, grid axes, depth d, data-parallel section)`` of each q x q grid (``parallel.grid_parallel``;
+        with a depth d > 1 Tesseract's 2.5-D, d layers of grids) and q x q x q cube (``parallel.tensor_parallel_3d``)
+        whose ranks divide the world, the rest data-parallel (a grid's with each of the knobs' ddp / fsdp, over dp
+        x depth; a cube's with ddp: FSDP2 takes at most two placements). Whether the model splits over it,
+        validation decides (a refused candidate is listed as invalid)."""
         modes = [m for m in self.knobs.data_parallel_modes if m in ("ddp", "fsdp")]
         for dims, allowed in ((("row", "col"), modes), (("ca", "cb", "cc"), [m for m in modes if m == "ddp"])):
             side = 2
             while side ** len(dims) <= self.world:
-                dp = self.world // side ** len(dims)
+                batch_ranks = self.world // side ** len(dims)
                 if self.world % side ** len(dims) == 0:
-                    sections = [None] if dp == 1 else [{"dim": "dp", "mode": m} for m in allowed]
-                    yield from ((side, dims, section) for section in sections)
+                    for depth in divisors(batch_ranks) if len(dims) == 2 else [1]:
+                        dp = batch_ranks // depth
+                        sections = [None] if dp == 1 else [{"dim": "dp", "mode": m} for m in allowed]
+                        yield from ((side, dims, depth, section) for section in sections)
                 side += 1
 
     def _batch_splits(self, pp: int, dp: int) -> Iterator[tuple[str, dict | None, int]]:
@@ -191,26 +194,30 @@ class Layouts:
         return Candidate(label=label, mesh=mesh or [1], parallel=parallel, precision=precision, grad_accum=accum)
 
 
-def _grid_candidate(world: int, side: int, dims: tuple[str, ...], dp_section: dict | None,
+def _grid_candidate(world: int, side: int, dims: tuple[str, ...], depth: int, dp_section: dict | None,
                     checkpointing: tuple[str, int], precision: str, accum: int) -> Candidate:
-    """A candidate of :meth:`Layouts._grids`: the tp2d(_dp) / tp3d(_dp) presets' sections at these sizes."""
+    """A candidate of :meth:`Layouts._grids`: the tp2d(_dp) / tp2p5d / tp3d(_dp) presets' sections at these sizes
+    (2.5-D with data parallelism as docs/layouts.md writes it: dims [dp, depth, row, col])."""
     ac, every = checkpointing
-    dp = world // side ** len(dims)
-    parallel: dict[str, Any] = {"dims": [*(["dp"] if dp_section else []), *dims], "activation_checkpointing": ac,
-                                "activation_checkpointing_every": every}
+    dp = world // side ** len(dims) // depth
+    layers = ["depth"] if depth > 1 else []
+    parallel: dict[str, Any] = {"dims": [*(["dp"] if dp_section else []), *layers, *dims],
+                                "activation_checkpointing": ac, "activation_checkpointing_every": every}
     if dp_section is not None:
         parallel["data_parallel"] = dp_section
     if len(dims) == 2:
-        parallel["grid_parallel"] = {"rows": dims[0], "cols": dims[1]}
+        parallel["grid_parallel"] = {"rows": dims[0], "cols": dims[1], **({"depth": "depth"} if layers else {})}
     else:
         parallel["tensor_parallel_3d"] = {"dims": list(dims)}
     shape = "x".join([str(side)] * len(dims))
     label = " x ".join(p for p in (f"dp{dp}({dp_section['mode']})" if dp_section else "",
+                                   f"depth{depth}" if layers else "",
                                    f"{'grid' if len(dims) == 2 else 'cube'} {shape}") if p)
     label += (f", accum {accum}" if accum > 1 else "")
     label += (f", AC {ac}" if ac != "none" else "") + (f" every {every}" if every > 1 else "")
     label += ", bf16" if precision == "bf16" else ""
-    return Candidate(label=label, mesh=[*([dp] if dp_section else []), *[side] * len(dims)], parallel=parallel,
+    return Candidate(label=label, mesh=[*([dp] if dp_section else []), *([depth] if layers else []),
+                                        *[side] * len(dims)], parallel=parallel,
                      precision=precision, grad_accum=accum)
 
 

@@ -23,6 +23,7 @@ from parallel.config import AutoPlanConfig, ParallelConfig
 from parallel.errors import ConfigError
 from parallel.plan.resolve import resolve_plan
 from parallel.plan.spec import DataParallelSpec, ParallelPlan
+from parallel.plan.split import split_key
 from parallel.topology import MeshSpec
 from parallel.plan.units import stage_ranks
 from trainer.config.schema import RunConfig
@@ -236,7 +237,7 @@ class Search(Layouts):
             return None
         cut = cut_plan(plan, shallow)
         key = (self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, _sequence_shards(plan),
-               plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1)
+               plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1, split_key(plan))
         if key not in self._floor_passes:
             self._floor_passes[key] = saved_activations(cfg, cut, cfg.micro_batch_size, model=shallow)
             self.progress.count("meta passes")
@@ -262,7 +263,8 @@ class Search(Layouts):
 
     def _costs_key(self, cfg: RunConfig, plan: ParallelPlan) -> tuple:
         """What a layout's unit costs (:meth:`unit_costs`) depend on, the rest of the config being the search's own."""
-        return self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, _sequence_shards(plan)
+        return (self.params_key(plan), cfg.micro_batch_size, cfg.train.precision, plan.cp_size, _sequence_shards(plan),
+                split_key(plan))
 
     def predict_memory(self, c: Candidate, cfg: RunConfig, plan: ParallelPlan) -> None:
         """The peak memory of a candidate whose time :meth:`predict` priced (a meta pass of the whole model

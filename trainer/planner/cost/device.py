@@ -72,6 +72,7 @@ from torch.utils.flop_counter import flop_registry
 from parallel.context import ring_alone
 from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan
+from parallel.plan.split import layout_shares
 from trainer.config.hardware import HardwareProfile
 from trainer.config.schema import RunConfig
 from trainer.models import decoder_config
@@ -120,23 +121,28 @@ class _Pricer(TorchDispatchMode):
         unit, phase = self.where()
         cost, backward = self.costs[unit], phase == "backward"
         share = self.where.share() if hasattr(self.where, "share") else 1.0  # sequence parallel: 1/tp of the rows
+        split = getattr(self.where, "split", None)  # a grid's or cube's block: the rank's share of every op
         if func in _FLASH_CPU:
             full, flops = flash_flops(func, args, kwargs)
+            if split is not None:
+                full, flops = full * split(core=True), flops * split(core=True)
             seconds = max(flops / self.speed.attention_flops[backward], self.speed.kernel_s)
             cost.attention_flops += flops
             if not backward:
                 cost.attention_model_flops += 3 * self._model_count(cost, full, func, args, kwargs)
                 cost.core_forward_s += seconds
         elif func.overloadpacket in flop_registry:
-            flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
-            nbytes = _bytes(args, kwargs, out)
+            part = split() if split is not None else 1.0
+            flops = flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out) * part
+            nbytes = _bytes(args, kwargs, out) * part
             shape = out.shape if isinstance(out, torch.Tensor) else (1, 1)
             batch, m, n = math.prod(shape[:-2]), (shape[-2] if len(shape) > 1 else 1), shape[-1]
+            m = max(1, round(m * part))  # a grid's or cube's rank: its rows of the product (for the waves)
             seconds = self.speed.matmul_s(flops, nbytes, lambda sms: wave_efficiency(batch, m, n, sms))
         elif func.overloadpacket in _FREE:
             return out
         elif not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
-            flops, seconds = 0.0, self.speed.memory_s(_bytes(args, kwargs, out) * share)
+            flops, seconds = 0.0, self.speed.memory_s(_bytes(args, kwargs, out) * share * (split() if split else 1.0))
         else:
             return out
         if backward:
@@ -255,7 +261,10 @@ def predict_on_profile(cfg: RunConfig, plan: ParallelPlan, profile: HardwareProf
     # a unit tp leaves whole (the Megatron plan's output head) did all of it on every tp rank.
     tp = plan.mesh.size(sorted(plan.sharded_axes))
     split = placed_params(plan)
-    flops_per_micro = sum(x.model_flops * (tp if split.get(u) else 1) for u, x in costs.items())
+    # A grid's or cube's block did its share of the block's work on this rank (parallel.plan.split).
+    layout = layout_shares(plan, model)
+    flops_per_micro = sum(x.model_flops * (tp if split.get(u) else 1) / (
+        layout.block if layout is not None and u in layout.blocks else 1.0) for u, x in costs.items())
     sequences = t.global_batch_size
     # A cp rank's pass covers 1/cp of its micro-batch's tokens: the cp ranks together do the micro-batch.
     model_flops = flops_per_micro * plan.cp_size * sequences / micro

@@ -52,6 +52,7 @@ from torch.utils.flop_counter import flop_registry
 
 from parallel.pipeline.order import expected_bubble
 from parallel.plan.spec import ParallelPlan, unit_owner
+from parallel.plan.split import layout_shares
 from trainer.config.model_schema import MLPConfig
 from trainer.config.schema import RunConfig
 from trainer.models import loss_fn_for
@@ -112,8 +113,10 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         unit, phase = self.where()
         work = getattr(self.costs[unit], phase)
+        split = getattr(self.where, "split", None)  # a grid's or cube's block: the rank's share of each op
         if func in _FLASH_CPU:
             full, counted = flash_flops(func, args, kwargs)
+            counted *= split(core=True) if split else 1.0
             work.matmul_calls += 2
             work.matmul_flops += counted
             if phase == "forward":
@@ -122,11 +125,12 @@ class _Counter(TorchDispatchMode):
                 core.matmul_flops += counted
         elif func.overloadpacket in flop_registry:
             work.matmul_calls += 1
-            work.matmul_flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
+            work.matmul_flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out) * (
+                split() if split else 1.0)
         elif not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
             work.other_calls += 1
             work.other_bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                                    if isinstance(t, torch.Tensor))
+                                    if isinstance(t, torch.Tensor)) * (split() if split else 1.0)
         return out
 
 
@@ -188,7 +192,7 @@ def unit_pass(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, mode, *, mod
         # A cp rank's 1/cp of every row, its queries over the whole row in attention (the ring's kernels).
         x = torch.zeros(micro_batch, cfg.train.seq_len // plan.cp_size, dtype=torch.long, device="meta")
         y = torch.zeros(micro_batch, cfg.train.seq_len // plan.cp_size, dtype=torch.long, device="meta")
-    where = _Where(state, sequence_share(plan))
+    where = _Where(state, sequence_share(plan), layout_shares(plan, model))
     with AttentionKernel(_over_the_row(flash_attention_for_cpu, plan)), mode(where):
         out = model(x)
         state["unit"] = plan.units[-1]
@@ -252,7 +256,7 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
     passes = t.grad_accum * (pp.num_microbatches if pp else 1)
     wrapped, cores = checkpointed(plan), core_recomputed(plan)
     busy = []
-    placed = placed_params(plan)
+    placed = placed_params(plan, model)
     for held in rank_units(plan):
         per_pass = calibration.dtensor_linear_s * sum(placed.get(u, 0) for u in held)
         for unit in held:
@@ -273,10 +277,16 @@ def predict_step_time(cfg: RunConfig, plan: ParallelPlan, calibration: Calibrati
                     traffic=traffic, tokens_per_step=t.global_batch_size * t.seq_len, overhead_s=total - itemized)
 
 
-def placed_params(plan: ParallelPlan) -> dict[str, int]:
+def placed_params(plan: ParallelPlan, model: nn.Module | None = None) -> dict[str, int]:
     """Per pipeline unit: its parameters the plan places (tp): DTensors in forward and backward,
-    each costing about one Linear's DTensor dispatch per pass (``Calibration.dtensor_linear_s``)."""
+    each costing about one Linear's DTensor dispatch per pass (``Calibration.dtensor_linear_s``). With the
+    ``model``, a grid's or cube's too (its Linears and norms, placed by their own code: parallel.plan.split)."""
     out: dict[str, int] = defaultdict(int)
+    if model is not None and (shares := layout_shares(plan, model)) is not None:
+        owner = unit_owner(tuple(plan.units))
+        for name in (*shares.linears, *shares.norms):
+            if (unit := owner(name)) is not None:
+                out[unit] += 1
     split = {a for a, size in zip(plan.mesh.dim_names, plan.mesh.shape) if size > 1}  # a planner asks per candidate
     owner = unit_owner(tuple(plan.units))
     for fqn, axes in plan.placements.items():
@@ -294,7 +304,8 @@ def placed_params(plan: ParallelPlan) -> dict[str, int]:
 
 def _dtensor_params(plan: ParallelPlan) -> bool:
     """The optimizer steps DTensors: FSDP2 (any dp mode) or tp placed the parameters."""
-    return plan.mesh.world_size > 1 and (plan.data_parallel is not None or bool(placed_params(plan)))
+    return plan.mesh.world_size > 1 and (plan.data_parallel is not None or bool(placed_params(plan))
+                                         or plan.grid is not None or plan.cube is not None)
 
 
 def stage_span(busy: list[float], calibration: Calibration) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from parallel.plan.spec import ParallelPlan
+from parallel.plan.split import LayoutShares
 from trainer.planner.cost.comm import sequence_parallel_axes
 
 
@@ -30,16 +31,23 @@ class _Enter(torch.autograd.Function):
 class _Where:
     """``where()``: the ``(unit, phase)`` the op being dispatched belongs to; ``share()``: the share of
     its work this rank does (``1 / tp`` inside a sequence-parallel block's norms and residual adds, which
-    run on the rank's sequence shard; 1 elsewhere)."""
+    run on the rank's sequence shard; 1 elsewhere); ``split()``: a grid's or cube's share of a block's op
+    (``layout``, :mod:`parallel.plan.split`: the pass runs those blocks whole; 1 elsewhere)."""
 
-    def __init__(self, state: dict, shard: float) -> None:
-        self.state, self.shard = state, shard
+    def __init__(self, state: dict, shard: float, layout: LayoutShares | None = None) -> None:
+        self.state, self.shard, self.layout = state, shard, layout
 
     def __call__(self) -> tuple[str, str]:
         return self.state["unit"], self.state["phase"]
 
     def share(self) -> float:
         return self.shard if self.state["sharded"] else 1.0
+
+    def split(self, *, core: bool = False) -> float:
+        """The share of the op being dispatched one rank of a grid or cube does (``core``: the attention kernel)."""
+        if self.layout is None or self.state["unit"] not in self.layout.blocks:
+            return 1.0
+        return self.layout.core if core else self.layout.block
 
 
 def sequence_share(plan: ParallelPlan) -> float:

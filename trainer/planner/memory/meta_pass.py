@@ -10,7 +10,9 @@ kernel (:func:`flash_attention_for_cpu`) through a torch function mode of its ow
 a rank's queries over the whole row (:func:`_over_the_row`). Sequence parallelism runs the blocks' norms
 on 1/tp of the rows; their outputs, which the engine gathers for the projections, are kept for backward
 as those shards and gathered again in backward (:class:`_Regather`), as
-:mod:`parallel.sharding.sequence_parallel` does. The time model's pass
+:mod:`parallel.sharding.sequence_parallel` does. A 2-D / 2.5-D grid's or 3-D cube's blocks run whole, each op
+counted at the rank's share and each Linear with its own gathered input and weight block
+(:mod:`trainer.planner.memory.layout_census`, :mod:`parallel.plan.split`). The time model's pass
 (:func:`trainer.planner.cost.model.unit_pass`) uses the same kernel, mode and shapes.
 """
 
@@ -38,6 +40,7 @@ from trainer.config.schema import RunConfig
 from trainer.models import loss_fn_for
 from trainer.models.skeleton import meta_model
 from trainer.planner.memory.layout import expert_split
+from trainer.planner.memory.layout_census import LayoutCensus
 from trainer.planner.numbers import held_placements
 
 
@@ -145,6 +148,15 @@ class _Census(TorchDispatchMode):
             self.live[0] -= entry[1]
             self.live[1] += entry[1]
 
+    def hold(self, t: torch.Tensor, nbytes: float) -> None:
+        """``nbytes`` live while autograd keeps ``t`` for backward: what a grid's or cube's Linear gathers and
+        keeps beside ``t`` (its own copy of the input, its weight block), which the pass does not make."""
+        self.live[0] += nbytes
+        weakref.finalize(t, self._release, nbytes)
+
+    def _release(self, nbytes: float) -> None:
+        self.live[0] -= nbytes
+
     def _free(self, key: int) -> None:
         column, nbytes = self._bytes.pop(key)
         self.live[int(column)] -= nbytes
@@ -234,6 +246,13 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
     # A sequence-parallel block keeps its residual stream as sequence shards: its own code (the residual adds)
     # and its norms run on 1/tp of the rows, its other children (attention, the MLP) on the gathered rows.
     sp_blocks = {b for b in plan.blocks if any(n.startswith(f"{b}.") for n in sp_norms)}
+    # A grid's or cube's blocks (parallel.plan.split): each op at the rank's share of its block, each Linear its
+    # own gathered input and weight block, each norm its normalised input too.
+    layout = LayoutCensus.of(plan, model, params)
+    if layout is not None:
+        hooks.extend(layout.hooks(model))
+        for name in layout.shares.norms:
+            hooks.append(model.get_submodule(name).register_forward_hook(lambda _m, _a, out: normalised(out)))
     for name, module in model.named_modules():
         if name in plan.units or name in sp_norms:
             hooks.append(module.register_forward_pre_hook(lambda _m, args, name=name: _enter(name, args)))
@@ -252,8 +271,22 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
             # (parallel.sharding.tensor_parallel._scatter_gather_runs): a checkpointed block keeps 1/tp of its input.
             sp_block = any(n.startswith(f"{name}.") for n in sp_norms)
             inputs[name] = args[0].numel() * args[0].element_size() / (tp if sp_block else 1)
+            if layout is not None and name in layout.shares.blocks:
+                inputs[name] *= layout.shares.block
 
-    def share() -> float:  # sequence parallel: a norm and the residual stream run on this rank's sequence shard
+    def keep(nbytes: float) -> None:  # saved for backward by the unit running
+        units[next((c for c in current if c in plan.units), plan.units[-1])] += nbytes
+
+    def normalised(out: torch.Tensor) -> None:  # a grid's or cube's norm keeps its normalised input too
+        assert layout is not None, "hooked for a grid's or cube's norms only"
+        keep(nbytes := layout.normalised(out))
+        census.hold(out, nbytes)
+
+    def share(t: torch.Tensor | None = None) -> float:
+        # a grid's or cube's block: the rank's share; sequence parallel: a norm and the residual stream run on
+        # this rank's sequence shard
+        if layout is not None and (split := layout.share(t, core=bool(core_inputs))) is not None:
+            return split
         for c in reversed(current):
             if c == _GATHERED:
                 return 1.0
@@ -265,12 +298,17 @@ def saved_activations(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, *, m
         storage = t.untyped_storage()
         output = sp_outputs.get(storage._cdata)
         gathered = output is not None and output() is not None
+        if layout is not None and (counted := layout.linear_saved(t)) is not None:
+            keep(counted)  # a grid's or cube's Linear: its own gathered input and weight block
+            if counted:
+                census.hold(t, counted)
+            return t
         if storage._cdata not in params and storage._cdata not in seen:
             seen.add(storage._cdata)
             owner = next((c for c in current if c in plan.units), plan.units[-1])
-            units[owner] += storage.nbytes() * (1 / tp if gathered else share())
+            units[owner] += storage.nbytes() * (1 / tp if gathered else share(t))
             if core_inputs and storage._cdata not in core_inputs:
-                cores[owner] += storage.nbytes() * share()
+                cores[owner] += storage.nbytes() * share(t)
         if not gathered:
             return t
         regather = regathers.get(storage._cdata) or regathers.setdefault(storage._cdata, _Regather(t))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parallel.plan.spec import ParallelPlan
+from parallel.plan.split import split_key
 from trainer.config.schema import RunConfig
 
 
@@ -39,7 +40,7 @@ def pass_key(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, attention: Ca
     return (cfg.model.model_dump_json(), files, cfg.train.seq_len, cfg.train.precision, micro_batch, attention, placed,
             sp_norms, tuple(plan.units), tuple(plan.blocks), repr(plan.context_parallel), plan.cp_size,
             repr(plan.expert_parallel), plan.mesh.size(plan.expert_parallel.dim) if plan.expert_parallel else 1,
-            cfg.train.loss_chunk_tokens)  # the loss's chunks
+            cfg.train.loss_chunk_tokens, split_key(plan))  # the loss's chunks; a grid's or cube's split
 
 
 class PassCache:

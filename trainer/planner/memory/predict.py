@@ -34,6 +34,7 @@ from torch import nn
 
 from parallel.config import REPLICATED_DP_MODES
 from parallel.plan.spec import ParallelPlan
+from parallel.plan.split import split_key
 from trainer.config.schema import RunConfig
 from trainer.planner.memory.host import host_overhead, runtime
 from trainer.planner.memory.pass_cache import PASSES, PassCache, pass_key
@@ -164,7 +165,7 @@ def _predict_memory(cfg: RunConfig, plan: ParallelPlan, *, model: nn.Module | No
     tp = plan.mesh.size(sorted({a for axes in plan.placements.values() for a in axes}))
     key = (tp, micro, t.precision, bool(plan.layouts), attention, plan.context_parallel, plan.cp_size,
            expert_split(plan),
-           plan.loss_parallel, t.loss_chunk_tokens)
+           plan.loss_parallel, t.loss_chunk_tokens, split_key(plan))
     if cache is None and model is None and (shared := pass_key(cfg, plan, micro, attention)) is not None:
         cache, key = PASSES, shared  # one process validating many configs of a model (pass_cache)
     if cache is None or key not in cache:
