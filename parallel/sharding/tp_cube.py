@@ -160,10 +160,28 @@ class CubeLinear:
         return y.redistribute(m.cube, self.y_final).to_local()
 
 
+def _take_norm(owner: CubeRMSNorm | CubeHeadNorm, norm: nn.Module, meshes: _Meshes,
+               stored: Sequence[Placement]) -> torch.Tensor:
+    """``norm``'s weight distributed as ``stored`` over the weights mesh (each rank's shard from its own
+    initialisation: ``src_data_rank=None``), its eps (the dtype's when it has none) on ``owner``, and its forward
+    ``owner``'s, per instance. Returns the weight as it was."""
+    weight = cast(torch.Tensor, norm.weight)
+    dt = distribute_tensor(weight.detach(), meshes.weights, stored, src_data_rank=None)
+    norm.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
+    eps = getattr(norm, "eps", None)
+    owner.eps = float(eps) if eps is not None else torch.finfo(weight.dtype).eps
+    owner.norm = norm
+    norm.forward = owner.forward
+    return weight
+
+
 class CubeRMSNorm:
     """An RMSNorm on the residual stream ``[rows over a then c, hidden over b]``: each row's sum of squares is
     all-reduced over b (a ``Partial`` redistributed to ``Replicate``), the weight split over b like the
     hidden. Arithmetic as :class:`trainer.models.layers.RMSNorm` (fp32 statistics, the result cast back)."""
+
+    eps: float  # set by _take_norm, with norm
+    norm: nn.Module
 
     def __init__(self, norm: nn.Module, meshes: _Meshes) -> None:
         self.meshes = meshes
@@ -172,14 +190,7 @@ class CubeRMSNorm:
         self.stats = m.act(a=Shard(ROWS), c=Shard(ROWS))
         self.w_stored = m.weight(b=Shard(0))
         self.w_grad = m.weight(dp=Partial(), b=Shard(0), c=Partial(), a=Partial())
-        weight = cast(torch.Tensor, norm.weight)
-        dt = distribute_tensor(weight.detach(), m.weights, self.w_stored, src_data_rank=None)
-        norm.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
-        self.dim = int(weight.shape[0])
-        eps = getattr(norm, "eps", None)
-        self.eps = float(eps) if eps is not None else torch.finfo(weight.dtype).eps
-        self.norm = norm
-        norm.forward = self.forward  # this norm's own forward, per instance
+        self.dim = int(_take_norm(self, norm, meshes, self.w_stored).shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.meshes
@@ -199,18 +210,15 @@ class CubeHeadNorm:
     holds: the weight whole on every rank, its gradient's contributions partial over the rows' axes (a, b) and,
     with the heads split over c, over c too (gathered heads are the same on every c rank)."""
 
+    eps: float  # set by _take_norm, with norm
+    norm: nn.Module
+
     def __init__(self, norm: nn.Module, meshes: _Meshes, *, heads_split: bool) -> None:
         self.meshes = meshes
         m = meshes
         self.w_stored = m.weight()
         self.w_grad = m.weight(dp=Partial(), a=Partial(), b=Partial(), c=Partial() if heads_split else Replicate())
-        weight = cast(torch.Tensor, norm.weight)
-        dt = distribute_tensor(weight.detach(), m.weights, self.w_stored, src_data_rank=None)
-        norm.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
-        eps = getattr(norm, "eps", None)
-        self.eps = float(eps) if eps is not None else torch.finfo(weight.dtype).eps
-        self.norm = norm
-        norm.forward = self.forward  # this norm's own forward, per instance
+        _take_norm(self, norm, meshes, self.w_stored)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.meshes

@@ -40,7 +40,8 @@ CASES: dict[str, Bad] = {
                                   ["the 2 x 2 grid cannot split", "heads 9", "kv heads 3"],
                                   ["'mesh=[3,3]' train.global_batch_size=15"]),
     "grid/nine-heads-on-depth": bad([*SMOL, "+parallel=tp2p5d"], "parallel.grid_parallel",
-                                    ["heads 9"], ["mesh=[2,3,3]"]),
+                                    ["heads 9"], ["'mesh=[1,3,3]' train.global_batch_size=15 (9 ranks",
+                                                  "'mesh=[2,3,3]' train.global_batch_size=18 (18 ranks)"]),
     "grid/with-a-pipeline": bad(["+parallel=tp2d", "+parallel.pipeline={dim: row}"], "parallel.pipeline",
                                 ["a pipeline beside a 2-D / 2.5-D grid is not built"], ["parallel.pipeline=null"]),
     "grid/with-1d-tp": bad(["+parallel=tp2d_dp", "+parallel.tensor_parallel={dim: dp}"], "parallel.tensor_parallel",
@@ -86,6 +87,20 @@ def test_the_printed_fix_for_nine_heads_validates_as_printed():
     assert fix == ["mesh=[3,3]", "train.global_batch_size=15"], issue.fix
     cfg, plan = validate_with_plan(compose_dict([*SMOL, "+parallel=tp2d", *fix]))
     assert cfg.world_size == 9 and plan is not None and plan.grid is not None
+
+
+def test_the_smallest_printed_fix_for_nine_heads_on_depth_validates_as_printed():
+    """SmolLM2 on tp2p5d's 2 x 2 x 2: refused first with one layer of depth on a 3 x 3 grid (9 ranks, not 18), the
+    fix tests/dist/test_grid.py trains; the batch splits over its 3 rows."""
+    with pytest.raises(ConfigError) as excinfo:
+        validate_config(compose_dict([*SMOL, "+parallel=tp2p5d"]))
+    (issue,) = [i for i in excinfo.value.issues if i.path == "parallel.grid_parallel"]
+    first = issue.fix.split(": ", 1)[1].split(" (", 1)[0]
+    fix = shlex.split(first)  # as a shell reads what was printed
+    assert fix == ["mesh=[1,3,3]", "train.global_batch_size=15"], issue.fix  # grid_checks.SMOL_2P5D_FIX
+    cfg, plan = validate_with_plan(compose_dict([*SMOL, "+parallel=tp2p5d", *fix]))
+    assert cfg.world_size == 9 and plan is not None and plan.grid is not None
+    assert (plan.grid.depth, plan.mesh.shape, plan.topology.dp_size) == ("depth", (1, 3, 3), 1)
 
 
 @pytest.mark.parametrize("preset, mesh, dp_axes, grid", [

@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -107,3 +108,26 @@ class SuiteResults:
 def max_rel(values, expected) -> float:
     """The largest relative difference of two equally long sequences of numbers."""
     return max(abs(v - e) / abs(e) for v, e in zip(values, expected, strict=True))
+
+
+def one_device_figures(raw_config: Callable[[str], dict]) -> Callable[[str], dict[str, list[float]]]:
+    """One device's figures of the trainer's loop (``losses``, ``aux_losses``, ``grad_norms``) for the config
+    ``raw_config(key)`` composes, each key's computed when first asked for: the reference a suite's ranks equal.
+
+        references = one_device_figures(lambda model: compose_dict([f"model={model}", "data=synthetic"]))
+    """
+    from trainer.run.loop import train
+    from trainer.run.metrics import NullProgress
+    from trainer.tracking.tracker import NullTracker
+    from trainer.validate.checks import validate_config
+
+    cache: dict[str, dict[str, list[float]]] = {}
+
+    def figures(key: str) -> dict[str, list[float]]:
+        if key not in cache:
+            cfg = validate_config(raw_config(key), check_model=False)
+            result = train(cfg, tracker=NullTracker(), progress=NullProgress(), predicted_peak_mib=0.0)
+            cache[key] = {"losses": result.losses, "aux_losses": result.aux_losses, "grad_norms": result.grad_norms}
+        return cache[key]
+
+    return figures

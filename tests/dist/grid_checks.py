@@ -21,6 +21,7 @@ from trainer.validate.checks import validate_config
 
 HF_ENV, SMOL_ENV = "MESHFLOW_TEST_GRID_HF_DIR", "MESHFLOW_TEST_GRID_SMOL_DIR"  # set by the parent test
 SMOL_FIX, SMOL_BATCH = ["mesh=[3,3]", "train.global_batch_size=15"], 15  # tests/conf/test_grid_configs.py checks it
+SMOL_2P5D_FIX = ["mesh=[1,3,3]", "train.global_batch_size=15"]  # the first (smallest) fix of tp2p5d's refusal, alike
 BASE = ["data=synthetic", "train.seq_len=32", "train.global_batch_size=8", "tracking=none"]
 
 
@@ -69,6 +70,9 @@ SUITES = {
         ("tp2p5d", grid_check("builtin", ["+parallel=tp2p5d"])),
         ("tp2p5d_hf", grid_check("hf", ["+parallel=tp2p5d"])),
     ],
-    # The printed fix for SmolLM2's 9 heads on a 2 x 2 grid, applied as printed.
-    "nine_rank": [("tp2d_smol_3x3", grid_check("smol", ["+parallel=tp2d", *SMOL_FIX], global_batch=SMOL_BATCH))],
+    # The printed fixes for SmolLM2's 9 heads on a 2 x 2 grid and on tp2p5d's 2 x 2 x 2, applied as printed.
+    "nine_rank": [
+        ("tp2d_smol_3x3", grid_check("smol", ["+parallel=tp2d", *SMOL_FIX], global_batch=SMOL_BATCH)),
+        ("tp2p5d_smol_1x3x3", grid_check("smol", ["+parallel=tp2p5d", *SMOL_2P5D_FIX], global_batch=SMOL_BATCH)),
+    ],
 }

@@ -7,6 +7,7 @@ mixture of experts its balance losses and gradient norms, with one device's (``t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from trainer.config.compose import compose_dict
 from trainer.run.metrics import NullProgress
@@ -90,10 +91,59 @@ LAYOUTS = {
                                          stage([[4, 5], [6, 7]], ["dp", "cp"], dp="dp", cp="cp")]),
 }
 
+# A pp_stages_ep checkpoint (the preset: gpt_moe on fsdp x tp then ep) saved after step 2 of 5, resumed for steps 3 to 5
+# on its own layout and on fsdp x ep [2, 4] (the parent resumes it on one device too), in the launch that saved it.
+SAVED_AFTER = 2
+PP_STAGES_EP = ["+parallel=pp_stages_ep"]
+RESUMES = {"pp_stages_ep_resumes": PP_STAGES_EP,
+           "fsdp_ep_resumes_pp_stages_ep": ["+parallel=fsdp_ep", "mesh=[2,4]"]}
+
+
+def checkpoint_dir() -> str:
+    """Where the pp_stages_ep run saves: ``$MESHFLOW_TEST_STAGE_AXES_DIR/pp_stages_ep``."""
+    return os.path.join(os.environ.get(DATA_ENV, ""), "pp_stages_ep")
+
+
+def preset_config(parallel: list[str], *extra: str) -> dict:
+    """gpt_moe (balance loss weight 1) on a preset, or on one device with ``parallel=[]``."""
+    return compose_dict([*MODELS["moe"], *BASE, *parallel, *extra])
+
+
+def resume_config(parallel: list[str]) -> dict:
+    """The rest of the run (steps 3 to 5) from the pp_stages_ep checkpoint, on ``parallel``'s layout."""
+    return preset_config(parallel, f"train.checkpoint.resume={checkpoint_dir()}/step_{SAVED_AFTER:08d}",
+                         f"train.checkpoint.dir={checkpoint_dir()}-resumed")
+
+
+def save_config() -> dict:
+    """The pp_stages_ep run of ``STEPS`` steps, a checkpoint saved every 2: the run it resumes is the same run (its
+    learning-rate schedule spans the same steps), not one of 2 steps."""
+    return preset_config(PP_STAGES_EP, f"train.checkpoint.every={SAVED_AFTER}", f"train.checkpoint.dir={checkpoint_dir()}")
+
+
+def preset_trained(config: Callable[[], dict]):
+    """A check: the trainer's loop on the composed config ``config()`` (composed in the worker, which reads the
+    parent's environment); its figures, as every rank reports them."""
+
+    def check(*, rank: int, world_size: int) -> dict:
+        from trainer.run.loop import train
+
+        cfg = validate_config(config(), check_model=False)
+        result = train(cfg, tracker=NullTracker(), progress=NullProgress(), rank=rank, predicted_peak_mib=0.0)
+        return {"losses": result.losses, "aux_losses": result.aux_losses, "grad_norms": result.grad_norms,
+                "first_step": result.first_step, "last_checkpoint": result.last_checkpoint}
+
+    return check
+
+
 SUITES = {
     "four_rank": [(name, trained(*LAYOUTS[name])) for name in ("tp_then_cp", "cp_then_tp", "moe_tp_then_ep",
                                                                 "moe_cp_then_dp")],
     "six_rank": [(name, trained(*LAYOUTS[name])) for name in ("llama9_tp_then_cp",)],
     "eight_rank": [(name, trained(*LAYOUTS[name])) for name in ("fsdp_tp_then_cp", "moe_fsdp_tp_then_ep",
                                                                  "moe_fsdp_tp_then_dp_x_cp")],
+    "eight_rank_resume": [
+        ("pp_stages_ep_saves", preset_trained(save_config)),
+        *((name, preset_trained(lambda parallel=parallel: resume_config(parallel))) for name, parallel in RESUMES.items()),
+    ],
 }

@@ -19,7 +19,7 @@ import os
 import pytest
 
 from context_checks import DATA_ENV, MEMORY, SUITES, overrides
-from dist_harness import SuiteResults, max_rel
+from dist_harness import SuiteResults, max_rel, one_device_figures
 
 WORLD_SIZE = {"two_rank": 2, "four_rank": 4, "two_rank_slow": 2, "four_rank_slow": 4}
 LOSS_REL_TOL = 1e-5
@@ -54,21 +54,8 @@ def data_dir(tmp_path_factory):
 def references(data_dir):
     """One device's losses on each kind of data (the same loop), each computed when first asked for."""
     from trainer.config.compose import compose_dict
-    from trainer.run.loop import train
-    from trainer.run.metrics import NullProgress
-    from trainer.tracking.tracker import NullTracker
-    from trainer.validate.checks import validate_config
 
-    cache: dict[str, dict[str, list[float]]] = {}
-
-    def figures(data: str) -> dict[str, list[float]]:
-        if data not in cache:
-            cfg = validate_config(compose_dict(overrides(data, [])), check_model=False)
-            result = train(cfg, tracker=NullTracker(), progress=NullProgress(), predicted_peak_mib=0.0)
-            cache[data] = {"losses": result.losses, "aux_losses": result.aux_losses, "grad_norms": result.grad_norms}
-        return cache[data]
-
-    return figures
+    return one_device_figures(lambda data: compose_dict(overrides(data, [])))
 
 
 @pytest.fixture(scope="module")

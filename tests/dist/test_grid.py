@@ -1,7 +1,7 @@
 """2-D and 2.5-D tensor parallelism (``+parallel=tp2d``, ``tp2d_dp``, ``tp2p5d``) equal one device: the losses and
 gradient norms of 5 steps (fp32, rel 1e-5) on the built-in decoder and on Hugging Face Llamas (a tied 4-head one,
-and SmolLM2's 9 heads / 3 kv heads on the 3 x 3 grid its refusal on 2 x 2 prints), each rank holding the
-grid's block of every weight.
+and SmolLM2's 9 heads / 3 kv heads on the grids its refusals print: 3 x 3 for tp2d's 2 x 2, and 1 x 3 x 3, one
+layer of depth on 9 ranks, for tp2p5d's 2 x 2 x 2), each rank holding the grid's block of every weight.
 
     pytest tests/dist/test_grid.py -q -m slow      # three launches: 4, 8 and 9 processes
 """
@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow
 
 WORLD_SIZE = {"four_rank": 4, "eight_rank": 8, "nine_rank": 9}
 MODEL_OF = {"tp2d": "builtin", "tp2d_dp": "builtin", "tp2d_fsdp": "builtin", "tp2p5d": "builtin",
-            "tp2d_hf": "hf", "tp2p5d_hf": "hf", "tp2d_smol_3x3": "smol"}
+            "tp2d_hf": "hf", "tp2p5d_hf": "hf", "tp2d_smol_3x3": "smol", "tp2p5d_smol_1x3x3": "smol"}
 # (rows, cols) of each check's grid, and the batch rows each grid row holds (8 sequences over the batch ranks)
 GRID = {"tp2d": (2, 2, 4), "tp2d_dp": (2, 2, 2), "tp2d_fsdp": (2, 2, 2), "tp2p5d": (2, 2, 2), "tp2d_hf": (2, 2, 4),
-        "tp2p5d_hf": (2, 2, 2), "tp2d_smol_3x3": None}
+        "tp2p5d_hf": (2, 2, 2), "tp2d_smol_3x3": (3, 3, 5), "tp2p5d_smol_1x3x3": (3, 3, 5)}
 
 
 @pytest.fixture(scope="module")

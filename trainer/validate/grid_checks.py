@@ -7,7 +7,8 @@
 * the model: every block Linear's inputs split over the rows and its outputs over the columns, the norms' hidden
   and the query and key/value heads over the columns; a mixture of experts, per-head q/k norms and LoRA adapters
   are refused. A grid that cannot split the model is refused with the smallest square grid that can
-  (``mesh=[3,3]`` for 9 heads over 3 kv heads), when there is one.
+  (``mesh=[3,3]`` for 9 heads over 3 kv heads), when there is one; on a 2.5-D grid first with one layer of depth
+  (``mesh=[1,3,3]``: 9 ranks, not 18), then with the user's depth.
 """
 
 from __future__ import annotations
@@ -113,8 +114,7 @@ def check_grid_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
     if not bad:
         return []
     side = next((q for q in range(2, LARGEST_GRID + 1) if all(n % q == 0 for _, n in (*by_rows, *by_cols))), None)
-    fix = (f"use a square grid of side {side}, which splits them: {grid_mesh(cfg, side)}" if side is not None
-           else "use 1-D tensor parallelism (the tp preset) for this model")
+    fix = (grid_fix(cfg, side) if side is not None else "use 1-D tensor parallelism (the tp preset) for this model")
     return [ConfigIssue(PATH, f"the {rows} x {cols} grid cannot split {', '.join(bad)}: each Linear's inputs split "
                         f"over {grid.rows}, its outputs, the hidden and the (kv) heads over {grid.cols}", fix)]
 
@@ -143,15 +143,34 @@ def grid_sizes(model: nn.Module) -> tuple[list[tuple[str, int]], list[tuple[str,
     return by_rows, by_cols, found
 
 
-def grid_mesh(cfg: RunConfig, side: int) -> str:
-    """``mesh=[...]`` with the grid's rows and cols of ``side`` ranks, the other axes as they are, and a global
-    batch size whose share per batch rank splits over ``side`` rows where the config's does not."""
+def grid_fix(cfg: RunConfig, side: int) -> str:
+    """The fix for a grid too small or too large for the model: the square grid of ``side``. With a 2.5-D depth
+    the smallest run that works comes first: depth 1 (Tesseract with one layer is the 2-D grid, still on the
+    depth axis, so the preset's dims stay as they are), then the depth the user chose."""
+    assert cfg.parallel is not None and cfg.parallel.grid_parallel is not None, "a grid's fix"
+    grid = cfg.parallel.grid_parallel
+    fix = f"use a square grid of side {side}, which splits them: "
+    depth = cfg.axis_size(grid.depth) if grid.depth is not None else 1
+    if depth == 1:
+        return fix + grid_mesh(cfg, side)
+    others = cfg.world_size // (depth * cfg.axis_size(grid.rows) * cfg.axis_size(grid.cols))
+    return (fix + f"{grid_mesh(cfg, side, depth=1)} ({others * side * side} ranks: one layer of depth), or keep "
+            f"the depth of {depth}: {grid_mesh(cfg, side)} ({others * depth * side * side} ranks)")
+
+
+def grid_mesh(cfg: RunConfig, side: int, *, depth: int | None = None) -> str:
+    """``mesh=[...]`` with the grid's rows and cols of ``side`` ranks (and its depth axis of ``depth``, when given),
+    the other axes as they are, and a global batch size whose share per batch rank splits over ``side`` rows where
+    the config's does not."""
     par = cfg.parallel
     assert par is not None and par.grid_parallel is not None, "a grid's fix"
     grid = par.grid_parallel
-    shape = [side if name in (grid.rows, grid.cols) else size for name, size in zip(par.dims, cfg.mesh_shape)]
+    new = {grid.rows: side, grid.cols: side, **({grid.depth: depth} if grid.depth and depth is not None else {})}
+    shape = [new.get(name, size) for name, size in zip(par.dims, cfg.mesh_shape)]
     fix = override("mesh", shape)
-    step = cfg.dp_size * cfg.train.grad_accum * side
+    dp_size = cfg.dp_size if depth is None or grid.depth is None else \
+        cfg.dp_size // cfg.axis_size(grid.depth) * depth  # the depth splits the batch as a dp axis does
+    step = dp_size * cfg.train.grad_accum * side
     if cfg.train.global_batch_size % step:
         fix += " " + override("train.global_batch_size", step * max(1, round(cfg.train.global_batch_size / step)))
     return fix
