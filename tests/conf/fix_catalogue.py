@@ -255,7 +255,6 @@ PROSE: dict[str, tuple[str, str]] = {
     "other placements beside it are not built": ("grid_checks.py", "the user's own placement globs to remove"),
     "is not in parallel.dims {par.dims}": ("grid_checks.py", "the user chooses the grid's axes"),
     "is already the {role[axis]} axis": ("grid_checks.py", "the user chooses the grid's axes"),
-    "per-head q/k norms (Qwen3) on a grid": ("grid_checks.py", "another preset: its mesh and axes are the user's"),
     "has no transformer blocks for the grid": ("grid_checks.py", "another model: its data is the user's choice"),
     "use 1-D tensor parallelism (the tp preset)": ("grid_checks.py", "another preset: its mesh is the user's"),
     "parameters are placed on it by": ("checks.py", "the user's own placement glob"),
