@@ -256,7 +256,6 @@ PROSE: dict[str, tuple[str, str]] = {
     "is not in parallel.dims {par.dims}": ("grid_checks.py", "the user chooses the grid's axes"),
     "is already the {role[axis]} axis": ("grid_checks.py", "the user chooses the grid's axes"),
     "has no transformer blocks for the grid": ("grid_checks.py", "another model: its data is the user's choice"),
-    "use 1-D tensor parallelism (the tp preset)": ("grid_checks.py", "another preset: its mesh is the user's"),
     "parameters are placed on it by": ("checks.py", "the user's own placement glob"),
     "on a parameter: a parameter's value must be whole": ("checks.py", "the user's own placement glob"),
     "does not split over": ("checks.py", "how many hosts is the user's choice"),
