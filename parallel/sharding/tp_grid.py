@@ -213,7 +213,7 @@ def _grid_head_norm(norm: nn.Module, grid: DeviceMesh) -> None:
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (xf * rstd * w.to(xf.dtype)).type_as(x)
 
-    norm.forward = types.MethodType(forward, norm)  # type: ignore[method-assign]
+    norm.forward = types.MethodType(forward, norm)
 
 
 # --------------------------------------------------------------------------- attention
