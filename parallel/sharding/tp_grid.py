@@ -33,8 +33,12 @@ row statistics are reduced over c (one value per token), their weight is ``(Repl
 Attention acts per head on whole sequences: the q/k/v outputs ``(Shard(0), Shard(2))`` hold this
 rank's batch rows and its ``1/q`` of the heads (kv heads alike), so the scaled-dot-product attention
 is local and its output, this rank's heads, is exactly the ``in`` block the output projection's
-input gathers. The embedding, the final norm and the head stay outside the grid (replicated over it):
-the stream enters the first block as a local slice and leaves the last by one all-gather.
+input gathers. Per-head q/k norms (Qwen3: one weight of ``head_dim`` shared by every head) act on those
+local heads: their weight is whole on every rank (``WHOLE``), and its gradient, this rank's rows' and heads'
+share, is summed over the grid (``Partial`` over r and c, all-reduced by the redistribute's backward), as the
+3-D cube's :class:`parallel.sharding.tp_cube.CubeHeadNorm` does. The embedding, the final norm and the head
+stay outside the grid (replicated over it): the stream enters the first block as a local slice and leaves the
+last by one all-gather.
 
 **2.5-D, Tesseract (Wang et al. 2021, "2.5-dimensional distributed model training", arXiv
 2105.14500).** ``p = d q^2`` ranks as ``d`` layers of ``q x q`` grids: ``X [b, h]`` is cut into ``d q``
@@ -46,7 +50,7 @@ parameters as one (:attr:`parallel.topology.Topology.batch_axes`): each layer's 
 gradients. ``d = 1`` is 2-D; a data-parallel axis beside d is more depth.
 
 What this module does not do: split the embedding, the head or the loss over the grid, and the
-parts of a block it does not recognise (experts, per-head q/k norms, LoRA adapters, biases other
+parts of a block it does not recognise (experts, LoRA adapters, biases other
 than a Linear's own): validation refuses those models (:mod:`trainer.validate.grid_checks`).
 """
 
@@ -60,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 # The layouts on the grid mesh (r, c).
 STREAM = (Shard(0), Shard(2))            # batch rows over r, hidden over c: the residual stream, every Linear's output
@@ -69,12 +73,14 @@ WEIGHT = (Shard(1), Shard(0))            # nn.Linear [out, in]: in over r, out o
 WEIGHT_GATHERED = (Replicate(), Shard(0))  # a Linear's weight at use: its in whole (all-gathered over r)
 VECTOR = (Replicate(), Shard(0))         # a bias or norm weight [h]: its columns over c
 WHOLE = (Replicate(), Replicate())
+SUMMED = (Partial(), Partial())          # a per-head norm weight's gradient on one rank: its rows' and heads' share
 
 
 def apply_grid(part: nn.Module, mesh: DeviceMesh, *, rows: str, cols: str, blocks: Sequence[str]) -> dict[str, str]:
     """Partition every block of ``part`` named in ``blocks`` over the grid ``(rows, cols)`` of ``mesh``:
-    its Linears SUMMA-style, its norms on the hidden's shards, attention on this rank's heads. Returns
-    ``{module FQN: style}`` (``grid_linear``, ``grid_norm``, ``grid_stream``)."""
+    its Linears SUMMA-style, its norms on the hidden's shards, attention (and its per-head q/k norms) on this
+    rank's heads. Returns ``{module FQN: style}`` (``grid_linear``, ``grid_norm``, ``grid_head_norm``,
+    ``grid_stream``)."""
     grid = mesh if tuple(mesh.mesh_dim_names or ()) == (rows, cols) else mesh[(rows, cols)]  # 2-D, not flattened
     modules = dict(part.named_modules())
     present = [fqn for fqn in blocks if fqn in modules]
@@ -82,9 +88,13 @@ def apply_grid(part: nn.Module, mesh: DeviceMesh, *, rows: str, cols: str, block
     for fqn in present:
         block = modules[fqn]
         attention = _attention_of(block)
+        head_norms = _head_norms(attention)
         for name, module in block.named_modules():
             full = f"{fqn}.{name}" if name else fqn
-            if isinstance(module, nn.Linear):
+            if any(module is norm for norm in head_norms):
+                _grid_head_norm(module, grid)
+                report[full] = "grid_head_norm"
+            elif isinstance(module, nn.Linear):
                 _grid_linear(module, grid, local_out=attention is not None and _projects_heads(attention, module))
                 report[full] = "grid_linear"
             elif isinstance(module, nn.RMSNorm) and module.weight is not None:
@@ -184,11 +194,42 @@ def _grid_norm(norm: nn.RMSNorm, grid: DeviceMesh) -> None:
     norm.forward = types.MethodType(forward, norm)  # type: ignore[method-assign]
 
 
+def _grid_head_norm(norm: nn.Module, grid: DeviceMesh) -> None:
+    """A per-head RMSNorm (over ``head_dim``) on this rank's batch rows and heads, a plain local tensor: its
+    weight ``WHOLE``; used as this rank's local copy whose gradient is ``SUMMED``, so backward's redistribute
+    all-reduces the rows' and heads' shares over the grid (the one-device gradient sums every head's)."""
+    weight = norm.weight
+    assert isinstance(weight, torch.Tensor), "only norms with a weight are placed"
+    norm.weight = nn.Parameter(distribute_tensor(weight.detach(), grid, WHOLE, src_data_rank=None),
+                               requires_grad=weight.requires_grad)
+    eps_of = getattr(norm, "eps", None)
+    eps = float(eps_of) if eps_of is not None else torch.finfo(weight.dtype).eps
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        stored = self.weight
+        assert isinstance(stored, DTensor), "placed by _grid_head_norm"
+        w = stored.redistribute(grid, WHOLE).to_local(grad_placements=SUMMED)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * rstd * w.to(xf.dtype)).type_as(x)
+
+    norm.forward = types.MethodType(forward, norm)
+
+
 # --------------------------------------------------------------------------- attention
 
 
 def _attention_of(block: nn.Module) -> nn.Module | None:
     return next((m for m in block.modules() if hasattr(m, "head_dim") and hasattr(m, "_names")), None)
+
+
+def _head_norms(attention: nn.Module | None) -> list[nn.Module]:
+    """The attention's per-head norms: the modules owning the parameters it names in ``head_parameters``
+    (:mod:`parallel.sharding.head_params`), e.g. Qwen3's ``q_norm`` and ``k_norm``."""
+    if attention is None:
+        return []
+    owners = (name.rpartition(".")[0] for name in getattr(attention, "head_parameters", ()))
+    return [attention.get_submodule(owner) for owner in owners]
 
 
 def _projects_heads(attention: nn.Module, linear: nn.Linear) -> bool:

@@ -1,7 +1,8 @@
 """2-D and 2.5-D tensor parallelism (``+parallel=tp2d``, ``tp2d_dp``, ``tp2p5d``) equal one device: the losses and
 gradient norms of 5 steps (fp32, rel 1e-5) on the built-in decoder and on Hugging Face Llamas (a tied 4-head one,
 and SmolLM2's 9 heads / 3 kv heads on the grids its refusals print: 3 x 3 for tp2d's 2 x 2, and 1 x 3 x 3, one
-layer of depth on 9 ranks, for tp2p5d's 2 x 2 x 2), each rank holding the grid's block of every weight.
+layer of depth on 9 ranks, for tp2p5d's 2 x 2 x 2), and a Qwen3-like one (per-head q/k norms, head_dim 24) on tp2d,
+tp2d_dp and tp2p5d, each rank holding the grid's block of every weight (a q/k norm's weight whole on every rank).
 
     pytest tests/dist/test_grid.py -q -m slow      # three launches: 4, 8 and 9 processes
 """
@@ -15,29 +16,34 @@ import pytest
 import dist_checks
 from dist_checks import llama_cfg, reference_run
 from dist_harness import SuiteResults, max_rel
-from grid_checks import HF_ENV, SMOL_BATCH, SMOL_ENV, SUITES
+from grid_checks import HF_ENV, QWEN3_ENV, SMOL_BATCH, SMOL_ENV, SUITES
 
 pytestmark = pytest.mark.slow
 
 WORLD_SIZE = {"four_rank": 4, "eight_rank": 8, "nine_rank": 9}
 MODEL_OF = {"tp2d": "builtin", "tp2d_dp": "builtin", "tp2d_fsdp": "builtin", "tp2p5d": "builtin",
-            "tp2d_hf": "hf", "tp2p5d_hf": "hf", "tp2d_smol_3x3": "smol", "tp2p5d_smol_1x3x3": "smol"}
+            "tp2d_hf": "hf", "tp2p5d_hf": "hf", "tp2d_smol_3x3": "smol", "tp2p5d_smol_1x3x3": "smol",
+            "tp2d_qwen3": "qwen3", "tp2d_dp_qwen3": "qwen3", "tp2p5d_qwen3": "qwen3"}
 # (rows, cols) of each check's grid, and the batch rows each grid row holds (8 sequences over the batch ranks)
 GRID = {"tp2d": (2, 2, 4), "tp2d_dp": (2, 2, 2), "tp2d_fsdp": (2, 2, 2), "tp2p5d": (2, 2, 2), "tp2d_hf": (2, 2, 4),
-        "tp2p5d_hf": (2, 2, 2), "tp2d_smol_3x3": (3, 3, 5), "tp2p5d_smol_1x3x3": (3, 3, 5)}
+        "tp2p5d_hf": (2, 2, 2), "tp2d_smol_3x3": (3, 3, 5), "tp2p5d_smol_1x3x3": (3, 3, 5), "tp2d_qwen3": (2, 2, 4),
+        "tp2d_dp_qwen3": (2, 2, 2), "tp2p5d_qwen3": (2, 2, 2)}
+ENVS = {"hf": HF_ENV, "smol": SMOL_ENV, "qwen3": QWEN3_ENV}
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     from tests.hf_assets import write_tied_llama, write_tiny_llama
 
-    hf, smol = tmp_path_factory.mktemp("grid-hf"), tmp_path_factory.mktemp("grid-smol")
-    write_tiny_llama(hf, tie_word_embeddings=True)
-    write_tied_llama(smol)
-    os.environ[HF_ENV], os.environ[SMOL_ENV] = str(hf), str(smol)
-    yield {"hf": hf, "smol": smol}
-    os.environ.pop(HF_ENV, None)
-    os.environ.pop(SMOL_ENV, None)
+    dirs = {kind: tmp_path_factory.mktemp(f"grid-{kind}") for kind in ENVS}
+    write_tiny_llama(dirs["hf"], tie_word_embeddings=True)
+    write_tied_llama(dirs["smol"])
+    write_tiny_llama(dirs["qwen3"], model_type="qwen3")
+    for kind, env in ENVS.items():
+        os.environ[env] = str(dirs[kind])
+    yield dirs
+    for env in ENVS.values():
+        os.environ.pop(env, None)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def references(model_dirs):
     from trainer.models import decoder_config
 
     out = {"builtin": reference_run(llama_cfg())}
-    for kind in ("hf", "smol"):
+    for kind in ENVS:
         cfg = HFModelConfig(path=str(model_dirs[kind]))
         with pytest.MonkeyPatch.context() as patch:
             if kind == "smol":  # 15 sequences a step: the 3 x 3 grid's rows split them, as its refusal's fix says
@@ -82,3 +88,11 @@ def test_each_rank_holds_its_grid_block_of_weights_and_activations(check, result
             assert r["q_local_shape"] == [out // cols, inp // rows], r
         assert r["attn_input_local_shape"] == [batch_rows, 32, inp // cols], r
         assert r["report"]["layers.0" if "layers.0" in r["report"] else "model.layers.0"] == "grid_stream"
+
+
+@pytest.mark.parametrize("check", [c for c, model in MODEL_OF.items() if model == "qwen3"])
+def test_per_head_norms_are_whole_on_every_rank(check, results):
+    """Qwen3's q/k norm weight [head_dim] is replicated over the grid (its gradient summed over it), reported so."""
+    for r in results(check):
+        assert r["q_norm_placements"][-2:] == ["R", "R"], r["q_norm_placements"]
+        assert r["report"]["model.layers.0.self_attn.q_norm"] == "grid_head_norm", r["report"]

@@ -5,10 +5,10 @@
   parallelism, 1-D tensor parallelism or placements beside it, hsdp, torch.compile, activation checkpointing;
 * the batch: every batch rank's micro-batch splits over the rows;
 * the model: every block Linear's inputs split over the rows and its outputs over the columns, the norms' hidden
-  and the query and key/value heads over the columns; a mixture of experts, per-head q/k norms and LoRA adapters
-  are refused. A grid that cannot split the model is refused with the smallest square grid that can
-  (``mesh=[3,3]`` for 9 heads over 3 kv heads), when there is one; on a 2.5-D grid first with one layer of depth
-  (``mesh=[1,3,3]``: 9 ranks, not 18), then with the user's depth.
+  and the query and key/value heads over the columns (per-head q/k norms, Qwen3's, stay whole: nothing to split);
+  a mixture of experts and LoRA adapters are refused. A grid that cannot split the model is refused with the
+  smallest square grid that can (``mesh=[3,3]`` for 9 heads over 3 kv heads), when there is one; on a 2.5-D grid
+  first with one layer of depth (``mesh=[1,3,3]``: 9 ranks, not 18), then with the user's depth.
 """
 
 from __future__ import annotations
@@ -105,9 +105,6 @@ def check_grid_model(cfg: RunConfig, model: nn.Module) -> list[ConfigIssue]:
     if not names:
         return [ConfigIssue(PATH, f"model {type(model).__name__} has no transformer blocks for the grid to split",
                             "use a decoder model (the built-in Llama family or a Hugging Face one)")]
-    if "qk_norm" in names:
-        return [ConfigIssue(PATH, "per-head q/k norms (Qwen3) on a grid are not built",
-                            "use 1-D tensor parallelism (the tp preset) for this model")]
     rows, cols = cfg.axis_size(grid.rows), cfg.axis_size(grid.cols)
     bad = sorted({f"{what} {n}" for what, n in by_rows if n % rows}
                  | {f"{what} {n}" for what, n in by_cols if n % cols})
@@ -127,8 +124,13 @@ def grid_sizes(model: nn.Module) -> tuple[list[tuple[str, int]], list[tuple[str,
     by_cols: list[tuple[str, int]] = []
     found: set[str] = set()
     for fqn in block_units(model, pipeline_units(model)):
+        # Per-head norms (Qwen3's q/k norms) act on whole heads, their weight whole on every rank: nothing to split.
+        per_head = {id(module.get_submodule(p.rpartition(".")[0])) for module in modules[fqn].modules()
+                    for p in getattr(module, "head_parameters", ())}
         for module in modules[fqn].modules():
-            if isinstance(module, nn.Linear):
+            if id(module) in per_head:
+                found.add("qk_norm")
+            elif isinstance(module, nn.Linear):
                 by_rows.append(("input features", module.in_features))
                 by_cols.append(("output features", module.out_features))
                 found.add("linear")
@@ -138,8 +140,6 @@ def grid_sizes(model: nn.Module) -> tuple[list[tuple[str, int]], list[tuple[str,
             if names is not None and head_dim:
                 by_cols.append(("heads", getattr(module, names.q).out_features // head_dim))
                 by_cols.append(("kv heads", getattr(module, names.k).out_features // head_dim))
-                if getattr(module, "q_norm", None) is not None:
-                    found.add("qk_norm")
     return by_rows, by_cols, found
 
 
