@@ -50,12 +50,18 @@ def overrides_of(arch: str, preset: str | None) -> list[str]:
 
 
 def printed_overrides(fix: str) -> list[str]:
-    """The overrides a printed fix names, as a shell would pass them (prose words dropped)."""
-    try:
-        words = shlex.split(fix)
-    except ValueError:
-        return []
-    return [w.rstrip(",;)") for w in words if _OVERRIDE.match(w)]
+    """The first fix a refusal prints, as a shell would pass it: the overrides of the first of its
+    alternatives (", or ") that names any ("use a tp size dividing 3, or X=false and Replicate: 'Y'" is
+    X and Y; "'mesh=[1,3,3]' train.global_batch_size=15 (9 ranks), or keep the depth: 'mesh=[2,3,3]' ..."
+    is the first mesh and batch), prose words dropped."""
+    for alternative in fix.split(", or "):
+        try:
+            words = shlex.split(alternative)
+        except ValueError:
+            continue
+        if found := [w.rstrip(",;)") for w in words if _OVERRIDE.match(w)]:
+            return found
+    return []
 
 
 def resolve_cell(arch: str, preset: str) -> tuple[object | None, dict]:
