@@ -79,7 +79,7 @@ def test_page_trains_as_written(page, tmp_path):
         cwd = make_fresh_clone(tmp_path / str(index))
         for command in chain:
             # an hour a command: docs/context-parallel.md's 100 steps of 4,096 tokens over 4 cp ranks took
-            # 26 s a step on the 2-core host under load (timed out at 30 minutes, at step 68, on 2026-11-29)
+            # 26 s a step on the 2-core host under load (timed out at 30 minutes, near step 60 of 100, on 2026-11-29)
             out = typed(command, cwd, env={"HOME": str(cwd / "home")}, timeout=3600)
             assert out.returncode == 0, f"{page}: {command}\n" + out.stdout[-3000:] + out.stderr[-3000:]
             if re.match(r"^python -m trainer( |$)", command) and "--multirun" not in command:
