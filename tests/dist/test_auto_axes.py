@@ -15,7 +15,7 @@ import pytest
 from dist_harness import max_rel
 
 import trainer.planner.auto.plan as auto_plan
-from trainer.cli.main import _run
+from trainer.cli.job import run as _run
 from trainer.config.compose import compose_dict
 from trainer.launch.launcher import LaunchSession
 from trainer.run.loop import train

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import plan_counts
 import trainer.launch.processes
-from trainer.cli.main import _run
+from trainer.cli.job import run as _run
 from trainer.config.compose import compose_dict
 from trainer.launch.launcher import LaunchSession
 

@@ -106,7 +106,7 @@ def _validate(overrides: list[str]) -> str:
     except ConfigError as err:
         if "dry_run=true" in overrides and all(i.path in {"train.global_batch_size", "parallel.pipeline.microbatches"}
                                                for i in err.issues):
-            return ""  # a dry run plans despite the batch arithmetic (trainer.cli.main._plan_despite_batch)
+            return ""  # a dry run plans despite the batch arithmetic (trainer.cli.job._plan_despite_batch)
         return str(err)
     return ""
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config.compose import compose_dict
-from trainer.launch.launcher import EXIT_CONFIG, EXIT_OK, launch
+from trainer.launch.launcher import launch
+from trainer.launch.outcome import EXIT_CONFIG, EXIT_OK
 from trainer.tracking.end_of_run import ERRORS_TAG
 from trainer.validate.checks import validate_config
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.config.schema import RunConfig
-from trainer.launch.launcher import _with_node_options, main, rendezvous_id
+from trainer.launch.launcher import _with_node_options, main
+from trainer.launch.tracked import rendezvous_id
 from trainer.launch.worker import node_ordered_rank
 
 TWO_NODES = {"mesh": [4], "parallel": {"dims": ["dp"], "data_parallel": {"dim": "dp", "mode": "fsdp"}},

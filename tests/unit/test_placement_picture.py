@@ -64,7 +64,7 @@ def test_many_groups_merge_into_their_distinct_patterns():
 
 
 def test_dry_run_writes_the_picture_unless_switched_off(tmp_path, monkeypatch, capsys):
-    from trainer.cli.main import _write_pictures
+    from trainer.cli.job import _write_pictures
 
     monkeypatch.chdir(tmp_path)
     cfg, plan = _plan("+examples=stages_dp_x_tp")

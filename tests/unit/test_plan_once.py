@@ -21,7 +21,7 @@ import trainer.models.skeleton
 import trainer.run.build
 from parallel.placements import parse_placement
 from parallel.plan.serial import ResolvedPlan, model_fingerprint
-from trainer.cli.main import _run
+from trainer.cli.job import run as _run
 from trainer.config.compose import compose_dict
 from trainer.config.schema import RunConfig
 from trainer.launch.launcher import LaunchSession

@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.tracking_schema import default_tracking_uri
-from trainer.launch.launcher import LaunchOutcome
+from trainer.launch.outcome import LaunchOutcome
 from trainer.tracking.credentials import connect_uri
 from trainer.tracking.mlflow_tracker import get_or_create_experiment
 from trainer.tracking.run_info import public_config, redact, run_url

@@ -11,75 +11,33 @@ A config that was validated elsewhere (the control plane writes ``job.json``) is
 
 and the plan resolved where it was validated, when a ``resolved_plan.json`` lies beside it, goes to the
 workers once this launcher's meta model is seen to be its model: nothing resolves it again.
+
+This module stays light (no torch, no MLflow at import): ``python -m trainer`` opens a
+:class:`LaunchSession`, which starts the workers' fork server, before it imports validation and torch,
+so that the server's imports run beside the command line's. The launch itself is
+:func:`trainer.launch.tracked.launch_tracked`, imported when a launch begins.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import math
 import os
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parallel.errors import ConfigError
-from parallel.plan.serial import ResolvedPlan
-from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig, TrackingConfig
-from trainer.launch.console import log_config_changes, show_config
 from trainer.launch.disk_checks import launch_disk_issues
-from trainer.launch.elastic import PLAN_FILE, RendezvousFailure, WorkerFailure, launch_workers
+from trainer.launch.outcome import EXIT_CONFIG, LaunchOutcome
 from trainer.launch.processes import worker_server
-from trainer.run.metrics import Progress
-from trainer.tracking.mlflow_tracker import make_tracker
-from trainer.tracking.end_of_run import AfterTraining
-from trainer.tracking.run_info import run_name, run_url, ui_command
-from trainer.tracking.run_record import launch_plan, record_start, summary, system_metrics, tee_output, upload_logs
-from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
 
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
-
-
-@dataclass(frozen=True)
-class LaunchOutcome:
-    """What one launch ended with: :func:`launch` returns it, and nothing of it is kept elsewhere, so
-    launches in threads of one process (a sweep's, the control plane's) each read their own.
-
-    ``exit_code`` is the process's (:data:`EXIT_OK`, :data:`EXIT_FAILED`, ...); ``run_id`` the MLflow
-    run's (None without tracking); ``losses`` and ``step_times`` rank 0's, one per step of this run;
-    ``wall_s`` the launch's seconds; ``details`` rank 0's whole summary (``val_loss``, ``peak_memory_mb``,
-    ``last_checkpoint``, ``pictures``, ...), empty when the run did not finish. ``float(outcome)`` is
-    the final loss (NaN when there is none): what a sweep's job returns to a sweeper such as Optuna."""
-
-    exit_code: int
-    run_id: str | None = None
-    losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)
-    wall_s: float = 0.0
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == EXIT_OK
-
-    @property
-    def final_loss(self) -> float:
-        return self.losses[-1] if self.ok and self.losses else math.nan
-
-    def __float__(self) -> float:
-        return self.final_loss
-
-    def as_dict(self) -> dict[str, Any]:
-        """Rank 0's summary with the run id, as :func:`trainer.train` returns it."""
-        return {**self.details, "run_id": self.run_id}
+if TYPE_CHECKING:
+    from parallel.plan.serial import ResolvedPlan
+    from parallel.plan.spec import ParallelPlan
 
 
 class LaunchSession:
@@ -124,7 +82,11 @@ class LaunchSession:
             return LaunchOutcome(EXIT_CONFIG)
         if cfg.world_size > 1:  # the workers' fork server imports while the launcher makes the run
             self.start_workers_server()
-        return _launch_tracked(cfg, began, launch_plan(cfg, plan))
+        # start-up: torch, the elastic agent and MLflow load here, once the server above imports beside them
+        from trainer.launch.tracked import launch_tracked
+        from trainer.tracking.run_record import launch_plan
+
+        return launch_tracked(cfg, began, launch_plan(cfg, plan))
 
 
 def launch(cfg: RunConfig, *, plan: ParallelPlan | ResolvedPlan | None = None) -> LaunchOutcome:
@@ -142,145 +104,14 @@ def worker_preload(tracking: TrackingConfig | Mapping[str, Any]) -> tuple[str, .
     if fields.get("backend", "mlflow") != "mlflow":
         return ()
     uri = str(fields.get("tracking_uri") or "sqlite:")  # the default store is a SQLite file
-    store = ("rest_store" if uri.startswith(("http://", "https://")) else
-             "file_store" if uri.startswith("file:") or "://" not in uri else "sqlalchemy_store")
-    return "mlflow.tracking", "mlflow.entities", f"mlflow.store.tracking.{store}"
-
-
-def _launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> LaunchOutcome:
-    """:meth:`LaunchSession.launch` inside the workers' server: the MLflow run, the training, the summary."""
-    if cfg.launch.node_rank == 0:  # node 0 shows the run, as it owns its MLflow run: first, what runs
-        show_config(cfg)
-    # One run per job: node 0's launcher owns it (another node's would make a second one).
-    tracker = make_tracker(cfg.tracking, is_main=cfg.launch.node_rank == 0, run_id=cfg.tracking.run_id,
-                           run_name=run_name(cfg))
-    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id,
-                  cfg.tracking.ui_url)
-    if url:  # start-up says what it is doing: the run's page exists from now on, served by the command beside it
-        serve = ui_command(cfg.tracking.tracking_uri, cfg.tracking.ui_url)
-        print(f"mlflow run: {url}" + (f"  (serve it: {serve})" if serve else ""), flush=True)
-    try:
-        with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
-            if cfg.launch.node_rank == 0:
-                log_config_changes(cfg, tracker)
-            outcome = _train_and_record(cfg, tracker, began, plan)
-        code = EXIT_OK if outcome.get("stopped_at") is None else _stopped_to_requeue(cfg, tracker.run_id, outcome)
-        return LaunchOutcome(code, run_id=tracker.run_id, losses=list(outcome.get("losses") or []),
-                             step_times=list(outcome.get("step_times") or []), wall_s=time.monotonic() - began,
-                             details=outcome)
-    except KeyboardInterrupt:
-        print("interrupted: run stopped (MLflow run KILLED)", file=sys.stderr)
-        return LaunchOutcome(EXIT_SIGINT, run_id=tracker.run_id, wall_s=time.monotonic() - began)
-    except Terminated:
-        print("terminated: run stopped (MLflow run KILLED)", file=sys.stderr)
-        return LaunchOutcome(EXIT_SIGTERM, run_id=tracker.run_id, wall_s=time.monotonic() - began)
-    except WorkerFailure as err:
-        print(f"training failed: {err}", file=sys.stderr)
-        return LaunchOutcome(EXIT_FAILED, run_id=tracker.run_id, wall_s=time.monotonic() - began)
-    except RendezvousFailure as err:
-        print(f"training did not start: {err}", file=sys.stderr)
-        return LaunchOutcome(EXIT_FAILED, run_id=tracker.run_id, wall_s=time.monotonic() - began)
-
-
-def _stopped_to_requeue(cfg: RunConfig, run_id: str | None, outcome: dict) -> int:
-    """A run that stopped with a checkpoint when asked (Slurm's warning, :mod:`trainer.run.stop_request`):
-    node 0 leaves its MLflow run's id for the requeued job to continue; the exit code asks for the requeue."""
-    # start-up: torch's collectives behind the stop request load only in a run that was asked to stop
-    from trainer.run.stop_request import EXIT_REQUEUE, RUN_ID_FILE, requeue_dir
-
-    folder = requeue_dir()
-    if folder is not None and run_id and cfg.launch.node_rank == 0:
-        (folder / RUN_ID_FILE).write_text(run_id)
-    print(f"stopped after step {outcome['stopped_at']} with checkpoint {outcome.get('last_checkpoint')}: "
-          f"exit {EXIT_REQUEUE} (requeue)", flush=True)
-    return EXIT_REQUEUE
-
-
-def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ResolvedPlan | None) -> dict:
-    """The run's pictures, its training, its logs uploaded and (node 0) its summary printed: rank 0's
-    summary of the loop, with the pictures and what failed after the last step (``end_of_run_errors``)."""
-    rdzv_id = rendezvous_id(cfg)
-    with _worker_logs(cfg) as log_base:
-        pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)), plan=plan.plan if plan else None,
-                                artifacts=_auto_plan_artifacts(cfg))
-        try:
-            outcome = _train(cfg, tracker, log_base, rdzv_id, plan)
-        finally:
-            # torch elastic puts this run's logs in <log_base>/<rdzv id>_<random>/
-            log_dir = _newest_log_dir(log_base, rdzv_id)
-            upload_logs(tracker, log_dir)
-        # the training finished: what fails from here on is reported and recorded, not the run's exit code
-        after = AfterTraining(tracker, say=lambda line: print(line, flush=True),
-                              errors=outcome.get("end_of_run_errors"))
-        with after.guard("the placement picture"):
-            outcome["pictures"] = {**pictures.result(), **(outcome.get("pictures") or {})}
-        outcome["end_of_run_errors"] = after.errors
-        if cfg.launch.node_rank == 0:  # node 0 owns the run's summary, as it owns its MLflow run
-            print(summary(cfg, outcome, tracker, wall_s=time.monotonic() - began,
-                          log_dir=log_dir if cfg.launch.log_dir else None), flush=True)
-    return outcome
-
-
-def rendezvous_id(cfg: RunConfig) -> str:
-    """The id under which this run's nodes meet: ``launch.rdzv_id``; else, on one host, a fresh
-    one; on several, a digest of what every node's config has in common (all but this node's
-    rank and address), so launchers started with the same overrides meet without an agreed id."""
-    if cfg.launch.rdzv_id:
-        return cfg.launch.rdzv_id
-    if cfg.launch.nnodes == 1:
-        return f"{run_name(cfg)}-{uuid.uuid4().hex[:8]}"
-    common = cfg.model_dump(mode="json")
-    for per_node in ("node_rank", "local_addr", "log_dir"):
-        common["launch"].pop(per_node)
-    common["tracking"].pop("run_id")  # node 0's own run; the others have none
-    return f"{run_name(cfg)}-{hashlib.sha256(json.dumps(common, sort_keys=True).encode()).hexdigest()[:12]}"
-
-
-def _auto_plan_artifacts(cfg: RunConfig) -> dict[str, str]:
-    """``+parallel=auto``: the planner's ranking as the run's artifacts; nothing for a hand-written layout."""
-    if cfg.parallel is None or cfg.parallel.auto is None:
-        return {}
-    # start-up: the planner, and the validation its search runs, only for a run the planner chose
-    from trainer.planner.auto.plan import ranking_artifacts
-
-    return ranking_artifacts(cfg)
-
-
-def _train(cfg: RunConfig, tracker, log_base: Path, rdzv_id: str, plan: ResolvedPlan | None) -> dict:
-    """One device in this process, or the workers through torch's elastic launcher: rank 0's outcome."""
-    if cfg.world_size == 1:
-        # start-up: the training loop (DTensor, pipelining: about 0.7 s) only where training runs here,
-        # not in a launcher that starts workers, validates or plans.
-        from trainer.run.loop import train
-
-        # the same layout as the workers' logs: the console's copy is this run's job log
-        with tee_output(log_base / f"{rdzv_id}_local" / "attempt_0" / "0" / "stdout.log"):
-            return train(cfg, tracker=tracker, progress=Progress(), pictures_dir=_pictures_dir(log_base, rdzv_id),
-                         plan=plan).summary()
-    return launch_workers(cfg, tracker.run_id, log_base, rdzv_id, _pictures_dir(log_base, rdzv_id), plan=plan)
-
-
-def _newest_log_dir(log_base: Path, rdzv_id: str) -> Path | None:
-    """This run's ``<rdzv id>_<random>`` log folder: the newest one (a rendezvous id given by the
-    user or derived from the config is the same for every run of that config), not the pictures."""
-    found = [d for d in log_base.glob(f"{rdzv_id}_*") if d.is_dir() and d.name != f"{rdzv_id}_pictures"]
-    return max(found, key=lambda d: d.stat().st_mtime_ns, default=None)
-
-
-def _pictures_dir(log_base: Path, rdzv_id: str) -> str:
-    """Where a run's pictures are kept on disk: beside its logs (and in MLflow under ``pictures/``)."""
-    return str((log_base / f"{rdzv_id}_pictures").resolve())
-
-
-@contextmanager
-def _worker_logs(cfg: RunConfig) -> Iterator[Path]:
-    """The folder the per-rank logs go under: ``launch.log_dir``, or a temporary one (removed
-    afterwards) when that is null."""
-    if cfg.launch.log_dir is None:
-        with tempfile.TemporaryDirectory(prefix="meshflow-logs-") as tmp:
-            yield Path(tmp)
-    else:
-        yield Path(cfg.launch.log_dir)
+    if uri.startswith(("http://", "https://")):
+        return "mlflow.tracking", "mlflow.entities", "mlflow.store.tracking.rest_store"
+    if uri.startswith("file:") or "://" not in uri and not uri.startswith("sqlite:"):
+        return "mlflow.tracking", "mlflow.entities", "mlflow.store.tracking.file_store"
+    # a database: the store opens it through SQLAlchemy's dialect and checks its schema with alembic
+    dialect = uri.split(":", 1)[0].split("+", 1)[0]
+    return ("mlflow.tracking", "mlflow.entities", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils",
+            "alembic.command", f"sqlalchemy.dialects.{'postgresql' if dialect == 'postgres' else dialect}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
 def stored_plan(config_path: Path) -> ResolvedPlan | None:
     """The plan resolved where the config was validated: ``resolved_plan.json`` beside it (the control plane
     writes one beside ``job.json``), or None (none there, or unreadable: resolved here then, with a warning)."""
+    # start-up: the plan's types bring torch; the job's file is read once the command line has started
+    from parallel.plan.serial import ResolvedPlan
+    from trainer.launch.elastic import PLAN_FILE
+
     path = config_path.parent / PLAN_FILE
     if not path.is_file():
         return None

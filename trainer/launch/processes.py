@@ -34,8 +34,11 @@ START_METHOD = "forkserver"
 # What every worker imports before its first step (trainer.launch.worker imports torch and the
 # mesh; the loop brings DTensor, FSDP2 and the pipeline schedules); server_ready, last, freezes them.
 # torch._dynamo is not imported by those, but by torch itself at a worker's first model build (a
-# _disable_dynamo wrapper): about 2 CPU-seconds in every worker when it is not preloaded.
-PRELOAD = ("trainer.launch.worker", "trainer.run.loop", "torch._dynamo", "trainer.launch.server_ready")
+# _disable_dynamo wrapper): about 2 CPU-seconds in every worker when it is not preloaded. The pipeline
+# schedules (torch.distributed.pipelining) load at a pipelined model's first step: 0.75 s of rank 0's
+# first step under load when each worker imported them itself.
+PRELOAD = ("trainer.launch.worker", "trainer.run.loop", "torch._dynamo", "torch.distributed.pipelining",
+           "trainer.launch.server_ready")
 
 
 _users = 0  # launches inside worker_server() now (threads of one process may launch at once)

@@ -153,11 +153,11 @@ def _wait_until_ended(job_id: str, timeout_s: float = 120) -> str:
 
 def submit_and_follow(cfg: RunConfig, *, plan=None):
     """``launch.executor=slurm``: write the job beside the run's logs, submit it, print its id, follow its
-    output and state to the end; the :class:`~trainer.launch.launcher.LaunchOutcome` carries the job's exit
+    output and state to the end; the :class:`~trainer.launch.outcome.LaunchOutcome` carries the job's exit
     code. Ctrl-C or SIGTERM cancels the job (``scancel``), as they stop a local run."""
-    # start-up: the launcher, the job's client and the tracker's signal handling load only when a job is submitted
+    # start-up: the job's client and the tracker's signal handling load only when a job is submitted
     # (a dry run prints the script without them)
-    from trainer.launch.launcher import EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM, LaunchOutcome
+    from trainer.launch.outcome import EXIT_CONFIG, EXIT_SIGINT, EXIT_SIGTERM, LaunchOutcome
     from trainer.launch.slurm_job import SlurmError, cancel, exit_code, follow, submit
     from trainer.tracking.tracker import Terminated, install_signal_handlers
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from trainer.launch.outcome import EXIT_SIGTERM  # a cancelled job exits as a stopped local run does
+
 WAITING = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED", "RESV_DEL_HOLD",
                      "SPECIAL_EXIT", "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "POWER_UP_NODE"})
 RUNNING = frozenset({"RUNNING", "COMPLETING"})
@@ -28,7 +30,6 @@ RUNNING = frozenset({"RUNNING", "COMPLETING"})
 ENDED = {"COMPLETED": "completed", "FAILED": "failed", "CANCELLED": "cancelled", "TIMEOUT": "timed out",
          "PREEMPTED": "preempted", "NODE_FAIL": "lost a node", "OUT_OF_MEMORY": "ran out of memory",
          "BOOT_FAIL": "could not boot its nodes", "DEADLINE": "missed its deadline"}
-EXIT_SIGTERM = 143  # trainer.launch.launcher's: a cancelled job exits as a stopped local run does
 
 
 class SlurmError(RuntimeError):

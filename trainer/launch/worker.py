@@ -50,7 +50,7 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
     import torch
     import torch.distributed as dist
 
-    from trainer.run.loop import resolve_device, train  # start-up: see trainer.launch.launcher._train
+    from trainer.run.loop import resolve_device, train  # start-up: see trainer.launch.tracked._train
 
     cfg = RunConfig.model_validate_json(Path(config_path).read_text())
     plan = ResolvedPlan.read(Path(plan_path)) if plan_path is not None else None
@@ -116,7 +116,7 @@ def bind_worker(cfg: RunConfig, rank: int, local_rank: int, local_world_size: in
     ``flat_ids[r]`` and runs on the slot the id names, GPU ``id % local_world_size`` or, on CPU,
     pinned to the ``id % k``-th of the ``k`` CPUs the process may use (ids beyond the cores share
     them: on a 2-core host ids 0, 2, 4 run on the first core and 1, 3, 5 on the second)."""
-    from trainer.run.loop import resolve_device  # start-up: see trainer.launch.launcher._train
+    from trainer.run.loop import resolve_device  # start-up: see trainer.launch.tracked._train
 
     ids = mesh_rank_ids(cfg.mesh)
     if ids is None:

@@ -49,7 +49,7 @@ def plan_report(cfg: RunConfig, plan: ParallelPlan) -> dict:
         estimates = predict_memory(cfg, plan)
     except Exception as err:  # noqa: BLE001 - REST's plan still describes the rest; every reader says it failed
         # e.g. a stage whose tp-local output the meta pass cannot hand on: the peak is unknown, and the
-        # dry run (trainer.cli.main) and plan.json say so rather than check a lower bound against the budget.
+        # dry run (trainer.cli.job) and plan.json say so rather than check a lower bound against the budget.
         report["memory_note"] = f"activations not predicted ({failure(err)})"
         report["memory"] = [{"pp_rank": r.pp_rank, "param_bytes": r.param_bytes, "grad_bytes": r.grad_bytes,
                              "optim_bytes": r.optim_bytes, "peak_bytes": r.state_bytes} for r in numbers.per_pp_rank]
