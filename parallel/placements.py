@@ -14,8 +14,9 @@ The config writes them as strings; :func:`parse_placement` turns a string into a
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -25,6 +26,8 @@ _REPLICATE = re.compile(r"^\s*(?:R|Replicate)\s*(?:\(\s*\))?\s*$", re.IGNORECASE
 _PARTIAL = re.compile(r"^\s*(?:P|Partial)\s*(?:\(\s*(?:['\"]?(sum|avg|max|min)['\"]?)?\s*\))?\s*$", re.IGNORECASE)
 
 PLACEMENT_GRAMMAR = "Shard(<tensor dim>), Replicate or Partial (e.g. Shard(0))"
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -79,3 +82,24 @@ def parse_placement(text: object) -> PlacementSpec:
     if m := _PARTIAL.match(text):
         return PlacementSpec("partial", reduce_op=(m.group(1) or "sum").lower())
     raise ValueError(f"{text!r} is not a placement; write {PLACEMENT_GRAMMAR}")
+
+
+# A table: per key (a parameter's or module's FQN), its placements per mesh axis. The plan, the
+# topology and the planner read whole tables of them, so the questions below take a table and
+# answer for every row in one call, rather than one call per placement.
+
+
+def placement_texts(table: Mapping[K, Mapping[str, PlacementSpec]]) -> dict[K, dict[str, str]]:
+    """Every row's placements as the config writes them (``{"tp": "Shard(0)"}``): a table to write out."""
+    return {key: {axis: repr(placement) for axis, placement in axes.items()} for key, axes in table.items()}
+
+
+def parse_placement_table(table: Mapping[K, Mapping[str, object]]) -> dict[K, dict[str, PlacementSpec]]:
+    """:func:`parse_placement` of every placement of every row (the inverse of :func:`placement_texts`)."""
+    return {key: {axis: parse_placement(text) for axis, text in axes.items()} for key, axes in table.items()}
+
+
+def sharding_axes(table: Mapping[K, Mapping[str, PlacementSpec]]) -> dict[K, tuple[str, ...]]:
+    """Every row's mesh axes whose placement is ``Shard``, in the row's order."""
+    return {key: tuple(axis for axis, placement in axes.items() if placement.is_shard)
+            for key, axes in table.items()}

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from parallel.placements import PlacementSpec
+from parallel.placements import PlacementSpec, sharding_axes
 
 # ------------------------------------------------------------------------------ raw mesh values
 
@@ -98,6 +98,11 @@ class MeshSpec:
     def rank_id(self, rank: int) -> int:
         """The rank id of the worker whose torch rank is ``rank`` (``rank`` itself without explicit ids)."""
         return rank_id_of(self.rank_ids, rank)
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        """``{axis name: its size}`` of every named axis, for a caller that reads many of them."""
+        return dict(zip(self.dim_names, self.shape))
 
     def size(self, names: str | Sequence[str]) -> int:
         """Product of the sizes of the axes ``names`` (an axis the mesh lacks counts 1)."""
@@ -252,7 +257,11 @@ class Topology:
         """The axes FSDP shards parameter ``fqn`` over, as the engine wraps it: an expert over the data-parallel
         sharding axes alone; every other parameter over those and the ep axis where data parallelism shards
         (fsdp, zero2, hsdp), since the ep ranks hold other rows of the batch."""
-        if self.ep_axis is None or self.is_expert(fqn) or self.param_dp_mode in (None, "ddp", "zero1"):
+        return self._fsdp_axes_of(self.is_expert(fqn))
+
+    def _fsdp_axes_of(self, expert: bool) -> tuple[str, ...]:
+        """:meth:`fsdp_axes` of an expert (``expert``) or of any other parameter."""
+        if self.ep_axis is None or expert or self.param_dp_mode in (None, "ddp", "zero1"):
             return self.shard_axes
         return (*self.shard_axes, self.ep_axis)
 
@@ -277,6 +286,21 @@ class Topology:
         """``(local_divisor, fsdp_divisor, is_expert)`` of parameter ``fqn`` placed ``axes``: how one rank holds
         it, in one question (the memory and parameter counts ask it of every parameter of the model)."""
         return self.local_divisor(fqn, axes), self.fsdp_divisor(fqn), self.is_expert(fqn)
+
+    def holdings(self, fqns: Sequence[str], placements: Mapping[str, Mapping[str, PlacementSpec]]
+                 ) -> dict[str, tuple[int, int, bool]]:
+        """:meth:`holding` of every parameter in ``fqns`` (placed as ``placements`` says; one it lacks: whole), as
+        one table computed here: the memory and parameter counts read it for the whole model rather than ask
+        the topology (and it the placements) once per parameter."""
+        sharded = sharding_axes({fqn: placements.get(fqn, {}) for fqn in fqns})
+        fsdp = {expert: self.size(self._fsdp_axes_of(expert)) for expert in (False, True)}
+        table = {}
+        for fqn in fqns:
+            axes, expert = sharded[fqn], self.is_expert(fqn)
+            if expert and self.ep_axis is not None and self.ep_axis not in axes:  # Shard(0) on ep, as placed()
+                axes = (*axes, self.ep_axis)
+            table[fqn] = (self.size(axes), fsdp[expert], expert)
+        return table
 
 
 def _axes(dim: str | Sequence[str]) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from parallel.config import LayoutConfig
 from parallel.errors import ConfigIssue, format_path, override
-from parallel.placements import parse_placement
+from parallel.placements import parse_placement_table
 from parallel.plan.spec import AxisSpecs, GlobCheck, LayoutSpec
 from parallel.sharding.tp_styles import classify
 from parallel.topology import MeshSpec
@@ -26,15 +26,16 @@ from parallel.topology import MeshSpec
 
 def resolve_layout(section: Any, prefix: tuple[object, ...], mesh: MeshSpec, model: nn.Module,
                    issues: list[ConfigIssue], *, check_glob: GlobCheck | None = None, only: set[str] | None = None
-                   ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec]]:
-    """``(placements, layouts)`` of one layout section (``parallel``, or a pipeline stage at
+                   ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec], bool]:
+    """``(placements, layouts, loss parallel)`` of one layout section (``parallel``, or a pipeline stage at
     ``prefix`` = ``("parallel", "pipeline", "stages", i)``): the explicit globs, then the model
     family's named plan on what they left, matched against the model's parameters and modules
     (only those whose names are in ``only``, a stage's, when given: there a family glob may match
-    nothing). Problems are appended to ``issues``."""
+    nothing). Loss parallel: whether the section's head leaves its logits as vocabulary shards (asked for,
+    and the family's head plan applies: :func:`_vocab_parallel_head`). Problems are appended to ``issues``."""
     params = {name: tuple(p.shape) for name, p in model.named_parameters() if only is None or name in only}
     modules = [name for name, _ in model.named_modules() if name and (only is None or name in only)]
-    family_placements, family_layout_entries = _family_plan(section, prefix, model, mesh, issues, only)
+    family_placements, family_layout_entries, loss_parallel = _family_plan(section, prefix, model, mesh, issues, only)
     scope = {"scope": "the model"} if only is None else {"scope": f"this stage ({format_path(*prefix)})"}
     # Explicit globs first: what they place, the family's plan does not, so its issues on those
     # parameters (the ones an explicit glob was written to fix) are never raised.
@@ -54,14 +55,14 @@ def resolve_layout(section: Any, prefix: tuple[object, ...], mesh: MeshSpec, mod
     layouts = {name: explicit_layouts[name] if name in explicit_layouts else family_layouts[name]
                for name in modules if name in explicit_layouts or name in family_layouts}
     if issues:
-        return placements, layouts
+        return placements, layouts, loss_parallel
 
     for name in classify(model, placements, layouts).unsupported:
         issues.append(ConfigIssue(layout_paths[name],
                                   f"module {name}: only a Shard input of a norm-like module (sequence parallel) or the "
                                   "input/output of a module with DTensor-placed parameters is supported",
                                   "remove this layout, or give the module's parameters placements"))
-    return placements, layouts
+    return placements, layouts, loss_parallel
 
 
 # ---------------------------------------------------------------------- placements
@@ -184,42 +185,47 @@ def _match_layouts(entries: list[tuple[str, LayoutConfig, str]], modules: list[s
 
 def _family_plan(section: Any, prefix: tuple[object, ...], model: nn.Module, mesh: MeshSpec,
                  issues: list[ConfigIssue], only: set[str] | None = None
-                 ) -> tuple[list[tuple[str, AxisSpecs, str]], list[tuple[str, LayoutConfig, str]]]:
+                 ) -> tuple[list[tuple[str, AxisSpecs, str]], list[tuple[str, LayoutConfig, str]], bool]:
     """The model family's named tensor-parallel plan of a layout section (at ``prefix``) as
-    ``(placement entries, layout entries)``, each entry ``(glob, value, path)``; explicit globs
-    override them, parameter by parameter and module by module."""
+    ``(placement entries, layout entries, loss parallel)``, each entry ``(glob, value, path)``; explicit globs
+    override them, parameter by parameter and module by module. The family's plans are read once here."""
     tp = section.tensor_parallel
     if tp is None:
-        return [], []
+        return [], [], False
     provider = getattr(model, "parallel_plan", None)  # the family's plans: a method of its root module
     if provider is None:
         issues.append(ConfigIssue(format_path(*prefix, "tensor_parallel", "plan"),
                                   f"model {type(model).__name__} provides no named plans",
                                   f"write {format_path(*prefix, 'placements')} globs instead (and drop its "
                                   "tensor_parallel)"))
-        return [], []
+        return [], [], False
     placements, layouts = provider(tp.plan, axis=tp.dim, sequence_parallel=tp.sequence_parallel)
+    loss_parallel = False
     if tp.loss_parallel:
-        head = _vocab_parallel_head(model, tp, prefix, mesh, only)
-        placements, layouts = {**placements, **head[0]}, {**layouts, **head[1]}
+        head_placements, head_layouts, loss_parallel = _vocab_parallel_head(model, tp, prefix, mesh, only)
+        placements, layouts = {**placements, **head_placements}, {**layouts, **head_layouts}
     where = f"{format_path(*prefix, 'tensor_parallel', 'plan')}[{tp.plan}]"
-    return ([(glob, {axis: parse_placement(p) for axis, p in axes.items()}, f'{where}["{glob}"]')
-             for glob, axes in placements.items()],
-            [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()])
+    parsed = parse_placement_table(placements)
+    return ([(glob, parsed[glob], f'{where}["{glob}"]') for glob in placements],
+            [(glob, LayoutConfig.model_validate(layout), f'{where}["{glob}"]') for glob, layout in layouts.items()],
+            loss_parallel)
 
 
 def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple[object, ...], mesh: MeshSpec,
-                         only: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                         only: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Any], bool]:
     """Loss parallel's globs (the head column-parallel, its logits vocabulary shards), from the model's
-    ``vocab_parallel_plan``. A model without one, or a vocabulary that does not divide over the axis, keeps
-    the replicated head, with a warning (no refusal: loss parallel is on by default, and a layout that
-    trained before it existed, e.g. a 256-token vocabulary on tp 3, must still train)."""
+    ``vocab_parallel_plan``, and whether loss parallel applies: the head's logits leave it as vocabulary shards
+    (the plan exists, the vocabulary divides over the axis and, for a pipeline stage whose parameters are
+    ``only``, the stage itself holds the head's placed weight). A model without one, or a vocabulary that does
+    not divide over the axis, keeps the replicated head, with a warning (no refusal: loss parallel is on by
+    default, and a layout that trained before it existed, e.g. a 256-token vocabulary on tp 3, must still
+    train)."""
     path = format_path(*prefix, "tensor_parallel", "loss_parallel")
     provider = getattr(model, "vocab_parallel_plan", None)
     if provider is None:
         warnings.warn(f"{path}: model {type(model).__name__} has no vocabulary-parallel head plan; its head stays "
                       f"whole on every {tp.dim} rank (set {path}=false to silence this)", stacklevel=2)
-        return {}, {}
+        return {}, {}, False
     placements, layouts, vocab = provider(axis=tp.dim)
     size = mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1
     if vocab % size:
@@ -227,34 +233,22 @@ def _vocab_parallel_head(model: nn.Module, tp: Any, prefix: tuple[object, ...], 
                       f"output head and input embedding stay whole on every {tp.dim} rank (no loss parallel). Pad "
                       f"the vocabulary to a multiple of {size} to split it, or set {path}=false to silence this.",
                       stacklevel=2)
-        return {}, {}
+        return {}, {}, False
     # An untied input embedding is split over the vocabulary too, where this layout holds it.
     embedding: dict[str, Any] = getattr(model, "vocab_parallel_embedding", lambda axis: {})(axis=tp.dim)
     embedding = {fqn: axes for fqn, axes in embedding.items() if only is None or fqn in only}
     if only is not None and not set(placements) & only and embedding:
-        return embedding, {}  # a first stage: its embedding split, no head
+        return embedding, {}, False  # a first stage: its embedding split, no head
     if not _head_weight_held(placements, only):
         # A pipeline stage whose head is tied to an earlier stage's input embedding: the stage keeps a copy of
         # that weight (parallel.pipeline.ties), which its own layout does not place; the copy stays whole.
         warnings.warn(f"{path}: this stage's output head is tied to {', '.join(sorted(placements))}, which an earlier "
                       f"stage holds; its copy here stays whole on every {tp.dim} rank (no loss parallel on this "
                       f"stage; set {path}=false to silence this)", stacklevel=2)
-        return embedding, {}
-    return {**embedding, **placements}, layouts
+        return embedding, {}, False
+    return {**embedding, **placements}, layouts, True
 
 
 def _head_weight_held(placements: Mapping[str, Any], only: set[str] | None) -> bool:
     """Whether the layout's parameters (a stage's, ``only``) include the head's placed weight."""
     return only is None or set(placements) <= only
-
-
-def loss_parallel_applies(section: Any, mesh: MeshSpec, model: nn.Module, only: set[str] | None = None) -> bool:
-    """Whether a layout section's head leaves its logits as vocabulary shards: loss parallel asked for on a
-    model with a vocabulary-parallel plan whose vocabulary divides over the axis (and, for a pipeline stage
-    whose parameters are ``only``, whose head weight the stage itself holds)."""
-    tp = section.tensor_parallel
-    provider = getattr(model, "vocab_parallel_plan", None)
-    if tp is None or not tp.loss_parallel or provider is None:
-        return False
-    placements, _, vocab = provider(axis=tp.dim)
-    return vocab % (mesh.size(tp.dim) if tp.dim in mesh.dim_names else 1) == 0 and _head_weight_held(placements, only)

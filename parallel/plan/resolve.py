@@ -27,7 +27,7 @@ from torch import nn
 from parallel.config import ParallelConfig, mesh_rank_ids, mesh_shape_of
 from parallel.errors import ConfigError, ConfigIssue
 from parallel.plan.cube import resolve_cube
-from parallel.plan.layout import loss_parallel_applies, resolve_layout
+from parallel.plan.layout import resolve_layout
 from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck,
                                  GridSpec, LayoutSpec, ParallelPlan, PipelineSpec)
 from parallel.plan.stages import resolve_stages
@@ -53,7 +53,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
     if parallel.pipeline is not None and parallel.pipeline.stages:
         return resolve_stages(parallel, mesh_spec, model, units=units, blocks=blocks, check_glob=check_glob)
     issues: list[ConfigIssue] = []
-    placements, layouts = _resolve_layout(parallel, mesh_spec, model, issues, check_glob, layout_cache)
+    placements, layouts, loss_parallel = _resolve_layout(parallel, mesh_spec, model, issues, check_glob, layout_cache)
     issues += check_boundaries(parallel, mesh_spec, units)
     experts = _expert_parallel_spec(parallel, model, issues)
     cube = resolve_cube(parallel, mesh_spec, model, issues)
@@ -71,7 +71,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
         layouts=MappingProxyType(layouts),
         activation_checkpointing=parallel.activation_checkpointing,
         activation_checkpointing_every=parallel.activation_checkpointing_every,
-        loss_parallel=loss_parallel_applies(parallel, mesh_spec, model),
+        loss_parallel=loss_parallel,
         expert_parallel=experts,
         grid=GridSpec(grid.rows, grid.cols, grid.depth) if (grid := parallel.grid_parallel) is not None else None,
         cube=cube,
@@ -80,7 +80,7 @@ def resolve_plan(parallel: ParallelConfig | None, mesh: Any, model: nn.Module, *
 
 def _resolve_layout(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, issues: list[ConfigIssue],
                     check_glob: GlobCheck | None, cache: dict[Any, Any] | None
-                    ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec]]:
+                    ) -> tuple[dict[str, AxisSpecs], dict[str, LayoutSpec], bool]:
     """:func:`resolve_layout` of the parallel section, its answer and issues kept in ``cache`` by all it reads:
     the section's placements, layouts and tensor-parallel plan, and of the mesh only the sizes of the axes
     those name (the shards' and heads' divisibility, the vocabulary's split)."""
@@ -93,9 +93,9 @@ def _resolve_layout(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, 
     if key not in cache:
         found: list[ConfigIssue] = []
         cache[key] = (*resolve_layout(parallel, ("parallel",), mesh, model, found, check_glob=check_glob), found)
-    placements, layouts, found = cache[key]
+    placements, layouts, loss_parallel, found = cache[key]
     issues += found
-    return placements, layouts
+    return placements, layouts, loss_parallel
 
 
 def _expert_parallel_spec(parallel: ParallelConfig, model: nn.Module,

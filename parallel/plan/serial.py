@@ -25,10 +25,10 @@ from typing import Any
 
 from torch import nn
 
-from parallel.placements import PlacementSpec, parse_placement
+from parallel.placements import parse_placement_table, placement_texts
 from parallel.plan.cube import CubeSpec
-from parallel.plan.spec import (AxisSpecs, ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GridSpec,
-                                LayoutSpec, ParallelPlan, PipelineSpec, StagePlan)
+from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GridSpec, LayoutSpec,
+                                ParallelPlan, PipelineSpec, StagePlan)
 from parallel.topology import MeshSpec
 
 FORMAT = 1  # the file's layout; a reader refuses another
@@ -103,9 +103,8 @@ def plan_to_dict(plan: ParallelPlan) -> dict[str, Any]:
         "data_parallel": None if dp is None else {"mode": dp.mode, "dim_names": list(dp.dim_names)},
         "pipeline": None if pp is None else _pipeline_to_dict(pp),
         "context_parallel": None if cp is None else {"dim": cp.dim, "method": cp.method},
-        "placements": {fqn: _axes_to_dict(axes) for fqn, axes in plan.placements.items()},
-        "layouts": {fqn: {"input": _axes_to_dict(layout.input), "output": _axes_to_dict(layout.output)}
-                    for fqn, layout in plan.layouts.items()},
+        "placements": placement_texts(plan.placements),
+        "layouts": _layouts_to_dict(plan.layouts),
         "activation_checkpointing": plan.activation_checkpointing,
         "activation_checkpointing_every": plan.activation_checkpointing_every,
         "loss_parallel": plan.loss_parallel,
@@ -127,9 +126,8 @@ def plan_from_dict(data: Mapping[str, Any]) -> ParallelPlan:
         data_parallel=None if dp is None else DataParallelSpec(dp["mode"], tuple(dp["dim_names"])),
         pipeline=None if pp is None else _pipeline_from_dict(pp),
         context_parallel=None if cp is None else ContextParallelSpec(cp["dim"], cp["method"]),
-        placements=MappingProxyType({fqn: _axes_from_dict(axes) for fqn, axes in data["placements"].items()}),
-        layouts=MappingProxyType({fqn: LayoutSpec(_axes_from_dict(layout["input"]), _axes_from_dict(layout["output"]))
-                                  for fqn, layout in data["layouts"].items()}),
+        placements=MappingProxyType(parse_placement_table(data["placements"])),
+        layouts=MappingProxyType(_layouts_from_dict(data["layouts"])),
         activation_checkpointing=data["activation_checkpointing"],
         activation_checkpointing_every=data["activation_checkpointing_every"],
         loss_parallel=data["loss_parallel"],
@@ -162,10 +160,15 @@ def _pipeline_from_dict(pp: Mapping[str, Any]) -> PipelineSpec:
         stages=tuple(StagePlan(stage["rank_ids"], plan_from_dict(stage["layout"])) for stage in pp["stages"]))
 
 
-def _axes_to_dict(axes: AxisSpecs) -> dict[str, str]:
-    """``{axis: placement}`` with each placement as the config writes it (``Shard(0)``, ``Partial(avg)``)."""
-    return {axis: repr(placement) for axis, placement in axes.items()}
+def _layouts_to_dict(layouts: Mapping[str, LayoutSpec]) -> dict[str, dict[str, dict[str, str]]]:
+    """``{module: {"input": {axis: placement}, "output": ...}}``, each placement as the config writes it
+    (``Shard(0)``, ``Partial(avg)``): the placements written as one table."""
+    texts = placement_texts({(fqn, side): getattr(layout, side) for fqn, layout in layouts.items()
+                             for side in ("input", "output")})
+    return {fqn: {side: texts[fqn, side] for side in ("input", "output")} for fqn in layouts}
 
 
-def _axes_from_dict(axes: Mapping[str, str]) -> dict[str, PlacementSpec]:
-    return {axis: parse_placement(text) for axis, text in axes.items()}
+def _layouts_from_dict(layouts: Mapping[str, Mapping[str, Mapping[str, str]]]) -> dict[str, LayoutSpec]:
+    specs = parse_placement_table({(fqn, side): layout[side] for fqn, layout in layouts.items()
+                                   for side in ("input", "output")})
+    return {fqn: LayoutSpec(specs[fqn, "input"], specs[fqn, "output"]) for fqn in layouts}

@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 
 from parallel.config import ActivationCheckpointing, ContextParallelMethod, ScheduleName, flat_ranks
 from parallel.errors import ConfigIssue
-from parallel.placements import PlacementSpec
+from parallel.placements import PlacementSpec, sharding_axes
 from parallel.plan.cube import CubeSpec
 from parallel.topology import MeshSpec, Topology, shard_axes_of
 
@@ -182,7 +182,7 @@ class ParallelPlan:
     def sharded_axes(self) -> frozenset[str]:
         """The mesh axes some placement shards a parameter over (tensor parallelism's), whatever their sizes."""
         return _derived("sharded", self.placements, (), lambda: frozenset(
-            a for axes in self.placements.values() for a, pl in axes.items() if pl.is_shard))
+            a for axes in sharding_axes(self.placements).values() for a in axes))
 
     @property
     def placement_axes(self) -> tuple[str, ...]:
@@ -253,6 +253,10 @@ class ParallelPlan:
         if unit is None:
             raise KeyError(f"{fqn} is in none of the model's units {list(self.units)}")
         return unit
+
+    def units_of(self, fqns: Sequence[str]) -> dict[str, str]:
+        """:meth:`unit_of` of every name in ``fqns``, as one table (a model's parameters, read by the planner)."""
+        return {fqn: self.unit_of(fqn) for fqn in fqns}
 
     def stage_of(self, fqn: str) -> int:
         """The index of the pipeline stage holding ``fqn`` (0 without a pipeline)."""

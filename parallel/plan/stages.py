@@ -38,7 +38,7 @@ from torch import nn
 
 from parallel.config import ParallelConfig, StageConfig
 from parallel.errors import ConfigError, ConfigIssue, format_path, override, override_key
-from parallel.plan.layout import loss_parallel_applies, resolve_layout
+from parallel.plan.layout import resolve_layout
 from parallel.plan.spec import (ContextParallelSpec, DataParallelSpec, ExpertParallelSpec, GlobCheck, ParallelPlan,
                                  PipelineSpec, StagePlan, owning_unit)
 from parallel.plan.units import check_boundaries, stage_boundaries
@@ -63,7 +63,8 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
                  if owning_unit(name, group) is not None}
         stage_mesh = MeshSpec(stage.shape, tuple(stage.dims))
         found: list[ConfigIssue] = []
-        placements, layouts = resolve_layout(stage, prefix, stage_mesh, model, found, check_glob=check_glob, only=names)
+        placements, layouts, loss_parallel = resolve_layout(stage, prefix, stage_mesh, model, found,
+                                                            check_glob=check_glob, only=names)
         issues += found
         dp = stage.data_parallel
         layout = ParallelPlan(
@@ -72,7 +73,7 @@ def resolve_stages(parallel: ParallelConfig, mesh: MeshSpec, model: nn.Module, *
             context_parallel=_stage_context(stage, prefix, model, names, issues),
             expert_parallel=_stage_experts(stage, prefix, model, names, issues),
             placements=MappingProxyType(placements), layouts=MappingProxyType(layouts),
-            loss_parallel=loss_parallel_applies(stage, stage_mesh, model, only=names),
+            loss_parallel=loss_parallel,
             activation_checkpointing=parallel.activation_checkpointing,
             activation_checkpointing_every=parallel.activation_checkpointing_every,
         )

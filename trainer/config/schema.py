@@ -233,8 +233,15 @@ class RunConfig(_Section):
     @property
     def topology(self) -> Topology:
         """The mesh and what each axis splits (before resolution: no expert modules or tensor-parallel axes);
-        every size below is asked of it. Built on each call: a copy with other values has its own."""
-        return Topology.of_config(self.mesh, self.parallel)
+        every size below is asked of it. Built on the first question and kept beside the fields (as a
+        ``cached_property`` keeps its value: equality and dumps read fields only) with the ``mesh`` and
+        ``parallel`` objects it was built from, so a copy given other values (``model_copy(update=...)``,
+        which copies what is kept) builds its own."""
+        kept = self.__dict__.get("_topology_of")
+        if kept is None or kept[0] is not self.mesh or kept[1] is not self.parallel:
+            kept = (self.mesh, self.parallel, Topology.of_config(self.mesh, self.parallel))
+            self.__dict__["_topology_of"] = kept  # the frozen model's fields stay untouched
+        return kept[2]
 
     @property
     def world_size(self) -> int:

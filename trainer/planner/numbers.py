@@ -104,8 +104,7 @@ def _units_of(model, units: tuple[str, ...]) -> dict[str, str]:
     kept per model: a planner asks it of thousands of plans that share a handful of unit lists."""
     known = _UNITS.setdefault(model, {})
     if units not in known:
-        plan = ParallelPlan(units=units)
-        known[units] = {fqn: plan.unit_of(fqn) for fqn, _, _ in parameter_list(model)}
+        known[units] = ParallelPlan(units=units).units_of([fqn for fqn, _, _ in parameter_list(model)])
     return known[units]
 
 
@@ -145,9 +144,10 @@ def plan_numbers(cfg: RunConfig, plan: ParallelPlan, *, model=None) -> PlanNumbe
     # the grid's or cube's blocks as they hold them (the meta pass runs them whole: held_placements alone)
     placements = {**held_placements(model, plan), **layout_placements(plan, model)}
     unit_of = _units_of(model, plan.units)
-    for fqn, numel, trainable in parameter_list(model):
-        axes = placements.get(fqn, {})
-        tp_div, dp_div, expert = topology.holding(fqn, axes)
+    parameters = parameter_list(model)
+    holdings = topology.holdings([fqn for fqn, _, _ in parameters], placements)  # one table, computed in parallel/
+    for fqn, numel, trainable in parameters:
+        tp_div, dp_div, expert = holdings[fqn]
         s = stage_of[unit_of[fqn]]
         stage_params[s] += numel
         stage_local[s] += numel / tp_div

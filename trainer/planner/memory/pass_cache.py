@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+from parallel.placements import placement_texts
 from parallel.plan.spec import ParallelPlan
 from parallel.plan.split import split_key
 from trainer.config.schema import RunConfig
@@ -33,8 +34,9 @@ def pass_key(cfg: RunConfig, plan: ParallelPlan, micro_batch: int, attention: Ca
             files = (Path(cfg.model.path) / "config.json").read_text()
         except (OSError, TypeError):
             return None
-    placed = tuple(sorted((fqn, tuple(sorted((axis, str(p), plan.mesh.size(axis)) for axis, p in axes.items())))
-                          for fqn, axes in plan.placements.items()))
+    texts, sizes = placement_texts(plan.placements), plan.mesh.axis_sizes  # the whole table in two questions
+    placed = tuple(sorted((fqn, tuple(sorted((axis, text, sizes.get(axis, 1)) for axis, text in axes.items())))
+                          for fqn, axes in texts.items()))
     sp_norms = tuple(sorted(name for name, layout in plan.layouts.items()
                             if any(p.is_shard for p in layout.input.values())))
     return (cfg.model.model_dump_json(), files, cfg.train.seq_len, cfg.train.precision, micro_batch, attention, placed,
