@@ -49,3 +49,17 @@ def find_head_parameters(part: nn.Module, col: Mapping[str, str], mesh: DeviceMe
         for pname in getattr(module, HEAD_PARAMETERS, ()):
             out.entries.append((module, pname, mesh.get_group(axis)))
     return out
+
+
+def norm_eps(norm: nn.Module, dtype: torch.dtype) -> float:
+    """The norm's epsilon: its own ``eps``, or the dtype's machine epsilon when it has none (as torch's RMSNorm)."""
+    eps = getattr(norm, "eps", None)
+    return float(eps) if eps is not None else torch.finfo(dtype).eps
+
+
+def rms_on_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A per-head RMSNorm of the heads ``x`` holds (over ``head_dim``, the last axis) with this rank's local
+    ``weight``: statistics in fp32 at least, the result cast back, as trainer.models.layers.RMSNorm computes."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight.to(xf.dtype)).type_as(x)

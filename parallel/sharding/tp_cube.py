@@ -56,6 +56,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
+from parallel.sharding.head_params import norm_eps, rms_on_heads
+
 ROWS, HIDDEN = 0, 2  # the dims of a [batch, seq, hidden] activation a cube splits
 
 
@@ -168,8 +170,7 @@ def _take_norm(owner: CubeRMSNorm | CubeHeadNorm, norm: nn.Module, meshes: _Mesh
     weight = cast(torch.Tensor, norm.weight)
     dt = distribute_tensor(weight.detach(), meshes.weights, stored, src_data_rank=None)
     norm.register_parameter("weight", nn.Parameter(dt, requires_grad=weight.requires_grad))
-    eps = getattr(norm, "eps", None)
-    owner.eps = float(eps) if eps is not None else torch.finfo(weight.dtype).eps
+    owner.eps = norm_eps(norm, weight.dtype)
     owner.norm = norm
     norm.forward = owner.forward
     return weight
@@ -224,9 +225,7 @@ class CubeHeadNorm:
         m = self.meshes
         weight = cast(DTensor, self.norm.weight)  # a DTensor since __init__
         w = _average_over_dp(weight.redistribute(m.weights, self.w_stored).to_local(grad_placements=self.w_grad), m)
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * rstd * w.to(xf.dtype)).type_as(x)
+        return rms_on_heads(x, w, self.eps)
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -66,6 +66,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from parallel.sharding.head_params import norm_eps, rms_on_heads
+
 # The layouts on the grid mesh (r, c).
 STREAM = (Shard(0), Shard(2))            # batch rows over r, hidden over c: the residual stream, every Linear's output
 GATHERED = (Shard(0), Replicate())       # a Linear's input: the hidden whole (all-gathered over c)
@@ -202,16 +204,12 @@ def _grid_head_norm(norm: nn.Module, grid: DeviceMesh) -> None:
     assert isinstance(weight, torch.Tensor), "only norms with a weight are placed"
     norm.weight = nn.Parameter(distribute_tensor(weight.detach(), grid, WHOLE, src_data_rank=None),
                                requires_grad=weight.requires_grad)
-    eps_of = getattr(norm, "eps", None)
-    eps = float(eps_of) if eps_of is not None else torch.finfo(weight.dtype).eps
+    eps = norm_eps(norm, weight.dtype)
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         stored = self.weight
         assert isinstance(stored, DTensor), "placed by _grid_head_norm"
-        w = stored.redistribute(grid, WHOLE).to_local(grad_placements=SUMMED)
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (xf * rstd * w.to(xf.dtype)).type_as(x)
+        return rms_on_heads(x, stored.redistribute(grid, WHOLE).to_local(grad_placements=SUMMED), eps)
 
     norm.forward = types.MethodType(forward, norm)
 
