@@ -273,14 +273,17 @@ class Topology:
         """``fqn``'s placements per axis as the engine places it: the config's, and an expert's ``Shard(0)`` on ep."""
         return {**axes, self.ep_axis: PlacementSpec("shard", 0)} if self.ep_axis and self.is_expert(fqn) else axes
 
-    def shard_divisor(self, axes: Mapping[str, PlacementSpec]) -> int:
-        """The product of the sizes of the axes that ``axes`` (one parameter's placements) shard over."""
-        return self.size([a for a, pl in axes.items() if pl.is_shard])
-
     def local_divisor(self, fqn: str, axes: Mapping[str, PlacementSpec]) -> int:
         """Into how many blocks tensor and expert parallelism cut parameter ``fqn`` placed ``axes``: each
         rank holds one (before FSDP's shards, :meth:`fsdp_divisor`)."""
-        return self.shard_divisor(self.placed(fqn, axes))
+        return self.size(self._local_axes(sharding_axes({fqn: axes})[fqn], self.is_expert(fqn)))
+
+    def _local_axes(self, sharded: tuple[str, ...], expert: bool) -> tuple[str, ...]:
+        """The axes a parameter whose placements shard ``sharded`` is cut over, as :meth:`placed` places it:
+        an expert (``expert``) over the ep axis too."""
+        if expert and self.ep_axis is not None and self.ep_axis not in sharded:
+            return (*sharded, self.ep_axis)
+        return sharded
 
     def holding(self, fqn: str, axes: Mapping[str, PlacementSpec]) -> tuple[int, int, bool]:
         """``(local_divisor, fsdp_divisor, is_expert)`` of parameter ``fqn`` placed ``axes``: how one rank holds
@@ -294,13 +297,9 @@ class Topology:
         the topology (and it the placements) once per parameter."""
         sharded = sharding_axes({fqn: placements.get(fqn, {}) for fqn in fqns})
         fsdp = {expert: self.size(self._fsdp_axes_of(expert)) for expert in (False, True)}
-        table = {}
-        for fqn in fqns:
-            axes, expert = sharded[fqn], self.is_expert(fqn)
-            if expert and self.ep_axis is not None and self.ep_axis not in axes:  # Shard(0) on ep, as placed()
-                axes = (*axes, self.ep_axis)
-            table[fqn] = (self.size(axes), fsdp[expert], expert)
-        return table
+        experts = {fqn: self.is_expert(fqn) for fqn in fqns}
+        return {fqn: (self.size(self._local_axes(sharded[fqn], expert)), fsdp[expert], expert)
+                for fqn, expert in experts.items()}
 
 
 def _axes(dim: str | Sequence[str]) -> tuple[str, ...]:

@@ -162,13 +162,13 @@ def _pipeline_from_dict(pp: Mapping[str, Any]) -> PipelineSpec:
 
 def _layouts_to_dict(layouts: Mapping[str, LayoutSpec]) -> dict[str, dict[str, dict[str, str]]]:
     """``{module: {"input": {axis: placement}, "output": ...}}``, each placement as the config writes it
-    (``Shard(0)``, ``Partial(avg)``): the placements written as one table."""
-    texts = placement_texts({(fqn, side): getattr(layout, side) for fqn, layout in layouts.items()
-                             for side in ("input", "output")})
-    return {fqn: {side: texts[fqn, side] for side in ("input", "output")} for fqn in layouts}
+    (``Shard(0)``, ``Partial(avg)``)."""
+    inputs = placement_texts({fqn: layout.input for fqn, layout in layouts.items()})
+    outputs = placement_texts({fqn: layout.output for fqn, layout in layouts.items()})
+    return {fqn: {"input": inputs[fqn], "output": outputs[fqn]} for fqn in layouts}
 
 
 def _layouts_from_dict(layouts: Mapping[str, Mapping[str, Mapping[str, str]]]) -> dict[str, LayoutSpec]:
-    specs = parse_placement_table({(fqn, side): layout[side] for fqn, layout in layouts.items()
-                                   for side in ("input", "output")})
-    return {fqn: LayoutSpec(specs[fqn, "input"], specs[fqn, "output"]) for fqn in layouts}
+    inputs = parse_placement_table({fqn: layout["input"] for fqn, layout in layouts.items()})
+    outputs = parse_placement_table({fqn: layout["output"] for fqn, layout in layouts.items()})
+    return {fqn: LayoutSpec(inputs[fqn], outputs[fqn]) for fqn in layouts}

@@ -103,10 +103,10 @@ def worker_preload(tracking: TrackingConfig | Mapping[str, Any]) -> tuple[str, .
     fields = tracking.model_dump() if isinstance(tracking, TrackingConfig) else tracking
     if fields.get("backend", "mlflow") != "mlflow":
         return ()
-    uri = str(fields.get("tracking_uri") or "sqlite:")  # the default store is a SQLite file
+    uri = str(fields.get("tracking_uri") or "sqlite://")  # the default store is a SQLite file
     if uri.startswith(("http://", "https://")):
         return "mlflow.tracking", "mlflow.entities", "mlflow.store.tracking.rest_store"
-    if uri.startswith("file:") or "://" not in uri and not uri.startswith("sqlite:"):
+    if uri.startswith("file:") or "://" not in uri:
         return "mlflow.tracking", "mlflow.entities", "mlflow.store.tracking.file_store"
     # a database: the store opens it through SQLAlchemy's dialect and checks its schema with alembic
     dialect = uri.split(":", 1)[0].split("+", 1)[0]
