@@ -52,7 +52,7 @@ def test_the_layout_the_planner_chooses_trains_to_one_devices_losses(case, tmp_p
     raw = compose_dict(["+parallel=auto", *model, *COMMON, *knobs, f"launch.log_dir={tmp_path / 'logs'}"])
     _, ranking = auto_plan.resolve_auto(raw, calibration=CAL)  # the choice _run makes below
     assert (ranking.winner.label, ranking.winner.mesh) == (label, mesh)
-    with LaunchSession(raw["tracking"]) as session:
+    with LaunchSession() as session:
         outcome = _run(raw, True, session)
     assert outcome is not None and outcome.ok, outcome
     one = validate_config(compose_dict([*model, *COMMON]), check_model=False)

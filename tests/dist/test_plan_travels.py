@@ -36,7 +36,7 @@ def test_a_3d_launch_resolves_once_in_the_launcher_and_never_in_a_worker(tmp_pat
     plan_counts.install(monkeypatch)
     raw = compose_dict(["+parallel=3d", "mesh=[2,2,2]", "train.steps=2", "tracking=none",
                         f"launch.log_dir={tmp_path / 'logs'}"])
-    with LaunchSession(raw["tracking"]) as session:
+    with LaunchSession() as session:
         outcome = _run(raw, True, session)
     assert outcome is not None and outcome.ok
     assert outcome.losses == LOSSES

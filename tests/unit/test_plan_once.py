@@ -69,7 +69,7 @@ def test_a_3d_launch_resolves_the_plan_and_builds_the_meta_model_once(tmp_path, 
     monkeypatch.setattr(trainer.launch.elastic, "_run_elastic", start)
     raw = compose_dict(["+parallel=3d", "mesh=[2,2,2]", "train.steps=3", "tracking=none",
                         f"launch.log_dir={tmp_path / 'logs'}"])
-    with LaunchSession(raw["tracking"]) as session:
+    with LaunchSession() as session:
         outcome = _run(raw, True, session)
     assert outcome is not None and len(started) == 1
     assert started[0][3] is not None and started[0][3] > 0  # the plan's price for rank 0 to report
@@ -97,7 +97,7 @@ def test_a_one_device_launch_trains_on_validations_plan_in_process(tmp_path, mon
     monkeypatch.setattr(trainer.run.build, "worker_plan", keep)
     raw = compose_dict(["train.steps=1", "tracking=none", "train.global_batch_size=2", "train.seq_len=16",
                         f"launch.log_dir={tmp_path / 'logs'}"])
-    with LaunchSession(raw["tracking"]) as session:
+    with LaunchSession() as session:
         outcome = _run(raw, True, session)
     assert outcome is not None and outcome.ok and len(outcome.losses) == 1
     assert len(given) == 1 and given[0] is not None  # the launcher's plan, checked against the real build

@@ -58,7 +58,7 @@ def run_job(composed: DictConfig, *, started: float | None = None) -> LaunchOutc
         raw["tracking"].setdefault("tags", {})[SWEEP_JOB_TAG] = str(HydraConfig.get().job.num)
     if sweeping:
         _sweep_checkpoint_dir(raw, HydraConfig.get())
-    with LaunchSession(raw.get("tracking") or {}, started=None if sweeping else started) as session:
+    with LaunchSession(started=None if sweeping else started) as session:
         if _starts_workers(raw):  # the workers' fork server imports while the config is checked
             session.start_workers_server()
         # start-up: validation, the planner and torch load here, beside the server's imports (their 1.7 s

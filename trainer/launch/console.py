@@ -101,16 +101,17 @@ def config_text(changes: dict[str, Any]) -> str:
 
 def show_config(cfg: RunConfig, tracker: Tracker | None = None) -> None:
     """Print the config's changes (``train.print_config``); with a ``tracker``, also log them as
-    ``config_changes.yaml`` (:func:`log_config_changes`)."""
+    ``config_changes.yaml`` (:func:`config_changes_artifact`)."""
     if cfg.train.print_config:
         print(config_text(config_changes(cfg)), flush=True)
     if tracker is not None:
-        log_config_changes(cfg, tracker)
+        for name, text in config_changes_artifact(cfg).items():
+            tracker.log_artifact_text(text, name)
 
 
-def log_config_changes(cfg: RunConfig, tracker: Tracker) -> None:
-    """The config's changes as the run's ``config_changes.yaml``, whatever ``train.print_config`` says."""
-    tracker.log_artifact_text(yaml.safe_dump(config_changes(cfg), sort_keys=False), CONFIG_ARTIFACT)
+def config_changes_artifact(cfg: RunConfig) -> dict[str, str]:
+    """The config's changes as the run's ``config_changes.yaml`` (by name), whatever ``train.print_config`` says."""
+    return {CONFIG_ARTIFACT: yaml.safe_dump(config_changes(cfg), sort_keys=False)}
 
 
 # `<file>:<line>: <Category>Warning: <message>`, as Python's warnings module prints it

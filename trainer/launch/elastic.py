@@ -1,7 +1,7 @@
 """A launch's workers through torch's elastic launcher: ``prod(mesh) / nnodes`` of them on this node,
 forked from the fork server the launch entered (:class:`trainer.launch.launcher.LaunchSession`).
 
-    summary = launch_workers(cfg, run_id, log_dir, rdzv_id, pictures_dir)   # rank 0's loop summary
+    summary = launch_workers(cfg, relay, log_dir, rdzv_id, pictures_dir)   # rank 0's loop summary
 
 Every worker reads the resolved config from a JSON file written here (:mod:`trainer.launch.worker`), and the
 launcher's resolved plan from another beside it (``resolved_plan.json``, :class:`parallel.plan.serial.ResolvedPlan`),
@@ -29,6 +29,7 @@ from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
 from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous
 from trainer.launch.worker import node_ordered_rank, worker_main
 from trainer.planner.memory.budget import predicted_peak_mib
+from trainer.tracking.relay import RelayAddress
 from trainer.tracking.tracker import Terminated
 from trainer.launch.disk_checks import checkpoint_sharing_warning
 
@@ -46,10 +47,11 @@ class RendezvousFailure(RuntimeError):
     """The nodes of a run did not all meet at the rendezvous in time."""
 
 
-def launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: str, pictures_dir: str, *,
+def launch_workers(cfg: RunConfig, relay: RelayAddress | None, log_dir: Path, rdzv_id: str, pictures_dir: str, *,
                    plan: ResolvedPlan | None = None) -> dict:
     """This node's workers, from start to end, inside the launch's fork server: rank 0's summary
-    (this node's lowest rank's on another node), ``{}`` when it returned none. ``plan``: the config's,
+    (this node's lowest rank's on another node), ``{}`` when it returned none. ``relay``: where rank 0
+    logs (the launcher's tracker, :mod:`trainer.tracking.relay`); None: nothing is logged. ``plan``: the config's,
     as the launcher resolved it (priced here for rank 0 to report, and written for the workers to read;
     without it each worker resolves its own)."""
     # With the rendezvous store shared into the workers (torch's default), a restarted round
@@ -66,7 +68,7 @@ def launch_workers(cfg: RunConfig, run_id: str | None, log_dir: Path, rdzv_id: s
             plan.write(plan_path)
         cheap_method_names()
         with one_warning_each():
-            results = _run_elastic(launch_config, (str(config_path), run_id, pictures_dir,
+            results = _run_elastic(launch_config, (str(config_path), relay, pictures_dir,
                                                    _predicted_peak_mib(cfg, plan.plan if plan else None),
                                                    str(plan_path) if plan is not None else None), cfg)
     ln = cfg.launch

@@ -24,13 +24,12 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from parallel.errors import ConfigError
-from trainer.config.schema import RunConfig, TrackingConfig
+from trainer.config.schema import RunConfig
 from trainer.launch.disk_checks import launch_disk_issues
 from trainer.launch.outcome import EXIT_CONFIG, LaunchOutcome
 from trainer.launch.processes import worker_server
@@ -43,18 +42,16 @@ if TYPE_CHECKING:
 class LaunchSession:
     """The one place a launch enters the workers' fork server (:func:`trainer.launch.processes.worker_server`).
 
-        with LaunchSession(raw["tracking"]) as session:   # the CLI: the server imports while it validates
+        with LaunchSession() as session:   # the CLI: the server imports while it validates
             session.start_workers_server()
             outcome = session.launch(validated_config)
 
     :meth:`launch` starts the server itself for a config of several ranks (:func:`launch` is a session
-    of one launch); the server stops when the session ends. ``tracking``: the tracking section, or its
-    composed dict before validation (what rank 0 preloads: :func:`worker_preload`). ``started``: when the
+    of one launch); the server stops when the session ends. ``started``: when the
     process started (``time.monotonic()``; the CLI's entry), from which the first launch's wall time
     counts, so that the summary's wall time is the command's; else each launch counts from its own call."""
 
-    def __init__(self, tracking: TrackingConfig | Mapping[str, Any], *, started: float | None = None) -> None:
-        self._tracking = tracking
+    def __init__(self, *, started: float | None = None) -> None:
         self._started = started
         self._stack = ExitStack()
         self._serving = False
@@ -68,7 +65,7 @@ class LaunchSession:
     def start_workers_server(self) -> None:
         """Start the fork server now (once), so that its imports run beside what comes before the workers."""
         if not self._serving:
-            self._stack.enter_context(worker_server(also_preload=worker_preload(self._tracking)))
+            self._stack.enter_context(worker_server())
             self._serving = True
 
     def launch(self, cfg: RunConfig, *, plan: ParallelPlan | ResolvedPlan | None = None) -> LaunchOutcome:
@@ -92,26 +89,8 @@ class LaunchSession:
 def launch(cfg: RunConfig, *, plan: ParallelPlan | ResolvedPlan | None = None) -> LaunchOutcome:
     """Train as the config says, in a :class:`LaunchSession` of its own; return the outcome (its
     ``exit_code`` is the process's exit code). ``plan``: the config's resolved plan, when the caller has it."""
-    with LaunchSession(cfg.tracking) as session:
+    with LaunchSession() as session:
         return session.launch(cfg, plan=plan)
-
-
-def worker_preload(tracking: TrackingConfig | Mapping[str, Any]) -> tuple[str, ...]:
-    """What rank 0 imports beyond :data:`~trainer.launch.processes.PRELOAD`: MLflow's client and the
-    store its tracking URI names (about 5 CPU-seconds), when the run logs to MLflow. ``tracking``:
-    the section, or its composed dict before validation (the CLI starts the server that early)."""
-    fields = tracking.model_dump() if isinstance(tracking, TrackingConfig) else tracking
-    if fields.get("backend", "mlflow") != "mlflow":
-        return ()
-    uri = str(fields.get("tracking_uri") or "sqlite://")  # the default store is a SQLite file
-    if uri.startswith(("http://", "https://")):
-        return "mlflow.tracking", "mlflow.entities", "mlflow.store.tracking.rest_store"
-    if uri.startswith("file:") or "://" not in uri:
-        return "mlflow.tracking", "mlflow.entities", "mlflow.store.tracking.file_store"
-    # a database: the store opens it through SQLAlchemy's dialect and checks its schema with alembic
-    dialect = uri.split(":", 1)[0].split("+", 1)[0]
-    return ("mlflow.tracking", "mlflow.entities", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.db.utils",
-            "alembic.command", f"sqlalchemy.dialects.{'postgresql' if dialect == 'postgres' else dialect}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,10 +46,10 @@ _users_lock = threading.Lock()
 
 
 @contextmanager
-def worker_server(also_preload: tuple[str, ...] = ()) -> Iterator[None]:
-    """Workers started inside fork from a server that preloaded :data:`PRELOAD` (and
-    ``also_preload``, e.g. MLflow's client for rank 0); the server stops when the last launch
-    inside (of this process's threads) ends.
+def worker_server() -> Iterator[None]:
+    """Workers started inside fork from a server that preloaded :data:`PRELOAD`; the server stops when
+    the last launch inside (of this process's threads) ends. No worker imports MLflow: rank 0 logs
+    through the launcher's client (:mod:`trainer.tracking.relay`).
 
     The server starts on entry, not at the first worker: its imports (about 5 CPU-seconds) run
     beside what the launcher does before it starts the workers (MLflow's run, the pictures), on
@@ -60,7 +60,7 @@ def worker_server(also_preload: tuple[str, ...] = ()) -> Iterator[None]:
     with _users_lock:
         if _users == 0:
             *modules, ready = PRELOAD  # server_ready freezes what was imported before it: last
-            multiprocessing.set_forkserver_preload([*modules, *also_preload, ready])
+            multiprocessing.set_forkserver_preload([*modules, ready])
             forkserver.ensure_running()
         _users += 1
     try:

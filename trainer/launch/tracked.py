@@ -20,7 +20,7 @@ from pathlib import Path
 
 from parallel.plan.serial import ResolvedPlan
 from trainer.config.schema import RunConfig
-from trainer.launch.console import log_config_changes, show_config
+from trainer.launch.console import config_changes_artifact, show_config
 from trainer.launch.elastic import RendezvousFailure, WorkerFailure, launch_workers
 from trainer.launch.outcome import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, LaunchOutcome
 from trainer.run.metrics import Progress
@@ -28,7 +28,10 @@ from trainer.tracking.end_of_run import AfterTraining
 from trainer.tracking.mlflow_tracker import make_tracker
 from trainer.tracking.run_info import run_name, run_url, ui_command
 from trainer.tracking.run_record import record_start, summary, system_metrics, tee_output, upload_logs
-from trainer.tracking.tracker import Terminated, install_signal_handlers, run_lifecycle
+from trainer.tracking.opening import OpeningRun
+from trainer.tracking.relay import RelayServer
+from trainer.tracking.tracker import (NullTracker, Terminated, Tracker, TrackingError, install_signal_handlers,
+                                     run_lifecycle)
 
 
 def launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> LaunchOutcome:
@@ -36,18 +39,9 @@ def launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> L
     the training, the summary. ``began``: when the launch's wall time counts from."""
     if cfg.launch.node_rank == 0:  # node 0 shows the run, as it owns its MLflow run: first, what runs
         show_config(cfg)
-    # One run per job: node 0's launcher owns it (another node's would make a second one).
-    tracker = make_tracker(cfg.tracking, is_main=cfg.launch.node_rank == 0, run_id=cfg.tracking.run_id,
-                           run_name=run_name(cfg))
-    url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id,
-                  cfg.tracking.ui_url)
-    if url:  # start-up says what it is doing: the run's page exists from now on, served by the command beside it
-        serve = ui_command(cfg.tracking.tracking_uri, cfg.tracking.ui_url)
-        print(f"mlflow run: {url}" + (f"  (serve it: {serve})" if serve else ""), flush=True)
+    tracker = _open_run(cfg)
     try:
         with install_signal_handlers(), run_lifecycle(tracker), system_metrics(cfg.tracking, tracker):
-            if cfg.launch.node_rank == 0:
-                log_config_changes(cfg, tracker)
             outcome = _train_and_record(cfg, tracker, began, plan)
         code = EXIT_OK if outcome.get("stopped_at") is None else _stopped_to_requeue(cfg, tracker.run_id, outcome)
         return LaunchOutcome(code, run_id=tracker.run_id, losses=list(outcome.get("losses") or []),
@@ -59,12 +53,37 @@ def launch_tracked(cfg: RunConfig, began: float, plan: ResolvedPlan | None) -> L
     except Terminated:
         print("terminated: run stopped (MLflow run KILLED)", file=sys.stderr)
         return LaunchOutcome(EXIT_SIGTERM, run_id=tracker.run_id, wall_s=time.monotonic() - began)
-    except WorkerFailure as err:
-        print(f"training failed: {err}", file=sys.stderr)
+    except (WorkerFailure, TrackingError) as err:
+        print(f"training failed: {_cause(tracker, err)}", file=sys.stderr)
         return LaunchOutcome(EXIT_FAILED, run_id=tracker.run_id, wall_s=time.monotonic() - began)
     except RendezvousFailure as err:
         print(f"training did not start: {err}", file=sys.stderr)
         return LaunchOutcome(EXIT_FAILED, run_id=tracker.run_id, wall_s=time.monotonic() - began)
+
+
+def _open_run(cfg: RunConfig) -> Tracker:
+    """The job's MLflow run, made in a thread while the workers start (:mod:`trainer.tracking.opening`); its
+    link printed once it exists. One run per job: node 0's launcher owns it (another node's would make a
+    second one); NullTracker on the other nodes and with ``tracking.backend=none``."""
+    if cfg.tracking.backend == "none" or cfg.launch.node_rank != 0:
+        return NullTracker()
+
+    def make() -> Tracker:
+        tracker = make_tracker(cfg.tracking, is_main=True, run_id=cfg.tracking.run_id, run_name=run_name(cfg))
+        url = run_url(cfg.tracking.tracking_uri, getattr(tracker, "experiment_id", None), tracker.run_id,
+                      cfg.tracking.ui_url)
+        if url:  # the run's page exists from now on, served by the command beside it
+            serve = ui_command(cfg.tracking.tracking_uri, cfg.tracking.ui_url)
+            print(f"mlflow run: {url}" + (f"  (serve it: {serve})" if serve else ""), flush=True)
+        return tracker
+
+    return OpeningRun(make)
+
+
+def _cause(tracker: Tracker, err: Exception) -> BaseException:
+    """What stopped the training: the MLflow run that could not be made (rank 0's writes failed on it), else ``err``."""
+    failure = tracker.failure() if isinstance(tracker, OpeningRun) else None
+    return failure if failure is not None else err
 
 
 def _stopped_to_requeue(cfg: RunConfig, run_id: str | None, outcome: dict) -> int:
@@ -81,13 +100,14 @@ def _stopped_to_requeue(cfg: RunConfig, run_id: str | None, outcome: dict) -> in
     return EXIT_REQUEUE
 
 
-def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ResolvedPlan | None) -> dict:
+def _train_and_record(cfg: RunConfig, tracker: Tracker, began: float, plan: ResolvedPlan | None) -> dict:
     """The run's pictures, its training, its logs uploaded and (node 0) its summary printed: rank 0's
     summary of the loop, with the pictures and what failed after the last step (``end_of_run_errors``)."""
     rdzv_id = rendezvous_id(cfg)
     with _worker_logs(cfg) as log_base:
-        pictures = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)), plan=plan.plan if plan else None,
-                                artifacts=_auto_plan_artifacts(cfg))
+        artifacts = {**config_changes_artifact(cfg), **_auto_plan_artifacts(cfg)}
+        record = record_start(tracker, cfg, Path(_pictures_dir(log_base, rdzv_id)), plan=plan.plan if plan else None,
+                              artifacts=artifacts)
         try:
             outcome = _train(cfg, tracker, log_base, rdzv_id, plan)
         finally:
@@ -97,8 +117,8 @@ def _train_and_record(cfg: RunConfig, tracker, began: float, plan: ResolvedPlan 
         # the training finished: what fails from here on is reported and recorded, not the run's exit code
         after = AfterTraining(tracker, say=lambda line: print(line, flush=True),
                               errors=outcome.get("end_of_run_errors"))
-        with after.guard("the placement picture"):
-            outcome["pictures"] = {**pictures.result(), **(outcome.get("pictures") or {})}
+        with after.guard("the run's record (its params, config.yaml, plan.txt, placement picture)"):
+            outcome["pictures"] = {**record.result(), **(outcome.get("pictures") or {})}
         outcome["end_of_run_errors"] = after.errors
         if cfg.launch.node_rank == 0:  # node 0 owns the run's summary, as it owns its MLflow run
             print(summary(cfg, outcome, tracker, wall_s=time.monotonic() - began,
@@ -131,7 +151,7 @@ def _auto_plan_artifacts(cfg: RunConfig) -> dict[str, str]:
     return ranking_artifacts(cfg)
 
 
-def _train(cfg: RunConfig, tracker, log_base: Path, rdzv_id: str, plan: ResolvedPlan | None) -> dict:
+def _train(cfg: RunConfig, tracker: Tracker, log_base: Path, rdzv_id: str, plan: ResolvedPlan | None) -> dict:
     """One device in this process, or the workers through torch's elastic launcher: rank 0's outcome."""
     if cfg.world_size == 1:
         # start-up: the training loop (DTensor, pipelining: about 0.7 s) only where training runs here,
@@ -142,7 +162,10 @@ def _train(cfg: RunConfig, tracker, log_base: Path, rdzv_id: str, plan: Resolved
         with tee_output(log_base / f"{rdzv_id}_local" / "attempt_0" / "0" / "stdout.log"):
             return train(cfg, tracker=tracker, progress=Progress(), pictures_dir=_pictures_dir(log_base, rdzv_id),
                          plan=plan).summary()
-    return launch_workers(cfg, tracker.run_id, log_base, rdzv_id, _pictures_dir(log_base, rdzv_id), plan=plan)
+    if isinstance(tracker, NullTracker):  # nothing to log (tracking=none), or another node's launcher
+        return launch_workers(cfg, None, log_base, rdzv_id, _pictures_dir(log_base, rdzv_id), plan=plan)
+    with RelayServer(tracker) as relay:  # rank 0 logs through this launcher's MLflow client
+        return launch_workers(cfg, relay.address, log_base, rdzv_id, _pictures_dir(log_base, rdzv_id), plan=plan)
 
 
 def _newest_log_dir(log_base: Path, rdzv_id: str) -> Path | None:

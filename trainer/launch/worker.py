@@ -21,8 +21,8 @@ from parallel.plan.serial import ResolvedPlan
 from trainer.config.schema import RunConfig
 from trainer.launch.rendezvous import is_loopback_run, worker_store
 from trainer.run.metrics import NullProgress, Progress
-from trainer.tracking.mlflow_tracker import make_tracker
-from trainer.tracking.tracker import NullTracker
+from trainer.tracking.relay import RelayAddress, RelayTracker
+from trainer.tracking.tracker import NullTracker, Tracker
 
 
 def node_ordered_rank(cfg: RunConfig, local_rank: int, local_world_size: int) -> int:
@@ -41,9 +41,10 @@ def _resume_latest(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint": ckpt})})
 
 
-def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None = None,
+def worker_main(config_path: str, relay: RelayAddress | None, pictures_dir: str | None = None,
                 predicted_peak_mib: float | None = None, plan_path: str | None = None) -> dict:
     """One worker: join the process group, train, leave. Runs in a process the launcher spawned;
+    ``relay``: where rank 0 logs (the launcher's MLflow run), None when nothing is logged;
     ``predicted_peak_mib`` is the launcher's price of the plan, which rank 0 reports; ``plan_path`` the
     launcher's resolved plan, which the worker checks against its own model build and uses (None: the
     worker resolves the plan of its build itself)."""
@@ -76,11 +77,14 @@ def worker_main(config_path: str, run_id: str | None, pictures_dir: str | None =
             print("workers: " + " ".join(f"rank{r}={pid}" for r, (pid, _) in enumerate(workers)), flush=True)
             if mesh_rank_ids(cfg.mesh) is not None:  # and see that each id runs where it names
                 print("rank ids: " + " ".join(where for _, where in workers), flush=True)
-        tracker = make_tracker(cfg.tracking, is_main=is_main, run_id=run_id) if run_id else NullTracker()
+        relayed = RelayTracker(relay) if relay is not None and is_main else None
+        tracker: Tracker = relayed or NullTracker()
         progress = Progress() if is_main else NullProgress()
         try:
             result = train(cfg, tracker=tracker, progress=progress, rank=rank, device_index=device_index,
                            pictures_dir=pictures_dir, predicted_peak_mib=predicted_peak_mib, plan=plan)
+            if relayed is not None:  # rank 0: every write made in the launcher's run before the worker ends
+                relayed.close()
         except Exception as err:
             # The agent reports whichever worker it saw die first, often a peer whose collective
             # broke; every worker names its own error so the root cause is in the output.

@@ -46,25 +46,33 @@ def record_start(tracker: Tracker, cfg: RunConfig, pictures_dir: Path, *, plan: 
     """Tags, params, the resolved config and dry-run plan as artifacts (with ``artifacts``: more
     text artifacts by name, e.g. the auto-planner's ranking), the data as a dataset input, and
     (``tracking.pictures``) the placement picture written into ``pictures_dir`` and logged under
-    ``pictures/``. The picture is drawn in a thread: matplotlib's import and drawing (2-4 s on a
-    small host) then run while the workers start, not before. The future gives the pictures'
-    paths by name. ``plan``: the config's resolved plan (None: none could be resolved, no plan.txt nor picture)."""
+    ``pictures/``. All of it in threads, so that the workers start meanwhile: the writes wait for a run
+    that is still being made (:mod:`trainer.tracking.opening`), the picture (matplotlib's import and
+    drawing: 2-4 s on a small host) is drawn beside them. The future gives the pictures' paths by name
+    once both are done, or raises what failed. ``plan``: the config's resolved plan (None: none could be
+    resolved, no plan.txt nor picture)."""
     plan = plan if cfg.tracking.pictures or not isinstance(tracker, NullTracker) else None
-    drawing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="placement-picture")
-    pictures = drawing.submit(_placement_pictures, tracker, cfg, plan, pictures_dir)
-    drawing.shutdown(wait=False)  # the thread ends after its one picture
-    if isinstance(tracker, NullTracker):
-        return pictures
-    tracker.set_tags(run_tags(cfg))
-    public = public_config(cfg.model_dump(mode="json"))
-    tracker.log_params(public)
-    tracker.log_artifact_text(yaml.safe_dump(public, sort_keys=False), "config.yaml")
-    if plan is not None:
-        tracker.log_artifact_text(describe_plan(cfg, plan, pictures_dir=None), "plan.txt")
-    for name, text in (artifacts or {}).items():
-        tracker.log_artifact_text(text, name)
-    tracker.log_dataset(*dataset_identity(cfg))
-    return pictures
+    recording = ThreadPoolExecutor(max_workers=2, thread_name_prefix="run-record")
+    pictures = recording.submit(_placement_pictures, tracker, cfg, plan, pictures_dir)
+    record = recording.submit(_record_config, tracker, cfg, plan, artifacts or {}, pictures)
+    recording.shutdown(wait=False)  # the threads end after their one task each
+    return record
+
+
+def _record_config(tracker: Tracker, cfg: RunConfig, plan: ParallelPlan | None, artifacts: Mapping[str, str],
+                   pictures: Future[dict[str, str]]) -> dict[str, str]:
+    """:func:`record_start`'s writes; then the pictures' paths, once drawn."""
+    if not isinstance(tracker, NullTracker):
+        tracker.set_tags(run_tags(cfg))
+        public = public_config(cfg.model_dump(mode="json"))
+        tracker.log_params(public)
+        tracker.log_artifact_text(yaml.safe_dump(public, sort_keys=False), "config.yaml")
+        if plan is not None:
+            tracker.log_artifact_text(describe_plan(cfg, plan, pictures_dir=None), "plan.txt")
+        for name, text in artifacts.items():
+            tracker.log_artifact_text(text, name)
+        tracker.log_dataset(*dataset_identity(cfg))
+    return pictures.result()
 
 
 def _placement_pictures(tracker: Tracker, cfg: RunConfig, plan, pictures_dir: Path) -> dict[str, str]:
@@ -131,26 +139,40 @@ def dataset_identity(cfg: RunConfig) -> tuple[str, str | None, str]:
 @contextmanager
 def system_metrics(cfg: TrackingConfig, tracker: Tracker) -> Iterator[None]:
     """MLflow's own system-metrics monitor (CPU, memory, disk, network, GPU through pynvml) on this
-    run while the block runs; at least one sample even when the run is shorter than the interval."""
-    if not cfg.system_metrics or tracker.run_id is None:
+    run while the block runs; at least one sample even when the run is shorter than the interval. The
+    monitor starts in a thread once the run exists (it may still be being made: :mod:`trainer.tracking.opening`)."""
+    if not cfg.system_metrics or isinstance(tracker, NullTracker):
         yield
+        return
+    monitors: list[Any] = []
+    starting = threading.Thread(target=_start_monitor, args=(cfg, tracker, monitors), name="system-metrics",
+                                daemon=True)
+    starting.start()
+    try:
+        yield
+    finally:
+        starting.join()
+        for monitor in monitors:
+            try:
+                if monitor._logging_step == 0:  # noqa: SLF001 - nothing published yet: a short run
+                    monitor.collect_metrics()
+                    monitor.publish_metrics(monitor.aggregate_metrics())
+            except Exception:  # noqa: BLE001 - a missing sample must not fail the run
+                log.warning("could not take a system-metrics sample", exc_info=True)
+            monitor.finish()
+
+
+def _start_monitor(cfg: TrackingConfig, tracker: Tracker, started: list[Any]) -> None:
+    """MLflow's monitor on ``tracker``'s run, put in ``started``; nothing when the run was not made."""
+    if (run_id := tracker.run_id) is None:
         return
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices are noise here
-    monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=cfg.system_metrics_interval,
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=cfg.system_metrics_interval,
                                    tracking_uri=connect_uri(cfg.tracking_uri))
     monitor.start()
-    try:
-        yield
-    finally:
-        try:
-            if monitor._logging_step == 0:  # noqa: SLF001 - nothing published yet: a short run
-                monitor.collect_metrics()
-                monitor.publish_metrics(monitor.aggregate_metrics())
-        except Exception:  # noqa: BLE001 - a missing sample must not fail the run
-            log.warning("could not take a system-metrics sample", exc_info=True)
-        monitor.finish()
+    started.append(monitor)
 
 
 def upload_logs(tracker: Tracker, log_dir: Path | None) -> None:
