@@ -109,6 +109,26 @@ def test_sigterm_stops_every_worker_and_kills_the_run(tmp_path):
     assert not _left_behind(everything), f"left behind: {_left_behind(everything)}"
 
 
+@pytest.mark.slow
+def test_a_run_the_store_refuses_stops_the_workers_with_the_stores_reason(tmp_path):
+    """The MLflow run is made while the workers start (trainer.tracking.opening): when the store refuses it
+    (a deleted experiment), rank 0's writes fail on it, every worker stops, and the launcher exits 1 with the
+    store's reason and its fix, not a worker's traceback alone."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    client.delete_experiment(client.create_experiment("gone"))
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *LONG_DP, f"tracking.tracking_uri={uri}",
+                             "tracking.experiment=gone"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output = proc.communicate(timeout=scaled(300))[0]
+    assert proc.returncode == 1, output
+    assert ("training failed: tracking.experiment: MLflow experiment 'gone' is deleted in "
+            f"'{uri}'; restore it (`mlflow experiments restore`) or choose another name") in output, output
+    assert client.search_runs([client.get_experiment_by_name("gone").experiment_id]) == []
+
+
 ONE_DEVICE = ("tracking=none", "tracking.pictures=false", "train.checkpoint.save_final=false",
               "train.global_batch_size=4",
               "train.seq_len=32", "train.log_every=1", "data.max_bytes=200000")

@@ -1,4 +1,5 @@
-"""trainer.tracking.relay: worker rank 0's writes made by the launcher's tracker (one MLflow client per job).
+"""One MLflow client per job: worker rank 0's writes made by the launcher's tracker (trainer.tracking.relay),
+whose run is made beside the workers' start (trainer.tracking.opening).
 
 Run: ``pytest tests/unit/test_relay.py -q``. Rank 0 is this test's thread, or a process of its own where
 what it imports matters; the launcher's tracker a recording fake, or an MLflow run in a SQLite store.
@@ -10,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from trainer.config.schema import TrackingConfig
 from trainer.tracking.mlflow_tracker import MLflowTracker
+from trainer.tracking.opening import OpeningRun
 from trainer.tracking.relay import RelayServer, RelayTracker
 from trainer.tracking.tracker import TrackingError
 from timing import scaled
@@ -133,3 +136,42 @@ def test_rank0_in_its_own_process_logs_into_the_launchers_run_without_mlflow(tmp
     assert [(m.step, m.value) for m in history] == [(1, 4.0), (2, 3.0), (3, 2.0)]
     assert client.get_run(launcher.run_id).data.params["pipeline_bubble"] == "0.2"
     assert [a.path for a in client.list_artifacts(launcher.run_id, "pictures")] == ["pictures/timeline.json"]
+
+
+def test_an_opening_run_is_a_tracker_at_once_and_its_calls_wait_for_the_run() -> None:
+    made, launcher = threading.Event(), Recorder()
+
+    def make() -> Recorder:
+        made.wait()
+        return launcher
+
+    tracker = OpeningRun(make)  # returns before the run exists
+    with RelayServer(tracker) as relay:  # rank 0's writes queue meanwhile, in order
+        rank0 = RelayTracker(relay.address)
+        rank0.log_metrics({"loss": 5.0}, step=1)
+        rank0.set_tag("resumed_from", "ck")
+        assert launcher.calls == []  # nothing written before the run exists
+        made.set()
+        rank0.close()
+    tracker.log_summary({"bubble": 0.2})
+    tracker.finish("FINISHED")
+    assert tracker.run_id == "run-1" and tracker.failure() is None
+    assert launcher.calls == [("log_metrics", {"loss": 5.0}, 1), ("set_tag", "resumed_from", "ck"),
+                              ("log_summary", {"bubble": 0.2}), ("finish", "FINISHED")]
+
+
+def test_a_run_that_could_not_be_made_fails_the_writes_that_need_it_and_has_nothing_to_end() -> None:
+    def make() -> Recorder:
+        raise TrackingError("tracking.experiment: MLflow experiment 'gone' is deleted")
+
+    tracker = OpeningRun(make)
+    with RelayServer(tracker) as relay:
+        rank0 = RelayTracker(relay.address)
+        rank0.log_metrics({"loss": 5.0}, step=1)
+        with pytest.raises(TrackingError, match="'gone' is deleted"):
+            rank0.close()  # rank 0 stops on it, at its next call that waits or the one after
+    assert tracker.run_id is None and tracker.experiment_id is None
+    assert "is deleted" in str(tracker.failure())
+    tracker.finish("FAILED")  # no run: nothing to end, nothing raised
+    with pytest.raises(TrackingError):
+        tracker.set_tag("a", 1)

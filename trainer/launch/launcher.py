@@ -1,7 +1,8 @@
 """Start the training: in-process on one device, or prod(mesh) workers through torch's elastic launcher.
 
-The launcher owns the MLflow run (created here, ended here with FINISHED / FAILED / KILLED)
-and the exit code; worker rank 0 logs metrics into that run; the other ranks log nothing.
+The launcher owns the MLflow run (made here, beside the workers' start, and ended here with FINISHED / FAILED /
+KILLED) and the exit code; worker rank 0 logs into that run through the launcher's MLflow client
+(:mod:`trainer.tracking.relay`: one client per job); the other ranks log nothing.
 Workers get the resolved, validated config as a JSON file the launcher writes, and read it
 back into the same :class:`RunConfig`: nothing re-composes or re-validates it on the way.
 

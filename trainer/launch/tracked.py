@@ -1,5 +1,6 @@
-"""One launch inside its MLflow run: the run made (node 0), its record written, the training (one
-device here, or the workers through torch's elastic launcher), the logs uploaded, the summary printed.
+"""One launch inside its MLflow run: the run made (node 0, in a thread while the workers start), its record
+written (in threads too), the training (one device here, or the workers through torch's elastic launcher,
+rank 0 logging through this launcher's MLflow client), the logs uploaded, the summary printed.
 
 :class:`trainer.launch.launcher.LaunchSession` calls :func:`launch_tracked` once the config passed the
 launch's disk checks. This module brings torch, the elastic agent and MLflow's records; the launcher
