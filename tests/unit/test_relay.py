@@ -100,6 +100,19 @@ def test_a_restarted_attempt_does_not_log_its_replayed_steps_twice() -> None:
         ({"eval_loss": 23.0}, 3), ({"loss": 14.0, "eval_loss": 24.0}, 4)]
 
 
+def test_the_relay_outlives_a_rank0_gone_mid_call_and_stops_with_one_still_connected() -> None:
+    launcher = Recorder(fail="log_artifact")
+    with RelayServer(launcher) as relay:
+        gone = RelayTracker(relay.address)
+        gone._send("set_tags", {"a": "1"})
+        gone._conn.send((9, "log_artifact", ("/no/such/file",), {}))  # fails; its answer finds no one
+        gone._conn.close()
+        again = RelayTracker(relay.address)  # the next attempt's rank 0 is served
+        again.log_metrics({"loss": 1.0}, step=1)
+        # never closed (a rank 0 killed): the relay stops at the launcher's exit all the same, its writes made
+    assert launcher.calls == [("set_tags", {"a": "1"}), ("log_metrics", {"loss": 1.0}, 1)]
+
+
 def test_only_the_trackers_writes_are_relayed() -> None:
     with RelayServer(Recorder()) as relay:
         rank0 = RelayTracker(relay.address)

@@ -25,11 +25,12 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import socket
 import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from trainer.tracking.tracker import RunStatus, Tracker, TrackingError
 WRITES = frozenset({"log_params", "log_metrics", "log_summary", "log_artifact_text", "log_artifact", "set_tag",
                     "set_tags", "log_dataset"})
 _ACKED = frozenset({"log_artifact", "flush"})  # rank 0 waits: the file it names may go once the call returns
-_STOP = "stop"
+_POLL_S = 0.2  # how often the relay's thread looks whether the launcher stopped it
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,22 @@ class RelayAddress:
 
 
 class RelayServer:
-    """The launcher's tracker, served to worker rank 0 on a Unix socket in a temporary folder, one
-    connection at a time (one rank 0 per attempt) by a daemon thread, from entry to exit."""
+    """The launcher's tracker, served to worker rank 0 on a Unix socket in a private temporary folder, one
+    connection at a time (one rank 0 per attempt), by a daemon thread, from entry to exit. (A socket of its
+    own rather than ``multiprocessing``'s ``Listener``: its ``accept`` cannot be given up on at exit.)"""
 
     def __init__(self, tracker: Tracker) -> None:
         self._tracker = tracker
-        self._folder = tempfile.TemporaryDirectory(prefix="meshflow-relay-")
-        key = secrets.token_bytes(16)
+        self._folder = tempfile.TemporaryDirectory(prefix="meshflow-relay-")  # only this user may enter
+        self._key = secrets.token_bytes(16)
         path = os.path.join(self._folder.name, "tracker.sock")
-        self._listener = Listener(path, family="AF_UNIX", authkey=key)
-        self.address = RelayAddress(path, key.hex())
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket.bind(path)
+        self._socket.listen()
+        self._socket.settimeout(_POLL_S)
+        self.address = RelayAddress(path, self._key.hex())
         self._logged: dict[str, int] = {}  # each metric's last step written through the relay
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="meshflow-tracking-relay", daemon=True)
 
     def __enter__(self) -> RelayServer:
@@ -69,39 +75,52 @@ class RelayServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with Client(self.address.path, family="AF_UNIX", authkey=bytes.fromhex(self.address.key)) as conn:
-            conn.send((0, _STOP, (), {}))
+        """Stop once what rank 0 sent is written (its process has ended: the workers have)."""
+        self._stop.set()
         self._thread.join()
-        self._listener.close()
+        self._socket.close()
         self._folder.cleanup()
 
     def _serve(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
-                conn = self._listener.accept()
+                peer, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            peer.setblocking(True)
+            conn = Connection(peer.detach())
+            try:
+                deliver_challenge(conn, self._key)
+                answer_challenge(conn, self._key)
             except Exception:  # noqa: BLE001 - a peer without the key, or one gone before its greeting
+                conn.close()
                 continue
             with conn:
-                if not self._serve_attempt(conn):
-                    return
+                self._serve_attempt(conn)
 
-    def _serve_attempt(self, conn: Connection) -> bool:
-        """One attempt's rank 0, until it disconnects (True) or the launcher stops the relay (False)."""
+    def _serve_attempt(self, conn: Connection) -> None:
+        """One attempt's rank 0, until it disconnects, or the launcher stops the relay and nothing is left to read."""
         floor = dict(self._logged)  # what earlier attempts logged: a restarted one replays its steps
         while True:
+            if not conn.poll(_POLL_S):
+                if self._stop.is_set():
+                    return
+                continue
             try:
                 seq, method, args, kwargs = conn.recv()
-            except (EOFError, OSError):
-                return True
-            if method == _STOP:
-                return False
+            except Exception:  # noqa: BLE001 - rank 0 gone (EOF, a reset), or a message cut short
+                return
+            reply: tuple[str, int, Exception | None] | None
             try:
                 self._call(method, args, kwargs, floor)
+                reply = ("ok", seq, None) if method in _ACKED else None
             except Exception as err:  # noqa: BLE001 - rank 0 raises it, at its next call
-                conn.send(("error", seq, _portable(err)))
-                continue
-            if method in _ACKED:
-                conn.send(("ok", seq, None))
+                reply = ("error", seq, _portable(err))
+            if reply is not None:
+                try:
+                    conn.send(reply)
+                except OSError:  # rank 0 is gone
+                    return
 
     def _call(self, method: str, args: tuple, kwargs: dict, floor: Mapping[str, int]) -> None:
         if method == "flush":

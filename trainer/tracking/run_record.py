@@ -166,12 +166,16 @@ def _start_monitor(cfg: TrackingConfig, tracker: Tracker, started: list[Any]) ->
     """MLflow's monitor on ``tracker``'s run, put in ``started``; nothing when the run was not made."""
     if (run_id := tracker.run_id) is None:
         return
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices are noise here
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=cfg.system_metrics_interval,
-                                   tracking_uri=connect_uri(cfg.tracking_uri))
-    monitor.start()
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices are noise here
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=cfg.system_metrics_interval,
+                                       tracking_uri=connect_uri(cfg.tracking_uri))
+        monitor.start()
+    except Exception:  # noqa: BLE001 - the run trains without its system metrics, and says so
+        log.warning("no system metrics for this run: the monitor did not start", exc_info=True)
+        return
     started.append(monitor)
 
 
