@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,13 @@ class Recorder:
 
     def __init__(self, fail: str | None = None) -> None:
         self.calls: list[tuple] = []
+        self.stamps: list[int] = []  # log_metrics' at_ms: when rank 0 measured them
         self.fail = fail
 
     def __getattr__(self, method: str):
-        def call(*args):
+        def call(*args, at_ms=None):
+            if method == "log_metrics":
+                self.stamps.append(at_ms)
             if method == self.fail:
                 raise OSError(28, "No space left on device")
             if method == "log_artifact":  # what MLflow would upload: the file's bytes, now
@@ -164,11 +168,14 @@ def test_an_opening_run_is_a_tracker_at_once_and_its_calls_wait_for_the_run() ->
         rank0.log_metrics({"loss": 5.0}, step=1)
         rank0.set_tag("resumed_from", "ck")
         assert launcher.calls == []  # nothing written before the run exists
+        time.sleep(0.05)
+        made_ms = int(time.time() * 1000)
         made.set()
         rank0.close()
     tracker.log_summary({"bubble": 0.2})
     tracker.finish("FINISHED")
     assert tracker.run_id == "run-1" and tracker.failure() is None
+    assert launcher.stamps[0] < made_ms  # written once the run existed, dated when rank 0 measured it
     assert launcher.calls == [("log_metrics", {"loss": 5.0}, 1), ("set_tag", "resumed_from", "ck"),
                               ("log_summary", {"bubble": 0.2}), ("finish", "FINISHED")]
 

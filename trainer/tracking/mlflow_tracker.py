@@ -222,13 +222,14 @@ class MLflowTracker:
             self._client.log_batch(self._run_id, params=batch[start : start + MAX_PARAMS_PER_BATCH])
 
     @uninterrupted
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, *, at_ms: int | None = None) -> None:
         """Log all metrics of one step in one request (one timestamp, so they line up). In a run attached
         to, a metric at or below the step an earlier attempt logged it last is left out: a restarted
-        attempt replays the steps after its checkpoint, and MLflow would draw each of them twice."""
+        attempt replays the steps after its checkpoint, and MLflow would draw each of them twice. ``at_ms``: when
+        they were measured (ms since the epoch; a relayed write is made later), else now."""
         from mlflow.entities import Metric
 
-        now_ms = int(time.time() * 1000)
+        now_ms = at_ms if at_ms is not None else int(time.time() * 1000)
         batch = [Metric(key, float(v), now_ms, step) for k, v in metrics.items()
                  if step > self._last_step.get(key := _mlflow_key(k), -1)]
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):

@@ -57,8 +57,8 @@ class OpeningRun:
     def log_params(self, params: Mapping[str, Any]) -> None:
         self.made().log_params(params)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.made().log_metrics(metrics, step)
+    def log_metrics(self, metrics: Mapping[str, float], step: int, *, at_ms: int | None = None) -> None:
+        self.made().log_metrics(metrics, step, at_ms=at_ms)
 
     def log_summary(self, values: Mapping[str, float]) -> None:
         self.made().log_summary(values)

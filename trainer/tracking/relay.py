@@ -28,6 +28,7 @@ import secrets
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
@@ -183,8 +184,10 @@ class RelayTracker:
     def log_params(self, params: Mapping[str, Any]) -> None:
         self._send("log_params", dict(params))
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self._send("log_metrics", {key: float(value) for key, value in metrics.items()}, step)
+    def log_metrics(self, metrics: Mapping[str, float], step: int, *, at_ms: int | None = None) -> None:
+        # stamped here: the launcher may write it later (its run still being made), and the charts' time is the step's
+        self._send("log_metrics", {key: float(value) for key, value in metrics.items()}, step,
+                   at_ms=at_ms if at_ms is not None else int(time.time() * 1000))
 
     def log_summary(self, values: Mapping[str, float]) -> None:
         self._send("log_summary", dict(values))

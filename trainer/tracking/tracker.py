@@ -50,7 +50,7 @@ class Tracker(Protocol):
 
     def log_params(self, params: Mapping[str, Any]) -> None: ...
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: Mapping[str, float], step: int, *, at_ms: int | None = None) -> None: ...
 
     def log_summary(self, values: Mapping[str, float]) -> None: ...
 
@@ -76,7 +76,7 @@ class NullTracker:
     def log_params(self, params: Mapping[str, Any]) -> None:
         pass
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, *, at_ms: int | None = None) -> None:
         pass
 
     def log_summary(self, values: Mapping[str, float]) -> None:
