@@ -4,6 +4,8 @@ one process each return their own outcome."""
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,9 +126,19 @@ def test_a_run_the_store_refuses_stops_the_workers_with_the_stores_reason(tmp_pa
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     output = proc.communicate(timeout=scaled(300))[0]
     assert proc.returncode == 1, output
-    assert ("training failed: tracking.experiment: MLflow experiment 'gone' is deleted in "
-            f"'{uri}'; restore it (`mlflow experiments restore`) or choose another name") in output, output
-    assert client.search_runs([client.get_experiment_by_name("gone").experiment_id]) == []
+    gone = client.get_experiment_by_name("gone").experiment_id
+    fix = f"MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id {gone}"
+    assert (f"training failed: tracking.experiment: MLflow experiment 'gone' is deleted in '{uri}'; restore it "
+            f"(`{fix}`) or choose another name") in output, output
+    assert client.search_runs([gone]) == []
+    # the printed fix, typed as printed, restores it
+    assignment, command = fix.split(" ", 1)
+    name, value = assignment.split("=", 1)
+    mlflow, *args = shlex.split(command)  # the venv's own mlflow when its bin/ is not on PATH
+    typed = subprocess.run([shutil.which(mlflow) or str(Path(sys.executable).parent / mlflow), *args],
+                           env={**os.environ, name: value}, capture_output=True, text=True, timeout=scaled(120))
+    assert typed.returncode == 0, typed.stderr
+    assert client.get_experiment(gone).lifecycle_stage == "active"
 
 
 ONE_DEVICE = ("tracking=none", "tracking.pictures=false", "train.checkpoint.save_final=false",

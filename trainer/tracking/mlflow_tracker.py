@@ -139,8 +139,9 @@ def get_or_create_experiment(client: Any, name: str, artifact_location: str | No
                 raise
     if experiment.lifecycle_stage == "deleted":
         raise TrackingError(
-            f"tracking.experiment: MLflow experiment {name!r} is deleted in {client.tracking_uri!r}; "
-            "restore it (`mlflow experiments restore`) or choose another name"
+            f"tracking.experiment: MLflow experiment {name!r} is deleted in {client.tracking_uri!r}; restore it "
+            f"(`MLFLOW_TRACKING_URI={client.tracking_uri} mlflow experiments restore --experiment-id "
+            f"{experiment.experiment_id}`) or choose another name"
         )
     if experiment.tags.get(EXPERIMENT_KIND_TAG) in (None, "", "no_inferred_type", "custom_model_development_inferred"):
         # made before the kind was set, or only guessed by the UI: say what it is. A kind someone
