@@ -18,7 +18,8 @@ from trainer.cli.sweep import SweepParentRun, fixed_keys
 from trainer.config.compose import compose_dict
 from trainer.config.schema import RunConfig
 from trainer.config.tracking_schema import default_tracking_uri
-from trainer.launch.console import CONFIG_ARTIFACT, _OneWarningEach, config_changes, config_text, show_config
+from trainer.launch.console import (CONFIG_ARTIFACT, _OneWarningEach, config_changes, config_changes_artifact,
+                                    config_text, show_config)
 from trainer.run.metrics import Progress, format_eta, format_metrics
 from trainer.tracking.tracker import NullTracker
 
@@ -107,7 +108,9 @@ class _Recorder(NullTracker):
 def test_train_print_config_prints_the_changes_which_are_logged_either_way(capsys, shown):
     cfg = _cfg("train.steps=7", f"train.print_config={str(shown).lower()}")
     tracker = _Recorder()
-    show_config(cfg, tracker)
+    show_config(cfg)
+    for name, text in config_changes_artifact(cfg).items():  # what the launcher's run record logs
+        tracker.log_artifact_text(text, name)
     out = capsys.readouterr().out
     expected = {"train": {"steps": 7}} if shown else {"train": {"steps": 7, "print_config": False}}
     assert yaml.safe_load(tracker.texts[CONFIG_ARTIFACT]) == expected

@@ -1,7 +1,7 @@
 """What the launcher itself puts on the console: the resolved config when a run starts, and each
 warning of the workers once.
 
-    show_config(cfg, tracker)            # `config (differs from the defaults):` + one line per section
+    show_config(cfg)                     # `config (differs from the defaults):` + one line per section
     with one_warning_each() as repeats:  # the workers' identical warnings, shown by the first rank only
         ...launch the workers...
 """
@@ -21,7 +21,6 @@ from pydantic import BaseModel
 
 from trainer.config.schema import RunConfig
 from trainer.tracking.run_info import SWEEP_JOB_TAG, public_config
-from trainer.tracking.tracker import Tracker
 
 CONFIG_ARTIFACT = "config_changes.yaml"
 # Set by the CLI on every run (the config group it came from; a sweep's job number): not choices the user made.
@@ -99,14 +98,11 @@ def config_text(changes: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def show_config(cfg: RunConfig, tracker: Tracker | None = None) -> None:
-    """Print the config's changes (``train.print_config``); with a ``tracker``, also log them as
-    ``config_changes.yaml`` (:func:`config_changes_artifact`)."""
+def show_config(cfg: RunConfig) -> None:
+    """Print the config's changes (``train.print_config``); the run logs them either way
+    (:func:`config_changes_artifact`)."""
     if cfg.train.print_config:
         print(config_text(config_changes(cfg)), flush=True)
-    if tracker is not None:
-        for name, text in config_changes_artifact(cfg).items():
-            tracker.log_artifact_text(text, name)
 
 
 def config_changes_artifact(cfg: RunConfig) -> dict[str, str]:

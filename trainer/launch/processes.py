@@ -51,7 +51,7 @@ def worker_server() -> Iterator[None]:
     the last launch inside (of this process's threads) ends. No worker imports MLflow: rank 0 logs
     through the launcher's client (:mod:`trainer.tracking.relay`).
 
-    The server starts on entry, not at the first worker: its imports (about 3 CPU-seconds) run
+    The server starts on entry, not at the first worker: its imports (torch, DTensor, the loop) run
     beside what the launcher does before it starts the workers (the command line's imports, the
     validation), on another core."""
     from multiprocessing import forkserver  # start-up: only a launch that starts workers needs it
