@@ -16,29 +16,45 @@ import importlib
 import json
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 import torch.multiprocessing as mp
-from ports import free_port
 from trainer.launch.processes import START_METHOD, worker_server
+from trainer.launch.rendezvous import LOOPBACK, loopback_store
 from timing import scaled
 
+
+@contextmanager
+def group_store() -> Iterator[int]:
+    """The port of a ``TCPStore`` the parent serves on loopback while the ranks run: its socket is
+    bound before the port is handed out and held to the end, so no other process (another test
+    worker's gloo pairs take ephemeral ports all the time) can take the port in between, as one
+    could when rank 0 bound a port chosen free a moment earlier (CI saw EADDRINUSE)."""
+    store = loopback_store(0, timeout=timedelta(seconds=scaled(300)))
+    yield store.port
+    del store
+
+
+def join_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
+    """Join the gloo group whose store the parent serves on ``port`` (:func:`group_store`)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _entry(rank: int, world_size: int, port: int, suite: str, out_dir: str, only: list[str] | None,
            checks_module: str = "dist_checks", timeout_s: float = 120) -> None:
     """Module-level so ``spawn`` can pickle it: one rank of one suite."""
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)  # 8 ranks on 2 cores: threads would only fight
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    join_group(rank, world_size, port, timeout_s)
     checks = importlib.import_module(checks_module)  # tests/dist is on sys.path (pytest rootdir-relative import); spawn inherits it
 
     selected = [(name, check) for name, check in checks.SUITES[suite] if only is None or name in only]
@@ -75,8 +91,8 @@ def launch(suite: str, *, world_size: int, out_dir: Path, only: list[str] | None
     it where ranks compile: one rank may wait for another's compilation); idle-host seconds, scaled
     here by the host's slowness (tests/timing.py), so the workers need not measure it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with worker_server():  # forked from one server that imported torch and the trainer (as the launcher does)
-        mp.start_processes(_entry, args=(world_size, free_port(), suite, str(out_dir), only, checks, scaled(timeout_s)),
+    with worker_server(), group_store() as port:  # forked from one server that imported torch and the trainer
+        mp.start_processes(_entry, args=(world_size, port, suite, str(out_dir), only, checks, scaled(timeout_s)),
                            nprocs=world_size, join=True, start_method=START_METHOD)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 

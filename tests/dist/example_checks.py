@@ -29,15 +29,13 @@ are only built in the same launch and report ``params``.
 from __future__ import annotations
 
 import json
-import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
-from ports import free_port
+from dist_harness import group_store, join_group, run_checks_and_exit
 from trainer.launch.processes import START_METHOD, worker_server
 from timing import scaled
 
@@ -50,21 +48,16 @@ def launch(*, world_size: int, configs: dict[str, dict], out_dir: Path, builds: 
     :func:`check_build` for every one of ``builds`` on ``world_size`` gloo processes (one process
     group for all of them); the per-rank result dicts."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with worker_server():  # forked from one server that imported torch and the trainer (as the launcher does)
-        mp.start_processes(_entry, args=(world_size, free_port(), configs, str(out_dir), builds or {}, scaled(WORLD_TIMEOUT_S)),
+    with worker_server(), group_store() as port:  # forked from one server that imported torch and the trainer
+        mp.start_processes(_entry, args=(world_size, port, configs, str(out_dir), builds or {}, scaled(WORLD_TIMEOUT_S)),
                            nprocs=world_size, join=True, start_method=START_METHOD)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 def _entry(rank: int, world_size: int, port: int, configs: dict[str, dict], out_dir: str,
            builds: dict[str, dict], timeout_s: float) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)  # up to 8 ranks on 2 cores
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    from dist_harness import run_checks_and_exit
+    join_group(rank, world_size, port, timeout_s)
 
     run_checks_and_exit([(name, lambda raw=raw: check_example(raw)) for name, raw in configs.items()]
                         + [(name, lambda raw=raw: check_build(raw)) for name, raw in builds.items()],
