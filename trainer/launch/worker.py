@@ -9,7 +9,6 @@ import os
 import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from parallel.config import mesh_rank_ids
 from parallel.mesh import device_slot, rank_id_of
 from parallel.plan.serial import ResolvedPlan
 from trainer.config.schema import RunConfig
-from trainer.launch.rendezvous import is_loopback_run, worker_store
+from trainer.launch.rendezvous import WORKER_STORE_TIMEOUT, is_loopback_run, worker_store
 from trainer.run.metrics import NullProgress, Progress
 from trainer.tracking.relay import RelayAddress, RelayTracker
 from trainer.tracking.tracker import NullTracker, Tracker
@@ -63,8 +62,8 @@ def worker_main(config_path: str, relay: RelayAddress | None, pictures_dir: str 
     rank_id, device_index = bind_worker(cfg, rank, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     device = resolve_device(cfg.device, device_index)
     torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend
-    timeout = timedelta(minutes=10)
-    # torch rank 0 serves the store on MASTER_ADDR:MASTER_PORT; the group's ranks are node-ordered
+    timeout = WORKER_STORE_TIMEOUT
+    # the store on MASTER_ADDR:MASTER_PORT: the launcher's (one host) or torch rank 0's; ranks in node order
     loopback = is_loopback_run(cfg)
     store = worker_store(torch_rank == 0, timeout, loopback=loopback) if loopback or cfg.launch.nnodes > 1 else None
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
