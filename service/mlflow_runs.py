@@ -67,14 +67,25 @@ class MlflowRuns:
                     run = self._client.create_run(experiment_id, run_name=run_name, tags=tags)
                     self._experiments[experiment] = experiment_id
         except TrackingError:
-            raise ConfigError([ConfigIssue("tracking.experiment", f"MLflow experiment {experiment!r} is deleted",
-                                           "restore it (`mlflow experiments restore`) or choose another "
-                                           "name")]) from None
+            raise ConfigError([self._deleted(experiment)]) from None
         except Exception as err:
             log.exception("could not create an MLflow run in %s", self.tracking_uri)
             raise TrackingUnavailable(f"the MLflow store did not accept a new run: {err}") from err
         assert experiment_id is not None, "the run was created in it"
         return experiment_id, run.info.run_id
+
+    def _deleted(self, experiment: str) -> ConfigIssue:
+        """A deleted experiment's refusal: restored through the MLflow server the jobs' links point at (a
+        user of the service may not hold the store's own address, nor its credentials), or another name."""
+        with self._lock:
+            found = self._client.get_experiment_by_name(experiment)
+        if found is None:  # removed for good since: the next submission makes it anew
+            return ConfigIssue("tracking.experiment", f"MLflow experiment {experiment!r} was deleted", "submit again")
+        ident, server = found.experiment_id, ui_base(self.tracking_uri, self.ui_url)
+        restore = f"MLFLOW_TRACKING_URI={server} mlflow experiments restore --experiment-id {ident}"
+        return ConfigIssue("tracking.experiment", f"MLflow experiment {experiment!r} (id {ident}) is deleted",
+                           f"restore it through the MLflow server the job links point at (`{restore}`) "
+                           "or choose another name")
 
     def artifact_location(self, experiment: str) -> str | None:
         """``<artifact root>/<experiment name, made a file name>`` as a file URI (null without a root)."""

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from tests.ports import free_port
+from tests.typed import run_typed
 from timing import Deadline, scaled
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -118,7 +119,7 @@ def test_compose_mlflow_and_api_commands_run_and_mlflow_checks_hosts(tmp_path):
         api_env = {**{k: str(v) for k, v in api_service["environment"].items()},
                    "MESHFLOW_WORKSPACE": str(tmp_path / "workspace"),
                    "MESHFLOW_DATABASE_URL": f"sqlite:///{tmp_path / 'meshflow.db'}",
-                   "MESHFLOW_MLFLOW_TRACKING_URI": mlflow_url}
+                   "MESHFLOW_MLFLOW_TRACKING_URI": mlflow_url, "MESHFLOW_MLFLOW_UI_URL": mlflow_url}
         assert api_service["command"][:3] == ["python", "-m", "api"]
         api_command = _swap(_swap(api_service["command"], "--host", "127.0.0.1"), "--port", str(api_port))
         api_url = f"http://127.0.0.1:{api_port}"
@@ -127,3 +128,23 @@ def test_compose_mlflow_and_api_commands_run_and_mlflow_checks_hosts(tmp_path):
             listed = httpx.get(f"{api_url}/v1/jobs", headers={"Authorization": "Bearer change-me-token"},
                                timeout=scaled(30))
             assert listed.status_code == 200, listed.text
+            _deleted_experiment_is_refused_with_a_fix_that_works(api_url, mlflow_url)
+
+
+def _deleted_experiment_is_refused_with_a_fix_that_works(api_url: str, mlflow_url: str) -> None:
+    """A job for a deleted experiment: 422 naming the experiment, and a restore command that, typed as
+    printed, restores it through the MLflow server the job links point at."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_url)
+    gone = client.create_experiment("gone")
+    client.delete_experiment(gone)
+    refused = httpx.post(f"{api_url}/v1/jobs", headers={"Authorization": "Bearer change-me-token"},
+                         json={"overrides": ["train.steps=1", "tracking.experiment=gone"]}, timeout=scaled(60))
+    assert refused.status_code == 422, refused.text
+    fix = f"MLFLOW_TRACKING_URI={mlflow_url} mlflow experiments restore --experiment-id {gone}"
+    assert f"MLflow experiment 'gone' (id {gone}) is deleted" in refused.text, refused.text
+    assert f"`{fix}`" in refused.text, refused.text
+    typed = run_typed(fix)
+    assert typed.returncode == 0, typed.stderr
+    assert client.get_experiment(gone).lifecycle_stage == "active"

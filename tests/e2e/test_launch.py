@@ -4,8 +4,6 @@ one process each return their own outcome."""
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import worker_pids
+from tests.typed import run_typed
 from trainer.run.metrics import NullProgress
 from trainer.tracking.tracker import NullTracker
 from timing import Deadline, scaled
@@ -131,12 +130,7 @@ def test_a_run_the_store_refuses_stops_the_workers_with_the_stores_reason(tmp_pa
     assert (f"training failed: tracking.experiment: MLflow experiment 'gone' is deleted in '{uri}'; restore it "
             f"(`{fix}`) or choose another name") in output, output
     assert client.search_runs([gone]) == []
-    # the printed fix, typed as printed, restores it
-    assignment, command = fix.split(" ", 1)
-    name, value = assignment.split("=", 1)
-    mlflow, *args = shlex.split(command)  # the venv's own mlflow when its bin/ is not on PATH
-    typed = subprocess.run([shutil.which(mlflow) or str(Path(sys.executable).parent / mlflow), *args],
-                           env={**os.environ, name: value}, capture_output=True, text=True, timeout=scaled(120))
+    typed = run_typed(fix)  # the printed fix, typed as printed, restores it
     assert typed.returncode == 0, typed.stderr
     assert client.get_experiment(gone).lifecycle_stage == "active"
 

@@ -24,8 +24,20 @@ def test_runs_reuse_the_experiment_looked_up_once_and_notice_its_deletion(tmp_pa
     assert client.get_run(second[1]).info.experiment_id == first[0]
 
     client.delete_experiment(first[0])
-    with pytest.raises(ConfigError, match="tracking.experiment: MLflow experiment 'team' is deleted"):
+    refusal = f"tracking.experiment: MLflow experiment 'team' \\(id {first[0]}\\) is deleted"
+    with pytest.raises(ConfigError, match=refusal) as refused:
         runs.create_run("team", "job-3", {})
+    # restored through the server the links point at (here where `mlflow ui` serves a local store), by its id;
+    # tests/e2e/test_deploy_commands.py types it against a real server
+    assert (f"`MLFLOW_TRACKING_URI=http://127.0.0.1:5000 mlflow experiments restore --experiment-id {first[0]}`"
+            in str(refused.value))
+    with_ui = MlflowRuns("http://user:secret@mlflow-internal:5000", "https://mlflow.example/")
+    monkeypatch.setattr(with_ui, "_client", client)
+    issue = with_ui._deleted("team")
+    assert "MLFLOW_TRACKING_URI=https://mlflow.example mlflow" in issue.fix and "secret" not in issue.fix
+    client.delete_experiment(client.create_experiment("purged"))
+    monkeypatch.setattr(runs._client, "get_experiment_by_name", lambda name: None)  # removed for good meanwhile
+    assert runs._deleted("purged").fix == "submit again"
 
 
 def test_a_local_sqlite_store_is_switched_to_wal_and_others_are_left_alone(tmp_path):
