@@ -25,8 +25,7 @@ from parallel.plan.spec import ParallelPlan
 from trainer.config.schema import RunConfig
 from trainer.launch.console import one_warning_each
 from trainer.launch.processes import START_METHOD, cheap_method_names
-from trainer.launch.rendezvous import BACKEND as RDZV_BACKEND
-from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_loopback_rendezvous
+from trainer.launch.rendezvous import LOOPBACK, is_loopback_run, register_rendezvous
 from trainer.launch.worker import node_ordered_rank, worker_main
 from trainer.planner.memory.budget import predicted_peak_mib
 from trainer.tracking.relay import RelayAddress
@@ -91,9 +90,8 @@ def _launch_config(cfg: RunConfig, log_dir: Path, rdzv_id: str) -> Any:
     main_node = ln.node_rank == 0
     logs = DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL,
                             tee={r: Std.ALL if main_node and r == 0 else Std.ERR for r in range(nproc)})
-    loopback = is_loopback_run(cfg)
-    if loopback:  # every store and gloo listen on 127.0.0.1 only (trainer.launch.rendezvous)
-        register_loopback_rendezvous()
+    loopback = is_loopback_run(cfg)  # then every store and gloo listen on 127.0.0.1 only
+    backend = register_rendezvous(loopback)  # the launcher serves the workers' store (trainer.launch.rendezvous)
     return LaunchConfig(
         min_nodes=ln.nnodes,
         max_nodes=ln.nnodes,
@@ -101,7 +99,7 @@ def _launch_config(cfg: RunConfig, log_dir: Path, rdzv_id: str) -> Any:
         logs_specs=logs,
         log_line_prefix_template=WORKER_LINE_PREFIX if ln.nnodes == 1 else f"[node{ln.node_rank}.${{local_rank}}]: ",
         run_id=rdzv_id,
-        rdzv_backend=RDZV_BACKEND if loopback else "c10d",
+        rdzv_backend=backend,
         rdzv_endpoint=ln.rdzv_endpoint,
         local_addr=LOOPBACK if loopback else ln.local_addr,
         # node 0 serves the rendezvous store on rdzv_endpoint; the others dial it

@@ -1,33 +1,41 @@
-"""One-host runs listen on loopback only: the rendezvous store, the workers' store and gloo.
+"""Where a run's stores listen, and who serves the workers' process-group store.
+
+The launcher serves the workers' store itself, in the rendezvous handler of the node that the
+rendezvous made rank 0, a fresh one each round (:class:`WorkerStoreServer`): every worker connects
+to it (:func:`worker_store`). torch's own way, a port found free by the agent and bound by torch rank
+0 seconds later, can lose the port in between to any other socket on the host (CI saw it happen).
 
 torch's ``TCPStore`` server binds every interface (``[::]``) whatever host it is given, so a
 run on one host would accept connections from the network on three ports: the elastic agent's
-c10d rendezvous store, rank 0's process-group store and gloo's pairs. When ``launch.nnodes`` is
+c10d rendezvous store, the workers' store and gloo's pairs. When ``launch.nnodes`` is
 1 and ``launch.rdzv_endpoint`` is a loopback address (the default, and all the service
 allows), the launcher instead
 
 - registers the ``meshflow-loopback`` rendezvous backend: torch's c10d backend over a store
   whose socket this module bound to 127.0.0.1 (``TCPStore(master_listen_fd=...)``);
-- serves the workers' process-group store itself, bound the same way, a fresh one for each round of
-  the rendezvous (:class:`HeldWorkerStore`), and gives them ``MASTER_ADDR=127.0.0.1`` and its port:
-  every worker connects (:func:`worker_store`). torch's own way, a port found free by the agent and
-  bound by rank 0 seconds later, can lose the port in between to any other socket on the host;
+- serves the workers' store bound the same way and gives them ``MASTER_ADDR=127.0.0.1``;
 - sets ``GLOO_SOCKET_IFNAME=lo`` unless the user chose an interface.
 
-Several hosts keep torch's own behaviour: their stores must be reachable from the other hosts.
+Other runs (``meshflow-c10d``) keep torch's c10d rendezvous; their stores must be reachable from the
+other hosts.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from trainer.config.schema import RunConfig
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 BACKEND = "meshflow-loopback"
+HOSTS_BACKEND = "meshflow-c10d"
+WORKER_STORE_KEY = "meshflow/worker_store"  # in the round's store: [address, port] of the workers' store
 WORKER_STORE_TIMEOUT = timedelta(minutes=10)  # as the workers' process group's own
 
 
@@ -50,20 +58,26 @@ def loopback_store(port: int, *, timeout: timedelta, multi_tenant: bool = True):
                          multi_tenant=multi_tenant, master_listen_fd=listener.detach())  # the store owns the fd
 
 
-class HeldWorkerStore:
-    """torch's dynamic rendezvous handler, whose rounds give the workers the port of a store this
-    process serves on loopback (a fresh one per round: a restarted round's process groups must not
-    read the dead round's addresses), rather than a port found free for rank 0 to bind later."""
+class WorkerStoreServer:
+    """torch's dynamic rendezvous handler, whose rounds give the workers the address of a store the
+    round's rank 0 node serves in this process (``serve()``: a fresh one per round, since a restarted
+    round's process groups must not read the dead round's addresses), published to the other nodes in
+    the round's store, rather than a port found free for torch rank 0 to bind later."""
 
-    def __init__(self, inner, timeout: timedelta) -> None:
-        self._inner, self._timeout, self._served = inner, timeout, None
+    def __init__(self, inner, serve: Callable[[], Any], address: str) -> None:
+        self._inner, self._serve, self._address, self._served = inner, serve, address, None
 
     def next_rendezvous(self):
         from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
         info = self._inner.next_rendezvous()
-        self._served = loopback_store(0, timeout=self._timeout)  # the last round's store closes here
-        return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(LOOPBACK, self._served.port))
+        if info.rank == 0:
+            self._served = self._serve()  # the last round's store closes here
+            info.store.set(WORKER_STORE_KEY, json.dumps([self._address, self._served.port]))
+        else:
+            self._served = None
+        address, port = json.loads(info.store.get(WORKER_STORE_KEY))  # waits for node 0's, as the join does
+        return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(address, port))
 
     # The rest of torch's RendezvousHandler, as the dynamic handler does it.
     def get_backend(self) -> str:
@@ -89,40 +103,62 @@ class HeldWorkerStore:
         return self._inner.shutdown()
 
 
-def _create_handler(params):
+def _dynamic_handler(name: str, store, params):
+    """torch's dynamic rendezvous over its c10d backend on ``store``, under the name the launcher asked for
+    (torch's registry checks a handler's backend answers to it)."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    class LoopbackBackend(C10dRendezvousBackend):
-        """torch's c10d rendezvous backend, under the name the launcher asked for."""
-
+    class NamedBackend(C10dRendezvousBackend):
         @property
         def name(self) -> str:
-            return BACKEND
+            return name
 
+    return create_handler(store, NamedBackend(store, params.run_id), params)
+
+
+def _create_handler(params):
+    """``meshflow-loopback``: the rendezvous store and the workers' on 127.0.0.1."""
     port = int(params.endpoint.rsplit(":", 1)[1]) if ":" in params.endpoint else 0
     store = loopback_store(port, timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)))
-    return HeldWorkerStore(create_handler(store, LoopbackBackend(store, params.run_id), params), WORKER_STORE_TIMEOUT)
+    inner = _dynamic_handler(BACKEND, store, params)
+    return WorkerStoreServer(inner, lambda: loopback_store(0, timeout=WORKER_STORE_TIMEOUT), LOOPBACK)
 
 
-def register_loopback_rendezvous() -> None:
-    """Make ``rdzv_backend="meshflow-loopback"`` known to torch's elastic launcher (once per process)."""
+def _create_hosts_handler(params):
+    """``meshflow-c10d``: torch's c10d rendezvous (its store where torch puts it, on node 0 for
+    ``is_host``); the workers' store served by rank 0's node on every interface, at its
+    ``launch.local_addr`` (else its name), as torch rank 0 would have served it."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    _, store = create_backend(params)
+    address = params.local_addr or socket.getfqdn()  # what torch's rendezvous names this node by
+
+    def serve():
+        return dist.TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=WORKER_STORE_TIMEOUT,
+                             multi_tenant=True)
+
+    return WorkerStoreServer(_dynamic_handler(HOSTS_BACKEND, store, params), serve, address)
+
+
+def register_rendezvous(loopback: bool) -> str:
+    """The rendezvous backend for a run (``meshflow-loopback`` on one host's loopback, else
+    ``meshflow-c10d``), made known to torch's elastic launcher (once per process): its name."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    rendezvous_handler_registry.register(BACKEND, _create_handler)  # again with the same creator: a no-op
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the spawned workers inherit it
+    name, creator = (BACKEND, _create_handler) if loopback else (HOSTS_BACKEND, _create_hosts_handler)
+    rendezvous_handler_registry.register(name, creator)  # again with the same creator: a no-op
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the spawned workers inherit it
+    return name
 
 
-def worker_store(serves: bool, timeout: timedelta, *, loopback: bool):
-    """A worker's process-group store, at the address and port the elastic agent gave
-    (``MASTER_ADDR/PORT``). A loopback run's every worker connects to the store the launcher serves
-    (:class:`HeldWorkerStore`); on several hosts the worker that ``serves`` (torch's rank 0) listens
-    there and the others connect. The launcher builds the store itself (rather than ``env://``) to
-    listen on loopback, and to number the ranks in node order on several hosts."""
+def worker_store(timeout: timedelta):
+    """A worker's process-group store: the one its launcher's rendezvous serves (:class:`WorkerStoreServer`),
+    at the address and port the elastic agent gave (``MASTER_ADDR/PORT``); every worker connects. The
+    launcher builds the store (rather than ``env://``) to serve it so, and to number the ranks in node order
+    on several hosts."""
     import torch.distributed as dist
 
-    port = int(os.environ["MASTER_PORT"])
-    if loopback:
-        return dist.TCPStore(LOOPBACK, port, is_master=False, timeout=timeout)
-    return dist.TCPStore(os.environ.get("MASTER_ADDR", LOOPBACK), port, is_master=serves, wait_for_workers=False,
-                         timeout=timeout, multi_tenant=True)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)

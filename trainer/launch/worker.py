@@ -18,7 +18,7 @@ from parallel.config import mesh_rank_ids
 from parallel.mesh import device_slot, rank_id_of
 from parallel.plan.serial import ResolvedPlan
 from trainer.config.schema import RunConfig
-from trainer.launch.rendezvous import WORKER_STORE_TIMEOUT, is_loopback_run, worker_store
+from trainer.launch.rendezvous import WORKER_STORE_TIMEOUT, worker_store
 from trainer.run.metrics import NullProgress, Progress
 from trainer.tracking.relay import RelayAddress, RelayTracker
 from trainer.tracking.tracker import NullTracker, Tracker
@@ -63,11 +63,9 @@ def worker_main(config_path: str, relay: RelayAddress | None, pictures_dir: str 
     device = resolve_device(cfg.device, device_index)
     torch.set_num_threads(1)  # several CPU workers share few cores; more threads only contend
     timeout = WORKER_STORE_TIMEOUT
-    # the store on MASTER_ADDR:MASTER_PORT: the launcher's (one host) or torch rank 0's; ranks in node order
-    loopback = is_loopback_run(cfg)
-    store = worker_store(torch_rank == 0, timeout, loopback=loopback) if loopback or cfg.launch.nnodes > 1 else None
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, store=store,
-                            rank=rank if store else -1, world_size=int(os.environ["WORLD_SIZE"]) if store else -1)
+    # the store the launcher serves (trainer.launch.rendezvous); the group's ranks in node order
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                            store=worker_store(timeout), rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     try:
         is_main = rank == 0
         workers: list[Any] = [None] * dist.get_world_size()  # each rank's (pid, where), once gathered
