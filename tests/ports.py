@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOWEST = 10_000  # below: ports services are often configured on
+LOWEST = 20_000  # below: ports services take by default (Ray's workers 10002-19999)
 
 
 def ephemeral_range() -> tuple[int, int]:
