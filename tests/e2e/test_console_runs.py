@@ -30,10 +30,11 @@ def _train(cfg, progress):
     return train(cfg, tracker=NullTracker(), progress=progress)
 
 
-def test_the_summary_reports_what_the_step_lines_do(compose, capsys):
+def test_the_summary_reports_what_the_step_lines_do(compose, capsys, tmp_path, monkeypatch):
     """The summary's last-window numbers are the last step line's (mean loss, tokens / window time);
     its whole-run tokens/s is tokens over the steps after the first / their time. And a second job in
     the same process measures its own peak memory (it read 0-1 MiB when the mark was process-wide)."""
+    monkeypatch.chdir(tmp_path)  # the jobs' final checkpoints go to ./checkpoints: here, not the checkout
     cfg = compose("tracking=none", *TINY, "train.steps=6", "train.log_every=4")
     result = _train(cfg, Progress(live=False))
     printed = capsys.readouterr().out.splitlines()
