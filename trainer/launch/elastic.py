@@ -14,7 +14,6 @@ or the node and how it ended.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import tempfile
 from pathlib import Path
@@ -53,10 +52,6 @@ def launch_workers(cfg: RunConfig, relay: RelayAddress | None, log_dir: Path, rd
     logs (the launcher's tracker, :mod:`trainer.tracking.relay`); None: nothing is logged. ``plan``: the config's,
     as the launcher resolved it (priced here for rank 0 to report, and written for the workers to read;
     without it each worker resolves its own)."""
-    # With the rendezvous store shared into the workers (torch's default), a restarted round
-    # reuses that store and the workers' process sub-groups read the dead round's addresses
-    # (gloo: "connectFullMesh ... Connection refused"). A fresh worker store per round avoids it.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launch_config = _launch_config(cfg, log_dir, rdzv_id)
     _say_what_starts(cfg, log_dir, rdzv_id)
     with tempfile.TemporaryDirectory(prefix="meshflow-") as tmp:

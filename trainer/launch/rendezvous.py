@@ -149,6 +149,10 @@ def register_rendezvous(loopback: bool) -> str:
 
     name, creator = (BACKEND, _create_handler) if loopback else (HOSTS_BACKEND, _create_hosts_handler)
     rendezvous_handler_registry.register(name, creator)  # again with the same creator: a no-op
+    # torch's handler would otherwise serve a store of its own for the workers (on every interface, and shared
+    # by the rounds: a restarted round's sub-groups read the dead round's addresses, gloo's "connectFullMesh ...
+    # Connection refused"); :class:`WorkerStoreServer` serves theirs, a fresh one per round
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the spawned workers inherit it
     return name
